@@ -1,0 +1,78 @@
+// Typed errors and the check macros for every foreign API.
+//
+// Contract: broken invariants and failed system/library calls throw megacpp::Error,
+// categorised by ErrorKind so the supervisor can map a failure dump to a typed reason.
+// Expected conditions (a timeout, EAGAIN, a full ring) are never thrown: the APIs that
+// can meet them return a value saying so.
+#pragma once
+
+#include <cerrno>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace megacpp {
+
+enum class ErrorKind {
+  kInvalidArgument,  // bad user input: CLI flag, recipe, run directory
+  kSystem,           // a failed syscall (errno recorded)
+  kZmq,              // a failed ZeroMQ call
+  kProtocol,         // a malformed or unexpected message
+  kCorruption,       // a checksum or format violation in durable data
+  kTimeout,          // a deadline that is an invariant (not an expected poll timeout)
+  kPeerFailure,      // another process failed and this one cannot go on
+  kInternal,         // a bug
+};
+
+std::string_view to_string(ErrorKind kind);
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorKind kind, std::string message, const char* file = "", int line = 0, int sys_errno = 0);
+  ErrorKind kind() const noexcept { return kind_; }
+  const std::string& file() const noexcept { return file_; }
+  int line() const noexcept { return line_; }
+  int sys_errno() const noexcept { return errno_; }
+
+ private:
+  ErrorKind kind_;
+  std::string file_;
+  int line_;
+  int errno_;
+};
+
+namespace detail {
+[[noreturn]] void throw_syscall(const char* expr, int err, const char* file, int line);
+[[noreturn]] void throw_zmq(const char* expr, int err, const char* file, int line);
+[[noreturn]] void throw_check(ErrorKind kind, const char* expr, const std::string& msg,
+                              const char* file, int line);
+}  // namespace detail
+
+}  // namespace megacpp
+
+// Evaluates `expr` (retrying on EINTR) and throws Error{kSystem} naming the expression,
+// file and line if it returned -1. Yields the expression's value.
+#define SYSCALL_CHECK(expr)                                                 \
+  ({                                                                        \
+    auto megacpp_r_ = (expr);                                               \
+    while (megacpp_r_ == -1 && errno == EINTR) megacpp_r_ = (expr);         \
+    if (megacpp_r_ == -1)                                                   \
+      ::megacpp::detail::throw_syscall(#expr, errno, __FILE__, __LINE__);   \
+    megacpp_r_;                                                             \
+  })
+
+// Same for libzmq's C API (which reports through zmq_errno and returns -1).
+#define ZMQ_CHECK(expr)                                                     \
+  ({                                                                        \
+    auto megacpp_r_ = (expr);                                               \
+    while (megacpp_r_ == -1 && zmq_errno() == EINTR) megacpp_r_ = (expr);   \
+    if (megacpp_r_ == -1)                                                   \
+      ::megacpp::detail::throw_zmq(#expr, zmq_errno(), __FILE__, __LINE__); \
+    megacpp_r_;                                                             \
+  })
+
+// An invariant: throws Error{kind} with the expression text and message when false.
+#define MEGACPP_CHECK(cond, kind, msg)                                                 \
+  do {                                                                                 \
+    if (!(cond)) ::megacpp::detail::throw_check((kind), #cond, (msg), __FILE__, __LINE__); \
+  } while (0)

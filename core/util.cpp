@@ -1,0 +1,131 @@
+#include "core/util.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <mutex>
+
+#include <xxhash.h>
+
+#include "core/error.h"
+
+namespace megacpp {
+
+namespace {
+int64_t clock_ns(clockid_t id) {
+  timespec ts{};
+  clock_gettime(id, &ts);
+  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
+}
+std::string& log_prefix() {
+  static std::string prefix = "megacpp";
+  return prefix;
+}
+}  // namespace
+
+int64_t mono_ns() { return clock_ns(CLOCK_MONOTONIC); }
+int64_t wall_ns() { return clock_ns(CLOCK_REALTIME); }
+
+std::string rfc3339(int64_t ns) {
+  time_t secs = ns / 1'000'000'000;
+  int ms = static_cast<int>((ns / 1'000'000) % 1000);
+  tm t{};
+  gmtime_r(&secs, &t);
+  char buf[40];
+  strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%S", &t);
+  return fmt::format("{}.{:03d}Z", buf, ms);
+}
+
+std::optional<std::string> env_knob(std::string_view name) {
+  MEGACPP_CHECK(name.starts_with("MEGACPP_"), ErrorKind::kInternal,
+                fmt::format("environment knob {} must be named MEGACPP_*", name));
+  const char* v = std::getenv(std::string(name).c_str());
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+int64_t env_knob_int(std::string_view name, int64_t fallback) {
+  auto v = env_knob(name);
+  if (!v) return fallback;
+  try {
+    return std::stoll(*v);
+  } catch (const std::exception&) {
+    throw Error(ErrorKind::kInvalidArgument, fmt::format("{}={} is not an integer", name, *v));
+  }
+}
+
+double env_knob_double(std::string_view name, double fallback) {
+  auto v = env_knob(name);
+  if (!v) return fallback;
+  try {
+    return std::stod(*v);
+  } catch (const std::exception&) {
+    throw Error(ErrorKind::kInvalidArgument, fmt::format("{}={} is not a number", name, *v));
+  }
+}
+
+void fsync_path(const std::filesystem::path& path) {
+  int fd = SYSCALL_CHECK(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  int rc = ::fsync(fd);
+  int err = errno;
+  ::close(fd);
+  if (rc != 0) detail::throw_syscall("fsync", err, __FILE__, __LINE__);
+}
+
+void write_file_atomic(const std::filesystem::path& path, std::string_view bytes) {
+  auto tmp = path;
+  tmp += fmt::format(".tmp.{}", ::getpid());
+  int fd = SYSCALL_CHECK(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  size_t off = 0;
+  try {
+    while (off < bytes.size()) {
+      ssize_t n = SYSCALL_CHECK(::write(fd, bytes.data() + off, bytes.size() - off));
+      off += static_cast<size_t>(n);
+    }
+    SYSCALL_CHECK(::fsync(fd));
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  ::close(fd);
+  SYSCALL_CHECK(::rename(tmp.c_str(), path.c_str()));
+  fsync_path(path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path());
+}
+
+std::string read_file(const std::filesystem::path& path) {
+  int fd = SYSCALL_CHECK(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  std::string out;
+  char buf[1 << 16];
+  for (;;) {
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      int err = errno;
+      ::close(fd);
+      detail::throw_syscall("read", err, __FILE__, __LINE__);
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return out;
+}
+
+std::string xxh3_hex(std::string_view bytes) {
+  return fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size()));
+}
+
+void set_log_prefix(std::string prefix) { log_prefix() = std::move(prefix); }
+
+void log_line(std::string_view level, std::string_view text) {
+  static std::mutex mu;
+  std::lock_guard lock(mu);
+  fmt::print(stderr, "{} [{}] {}: {}\n", rfc3339(wall_ns()), log_prefix(), level, text);
+  std::fflush(stderr);
+}
+
+}  // namespace megacpp

@@ -1,0 +1,47 @@
+// Small process-wide utilities: clocks, environment knobs, durable file writes, logging.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include <fmt/format.h>
+
+namespace megacpp {
+
+// CLOCK_MONOTONIC nanoseconds: comparable across processes on one host (first-failure order).
+int64_t mono_ns();
+// CLOCK_REALTIME nanoseconds since the epoch.
+int64_t wall_ns();
+// RFC 3339 UTC text with milliseconds for a wall_ns() value.
+std::string rfc3339(int64_t wall_ns);
+
+// The one way to read an environment knob. `name` must start with "MEGACPP_" (checked):
+// every knob the project reads is greppable by that prefix and lands in provenance.
+std::optional<std::string> env_knob(std::string_view name);
+int64_t env_knob_int(std::string_view name, int64_t fallback);
+double env_knob_double(std::string_view name, double fallback);
+
+// Durable writes. write_file_atomic: write `path.tmp.<pid>`, fsync, rename over `path`,
+// fsync the parent directory. A crash leaves either the old file or the new one.
+void write_file_atomic(const std::filesystem::path& path, std::string_view bytes);
+void fsync_path(const std::filesystem::path& path);  // file or directory
+std::string read_file(const std::filesystem::path& path);
+
+// Hex text of XXH3-64 over bytes (checksums in manifests).
+std::string xxh3_hex(std::string_view bytes);
+
+// Log lines go to stderr (a stage's stderr is its log file) with a prefix naming the
+// process, e.g. "[trainer-1] ...". set_log_prefix is called once in main.
+void set_log_prefix(std::string prefix);
+void log_line(std::string_view level, std::string_view text);
+template <typename... A>
+void log_info(fmt::format_string<A...> f, A&&... a) { log_line("info", fmt::format(f, std::forward<A>(a)...)); }
+template <typename... A>
+void log_warn(fmt::format_string<A...> f, A&&... a) { log_line("warn", fmt::format(f, std::forward<A>(a)...)); }
+template <typename... A>
+void log_error(fmt::format_string<A...> f, A&&... a) { log_line("error", fmt::format(f, std::forward<A>(a)...)); }
+
+}  // namespace megacpp

@@ -1,0 +1,21 @@
+@0xed9c9014950d38b7;
+# RUN/checkpoints/step_NNNNNNNN/checkpoint.json.
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("megacpp::schema");
+
+struct CheckpointFile {
+  name @0 :Text;
+  bytes @1 :UInt64;
+  xxh3 @2 :Text;
+  tensors @3 :UInt32;
+}
+
+struct CheckpointManifest {
+  schemaVersion @0 :UInt32;
+  runId @1 :Text;
+  step @2 :UInt32;
+  world @3 :UInt32;
+  createdAt @4 :Text;
+  recipeHash @5 :Text;
+  files @6 :List(CheckpointFile);
+}

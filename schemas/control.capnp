@@ -1,0 +1,75 @@
+@0xe7b1ed8d2a503d48;
+# Control-plane messages (ZeroMQ, one Cap'n Proto message per frame).
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("megacpp::schema");
+using Common = import "common.capnp";
+
+struct Hello {
+  stage @0 :Common.StageKind;
+  rank @1 :UInt32;
+  pid @2 :Int32;
+  generation @3 :UInt32;
+}
+
+struct Heartbeat {
+  stage @0 :Common.StageKind;
+  rank @1 :UInt32;
+  step @2 :UInt32;              # last completed step (trainer), batches produced (loader), ...
+  phase @3 :Common.Phase;
+  phaseStartedMonoNs @4 :Int64;
+  monoNs @5 :Int64;
+  tokens @6 :Float64;           # tokens processed so far (exact below 2^53)
+  loss @7 :Float32;             # last step's loss (trainer); NaN otherwise
+  stepSeconds @8 :Float64;      # last step's wall time (trainer)
+}
+
+struct Stop {
+  reason @0 :Text;
+}
+
+struct Failure {
+  stage @0 :Common.StageKind;
+  rank @1 :UInt32;
+  kind @2 :Text;
+  message @3 :Text;
+  phase @4 :Common.Phase;
+  step @5 :UInt32;
+}
+
+struct TensorEntry {
+  name @0 :Text;
+  dtype @1 :Text;               # safetensors dtype names: F32, F16, BF16, I64, ...
+  shape @2 :List(UInt64);
+  offset @3 :UInt64;            # byte offset in the staging region
+  bytes @4 :UInt64;
+}
+
+struct SnapshotReady {
+  rank @0 :UInt32;
+  world @1 :UInt32;
+  step @2 :UInt32;
+  region @3 :Text;              # shm name of the rank's staging region (registered once, leased)
+  regionBytes @4 :UInt64;
+  tensors @5 :List(TensorEntry);
+  final @6 :Bool;               # the end-of-training snapshot
+}
+
+struct SnapshotAck {
+  rank @0 :UInt32;
+  step @1 :UInt32;
+  ok @2 :Bool;                  # staging region may be reused
+  committed @3 :Bool;           # the step's checkpoint (all ranks) is committed
+  error @4 :Text;
+}
+
+struct ControlMessage {
+  schemaVersion @0 :UInt32;
+  union {
+    hello @1 :Hello;
+    heartbeat @2 :Heartbeat;
+    stop @3 :Stop;
+    failure @4 :Failure;
+    snapshotReady @5 :SnapshotReady;
+    snapshotAck @6 :SnapshotAck;
+  }
+}

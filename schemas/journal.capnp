@@ -1,0 +1,84 @@
+@0xc572b04758e48d15;
+# One record of a process's append-only journal (framed and checksummed by ipc::JournalWriter).
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("megacpp::schema");
+using Common = import "common.capnp";
+
+struct StepRecord {
+  step @0 :UInt32;              # 1-based step just completed
+  loss @1 :Float32;
+  tokens @2 :UInt32;            # tokens this rank consumed in the step
+  stepSeconds @3 :Float64;
+  waitSeconds @4 :Float64;      # time blocked on the ring
+  forwardSeconds @5 :Float64;
+  backwardSeconds @6 :Float64;
+  optimizerSeconds @7 :Float64; # all-reduce + update
+}
+
+struct CheckpointRecord {
+  step @0 :UInt32;
+  path @1 :Text;                # relative to the run directory
+  bytes @2 :UInt64;
+  seconds @3 :Float64;          # first snapshot received -> directory committed
+}
+
+struct ChildEvent {
+  stage @0 :Common.StageKind;
+  rank @1 :UInt32;
+  pid @2 :Int32;
+  exitCode @3 :Int32;           # -1 when signaled
+  signal @4 :Int32;             # 0 when exited
+}
+
+struct RunStarted {
+  world @0 :UInt32;
+  stepsPlanned @1 :UInt32;
+}
+
+struct RunFinished {
+  ok @0 :Bool;
+  reason @1 :Text;
+  kind @2 :Text;                # typed reason when not ok: exited, signaled, ...
+  stage @3 :Common.StageKind;
+  rank @4 :UInt32;
+}
+
+struct FirstForward {
+  seconds @0 :Float64;          # process start -> first forward done
+}
+
+struct JournalRecord {
+  schemaVersion @0 :UInt32;
+  monoNs @1 :Int64;
+  wallNs @2 :Int64;
+  stage @3 :Common.StageKind;
+  rank @4 :UInt32;
+  pid @5 :Int32;
+  union {
+    processStarted @6 :Void;
+    processFinished @7 :Void;
+    step @8 :StepRecord;
+    checkpointCommitted @9 :CheckpointRecord;
+    childStarted @10 :ChildEvent;
+    childExited @11 :ChildEvent;
+    runStarted @12 :RunStarted;
+    runFinished @13 :RunFinished;
+    firstForward @14 :FirstForward;
+  }
+}
+
+# RUN/failures/<stage>-<rank>.json: written by a process on its way down.
+struct FailureDump {
+  schemaVersion @0 :UInt32;
+  stage @1 :Common.StageKind;
+  rank @2 :UInt32;
+  pid @3 :Int32;
+  kind @4 :Text;                # exception | signal | ...
+  errorKind @5 :Text;           # megacpp::ErrorKind name when the exception was ours
+  message @6 :Text;
+  phase @7 :Common.Phase;
+  step @8 :UInt32;
+  monoNs @9 :Int64;
+  at @10 :Text;
+  backtrace @11 :List(Text);
+}

@@ -1,0 +1,32 @@
+#include "schemas/json.h"
+
+#include <capnp/compat/json.h>
+#include <kj/exception.h>
+
+#include "core/error.h"
+#include "core/util.h"
+
+namespace megacpp::schemas {
+
+std::string to_json(capnp::DynamicStruct::Reader root) {
+  capnp::JsonCodec codec;
+  codec.setPrettyPrint(true);
+  kj::String text = codec.encode(root);
+  std::string out(text.cStr(), text.size());
+  out.push_back('\n');
+  return out;
+}
+
+void from_json(std::string_view json, capnp::DynamicStruct::Builder root, std::string_view what) {
+  capnp::JsonCodec codec;
+  try {
+    codec.decode(kj::ArrayPtr<const char>(json.data(), json.size()), root);
+  } catch (const kj::Exception& e) {
+    throw Error(ErrorKind::kCorruption,
+                fmt::format("{}: not a valid document: {}", what, e.getDescription().cStr()));
+  }
+}
+
+std::string read_json_text(const std::filesystem::path& path) { return read_file(path); }
+
+}  // namespace megacpp::schemas

@@ -1,0 +1,90 @@
+@0xaaed8b688d2868f1;
+# The launch contract, RUN/launch.json: written once by the supervisor, read by every stage.
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("megacpp::schema");
+
+struct ModelSpec {
+  vocabSize @0 :UInt32;
+  seqLen @1 :UInt32;
+  dModel @2 :UInt32;
+  nLayers @3 :UInt32;
+  nHeads @4 :UInt32;
+  mlpMult @5 :UInt32;
+}
+
+struct TrainSpec {
+  batchSize @0 :UInt32;         # sequences per rank per step
+  lr @1 :Float64;
+  minLrRatio @2 :Float64;
+  warmupSteps @3 :UInt32;
+  weightDecay @4 :Float64;
+  beta1 @5 :Float64;
+  beta2 @6 :Float64;
+  gradClip @7 :Float64;
+  seed @8 :UInt32;
+  checkpointEvery @9 :UInt32;
+}
+
+struct DataSpec {
+  corpus @0 :Text;              # "builtin" or a shard directory
+  shardTokens @1 :UInt32;
+  shards @2 :UInt32;
+}
+
+struct RecipeSpec {
+  name @0 :Text;
+  path @1 :Text;
+  hash @2 :Text;                # xxh3 of the canonical expanded recipe
+  pattern @3 :Text;             # block-family pattern, e.g. "AA"
+  layers @4 :List(Text);        # the pattern expanded to one entry per layer
+  model @5 :ModelSpec;
+  train @6 :TrainSpec;
+  data @7 :DataSpec;
+}
+
+struct EnvVar {
+  name @0 :Text;
+  value @1 :Text;
+}
+
+struct FilesystemInfo {
+  path @0 :Text;
+  type @1 :Text;                # e.g. ext4, overlay, tmpfs
+  device @2 :Text;              # st_dev as major:minor
+  isRootVolume @3 :Bool;        # same device as "/"
+}
+
+struct Provenance {
+  version @0 :Text;
+  gitRevision @1 :Text;
+  gitDirty @2 :Bool;
+  buildType @3 :Text;
+  compiler @4 :Text;
+  hostname @5 :Text;
+  torchVersion @6 :Text;
+}
+
+struct LaunchContract {
+  schemaVersion @0 :UInt32;
+  runId @1 :Text;
+  generation @2 :UInt32;
+  createdAt @3 :Text;
+  runDir @4 :Text;              # absolute
+  dataDir @5 :Text;             # absolute; token shards live here
+  sockDir @6 :Text;             # short private 0700 directory for ipc:// endpoints
+  shmPrefix @7 :Text;           # every shm segment of this run starts with it
+  controlEndpoint @8 :Text;
+  checkpointEndpoint @9 :Text;
+  storeHost @10 :Text;
+  storePort @11 :UInt32;
+  world @12 :UInt32;
+  steps @13 :UInt32;
+  ringSlots @14 :UInt32;
+  ringSlotBytes @15 :UInt32;
+  heartbeatIntervalMs @16 :UInt32;
+  recipe @17 :RecipeSpec;
+  filesystem @18 :FilesystemInfo;
+  argv @19 :List(Text);
+  env @20 :List(EnvVar);
+  provenance @21 :Provenance;
+}

@@ -1,0 +1,89 @@
+@0xaad75c7143265e0e;
+# RUN/manifest.json and RUN/receipts/*.json: written only by the collector's fold.
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("megacpp::schema");
+using Common = import "common.capnp";
+
+enum RunState {
+  launched @0;
+  running @1;
+  ok @2;
+  error @3;
+  detached @4;
+  orphaned @5;
+}
+
+struct StageSnapshot {
+  stage @0 :Common.StageKind;
+  rank @1 :UInt32;
+  pid @2 :Int32;
+  state @3 :Text;               # started | finished | exited | signaled
+  exitCode @4 :Int32;
+  signal @5 :Int32;
+  lastStep @6 :UInt32;
+  lastRecordAt @7 :Text;
+}
+
+struct RunError {
+  kind @0 :Text;
+  stage @1 :Common.StageKind;
+  rank @2 :UInt32;
+  message @3 :Text;
+}
+
+struct JournalSummary {
+  name @0 :Text;
+  records @1 :UInt32;
+  tornBytes @2 :UInt32;         # bytes skipped as a torn or corrupt tail
+}
+
+struct Manifest {
+  schemaVersion @0 :UInt32;
+  runId @1 :Text;
+  recipe @2 :Text;
+  recipeHash @3 :Text;
+  world @4 :UInt32;
+  stepsPlanned @5 :UInt32;
+  stepsCompleted @6 :UInt32;
+  state @7 :RunState;
+  launchedAt @8 :Text;
+  runningAt @9 :Text;
+  completedAt @10 :Text;
+  lastPolledAt @11 :Text;       # time of the newest journal record folded
+  error @12 :RunError;
+  stages @13 :List(StageSnapshot);
+  latestCheckpoint @14 :Text;
+  latestCheckpointStep @15 :UInt32;
+  receipts @16 :List(Text);
+  journals @17 :List(JournalSummary);
+}
+
+struct BenchResult {
+  schemaVersion @0 :UInt32;
+  runId @1 :Text;
+  recipe @2 :Text;
+  recipeHash @3 :Text;
+  world @4 :UInt32;
+  steps @5 :UInt32;
+  tokens @6 :Float64;
+  firstLoss @7 :Float64;
+  lastLoss @8 :Float64;
+  wallSeconds @9 :Float64;      # first step start (rank 0) -> last step end
+  tokensPerSecond @10 :Float64;
+  meanStepSeconds @11 :Float64;
+}
+
+struct StepPoint {
+  step @0 :UInt32;
+  loss @1 :Float64;             # mean over ranks
+  stepSeconds @2 :Float64;      # max over ranks
+  waitSeconds @3 :Float64;      # max over ranks
+}
+
+struct BenchTelemetry {
+  schemaVersion @0 :UInt32;
+  runId @1 :Text;
+  steps @2 :List(StepPoint);
+  firstForwardSeconds @3 :List(Float64);  # per rank
+  telemetryTruncated @4 :Bool;
+}

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One-time, idempotent set-up: Debian packages and the LibTorch venv.
+#
+# Contract: safe to run any number of times; a second run with everything present
+# touches nothing and takes well under a second. The venv lives outside the clone,
+# keyed by the pinned torch version and the Python minor version, so a fresh clone on
+# a machine that already has it never downloads the multi-GB torch wheel again.
+# Writes .venv (a symlink to that venv) at the repository root.
+set -euo pipefail
+
+TORCH_VERSION="2.11.0"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+APT_PACKAGES=(
+  build-essential cmake ninja-build ccache pkg-config git
+  libzmq3-dev capnproto libcapnp-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libfmt-dev libxxhash-dev
+  libgloo-dev clang-format python3-venv
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PY="${MEGACPP_PYTHON:-python3}"
+PYVER="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+VENV_ROOT="${MEGACPP_VENV_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/megacpp}"
+VENV="$VENV_ROOT/venv-torch-$TORCH_VERSION-py$PYVER"
+
+if [ ! -f "$VENV/.megacpp-complete" ]; then
+  echo "setup: creating $VENV (torch==$TORCH_VERSION; the first time this downloads several GB)"
+  rm -rf "$VENV"
+  mkdir -p "$VENV_ROOT"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" safetensors numpy
+  "$VENV/bin/python" -c 'import torch, safetensors; print("setup: torch", torch.__version__)'
+  touch "$VENV/.megacpp-complete"
+fi
+
+ln -sfn "$VENV" "$ROOT/.venv"
