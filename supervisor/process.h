@@ -1,0 +1,27 @@
+// Child processes of the supervisor (internal). A Child is a launched stage process; the
+// supervisor learns of its exit through SIGCHLD on a signalfd, never by polling.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "schemas/common.capnp.h"
+
+namespace megacpp::supervisor::detail {
+
+// fork + exec of `argv` with stdout and stderr appended to `log`, the signal mask reset,
+// and PR_SET_PDEATHSIG(SIGKILL) so the child never outlives the supervisor.
+// Throws Error{kSystem} if the fork fails; an exec failure shows as exit code 127.
+pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& log);
+
+// Blocks SIGCHLD, SIGINT, SIGTERM in the calling thread and returns a signalfd for them.
+// The caller owns the fd. Children get the original mask back before exec.
+int block_signals_to_fd();
+
+std::filesystem::path self_exe_dir();
+
+}  // namespace megacpp::supervisor::detail

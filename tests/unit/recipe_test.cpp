@@ -1,0 +1,78 @@
+#include "recipes/recipe.h"
+
+#include <gtest/gtest.h>
+
+#include "core/error.h"
+
+namespace mc = megacpp;
+
+namespace {
+
+const char* kBase = R"(
+name = "t"
+pattern = "A"
+[model]
+vocab_size = 256
+seq_len = 32
+d_model = 64
+n_layers = 3
+n_heads = 4
+[train]
+batch_size = 2
+)";
+
+std::string expect_invalid(const std::string& text) {
+  try {
+    mc::recipe::parse(text, "x.toml");
+  } catch (const mc::Error& e) {
+    EXPECT_EQ(e.kind(), mc::ErrorKind::kInvalidArgument);
+    return e.what();
+  }
+  ADD_FAILURE() << "accepted: " << text;
+  return {};
+}
+
+}  // namespace
+
+TEST(Recipe, ParsesAndExpandsPattern) {
+  auto r = mc::recipe::parse(kBase, "x.toml");
+  EXPECT_EQ(r.name, "t");
+  EXPECT_EQ(r.model.seq_len, 32u);
+  EXPECT_EQ(r.layers, (std::vector<std::string>{"A", "A", "A"}));
+  EXPECT_EQ(r.hash.size(), 16u);
+  EXPECT_NE(mc::recipe::describe(r).find("3 layers"), std::string::npos);
+}
+
+TEST(Recipe, HashIgnoresPathButNotValues) {
+  auto a = mc::recipe::parse(kBase, "a.toml");
+  auto b = mc::recipe::parse(kBase, "elsewhere/b.toml");
+  EXPECT_EQ(a.hash, b.hash);
+  auto c = mc::recipe::parse(std::string(kBase) + "lr = 0.5\n", "a.toml");
+  EXPECT_NE(a.hash, c.hash);
+}
+
+TEST(Recipe, RulesAreNamed) {
+  EXPECT_NE(expect_invalid(std::string(kBase) + "bogus = 1\n").find("train.bogus: unknown key"), std::string::npos);
+  std::string bad_heads = kBase;
+  bad_heads.replace(bad_heads.find("n_heads = 4"), 11, "n_heads = 5");
+  EXPECT_NE(expect_invalid(bad_heads).find("model.n_heads: must divide model.d_model"), std::string::npos);
+  std::string zero_batch = kBase;
+  zero_batch.replace(zero_batch.find("batch_size = 2"), 14, "batch_size = 0");
+  EXPECT_NE(expect_invalid(zero_batch).find("zero-length work"), std::string::npos);
+  std::string moe = kBase;
+  moe.replace(moe.find("pattern = \"A\""), 13, "pattern = \"AE\"");
+  EXPECT_NE(expect_invalid(moe).find("block family A only"), std::string::npos);
+  EXPECT_NE(expect_invalid("name = [").find("x.toml:1"), std::string::npos);
+  std::string wrong_type = kBase;
+  wrong_type.replace(wrong_type.find("seq_len = 32"), 12, "seq_len = \"32\"");
+  EXPECT_NE(expect_invalid(wrong_type).find("model.seq_len"), std::string::npos);
+}
+
+TEST(Recipe, ResolveByNameAndPath) {
+  auto p = mc::recipe::resolve("tiny", MEGACPP_RECIPE_DIR);
+  EXPECT_TRUE(std::filesystem::exists(p));
+  auto r = mc::recipe::load(p);
+  EXPECT_EQ(r.name, "tiny");
+  EXPECT_THROW(mc::recipe::resolve("no-such-recipe", MEGACPP_RECIPE_DIR), mc::Error);
+  EXPECT_THROW(mc::recipe::resolve("/no/such/file.toml", MEGACPP_RECIPE_DIR), mc::Error);
+}
