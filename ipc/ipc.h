@@ -144,7 +144,8 @@ class Received {
   capnp::FlatArrayMessageReader reader_;
 };
 
-// ROUTER (bind) or DEALER (connect) socket. Linger is 0: closing never blocks.
+// ROUTER (bind) or DEALER (connect) socket. Linger is 0: closing never blocks. A ROUTER bound
+// to ipc://PATH removes its socket file when destroyed.
 // A DEALER's routing identity is `identity` (e.g. "trainer-1"); the ROUTER sees it as peer().
 class Channel {
  public:
@@ -164,6 +165,13 @@ class Channel {
   std::unique_ptr<Received> receive(Millis timeout);
   uint64_t malformed() const noexcept { return malformed_; }
 
+  // The endpoint actually bound or connected (ZMQ_LAST_ENDPOINT): resolves a wildcard port
+  // such as "tcp://127.0.0.1:*" to the port the kernel chose.
+  std::string endpoint() const;
+  // How long closing may wait to deliver queued messages (default 0). Used to flush a last
+  // message (a Failure) before a process exits; it bounds the context's termination.
+  void set_linger(Millis linger);
+
   // For zmq_poll together with other fds (the supervisor's signalfd).
   zmq_pollitem_t pollitem() const noexcept { return zmq_pollitem_t{socket_, 0, ZMQ_POLLIN, 0}; }
 
@@ -171,6 +179,11 @@ class Channel {
   void* socket_;
   Kind kind_;
   uint64_t malformed_ = 0;
+  // A bound ipc:// socket file, removed by the destructor (libzmq leaves it behind) unless
+  // another socket has been bound at the same path since (different inode).
+  std::string ipc_path_;
+  uint64_t ipc_dev_ = 0;
+  uint64_t ipc_ino_ = 0;
 };
 
 // Builds a ControlMessage with schemaVersion set; fill the union via root().
@@ -260,6 +273,9 @@ class JournalReader {
   using Visitor = std::function<void(schema::JournalRecord::Reader)>;
   uint64_t poll(const Visitor& fn);  // returns records delivered by this call
   void finish();
+  // As finish(), but first resynchronises inside the remaining tail and delivers any intact
+  // records found after a torn frame (a restarted writer appends after a torn tail).
+  uint64_t finish(const Visitor& fn);
   const JournalStats& stats() const noexcept { return stats_; }
 
   // Reads a whole file (poll + finish).
@@ -270,6 +286,9 @@ class JournalReader {
   uint64_t offset_ = 0;  // file offset of the first unconsumed byte
   std::string pending_;  // bytes read but not yet consumed
   JournalStats stats_;
+  bool resyncing_ = false;  // inside a run of bad bytes (counted as one corrupt frame)
+
+  uint64_t parse(const Visitor& fn, bool final);
 };
 
 }  // namespace megacpp::ipc

@@ -1,0 +1,202 @@
+// ops bench: RMSNorm forward against its physical peer, a plain copy of the same bytes, in one
+// invocation. Both move rows*cols*4 bytes in and as many out (w is cols floats, negligible), so
+// effective GB/s = 2 * bytes / time and the ratio rmsnorm / peer says how close the op runs to
+// the memory system's copy bandwidth (1.0 = as fast as a copy).
+//   CPU:  rmsnorm_cpu vs std::memcpy, wall clock.
+//   CUDA: rmsnorm_cuda vs cudaMemcpy device-to-device, cudaEvent timing on one stream.
+// Without a CUDA build or device the CUDA half prints why and the exit status stays 0.
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include "core/error.h"
+#include "ops/ops.h"
+
+#if defined(MEGACPP_HAVE_CUDA) && MEGACPP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "ops/cuda_check.h"
+#endif
+
+namespace ops = megacpp::ops;
+
+namespace {
+
+struct Config {
+  int64_t rows = 4096;
+  int64_t cols = 4096;
+  int iters = 20;
+  int warmup = 3;
+  float eps = 1e-6f;
+};
+
+double gbps(double bytes, double ms) {
+  return bytes / (ms * 1e-3) / 1e9;
+}
+
+void report(const char* side, const char* op, double op_ms, const char* peer, double peer_ms,
+            double bytes) {
+  fmt::print(
+      "{:<4}  {:<12} {:9.4f} ms {:8.2f} GB/s | {:<18} {:9.4f} ms {:8.2f} GB/s | ratio {:.3f}\n",
+      side, op, op_ms, gbps(bytes, op_ms), peer, peer_ms, gbps(bytes, peer_ms), peer_ms / op_ms);
+}
+
+template <typename F>
+double cpu_ms_per_iter(const Config& cfg, F&& f) {
+  for (int i = 0; i < cfg.warmup; ++i) f();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < cfg.iters; ++i) f();
+  const std::chrono::duration<double, std::milli> dt = std::chrono::steady_clock::now() - t0;
+  return dt.count() / cfg.iters;
+}
+
+void bench_cpu(const Config& cfg, const std::vector<float>& x, const std::vector<float>& w,
+               std::vector<float>& y) {
+  const auto n = static_cast<size_t>(cfg.rows * cfg.cols);
+  const double bytes = 2.0 * double(n) * sizeof(float);
+  std::vector<float> copy(n);
+  const double op_ms = cpu_ms_per_iter(
+      cfg, [&] { ops::rmsnorm_cpu(x.data(), w.data(), y.data(), cfg.rows, cfg.cols, cfg.eps); });
+  const double peer_ms =
+      cpu_ms_per_iter(cfg, [&] { std::memcpy(copy.data(), x.data(), n * sizeof(float)); });
+  if (copy[n - 1] != x[n - 1]) throw std::runtime_error("memcpy peer produced wrong data");
+  report("cpu", "rmsnorm_cpu", op_ms, "memcpy", peer_ms, bytes);
+}
+
+#if defined(MEGACPP_HAVE_CUDA) && MEGACPP_HAVE_CUDA
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) { CUDA_CHECK(cudaMalloc(&p_, bytes)); }
+  ~DeviceBuffer() { (void)cudaFree(p_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&&) = delete;
+  DeviceBuffer& operator=(DeviceBuffer&&) = delete;
+  float* get() const { return static_cast<float*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+};
+
+class Event {
+ public:
+  Event() { CUDA_CHECK(cudaEventCreate(&e_)); }
+  ~Event() { (void)cudaEventDestroy(e_); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  Event(Event&&) = delete;
+  Event& operator=(Event&&) = delete;
+  cudaEvent_t get() const { return e_; }
+
+ private:
+  cudaEvent_t e_ = nullptr;
+};
+
+class Stream {
+ public:
+  Stream() { CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  ~Stream() { (void)cudaStreamDestroy(s_); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  Stream(Stream&&) = delete;
+  Stream& operator=(Stream&&) = delete;
+  cudaStream_t get() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+template <typename F>
+double gpu_ms_per_iter(const Config& cfg, const Stream& stream, F&& f) {
+  for (int i = 0; i < cfg.warmup; ++i) f();
+  Event start, stop;
+  CUDA_CHECK(cudaEventRecord(start.get(), stream.get()));
+  for (int i = 0; i < cfg.iters; ++i) f();
+  CUDA_CHECK(cudaEventRecord(stop.get(), stream.get()));
+  CUDA_CHECK(cudaEventSynchronize(stop.get()));
+  float ms = 0.f;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+  return double(ms) / cfg.iters;
+}
+
+void bench_cuda(const Config& cfg, const std::vector<float>& x, const std::vector<float>& w,
+                const std::vector<float>& y_cpu) {
+  const auto n = static_cast<size_t>(cfg.rows * cfg.cols);
+  const size_t bytes = n * sizeof(float);
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  fmt::print("cuda: device 0: {}\n", prop.name);
+
+  DeviceBuffer dx(bytes), dy(bytes), dcopy(bytes), dw(w.size() * sizeof(float));
+  CUDA_CHECK(cudaMemcpy(dx.get(), x.data(), bytes, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dw.get(), w.data(), w.size() * sizeof(float), cudaMemcpyHostToDevice));
+  Stream stream;
+  const double op_ms = gpu_ms_per_iter(cfg, stream, [&] {
+    ops::rmsnorm_cuda(dx.get(), dw.get(), dy.get(), cfg.rows, cfg.cols, cfg.eps, stream.get());
+  });
+  const double peer_ms = gpu_ms_per_iter(cfg, stream, [&] {
+    CUDA_CHECK(
+        cudaMemcpyAsync(dcopy.get(), dx.get(), bytes, cudaMemcpyDeviceToDevice, stream.get()));
+  });
+  report("cuda", "rmsnorm_cuda", op_ms, "cudaMemcpy D2D", peer_ms, 2.0 * double(bytes));
+
+  // A bench that is fast but wrong is worthless: compare with the CPU reference once.
+  std::vector<float> y(n);
+  CUDA_CHECK(cudaMemcpy(y.data(), dy.get(), bytes, cudaMemcpyDeviceToHost));
+  double max_rel = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (y_cpu[i] != 0.f) {
+      max_rel = std::max(max_rel, std::abs(double(y[i]) - y_cpu[i]) / std::abs(double(y_cpu[i])));
+    } else if (y[i] != 0.f) {
+      max_rel = INFINITY;
+    }
+  }
+  fmt::print("cuda: max relative difference to rmsnorm_cpu: {:.3g}{}\n", max_rel,
+             max_rel <= 1e-5 ? "" : "  (ABOVE 1e-5)");
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config cfg;
+  CLI::App app{"RMSNorm forward vs a copy of the same bytes (CPU: memcpy, GPU: cudaMemcpy D2D)"};
+  app.add_option("--rows", cfg.rows, "rows")->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
+  app.add_option("--cols", cfg.cols, "columns")->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
+  app.add_option("--iters", cfg.iters, "timed iterations per side")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--warmup", cfg.warmup, "untimed iterations first")->check(CLI::Range(0, 1 << 20));
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    const auto n = static_cast<size_t>(cfg.rows * cfg.cols);
+    fmt::print(
+        "ops_bench rmsnorm rows={} cols={} iters={} ({:.1f} MB moved per call: x in, y out)\n",
+        cfg.rows, cfg.cols, cfg.iters, 2.0 * double(n) * sizeof(float) / 1e6);
+    std::mt19937 gen(1);
+    std::uniform_real_distribution<float> dist(-3.f, 3.f);
+    std::vector<float> x(n), w(static_cast<size_t>(cfg.cols)), y(n);
+    for (auto& v : x) v = dist(gen);
+    for (auto& v : w) v = dist(gen);
+    bench_cpu(cfg, x, w, y);
+#if defined(MEGACPP_HAVE_CUDA) && MEGACPP_HAVE_CUDA
+    if (ops::cuda_device_count() == 0) {
+      fmt::print("cuda: skipped: no CUDA device (cuda_device_count()==0)\n");
+    } else {
+      bench_cuda(cfg, x, w, y);
+    }
+#else
+    fmt::print("cuda: skipped: built without CUDA\n");
+#endif
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ops_bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

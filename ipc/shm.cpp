@@ -1,0 +1,112 @@
+#include <fcntl.h>
+#include <limits.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <system_error>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "ipc/ipc.h"
+#include "ipc/ipc_internal.h"
+
+namespace megacpp::ipc {
+
+namespace {
+
+constexpr const char* kShmDir = "/dev/shm";
+
+void check_name(const std::string& name) {
+  MEGACPP_CHECK(name.size() >= 2 && name.size() <= NAME_MAX && name[0] == '/' &&
+                    name.find('/', 1) == std::string::npos,
+                ErrorKind::kInvalidArgument,
+                fmt::format("shm name '{}' must be '/' followed by 1..{} characters without '/'",
+                            name, NAME_MAX - 1));
+}
+
+std::byte* map_fd(int fd, size_t bytes) {
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) megacpp::detail::throw_syscall("mmap", errno, __FILE__, __LINE__);
+  return static_cast<std::byte*>(p);
+}
+
+}  // namespace
+
+ShmRegion::ShmRegion(Create, std::string name, size_t bytes) : name_(std::move(name)) {
+  check_name(name_);
+  MEGACPP_CHECK(bytes > 0, ErrorKind::kInvalidArgument,
+                fmt::format("shm segment {} must not be empty", name_));
+  // A segment left by a crashed run of the same name is replaced, never reused: its
+  // contents (ring counters, staged tensors) belong to a dead generation.
+  if (::shm_unlink(name_.c_str()) != 0 && errno != ENOENT) {
+    megacpp::detail::throw_syscall("shm_unlink(stale)", errno, __FILE__, __LINE__);
+  }
+  detail::Fd fd(SYSCALL_CHECK(::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)));
+  try {
+    SYSCALL_CHECK(::ftruncate(fd.get(), static_cast<off_t>(bytes)));
+    // Reserve the pages now: a full /dev/shm then fails here with ENOSPC instead of
+    // delivering SIGBUS on first touch in some other process.
+    int rc = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes));
+    if (rc != 0 && rc != EOPNOTSUPP && rc != ENOSYS && rc != EINVAL) {
+      megacpp::detail::throw_syscall("posix_fallocate", rc, __FILE__, __LINE__);
+    }
+    data_ = map_fd(fd.get(), bytes);
+  } catch (...) {
+    ::shm_unlink(name_.c_str());
+    throw;
+  }
+  size_ = bytes;
+  owner_ = true;
+}
+
+ShmRegion::ShmRegion(Attach, std::string name) : name_(std::move(name)) {
+  check_name(name_);
+  detail::Fd fd(SYSCALL_CHECK(::shm_open(name_.c_str(), O_RDWR, 0)));
+  struct stat st {};
+  SYSCALL_CHECK(::fstat(fd.get(), &st));
+  MEGACPP_CHECK(st.st_size > 0, ErrorKind::kCorruption,
+                fmt::format("shm segment {} is empty (creator not finished?)", name_));
+  size_ = static_cast<size_t>(st.st_size);
+  data_ = map_fd(fd.get(), size_);
+  owner_ = false;
+}
+
+ShmRegion::~ShmRegion() {
+  if (data_ != nullptr) ::munmap(data_, size_);
+  // ENOENT here means someone (unlink_shm, a supervisor cleanup) removed it already.
+  if (owner_) ::shm_unlink(name_.c_str());
+}
+
+std::vector<std::string> list_shm(std::string_view prefix) {
+  MEGACPP_CHECK(!prefix.empty() && prefix[0] == '/', ErrorKind::kInvalidArgument,
+                fmt::format("shm prefix '{}' must start with '/'", prefix));
+  std::vector<std::string> out;
+  std::error_code ec;
+  std::filesystem::directory_iterator it(kShmDir, ec), end;
+  if (ec) return out;  // no /dev/shm: nothing can be live
+  for (; it != end; it.increment(ec)) {
+    if (ec) break;
+    std::string name = "/" + it->path().filename().string();
+    if (name.starts_with(prefix)) out.push_back(std::move(name));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+size_t unlink_shm(std::string_view prefix) {
+  size_t removed = 0;
+  for (const auto& name : list_shm(prefix)) {
+    if (::shm_unlink(name.c_str()) == 0) {
+      ++removed;
+    } else if (errno != ENOENT) {  // ENOENT: its owner unlinked it concurrently
+      megacpp::detail::throw_syscall("shm_unlink", errno, __FILE__, __LINE__);
+    }
+  }
+  return removed;
+}
+
+}  // namespace megacpp::ipc

@@ -1,0 +1,30 @@
+// Numeric kernels. Each op has a CPU reference and, in builds with the CUDA toolkit, a CUDA
+// version with the same signature apart from the trailing stream; the two are tested against
+// each other. Raw pointers only: this header needs neither torch nor the CUDA headers.
+#pragma once
+
+#include <cstdint>
+
+namespace megacpp::ops {
+
+// RMSNorm forward over the rows of a row-major [rows, cols] float32 matrix:
+//   y[r, c] = x[r, c] / sqrt(mean_c(x[r, :]^2) + eps) * (w ? w[c] : 1)
+// `w` (cols elements) may be null. `y` may alias `x` exactly (in place); no other overlap.
+// Throws Error{kInvalidArgument} for rows < 0, cols < 1, or null x/y with rows > 0.
+// The CPU reference accumulates the sum of squares in double.
+void rmsnorm_cpu(const float* x, const float* w, float* y, int64_t rows, int64_t cols, float eps);
+
+// Number of CUDA devices visible to this process; 0 when there is no driver or no device, or
+// when built without CUDA. Never throws.
+int cuda_device_count();
+
+#if defined(MEGACPP_HAVE_CUDA) && MEGACPP_HAVE_CUDA
+// The same op on the GPU. x, w, y are device pointers on the current device; `stream` is a
+// cudaStream_t (nullptr: the legacy default stream). Asynchronous: returns after the launch,
+// so errors raised while the kernel runs surface at the next synchronising CUDA call.
+// Throws Error{kInvalidArgument} as rmsnorm_cpu, Error{kSystem} when the launch fails.
+void rmsnorm_cuda(const float* x, const float* w, float* y, int64_t rows, int64_t cols, float eps,
+                  void* stream);
+#endif
+
+}  // namespace megacpp::ops

@@ -1,0 +1,282 @@
+// ops: the CPU reference against a double-precision naive RMSNorm, and the CUDA kernel against
+// the CPU reference. The OpsCuda.* cases carry the ctest label "gpu" and skip with the reason
+// when the build has no CUDA or the host has no device.
+#include "ops/ops.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+
+#if defined(MEGACPP_HAVE_CUDA) && MEGACPP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "ops/cuda_check.h"
+#define OPS_TEST_HAVE_CUDA 1
+#else
+#define OPS_TEST_HAVE_CUDA 0
+#endif
+
+namespace mc = megacpp;
+namespace ops = megacpp::ops;
+
+namespace {
+
+constexpr double kRelTol = 1e-5;
+
+struct Shape {
+  int64_t rows;
+  int64_t cols;
+};
+
+// cols not a multiple of 32 (or of 4) exercise the tails; 4096 x 16 the vectorised path.
+const std::vector<Shape> kShapes = {{1, 1},    {1, 7},     {3, 31},   {4, 32},
+                                    {5, 33},   {2, 100},   {7, 255},  {8, 1024},
+                                    {3, 4097}, {16, 4096}, {300, 24}, {2, 12288}};
+
+std::vector<float> random_vector(size_t n, float lo, float hi, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (auto& e : v) e = dist(gen);
+  return v;
+}
+
+std::vector<double> naive_rmsnorm(const std::vector<float>& x, const float* w, int64_t rows,
+                                  int64_t cols, double eps) {
+  std::vector<double> y(x.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    double sum_sq = 0;
+    for (int64_t c = 0; c < cols; ++c) sum_sq += double(x[r * cols + c]) * x[r * cols + c];
+    const double rms = std::sqrt(sum_sq / double(cols) + eps);
+    for (int64_t c = 0; c < cols; ++c) {
+      y[r * cols + c] = double(x[r * cols + c]) / rms * (w != nullptr ? double(w[c]) : 1.0);
+    }
+  }
+  return y;
+}
+
+// Element-wise relative comparison; every output element is a product of an input with
+// factors, so its rounding error is relative to itself (exact zeros compare exactly).
+template <typename Ref>
+void expect_close(const std::vector<float>& got, const std::vector<Ref>& want,
+                  const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  size_t bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double diff = std::abs(double(got[i]) - double(want[i]));
+    if (!(diff <= kRelTol * std::abs(double(want[i])))) {
+      if (++bad <= 5) {
+        ADD_FAILURE() << what << ": element " << i << " got " << got[i] << " want " << want[i];
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0u) << what;
+}
+
+std::string describe(const Shape& s, bool weighted, float eps) {
+  return "rows=" + std::to_string(s.rows) + " cols=" + std::to_string(s.cols) +
+         (weighted ? " w" : " no-w") + " eps=" + std::to_string(eps);
+}
+
+void expect_invalid(const std::function<void()>& call) {
+  try {
+    call();
+    ADD_FAILURE() << "accepted invalid arguments";
+  } catch (const mc::Error& e) {
+    EXPECT_EQ(e.kind(), mc::ErrorKind::kInvalidArgument) << e.what();
+  }
+}
+
+}  // namespace
+
+TEST(OpsCpu, RmsnormMatchesDoubleNaive) {
+  uint32_t seed = 1;
+  for (const auto& shape : kShapes) {
+    for (bool weighted : {false, true}) {
+      for (float eps : {1e-6f, 1e-2f}) {
+        const auto n = static_cast<size_t>(shape.rows * shape.cols);
+        const auto x = random_vector(n, -3.f, 3.f, seed++);
+        const auto w = random_vector(static_cast<size_t>(shape.cols), -2.f, 2.f, seed++);
+        const float* wp = weighted ? w.data() : nullptr;
+        std::vector<float> y(n, -1.f);
+        ops::rmsnorm_cpu(x.data(), wp, y.data(), shape.rows, shape.cols, eps);
+        expect_close(y, naive_rmsnorm(x, wp, shape.rows, shape.cols, eps),
+                     describe(shape, weighted, eps));
+      }
+    }
+  }
+}
+
+TEST(OpsCpu, RmsnormWideDynamicRange) {
+  // Rows whose values span many orders of magnitude: the output keeps relative accuracy.
+  const int64_t rows = 4, cols = 77;
+  std::vector<float> x(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    x[i] = std::ldexp(1.f + 0.01f * float(i % 13), int(i % 41) - 20) * (i % 2 ? -1.f : 1.f);
+  }
+  std::vector<float> y(x.size());
+  ops::rmsnorm_cpu(x.data(), nullptr, y.data(), rows, cols, 1e-6f);
+  expect_close(y, naive_rmsnorm(x, nullptr, rows, cols, 1e-6), "wide range");
+}
+
+TEST(OpsCpu, RmsnormZeroRowIsZeroAndInPlaceWorks) {
+  const int64_t rows = 3, cols = 45;
+  auto x = random_vector(rows * cols, -1.f, 1.f, 99);
+  for (int64_t c = 0; c < cols; ++c) x[cols + c] = 0.f;  // row 1: all zeros
+  const auto want = naive_rmsnorm(x, nullptr, rows, cols, 1e-5);
+  ops::rmsnorm_cpu(x.data(), nullptr, x.data(), rows, cols, 1e-5f);  // y aliases x
+  expect_close(x, want, "in place");
+  for (int64_t c = 0; c < cols; ++c) EXPECT_EQ(x[cols + c], 0.f);
+}
+
+TEST(OpsCpu, RmsnormRejectsBadArguments) {
+  std::vector<float> x(8, 1.f), y(8);
+  expect_invalid([&] { ops::rmsnorm_cpu(x.data(), nullptr, y.data(), -1, 8, 1e-6f); });
+  expect_invalid([&] { ops::rmsnorm_cpu(x.data(), nullptr, y.data(), 1, 0, 1e-6f); });
+  expect_invalid([&] { ops::rmsnorm_cpu(nullptr, nullptr, y.data(), 1, 8, 1e-6f); });
+  expect_invalid([&] { ops::rmsnorm_cpu(x.data(), nullptr, nullptr, 1, 8, 1e-6f); });
+  // Zero rows is a valid empty batch, pointers unused.
+  ops::rmsnorm_cpu(nullptr, nullptr, nullptr, 0, 8, 1e-6f);
+}
+
+TEST(OpsCpu, CudaDeviceCountNeverThrows) {
+  int n = -1;
+  EXPECT_NO_THROW(n = ops::cuda_device_count());
+  EXPECT_GE(n, 0);
+#if !OPS_TEST_HAVE_CUDA
+  EXPECT_EQ(n, 0);
+#endif
+}
+
+#if OPS_TEST_HAVE_CUDA
+// Needs the CUDA runtime library only (no device): the error text comes from cudart.
+TEST(OpsCpu, CudaCheckThrowsSystemErrorWithContext) {
+  try {
+    CUDA_CHECK(cudaErrorInvalidValue);
+    ADD_FAILURE() << "CUDA_CHECK did not throw";
+  } catch (const mc::Error& e) {
+    EXPECT_EQ(e.kind(), mc::ErrorKind::kSystem);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("cudaErrorInvalidValue"), std::string::npos) << what;
+    EXPECT_NE(what.find(cudaGetErrorString(cudaErrorInvalidValue)), std::string::npos) << what;
+    EXPECT_NE(what.find("ops_test.cpp"), std::string::npos) << what;
+    EXPECT_NE(e.file().find("ops_test.cpp"), std::string::npos);
+    EXPECT_GT(e.line(), 0);
+  }
+  EXPECT_NO_THROW(CUDA_CHECK(cudaSuccess));
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// CUDA vs the CPU reference.
+
+#if OPS_TEST_HAVE_CUDA
+namespace {
+
+// Device memory owned for one test; frees on scope exit.
+class DeviceFloats {
+ public:
+  // Room for `n` floats at any offset up to 4.
+  explicit DeviceFloats(size_t n) {
+    CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p_), (n + 4) * sizeof(float)));
+  }
+  ~DeviceFloats() { (void)cudaFree(p_); }
+  DeviceFloats(const DeviceFloats&) = delete;
+  DeviceFloats& operator=(const DeviceFloats&) = delete;
+  DeviceFloats(DeviceFloats&&) = delete;
+  DeviceFloats& operator=(DeviceFloats&&) = delete;
+
+  // `offset` floats into the allocation (offset 1 breaks 16-byte alignment on purpose).
+  float* at(size_t offset) { return p_ + offset; }
+  void upload(const std::vector<float>& v, size_t offset) {
+    CUDA_CHECK(cudaMemcpy(at(offset), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  std::vector<float> download(size_t n, size_t offset) {
+    std::vector<float> v(n);
+    CUDA_CHECK(cudaMemcpy(v.data(), at(offset), n * sizeof(float), cudaMemcpyDeviceToHost));
+    return v;
+  }
+
+ private:
+  float* p_ = nullptr;
+};
+
+void compare_cuda_to_cpu(const Shape& shape, bool weighted, float eps, size_t offset, bool in_place,
+                         void* stream, uint32_t seed) {
+  const auto n = static_cast<size_t>(shape.rows * shape.cols);
+  const auto x = random_vector(n, -3.f, 3.f, seed);
+  const auto w = random_vector(static_cast<size_t>(shape.cols), -2.f, 2.f, seed + 1000);
+  std::vector<float> want(n);
+  ops::rmsnorm_cpu(x.data(), weighted ? w.data() : nullptr, want.data(), shape.rows, shape.cols,
+                   eps);
+
+  DeviceFloats dx(n), dy(n), dw(w.size());
+  dx.upload(x, offset);
+  dw.upload(w, offset);
+  float* out = in_place ? dx.at(offset) : dy.at(offset);
+  ops::rmsnorm_cuda(dx.at(offset), weighted ? dw.at(offset) : nullptr, out, shape.rows, shape.cols,
+                    eps, stream);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  auto got = in_place ? dx.download(n, offset) : dy.download(n, offset);
+  expect_close(got, want,
+               "cuda " + describe(shape, weighted, eps) + " offset=" + std::to_string(offset) +
+                   (in_place ? " in-place" : ""));
+}
+
+}  // namespace
+#endif
+
+#if OPS_TEST_HAVE_CUDA
+#define SKIP_WITHOUT_CUDA_DEVICE()                                                                \
+  do {                                                                                            \
+    if (ops::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device (cuda_device_count()==0)"; \
+  } while (0)
+#else
+#define SKIP_WITHOUT_CUDA_DEVICE() GTEST_SKIP() << "built without CUDA"
+#endif
+
+TEST(OpsCuda, RmsnormMatchesCpuReference) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+#if OPS_TEST_HAVE_CUDA
+  uint32_t seed = 7;
+  for (const auto& shape : kShapes) {
+    for (bool weighted : {false, true}) {
+      compare_cuda_to_cpu(shape, weighted, 1e-6f, 0, false, nullptr, seed++);
+    }
+  }
+#endif
+}
+
+TEST(OpsCuda, RmsnormUnalignedInPlaceAndOnAStream) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+#if OPS_TEST_HAVE_CUDA
+  // offset 1: cols % 4 == 0 but not 16-byte aligned, so the scalar path runs.
+  compare_cuda_to_cpu({9, 256}, true, 1e-5f, 1, false, nullptr, 11);
+  compare_cuda_to_cpu({9, 256}, true, 1e-5f, 0, true, nullptr, 12);
+  compare_cuda_to_cpu({5, 33}, false, 1e-5f, 0, true, nullptr, 13);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  compare_cuda_to_cpu({70, 1000}, true, 1e-5f, 0, false, stream, 14);
+  CUDA_CHECK(cudaStreamDestroy(stream));
+  // Many short rows: the grid is one block per row.
+  compare_cuda_to_cpu({100000, 8}, true, 1e-5f, 0, false, nullptr, 15);
+#endif
+}
+
+TEST(OpsCuda, RmsnormRejectsBadArgumentsAndAcceptsEmpty) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+#if OPS_TEST_HAVE_CUDA
+  DeviceFloats d(8);
+  expect_invalid([&] { ops::rmsnorm_cuda(d.at(0), nullptr, d.at(0), 1, 0, 1e-6f, nullptr); });
+  expect_invalid([&] { ops::rmsnorm_cuda(nullptr, nullptr, d.at(0), 1, 8, 1e-6f, nullptr); });
+  ops::rmsnorm_cuda(nullptr, nullptr, nullptr, 0, 8, 1e-6f, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+#endif
+}

@@ -1,0 +1,271 @@
+// schemas: the JSON form of durable documents (launch contract, manifest) and the run layout.
+#include <capnp/message.h>
+#include <capnp/schema.h>
+
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/error.h"
+#include "schemas/common.capnp.h"
+#include "schemas/json.h"
+#include "schemas/launch.capnp.h"
+#include "schemas/manifest.capnp.h"
+#include "schemas/run_layout.h"
+
+namespace megacpp {
+namespace {
+
+void fill_launch(schema::LaunchContract::Builder c) {
+  c.setSchemaVersion(schema::SCHEMA_VERSION);
+  c.setRunId("20250101-120000-abcd");
+  c.setGeneration(2);
+  c.setCreatedAt("2025-01-01T12:00:00.000Z");
+  c.setRunDir("/data/runs/r1");
+  c.setDataDir("/data/shards");
+  c.setSockDir("/tmp/megacpp-r1");
+  c.setShmPrefix("/megacpp-r1-g2-");
+  c.setControlEndpoint("ipc:///tmp/megacpp-r1/control");
+  c.setCheckpointEndpoint("ipc:///tmp/megacpp-r1/checkpoint");
+  c.setStoreHost("127.0.0.1");
+  c.setStorePort(29500);
+  c.setWorld(2);
+  c.setSteps(40);
+  c.setRingSlots(4);
+  c.setRingSlotBytes(1 << 20);
+  c.setHeartbeatIntervalMs(200);
+  auto r = c.initRecipe();
+  r.setName("tiny");
+  r.setPath("recipes/tiny.toml");
+  r.setHash("0123456789abcdef");
+  r.setPattern("AA");
+  auto layers = r.initLayers(2);
+  layers.set(0, "A");
+  layers.set(1, "A");
+  auto m = r.initModel();
+  m.setVocabSize(256);
+  m.setSeqLen(64);
+  m.setDModel(128);
+  m.setNLayers(2);
+  m.setNHeads(4);
+  m.setMlpMult(4);
+  auto t = r.initTrain();
+  t.setBatchSize(8);
+  t.setLr(3e-4);
+  t.setMinLrRatio(0.1);
+  t.setWarmupSteps(5);
+  t.setWeightDecay(0.01);
+  t.setBeta1(0.9);
+  t.setBeta2(0.95);
+  t.setGradClip(1.0);
+  t.setSeed(1234);
+  t.setCheckpointEvery(20);
+  auto d = r.initData();
+  d.setCorpus("builtin");
+  d.setShardTokens(65536);
+  d.setShards(4);
+  auto fsinfo = c.initFilesystem();
+  fsinfo.setPath("/data");
+  fsinfo.setType("ext4");
+  fsinfo.setDevice("259:1");
+  fsinfo.setIsRootVolume(false);
+  auto argv = c.initArgv(3);
+  argv.set(0, "megacpp");
+  argv.set(1, "run");
+  argv.set(2, "--recipe=tiny \"quoted\"");
+  auto env = c.initEnv(1);
+  env[0].setName("MEGACPP_HEARTBEAT_MS");
+  env[0].setValue("200");
+  auto p = c.initProvenance();
+  p.setVersion("0.1.0");
+  p.setGitRevision("d1fd13f");
+  p.setGitDirty(true);
+  p.setBuildType("RelWithDebInfo");
+  p.setCompiler("gcc 12");
+  p.setHostname("node0");
+  p.setTorchVersion("2.11.0");
+}
+
+// Offsets of `"name":` for each top-level field, in schema order; -1 when absent. Top-level
+// keys are the ones at the first indentation level of the pretty printer's output.
+template <typename T>
+std::vector<std::pair<std::string, size_t>> top_level_keys(const std::string& json) {
+  std::vector<std::pair<std::string, size_t>> out;
+  for (auto field : capnp::Schema::from<T>().getFields()) {
+    std::string name = field.getProto().getName().cStr();
+    size_t at = json.find("\"" + name + "\":");
+    out.emplace_back(name, at);
+  }
+  return out;
+}
+
+TEST(SchemasJsonTest, LaunchContractRoundTrip) {
+  capnp::MallocMessageBuilder message;
+  fill_launch(message.initRoot<schema::LaunchContract>());
+  auto original = message.getRoot<schema::LaunchContract>().asReader();
+  std::string json = schemas::to_json(original);
+  ASSERT_FALSE(json.empty());
+  EXPECT_EQ(json.back(), '\n');
+
+  schemas::JsonDocument<schema::LaunchContract> doc(json, "launch.json");
+  auto c = doc.get();
+  EXPECT_EQ(c.getSchemaVersion(), schema::SCHEMA_VERSION);
+  EXPECT_EQ(std::string(c.getRunId().cStr()), "20250101-120000-abcd");
+  EXPECT_EQ(c.getGeneration(), 2u);
+  EXPECT_EQ(c.getStorePort(), 29500u);
+  EXPECT_EQ(c.getRingSlotBytes(), 1u << 20);
+  EXPECT_EQ(std::string(c.getRecipe().getLayers()[1].cStr()), "A");
+  EXPECT_EQ(c.getRecipe().getModel().getDModel(), 128u);
+  EXPECT_DOUBLE_EQ(c.getRecipe().getTrain().getLr(), 3e-4);
+  EXPECT_EQ(std::string(c.getRecipe().getData().getCorpus().cStr()), "builtin");
+  EXPECT_EQ(std::string(c.getArgv()[2].cStr()), "--recipe=tiny \"quoted\"");
+  EXPECT_EQ(std::string(c.getEnv()[0].getName().cStr()), "MEGACPP_HEARTBEAT_MS");
+  EXPECT_TRUE(c.getProvenance().getGitDirty());
+  EXPECT_FALSE(c.getFilesystem().getIsRootVolume());
+  // Encoding the decoded document reproduces the text byte for byte.
+  EXPECT_EQ(schemas::to_json(c), json);
+}
+
+TEST(SchemasJsonTest, KeysFollowSchemaOrder) {
+  capnp::MallocMessageBuilder message;
+  fill_launch(message.initRoot<schema::LaunchContract>());
+  std::string json = schemas::to_json(message.getRoot<schema::LaunchContract>().asReader());
+  size_t previous = 0;
+  for (const auto& [name, at] : top_level_keys<schema::LaunchContract>(json)) {
+    ASSERT_NE(at, std::string::npos) << name << " missing from\n" << json;
+    EXPECT_GT(at, previous) << name << " is out of schema order in\n" << json;
+    previous = at;
+  }
+  // Nested structs keep their order too.
+  EXPECT_LT(json.find("\"vocabSize\""), json.find("\"mlpMult\""));
+  EXPECT_LT(json.find("\"batchSize\""), json.find("\"checkpointEvery\""));
+}
+
+TEST(SchemasJsonTest, ManifestRoundTrip) {
+  capnp::MallocMessageBuilder message;
+  auto m = message.initRoot<schema::Manifest>();
+  m.setSchemaVersion(schema::SCHEMA_VERSION);
+  m.setRunId("r1");
+  m.setRecipe("tiny");
+  m.setRecipeHash("0123456789abcdef");
+  m.setWorld(2);
+  m.setStepsPlanned(40);
+  m.setStepsCompleted(17);
+  m.setState(schema::RunState::ERROR);
+  m.setLaunchedAt("2025-01-01T12:00:00.000Z");
+  m.setRunningAt("2025-01-01T12:00:01.000Z");
+  m.setCompletedAt("2025-01-01T12:00:09.000Z");
+  m.setLastPolledAt("2025-01-01T12:00:08.500Z");
+  auto err = m.initError();
+  err.setKind("signaled");
+  err.setStage(schema::StageKind::TRAINER);
+  err.setRank(1);
+  err.setMessage("trainer-1 killed by signal 9 in phase backward at step 17");
+  auto stages = m.initStages(2);
+  stages[0].setStage(schema::StageKind::TRAINER);
+  stages[0].setRank(0);
+  stages[0].setPid(1234);
+  stages[0].setState("torn_down");
+  stages[0].setExitCode(-1);
+  stages[0].setSignal(15);
+  stages[0].setLastStep(17);
+  stages[1].setStage(schema::StageKind::TRAINER);
+  stages[1].setRank(1);
+  stages[1].setState("signaled");
+  stages[1].setSignal(9);
+  m.setLatestCheckpoint("checkpoints/step_00000010");
+  m.setLatestCheckpointStep(10);
+  auto receipts = m.initReceipts(1);
+  receipts.set(0, "receipts/bench_result.json");
+  auto journals = m.initJournals(1);
+  journals[0].setName("trainer-1");
+  journals[0].setRecords(40);
+  journals[0].setTornBytes(12);
+
+  std::string json = schemas::to_json(m.asReader());
+  EXPECT_NE(json.find("\"state\": \"error\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"stage\": \"trainer\""), std::string::npos) << json;
+
+  schemas::JsonDocument<schema::Manifest> doc(json, "manifest.json");
+  auto r = doc.get();
+  EXPECT_EQ(r.getState(), schema::RunState::ERROR);
+  EXPECT_EQ(r.getStepsCompleted(), 17u);
+  EXPECT_EQ(r.getError().getStage(), schema::StageKind::TRAINER);
+  EXPECT_EQ(r.getError().getRank(), 1u);
+  ASSERT_EQ(r.getStages().size(), 2u);
+  EXPECT_EQ(r.getStages()[0].getExitCode(), -1);
+  EXPECT_EQ(r.getStages()[1].getSignal(), 9);
+  EXPECT_EQ(r.getJournals()[0].getTornBytes(), 12u);
+  EXPECT_EQ(std::string(r.getReceipts()[0].cStr()), "receipts/bench_result.json");
+  EXPECT_EQ(schemas::to_json(r), json);
+
+  size_t previous = 0;
+  for (const auto& [name, at] : top_level_keys<schema::Manifest>(json)) {
+    ASSERT_NE(at, std::string::npos) << name;
+    EXPECT_GT(at, previous) << name << " is out of schema order";
+    previous = at;
+  }
+}
+
+TEST(SchemasJsonTest, UnknownKeysAreIgnored) {
+  capnp::MallocMessageBuilder message;
+  fill_launch(message.initRoot<schema::LaunchContract>());
+  std::string json = schemas::to_json(message.getRoot<schema::LaunchContract>().asReader());
+  // A newer writer's fields, at the top level and nested.
+  std::string newer = json;
+  newer.insert(newer.find('{') + 1, "\"fromTheFuture\": {\"a\": [1, 2, {\"b\": null}]}, ");
+  newer.insert(newer.find("\"vocabSize\""), "\"moeExperts\": 16, ");
+  schemas::JsonDocument<schema::LaunchContract> doc(newer, "launch.json");
+  EXPECT_EQ(std::string(doc.get().getRunId().cStr()), "20250101-120000-abcd");
+  EXPECT_EQ(doc.get().getRecipe().getModel().getVocabSize(), 256u);
+  EXPECT_EQ(schemas::to_json(doc.get()), json);
+
+  // Missing keys take their defaults (an older writer).
+  schemas::JsonDocument<schema::Manifest> old(R"({"schemaVersion": 1, "runId": "r0"})", "m");
+  EXPECT_EQ(std::string(old.get().getRunId().cStr()), "r0");
+  EXPECT_EQ(old.get().getState(), schema::RunState::LAUNCHED);
+  EXPECT_EQ(old.get().getStages().size(), 0u);
+}
+
+TEST(SchemasJsonTest, MalformedJsonThrowsCorruption) {
+  for (std::string bad : {std::string("{ not json"), std::string(R"({"runId": "r1")"),
+                          std::string(""), std::string(R"({"world": "two"})")}) {
+    try {
+      schemas::JsonDocument<schema::Manifest> doc(bad, "manifest.json");
+      ADD_FAILURE() << "accepted: " << bad;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kCorruption) << bad;
+      EXPECT_NE(std::string(e.what()).find("manifest.json"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(RunLayoutTest, StageNamesRoundTrip) {
+  const schema::StageKind all[] = {schema::StageKind::SUPERVISOR, schema::StageKind::DATA_LOADER,
+                                   schema::StageKind::TRAINER, schema::StageKind::COLLECTOR,
+                                   schema::StageKind::CHECKPOINTER};
+  std::vector<std::string> names;
+  for (auto s : all) {
+    std::string name(layout::stage_name(s));
+    EXPECT_EQ(layout::parse_stage(name), s) << name;
+    names.push_back(name);
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"supervisor", "data_loader", "trainer", "collector",
+                                             "checkpointer"}));
+  try {
+    layout::parse_stage("Trainer");
+    FAIL() << "parsed an unknown stage name";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+  }
+  EXPECT_EQ(layout::process_name(schema::StageKind::TRAINER, 1), "trainer-1");
+  EXPECT_EQ(layout::journal_path("/r", schema::StageKind::DATA_LOADER, 0),
+            std::filesystem::path("/r/journal/data_loader-0.journal"));
+  EXPECT_EQ(layout::checkpoint_dir_name(40), "step_00000040");
+  EXPECT_EQ(layout::ring_shm_name("/megacpp-r1-g2-", 3), "/megacpp-r1-g2-ring-3");
+  EXPECT_EQ(layout::staging_shm_name("/megacpp-r1-g2-", 0), "/megacpp-r1-g2-stage-0");
+}
+
+}  // namespace
+}  // namespace megacpp
