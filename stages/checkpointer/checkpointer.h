@@ -1,0 +1,199 @@
+// megacpp::checkpointer — the snapshot plane's receiving end (DESIGN §3, §4).
+//
+// Three layers, each usable alone:
+//  * safetensors: a writer that streams tensors from a staging region straight to a file
+//    with write(2) (no copy of the region), and a validating header reader.
+//  * CheckpointStore: the commit protocol under RUN/checkpoints. Rank files are written
+//    into step_NNNNNNNN.tmp/; when every rank of a step is in, checkpoint.json is written,
+//    the directory is renamed to step_NNNNNNNN and LATEST is replaced atomically. A crash at
+//    any point leaves either no checkpoint of that step or a complete, verified one.
+//  * Service: the message loop of the megacpp-checkpointer process — SnapshotReady in,
+//    SnapshotAck out (ok=true releases the rank's staging lease; committed=true tells every
+//    rank of the step that its checkpoint is durable).
+//
+// Torch-free: tensors are bytes plus dtype/shape metadata.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ipc/ipc.h"
+#include "schemas/common.capnp.h"
+
+namespace megacpp::checkpointer {
+
+namespace fs = std::filesystem;
+
+// ---------------------------------------------------------------------------------------
+// safetensors
+
+// Element size of a safetensors dtype name ("F32" -> 4, "BF16" -> 2, "BOOL" -> 1, ...);
+// nullopt for a name the format does not define.
+std::optional<size_t> dtype_size(std::string_view dtype);
+
+// One tensor to write. `data` points at `bytes` bytes that stay valid and unchanged for
+// the duration of the write (a leased staging region).
+struct TensorView {
+  std::string name;
+  std::string dtype;
+  std::vector<uint64_t> shape;
+  const std::byte* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+struct WrittenFile {
+  uint64_t bytes = 0;  // file size
+  std::string xxh3;    // XXH3-64 hex of the whole file (same format as core xxh3_hex)
+  uint32_t tensors = 0;
+};
+
+// Writes a safetensors file at `path` (created or truncated, mode 0644) and fsyncs it.
+// Data is laid out in the order given. `metadata` lands in "__metadata__" after
+// "format": "pt". Throws Error{kInvalidArgument} for an unknown dtype, a byte count that does
+// not match the shape, or a duplicate/reserved name; Error{kSystem} on an I/O failure (the
+// partial file is removed).
+WrittenFile write_safetensors(const fs::path& path, std::span<const TensorView> tensors,
+                              const std::map<std::string, std::string>& metadata = {});
+
+struct SafetensorsTensor {
+  std::string name;
+  std::string dtype;
+  std::vector<uint64_t> shape;
+  uint64_t begin = 0;  // data_offsets, relative to the start of the data section
+  uint64_t end = 0;
+};
+
+struct SafetensorsHeader {
+  uint64_t header_bytes = 0;               // length of the JSON header (padding included)
+  uint64_t data_bytes = 0;                 // size of the data section
+  std::vector<SafetensorsTensor> tensors;  // sorted by begin offset
+  std::map<std::string, std::string> metadata;
+};
+
+// Parses and validates a header: `prefix` holds at least the first 8 + header_bytes bytes of
+// a file of `file_size` bytes. Checks: JSON object, known dtypes, byte counts match shapes,
+// offsets contiguous from 0 and covering exactly the data section. Throws
+// Error{kCorruption} naming the problem.
+SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t file_size);
+// Reads only the header of the file at `path` and parses it as above.
+SafetensorsHeader read_safetensors_header(const fs::path& path);
+
+// XXH3-64 hex of a file, streamed (never the whole file in memory).
+std::string xxh3_file(const fs::path& path);
+
+// ---------------------------------------------------------------------------------------
+// The commit protocol
+
+struct VerifyResult {
+  bool ok = false;
+  std::vector<std::string> problems;  // empty when ok
+};
+// Checks a committed (or tmp) checkpoint directory: checkpoint.json parses, every listed
+// file exists with the recorded size and xxh3, every safetensors header is consistent and
+// its tensor count matches. Never throws for a damaged checkpoint; problems are listed.
+VerifyResult verify_checkpoint(const fs::path& dir);
+
+struct CommittedCheckpoint {
+  uint32_t step = 0;
+  fs::path dir;               // absolute: RUN/checkpoints/step_NNNNNNNN
+  std::string relative_path;  // "checkpoints/step_NNNNNNNN" (relative to the run directory)
+  uint64_t bytes = 0;         // rank files + checkpoint.json
+};
+
+// Owns RUN/checkpoints. Not thread-safe (one owner: the checkpointer's loop).
+class CheckpointStore {
+ public:
+  // Creates RUN/checkpoints if absent and removes every leftover "*.tmp" directory in it:
+  // an uncommitted checkpoint of an earlier process is discarded; committed ones stay.
+  CheckpointStore(fs::path run_dir, std::string run_id, std::string recipe_hash);
+  CheckpointStore(const CheckpointStore&) = delete;
+  CheckpointStore& operator=(const CheckpointStore&) = delete;
+
+  // Writes (or rewrites) rank_<rank>.safetensors of `step` into the step's tmp directory and
+  // fsyncs it. Throws Error{kProtocol} if `world` disagrees with an earlier rank of the same
+  // step or rank >= world; write errors as write_safetensors.
+  const WrittenFile& write_rank(uint32_t step, uint32_t world, uint32_t rank,
+                                std::span<const TensorView> tensors);
+  bool complete(uint32_t step) const;  // every rank of the step written
+  // Commits a complete step: checkpoint.json, fsyncs, rename, fsync of RUN/checkpoints, and
+  // LATEST (only moved forward: an older step never replaces a newer LATEST). If the
+  // committed directory already exists (a step re-sent after a restart), the tmp copy is
+  // discarded and the existing one stands.
+  CommittedCheckpoint commit(uint32_t step);
+  void discard(uint32_t step);  // removes the step's tmp directory; no-op if unknown
+  void discard_all();
+  std::vector<uint32_t> pending() const;  // steps with a tmp directory, ascending
+  std::optional<uint32_t> latest() const { return latest_; }  // newest committed step
+  const fs::path& dir() const noexcept { return dir_; }
+
+ private:
+  struct Pending {
+    uint32_t world = 0;
+    std::map<uint32_t, WrittenFile> files;  // by rank
+  };
+  fs::path run_dir_;
+  fs::path dir_;
+  std::string run_id_;
+  std::string recipe_hash_;
+  std::map<uint32_t, Pending> pending_;
+  std::optional<uint32_t> latest_;
+};
+
+// ---------------------------------------------------------------------------------------
+// The process loop
+
+// Handles the snapshot plane over a bound ROUTER: for each SnapshotReady from a trainer
+// rank, attaches the rank's staging region (once per name/size, cached), writes the rank's
+// file, acks ok (the lease is released), and when a step is complete commits it, acks
+// committed to every rank of the step and journals checkpointCommitted.
+// On a malformed snapshot or a write error it sends ok=false with the error text to the
+// sender and rethrows (the stage fails; the supervisor decides).
+class Service {
+ public:
+  using PhaseFn = std::function<void(schema::Phase)>;
+  // `journal` may be null (no journaling); `on_phase` may be empty.
+  Service(CheckpointStore& store, ipc::Channel& router, ipc::JournalWriter* journal,
+          PhaseFn on_phase = {});
+  ~Service();
+  Service(const Service&) = delete;
+  Service& operator=(const Service&) = delete;
+
+  // Waits at most `timeout` for one message and handles it. Returns false on timeout.
+  bool poll(std::chrono::milliseconds timeout);
+  bool has_pending() const { return !steps_.empty(); }  // a step partially received
+  // Discards every partially received step (its tmp directory is removed).
+  void discard_pending();
+  uint64_t committed() const noexcept { return committed_; }  // checkpoints committed so far
+
+ private:
+  struct Attached;
+  struct StepState {
+    int64_t first_mono_ns = 0;
+    std::map<uint32_t, std::string> peers;  // rank -> routing identity
+  };
+  void handle_snapshot(const std::string& peer, schema::SnapshotReady::Reader ready);
+  const std::byte* region_for(uint32_t rank, const std::string& name, uint64_t bytes);
+  void ack(const std::string& peer, uint32_t rank, uint32_t step, bool ok, bool committed,
+           const std::string& error);
+  void set_phase(schema::Phase phase);
+
+  CheckpointStore& store_;
+  ipc::Channel& router_;
+  ipc::JournalWriter* journal_;
+  PhaseFn on_phase_;
+  std::map<uint32_t, std::unique_ptr<Attached>> regions_;  // by rank
+  std::map<uint32_t, StepState> steps_;                    // partially received steps
+  uint64_t committed_ = 0;
+};
+
+}  // namespace megacpp::checkpointer

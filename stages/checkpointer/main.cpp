@@ -1,0 +1,36 @@
+// megacpp-checkpointer: the snapshot plane's receiver (one per node).
+#include <chrono>
+
+#include "core/util.h"
+#include "stages/checkpointer/checkpointer.h"
+#include "stages/stage.h"
+
+namespace {
+
+using megacpp::schema::Phase;
+
+void run(megacpp::stage::StageContext& ctx) {
+  namespace ck = megacpp::checkpointer;
+  auto launch = ctx.launch();
+  ck::CheckpointStore store(ctx.run_dir(), launch.getRunId(), launch.getRecipe().getHash());
+  megacpp::ipc::Channel router(ctx.zmq(), megacpp::ipc::Channel::Kind::kRouter,
+                               launch.getCheckpointEndpoint());
+  ck::Service service(store, router, &ctx.journal(), [&ctx](Phase p) { ctx.set_phase(p); });
+  ctx.set_phase(Phase::IDLE);
+  // On stop, messages already queued are still handled; the loop ends at the first quiet
+  // receive (or at once when no step is partially received).
+  for (;;) {
+    const bool handled = service.poll(std::chrono::milliseconds(200));
+    if (ctx.stop_requested() && (!handled || !service.has_pending())) break;
+  }
+  if (service.has_pending()) service.discard_pending();
+  megacpp::log_info("stopping after {} committed checkpoint(s)", service.committed());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return megacpp::stage::run_stage_main(
+      argc, argv, megacpp::schema::StageKind::CHECKPOINTER,
+      "receives rank snapshots and commits checkpoints atomically", run);
+}

@@ -1,0 +1,162 @@
+// The checkpointer's message loop: SnapshotReady in, SnapshotAck out, commits journaled.
+#include <sys/stat.h>
+
+#include "core/error.h"
+#include "core/util.h"
+#include "schemas/run_layout.h"
+#include "stages/checkpointer/checkpointer.h"
+
+namespace megacpp::checkpointer {
+
+// A rank's staging region, attached once and reused for every snapshot of that rank
+// (attaching per checkpoint would cost a mapping each time; DESIGN §3).
+struct Service::Attached {
+  std::string name;
+  uint64_t bytes = 0;
+  ino_t inode = 0;  // of /dev/shm/<name> when attached: a re-created segment is re-attached
+  std::unique_ptr<ipc::ShmRegion> region;
+};
+
+namespace {
+// Inode of a live shm segment, 0 if it does not exist (then attaching reports the error).
+ino_t shm_inode(const std::string& name) {
+  struct stat st {};
+  return ::stat(("/dev/shm" + name).c_str(), &st) == 0 ? st.st_ino : 0;
+}
+}  // namespace
+
+Service::Service(CheckpointStore& store, ipc::Channel& router, ipc::JournalWriter* journal,
+                 PhaseFn on_phase)
+    : store_(store), router_(router), journal_(journal), on_phase_(std::move(on_phase)) {}
+
+Service::~Service() = default;
+
+void Service::set_phase(schema::Phase phase) {
+  if (on_phase_) on_phase_(phase);
+}
+
+bool Service::poll(std::chrono::milliseconds timeout) {
+  auto msg = router_.receive(timeout);
+  if (!msg) return false;
+  auto root = msg->root();
+  if (root.isSnapshotReady()) {
+    handle_snapshot(msg->peer(), root.getSnapshotReady());
+  } else {
+    log_warn("ignoring an unexpected control message (union tag {}) from '{}'",
+             static_cast<int>(root.which()), msg->peer());
+  }
+  return true;
+}
+
+const std::byte* Service::region_for(uint32_t rank, const std::string& name, uint64_t bytes) {
+  auto& slot = regions_[rank];
+  const ino_t inode = shm_inode(name);
+  if (!slot || slot->name != name || slot->bytes != bytes || slot->inode != inode) {
+    slot.reset();
+    auto attached = std::make_unique<Attached>();
+    attached->name = name;
+    attached->bytes = bytes;
+    attached->inode = inode;
+    attached->region = std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Attach{}, name);
+    MEGACPP_CHECK(attached->region->size() >= bytes, ErrorKind::kProtocol,
+                  fmt::format("staging region {} holds {} bytes, snapshot claims {}", name,
+                              attached->region->size(), bytes));
+    log_info("attached staging region {} of rank {} ({} bytes)", name, rank, bytes);
+    slot = std::move(attached);
+  }
+  return slot->region->data();
+}
+
+void Service::ack(const std::string& peer, uint32_t rank, uint32_t step, bool ok, bool committed,
+                  const std::string& error) {
+  ipc::ControlMessageBuilder b;
+  auto a = b.root().initSnapshotAck();
+  a.setRank(rank);
+  a.setStep(step);
+  a.setOk(ok);
+  a.setCommitted(committed);
+  if (!error.empty()) a.setError(error);
+  if (!router_.send_to(peer, b.message())) {
+    log_warn("could not deliver the ack of step {} to '{}' (peer gone?)", step, peer);
+  }
+}
+
+void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Reader ready) {
+  const uint32_t rank = ready.getRank();
+  const uint32_t world = ready.getWorld();
+  const uint32_t step = ready.getStep();
+  set_phase(schema::Phase::WRITE);
+  try {
+    MEGACPP_CHECK(world > 0 && rank < world, ErrorKind::kProtocol,
+                  fmt::format("SnapshotReady from '{}': rank {} of world {}", peer, rank, world));
+    if (peer != layout::process_name(schema::StageKind::TRAINER, rank)) {
+      log_warn("SnapshotReady for rank {} arrived from '{}'", rank, peer);
+    }
+    const uint64_t region_bytes = ready.getRegionBytes();
+    const std::byte* base = region_for(rank, ready.getRegion(), region_bytes);
+    std::vector<TensorView> views;
+    views.reserve(ready.getTensors().size());
+    for (auto t : ready.getTensors()) {
+      const uint64_t offset = t.getOffset();
+      const uint64_t bytes = t.getBytes();
+      MEGACPP_CHECK(offset <= region_bytes && bytes <= region_bytes - offset, ErrorKind::kProtocol,
+                    fmt::format("tensor '{}' [{}, +{}) lies outside the {}-byte staging region",
+                                t.getName().cStr(), offset, bytes, region_bytes));
+      TensorView v;
+      v.name = t.getName();
+      v.dtype = t.getDtype();
+      for (uint64_t d : t.getShape()) v.shape.push_back(d);
+      v.data = base + offset;
+      v.bytes = bytes;
+      views.push_back(std::move(v));
+    }
+    auto [it, fresh] = steps_.try_emplace(step);
+    if (fresh) it->second.first_mono_ns = mono_ns();
+    store_.write_rank(step, world, rank, views);
+    it->second.peers[rank] = peer;
+  } catch (const std::exception& e) {
+    log_error("snapshot of step {} from rank {} failed: {}", step, rank, e.what());
+    ack(peer, rank, step, false, false, e.what());
+    throw;
+  }
+  // The rank's file is durable: its staging lease is released.
+  ack(peer, rank, step, true, false, {});
+
+  if (store_.complete(step)) {
+    StepState state = std::move(steps_.at(step));
+    steps_.erase(step);
+    CommittedCheckpoint done;
+    try {
+      done = store_.commit(step);
+    } catch (const std::exception& e) {
+      log_error("commit of step {} failed: {}", step, e.what());
+      for (const auto& [r, p] : state.peers) ack(p, r, step, false, false, e.what());
+      throw;
+    }
+    const double seconds = static_cast<double>(mono_ns() - state.first_mono_ns) / 1e9;
+    if (journal_ != nullptr) {
+      journal_->append([&](schema::JournalRecord::Builder rec) {
+        auto c = rec.initCheckpointCommitted();
+        c.setStep(step);
+        c.setPath(done.relative_path);
+        c.setBytes(done.bytes);
+        c.setSeconds(seconds);
+      });
+    }
+    ++committed_;
+    log_info("committed {} ({} bytes, world {}, {:.3f} s{})", done.relative_path, done.bytes, world,
+             seconds, ready.getFinal() ? ", final" : "");
+    for (const auto& [r, p] : state.peers) ack(p, r, step, true, true, {});
+  }
+  set_phase(schema::Phase::IDLE);
+}
+
+void Service::discard_pending() {
+  for (const auto& [step, state] : steps_) {
+    log_warn("discarding step {}: {} rank(s) of the snapshot received", step, state.peers.size());
+  }
+  steps_.clear();
+  store_.discard_all();
+}
+
+}  // namespace megacpp::checkpointer

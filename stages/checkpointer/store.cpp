@@ -1,0 +1,234 @@
+// The commit protocol under RUN/checkpoints and the checkpoint verifier.
+#include <capnp/message.h>
+
+#include <cstdio>
+#include <system_error>
+
+#include "core/error.h"
+#include "core/util.h"
+#include "schemas/checkpoint.capnp.h"
+#include "schemas/common.capnp.h"
+#include "schemas/json.h"
+#include "schemas/run_layout.h"
+#include "stages/checkpointer/checkpointer.h"
+
+namespace megacpp::checkpointer {
+
+namespace {
+
+constexpr std::string_view kTmpSuffix = ".tmp";
+constexpr std::string_view kManifestName = "checkpoint.json";
+
+// "step_NNNNNNNN" -> NNNNNNNN; nullopt for anything else (tmp directories included).
+std::optional<uint32_t> parse_step_dir(const std::string& name) {
+  if (name.size() != 13 || !name.starts_with("step_")) return std::nullopt;
+  uint64_t v = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+    v = v * 10 + static_cast<uint64_t>(name[i] - '0');
+  }
+  if (v > UINT32_MAX) return std::nullopt;
+  return static_cast<uint32_t>(v);
+}
+
+std::string rank_file_name(uint32_t rank) {
+  return fmt::format("rank_{}.safetensors", rank);
+}
+
+void remove_tree(const fs::path& p) {
+  std::error_code ec;
+  fs::remove_all(p, ec);
+  if (ec) {
+    throw Error(ErrorKind::kSystem, fmt::format("cannot remove {}: {}", p.string(), ec.message()),
+                __FILE__, __LINE__, ec.value());
+  }
+}
+
+void make_dirs(const fs::path& p) {
+  std::error_code ec;
+  fs::create_directories(p, ec);
+  if (ec) {
+    throw Error(ErrorKind::kSystem, fmt::format("cannot create {}: {}", p.string(), ec.message()),
+                __FILE__, __LINE__, ec.value());
+  }
+}
+
+}  // namespace
+
+CheckpointStore::CheckpointStore(fs::path run_dir, std::string run_id, std::string recipe_hash)
+    : run_dir_(std::move(run_dir)),
+      dir_(layout::checkpoints_dir(run_dir_)),
+      run_id_(std::move(run_id)),
+      recipe_hash_(std::move(recipe_hash)) {
+  make_dirs(dir_);
+  bool removed = false;
+  for (const auto& entry : fs::directory_iterator(dir_)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory() && name.ends_with(kTmpSuffix)) {
+      log_warn("discarding uncommitted checkpoint {}", entry.path().string());
+      remove_tree(entry.path());
+      removed = true;
+    } else if (name.starts_with("LATEST.tmp.")) {  // write_file_atomic interrupted by a crash
+      remove_tree(entry.path());
+      removed = true;
+    } else if (entry.is_directory()) {
+      if (auto step = parse_step_dir(name); step && (!latest_ || *step > *latest_)) latest_ = step;
+    }
+  }
+  if (removed) fsync_path(dir_);
+}
+
+const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, uint32_t rank,
+                                               std::span<const TensorView> tensors) {
+  MEGACPP_CHECK(world > 0 && rank < world, ErrorKind::kProtocol,
+                fmt::format("snapshot of step {} from rank {} of world {}", step, rank, world));
+  const fs::path tmp = dir_ / (layout::checkpoint_dir_name(step) + std::string(kTmpSuffix));
+  auto it = pending_.find(step);
+  if (it == pending_.end()) {
+    if (fs::exists(tmp)) remove_tree(tmp);
+    make_dirs(tmp);
+    it = pending_.emplace(step, Pending{world, {}}).first;
+  }
+  Pending& p = it->second;
+  MEGACPP_CHECK(p.world == world, ErrorKind::kProtocol,
+                fmt::format("step {}: rank {} reports world {} but an earlier rank reported {}",
+                            step, rank, world, p.world));
+  const std::map<std::string, std::string> metadata{
+      {"run_id", run_id_},
+      {"recipe_hash", recipe_hash_},
+      {"step", std::to_string(step)},
+      {"rank", std::to_string(rank)},
+      {"world", std::to_string(world)},
+  };
+  p.files.erase(rank);
+  WrittenFile written = write_safetensors(tmp / rank_file_name(rank), tensors, metadata);
+  return p.files[rank] = std::move(written);
+}
+
+bool CheckpointStore::complete(uint32_t step) const {
+  auto it = pending_.find(step);
+  return it != pending_.end() && it->second.files.size() == it->second.world;
+}
+
+CommittedCheckpoint CheckpointStore::commit(uint32_t step) {
+  MEGACPP_CHECK(complete(step), ErrorKind::kInternal,
+                fmt::format("commit of step {} before every rank was written", step));
+  const Pending& p = pending_.at(step);
+  const std::string name = layout::checkpoint_dir_name(step);
+  const fs::path tmp = dir_ / (name + std::string(kTmpSuffix));
+  const fs::path final_dir = dir_ / name;
+
+  capnp::MallocMessageBuilder message;
+  auto manifest = message.initRoot<schema::CheckpointManifest>();
+  manifest.setSchemaVersion(schema::SCHEMA_VERSION);
+  manifest.setRunId(run_id_);
+  manifest.setStep(step);
+  manifest.setWorld(p.world);
+  manifest.setCreatedAt(rfc3339(wall_ns()));
+  manifest.setRecipeHash(recipe_hash_);
+  auto files = manifest.initFiles(static_cast<unsigned>(p.files.size()));
+  uint64_t bytes = 0;
+  unsigned i = 0;
+  for (const auto& [rank, written] : p.files) {
+    auto f = files[i++];
+    f.setName(rank_file_name(rank));
+    f.setBytes(written.bytes);
+    f.setXxh3(written.xxh3);
+    f.setTensors(written.tensors);
+    bytes += written.bytes;
+  }
+  const std::string json = schemas::to_json(manifest.asReader());
+  bytes += json.size();
+  // write_file_atomic fsyncs the file and the tmp directory that holds it.
+  write_file_atomic(tmp / kManifestName, json);
+
+  CommittedCheckpoint out{step, final_dir, (fs::path("checkpoints") / name).string(), bytes};
+  if (fs::exists(final_dir)) {
+    log_warn("checkpoint {} is already committed; keeping it and discarding the new copy", name);
+    remove_tree(tmp);
+    out.bytes = 0;
+    for (const auto& entry : fs::directory_iterator(final_dir)) {
+      if (entry.is_regular_file()) out.bytes += entry.file_size();
+    }
+  } else {
+    SYSCALL_CHECK(::rename(tmp.c_str(), final_dir.c_str()));
+  }
+  fsync_path(dir_);
+  pending_.erase(step);
+  if (!latest_ || step >= *latest_) {
+    write_file_atomic(dir_ / "LATEST", name + "\n");
+    latest_ = step;
+  }
+  return out;
+}
+
+void CheckpointStore::discard(uint32_t step) {
+  remove_tree(dir_ / (layout::checkpoint_dir_name(step) + std::string(kTmpSuffix)));
+  pending_.erase(step);
+}
+
+void CheckpointStore::discard_all() {
+  while (!pending_.empty()) discard(pending_.begin()->first);
+}
+
+std::vector<uint32_t> CheckpointStore::pending() const {
+  std::vector<uint32_t> out;
+  for (const auto& [step, p] : pending_) out.push_back(step);
+  return out;
+}
+
+VerifyResult verify_checkpoint(const fs::path& dir) {
+  VerifyResult result;
+  auto problem = [&](std::string text) { result.problems.push_back(std::move(text)); };
+  try {
+    schemas::JsonFile<schema::CheckpointManifest> doc(dir / kManifestName);
+    auto manifest = doc.get();
+    std::string dir_name = dir.filename().string();
+    if (dir_name.ends_with(kTmpSuffix)) dir_name.resize(dir_name.size() - kTmpSuffix.size());
+    if (parse_step_dir(dir_name) && dir_name != layout::checkpoint_dir_name(manifest.getStep())) {
+      problem(fmt::format("{} records step {}", dir_name, manifest.getStep()));
+    }
+    if (manifest.getFiles().size() != manifest.getWorld()) {
+      problem(fmt::format("{} lists {} files for world {}", kManifestName,
+                          manifest.getFiles().size(), manifest.getWorld()));
+    }
+    for (auto f : manifest.getFiles()) {
+      const std::string name = f.getName();
+      if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
+        problem(fmt::format("bad file name '{}' in {}", name, kManifestName));
+        continue;
+      }
+      const fs::path path = dir / name;
+      std::error_code ec;
+      const auto size = fs::file_size(path, ec);
+      if (ec) {
+        problem(fmt::format("{}: missing or unreadable ({})", name, ec.message()));
+        continue;
+      }
+      if (size != f.getBytes()) {
+        problem(fmt::format("{}: {} bytes, expected {}", name, size, f.getBytes()));
+        continue;
+      }
+      try {
+        if (auto hash = xxh3_file(path); hash != f.getXxh3().cStr()) {
+          problem(fmt::format("{}: xxh3 {} expected {}", name, hash, f.getXxh3().cStr()));
+        }
+        if (name.ends_with(".safetensors")) {
+          auto header = read_safetensors_header(path);
+          if (header.tensors.size() != f.getTensors()) {
+            problem(fmt::format("{}: {} tensors, expected {}", name, header.tensors.size(),
+                                f.getTensors()));
+          }
+        }
+      } catch (const std::exception& e) {
+        problem(fmt::format("{}: {}", name, e.what()));
+      }
+    }
+  } catch (const std::exception& e) {
+    problem(e.what());
+  }
+  result.ok = result.problems.empty();
+  return result;
+}
+
+}  // namespace megacpp::checkpointer

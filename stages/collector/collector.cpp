@@ -1,0 +1,455 @@
+// The fold. Merge rules are chosen so the result does not depend on how records were split
+// across polls: per-process facts keep the record with the greatest monotonic timestamp,
+// per-journal facts follow that journal's own order, and every output is sorted by key.
+#include "stages/collector/collector.h"
+
+#include <capnp/message.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <system_error>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+#include "core/util.h"
+#include "ipc/ipc.h"
+#include "schemas/common.capnp.h"
+#include "schemas/journal.capnp.h"
+#include "schemas/json.h"
+#include "schemas/launch.capnp.h"
+#include "schemas/manifest.capnp.h"
+#include "schemas/run_layout.h"
+
+namespace megacpp::collector {
+
+namespace fs = std::filesystem;
+using schema::StageKind;
+
+namespace {
+
+constexpr std::string_view kManifest = "manifest.json";
+constexpr std::string_view kBenchResult = "bench_result.json";
+constexpr std::string_view kBenchTelemetry = "bench_telemetry.json";
+constexpr std::string_view kJournalSuffix = ".journal";
+
+// What is known about one process (stage, rank).
+struct Process {
+  // pid of the record/event with the greatest monoNs (ties: greatest pid).
+  std::optional<std::pair<int64_t, int32_t>> pid;
+  std::optional<int64_t> started_mono;   // latest processStarted / childStarted
+  std::optional<int64_t> finished_mono;  // latest processFinished
+  struct Exit {
+    int64_t mono;
+    int32_t code;
+    int32_t signal;
+    auto key() const { return std::tie(mono, code, signal); }
+  };
+  std::optional<Exit> exited;  // latest childExited
+  uint32_t last_step = 0;
+  std::optional<int64_t> last_wall;  // newest wallNs among the process's own records
+
+  void see_pid(int64_t mono, int32_t p) {
+    if (!pid || std::make_pair(mono, p) > *pid) pid = std::make_pair(mono, p);
+  }
+  static void latest(std::optional<int64_t>& slot, int64_t mono) {
+    if (!slot || mono > *slot) slot = mono;
+  }
+};
+
+struct StepData {
+  double loss = 0;
+  uint32_t tokens = 0;
+  double step_seconds = 0;
+  double wait_seconds = 0;
+  int64_t wall_ns = 0;
+};
+
+struct JournalFile {
+  std::unique_ptr<ipc::JournalReader> reader;
+  bool trainer = false;  // named trainer-<rank>.journal
+};
+
+uint32_t clamp32(uint64_t v) {
+  return static_cast<uint32_t>(std::min<uint64_t>(v, std::numeric_limits<uint32_t>::max()));
+}
+
+}  // namespace
+
+struct Collector::State {
+  // From launch.json.
+  std::string run_id, recipe, recipe_hash, created_at;
+  uint32_t world = 0;
+  uint32_t steps_planned = 0;
+
+  std::map<std::string, JournalFile> journals;  // by file name: the fold order
+
+  std::optional<int64_t> run_started_wall;
+  struct Finished {
+    bool ok = false;
+    std::string reason, kind;
+    StageKind stage = StageKind::SUPERVISOR;
+    uint32_t rank = 0;
+    int64_t wall_ns = 0;
+  };
+  std::optional<Finished> finished;
+  std::optional<int64_t> newest_wall;
+  std::map<std::pair<StageKind, uint32_t>, Process> processes;
+  std::map<uint32_t, std::map<uint32_t, StepData>> steps;      // trainer rank -> step -> data
+  std::map<uint32_t, double> first_forward;                    // trainer rank -> seconds
+  std::optional<std::pair<uint32_t, std::string>> checkpoint;  // newest committed step, path
+
+  void fold(schema::JournalRecord::Reader rec);
+  uint32_t steps_completed() const;
+  bool truncated() const;
+};
+
+void Collector::State::fold(schema::JournalRecord::Reader rec) {
+  const int64_t mono = rec.getMonoNs();
+  const int64_t wall = rec.getWallNs();
+  const StageKind stage = rec.getStage();
+  const uint32_t rank = rec.getRank();
+  if (!newest_wall || wall > *newest_wall) newest_wall = wall;
+
+  Process& self = processes[{stage, rank}];
+  self.see_pid(mono, rec.getPid());
+  if (!self.last_wall || wall > *self.last_wall) self.last_wall = wall;
+
+  const bool from_supervisor = stage == StageKind::SUPERVISOR && rank == 0;
+  switch (rec.which()) {
+    case schema::JournalRecord::PROCESS_STARTED:
+      Process::latest(self.started_mono, mono);
+      break;
+    case schema::JournalRecord::PROCESS_FINISHED:
+      Process::latest(self.finished_mono, mono);
+      break;
+    case schema::JournalRecord::STEP: {
+      auto s = rec.getStep();
+      self.last_step = std::max(self.last_step, s.getStep());
+      if (stage == StageKind::TRAINER) {
+        steps[rank][s.getStep()] =
+            StepData{s.getLoss(), s.getTokens(), s.getStepSeconds(), s.getWaitSeconds(), wall};
+      }
+      break;
+    }
+    case schema::JournalRecord::CHECKPOINT_COMMITTED: {
+      auto c = rec.getCheckpointCommitted();
+      if (!checkpoint || c.getStep() >= checkpoint->first) {
+        checkpoint = std::make_pair(c.getStep(), std::string(c.getPath().cStr()));
+      }
+      break;
+    }
+    case schema::JournalRecord::CHILD_STARTED: {
+      auto ev = rec.getChildStarted();
+      Process& child = processes[{ev.getStage(), ev.getRank()}];
+      child.see_pid(mono, ev.getPid());
+      Process::latest(child.started_mono, mono);
+      break;
+    }
+    case schema::JournalRecord::CHILD_EXITED: {
+      auto ev = rec.getChildExited();
+      Process& child = processes[{ev.getStage(), ev.getRank()}];
+      child.see_pid(mono, ev.getPid());
+      Process::Exit e{mono, ev.getExitCode(), ev.getSignal()};
+      if (!child.exited || e.key() > child.exited->key()) child.exited = e;
+      break;
+    }
+    case schema::JournalRecord::RUN_STARTED:
+      if (from_supervisor && !run_started_wall) run_started_wall = wall;
+      break;
+    case schema::JournalRecord::RUN_FINISHED:
+      if (from_supervisor && !finished) {
+        auto f = rec.getRunFinished();
+        finished = Finished{f.getOk(), f.getReason(), f.getKind(), f.getStage(), f.getRank(), wall};
+      }
+      break;
+    case schema::JournalRecord::FIRST_FORWARD:
+      if (stage == StageKind::TRAINER && !first_forward.contains(rank)) {
+        first_forward[rank] = rec.getFirstForward().getSeconds();
+      }
+      break;
+    default:  // a record kind newer than this collector: its header was still folded
+      break;
+  }
+}
+
+uint32_t Collector::State::steps_completed() const {
+  if (world == 0) return 0;
+  uint32_t out = std::numeric_limits<uint32_t>::max();
+  for (uint32_t r = 0; r < world; ++r) {
+    auto it = steps.find(r);
+    out = std::min(out, it == steps.end() || it->second.empty() ? 0 : it->second.rbegin()->first);
+  }
+  return out;
+}
+
+bool Collector::State::truncated() const {
+  for (const auto& [name, j] : journals) {
+    if (j.trainer && j.reader->stats().torn_bytes > 0) return true;
+  }
+  uint32_t most = 0;
+  for (const auto& [r, s] : steps) {
+    if (!s.empty()) most = std::max(most, s.rbegin()->first);
+  }
+  for (uint32_t r = 0; r < world; ++r) {
+    auto it = steps.find(r);
+    const uint32_t last = it == steps.end() || it->second.empty() ? 0 : it->second.rbegin()->first;
+    if (last < most) return true;
+  }
+  return false;
+}
+
+namespace {
+
+std::string stage_state(const Process& p, int32_t& exit_code, int32_t& signal) {
+  exit_code = 0;
+  signal = 0;
+  auto after_start = [&](int64_t mono) { return !p.started_mono || mono >= *p.started_mono; };
+  const bool finished = p.finished_mono && after_start(*p.finished_mono);
+  if (p.exited && after_start(p.exited->mono)) {
+    exit_code = p.exited->code;
+    signal = p.exited->signal;
+    if (signal != 0) return "signaled";
+    if (exit_code == 0 && finished) return "finished";
+    return "exited";
+  }
+  return finished ? "finished" : "started";
+}
+
+}  // namespace
+
+Collector::Collector(fs::path run_dir)
+    : run_dir_(std::move(run_dir)), state_(std::make_unique<State>()) {
+  schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir_));
+  auto l = launch.get();
+  state_->run_id = l.getRunId();
+  state_->recipe = l.getRecipe().getName();
+  state_->recipe_hash = l.getRecipe().getHash();
+  state_->created_at = l.getCreatedAt();
+  state_->world = l.getWorld();
+  state_->steps_planned = l.getSteps();
+}
+
+Collector::~Collector() = default;
+
+bool Collector::poll() {
+  const fs::path dir = layout::journal_dir(run_dir_);
+  std::error_code ec;
+  if (fs::is_directory(dir, ec)) {
+    fs::directory_iterator it(dir, ec);
+    if (ec) {
+      throw Error(ErrorKind::kSystem, fmt::format("cannot list {}: {}", dir.string(), ec.message()),
+                  __FILE__, __LINE__, ec.value());
+    }
+    for (const auto& entry : it) {
+      const std::string name = entry.path().filename().string();
+      if (!name.ends_with(kJournalSuffix) || !entry.is_regular_file() ||
+          state_->journals.contains(name)) {
+        continue;
+      }
+      JournalFile j;
+      j.reader = std::make_unique<ipc::JournalReader>(entry.path());
+      j.trainer = name.starts_with(std::string(layout::stage_name(StageKind::TRAINER)) + "-");
+      state_->journals.emplace(name, std::move(j));
+    }
+  }
+  for (auto& [name, j] : state_->journals) {
+    j.reader->poll([this](schema::JournalRecord::Reader rec) { state_->fold(rec); });
+  }
+  auto before = std::move(outputs_);
+  render();
+  return before != outputs_;
+}
+
+void Collector::finish() {
+  for (auto& [name, j] : state_->journals) {
+    j.reader->finish([this](schema::JournalRecord::Reader rec) { state_->fold(rec); });
+  }
+  render();
+}
+
+void Collector::render() {
+  const State& s = *state_;
+  std::map<std::string, std::string> out;
+  const uint32_t completed = s.steps_completed();
+  const bool terminal = s.finished.has_value();
+
+  {
+    capnp::MallocMessageBuilder message;
+    auto m = message.initRoot<schema::Manifest>();
+    m.setSchemaVersion(schema::SCHEMA_VERSION);
+    m.setRunId(s.run_id);
+    m.setRecipe(s.recipe);
+    m.setRecipeHash(s.recipe_hash);
+    m.setWorld(s.world);
+    m.setStepsPlanned(s.steps_planned);
+    m.setStepsCompleted(completed);
+    if (s.finished) {
+      m.setState(s.finished->ok ? schema::RunState::OK : schema::RunState::ERROR);
+    } else {
+      m.setState(s.run_started_wall ? schema::RunState::RUNNING : schema::RunState::LAUNCHED);
+    }
+    m.setLaunchedAt(s.created_at);
+    if (s.run_started_wall) m.setRunningAt(rfc3339(*s.run_started_wall));
+    if (s.finished) m.setCompletedAt(rfc3339(s.finished->wall_ns));
+    if (s.newest_wall) m.setLastPolledAt(rfc3339(*s.newest_wall));
+    if (s.finished && !s.finished->ok) {
+      auto e = m.initError();
+      e.setKind(s.finished->kind);
+      e.setStage(s.finished->stage);
+      e.setRank(s.finished->rank);
+      e.setMessage(s.finished->reason);
+    }
+    auto stages = m.initStages(static_cast<unsigned>(s.processes.size()));
+    unsigned i = 0;
+    for (const auto& [key, p] : s.processes) {
+      auto snap = stages[i++];
+      snap.setStage(key.first);
+      snap.setRank(key.second);
+      snap.setPid(p.pid ? p.pid->second : 0);
+      int32_t code = 0, signal = 0;
+      snap.setState(stage_state(p, code, signal));
+      snap.setExitCode(code);
+      snap.setSignal(signal);
+      snap.setLastStep(p.last_step);
+      if (p.last_wall) snap.setLastRecordAt(rfc3339(*p.last_wall));
+    }
+    if (s.checkpoint) {
+      m.setLatestCheckpoint(s.checkpoint->second);
+      m.setLatestCheckpointStep(s.checkpoint->first);
+    }
+    if (terminal) {
+      auto receipts = m.initReceipts(2);
+      receipts.set(0, std::string(kBenchResult));
+      receipts.set(1, std::string(kBenchTelemetry));
+    }
+    auto journals = m.initJournals(static_cast<unsigned>(s.journals.size()));
+    i = 0;
+    for (const auto& [name, j] : s.journals) {
+      auto js = journals[i++];
+      js.setName(name);
+      js.setRecords(clamp32(j.reader->stats().records));
+      js.setTornBytes(clamp32(j.reader->stats().torn_bytes));
+    }
+    out[std::string(kManifest)] = schemas::to_json(m.asReader());
+  }
+
+  if (terminal) {
+    // Per-step series over every step any rank recorded.
+    struct Point {
+      double loss_sum = 0;
+      uint32_t ranks = 0;
+      double step_max = 0;
+      double wait_max = 0;
+    };
+    std::map<uint32_t, Point> points;
+    double tokens = 0;
+    std::optional<int64_t> first_start, rank0_start, last_end;
+    for (const auto& [rank, series] : s.steps) {
+      for (const auto& [step, d] : series) {
+        Point& p = points[step];
+        p.loss_sum += d.loss;
+        p.ranks += 1;
+        p.step_max = std::max(p.step_max, d.step_seconds);
+        p.wait_max = std::max(p.wait_max, d.wait_seconds);
+        tokens += d.tokens;
+        const int64_t start = d.wall_ns - static_cast<int64_t>(std::llround(d.step_seconds * 1e9));
+        if (!first_start || start < *first_start) first_start = start;
+        if (rank == 0 && step == 1) rank0_start = start;
+        if (!last_end || d.wall_ns > *last_end) last_end = d.wall_ns;
+      }
+    }
+    auto mean_loss_at = [&](uint32_t step) {
+      auto it = points.find(step);
+      return it == points.end() || it->second.ranks == 0 ? 0.0
+                                                         : it->second.loss_sum / it->second.ranks;
+    };
+    double wall_seconds = 0;
+    if (last_end) {
+      const int64_t start = rank0_start ? *rank0_start : *first_start;
+      wall_seconds = std::max(0.0, static_cast<double>(*last_end - start) / 1e9);
+    }
+    double step_seconds_sum = 0;
+    for (uint32_t step = 1; step <= completed; ++step) {
+      auto it = points.find(step);
+      if (it != points.end()) step_seconds_sum += it->second.step_max;
+    }
+
+    capnp::MallocMessageBuilder result_message;
+    auto r = result_message.initRoot<schema::BenchResult>();
+    r.setSchemaVersion(schema::SCHEMA_VERSION);
+    r.setRunId(s.run_id);
+    r.setRecipe(s.recipe);
+    r.setRecipeHash(s.recipe_hash);
+    r.setWorld(s.world);
+    r.setSteps(completed);
+    r.setTokens(tokens);
+    r.setFirstLoss(mean_loss_at(1));
+    r.setLastLoss(completed > 0 ? mean_loss_at(completed) : 0.0);
+    r.setWallSeconds(wall_seconds);
+    r.setTokensPerSecond(wall_seconds > 0 ? tokens / wall_seconds : 0.0);
+    r.setMeanStepSeconds(completed > 0 ? step_seconds_sum / completed : 0.0);
+    out["receipts/" + std::string(kBenchResult)] = schemas::to_json(r.asReader());
+
+    capnp::MallocMessageBuilder telemetry_message;
+    auto t = telemetry_message.initRoot<schema::BenchTelemetry>();
+    t.setSchemaVersion(schema::SCHEMA_VERSION);
+    t.setRunId(s.run_id);
+    auto list = t.initSteps(static_cast<unsigned>(points.size()));
+    unsigned i = 0;
+    for (const auto& [step, p] : points) {
+      auto sp = list[i++];
+      sp.setStep(step);
+      sp.setLoss(p.loss_sum / p.ranks);
+      sp.setStepSeconds(p.step_max);
+      sp.setWaitSeconds(p.wait_max);
+    }
+    auto ff = t.initFirstForwardSeconds(s.world);
+    for (uint32_t rank = 0; rank < s.world; ++rank) {
+      auto it = s.first_forward.find(rank);
+      ff.set(rank, it == s.first_forward.end() ? 0.0 : it->second);
+    }
+    t.setTelemetryTruncated(s.truncated());
+    out["receipts/" + std::string(kBenchTelemetry)] = schemas::to_json(t.asReader());
+  }
+  outputs_ = std::move(out);
+}
+
+void Collector::write() {
+  for (const auto& [rel, bytes] : outputs_) {
+    auto known = on_disk_.find(rel);
+    if (known != on_disk_.end() && known->second == bytes) continue;
+    const fs::path path = run_dir_ / rel;
+    std::error_code ec;
+    bool same = false;
+    if (fs::exists(path, ec)) {
+      try {
+        same = read_file(path) == bytes;
+      } catch (const Error&) {
+        same = false;  // unreadable: replace it
+      }
+    }
+    if (!same) {
+      fs::create_directories(path.parent_path(), ec);
+      if (ec) {
+        throw Error(ErrorKind::kSystem,
+                    fmt::format("cannot create {}: {}", path.parent_path().string(), ec.message()),
+                    __FILE__, __LINE__, ec.value());
+      }
+      write_file_atomic(path, bytes);
+    }
+    on_disk_[rel] = bytes;
+  }
+}
+
+void collect_run(const fs::path& run_dir) {
+  Collector c(run_dir);
+  c.poll();
+  c.finish();
+  c.write();
+}
+
+}  // namespace megacpp::collector

@@ -1,0 +1,690 @@
+// megacpp::checkpointer: safetensors writer/reader, the commit protocol, verify, and the
+// snapshot service over real ZeroMQ sockets and real shm staging regions.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fcntl.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <numeric>
+#include <set>
+#include <thread>
+
+#include "core/error.h"
+#include "core/util.h"
+#include "ipc/ipc.h"
+#include "schemas/checkpoint.capnp.h"
+#include "schemas/json.h"
+#include "schemas/launch.capnp.h"
+#include "schemas/run_layout.h"
+#include "stages/checkpointer/checkpointer.h"
+
+namespace megacpp::checkpointer {
+namespace {
+
+using namespace std::chrono_literals;
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "mck-XXXXXX").string();
+    MEGACPP_CHECK(::mkdtemp(tmpl.data()) != nullptr, ErrorKind::kSystem, "mkdtemp");
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+// A byte buffer standing in for a staging region, with F32/I64 tensors at known offsets.
+struct FakeRegion {
+  std::vector<std::byte> bytes;
+  std::vector<TensorView> views;
+
+  template <typename T>
+  void add(const std::string& name, const std::string& dtype, std::vector<uint64_t> shape,
+           const std::vector<T>& values) {
+    const size_t offset = bytes.size();
+    bytes.resize(offset + values.size() * sizeof(T));
+    if (!values.empty())
+      std::memcpy(bytes.data() + offset, values.data(), values.size() * sizeof(T));
+    views.push_back(TensorView{name, dtype, std::move(shape), nullptr, values.size() * sizeof(T)});
+    offsets.push_back(offset);
+  }
+  std::span<const TensorView> finish() {
+    for (size_t i = 0; i < views.size(); ++i) views[i].data = bytes.data() + offsets[i];
+    return views;
+  }
+  std::vector<size_t> offsets;
+};
+
+FakeRegion sample_region(float scale) {
+  FakeRegion r;
+  std::vector<float> w(6);
+  std::iota(w.begin(), w.end(), 1.0f);
+  for (auto& x : w) x *= scale;
+  r.add<float>("model.w", "F32", {2, 3}, w);
+  r.add<int64_t>("optim.step", "I64", {}, {42});
+  r.add<float>("optim.exp_avg.model.w", "F32", {3, 2}, std::vector<float>(6, 0.5f * scale));
+  r.add<float>("empty", "F32", {0, 4}, {});
+  return r;
+}
+
+TEST(Safetensors, WritesAndReadsBackHeader) {
+  TempDir dir;
+  FakeRegion region = sample_region(1.0f);
+  auto views = region.finish();
+  const fs::path path = dir.path() / "t.safetensors";
+  WrittenFile w = write_safetensors(path, views, {{"step", "7"}});
+  EXPECT_EQ(w.tensors, 4u);
+  EXPECT_EQ(w.bytes, fs::file_size(path));
+  EXPECT_EQ(w.xxh3, xxh3_hex(read_file(path)));
+  EXPECT_EQ(w.xxh3, xxh3_file(path));
+
+  SafetensorsHeader h = read_safetensors_header(path);
+  EXPECT_EQ(h.header_bytes % 8, 0u);
+  EXPECT_EQ(h.data_bytes, region.bytes.size());
+  EXPECT_EQ(h.metadata.at("format"), "pt");
+  EXPECT_EQ(h.metadata.at("step"), "7");
+  ASSERT_EQ(h.tensors.size(), 4u);
+  // Sorted by offset = the order written.
+  EXPECT_EQ(h.tensors[0].name, "model.w");
+  EXPECT_EQ(h.tensors[0].dtype, "F32");
+  EXPECT_EQ(h.tensors[0].shape, (std::vector<uint64_t>{2, 3}));
+  EXPECT_EQ(h.tensors[0].begin, 0u);
+  EXPECT_EQ(h.tensors[0].end, 24u);
+  EXPECT_EQ(h.tensors[1].name, "optim.step");
+  EXPECT_EQ(h.tensors[1].dtype, "I64");
+  EXPECT_TRUE(h.tensors[1].shape.empty());
+  EXPECT_EQ(h.tensors[1].begin, 24u);
+  EXPECT_EQ(h.tensors[1].end, 32u);
+  EXPECT_EQ(h.tensors[2].name, "optim.exp_avg.model.w");
+  EXPECT_EQ(h.tensors[2].begin, 32u);
+  EXPECT_EQ(h.tensors[2].end, 56u);
+  EXPECT_EQ(h.tensors[3].name, "empty");
+  EXPECT_EQ(h.tensors[3].begin, 56u);
+  EXPECT_EQ(h.tensors[3].end, 56u);
+
+  // The data section is the region's bytes, verbatim.
+  std::string file = read_file(path);
+  ASSERT_EQ(file.size(), 8 + h.header_bytes + region.bytes.size());
+  EXPECT_EQ(std::memcmp(file.data() + 8 + h.header_bytes, region.bytes.data(), region.bytes.size()),
+            0);
+}
+
+TEST(Safetensors, ZeroTensorsIsAValidFile) {
+  TempDir dir;
+  const fs::path path = dir.path() / "none.safetensors";
+  WrittenFile w = write_safetensors(path, {}, {});
+  EXPECT_EQ(w.tensors, 0u);
+  SafetensorsHeader h = read_safetensors_header(path);
+  EXPECT_TRUE(h.tensors.empty());
+  EXPECT_EQ(h.data_bytes, 0u);
+  EXPECT_EQ(h.metadata.at("format"), "pt");
+}
+
+TEST(Safetensors, RejectsBadTensorsAndLeavesNoFile) {
+  TempDir dir;
+  const fs::path path = dir.path() / "bad.safetensors";
+  float data[4] = {};
+  auto expect_invalid = [&](std::vector<TensorView> views) {
+    try {
+      write_safetensors(path, views);
+      ADD_FAILURE() << "accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();
+    }
+    EXPECT_FALSE(fs::exists(path));
+  };
+  auto* p = reinterpret_cast<const std::byte*>(data);
+  expect_invalid({TensorView{"a", "F31", {4}, p, 16}});  // unknown dtype
+  expect_invalid({TensorView{"a", "F32", {3}, p, 16}});  // size mismatch
+  expect_invalid({TensorView{"a", "F32", {2}, p, 8}, TensorView{"a", "F32", {2}, p, 8}});  // dup
+  expect_invalid({TensorView{"__metadata__", "F32", {4}, p, 16}});  // reserved
+}
+
+TEST(Safetensors, HeaderParserRejectsCorruption) {
+  auto frame = [](const std::string& json, size_t data) {
+    std::string out(8, '\0');
+    uint64_t n = json.size();
+    std::memcpy(out.data(), &n, 8);
+    return out + json + std::string(data, '\0');
+  };
+  auto expect_corrupt = [](const std::string& bytes) {
+    try {
+      parse_safetensors_header(bytes, bytes.size());
+      ADD_FAILURE() << "accepted: " << bytes.substr(8);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kCorruption) << e.what();
+    }
+  };
+  const std::string good = frame(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8);
+  EXPECT_NO_THROW(parse_safetensors_header(good, good.size()));
+  EXPECT_EQ(parse_safetensors_header(good, good.size()).tensors.at(0).end, 8u);
+  expect_corrupt("abc");
+  expect_corrupt(frame("{not json", 0));
+  expect_corrupt(frame("[]", 0));
+  expect_corrupt(frame(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4));   // short
+  expect_corrupt(frame(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 12));  // extra
+  expect_corrupt(frame(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8));   // shape
+  expect_corrupt(frame(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8));   // gap
+  expect_corrupt(frame(R"({"a":{"dtype":"X","shape":[2],"data_offsets":[0,8]}})", 8));     // dtype
+  expect_corrupt(frame(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8));
+  expect_corrupt(frame(R"({"__metadata__":{"k":1}})", 0));
+  // Header length beyond the file.
+  std::string big(8, '\0');
+  big[0] = 100;
+  expect_corrupt(big + "{}");
+}
+
+fs::path step_dir(const fs::path& run, uint32_t step) {
+  return layout::checkpoints_dir(run) / layout::checkpoint_dir_name(step);
+}
+
+// Writes and commits step `step` for world 2 directly through the store.
+CommittedCheckpoint commit_world2(CheckpointStore& store, uint32_t step) {
+  FakeRegion r0 = sample_region(1.0f);
+  store.write_rank(step, 2, 0, r0.finish());
+  EXPECT_FALSE(store.complete(step));
+  store.write_rank(step, 2, 1, {});  // a rank that owns no tensors
+  EXPECT_TRUE(store.complete(step));
+  return store.commit(step);
+}
+
+TEST(CheckpointStore, CommitProtocolWorld2) {
+  TempDir run;
+  CheckpointStore store(run.path(), "run-x", "hash-y");
+  EXPECT_FALSE(store.latest().has_value());
+  FakeRegion r0 = sample_region(1.0f);
+  store.write_rank(40, 2, 0, r0.finish());
+  const fs::path tmp = layout::checkpoints_dir(run.path()) / "step_00000040.tmp";
+  EXPECT_TRUE(fs::exists(tmp / "rank_0.safetensors"));
+  EXPECT_FALSE(store.complete(40));
+  EXPECT_EQ(store.pending(), std::vector<uint32_t>{40});
+  EXPECT_THROW(store.write_rank(40, 3, 1, {}), Error);  // world disagrees
+  store.write_rank(40, 2, 1, {});
+  ASSERT_TRUE(store.complete(40));
+  CommittedCheckpoint c = store.commit(40);
+
+  EXPECT_EQ(c.step, 40u);
+  EXPECT_EQ(c.relative_path, "checkpoints/step_00000040");
+  EXPECT_EQ(c.dir, step_dir(run.path(), 40));
+  EXPECT_FALSE(fs::exists(tmp));
+  EXPECT_TRUE(store.pending().empty());
+  EXPECT_EQ(read_file(layout::checkpoints_dir(run.path()) / "LATEST"), "step_00000040\n");
+  EXPECT_EQ(store.latest(), 40u);
+
+  schemas::JsonFile<schema::CheckpointManifest> doc(c.dir / "checkpoint.json");
+  auto m = doc.get();
+  EXPECT_EQ(m.getSchemaVersion(), schema::SCHEMA_VERSION);
+  EXPECT_EQ(std::string(m.getRunId().cStr()), "run-x");
+  EXPECT_EQ(std::string(m.getRecipeHash().cStr()), "hash-y");
+  EXPECT_EQ(m.getStep(), 40u);
+  EXPECT_EQ(m.getWorld(), 2u);
+  ASSERT_EQ(m.getFiles().size(), 2u);
+  uint64_t total = fs::file_size(c.dir / "checkpoint.json");
+  for (uint32_t r = 0; r < 2; ++r) {
+    auto f = m.getFiles()[r];
+    const fs::path file = c.dir / fmt::format("rank_{}.safetensors", r);
+    EXPECT_EQ(std::string(f.getName().cStr()), file.filename().string());
+    EXPECT_EQ(f.getBytes(), fs::file_size(file));
+    EXPECT_EQ(std::string(f.getXxh3().cStr()), xxh3_hex(read_file(file)));
+    EXPECT_EQ(f.getTensors(), r == 0 ? 4u : 0u);
+    total += f.getBytes();
+  }
+  EXPECT_EQ(c.bytes, total);
+  auto v = verify_checkpoint(c.dir);
+  EXPECT_TRUE(v.ok) << (v.problems.empty() ? "" : v.problems[0]);
+
+  // A second, later commit moves LATEST; the first stays untouched.
+  commit_world2(store, 50);
+  EXPECT_EQ(read_file(layout::checkpoints_dir(run.path()) / "LATEST"), "step_00000050\n");
+  EXPECT_TRUE(verify_checkpoint(step_dir(run.path(), 40)).ok);
+  EXPECT_TRUE(verify_checkpoint(step_dir(run.path(), 50)).ok);
+}
+
+TEST(CheckpointStore, VerifyDetectsFlippedByteAndMissingFile) {
+  TempDir run;
+  CheckpointStore store(run.path(), "r", "h");
+  CommittedCheckpoint c = commit_world2(store, 3);
+  ASSERT_TRUE(verify_checkpoint(c.dir).ok);
+
+  // Flip one data byte of rank 0 (same size, header intact: only the checksum notices).
+  const fs::path f0 = c.dir / "rank_0.safetensors";
+  {
+    std::fstream f(f0, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-3, std::ios::end);
+    char ch = 0;
+    f.read(&ch, 1);
+    ch = static_cast<char>(ch ^ 0x40);
+    f.seekp(-3, std::ios::end);
+    f.write(&ch, 1);
+  }
+  auto v = verify_checkpoint(c.dir);
+  EXPECT_FALSE(v.ok);
+  ASSERT_EQ(v.problems.size(), 1u);
+  EXPECT_NE(v.problems[0].find("rank_0.safetensors: xxh3"), std::string::npos) << v.problems[0];
+
+  fs::remove(c.dir / "rank_1.safetensors");
+  v = verify_checkpoint(c.dir);
+  EXPECT_FALSE(v.ok);
+  ASSERT_EQ(v.problems.size(), 2u);
+  EXPECT_NE(v.problems[1].find("rank_1.safetensors: missing"), std::string::npos) << v.problems[1];
+
+  fs::remove(c.dir / "checkpoint.json");
+  v = verify_checkpoint(c.dir);
+  EXPECT_FALSE(v.ok);
+  EXPECT_EQ(v.problems.size(), 1u);
+}
+
+TEST(CheckpointStore, DiscardsLeftoverTmpAtStart) {
+  TempDir run;
+  {
+    CheckpointStore store(run.path(), "r", "h");
+    commit_world2(store, 3);
+    FakeRegion r0 = sample_region(2.0f);
+    store.write_rank(6, 2, 0, r0.finish());  // the "crash": step 6 never completes
+  }
+  const fs::path ckpts = layout::checkpoints_dir(run.path());
+  ASSERT_TRUE(fs::exists(ckpts / "step_00000006.tmp" / "rank_0.safetensors"));
+  CheckpointStore store(run.path(), "r", "h");
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000006.tmp"));
+  EXPECT_TRUE(store.pending().empty());
+  EXPECT_EQ(store.latest(), 3u);
+  EXPECT_TRUE(verify_checkpoint(step_dir(run.path(), 3)).ok);
+  EXPECT_EQ(read_file(ckpts / "LATEST"), "step_00000003\n");
+
+  // Same for an explicit discard.
+  store.write_rank(9, 2, 1, {});
+  EXPECT_TRUE(fs::exists(ckpts / "step_00000009.tmp"));
+  store.discard_all();
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000009.tmp"));
+}
+
+// ---------------------------------------------------------------------------------------
+// The service, with real sockets and real shm regions (in one process: the service is
+// driven by poll()).
+
+struct Rank {
+  std::unique_ptr<ipc::ShmRegion> region;
+  std::unique_ptr<ipc::Channel> dealer;
+  std::vector<std::tuple<std::string, std::string, std::vector<uint64_t>, uint64_t, uint64_t>>
+      tensors;  // name, dtype, shape, offset, bytes
+};
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    prefix_ = fmt::format("/megacpp-cktest-{}-", ::getpid());
+    endpoint_ = "ipc://" + (sock_.path() / "ck").string();
+    store_ = std::make_unique<CheckpointStore>(run_.path(), "run-svc", "hash");
+    router_ = std::make_unique<ipc::Channel>(zmq_, ipc::Channel::Kind::kRouter, endpoint_);
+    journal_ = std::make_unique<ipc::JournalWriter>(
+        layout::journal_path(run_.path(), schema::StageKind::CHECKPOINTER, 0));
+    journal_->set_identity(schema::StageKind::CHECKPOINTER, 0);
+    service_ = std::make_unique<Service>(*store_, *router_, journal_.get(),
+                                         [this](schema::Phase p) { phases_.push_back(p); });
+    for (uint32_t r = 0; r < 2; ++r) {
+      auto& rank = ranks_[r];
+      rank.region = std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{},
+                                                     layout::staging_shm_name(prefix_, r), 4096);
+      rank.dealer =
+          std::make_unique<ipc::Channel>(zmq_, ipc::Channel::Kind::kDealer, endpoint_,
+                                         layout::process_name(schema::StageKind::TRAINER, r));
+    }
+  }
+  void TearDown() override {
+    service_.reset();
+    for (auto& r : ranks_) r.dealer.reset();
+    router_.reset();
+    for (auto& r : ranks_) r.region.reset();
+    EXPECT_TRUE(ipc::list_shm(prefix_).empty());
+  }
+
+  // Fills rank r's staging region with `count` F32 tensors of 4 values (value = step + i)
+  // and sends SnapshotReady.
+  void send_snapshot(uint32_t r, uint32_t step, uint32_t count, uint64_t bad_offset = 0) {
+    auto& rank = ranks_[r];
+    ipc::ControlMessageBuilder b;
+    auto ready = b.root().initSnapshotReady();
+    ready.setRank(r);
+    ready.setWorld(2);
+    ready.setStep(step);
+    ready.setRegion(rank.region->name());
+    ready.setRegionBytes(rank.region->size());
+    auto list = ready.initTensors(count);
+    for (uint32_t i = 0; i < count; ++i) {
+      float vals[4];
+      for (int k = 0; k < 4; ++k) vals[k] = static_cast<float>(step + i) + 0.25f * k;
+      std::memcpy(rank.region->data() + 64 * i, vals, sizeof vals);
+      auto t = list[i];
+      t.setName(fmt::format("r{}.t{}", r, i));
+      t.setDtype("F32");
+      auto shape = t.initShape(2);
+      shape.set(0, 2);
+      shape.set(1, 2);
+      t.setOffset(bad_offset ? bad_offset : 64 * i);
+      t.setBytes(sizeof vals);
+    }
+    ASSERT_TRUE(rank.dealer->send(b.message()));
+  }
+
+  struct Ack {
+    uint32_t rank, step;
+    bool ok, committed;
+    std::string error;
+  };
+  Ack receive_ack(uint32_t r) {
+    auto msg = ranks_[r].dealer->receive(5000ms);
+    EXPECT_TRUE(msg != nullptr);
+    if (!msg) return {};
+    EXPECT_TRUE(msg->root().isSnapshotAck());
+    auto a = msg->root().getSnapshotAck();
+    return Ack{a.getRank(), a.getStep(), a.getOk(), a.getCommitted(), a.getError().cStr()};
+  }
+  void serve_one() { ASSERT_TRUE(service_->poll(5000ms)); }
+
+  TempDir run_, sock_;
+  std::string prefix_, endpoint_;
+  ipc::ZmqContext zmq_;
+  std::unique_ptr<CheckpointStore> store_;
+  std::unique_ptr<ipc::Channel> router_;
+  std::unique_ptr<ipc::JournalWriter> journal_;
+  std::unique_ptr<Service> service_;
+  std::vector<schema::Phase> phases_;
+  Rank ranks_[2];
+};
+
+TEST_F(ServiceTest, SnapshotsOfTwoRanksAreCommittedAndAcked) {
+  for (uint32_t step : {5u, 10u}) {
+    send_snapshot(0, step, 3);
+    serve_one();
+    Ack a0 = receive_ack(0);
+    EXPECT_EQ(a0.rank, 0u);
+    EXPECT_EQ(a0.step, step);
+    EXPECT_TRUE(a0.ok);
+    EXPECT_FALSE(a0.committed);
+    EXPECT_TRUE(service_->has_pending());
+
+    send_snapshot(1, step, 1);
+    serve_one();
+    Ack a1 = receive_ack(1);
+    EXPECT_TRUE(a1.ok);
+    EXPECT_FALSE(a1.committed);
+    for (uint32_t r = 0; r < 2; ++r) {
+      Ack c = receive_ack(r);
+      EXPECT_EQ(c.rank, r);
+      EXPECT_EQ(c.step, step);
+      EXPECT_TRUE(c.ok);
+      EXPECT_TRUE(c.committed);
+    }
+    EXPECT_FALSE(service_->has_pending());
+    const fs::path dir = step_dir(run_.path(), step);
+    auto v = verify_checkpoint(dir);
+    EXPECT_TRUE(v.ok) << (v.problems.empty() ? "" : v.problems[0]);
+    auto h = read_safetensors_header(dir / "rank_0.safetensors");
+    ASSERT_EQ(h.tensors.size(), 3u);
+    EXPECT_EQ(h.tensors[2].name, "r0.t2");
+    EXPECT_EQ(h.tensors[2].shape, (std::vector<uint64_t>{2, 2}));
+    std::string file = read_file(dir / "rank_0.safetensors");
+    float v2[4];
+    std::memcpy(v2, file.data() + 8 + h.header_bytes + h.tensors[2].begin, sizeof v2);
+    EXPECT_EQ(v2[0], static_cast<float>(step + 2));
+    EXPECT_EQ(v2[3], static_cast<float>(step + 2) + 0.75f);
+  }
+  EXPECT_EQ(service_->committed(), 2u);
+  EXPECT_EQ(read_file(layout::checkpoints_dir(run_.path()) / "LATEST"), "step_00000010\n");
+  EXPECT_FALSE(service_->poll(10ms));
+  ASSERT_FALSE(phases_.empty());
+  EXPECT_EQ(phases_.back(), schema::Phase::IDLE);
+  EXPECT_NE(std::find(phases_.begin(), phases_.end(), schema::Phase::WRITE), phases_.end());
+
+  std::vector<std::pair<uint32_t, std::string>> commits;
+  ipc::JournalReader::read_all(journal_->path(), [&](schema::JournalRecord::Reader rec) {
+    if (rec.isCheckpointCommitted()) {
+      auto c = rec.getCheckpointCommitted();
+      commits.emplace_back(c.getStep(), c.getPath().cStr());
+      EXPECT_GT(c.getBytes(), 0u);
+      EXPECT_GE(c.getSeconds(), 0.0);
+    }
+  });
+  EXPECT_EQ(commits, (std::vector<std::pair<uint32_t, std::string>>{
+                         {5, "checkpoints/step_00000005"}, {10, "checkpoints/step_00000010"}}));
+}
+
+TEST_F(ServiceTest, RecreatedStagingRegionIsReattached) {
+  auto commit_step = [&](uint32_t step) {
+    for (uint32_t r = 0; r < 2; ++r) {
+      send_snapshot(r, step, 1);
+      serve_one();
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+      EXPECT_TRUE(receive_ack(r).ok);
+      EXPECT_TRUE(receive_ack(r).committed);
+    }
+  };
+  commit_step(1);
+  // Same name, same size, a new segment (a restarted producer): must not read the old mapping.
+  const std::string name = ranks_[0].region->name();
+  ranks_[0].region.reset();
+  ranks_[0].region = std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{}, name, 4096);
+  commit_step(100);
+  auto h = read_safetensors_header(step_dir(run_.path(), 100) / "rank_0.safetensors");
+  std::string file = read_file(step_dir(run_.path(), 100) / "rank_0.safetensors");
+  float v0 = 0;
+  std::memcpy(&v0, file.data() + 8 + h.header_bytes, sizeof v0);
+  EXPECT_EQ(v0, 100.0f);
+}
+
+TEST_F(ServiceTest, PartialStepIsDiscarded) {
+  send_snapshot(0, 7, 2);
+  serve_one();
+  EXPECT_TRUE(receive_ack(0).ok);
+  EXPECT_TRUE(service_->has_pending());
+  EXPECT_TRUE(fs::exists(layout::checkpoints_dir(run_.path()) / "step_00000007.tmp"));
+  service_->discard_pending();
+  EXPECT_FALSE(service_->has_pending());
+  EXPECT_FALSE(fs::exists(layout::checkpoints_dir(run_.path()) / "step_00000007.tmp"));
+  EXPECT_FALSE(fs::exists(step_dir(run_.path(), 7)));
+}
+
+TEST_F(ServiceTest, OutOfRegionTensorIsNackedAndThrows) {
+  send_snapshot(1, 3, 1, /*bad_offset=*/4090);
+  try {
+    service_->poll(5000ms);
+    ADD_FAILURE() << "accepted a tensor outside the staging region";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kProtocol) << e.what();
+  }
+  Ack a = receive_ack(1);
+  EXPECT_FALSE(a.ok);
+  EXPECT_FALSE(a.committed);
+  EXPECT_NE(a.error.find("outside"), std::string::npos) << a.error;
+}
+
+// ---------------------------------------------------------------------------------------
+// Python's safetensors reads what we write.
+
+TEST(SafetensorsPython, LoadsWithSafetensorsNumpy) {
+  const fs::path python = "/work/main/.venv/bin/python";
+  if (!fs::exists(python)) GTEST_SKIP() << python << " is missing (run scripts/setup.sh)";
+  if (std::system((python.string() + " -c 'import safetensors.numpy' 2>/dev/null").c_str()) != 0) {
+    GTEST_SKIP() << "the venv has no safetensors package";
+  }
+  TempDir run;
+  CheckpointStore store(run.path(), "run-py", "h");
+  CommittedCheckpoint c = commit_world2(store, 2);
+  const std::string script = R"PY(
+import sys, numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load_file
+d = sys.argv[1]
+t = load_file(d + "/rank_0.safetensors")
+assert sorted(t) == ["empty", "model.w", "optim.exp_avg.model.w", "optim.step"], sorted(t)
+assert t["model.w"].dtype == np.float32 and t["model.w"].shape == (2, 3)
+assert (t["model.w"] == np.arange(1, 7, dtype=np.float32).reshape(2, 3)).all()
+assert t["optim.step"].dtype == np.int64 and t["optim.step"].shape == () and int(t["optim.step"]) == 42
+assert (t["optim.exp_avg.model.w"] == 0.5).all() and t["optim.exp_avg.model.w"].shape == (3, 2)
+assert t["empty"].shape == (0, 4)
+with safe_open(d + "/rank_0.safetensors", framework="np") as f:
+    m = f.metadata()
+    assert m["format"] == "pt" and m["step"] == "2" and m["rank"] == "0" and m["world"] == "2", m
+assert load_file(d + "/rank_1.safetensors") == {}
+print("python-ok")
+)PY";
+  const fs::path script_path = run.path() / "check.py";
+  { std::ofstream(script_path) << script; }
+  const std::string cmd =
+      fmt::format("{} {} {} 2>&1", python.string(), script_path.string(), c.dir.string());
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string output;
+  char buf[512];
+  while (size_t n = std::fread(buf, 1, sizeof buf, pipe)) output.append(buf, n);
+  const int status = ::pclose(pipe);
+  EXPECT_EQ(status, 0) << output;
+  EXPECT_NE(output.find("python-ok"), std::string::npos) << output;
+}
+
+// ---------------------------------------------------------------------------------------
+// The megacpp-checkpointer process: launched like the supervisor launches it (a launch.json,
+// a control ROUTER to say Hello to), fed by two fake ranks, stopped with SIGTERM.
+
+// The stage executable next to this test binary (both land in the build's bin/).
+fs::path sibling_executable(const std::string& name) {
+  return fs::read_symlink("/proc/self/exe").parent_path() / name;
+}
+
+// Waits (bounded) for `pid` to exit; SIGKILLs it after `limit`. Returns the wait status.
+int wait_child(pid_t pid, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      ADD_FAILURE() << "child " << pid << " did not exit in time";
+      return status;
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  return status;
+}
+
+TEST(CheckpointerProcess, CommitsAndStopsCleanlyDiscardingAPartialStep) {
+  const fs::path exe = sibling_executable("megacpp-checkpointer");
+  if (!fs::exists(exe)) GTEST_SKIP() << exe << " is not built";
+  TempDir run, sock;
+  const std::string control = "ipc://" + (sock.path() / "control").string();
+  const std::string ck = "ipc://" + (sock.path() / "ck").string();
+  {
+    capnp::MallocMessageBuilder message;
+    auto l = message.initRoot<schema::LaunchContract>();
+    l.setSchemaVersion(schema::SCHEMA_VERSION);
+    l.setRunId("run-proc");
+    l.setRunDir(run.path().string());
+    l.setControlEndpoint(control);
+    l.setCheckpointEndpoint(ck);
+    l.setWorld(2);
+    l.setHeartbeatIntervalMs(100);
+    l.getRecipe().setHash("hash-proc");
+    write_file_atomic(layout::launch_path(run.path()), schemas::to_json(l.asReader()));
+  }
+  ipc::ZmqContext zmq;
+  ipc::Channel supervisor(zmq, ipc::Channel::Kind::kRouter, control);
+
+  fs::create_directories(layout::logs_dir(run.path()));
+  const fs::path log = layout::log_path(run.path(), schema::StageKind::CHECKPOINTER, 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  std::vector<std::string> args = {exe.string(), "--run-dir", run.path().string(), "--rank", "0"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  ASSERT_EQ(::posix_spawn(&pid, exe.c_str(), &actions, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+
+  const std::string prefix = fmt::format("/megacpp-ckproc-{}-", ::getpid());
+  std::vector<std::unique_ptr<ipc::ShmRegion>> regions;
+  std::vector<std::unique_ptr<ipc::Channel>> dealers;
+  for (uint32_t r = 0; r < 2; ++r) {
+    regions.push_back(std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{},
+                                                       layout::staging_shm_name(prefix, r), 1024));
+    float v[2] = {1.5f * static_cast<float>(r + 1), -2.0f};
+    std::memcpy(regions[r]->data(), v, sizeof v);
+    dealers.push_back(std::make_unique<ipc::Channel>(
+        zmq, ipc::Channel::Kind::kDealer, ck, layout::process_name(schema::StageKind::TRAINER, r)));
+  }
+  auto send = [&](uint32_t r, uint32_t step) {
+    ipc::ControlMessageBuilder b;
+    auto ready = b.root().initSnapshotReady();
+    ready.setRank(r);
+    ready.setWorld(2);
+    ready.setStep(step);
+    ready.setRegion(regions[r]->name());
+    ready.setRegionBytes(regions[r]->size());
+    auto t = ready.initTensors(1)[0];
+    t.setName(fmt::format("p{}", r));
+    t.setDtype("F32");
+    t.initShape(1).set(0, 2);
+    t.setBytes(8);
+    bool sent = false;
+    for (int i = 0; i < 10 && !sent; ++i) sent = dealers[r]->send(b.message());
+    ASSERT_TRUE(sent);
+  };
+  auto ack = [&](uint32_t r) {
+    auto msg = dealers[r]->receive(10000ms);
+    EXPECT_TRUE(msg && msg->root().isSnapshotAck()) << read_file(log);
+    if (!msg || !msg->root().isSnapshotAck()) return std::make_pair(false, false);
+    auto a = msg->root().getSnapshotAck();
+    return std::make_pair(a.getOk(), a.getCommitted());
+  };
+  send(0, 4);
+  EXPECT_EQ(ack(0), std::make_pair(true, false));
+  send(1, 4);
+  EXPECT_EQ(ack(1), std::make_pair(true, false));
+  EXPECT_EQ(ack(0), std::make_pair(true, true));
+  EXPECT_EQ(ack(1), std::make_pair(true, true));
+  send(0, 8);  // rank 1 never sends step 8
+  EXPECT_EQ(ack(0), std::make_pair(true, false));
+
+  ::kill(pid, SIGTERM);
+  const int status = wait_child(pid, 20000ms);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status << "\n"
+                                                             << read_file(log);
+  const fs::path ckpts = layout::checkpoints_dir(run.path());
+  EXPECT_TRUE(verify_checkpoint(ckpts / "step_00000004").ok);
+  EXPECT_EQ(read_file(ckpts / "LATEST"), "step_00000004\n");
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000008.tmp"));
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000008"));
+  std::vector<std::string> kinds;
+  ipc::JournalReader::read_all(layout::journal_path(run.path(), schema::StageKind::CHECKPOINTER, 0),
+                               [&](schema::JournalRecord::Reader rec) {
+                                 if (rec.isProcessStarted()) kinds.push_back("started");
+                                 if (rec.isCheckpointCommitted()) {
+                                   kinds.push_back(rec.getCheckpointCommitted().getPath().cStr());
+                                 }
+                                 if (rec.isProcessFinished()) kinds.push_back("finished");
+                               });
+  EXPECT_EQ(kinds, (std::vector<std::string>{"started", "checkpoints/step_00000004", "finished"}));
+  dealers.clear();
+  regions.clear();
+  EXPECT_TRUE(ipc::list_shm(prefix).empty());
+}
+
+}  // namespace
+}  // namespace megacpp::checkpointer
