@@ -1,0 +1,377 @@
+// megacpp-trainer: one trainer rank. Joins the Gloo group, trains on the batches its data
+// loader publishes into the rank's shm ring, journals every step, and hands snapshots to
+// the checkpointer through a leased staging region (DESIGN §3).
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "core/util.h"
+#include "ipc/ipc.h"
+#include "schemas/run_layout.h"
+#include "stages/stage.h"
+#include "stages/trainer/trainer.h"
+
+namespace megacpp::trainer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using schema::Phase;
+
+constexpr ipc::Millis kPoll{100};
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::chrono::milliseconds knob_seconds(std::string_view name, double fallback) {
+  const double s = env_knob_double(name, fallback);
+  MEGACPP_CHECK(s > 0, ErrorKind::kInvalidArgument, fmt::format("{} must be > 0", name));
+  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0));
+}
+
+double boottime_seconds() {
+  timespec ts{};
+  SYSCALL_CHECK(clock_gettime(CLOCK_BOOTTIME, &ts));
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+// Seconds since the kernel started this process (/proc/self/stat starttime, clock ticks
+// since boot), so the dynamic loading of libtorch before main() is counted. Falls back to
+// the time since `main_entry` when /proc is unreadable.
+double seconds_since_process_start(Clock::time_point main_entry) {
+  try {
+    const std::string stat = read_file("/proc/self/stat");
+    const auto close = stat.rfind(')');
+    if (close != std::string::npos) {
+      std::istringstream fields(stat.substr(close + 1));
+      std::string field;
+      // Fields after the command name start at field 3 (state); starttime is field 22.
+      for (int i = 3; i <= 22 && fields >> field; ++i) {
+        if (i == 22) {
+          const long ticks = SYSCALL_CHECK(sysconf(_SC_CLK_TCK));
+          return boottime_seconds() - std::stod(field) / static_cast<double>(ticks);
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    log_warn("process start time unavailable ({}); timing from main()", e.what());
+  }
+  return seconds_since(main_entry);
+}
+
+// Runs `fn`, turning a foreign exception (c10::Error from torch or the store, gloo's
+// IoException/TimeoutException) into a typed megacpp::Error: a timeout stays a timeout;
+// anything else with peers involved is reported as a peer failure (a dead or hung rank
+// closes its connections), and in a single process it is a bug.
+template <typename F>
+auto typed_errors(std::string_view what, uint32_t world, F&& fn) {
+  try {
+    return fn();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::string text = e.what();
+    if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) text = c10->what_without_backtrace();
+    ErrorKind kind = ErrorKind::kInternal;
+    if (text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos) {
+      kind = ErrorKind::kTimeout;
+    } else if (world > 1) {
+      kind = ErrorKind::kPeerFailure;
+    }
+    throw Error(kind, fmt::format("{}: {}", what, text), __FILE__, __LINE__);
+  }
+}
+
+// The batch ring is created by the loader side; a rank that starts first waits for it,
+// bounded by `timeout`.
+struct Ring {
+  std::unique_ptr<ipc::ShmRegion> region;
+  std::unique_ptr<ipc::SlotRing> ring;
+};
+
+std::optional<Ring> attach_ring(stage::StageContext& ctx, const std::string& name,
+                                std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    try {
+      Ring r;
+      r.region = std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Attach{}, name);
+      r.ring = std::make_unique<ipc::SlotRing>(*r.region);
+      return r;
+    } catch (const Error& e) {
+      const bool absent = e.kind() == ErrorKind::kSystem && e.sys_errno() == ENOENT;
+      const bool unformatted = e.kind() == ErrorKind::kCorruption;
+      if (!(absent || unformatted) || Clock::now() >= deadline) {
+        throw Error(e.kind(), fmt::format("batch ring {}: {}", name, e.what()), __FILE__, __LINE__,
+                    e.sys_errno());
+      }
+    }
+    if (ctx.stop_requested()) return std::nullopt;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// The rank's side of the snapshot plane: one staging region (created at the first
+// snapshot, unlinked when the rank exits) leased to the checkpointer from SnapshotReady
+// until its SnapshotAck{ok}.
+class SnapshotPlane {
+ public:
+  SnapshotPlane(stage::StageContext& ctx, const TrainStep& ts)
+      : ctx_(ctx),
+        ts_(ts),
+        peer_(layout::process_name(schema::StageKind::CHECKPOINTER, 0)),
+        lease_timeout_(knob_seconds("MEGACPP_SNAPSHOT_LEASE_TIMEOUT_S", 60)),
+        commit_timeout_(knob_seconds("MEGACPP_FINAL_COMMIT_TIMEOUT_S", 120)),
+        channel_(ctx.zmq(), ipc::Channel::Kind::kDealer,
+                 std::string(ctx.launch().getCheckpointEndpoint()),
+                 layout::process_name(schema::StageKind::TRAINER, ctx.rank())) {}
+  SnapshotPlane(const SnapshotPlane&) = delete;
+  SnapshotPlane& operator=(const SnapshotPlane&) = delete;
+
+  // Handles every ack already queued; never blocks.
+  void poll() {
+    while (auto msg = channel_.receive(ipc::Millis(0))) handle(*msg);
+  }
+
+  // Waits for the lease, copies the share into staging and sends SnapshotReady. Returns
+  // false (nothing sent) when a stop was requested while waiting.
+  bool take(uint32_t step, bool final) {
+    ctx_.set_phase(Phase::SNAPSHOT);  // waiting for the lease is waiting on the checkpointer
+    if (leased_) {
+      const uint32_t prev = *leased_;
+      const bool freed = wait_for([&] { return !leased_; }, lease_timeout_);
+      if (!freed && ctx_.stop_requested()) return false;
+      MEGACPP_CHECK(freed, ErrorKind::kTimeout,
+                    fmt::format("{} did not acknowledge the snapshot of step {} within {} s; "
+                                "staging region still leased at step {}",
+                                peer_, prev, lease_timeout_.count() / 1000.0, step));
+    }
+    const uint32_t rank = ctx_.rank();
+    if (!region_) {
+      const uint64_t bytes = std::max(ts_.snapshot_layout().total_bytes, kSnapshotAlignment);
+      region_ = std::make_unique<ipc::ShmRegion>(
+          ipc::ShmRegion::Create{},
+          layout::staging_shm_name(std::string(ctx_.launch().getShmPrefix()), rank), bytes);
+    }
+    const SnapshotLayout layout = ts_.copy_snapshot({region_->data(), region_->size()});
+
+    ipc::ControlMessageBuilder mb;
+    auto ready = mb.root().initSnapshotReady();
+    ready.setRank(rank);
+    ready.setWorld(ts_.world());
+    ready.setStep(step);
+    ready.setRegion(region_->name());
+    ready.setRegionBytes(region_->size());
+    fill_tensor_entries(layout, ready.initTensors(static_cast<uint32_t>(layout.entries.size())));
+    ready.setFinal(final);
+    MEGACPP_CHECK(channel_.send(mb.message(), ipc::Millis(5000)), ErrorKind::kPeerFailure,
+                  fmt::format("could not queue SnapshotReady of step {} for {}", step, peer_));
+    leased_ = step;
+    return true;
+  }
+
+  // Waits for SnapshotAck{committed} of `step`. Returns false on a stop request.
+  bool wait_committed(uint32_t step) {
+    const bool done = wait_for([&] { return committed_ && *committed_ >= step; }, commit_timeout_);
+    if (!done && ctx_.stop_requested()) return false;
+    MEGACPP_CHECK(done, ErrorKind::kTimeout,
+                  fmt::format("{} did not commit the final checkpoint (step {}) within {} s", peer_,
+                              step, commit_timeout_.count() / 1000.0));
+    return true;
+  }
+
+ private:
+  // Receives acks until `done()` or `timeout` or a stop request; returns done().
+  template <typename Pred>
+  bool wait_for(Pred done, std::chrono::milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    poll();
+    while (!done() && !ctx_.stop_requested() && Clock::now() < deadline) {
+      if (auto msg = channel_.receive(kPoll)) handle(*msg);
+    }
+    return done();
+  }
+
+  void handle(ipc::Received& msg) {
+    auto root = msg.root();
+    if (root.which() != schema::ControlMessage::SNAPSHOT_ACK) {
+      log_warn("ignoring a non-SnapshotAck message ({}) on the snapshot channel",
+               static_cast<int>(root.which()));
+      return;
+    }
+    auto ack = root.getSnapshotAck();
+    if (ack.getRank() != ctx_.rank()) {
+      log_warn("ignoring a SnapshotAck for rank {} (step {})", ack.getRank(), ack.getStep());
+      return;
+    }
+    MEGACPP_CHECK(
+        ack.getOk(), ErrorKind::kPeerFailure,
+        fmt::format("{} failed the snapshot of step {}: {}", peer_, ack.getStep(),
+                    ack.hasError() && ack.getError().size() > 0 ? std::string(ack.getError().cStr())
+                                                                : std::string("no reason given")));
+    if (leased_ && ack.getStep() == *leased_) leased_.reset();
+    if (ack.getCommitted()) {
+      committed_ = std::max(committed_.value_or(0), ack.getStep());
+    }
+  }
+
+  stage::StageContext& ctx_;
+  const TrainStep& ts_;
+  const std::string peer_;
+  const std::chrono::milliseconds lease_timeout_;
+  const std::chrono::milliseconds commit_timeout_;
+  ipc::Channel channel_;
+  std::unique_ptr<ipc::ShmRegion> region_;
+  std::optional<uint32_t> leased_;     // step whose snapshot the checkpointer still reads
+  std::optional<uint32_t> committed_;  // latest step acknowledged as committed
+};
+
+void run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
+  auto launch = ctx.launch();
+  const uint32_t rank = ctx.rank();
+  const uint32_t world = launch.getWorld();
+  const uint32_t steps = launch.getSteps();
+  const ModelConfig model = model_config(launch.getRecipe().getModel());
+  const TrainConfig train = train_config(launch.getRecipe().getTrain());
+  validate(model);
+  MEGACPP_CHECK(world > 0 && rank < world, ErrorKind::kInvalidArgument,
+                fmt::format("rank {} outside world {}", rank, world));
+  MEGACPP_CHECK(steps > 0 && train.batch_size > 0, ErrorKind::kInvalidArgument,
+                "launch: steps and batchSize must be > 0");
+
+  const int64_t threads = env_knob_int("MEGACPP_TRAINER_THREADS", 1);
+  MEGACPP_CHECK(threads > 0, ErrorKind::kInvalidArgument, "MEGACPP_TRAINER_THREADS must be > 0");
+  torch::set_num_threads(static_cast<int>(threads));
+  const auto store_timeout = knob_seconds("MEGACPP_STORE_TIMEOUT_S", 60);
+
+  c10::intrusive_ptr<c10d::Backend> pg;
+  if (world > 1) {
+    GlooOptions go;
+    go.store_host = std::string(launch.getStoreHost());
+    go.store_port = static_cast<uint16_t>(launch.getStorePort());
+    go.rank = rank;
+    go.world = world;
+    go.store_timeout = store_timeout;
+    go.collective_timeout = knob_seconds("MEGACPP_COLLECTIVE_TIMEOUT_S", 300);
+    go.device_hostname = env_knob("MEGACPP_GLOO_HOSTNAME").value_or("127.0.0.1");
+    go.store_prefix =
+        fmt::format("megacpp/{}/g{}/", launch.getRunId().cStr(), launch.getGeneration());
+    pg = typed_errors(fmt::format("rendezvous at {}:{}", go.store_host, go.store_port), world,
+                      [&] { return connect_gloo(go); });
+    log_info("joined the Gloo group as rank {} of {}", rank, world);
+  }
+
+  const auto ts = typed_errors("model set-up and parameter broadcast", world, [&] {
+    return std::make_unique<TrainStep>(model, train, steps, pg);
+  });
+
+  const std::string ring_name = layout::ring_shm_name(std::string(launch.getShmPrefix()), rank);
+  auto ring = attach_ring(ctx, ring_name, store_timeout);
+  if (!ring) return;
+  const int64_t B = train.batch_size;
+  const int64_t T = model.seq_len;
+  const uint64_t batch_bytes = static_cast<uint64_t>(B * (T + 1)) * sizeof(int64_t);
+  MEGACPP_CHECK(ring->ring->slot_bytes() >= batch_bytes, ErrorKind::kInvalidArgument,
+                fmt::format("ring slots of {} bytes cannot hold a [{}, {}] int64 batch",
+                            ring->ring->slot_bytes(), B, T + 1));
+
+  SnapshotPlane snapshots(ctx, *ts);
+  bool first_forward_done = false;
+  double tokens_total = 0;
+  auto step_start = Clock::now();
+  for (uint32_t step = 1; step <= steps; ++step) {
+    // WAIT_BATCH: short peeks so a stop request is seen promptly.
+    ctx.set_phase(Phase::WAIT_BATCH);
+    const auto wait_start = Clock::now();
+    std::optional<ipc::SlotRing::Slot> slot;
+    while (!(slot = ring->ring->peek(kPoll))) {
+      if (ctx.stop_requested()) {
+        log_info("stop requested while waiting for batch {}; leaving", step);
+        return;
+      }
+      snapshots.poll();
+    }
+    const double wait_seconds = seconds_since(wait_start);
+    MEGACPP_CHECK(slot->tag == step, ErrorKind::kProtocol,
+                  fmt::format("ring {}: expected the batch of step {}, got tag {} (seq {})",
+                              ring_name, step, slot->tag, slot->seq));
+    MEGACPP_CHECK(slot->data.size() == batch_bytes, ErrorKind::kProtocol,
+                  fmt::format("ring {}: batch of step {} has {} bytes, expected {}", ring_name,
+                              step, slot->data.size(), batch_bytes));
+    // Zero copy: the tensor aliases the slot, which stays ours until release().
+    const at::Tensor tokens = torch::from_blob(slot->data.data(), {B, T + 1}, torch::kInt64);
+
+    StepHooks hooks;
+    hooks.on_phase = [&](Phase p) {
+      ctx.set_phase(p);
+      if (p == Phase::BACKWARD && !first_forward_done) {
+        first_forward_done = true;
+        const double s = seconds_since_process_start(main_entry);
+        ctx.journal().append(
+            [&](schema::JournalRecord::Builder r) { r.initFirstForward().setSeconds(s); });
+      }
+    };
+    hooks.after_backward = [&] { ring->ring->release(); };
+    const StepTiming timing = typed_errors(fmt::format("step {}", step), world,
+                                           [&] { return ts->step(tokens, step, hooks); });
+    // Wall time since the previous step ended (so it includes the previous snapshot copy):
+    // the step times of a run add up to its training time.
+    const double step_seconds = seconds_since(step_start);
+    step_start = Clock::now();
+    tokens_total += static_cast<double>(B * T);
+
+    ctx.journal().append([&](schema::JournalRecord::Builder r) {
+      auto s = r.initStep();
+      s.setStep(step);
+      s.setLoss(timing.loss);
+      s.setTokens(static_cast<uint32_t>(B * T));
+      s.setStepSeconds(step_seconds);
+      s.setWaitSeconds(wait_seconds);
+      s.setForwardSeconds(timing.forward_seconds);
+      s.setBackwardSeconds(timing.backward_seconds);
+      s.setOptimizerSeconds(timing.optimizer_seconds);
+    });
+    ctx.set_step(step);
+    ctx.control().set_progress(step, tokens_total, timing.loss, step_seconds);
+
+    snapshots.poll();
+    const bool final = step == steps;
+    if (final || (train.checkpoint_every > 0 && step % train.checkpoint_every == 0)) {
+      if (ctx.stop_requested()) {
+        log_info("stop requested after step {}; leaving without a snapshot", step);
+        return;
+      }
+      if (!snapshots.take(step, final)) return;
+    }
+  }
+  ctx.set_phase(Phase::SNAPSHOT);
+  if (!snapshots.wait_committed(steps)) {
+    log_info("stop requested while waiting for the final commit; leaving");
+    return;
+  }
+  log_info("trained {} steps; final checkpoint committed", steps);
+}
+
+}  // namespace
+}  // namespace megacpp::trainer
+
+int main(int argc, char** argv) {
+  const auto main_entry = std::chrono::steady_clock::now();
+  return megacpp::stage::run_stage_main(
+      argc, argv, megacpp::schema::StageKind::TRAINER,
+      "megacpp trainer rank: trains on its data loader's ring, snapshots to the checkpointer",
+      [main_entry](megacpp::stage::StageContext& ctx) {
+        megacpp::trainer::run_rank(ctx, main_entry);
+      });
+}

@@ -1,0 +1,242 @@
+// megacpp::trainer — the model, one training step (forward, loss, backward, gradient
+// all-reduce, clipping, AdamW) and this rank's share of a checkpoint snapshot.
+//
+// Used by the rank process (megacpp-trainer) and, unchanged, by an in-process benchmark
+// loop: TrainStep knows nothing about rings, control sockets or journals. Everything runs on
+// CPU in float32. Collectives go through a c10d Backend (ProcessGroupGloo on CPU); without
+// one the step is single-process and issues no collective.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "schemas/common.capnp.h"
+#include "schemas/control.capnp.h"
+#include "schemas/launch.capnp.h"
+
+namespace megacpp::trainer {
+
+// ---------------------------------------------------------------------------------------
+// Configuration: plain mirrors of schema::ModelSpec / schema::TrainSpec, so tests and
+// benchmarks need no Cap'n Proto message to build a model.
+
+struct ModelConfig {
+  uint32_t vocab_size = 0;
+  uint32_t seq_len = 0;
+  uint32_t d_model = 0;
+  uint32_t n_layers = 0;
+  uint32_t n_heads = 0;
+  uint32_t mlp_mult = 4;
+};
+
+struct TrainConfig {
+  uint32_t batch_size = 0;  // sequences per rank per step
+  double lr = 1e-3;
+  double min_lr_ratio = 0.1;
+  uint32_t warmup_steps = 0;
+  double weight_decay = 0.0;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double grad_clip = 1.0;  // <= 0 disables clipping
+  uint32_t seed = 0;
+  uint32_t checkpoint_every = 0;  // 0: only the final snapshot
+};
+
+ModelConfig model_config(schema::ModelSpec::Reader spec);
+TrainConfig train_config(schema::TrainSpec::Reader spec);
+// Throws Error{kInvalidArgument} naming the rule: every size > 0, d_model % n_heads == 0,
+// an even head dimension (RoPE rotates pairs).
+void validate(const ModelConfig& model);
+
+// Learning rate of 1-based `step` of `total_steps`: linear warmup to `lr` over
+// warmup_steps, then cosine from lr down to lr * min_lr_ratio at total_steps.
+double lr_at(const TrainConfig& train, uint32_t step, uint32_t total_steps);
+
+// ---------------------------------------------------------------------------------------
+// Model: decoder-only transformer. Embedding -> RMSNorm -> n_layers x [x + attn(norm(x)),
+// x + mlp(norm(x))] -> RMSNorm -> untied head. Attention: fused QKV, QK-norm, RoPE, causal
+// SDPA. MLP: relu(x)^2, hidden = mlp_mult * d_model. RMSNorm carries no weight. No biases.
+// Parameter names: embed.weight, blocks.<i>.attn.qkv.weight, blocks.<i>.attn.proj.weight,
+// blocks.<i>.mlp.fc.weight, blocks.<i>.mlp.proj.weight, head.weight.
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const ModelConfig& config);
+  // x: [B, T, D]; cos, sin: [T, head_dim / 2].
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+  torch::nn::Linear qkv{nullptr};
+  torch::nn::Linear proj{nullptr};
+
+ private:
+  int64_t n_heads_;
+  int64_t head_dim_;
+};
+TORCH_MODULE(Attention);
+
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const ModelConfig& config);
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::Linear fc{nullptr};
+  torch::nn::Linear proj{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const ModelConfig& config);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+  Attention attn{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+class TransformerImpl : public torch::nn::Module {
+ public:
+  // Parameters are initialised deterministically from `seed` with a private generator
+  // (the global torch RNG is neither read nor changed): same seed, same weights.
+  TransformerImpl(const ModelConfig& config, uint32_t seed);
+  // tokens: int64 [B, T] with T <= seq_len (any strides); returns float logits [B, T, V].
+  at::Tensor forward(const at::Tensor& tokens);
+  const ModelConfig& config() const noexcept { return config_; }
+
+  torch::nn::Embedding embed{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::Linear head{nullptr};
+
+ private:
+  ModelConfig config_;
+  at::Tensor rope_cos_;  // [seq_len, head_dim / 2]
+  at::Tensor rope_sin_;
+};
+TORCH_MODULE(Transformer);
+
+// ---------------------------------------------------------------------------------------
+// One training step.
+
+struct StepTiming {
+  float loss = 0;              // mean cross-entropy of this rank's batch, before the update
+  double grad_norm = 0;        // global L2 norm of the averaged gradient, before clipping
+  double lr = 0;               // learning rate applied in this step
+  double forward_seconds = 0;  // forward + loss
+  double backward_seconds = 0;
+  double allreduce_seconds = 0;  // part of optimizer_seconds (0 without a process group)
+  double optimizer_seconds = 0;  // gradient all-reduce + clipping + AdamW update
+};
+
+// Optional callbacks into the caller, invoked on the calling thread.
+struct StepHooks {
+  // Called with FORWARD, BACKWARD and OPTIMIZER as each part begins.
+  std::function<void(schema::Phase)> on_phase;
+  // Called once backward is done: from then on the step holds no reference to `tokens`,
+  // so the caller may recycle the memory behind it (e.g. release a ring slot).
+  std::function<void()> after_backward;
+};
+
+using NamedTensor = std::pair<std::string, at::Tensor>;
+
+// One entry of a snapshot share: where a tensor lies in the staging region.
+struct SnapshotEntry {
+  std::string name;
+  std::string dtype;  // safetensors dtype name: F32, I64, ...
+  std::vector<uint64_t> shape;
+  uint64_t offset = 0;  // from the region start, a multiple of kSnapshotAlignment
+  uint64_t bytes = 0;
+};
+
+struct SnapshotLayout {
+  std::vector<SnapshotEntry> entries;
+  uint64_t total_bytes = 0;  // end of the last entry, rounded up to kSnapshotAlignment
+};
+
+inline constexpr uint64_t kSnapshotAlignment = 64;
+
+// Safetensors dtype name of a torch dtype; throws Error{kInvalidArgument} for others.
+std::string safetensors_dtype(at::ScalarType type);
+// Packs `tensors` in order at kSnapshotAlignment-aligned offsets.
+SnapshotLayout layout_of(const std::vector<NamedTensor>& tensors);
+// Writes `layout` into `out`, which must have exactly layout.entries.size() elements.
+void fill_tensor_entries(const SnapshotLayout& layout,
+                         capnp::List<schema::TensorEntry>::Builder out);
+
+// Model, AdamW and the step, for one rank. Not thread-safe; not copyable or movable.
+//
+// Construction initialises the model from train.seed (identical on every rank), then, with
+// a process group, broadcasts rank 0's parameters (a collective: every rank must construct
+// its TrainStep). `pg` is kept for the object's lifetime; nullptr means one process.
+class TrainStep {
+ public:
+  TrainStep(const ModelConfig& model, const TrainConfig& train, uint32_t total_steps,
+            c10::intrusive_ptr<c10d::Backend> pg = {});
+  ~TrainStep();
+  TrainStep(const TrainStep&) = delete;
+  TrainStep& operator=(const TrainStep&) = delete;
+
+  // tokens: int64 [batch, T + 1] (T <= seq_len), any strides; inputs are tokens[:, :T] and
+  // targets tokens[:, 1:]. `step_index` is 1-based and drives the LR schedule. With a
+  // process group this is a collective: all ranks call it with the same step_index.
+  // Throws Error{kInvalidArgument} on a wrong dtype/shape; c10::Error from torch/Gloo
+  // (e.g. a collective timeout) propagates.
+  StepTiming step(const at::Tensor& tokens, uint32_t step_index, const StepHooks& hooks = {});
+
+  uint32_t rank() const noexcept;
+  uint32_t world() const noexcept;
+  uint32_t total_steps() const noexcept;
+  const ModelConfig& model_config() const noexcept;
+  const TrainConfig& train_config() const noexcept;
+  Transformer& model() noexcept;
+  // (name, tensor) in registration order; the tensors alias the live parameters.
+  std::vector<NamedTensor> parameters() const;
+
+  // This rank's share of state, in a fixed order: "model.<name>" for every parameter (rank
+  // 0 only), then for each parameter index i with i % world == rank:
+  // "optim.<name>.exp_avg", "optim.<name>.exp_avg_sq" (F32, parameter shape) and
+  // "optim.<name>.step" (I64, shape []). Before the first update the optimizer tensors are
+  // zeros, so names, shapes and sizes never change over a run. Model tensors alias the live
+  // parameters; the others are the live AdamW state or fresh tensors.
+  std::vector<NamedTensor> snapshot_share(uint32_t rank, uint32_t world) const;
+  std::vector<NamedTensor> snapshot_share() const { return snapshot_share(rank(), world()); }
+  SnapshotLayout snapshot_layout(uint32_t rank, uint32_t world) const;
+  SnapshotLayout snapshot_layout() const { return snapshot_layout(rank(), world()); }
+  // Copies this rank's share into `region` per snapshot_layout() and returns that layout.
+  // Throws Error{kInvalidArgument} if the region is smaller than layout.total_bytes.
+  SnapshotLayout copy_snapshot(std::span<std::byte> region) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---------------------------------------------------------------------------------------
+// Rendezvous: a TCPStore client at host:port (the server is hosted elsewhere, e.g. by the
+// supervisor) and a ProcessGroupGloo over it. Blocks until all `world` ranks joined or
+// store_timeout passed (then c10::Error / c10d exceptions propagate). Collectives on the
+// returned group time out after collective_timeout.
+struct GlooOptions {
+  std::string store_host = "127.0.0.1";
+  uint16_t store_port = 0;
+  uint32_t rank = 0;
+  uint32_t world = 1;
+  std::chrono::milliseconds store_timeout{60'000};
+  std::chrono::milliseconds collective_timeout{300'000};
+  std::string device_hostname = "127.0.0.1";  // the interface Gloo's TCP transport binds
+  // Keys of this group live under this prefix in the store (e.g. one per run generation),
+  // so a store shared by several groups or generations never mixes their rendezvous.
+  std::string store_prefix;
+};
+c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooOptions& options);
+
+}  // namespace megacpp::trainer

@@ -1,0 +1,435 @@
+// megacpp::trainer: the model learns, snapshot shares are laid out and partitioned as the
+// checkpointer expects, and two real processes over a real TCPStore + Gloo stay identical.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <thread>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <capnp/message.h>
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "core/error.h"
+#include "stages/trainer/trainer.h"
+
+namespace megacpp::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+ModelConfig tiny_model() {
+  return ModelConfig{
+      .vocab_size = 32, .seq_len = 16, .d_model = 32, .n_layers = 2, .n_heads = 2, .mlp_mult = 4};
+}
+
+TrainConfig tiny_train() {
+  return TrainConfig{.batch_size = 8,
+                     .lr = 1e-2,
+                     .min_lr_ratio = 0.1,
+                     .warmup_steps = 5,
+                     .weight_decay = 0.01,
+                     .beta1 = 0.9,
+                     .beta2 = 0.95,
+                     .grad_clip = 1.0,
+                     .seed = 1234,
+                     .checkpoint_every = 0};
+}
+
+// A learnable language: each row counts modulo V from a random start with a stride of 1
+// or 3, so after two tokens the rest of the row is determined. int64 [B, T + 1].
+at::Tensor make_batch(const ModelConfig& m, int64_t batch, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto start = torch::randint(m.vocab_size, {batch, 1}, gen, torch::kInt64);
+  const auto stride = torch::randint(2, {batch, 1}, gen, torch::kInt64) * 2 + 1;
+  const auto pos = torch::arange(int64_t{m.seq_len} + 1, torch::kInt64).unsqueeze(0);
+  return (start + stride * pos).remainder(m.vocab_size).contiguous();
+}
+
+// Every parameter's bytes, concatenated in order.
+std::vector<float> flat_parameters(const TrainStep& ts) {
+  std::vector<float> out;
+  for (const auto& [name, p] : ts.parameters()) {
+    const auto c = p.detach().contiguous();
+    out.insert(out.end(), c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+  }
+  return out;
+}
+
+class TrainerTest : public ::testing::Test {
+ protected:
+  void SetUp() override { torch::set_num_threads(1); }
+};
+
+TEST_F(TrainerTest, ParameterNamesAndShapes) {
+  const ModelConfig m = tiny_model();
+  TrainStep ts(m, tiny_train(), 10);
+  std::vector<std::string> names;
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [name, p] : ts.parameters()) {
+    names.push_back(name);
+    shapes[name] = p.sizes().vec();
+    EXPECT_EQ(p.scalar_type(), at::kFloat) << name;
+  }
+  const std::vector<std::string> expected = {"embed.weight",
+                                             "blocks.0.attn.qkv.weight",
+                                             "blocks.0.attn.proj.weight",
+                                             "blocks.0.mlp.fc.weight",
+                                             "blocks.0.mlp.proj.weight",
+                                             "blocks.1.attn.qkv.weight",
+                                             "blocks.1.attn.proj.weight",
+                                             "blocks.1.mlp.fc.weight",
+                                             "blocks.1.mlp.proj.weight",
+                                             "head.weight"};
+  EXPECT_EQ(names, expected);
+  EXPECT_EQ(shapes["embed.weight"], (std::vector<int64_t>{32, 32}));
+  EXPECT_EQ(shapes["blocks.0.attn.qkv.weight"], (std::vector<int64_t>{96, 32}));
+  EXPECT_EQ(shapes["blocks.0.mlp.fc.weight"], (std::vector<int64_t>{128, 32}));
+  EXPECT_EQ(shapes["blocks.0.mlp.proj.weight"], (std::vector<int64_t>{32, 128}));
+  EXPECT_EQ(shapes["head.weight"], (std::vector<int64_t>{32, 32}));
+}
+
+TEST_F(TrainerTest, InitIsDeterministicPerSeed) {
+  TrainStep a(tiny_model(), tiny_train(), 10);
+  TrainStep b(tiny_model(), tiny_train(), 10);
+  TrainConfig other = tiny_train();
+  other.seed = 99;
+  TrainStep c(tiny_model(), other, 10);
+  EXPECT_EQ(flat_parameters(a), flat_parameters(b));
+  EXPECT_NE(flat_parameters(a), flat_parameters(c));
+}
+
+TEST_F(TrainerTest, RejectsInvalidConfigAndBatches) {
+  ModelConfig m = tiny_model();
+  m.n_heads = 3;  // 32 % 3 != 0
+  try {
+    validate(m);
+    FAIL() << "accepted dModel % nHeads != 0";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+  }
+  m = tiny_model();
+  m.d_model = 6;
+  m.n_heads = 2;  // head dim 3: RoPE needs pairs
+  EXPECT_THROW(validate(m), Error);
+
+  TrainStep ts(tiny_model(), tiny_train(), 10);
+  EXPECT_THROW(ts.step(torch::zeros({8, 17}, torch::kInt32), 1), Error);
+  EXPECT_THROW(ts.step(torch::zeros({8, 18}, torch::kInt64), 1), Error);  // T > seqLen
+}
+
+TEST_F(TrainerTest, LearningRateSchedule) {
+  TrainConfig t = tiny_train();  // lr 1e-2, warmup 5, min ratio 0.1
+  EXPECT_DOUBLE_EQ(lr_at(t, 1, 40), 2e-3);
+  EXPECT_DOUBLE_EQ(lr_at(t, 5, 40), 1e-2);
+  EXPECT_NEAR(lr_at(t, 40, 40), 1e-3, 1e-12);
+  for (uint32_t s = 6; s <= 40; ++s) EXPECT_LT(lr_at(t, s, 40), lr_at(t, s - 1, 40)) << s;
+  t.warmup_steps = 0;
+  EXPECT_DOUBLE_EQ(lr_at(t, 0, 40), 1e-2);
+}
+
+TEST_F(TrainerTest, LossFallsOnALearnableSequence) {
+  const ModelConfig m = tiny_model();
+  const TrainConfig t = tiny_train();
+  constexpr uint32_t kSteps = 40;
+  TrainStep ts(m, t, kSteps);
+  std::vector<float> losses;
+  std::vector<schema::Phase> phases;
+  int released = 0;
+  StepHooks hooks{.on_phase = [&](schema::Phase p) { phases.push_back(p); },
+                  .after_backward = [&] { ++released; }};
+  for (uint32_t step = 1; step <= kSteps; ++step) {
+    const StepTiming r = ts.step(make_batch(m, t.batch_size, step), step, hooks);
+    ASSERT_TRUE(std::isfinite(r.loss)) << step;
+    EXPECT_GT(r.lr, 0);
+    EXPECT_GE(r.forward_seconds, 0);
+    EXPECT_GE(r.optimizer_seconds, r.allreduce_seconds);
+    losses.push_back(r.loss);
+  }
+  EXPECT_EQ(released, static_cast<int>(kSteps));
+  ASSERT_EQ(phases.size(), 3 * kSteps);
+  EXPECT_EQ(phases[0], schema::Phase::FORWARD);
+  EXPECT_EQ(phases[1], schema::Phase::BACKWARD);
+  EXPECT_EQ(phases[2], schema::Phase::OPTIMIZER);
+  EXPECT_NEAR(losses.front(), std::log(32.0), 0.2);  // near-uniform start
+  const float tail = (losses[35] + losses[36] + losses[37] + losses[38] + losses[39]) / 5;
+  RecordProperty("first_loss", std::to_string(losses.front()));
+  RecordProperty("tail_loss", std::to_string(tail));
+  EXPECT_LT(tail, 0.5f * losses.front()) << "first " << losses.front() << " tail " << tail;
+}
+
+TEST_F(TrainerTest, SnapshotShareLayoutAndContents) {
+  const ModelConfig m = tiny_model();
+  const TrainConfig t = tiny_train();
+  TrainStep ts(m, t, 10);
+  const auto params = ts.parameters();
+  const size_t P = params.size();
+
+  // Before any update the layout already has its final shape (the region is sized once).
+  const SnapshotLayout before = ts.snapshot_layout();
+  for (uint32_t step = 1; step <= 3; ++step) ts.step(make_batch(m, t.batch_size, step), step);
+  const SnapshotLayout layout = ts.snapshot_layout();
+  ASSERT_EQ(layout.entries.size(), 4 * P);  // world 1: model + 3 optimizer tensors each
+  EXPECT_EQ(before.total_bytes, layout.total_bytes);
+
+  uint64_t end = 0;
+  for (size_t i = 0; i < layout.entries.size(); ++i) {
+    const SnapshotEntry& e = layout.entries[i];
+    EXPECT_EQ(e.offset % kSnapshotAlignment, 0u) << e.name;
+    EXPECT_GE(e.offset, end) << e.name;  // in order, no overlap
+    end = e.offset + e.bytes;
+    EXPECT_EQ(before.entries[i].name, e.name);
+    EXPECT_EQ(before.entries[i].offset, e.offset);
+  }
+  EXPECT_EQ(layout.total_bytes % kSnapshotAlignment, 0u);
+  EXPECT_GE(layout.total_bytes, end);
+
+  for (size_t i = 0; i < P; ++i) {
+    const auto& [name, p] = params[i];
+    const SnapshotEntry& model = layout.entries[i];
+    EXPECT_EQ(model.name, "model." + name);
+    EXPECT_EQ(model.dtype, "F32");
+    EXPECT_EQ(model.bytes, static_cast<uint64_t>(p.numel()) * 4);
+    std::vector<uint64_t> shape(p.sizes().begin(), p.sizes().end());
+    EXPECT_EQ(model.shape, shape);
+    const SnapshotEntry& m1 = layout.entries[P + 3 * i];
+    const SnapshotEntry& v = layout.entries[P + 3 * i + 1];
+    const SnapshotEntry& st = layout.entries[P + 3 * i + 2];
+    EXPECT_EQ(m1.name, "optim." + name + ".exp_avg");
+    EXPECT_EQ(v.name, "optim." + name + ".exp_avg_sq");
+    EXPECT_EQ(st.name, "optim." + name + ".step");
+    EXPECT_EQ(m1.shape, shape);
+    EXPECT_EQ(v.dtype, "F32");
+    EXPECT_EQ(st.dtype, "I64");
+    EXPECT_TRUE(st.shape.empty());
+    EXPECT_EQ(st.bytes, 8u);
+  }
+
+  // Contents: the bytes at each offset are the live tensors.
+  std::vector<std::byte> region(layout.total_bytes + 64);
+  const auto base = reinterpret_cast<uintptr_t>(region.data());
+  std::span<std::byte> aligned(region.data() + (64 - base % 64) % 64, layout.total_bytes);
+  const SnapshotLayout copied = ts.copy_snapshot(aligned);
+  ASSERT_EQ(copied.entries.size(), layout.entries.size());
+  const auto share = ts.snapshot_share();
+  ASSERT_EQ(share.size(), layout.entries.size());
+  for (size_t i = 0; i < share.size(); ++i) {
+    const auto src = share[i].second.contiguous();
+    ASSERT_EQ(std::memcmp(aligned.data() + copied.entries[i].offset, src.data_ptr(),
+                          copied.entries[i].bytes),
+              0)
+        << share[i].first;
+  }
+  int64_t step_value = 0;
+  std::memcpy(&step_value, aligned.data() + copied.entries[P + 2].offset, 8);
+  EXPECT_EQ(step_value, 3);
+  // exp_avg_sq after real updates is not all zero.
+  EXPECT_GT(share[P + 1].second.abs().sum().item<double>(), 0.0);
+
+  std::vector<std::byte> small(layout.total_bytes / 2);
+  EXPECT_THROW(ts.copy_snapshot(small), Error);
+}
+
+TEST_F(TrainerTest, SnapshotPartitionForWorldTwo) {
+  const ModelConfig m = tiny_model();
+  TrainStep ts(m, tiny_train(), 10);
+  const auto params = ts.parameters();
+  const SnapshotLayout r0 = ts.snapshot_layout(0, 2);
+  const SnapshotLayout r1 = ts.snapshot_layout(1, 2);
+
+  std::set<std::string> optim_names;
+  size_t optim_entries = 0;
+  size_t model_entries_r0 = 0;
+  for (const auto* layout : {&r0, &r1}) {
+    const uint32_t rank = layout == &r0 ? 0 : 1;
+    for (const auto& e : layout->entries) {
+      EXPECT_EQ(e.offset % kSnapshotAlignment, 0u);
+      if (e.name.starts_with("model.")) {
+        EXPECT_EQ(rank, 0u) << e.name;
+        ++model_entries_r0;
+        continue;
+      }
+      ASSERT_TRUE(e.name.starts_with("optim.")) << e.name;
+      ++optim_entries;
+      EXPECT_TRUE(optim_names.insert(e.name).second) << "duplicate " << e.name;
+      // Round robin: parameter index % world == rank.
+      bool found = false;
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (e.name.starts_with("optim." + params[i].first + ".")) {
+          EXPECT_EQ(i % 2, rank) << e.name;
+          found = true;
+        }
+      }
+      EXPECT_TRUE(found) << e.name;
+    }
+  }
+  EXPECT_EQ(model_entries_r0, params.size());
+  EXPECT_EQ(optim_entries, 3 * params.size());
+  for (const auto& [name, p] : params) {
+    for (const char* part : {".exp_avg", ".exp_avg_sq", ".step"}) {
+      EXPECT_EQ(optim_names.count("optim." + name + part), 1u) << name << part;
+    }
+  }
+  EXPECT_THROW(ts.snapshot_layout(2, 2), Error);
+}
+
+TEST_F(TrainerTest, TensorEntriesFillTheMessage) {
+  TrainStep ts(tiny_model(), tiny_train(), 10);
+  const SnapshotLayout layout = ts.snapshot_layout(1, 2);
+  capnp::MallocMessageBuilder message;
+  auto ready = message.initRoot<schema::SnapshotReady>();
+  auto list = ready.initTensors(static_cast<uint32_t>(layout.entries.size()));
+  fill_tensor_entries(layout, list);
+  auto reader = ready.asReader().getTensors();
+  ASSERT_EQ(reader.size(), layout.entries.size());
+  for (uint32_t i = 0; i < reader.size(); ++i) {
+    const auto& e = layout.entries[i];
+    EXPECT_EQ(std::string(reader[i].getName().cStr()), e.name);
+    EXPECT_EQ(std::string(reader[i].getDtype().cStr()), e.dtype);
+    EXPECT_EQ(reader[i].getOffset(), e.offset);
+    EXPECT_EQ(reader[i].getBytes(), e.bytes);
+    ASSERT_EQ(reader[i].getShape().size(), e.shape.size());
+    for (uint32_t d = 0; d < e.shape.size(); ++d) EXPECT_EQ(reader[i].getShape()[d], e.shape[d]);
+  }
+  EXPECT_THROW(fill_tensor_entries(layout, ready.initTensors(1)), Error);
+}
+
+// ---------------------------------------------------------------------------------------
+// World 2: two forked ranks, a TCPStore server in this process, ProcessGroupGloo.
+
+constexpr uint32_t kWorldSteps = 6;
+
+uint64_t rank_batch_seed(uint32_t rank, uint32_t step) {
+  return 1000 * (rank + 1) + step;
+}
+
+// Child body: returns the exit status.
+int run_rank_child(uint16_t port, uint32_t rank, const fs::path& out) {
+  try {
+    torch::set_num_threads(1);
+    GlooOptions go;
+    go.store_port = port;
+    go.rank = rank;
+    go.world = 2;
+    go.store_timeout = std::chrono::seconds(20);
+    go.collective_timeout = std::chrono::seconds(20);
+    go.store_prefix = "trainer_test/";
+    auto pg = connect_gloo(go);
+    const ModelConfig m = tiny_model();
+    TrainStep ts(m, tiny_train(), kWorldSteps, pg);
+    if (ts.rank() != rank || ts.world() != 2) return 3;
+    for (uint32_t step = 1; step <= kWorldSteps; ++step) {
+      ts.step(make_batch(m, tiny_train().batch_size, rank_batch_seed(rank, step)), step);
+    }
+    const auto flat = flat_parameters(ts);
+    std::ofstream f(out, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(flat.data()),
+            static_cast<std::streamsize>(flat.size() * sizeof(float)));
+    return f.good() ? 0 : 4;
+  } catch (const std::exception& e) {
+    fprintf(stderr, "rank %u: %s\n", rank, e.what());
+    return 2;
+  }
+}
+
+std::vector<float> read_floats(const fs::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<float> out(bytes.size() / sizeof(float));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  return out;
+}
+
+TEST_F(TrainerTest, TwoRanksOverGlooStayBitIdentical) {
+  c10d::TCPStoreOptions so;
+  so.port = 0;  // the server picks a free port
+  so.isServer = true;
+  so.waitWorkers = false;
+  so.timeout = std::chrono::seconds(20);
+  auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  const uint16_t port = server->getPort();
+  ASSERT_NE(port, 0);
+
+  char tmpl[] = "/tmp/megacpp-trainer-test-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const fs::path dir(tmpl);
+
+  pid_t pids[2];
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    pids[rank] = fork();
+    ASSERT_GE(pids[rank], 0);
+    if (pids[rank] == 0) _exit(run_rank_child(port, rank, dir / fmt::format("rank{}.bin", rank)));
+  }
+  // Bounded wait: a hung rank is killed rather than hanging the test.
+  int status[2] = {-1, -1};
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  for (int done = 0; done < 2;) {
+    for (int r = 0; r < 2; ++r) {
+      if (status[r] != -1) continue;
+      int st = 0;
+      if (waitpid(pids[r], &st, WNOHANG) == pids[r]) {
+        status[r] = st;
+        ++done;
+      }
+    }
+    if (done < 2 && std::chrono::steady_clock::now() > deadline) {
+      for (int r = 0; r < 2; ++r) {
+        if (status[r] == -1) {
+          kill(pids[r], SIGKILL);
+          waitpid(pids[r], &status[r], 0);
+          ++done;
+        }
+      }
+      ADD_FAILURE() << "a rank did not finish within 60 s";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
+        << "rank " << r << " status " << status[r];
+  }
+  const auto p0 = read_floats(dir / "rank0.bin");
+  const auto p1 = read_floats(dir / "rank1.bin");
+  fs::remove_all(dir);
+  ASSERT_FALSE(p0.empty());
+  ASSERT_EQ(p0.size(), p1.size());
+  EXPECT_EQ(std::memcmp(p0.data(), p1.data(), p0.size() * sizeof(float)), 0) << "ranks diverged";
+
+  // The averaged gradient is the gradient of both ranks' batches together: a single process
+  // on the concatenated batch lands on (numerically almost) the same parameters, and far
+  // from a single process that saw only rank 0's data.
+  const ModelConfig m = tiny_model();
+  TrainConfig big = tiny_train();
+  big.batch_size *= 2;
+  TrainStep joint(m, big, kWorldSteps);
+  TrainStep alone(m, tiny_train(), kWorldSteps);
+  for (uint32_t step = 1; step <= kWorldSteps; ++step) {
+    const auto b0 = make_batch(m, tiny_train().batch_size, rank_batch_seed(0, step));
+    const auto b1 = make_batch(m, tiny_train().batch_size, rank_batch_seed(1, step));
+    joint.step(torch::cat({b0, b1}, 0), step);
+    alone.step(b0, step);
+  }
+  auto mean_abs_diff = [&](const std::vector<float>& ref) {
+    double sum = 0;
+    for (size_t i = 0; i < p0.size(); ++i) sum += std::abs(double{p0[i]} - double{ref[i]});
+    return sum / static_cast<double>(p0.size());
+  };
+  const double joint_diff = mean_abs_diff(flat_parameters(joint));
+  const double alone_diff = mean_abs_diff(flat_parameters(alone));
+  RecordProperty("joint_mean_abs_diff", std::to_string(joint_diff));
+  RecordProperty("alone_mean_abs_diff", std::to_string(alone_diff));
+  EXPECT_LT(joint_diff, 1e-4);
+  EXPECT_GT(alone_diff, 10 * joint_diff);
+}
+
+}  // namespace
+}  // namespace megacpp::trainer
