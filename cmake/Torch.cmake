@@ -32,6 +32,9 @@ target_include_directories(megacpp_torch SYSTEM INTERFACE
   ${MEGACPP_GLOO_INCLUDE})
 target_compile_definitions(megacpp_torch INTERFACE
   USE_C10D_GLOO USE_DISTRIBUTED _GLIBCXX_USE_CXX11_ABI=1
+  # torch's include tree carries its own fmt (newer than Debian's) and libtorch exports no fmt
+  # symbols: a TU that sees torch's headers uses fmt header-only.
+  FMT_HEADER_ONLY
   MEGACPP_TORCH_VERSION="${MEGACPP_TORCH_VERSION}")
 target_link_libraries(megacpp_torch INTERFACE ${MEGACPP_TORCH_CPU_LIB} ${MEGACPP_C10_LIB} Threads::Threads)
 target_link_options(megacpp_torch INTERFACE "LINKER:-rpath,${MEGACPP_TORCH_DIR}/lib")

@@ -53,9 +53,14 @@ class LineConsole final : public Console {
       eta = dt / (step - first_step_) * (steps_ - step);
     }
     bool changed = step != last_step_;
-    int64_t min_gap = tty_ ? 200'000'000 : 5'000'000'000;
-    if (now - last_print_ns_ < min_gap && !(changed && step == steps_)) return;
-    if (!tty_ && !changed) return;
+    if (tty_) {
+      if (now - last_print_ns_ < 200'000'000 && !(changed && step == steps_)) return;
+    } else {
+      // Plain output is for logs: a line per tenth of the run, and at least every 30 s.
+      uint32_t stride = std::max<uint32_t>(1, steps_ / 10);
+      bool milestone = changed && step != UINT32_MAX && (step % stride == 0 || step == steps_);
+      if (!milestone && now - last_print_ns_ < 30'000'000'000) return;
+    }
     last_print_ns_ = now;
     last_step_ = step;
     float loss = ranks[0].loss;

@@ -7,6 +7,7 @@
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -183,6 +184,9 @@ Child* Run::by_name(const std::string& n) {
 }
 
 void Run::prepare() {
+  // Before any thread exists (TCPStore, ZeroMQ): threads inherit the mask, so SIGCHLD can
+  // reach nothing but the signalfd. A thread that left it unblocked would swallow exits.
+  sigfd_ = detail::block_signals_to_fd();
   opt_.validate();
   auto recipe_path = recipe::resolve(opt_.recipe, MEGACPP_RECIPE_DIR);
   recipe_ = recipe::load(recipe_path);
@@ -249,7 +253,7 @@ void Run::prepare() {
   sock_dir_ = run_ / "sock";
   if (sock_dir_.string().size() + 16 > 100) {
     char tmpl[] = "/tmp/megacpp-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) detail::throw_syscall("mkdtemp", errno, __FILE__, __LINE__);
+    if (::mkdtemp(tmpl) == nullptr) ::megacpp::detail::throw_syscall("mkdtemp", errno, __FILE__, __LINE__);
     sock_dir_ = tmpl;
   } else {
     fs::create_directory(sock_dir_);
@@ -278,7 +282,7 @@ void Run::prepare() {
   router_ = std::make_unique<ipc::Channel>(*zmq_, ipc::Channel::Kind::kRouter, control_ep_);
   journal_ = std::make_unique<ipc::JournalWriter>(layout::journal_path(run_, StageKind::SUPERVISOR, 0));
   journal_->set_identity(StageKind::SUPERVISOR, 0);
-  sigfd_ = detail::block_signals_to_fd();
+  journal_->append([](schema::JournalRecord::Builder r) { r.setProcessStarted(); });
 }
 
 void Run::write_launch_contract() {
@@ -605,6 +609,7 @@ void Run::journal_run_finished() {
       f.setReason("completed");
     }
   });
+  journal_->append([](schema::JournalRecord::Builder r) { r.setProcessFinished(); });
   journal_->sync();
 }
 

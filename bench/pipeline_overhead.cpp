@@ -1,0 +1,130 @@
+// Pipeline per-step overhead: the same model and batches trained by one trainer rank inside
+// the full pipeline (`megacpp run --ranks 1`: loader ring, heartbeats, journal, snapshots,
+// collector and checkpointer alongside) vs a plain in-process loop with every batch already
+// in memory. Both sides run the same TrainStep code, thread count and data; the figure is
+// the ratio of steady-state time per step (goal <= 1.03).
+//
+// In-process time per step: wall clock over steps warmup+1..warmup+steps.
+// Pipeline time per step: (wallNs of step warmup+steps - wallNs of step warmup) / steps, read
+// from the rank's own journal, so it counts everything the rank does between steps.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <map>
+
+#include <CLI/CLI.hpp>
+#include <capnp/message.h>
+#include <fmt/format.h>
+
+#include "core/util.h"
+#include "ipc/ipc.h"
+#include "recipes/recipe.h"
+#include "schemas/launch.capnp.h"
+#include "schemas/run_layout.h"
+#include "stages/data_loader/data_loader.h"
+#include "stages/trainer/trainer.h"
+
+namespace mc = megacpp;
+namespace fs = std::filesystem;
+
+namespace {
+
+double in_process_ms(const mc::recipe::Recipe& r, uint32_t warmup, uint32_t steps) {
+  capnp::MallocMessageBuilder msg;
+  auto spec = msg.initRoot<mc::schema::RecipeSpec>();
+  mc::recipe::to_spec(r, spec);
+  mc::trainer::TrainStep ts(mc::trainer::model_config(spec.getModel()), mc::trainer::train_config(spec.getTrain()),
+                            warmup + steps);
+  std::vector<std::vector<uint16_t>> shard_tokens;
+  std::vector<std::span<const uint16_t>> shards;
+  for (uint32_t i = 0; i < r.data.shards; ++i) {
+    shard_tokens.push_back(mc::data_loader::builtin_corpus_tokens(i, r.data.shard_tokens));
+  }
+  for (const auto& s : shard_tokens) shards.emplace_back(s);
+  mc::data_loader::Sampler sampler(shards, r.model.seq_len, r.train.batch_size, 1, r.train.seed);
+  std::vector<at::Tensor> batches;
+  for (uint32_t s = 1; s <= warmup + steps; ++s) {
+    auto t = torch::empty({r.train.batch_size, r.model.seq_len + 1}, torch::kInt64);
+    sampler.fill(s, 0, t.data_ptr<int64_t>());
+    batches.push_back(t);
+  }
+  for (uint32_t s = 1; s <= warmup; ++s) ts.step(batches[s - 1], s);
+  auto t0 = std::chrono::steady_clock::now();
+  for (uint32_t s = warmup + 1; s <= warmup + steps; ++s) ts.step(batches[s - 1], s);
+  auto dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return dt / steps;
+}
+
+double pipeline_ms(const fs::path& megacpp, const std::string& recipe, uint32_t warmup, uint32_t steps,
+                   const fs::path& work, int threads) {
+  auto run_dir = work / fmt::format("run-{}", mc::wall_ns());
+  std::vector<std::string> args = {megacpp.string(), "run", recipe, "--ranks", "1", "--steps",
+                                   std::to_string(warmup + steps), "--run-dir", run_dir.string(),
+                                   "--data-dir", (work / "data").string(), "--progress", "none"};
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setenv("MEGACPP_TRAINER_THREADS", std::to_string(threads).c_str(), 1);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    throw std::runtime_error(fmt::format("pipeline run failed (status {}); see {}", status, run_dir.string()));
+  }
+  std::map<uint32_t, int64_t> wall;
+  mc::ipc::JournalReader::read_all(mc::layout::journal_path(run_dir, mc::schema::StageKind::TRAINER, 0),
+                                   [&](mc::schema::JournalRecord::Reader rec) {
+                                     if (rec.isStep()) wall[rec.getStep().getStep()] = rec.getWallNs();
+                                   });
+  if (!wall.count(warmup) || !wall.count(warmup + steps)) throw std::runtime_error("trainer journal lacks steps");
+  return static_cast<double>(wall[warmup + steps] - wall[warmup]) / 1e6 / steps;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Pipeline per-step overhead: one rank in `megacpp run` vs a plain in-process loop"};
+  std::string recipe = "tiny";
+  uint32_t steps = 40, warmup = 5, repeats = 2;
+  int threads = 1;
+  fs::path megacpp = fs::read_symlink("/proc/self/exe").parent_path() / "megacpp";
+  fs::path work = fs::temp_directory_path() / fmt::format("megacpp-bench-{}", ::getpid());
+  app.add_option("--recipe", recipe, "Recipe name or path")->capture_default_str();
+  app.add_option("--steps", steps, "Measured steps")->capture_default_str();
+  app.add_option("--warmup", warmup, "Unmeasured first steps")->capture_default_str();
+  app.add_option("--repeats", repeats, "Alternating repeats of both sides (best of each is reported)")
+      ->capture_default_str();
+  app.add_option("--threads", threads, "torch intra-op threads on both sides")->capture_default_str();
+  app.add_option("--megacpp", megacpp, "The megacpp binary")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  if (warmup < 1) warmup = 1;
+
+  torch::set_num_threads(threads);
+  auto r = mc::recipe::load(mc::recipe::resolve(recipe, MEGACPP_RECIPE_DIR));
+  fs::create_directories(work);
+  double best_in = 1e300, best_pipe = 1e300;
+  for (uint32_t i = 0; i < repeats; ++i) {
+    double a = in_process_ms(r, warmup, steps);
+    double b = pipeline_ms(megacpp, recipe, warmup, steps, work, threads);
+    fmt::print("repeat {}: in-process {:.3f} ms/step, pipeline {:.3f} ms/step\n", i + 1, a, b);
+    best_in = std::min(best_in, a);
+    best_pipe = std::min(best_pipe, b);
+  }
+  fs::remove_all(work);
+  double tokens = double(r.train.batch_size) * r.model.seq_len;
+  fmt::print("\npipeline overhead, recipe {} ({} steps after {} warm-up, {} thread(s), best of {}):\n", r.name, steps,
+             warmup, threads, repeats);
+  fmt::print("  {:<28} {:>10.3f} ms/step {:>10.0f} tokens/s\n", "in-process loop (peer)", best_in,
+             tokens / best_in * 1e3);
+  fmt::print("  {:<28} {:>10.3f} ms/step {:>10.0f} tokens/s\n", "megacpp pipeline (1 rank)", best_pipe,
+             tokens / best_pipe * 1e3);
+  fmt::print("  ratio pipeline/in-process: {:.3f} (goal <= 1.03)\n", best_pipe / best_in);
+  return 0;
+}
