@@ -15,9 +15,9 @@
 #include <filesystem>
 #include <map>
 
-#include <CLI/CLI.hpp>
 #include <capnp/message.h>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include "core/util.h"
 #include "ipc/ipc.h"
@@ -36,8 +36,8 @@ double in_process_ms(const mc::recipe::Recipe& r, uint32_t warmup, uint32_t step
   capnp::MallocMessageBuilder msg;
   auto spec = msg.initRoot<mc::schema::RecipeSpec>();
   mc::recipe::to_spec(r, spec);
-  mc::trainer::TrainStep ts(mc::trainer::model_config(spec.getModel()), mc::trainer::train_config(spec.getTrain()),
-                            warmup + steps);
+  mc::trainer::TrainStep ts(mc::trainer::model_config(spec.getModel()),
+                            mc::trainer::train_config(spec.getTrain()), warmup + steps);
   std::vector<std::vector<uint16_t>> shard_tokens;
   std::vector<std::span<const uint16_t>> shards;
   for (uint32_t i = 0; i < r.data.shards; ++i) {
@@ -54,16 +54,27 @@ double in_process_ms(const mc::recipe::Recipe& r, uint32_t warmup, uint32_t step
   for (uint32_t s = 1; s <= warmup; ++s) ts.step(batches[s - 1], s);
   auto t0 = std::chrono::steady_clock::now();
   for (uint32_t s = warmup + 1; s <= warmup + steps; ++s) ts.step(batches[s - 1], s);
-  auto dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  auto dt =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return dt / steps;
 }
 
-double pipeline_ms(const fs::path& megacpp, const std::string& recipe, uint32_t warmup, uint32_t steps,
-                   const fs::path& work, int threads) {
+double pipeline_ms(const fs::path& megacpp, const std::string& recipe, uint32_t warmup,
+                   uint32_t steps, const fs::path& work, int threads) {
   auto run_dir = work / fmt::format("run-{}", mc::wall_ns());
-  std::vector<std::string> args = {megacpp.string(), "run", recipe, "--ranks", "1", "--steps",
-                                   std::to_string(warmup + steps), "--run-dir", run_dir.string(),
-                                   "--data-dir", (work / "data").string(), "--progress", "none"};
+  std::vector<std::string> args = {megacpp.string(),
+                                   "run",
+                                   recipe,
+                                   "--ranks",
+                                   "1",
+                                   "--steps",
+                                   std::to_string(warmup + steps),
+                                   "--run-dir",
+                                   run_dir.string(),
+                                   "--data-dir",
+                                   (work / "data").string(),
+                                   "--progress",
+                                   "none"};
   pid_t pid = ::fork();
   if (pid == 0) {
     ::setenv("MEGACPP_TRAINER_THREADS", std::to_string(threads).c_str(), 1);
@@ -76,14 +87,17 @@ double pipeline_ms(const fs::path& megacpp, const std::string& recipe, uint32_t 
   int status = 0;
   ::waitpid(pid, &status, 0);
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    throw std::runtime_error(fmt::format("pipeline run failed (status {}); see {}", status, run_dir.string()));
+    throw std::runtime_error(
+        fmt::format("pipeline run failed (status {}); see {}", status, run_dir.string()));
   }
   std::map<uint32_t, int64_t> wall;
-  mc::ipc::JournalReader::read_all(mc::layout::journal_path(run_dir, mc::schema::StageKind::TRAINER, 0),
-                                   [&](mc::schema::JournalRecord::Reader rec) {
-                                     if (rec.isStep()) wall[rec.getStep().getStep()] = rec.getWallNs();
-                                   });
-  if (!wall.count(warmup) || !wall.count(warmup + steps)) throw std::runtime_error("trainer journal lacks steps");
+  mc::ipc::JournalReader::read_all(
+      mc::layout::journal_path(run_dir, mc::schema::StageKind::TRAINER, 0),
+      [&](mc::schema::JournalRecord::Reader rec) {
+        if (rec.isStep()) wall[rec.getStep().getStep()] = rec.getWallNs();
+      });
+  if (!wall.count(warmup) || !wall.count(warmup + steps))
+    throw std::runtime_error("trainer journal lacks steps");
   return static_cast<double>(wall[warmup + steps] - wall[warmup]) / 1e6 / steps;
 }
 
@@ -99,9 +113,11 @@ int main(int argc, char** argv) {
   app.add_option("--recipe", recipe, "Recipe name or path")->capture_default_str();
   app.add_option("--steps", steps, "Measured steps")->capture_default_str();
   app.add_option("--warmup", warmup, "Unmeasured first steps")->capture_default_str();
-  app.add_option("--repeats", repeats, "Alternating repeats of both sides (best of each is reported)")
+  app.add_option("--repeats", repeats,
+                 "Alternating repeats of both sides (best of each is reported)")
       ->capture_default_str();
-  app.add_option("--threads", threads, "torch intra-op threads on both sides")->capture_default_str();
+  app.add_option("--threads", threads, "torch intra-op threads on both sides")
+      ->capture_default_str();
   app.add_option("--megacpp", megacpp, "The megacpp binary")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (warmup < 1) warmup = 1;
@@ -119,12 +135,13 @@ int main(int argc, char** argv) {
   }
   fs::remove_all(work);
   double tokens = double(r.train.batch_size) * r.model.seq_len;
-  fmt::print("\npipeline overhead, recipe {} ({} steps after {} warm-up, {} thread(s), best of {}):\n", r.name, steps,
-             warmup, threads, repeats);
+  fmt::print(
+      "\npipeline overhead, recipe {} ({} steps after {} warm-up, {} thread(s), best of {}):\n",
+      r.name, steps, warmup, threads, repeats);
   fmt::print("  {:<28} {:>10.3f} ms/step {:>10.0f} tokens/s\n", "in-process loop (peer)", best_in,
              tokens / best_in * 1e3);
-  fmt::print("  {:<28} {:>10.3f} ms/step {:>10.0f} tokens/s\n", "megacpp pipeline (1 rank)", best_pipe,
-             tokens / best_pipe * 1e3);
+  fmt::print("  {:<28} {:>10.3f} ms/step {:>10.0f} tokens/s\n", "megacpp pipeline (1 rank)",
+             best_pipe, tokens / best_pipe * 1e3);
   fmt::print("  ratio pipeline/in-process: {:.3f} (goal <= 1.03)\n", best_pipe / best_in);
   return 0;
 }

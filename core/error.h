@@ -28,7 +28,8 @@ std::string_view to_string(ErrorKind kind);
 
 class Error : public std::runtime_error {
  public:
-  Error(ErrorKind kind, std::string message, const char* file = "", int line = 0, int sys_errno = 0);
+  Error(ErrorKind kind, std::string message, const char* file = "", int line = 0,
+        int sys_errno = 0);
   ErrorKind kind() const noexcept { return kind_; }
   const std::string& file() const noexcept { return file_; }
   int line() const noexcept { return line_; }
@@ -52,27 +53,25 @@ namespace detail {
 
 // Evaluates `expr` (retrying on EINTR) and throws Error{kSystem} naming the expression,
 // file and line if it returned -1. Yields the expression's value.
-#define SYSCALL_CHECK(expr)                                                 \
-  ({                                                                        \
-    auto megacpp_r_ = (expr);                                               \
-    while (megacpp_r_ == -1 && errno == EINTR) megacpp_r_ = (expr);         \
-    if (megacpp_r_ == -1)                                                   \
-      ::megacpp::detail::throw_syscall(#expr, errno, __FILE__, __LINE__);   \
-    megacpp_r_;                                                             \
+#define SYSCALL_CHECK(expr)                                                                   \
+  ({                                                                                          \
+    auto megacpp_r_ = (expr);                                                                 \
+    while (megacpp_r_ == -1 && errno == EINTR) megacpp_r_ = (expr);                           \
+    if (megacpp_r_ == -1) ::megacpp::detail::throw_syscall(#expr, errno, __FILE__, __LINE__); \
+    megacpp_r_;                                                                               \
   })
 
 // Same for libzmq's C API (which reports through zmq_errno and returns -1).
-#define ZMQ_CHECK(expr)                                                     \
-  ({                                                                        \
-    auto megacpp_r_ = (expr);                                               \
-    while (megacpp_r_ == -1 && zmq_errno() == EINTR) megacpp_r_ = (expr);   \
-    if (megacpp_r_ == -1)                                                   \
-      ::megacpp::detail::throw_zmq(#expr, zmq_errno(), __FILE__, __LINE__); \
-    megacpp_r_;                                                             \
+#define ZMQ_CHECK(expr)                                                                         \
+  ({                                                                                            \
+    auto megacpp_r_ = (expr);                                                                   \
+    while (megacpp_r_ == -1 && zmq_errno() == EINTR) megacpp_r_ = (expr);                       \
+    if (megacpp_r_ == -1) ::megacpp::detail::throw_zmq(#expr, zmq_errno(), __FILE__, __LINE__); \
+    megacpp_r_;                                                                                 \
   })
 
 // An invariant: throws Error{kind} with the expression text and message when false.
-#define MEGACPP_CHECK(cond, kind, msg)                                                 \
-  do {                                                                                 \
+#define MEGACPP_CHECK(cond, kind, msg)                                                     \
+  do {                                                                                     \
     if (!(cond)) ::megacpp::detail::throw_check((kind), #cond, (msg), __FILE__, __LINE__); \
   } while (0)

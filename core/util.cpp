@@ -26,8 +26,12 @@ std::string& log_prefix() {
 }
 }  // namespace
 
-int64_t mono_ns() { return clock_ns(CLOCK_MONOTONIC); }
-int64_t wall_ns() { return clock_ns(CLOCK_REALTIME); }
+int64_t mono_ns() {
+  return clock_ns(CLOCK_MONOTONIC);
+}
+int64_t wall_ns() {
+  return clock_ns(CLOCK_REALTIME);
+}
 
 std::string rfc3339(int64_t ns) {
   time_t secs = ns / 1'000'000'000;
@@ -119,7 +123,9 @@ std::string xxh3_hex(std::string_view bytes) {
   return fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size()));
 }
 
-void set_log_prefix(std::string prefix) { log_prefix() = std::move(prefix); }
+void set_log_prefix(std::string prefix) {
+  log_prefix() = std::move(prefix);
+}
 
 void log_line(std::string_view level, std::string_view text) {
   static std::mutex mu;

@@ -38,10 +38,16 @@ std::string xxh3_hex(std::string_view bytes);
 void set_log_prefix(std::string prefix);
 void log_line(std::string_view level, std::string_view text);
 template <typename... A>
-void log_info(fmt::format_string<A...> f, A&&... a) { log_line("info", fmt::format(f, std::forward<A>(a)...)); }
+void log_info(fmt::format_string<A...> f, A&&... a) {
+  log_line("info", fmt::format(f, std::forward<A>(a)...));
+}
 template <typename... A>
-void log_warn(fmt::format_string<A...> f, A&&... a) { log_line("warn", fmt::format(f, std::forward<A>(a)...)); }
+void log_warn(fmt::format_string<A...> f, A&&... a) {
+  log_line("warn", fmt::format(f, std::forward<A>(a)...));
+}
 template <typename... A>
-void log_error(fmt::format_string<A...> f, A&&... a) { log_line("error", fmt::format(f, std::forward<A>(a)...)); }
+void log_error(fmt::format_string<A...> f, A&&... a) {
+  log_line("error", fmt::format(f, std::forward<A>(a)...));
+}
 
 }  // namespace megacpp

@@ -150,7 +150,8 @@ class Received {
 class Channel {
  public:
   enum class Kind { kRouter, kDealer };
-  Channel(ZmqContext& ctx, Kind kind, const std::string& endpoint, const std::string& identity = {});
+  Channel(ZmqContext& ctx, Kind kind, const std::string& endpoint,
+          const std::string& identity = {});
   ~Channel();
   Channel(const Channel&) = delete;
   Channel& operator=(const Channel&) = delete;
@@ -158,7 +159,8 @@ class Channel {
   // DEALER: send to the bound peer. ROUTER: send_to a connected identity. Return false if
   // the message could not be queued within `timeout` or the peer is unknown (ROUTER).
   bool send(capnp::MessageBuilder& message, Millis timeout = Millis(1000));
-  bool send_to(std::string_view peer, capnp::MessageBuilder& message, Millis timeout = Millis(1000));
+  bool send_to(std::string_view peer, capnp::MessageBuilder& message,
+               Millis timeout = Millis(1000));
 
   // Waits at most `timeout`; nullptr on timeout. A malformed frame or an unknown schema
   // version is counted in malformed() and skipped, never thrown.

@@ -15,15 +15,18 @@ namespace megacpp::recipe {
 
 namespace {
 
-[[noreturn]] void bad(const std::filesystem::path& origin, std::string_view key, std::string_view rule) {
-  throw Error(ErrorKind::kInvalidArgument, fmt::format("recipe {}: {}: {}", origin.string(), key, rule));
+[[noreturn]] void bad(const std::filesystem::path& origin, std::string_view key,
+                      std::string_view rule) {
+  throw Error(ErrorKind::kInvalidArgument,
+              fmt::format("recipe {}: {}: {}", origin.string(), key, rule));
 }
 
-void check_keys(const toml::table& t, const std::set<std::string>& allowed, const std::filesystem::path& origin,
-                std::string_view section) {
+void check_keys(const toml::table& t, const std::set<std::string>& allowed,
+                const std::filesystem::path& origin, std::string_view section) {
   for (const auto& [k, v] : t) {
     if (!allowed.count(std::string(k.str()))) {
-      bad(origin, section.empty() ? std::string(k.str()) : fmt::format("{}.{}", section, k.str()), "unknown key");
+      bad(origin, section.empty() ? std::string(k.str()) : fmt::format("{}.{}", section, k.str()),
+          "unknown key");
     }
   }
 }
@@ -59,11 +62,14 @@ void get_string(const toml::table* t, std::string_view section, const char* key,
   const auto* node = t->get(key);
   if (node == nullptr) return;
   auto v = node->value<std::string>();
-  if (!v) bad(origin, section.empty() ? std::string(key) : fmt::format("{}.{}", section, key), "must be a string");
+  if (!v)
+    bad(origin, section.empty() ? std::string(key) : fmt::format("{}.{}", section, key),
+        "must be a string");
   out = *v;
 }
 
-const toml::table* section(const toml::table& root, const char* name, const std::filesystem::path& origin) {
+const toml::table* section(const toml::table& root, const char* name,
+                           const std::filesystem::path& origin) {
   const auto* node = root.get(name);
   if (node == nullptr) return nullptr;
   if (!node->is_table()) bad(origin, name, "must be a table");
@@ -91,43 +97,50 @@ void Recipe::validate() const {
   for (char c : pattern) {
     rule(std::string_view("AEMR").find(c) != std::string_view::npos, "pattern",
          "symbols are A (attention), E (experts), M (state space), R (recurrent)");
-    rule(c == 'A', "pattern", "this build implements block family A only (E, M, R are declared, not built)");
+    rule(c == 'A', "pattern",
+         "this build implements block family A only (E, M, R are declared, not built)");
   }
   rule(model.vocab_size >= 2 && model.vocab_size <= 65536, "model.vocab_size",
        "must be in [2, 65536] (token shards store uint16)");
   rule(model.seq_len >= 2, "model.seq_len", "must be >= 2");
   rule(model.n_layers >= 1, "model.n_layers", "must be >= 1");
-  rule(model.n_heads >= 1 && model.d_model % model.n_heads == 0, "model.n_heads", "must divide model.d_model");
+  rule(model.n_heads >= 1 && model.d_model % model.n_heads == 0, "model.n_heads",
+       "must divide model.d_model");
   rule(model.n_heads >= 1 && (model.d_model / model.n_heads) % 2 == 0, "model.d_model",
        "head dimension d_model/n_heads must be even (RoPE rotates pairs)");
   rule(model.mlp_mult >= 1, "model.mlp_mult", "must be >= 1");
-  rule(train.batch_size >= 1, "train.batch_size", "must be >= 1 (a rank with zero-length work is refused)");
+  rule(train.batch_size >= 1, "train.batch_size",
+       "must be >= 1 (a rank with zero-length work is refused)");
   rule(train.lr > 0, "train.lr", "must be > 0");
-  rule(train.min_lr_ratio >= 0 && train.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]");
+  rule(train.min_lr_ratio >= 0 && train.min_lr_ratio <= 1, "train.min_lr_ratio",
+       "must be in [0, 1]");
   rule(train.beta1 >= 0 && train.beta1 < 1, "train.beta1", "must be in [0, 1)");
   rule(train.beta2 >= 0 && train.beta2 < 1, "train.beta2", "must be in [0, 1)");
   rule(train.weight_decay >= 0, "train.weight_decay", "must be >= 0");
   rule(train.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)");
   rule(train.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1");
   rule(data.corpus == "builtin", "data.corpus", "only the built-in corpus exists in this build");
-  rule(model.vocab_size >= 128, "model.vocab_size", "the built-in corpus is 7-bit text: needs vocab_size >= 128");
+  rule(model.vocab_size >= 128, "model.vocab_size",
+       "the built-in corpus is 7-bit text: needs vocab_size >= 128");
   rule(data.shards >= 1, "data.shards", "must be >= 1");
   rule(data.shard_tokens > model.seq_len + 1, "data.shard_tokens", "must exceed model.seq_len + 1");
 }
 
-std::filesystem::path resolve(const std::string& name_or_path, const std::filesystem::path& recipe_dir) {
+std::filesystem::path resolve(const std::string& name_or_path,
+                              const std::filesystem::path& recipe_dir) {
   std::filesystem::path p(name_or_path);
   if (p.has_extension() || name_or_path.find('/') != std::string::npos) {
     if (!std::filesystem::is_regular_file(p)) {
-      throw Error(ErrorKind::kInvalidArgument, fmt::format("recipe {}: no such file", name_or_path));
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("recipe {}: no such file", name_or_path));
     }
     return std::filesystem::absolute(p);
   }
   auto named = recipe_dir / (name_or_path + ".toml");
   if (!std::filesystem::is_regular_file(named)) {
     throw Error(ErrorKind::kInvalidArgument,
-                fmt::format("recipe '{}': no such recipe in {} (pass a path to a .toml file)", name_or_path,
-                            recipe_dir.string()));
+                fmt::format("recipe '{}': no such recipe in {} (pass a path to a .toml file)",
+                            name_or_path, recipe_dir.string()));
   }
   return std::filesystem::absolute(named);
 }
@@ -138,8 +151,8 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
     root = toml::parse(text, origin.string());
   } catch (const toml::parse_error& e) {
     throw Error(ErrorKind::kInvalidArgument,
-                fmt::format("recipe {}:{}:{}: {}", origin.string(), e.source().begin.line, e.source().begin.column,
-                            e.description()));
+                fmt::format("recipe {}:{}:{}: {}", origin.string(), e.source().begin.line,
+                            e.source().begin.column, e.description()));
   }
   Recipe r;
   r.path = origin;
@@ -149,11 +162,13 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
   const auto* m = section(root, "model", origin);
   const auto* t = section(root, "train", origin);
   const auto* d = section(root, "data", origin);
-  if (m) check_keys(*m, {"vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_mult"}, origin, "model");
+  if (m)
+    check_keys(*m, {"vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_mult"}, origin,
+               "model");
   if (t) {
     check_keys(*t,
-               {"batch_size", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                "seed", "checkpoint_every"},
+               {"batch_size", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1",
+                "beta2", "grad_clip", "seed", "checkpoint_every"},
                origin, "train");
   }
   if (d) check_keys(*d, {"corpus", "shard_tokens", "shards"}, origin, "data");
@@ -177,7 +192,8 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
   get_uint(d, "data", "shard_tokens", r.data.shard_tokens, origin);
   get_uint(d, "data", "shards", r.data.shards, origin);
   r.validate();
-  for (uint32_t i = 0; i < r.model.n_layers; ++i) r.layers.emplace_back(1, r.pattern[i % r.pattern.size()]);
+  for (uint32_t i = 0; i < r.model.n_layers; ++i)
+    r.layers.emplace_back(1, r.pattern[i % r.pattern.size()]);
   r.hash = xxh3_hex(canonical(r));
   return r;
 }
@@ -187,7 +203,8 @@ Recipe load(const std::filesystem::path& path) {
   try {
     text = read_file(path);
   } catch (const Error& e) {
-    throw Error(ErrorKind::kInvalidArgument, fmt::format("recipe {}: cannot read: {}", path.string(), e.what()));
+    throw Error(ErrorKind::kInvalidArgument,
+                fmt::format("recipe {}: cannot read: {}", path.string(), e.what()));
   }
   return parse(text, path);
 }
@@ -225,16 +242,19 @@ void to_spec(const Recipe& r, schema::RecipeSpec::Builder s) {
 
 std::string describe(const Recipe& r) {
   std::string layers;
-  for (size_t i = 0; i < r.layers.size(); ++i) layers += fmt::format("{}{}:{}", i ? " " : "", i, r.layers[i]);
+  for (size_t i = 0; i < r.layers.size(); ++i)
+    layers += fmt::format("{}{}:{}", i ? " " : "", i, r.layers[i]);
   return fmt::format(
       "recipe {} ({})\n  hash      {}\n  pattern   {} -> {} layers [{}]\n"
       "  model     vocab {} seq {} d_model {} heads {} mlp x{}\n"
-      "  train     batch {}/rank lr {} (warmup {}, min ratio {}) betas ({}, {}) wd {} clip {} seed {}\n"
+      "  train     batch {}/rank lr {} (warmup {}, min ratio {}) betas ({}, {}) wd {} clip {} seed "
+      "{}\n"
       "  checkpoint every {} steps\n  data      {} corpus, {} shards x {} tokens\n",
-      r.name, r.path.string(), r.hash, r.pattern, r.layers.size(), layers, r.model.vocab_size, r.model.seq_len,
-      r.model.d_model, r.model.n_heads, r.model.mlp_mult, r.train.batch_size, r.train.lr, r.train.warmup_steps,
-      r.train.min_lr_ratio, r.train.beta1, r.train.beta2, r.train.weight_decay, r.train.grad_clip, r.train.seed,
-      r.train.checkpoint_every, r.data.corpus, r.data.shards, r.data.shard_tokens);
+      r.name, r.path.string(), r.hash, r.pattern, r.layers.size(), layers, r.model.vocab_size,
+      r.model.seq_len, r.model.d_model, r.model.n_heads, r.model.mlp_mult, r.train.batch_size,
+      r.train.lr, r.train.warmup_steps, r.train.min_lr_ratio, r.train.beta1, r.train.beta2,
+      r.train.weight_decay, r.train.grad_clip, r.train.seed, r.train.checkpoint_every,
+      r.data.corpus, r.data.shards, r.data.shard_tokens);
 }
 
 }  // namespace megacpp::recipe

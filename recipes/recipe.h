@@ -58,7 +58,8 @@ struct Recipe {
 };
 
 // `name_or_path`: a path to a .toml file, or the name of a recipe in `recipe_dir`.
-std::filesystem::path resolve(const std::string& name_or_path, const std::filesystem::path& recipe_dir);
+std::filesystem::path resolve(const std::string& name_or_path,
+                              const std::filesystem::path& recipe_dir);
 Recipe load(const std::filesystem::path& path);
 Recipe parse(const std::string& toml_text, const std::filesystem::path& origin);
 

@@ -27,6 +27,8 @@ void from_json(std::string_view json, capnp::DynamicStruct::Builder root, std::s
   }
 }
 
-std::string read_json_text(const std::filesystem::path& path) { return read_file(path); }
+std::string read_json_text(const std::filesystem::path& path) {
+  return read_file(path);
+}
 
 }  // namespace megacpp::schemas

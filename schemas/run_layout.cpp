@@ -8,18 +8,24 @@ namespace megacpp::layout {
 
 std::string_view stage_name(schema::StageKind stage) {
   switch (stage) {
-    case schema::StageKind::SUPERVISOR: return "supervisor";
-    case schema::StageKind::DATA_LOADER: return "data_loader";
-    case schema::StageKind::TRAINER: return "trainer";
-    case schema::StageKind::COLLECTOR: return "collector";
-    case schema::StageKind::CHECKPOINTER: return "checkpointer";
+    case schema::StageKind::SUPERVISOR:
+      return "supervisor";
+    case schema::StageKind::DATA_LOADER:
+      return "data_loader";
+    case schema::StageKind::TRAINER:
+      return "trainer";
+    case schema::StageKind::COLLECTOR:
+      return "collector";
+    case schema::StageKind::CHECKPOINTER:
+      return "checkpointer";
   }
   return "unknown";
 }
 
 schema::StageKind parse_stage(std::string_view name) {
-  for (auto s : {schema::StageKind::SUPERVISOR, schema::StageKind::DATA_LOADER, schema::StageKind::TRAINER,
-                 schema::StageKind::COLLECTOR, schema::StageKind::CHECKPOINTER}) {
+  for (auto s :
+       {schema::StageKind::SUPERVISOR, schema::StageKind::DATA_LOADER, schema::StageKind::TRAINER,
+        schema::StageKind::COLLECTOR, schema::StageKind::CHECKPOINTER}) {
     if (stage_name(s) == name) return s;
   }
   throw Error(ErrorKind::kInvalidArgument, fmt::format("unknown stage '{}'", name));
@@ -38,9 +44,13 @@ fs::path log_path(const fs::path& run, schema::StageKind stage, uint32_t rank) {
 fs::path failure_path(const fs::path& run, schema::StageKind stage, uint32_t rank) {
   return failures_dir(run) / (process_name(stage, rank) + ".json");
 }
-std::string checkpoint_dir_name(uint32_t step) { return fmt::format("step_{:08d}", step); }
+std::string checkpoint_dir_name(uint32_t step) {
+  return fmt::format("step_{:08d}", step);
+}
 
-std::string ring_shm_name(std::string_view prefix, uint32_t rank) { return fmt::format("{}ring-{}", prefix, rank); }
+std::string ring_shm_name(std::string_view prefix, uint32_t rank) {
+  return fmt::format("{}ring-{}", prefix, rank);
+}
 std::string staging_shm_name(std::string_view prefix, uint32_t rank) {
   return fmt::format("{}stage-{}", prefix, rank);
 }

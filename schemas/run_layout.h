@@ -18,16 +18,33 @@ std::string_view stage_name(schema::StageKind stage);  // "data_loader", "traine
 schema::StageKind parse_stage(std::string_view name);
 std::string process_name(schema::StageKind stage, uint32_t rank);  // "trainer-1"
 
-inline fs::path launch_path(const fs::path& run) { return run / "launch.json"; }
-inline fs::path manifest_path(const fs::path& run) { return run / "manifest.json"; }
-inline fs::path journal_dir(const fs::path& run) { return run / "journal"; }
-inline fs::path receipts_dir(const fs::path& run) { return run / "receipts"; }
-inline fs::path failures_dir(const fs::path& run) { return run / "failures"; }
-inline fs::path checkpoints_dir(const fs::path& run) { return run / "checkpoints"; }
-inline fs::path logs_dir(const fs::path& run) { return run / "logs"; }
-fs::path journal_path(const fs::path& run, schema::StageKind stage, uint32_t rank);  // journal/trainer-1.journal
-fs::path log_path(const fs::path& run, schema::StageKind stage, uint32_t rank);      // logs/trainer-1.log
-fs::path failure_path(const fs::path& run, schema::StageKind stage, uint32_t rank);  // failures/trainer-1.json
+inline fs::path launch_path(const fs::path& run) {
+  return run / "launch.json";
+}
+inline fs::path manifest_path(const fs::path& run) {
+  return run / "manifest.json";
+}
+inline fs::path journal_dir(const fs::path& run) {
+  return run / "journal";
+}
+inline fs::path receipts_dir(const fs::path& run) {
+  return run / "receipts";
+}
+inline fs::path failures_dir(const fs::path& run) {
+  return run / "failures";
+}
+inline fs::path checkpoints_dir(const fs::path& run) {
+  return run / "checkpoints";
+}
+inline fs::path logs_dir(const fs::path& run) {
+  return run / "logs";
+}
+fs::path journal_path(const fs::path& run, schema::StageKind stage,
+                      uint32_t rank);  // journal/trainer-1.journal
+fs::path log_path(const fs::path& run, schema::StageKind stage,
+                  uint32_t rank);  // logs/trainer-1.log
+fs::path failure_path(const fs::path& run, schema::StageKind stage,
+                      uint32_t rank);            // failures/trainer-1.json
 std::string checkpoint_dir_name(uint32_t step);  // step_00000040
 
 // shm names: "<prefix>ring-<rank>" (batch plane), "<prefix>stage-<rank>" (snapshot plane).

@@ -6,9 +6,9 @@
 
 #include <csignal>
 
-#include <CLI/CLI.hpp>
 #include <capnp/message.h>
 #include <kj/exception.h>
+#include <CLI/CLI.hpp>
 
 #include "core/error.h"
 #include "core/util.h"
@@ -22,7 +22,9 @@ namespace {
 // reach process-wide state, so this one flag is the exception to "no globals".
 volatile std::sig_atomic_t g_stop_signal = 0;
 
-void on_stop_signal(int sig) { g_stop_signal = sig; }
+void on_stop_signal(int sig) {
+  g_stop_signal = sig;
+}
 
 void install_signal_handlers() {
   struct sigaction sa {};
@@ -52,7 +54,8 @@ void write_failure_dump(StageContext* ctx, schema::StageKind kind, const StageAr
   d.setAt(rfc3339(wall_ns()));
   try {
     std::filesystem::create_directories(layout::failures_dir(args.run_dir));
-    write_file_atomic(layout::failure_path(args.run_dir, kind, args.rank), schemas::to_json(d.asReader()));
+    write_file_atomic(layout::failure_path(args.run_dir, kind, args.rank),
+                      schemas::to_json(d.asReader()));
   } catch (const std::exception& e) {
     log_error("could not write the failure dump: {}", e.what());
   }
@@ -67,8 +70,9 @@ StageContext::StageContext(schema::StageKind kind, const StageArgs& args)
       journal_(layout::journal_path(args.run_dir, kind, args.rank)) {
   journal_.set_identity(kind, args.rank);
   auto l = launch_.get();
-  control_ = std::make_unique<ipc::ControlClient>(l.getControlEndpoint(), kind, args.rank, args.generation,
-                                                  ipc::Millis(l.getHeartbeatIntervalMs()));
+  control_ =
+      std::make_unique<ipc::ControlClient>(l.getControlEndpoint(), kind, args.rank, args.generation,
+                                           ipc::Millis(l.getHeartbeatIntervalMs()));
 }
 
 StageContext::~StageContext() = default;
@@ -83,16 +87,21 @@ void StageContext::set_step(uint32_t step) {
   control_->set_step(step);
 }
 
-bool StageContext::stop_requested() const { return g_stop_signal != 0 || control_->stop_requested(); }
+bool StageContext::stop_requested() const {
+  return g_stop_signal != 0 || control_->stop_requested();
+}
 
 int run_stage_main(int argc, char** argv, schema::StageKind kind, std::string_view description,
                    const std::function<void(StageContext&)>& body) {
   StageArgs args;
-  CLI::App app{std::string(description), std::string("megacpp-") + std::string(layout::stage_name(kind))};
+  CLI::App app{std::string(description),
+               std::string("megacpp-") + std::string(layout::stage_name(kind))};
   app.add_option("--run-dir", args.run_dir, "Run directory holding launch.json")->required();
   app.add_option("--rank", args.rank, "Rank of this process within its stage kind")->default_val(0);
-  app.add_option("--generation", args.generation, "Launch generation (restarts bump it)")->default_val(0);
-  app.footer("Stage processes are launched by `megacpp run`; they are not meant to be started by hand.");
+  app.add_option("--generation", args.generation, "Launch generation (restarts bump it)")
+      ->default_val(0);
+  app.footer(
+      "Stage processes are launched by `megacpp run`; they are not meant to be started by hand.");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

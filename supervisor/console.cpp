@@ -64,10 +64,11 @@ class LineConsole final : public Console {
     last_print_ns_ = now;
     last_step_ = step;
     float loss = ranks[0].loss;
-    std::string line = fmt::format("step {:>{}}/{} | loss {:>7} | {:>7} tok/s | elapsed {} | ETA {} | stages {}/{} up",
-                                   step, std::to_string(steps_).size(), steps_,
-                                   std::isfinite(loss) ? fmt::format("{:.4f}", loss) : "-", si(rate),
-                                   hms(static_cast<double>(now - t0_) / 1e9), hms(eta), up, total);
+    std::string line = fmt::format(
+        "step {:>{}}/{} | loss {:>7} | {:>7} tok/s | elapsed {} | ETA {} | stages {}/{} up", step,
+        std::to_string(steps_).size(), steps_,
+        std::isfinite(loss) ? fmt::format("{:.4f}", loss) : "-", si(rate),
+        hms(static_cast<double>(now - t0_) / 1e9), hms(eta), up, total);
     if (tty_) {
       fmt::print("\r{}\x1b[K", line);
       printed_ = true;
@@ -96,11 +97,12 @@ class LineConsole final : public Console {
 
 }  // namespace
 
-std::unique_ptr<Console> make_console(const std::string& mode, uint32_t steps, const std::string& recipe,
-                                      const std::string& run_dir) {
+std::unique_ptr<Console> make_console(const std::string& mode, uint32_t steps,
+                                      const std::string& recipe, const std::string& run_dir) {
   if (mode == "none") return nullptr;
   bool tty = mode == "tty" || (mode == "auto" && ::isatty(STDOUT_FILENO));
-  fmt::print("megacpp: training recipe {} for {} steps; run directory {}\n", recipe, steps, run_dir);
+  fmt::print("megacpp: training recipe {} for {} steps; run directory {}\n", recipe, steps,
+             run_dir);
   std::fflush(stdout);
   return std::make_unique<LineConsole>(tty, steps);
 }

@@ -23,7 +23,7 @@ class Console {
 };
 
 // mode: auto (tty if stdout is a terminal, else plain) | tty | plain | none (nullptr).
-std::unique_ptr<Console> make_console(const std::string& mode, uint32_t steps, const std::string& recipe,
-                                      const std::string& run_dir);
+std::unique_ptr<Console> make_console(const std::string& mode, uint32_t steps,
+                                      const std::string& recipe, const std::string& run_dir);
 
 }  // namespace megacpp::supervisor

@@ -4,9 +4,9 @@
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <kj/exception.h>
+#include <CLI/CLI.hpp>
 
 #include "core/error.h"
 #include "core/util.h"
@@ -25,7 +25,9 @@ int verify(const fs::path& path) {
   fs::path dir = path;
   if (fs::exists(path / "launch.json")) {
     auto latest = mc::layout::checkpoints_dir(path) / "LATEST";
-    if (!fs::exists(latest)) throw mc::Error(mc::ErrorKind::kInvalidArgument, fmt::format("{}: no committed checkpoint", path.string()));
+    if (!fs::exists(latest))
+      throw mc::Error(mc::ErrorKind::kInvalidArgument,
+                      fmt::format("{}: no committed checkpoint", path.string()));
     std::string name = mc::read_file(latest);
     while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
     dir = mc::layout::checkpoints_dir(path) / name;
@@ -43,33 +45,49 @@ int verify(const fs::path& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"megacpp — trains language models as a supervised pipeline of cooperating processes"};
+  CLI::App app{
+      "megacpp — trains language models as a supervised pipeline of cooperating processes"};
   app.require_subcommand(1);
-  app.failure_message([](const CLI::App*, const CLI::Error& e) { return fmt::format("megacpp: error: {}\n", e.what()); });
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return fmt::format("megacpp: error: {}\n", e.what());
+  });
 
   mc::supervisor::RunOptions ro;
   std::string ro_run_dir, ro_data_dir;
   auto* run = app.add_subcommand("run", "Launch and supervise a training job on this node");
-  run->add_option("recipe", ro.recipe, "Recipe name (in recipes/) or path to a .toml file")->capture_default_str();
-  run->add_option("--ranks", ro.ranks, "Trainer ranks (processes) on this node")->capture_default_str();
+  run->add_option("recipe", ro.recipe, "Recipe name (in recipes/) or path to a .toml file")
+      ->capture_default_str();
+  run->add_option("--ranks", ro.ranks, "Trainer ranks (processes) on this node")
+      ->capture_default_str();
   run->add_option("--steps", ro.steps, "Optimizer steps to train")->capture_default_str();
-  run->add_option("--run-dir", ro_run_dir, "Run directory to create (must not hold a run)")->required();
-  run->add_option("--data-dir", ro_data_dir, "Data volume directory for token shards (default: <run-dir>/../data)");
+  run->add_option("--run-dir", ro_run_dir, "Run directory to create (must not hold a run)")
+      ->required();
+  run->add_option("--data-dir", ro_data_dir,
+                  "Data volume directory for token shards (default: <run-dir>/../data)");
   run->add_flag("--require-data-volume", ro.require_data_volume,
                 "Refuse a run directory on the root volume (rule data-volume)");
-  run->add_option("--heartbeat-ms", ro.heartbeat_interval_ms, "Heartbeat interval of every stage")->capture_default_str();
-  run->add_option("--ring-slots", ro.ring_slots, "Batch ring depth per rank")->capture_default_str();
-  run->add_option("--startup-budget-s", ro.startup_budget_s, "Start-up / first-step progress budget")->capture_default_str();
-  run->add_option("--hang-budget-s", ro.hang_budget_s, "Progress budget after the first step")->capture_default_str();
-  run->add_option("--teardown-grace-s", ro.teardown_grace_s, "SIGTERM -> SIGKILL grace")->capture_default_str();
-  run->add_option("--progress", ro.progress, "Console progress: auto | tty | plain | none")->capture_default_str();
+  run->add_option("--heartbeat-ms", ro.heartbeat_interval_ms, "Heartbeat interval of every stage")
+      ->capture_default_str();
+  run->add_option("--ring-slots", ro.ring_slots, "Batch ring depth per rank")
+      ->capture_default_str();
+  run->add_option("--startup-budget-s", ro.startup_budget_s,
+                  "Start-up / first-step progress budget")
+      ->capture_default_str();
+  run->add_option("--hang-budget-s", ro.hang_budget_s, "Progress budget after the first step")
+      ->capture_default_str();
+  run->add_option("--teardown-grace-s", ro.teardown_grace_s, "SIGTERM -> SIGKILL grace")
+      ->capture_default_str();
+  run->add_option("--progress", ro.progress, "Console progress: auto | tty | plain | none")
+      ->capture_default_str();
 
   fs::path status_dir;
-  auto* status = app.add_subcommand("status", "Print a run's manifest: state, first failure, stages");
+  auto* status =
+      app.add_subcommand("status", "Print a run's manifest: state, first failure, stages");
   status->add_option("run-dir", status_dir, "Run directory")->required();
 
   std::vector<fs::path> collect_dirs;
-  auto* collect = app.add_subcommand("collect", "Re-fold runs' journals into manifest and receipts (idempotent)");
+  auto* collect = app.add_subcommand(
+      "collect", "Re-fold runs' journals into manifest and receipts (idempotent)");
   collect->add_option("run-dirs", collect_dirs, "Run directories")->required();
 
   std::string plan_recipe = "tiny";
@@ -77,7 +95,8 @@ int main(int argc, char** argv) {
   plan->add_option("recipe", plan_recipe, "Recipe name or path")->capture_default_str();
 
   fs::path verify_path;
-  auto* verify_cmd = app.add_subcommand("verify", "Verify a checkpoint directory (or a run's LATEST checkpoint)");
+  auto* verify_cmd =
+      app.add_subcommand("verify", "Verify a checkpoint directory (or a run's LATEST checkpoint)");
   verify_cmd->add_option("path", verify_path, "Checkpoint directory or run directory")->required();
 
   try {

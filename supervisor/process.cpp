@@ -51,6 +51,8 @@ int block_signals_to_fd() {
   return SYSCALL_CHECK(::signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC));
 }
 
-std::filesystem::path self_exe_dir() { return std::filesystem::read_symlink("/proc/self/exe").parent_path(); }
+std::filesystem::path self_exe_dir() {
+  return std::filesystem::read_symlink("/proc/self/exe").parent_path();
+}
 
 }  // namespace megacpp::supervisor::detail

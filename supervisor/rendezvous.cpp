@@ -12,7 +12,8 @@ struct StoreServer::Impl {
   c10::intrusive_ptr<c10d::TCPStore> store;
 };
 
-StoreServer::StoreServer(const std::string& host, uint16_t port, uint32_t world) : impl_(std::make_unique<Impl>()) {
+StoreServer::StoreServer(const std::string& host, uint16_t port, uint32_t world)
+    : impl_(std::make_unique<Impl>()) {
   c10d::TCPStoreOptions o;
   o.port = port;
   o.isServer = true;
@@ -28,8 +29,12 @@ StoreServer::StoreServer(const std::string& host, uint16_t port, uint32_t world)
 
 StoreServer::~StoreServer() = default;
 
-uint16_t StoreServer::port() const { return impl_->store->getPort(); }
+uint16_t StoreServer::port() const {
+  return impl_->store->getPort();
+}
 
-std::string torch_version() { return MEGACPP_TORCH_VERSION; }
+std::string torch_version() {
+  return MEGACPP_TORCH_VERSION;
+}
 
 }  // namespace megacpp::supervisor

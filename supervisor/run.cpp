@@ -44,7 +44,8 @@ void RunOptions::validate() const {
   if (ranks < 1 || ranks > 256) bad(fmt::format("--ranks {}: must be in [1, 256]", ranks));
   if (steps < 1) bad("--steps must be >= 1");
   if (run_dir.empty()) bad("--run-dir is required");
-  if (heartbeat_interval_ms < 10 || heartbeat_interval_ms > 10000) bad("--heartbeat-ms must be in [10, 10000]");
+  if (heartbeat_interval_ms < 10 || heartbeat_interval_ms > 10000)
+    bad("--heartbeat-ms must be in [10, 10000]");
   if (ring_slots < 2 || ring_slots > 1024) bad("--ring-slots must be in [2, 1024]");
   if (!(startup_budget_s > 0) || !(hang_budget_s > 0)) bad("hang budgets must be > 0 seconds");
   if (progress != "auto" && progress != "tty" && progress != "plain" && progress != "none") {
@@ -83,15 +84,24 @@ struct Failure {
 
 std::string fs_type_name(long type) {
   switch (static_cast<unsigned long>(type)) {
-    case 0xEF53: return "ext4";
-    case 0x58465342: return "xfs";
-    case 0x01021994: return "tmpfs";
-    case 0x794c7630: return "overlay";
-    case 0x9123683E: return "btrfs";
-    case 0x6969: return "nfs";
-    case 0x2fc12fc1: return "zfs";
-    case 0x65735546: return "fuse";
-    default: return fmt::format("0x{:x}", static_cast<unsigned long>(type));
+    case 0xEF53:
+      return "ext4";
+    case 0x58465342:
+      return "xfs";
+    case 0x01021994:
+      return "tmpfs";
+    case 0x794c7630:
+      return "overlay";
+    case 0x9123683E:
+      return "btrfs";
+    case 0x6969:
+      return "nfs";
+    case 0x2fc12fc1:
+      return "zfs";
+    case 0x65735546:
+      return "fuse";
+    default:
+      return fmt::format("0x{:x}", static_cast<unsigned long>(type));
   }
 }
 
@@ -116,7 +126,9 @@ std::string git_revision(bool& dirty) {
     ::pclose(p);
   }
   while (!rev.empty() && (rev.back() == '\n' || rev.back() == '\r')) rev.pop_back();
-  if (FILE* p = ::popen("git -C " MEGACPP_SOURCE_DIR " status --porcelain --untracked-files=no 2>/dev/null", "r")) {
+  if (FILE* p = ::popen("git -C " MEGACPP_SOURCE_DIR
+                        " status --porcelain --untracked-files=no 2>/dev/null",
+                        "r")) {
     char buf[8];
     dirty = std::fgets(buf, sizeof buf, p) != nullptr;
     ::pclose(p);
@@ -194,27 +206,33 @@ void Run::prepare() {
   run_ = fs::absolute(opt_.run_dir).lexically_normal();
   if (fs::exists(run_)) {
     if (!fs::is_directory(run_)) {
-      throw Error(ErrorKind::kInvalidArgument, fmt::format("run directory {} exists and is not a directory", run_.string()));
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("run directory {} exists and is not a directory", run_.string()));
     }
     if (fs::exists(layout::launch_path(run_))) {
-      throw Error(ErrorKind::kInvalidArgument,
-                  fmt::format("run directory {} already holds a run (launch.json exists): choose a fresh --run-dir "
-                              "(resuming a run is not supported yet)",
-                              run_.string()));
+      throw Error(
+          ErrorKind::kInvalidArgument,
+          fmt::format(
+              "run directory {} already holds a run (launch.json exists): choose a fresh --run-dir "
+              "(resuming a run is not supported yet)",
+              run_.string()));
     }
     if (!fs::is_empty(run_)) {
-      throw Error(ErrorKind::kInvalidArgument,
-                  fmt::format("run directory {} is not empty: choose a fresh --run-dir", run_.string()));
+      throw Error(
+          ErrorKind::kInvalidArgument,
+          fmt::format("run directory {} is not empty: choose a fresh --run-dir", run_.string()));
     }
   }
   auto anchor = nearest_existing(run_);
   if (!fs::is_directory(anchor) || ::access(anchor.c_str(), W_OK) != 0) {
-    throw Error(ErrorKind::kInvalidArgument,
-                fmt::format("run directory {} is not writable ({} is {})", run_.string(), anchor.string(),
-                            fs::is_directory(anchor) ? "not writable" : "not a directory"));
+    throw Error(
+        ErrorKind::kInvalidArgument,
+        fmt::format("run directory {} is not writable ({} is {})", run_.string(), anchor.string(),
+                    fs::is_directory(anchor) ? "not writable" : "not a directory"));
   }
   struct statfs sfs {};
-  struct stat st {}, root_st {};
+  struct stat st {
+  }, root_st{};
   SYSCALL_CHECK(::statfs(anchor.c_str(), &sfs));
   SYSCALL_CHECK(::stat(anchor.c_str(), &st));
   SYSCALL_CHECK(::stat("/", &root_st));
@@ -224,12 +242,15 @@ void Run::prepare() {
   if (fs_root_) {
     if (opt_.require_data_volume) {
       throw Error(ErrorKind::kInvalidArgument,
-                  fmt::format("rule data-volume: run directory {} is on the root volume (device {}, {}); put it on a "
+                  fmt::format("rule data-volume: run directory {} is on the root volume (device "
+                              "{}, {}); put it on a "
                               "data volume or drop --require-data-volume",
                               run_.string(), fs_device_, fs_type_));
     }
-    log_warn("run directory {} is on the root volume ({}); production launches pass --require-data-volume",
-             run_.string(), fs_type_);
+    log_warn(
+        "run directory {} is on the root volume ({}); production launches pass "
+        "--require-data-volume",
+        run_.string(), fs_type_);
   }
 
   std::error_code ec;
@@ -238,8 +259,9 @@ void Run::prepare() {
     throw Error(ErrorKind::kInvalidArgument,
                 fmt::format("run directory {} is not writable: {}", run_.string(), ec.message()));
   }
-  for (const auto& d : {layout::journal_dir(run_), layout::receipts_dir(run_), layout::failures_dir(run_),
-                        layout::checkpoints_dir(run_), layout::logs_dir(run_)}) {
+  for (const auto& d :
+       {layout::journal_dir(run_), layout::receipts_dir(run_), layout::failures_dir(run_),
+        layout::checkpoints_dir(run_), layout::logs_dir(run_)}) {
     fs::create_directories(d);
   }
   run_id_ = fmt::format("{}-{}", rfc3339(wall_ns()).substr(0, 19), random_hex(6));
@@ -253,7 +275,8 @@ void Run::prepare() {
   sock_dir_ = run_ / "sock";
   if (sock_dir_.string().size() + 16 > 100) {
     char tmpl[] = "/tmp/megacpp-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) ::megacpp::detail::throw_syscall("mkdtemp", errno, __FILE__, __LINE__);
+    if (::mkdtemp(tmpl) == nullptr)
+      ::megacpp::detail::throw_syscall("mkdtemp", errno, __FILE__, __LINE__);
     sock_dir_ = tmpl;
   } else {
     fs::create_directory(sock_dir_);
@@ -269,18 +292,20 @@ void Run::prepare() {
 
   store_ = std::make_unique<StoreServer>("127.0.0.1", 0, opt_.ranks);
 
-  const uint32_t slot_bytes = recipe_.train.batch_size * (recipe_.model.seq_len + 1) * sizeof(int64_t);
+  const uint32_t slot_bytes =
+      recipe_.train.batch_size * (recipe_.model.seq_len + 1) * sizeof(int64_t);
   for (uint32_t r = 0; r < opt_.ranks; ++r) {
     auto name = layout::ring_shm_name(shm_prefix_, r);
-    rings_.push_back(std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{}, name,
-                                                      ipc::SlotRing::region_bytes(opt_.ring_slots, slot_bytes)));
+    rings_.push_back(std::make_unique<ipc::ShmRegion>(
+        ipc::ShmRegion::Create{}, name, ipc::SlotRing::region_bytes(opt_.ring_slots, slot_bytes)));
     ipc::SlotRing::format(*rings_.back(), opt_.ring_slots, slot_bytes);
   }
   write_launch_contract();
 
   zmq_ = std::make_unique<ipc::ZmqContext>();
   router_ = std::make_unique<ipc::Channel>(*zmq_, ipc::Channel::Kind::kRouter, control_ep_);
-  journal_ = std::make_unique<ipc::JournalWriter>(layout::journal_path(run_, StageKind::SUPERVISOR, 0));
+  journal_ =
+      std::make_unique<ipc::JournalWriter>(layout::journal_path(run_, StageKind::SUPERVISOR, 0));
   journal_->set_identity(StageKind::SUPERVISOR, 0);
   journal_->append([](schema::JournalRecord::Builder r) { r.setProcessStarted(); });
 }
@@ -355,8 +380,9 @@ void Run::launch(StageKind stage, uint32_t rank) {
   std::string exe_name = "megacpp-" + std::string(layout::stage_name(stage));
   std::replace(exe_name.begin(), exe_name.end(), '_', '-');
   auto exe = detail::self_exe_dir() / exe_name;
-  std::vector<std::string> argv = {exe.string(), "--run-dir", run_.string(), "--rank", std::to_string(rank),
-                                   "--generation", "0"};
+  std::vector<std::string> argv = {exe.string(), "--run-dir",          run_.string(),
+                                   "--rank",     std::to_string(rank), "--generation",
+                                   "0"};
   c.pid = detail::spawn(argv, layout::log_path(run_, stage, rank));
   c.alive = true;
   c.started_ns = mono_ns();
@@ -397,8 +423,8 @@ void Run::on_message(ipc::Received& m) {
     case schema::ControlMessage::FAILURE: {
       auto f = root.getFailure();
       fail(Failure{"exception", c->stage, c->rank,
-                   fmt::format("{}: {} (phase {}, step {})", f.getKind().cStr(), f.getMessage().cStr(),
-                               static_cast<int>(f.getPhase()), f.getStep()),
+                   fmt::format("{}: {} (phase {}, step {})", f.getKind().cStr(),
+                               f.getMessage().cStr(), static_cast<int>(f.getPhase()), f.getStep()),
                    now});
       break;
     }
@@ -435,14 +461,15 @@ void Run::reap() {
                       (c.stop_sent && c.exit_code == 0 && c.signal == 0);
       if (!expected && !failure_) {
         if (c.signal != 0) {
-          fail(Failure{"signaled", c.stage, c.rank,
-                       fmt::format("{} (pid {}) was killed by signal {} ({}) in phase {} at step {}", c.name, c.pid,
-                                   c.signal, strsignal(c.signal), static_cast<int>(c.phase), c.step),
-                       mono_ns()});
+          fail(Failure{
+              "signaled", c.stage, c.rank,
+              fmt::format("{} (pid {}) was killed by signal {} ({}) in phase {} at step {}", c.name,
+                          c.pid, c.signal, strsignal(c.signal), static_cast<int>(c.phase), c.step),
+              mono_ns()});
         } else {
           fail(Failure{"exited", c.stage, c.rank,
-                       fmt::format("{} (pid {}) exited with code {} in phase {} at step {}", c.name, c.pid,
-                                   c.exit_code, static_cast<int>(c.phase), c.step),
+                       fmt::format("{} (pid {}) exited with code {} in phase {} at step {}", c.name,
+                                   c.pid, c.exit_code, static_cast<int>(c.phase), c.step),
                        mono_ns()});
         }
       }
@@ -456,8 +483,10 @@ void Run::on_signals() {
     if (si.ssi_signo == SIGCHLD) {
       reap();
     } else if (!failure_) {
-      fail(Failure{"interrupted", StageKind::SUPERVISOR, 0,
-                   fmt::format("the supervisor received {}", strsignal(static_cast<int>(si.ssi_signo))), mono_ns()});
+      fail(Failure{
+          "interrupted", StageKind::SUPERVISOR, 0,
+          fmt::format("the supervisor received {}", strsignal(static_cast<int>(si.ssi_signo))),
+          mono_ns()});
     }
   }
   reap();
@@ -472,8 +501,8 @@ void Run::check_liveness() {
     double silent = static_cast<double>(now - c.heartbeat_ns) / 1e9;
     if (silent > std::max(budget, 10.0 * opt_.heartbeat_interval_ms / 1000.0)) {
       fail(Failure{"heartbeat_lost", c.stage, c.rank,
-                   fmt::format("{} (pid {}) sent no heartbeat for {:.1f}s (phase {}, step {})", c.name, c.pid, silent,
-                               static_cast<int>(c.phase), c.step),
+                   fmt::format("{} (pid {}) sent no heartbeat for {:.1f}s (phase {}, step {})",
+                               c.name, c.pid, silent, static_cast<int>(c.phase), c.step),
                    now});
       return;
     }
@@ -481,8 +510,8 @@ void Run::check_liveness() {
       double stalled = static_cast<double>(now - c.progress_ns) / 1e9;
       if (stalled > budget) {
         fail(Failure{"hung", c.stage, c.rank,
-                     fmt::format("{} (pid {}) made no progress for {:.1f}s in phase {} (step {})", c.name, c.pid,
-                                 stalled, static_cast<int>(c.phase), c.step),
+                     fmt::format("{} (pid {}) made no progress for {:.1f}s in phase {} (step {})",
+                                 c.name, c.pid, stalled, static_cast<int>(c.phase), c.step),
                      now});
         return;
       }
@@ -498,7 +527,8 @@ void Run::fail(Failure f) {
 
 bool Run::all_trainers_done() const {
   for (const auto& c : children_) {
-    if (c.stage == StageKind::TRAINER && (c.alive || c.exit_code != 0 || c.signal != 0)) return false;
+    if (c.stage == StageKind::TRAINER && (c.alive || c.exit_code != 0 || c.signal != 0))
+      return false;
   }
   return true;
 }
@@ -561,14 +591,15 @@ void Run::finish_ok() {
   bool drained = wait_for(
       [&] {
         for (const auto& c : children_) {
-          if ((c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) && c.alive) return false;
+          if ((c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) && c.alive)
+            return false;
         }
         return true;
       },
       drain_s);
   if (!drained && !failure_) {
-    fail(Failure{"hung", StageKind::CHECKPOINTER, 0, fmt::format("stages did not stop within {:.0f}s", drain_s),
-                 mono_ns()});
+    fail(Failure{"hung", StageKind::CHECKPOINTER, 0,
+                 fmt::format("stages did not stop within {:.0f}s", drain_s), mono_ns()});
   }
 }
 
@@ -627,17 +658,18 @@ int Run::report() {
       last = b.get().getLastLoss();
       tps = b.get().getTokensPerSecond();
     }
-    out += fmt::format("run ok: {} steps on {} ranks, loss {:.3f} -> {:.3f}, {:.0f} tokens/s\n", m.getStepsCompleted(),
-                       m.getWorld(), first, last, tps);
+    out += fmt::format("run ok: {} steps on {} ranks, loss {:.3f} -> {:.3f}, {:.0f} tokens/s\n",
+                       m.getStepsCompleted(), m.getWorld(), first, last, tps);
   } else {
     auto e = m.getError();
-    out += fmt::format("run error: {} in {}-{}: {}\n", e.getKind().cStr(), layout::stage_name(e.getStage()),
-                       e.getRank(), e.getMessage().cStr());
+    out += fmt::format("run error: {} in {}-{}: {}\n", e.getKind().cStr(),
+                       layout::stage_name(e.getStage()), e.getRank(), e.getMessage().cStr());
   }
   out += fmt::format("  manifest    {}\n", layout::manifest_path(run_).string());
   std::string receipts;
   for (auto r : m.getReceipts()) receipts += (receipts.empty() ? "" : ", ") + std::string(r.cStr());
-  out += fmt::format("  receipts    {}/ ({})\n", layout::receipts_dir(run_).string(), receipts.empty() ? "none" : receipts);
+  out += fmt::format("  receipts    {}/ ({})\n", layout::receipts_dir(run_).string(),
+                     receipts.empty() ? "none" : receipts);
   if (m.getLatestCheckpoint().size() > 0) {
     out += fmt::format("  checkpoint  {}\n", (run_ / m.getLatestCheckpoint().cStr()).string());
   }
@@ -715,13 +747,14 @@ int status(const fs::path& run_dir) {
   fmt::print("run {}  ({})\n", m.getRunId().cStr(), run_dir.string());
   fmt::print("  state      {}\n", kStates[static_cast<int>(m.getState())]);
   fmt::print("  recipe     {} ({})\n", m.getRecipe().cStr(), m.getRecipeHash().cStr());
-  fmt::print("  steps      {}/{} on {} ranks\n", m.getStepsCompleted(), m.getStepsPlanned(), m.getWorld());
-  fmt::print("  launched   {}\n  completed  {}\n  last seen  {}\n", m.getLaunchedAt().cStr(), m.getCompletedAt().cStr(),
-             m.getLastPolledAt().cStr());
+  fmt::print("  steps      {}/{} on {} ranks\n", m.getStepsCompleted(), m.getStepsPlanned(),
+             m.getWorld());
+  fmt::print("  launched   {}\n  completed  {}\n  last seen  {}\n", m.getLaunchedAt().cStr(),
+             m.getCompletedAt().cStr(), m.getLastPolledAt().cStr());
   if (m.hasError() && m.getError().getKind().size() > 0) {
     auto e = m.getError();
-    fmt::print("  first failure  {} in {}-{}: {}\n", e.getKind().cStr(), layout::stage_name(e.getStage()), e.getRank(),
-               e.getMessage().cStr());
+    fmt::print("  first failure  {} in {}-{}: {}\n", e.getKind().cStr(),
+               layout::stage_name(e.getStage()), e.getRank(), e.getMessage().cStr());
   }
   fmt::print("  stages\n");
   for (auto s : m.getStages()) {
@@ -733,7 +766,8 @@ int status(const fs::path& run_dir) {
                s.getLastRecordAt().cStr());
   }
   if (m.getLatestCheckpoint().size() > 0) {
-    fmt::print("  checkpoint {} (step {})\n", m.getLatestCheckpoint().cStr(), m.getLatestCheckpointStep());
+    fmt::print("  checkpoint {} (step {})\n", m.getLatestCheckpoint().cStr(),
+               m.getLatestCheckpointStep());
   }
   return 0;
 }

@@ -5,9 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
-#include <algorithm>
 #include <numeric>
 #include <string_view>
 
@@ -36,17 +36,17 @@ std::string_view pick(uint64_t& s, const std::array<std::string_view, N>& words)
 // subject and verb form, fixed sentence shapes, and arithmetic that is always correct.
 std::string corpus_line(uint64_t& s) {
   static constexpr std::array<std::string_view, 8> kAdj = {"small", "quiet", "bright", "old",
-                                                           "green", "heavy", "quick", "calm"};
-  static constexpr std::array<std::string_view, 8> kNoun = {"cat", "river", "engine", "garden",
-                                                            "teacher", "signal", "tower", "model"};
-  static constexpr std::array<std::string_view, 8> kVerb = {"sees", "follows", "builds", "moves",
-                                                            "trains", "finds", "holds", "reads"};
-  static constexpr std::array<std::string_view, 4> kPlace = {"near the hill", "in the city", "by the sea",
-                                                             "under the bridge"};
+                                                           "green", "heavy", "quick",  "calm"};
+  static constexpr std::array<std::string_view, 8> kNoun = {"cat",     "river",  "engine", "garden",
+                                                            "teacher", "signal", "tower",  "model"};
+  static constexpr std::array<std::string_view, 8> kVerb = {"sees",   "follows", "builds", "moves",
+                                                            "trains", "finds",   "holds",  "reads"};
+  static constexpr std::array<std::string_view, 4> kPlace = {"near the hill", "in the city",
+                                                             "by the sea", "under the bridge"};
   switch (splitmix64(s) % 3) {
     case 0:
-      return fmt::format("the {} {} {} the {} {}.\n", pick(s, kAdj), pick(s, kNoun), pick(s, kVerb), pick(s, kAdj),
-                         pick(s, kNoun));
+      return fmt::format("the {} {} {} the {} {}.\n", pick(s, kAdj), pick(s, kNoun), pick(s, kVerb),
+                         pick(s, kAdj), pick(s, kNoun));
     case 1:
       return fmt::format("a {} {} {}.\n", pick(s, kNoun), pick(s, kVerb), pick(s, kPlace));
     default: {
@@ -82,8 +82,8 @@ void write_shard(const std::filesystem::path& path, std::span<const uint16_t> to
   write_file_atomic(path, bytes);
 }
 
-std::vector<std::filesystem::path> ensure_builtin_corpus(const std::filesystem::path& data_dir, uint32_t shards,
-                                                         uint32_t shard_tokens) {
+std::vector<std::filesystem::path> ensure_builtin_corpus(const std::filesystem::path& data_dir,
+                                                         uint32_t shards, uint32_t shard_tokens) {
   auto dir = data_dir / fmt::format("builtin-v1-{}", shard_tokens);
   std::filesystem::create_directories(dir);
   std::vector<std::filesystem::path> paths;
@@ -132,8 +132,10 @@ Shard::Shard(const std::filesystem::path& path) : path_(path) {
   }
   const auto* header = static_cast<const int32_t*>(map_);
   try {
-    if (header[0] != kShardMagic) corrupt(fmt::format("magic {} (expected {})", header[0], kShardMagic));
-    if (header[1] != kShardVersion) corrupt(fmt::format("version {} (expected {})", header[1], kShardVersion));
+    if (header[0] != kShardMagic)
+      corrupt(fmt::format("magic {} (expected {})", header[0], kShardMagic));
+    if (header[1] != kShardVersion)
+      corrupt(fmt::format("version {} (expected {})", header[1], kShardVersion));
     if (header[2] < 0) corrupt("negative token count");
     count_ = static_cast<size_t>(header[2]);
     if (kShardHeaderInts * sizeof(int32_t) + count_ * sizeof(uint16_t) > map_bytes_) {
@@ -143,15 +145,16 @@ Shard::Shard(const std::filesystem::path& path) : path_(path) {
     ::munmap(map_, map_bytes_);
     throw;
   }
-  tokens_ = reinterpret_cast<const uint16_t*>(static_cast<const std::byte*>(map_) + kShardHeaderInts * sizeof(int32_t));
+  tokens_ = reinterpret_cast<const uint16_t*>(static_cast<const std::byte*>(map_) +
+                                              kShardHeaderInts * sizeof(int32_t));
 }
 
 Shard::~Shard() {
   if (map_ != nullptr) ::munmap(map_, map_bytes_);
 }
 
-Sampler::Sampler(std::vector<std::span<const uint16_t>> shards, uint32_t seq_len, uint32_t batch, uint32_t world,
-                 uint64_t seed)
+Sampler::Sampler(std::vector<std::span<const uint16_t>> shards, uint32_t seq_len, uint32_t batch,
+                 uint32_t world, uint64_t seed)
     : shards_(std::move(shards)), seq_len_(seq_len), batch_(batch), world_(world), seed_(seed) {
   MEGACPP_CHECK(seq_len_ >= 1 && batch_ >= 1 && world_ >= 1, ErrorKind::kInvalidArgument,
                 "sampler needs seq_len, batch and world >= 1");
@@ -159,11 +162,13 @@ Sampler::Sampler(std::vector<std::span<const uint16_t>> shards, uint32_t seq_len
     windows_before_.push_back(windows_);
     windows_ += s.size() > seq_len_ ? (s.size() - 1) / seq_len_ : 0;
   }
-  MEGACPP_CHECK(windows_ > 0, ErrorKind::kInvalidArgument, "the shards hold no full (seq_len + 1)-token window");
+  MEGACPP_CHECK(windows_ > 0, ErrorKind::kInvalidArgument,
+                "the shards hold no full (seq_len + 1)-token window");
 }
 
 void Sampler::fill(uint32_t step, uint32_t rank, int64_t* out) const {
-  MEGACPP_CHECK(step >= 1 && rank < world_, ErrorKind::kInvalidArgument, "step is 1-based and rank < world");
+  MEGACPP_CHECK(step >= 1 && rank < world_, ErrorKind::kInvalidArgument,
+                "step is 1-based and rank < world");
   const uint64_t n = windows_;
   for (uint32_t row = 0; row < batch_; ++row) {
     uint64_t g = ((uint64_t{step} - 1) * world_ + rank) * batch_ + row;
@@ -173,8 +178,9 @@ void Sampler::fill(uint32_t step, uint32_t rank, int64_t* out) const {
     while (std::gcd(a, n) != 1) a += 2;
     uint64_t c = splitmix64(s) % n;
     uint64_t w = (static_cast<unsigned __int128>(a) * (g % n) + c) % n;
-    size_t shard = static_cast<size_t>(
-        std::upper_bound(windows_before_.begin(), windows_before_.end(), w) - windows_before_.begin() - 1);
+    size_t shard =
+        static_cast<size_t>(std::upper_bound(windows_before_.begin(), windows_before_.end(), w) -
+                            windows_before_.begin() - 1);
     uint64_t start = (w - windows_before_[shard]) * seq_len_;
     const uint16_t* src = shards_[shard].data() + start;
     int64_t* dst = out + size_t{row} * (seq_len_ + 1);

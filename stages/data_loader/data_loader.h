@@ -26,8 +26,8 @@ void write_shard(const std::filesystem::path& path, std::span<const uint16_t> to
 // Ensures `shards` built-in shards of `shard_tokens` exist under `data_dir`
 // (data_dir/builtin-v1-<shard_tokens>/shard_NNNNNN.bin); existing valid shards are reused,
 // so concurrent or repeated runs write them once. Returns their paths in order.
-std::vector<std::filesystem::path> ensure_builtin_corpus(const std::filesystem::path& data_dir, uint32_t shards,
-                                                         uint32_t shard_tokens);
+std::vector<std::filesystem::path> ensure_builtin_corpus(const std::filesystem::path& data_dir,
+                                                         uint32_t shards, uint32_t shard_tokens);
 
 // A read-only mapping of one shard. Throws Error{kCorruption} naming the file and the field
 // when the header is wrong or the file is shorter than the header says.
@@ -53,8 +53,8 @@ class Shard {
 // equal-sized batches and a restarted loader reproduces a step exactly from its number.
 class Sampler {
  public:
-  Sampler(std::vector<std::span<const uint16_t>> shards, uint32_t seq_len, uint32_t batch, uint32_t world,
-          uint64_t seed);
+  Sampler(std::vector<std::span<const uint16_t>> shards, uint32_t seq_len, uint32_t batch,
+          uint32_t world, uint64_t seed);
   // Writes batch * (seq_len + 1) int64 tokens for `step` (1-based) and `rank` into `out`.
   void fill(uint32_t step, uint32_t rank, int64_t* out) const;
   uint64_t windows() const noexcept { return windows_; }

@@ -17,7 +17,8 @@ namespace mc = megacpp;
 
 int main(int argc, char** argv) {
   return mc::stage::run_stage_main(
-      argc, argv, mc::schema::StageKind::DATA_LOADER, "megacpp data loader: token shards -> per-rank batch rings",
+      argc, argv, mc::schema::StageKind::DATA_LOADER,
+      "megacpp data loader: token shards -> per-rank batch rings",
       [](mc::stage::StageContext& ctx) {
         auto launch = ctx.launch();
         auto recipe = launch.getRecipe();
@@ -27,31 +28,35 @@ int main(int argc, char** argv) {
         const uint32_t world = launch.getWorld();
         const uint32_t steps = launch.getSteps();
 
-        auto paths = mc::data_loader::ensure_builtin_corpus(launch.getDataDir().cStr(), data.getShards(),
-                                                            data.getShardTokens());
+        auto paths = mc::data_loader::ensure_builtin_corpus(
+            launch.getDataDir().cStr(), data.getShards(), data.getShardTokens());
         std::vector<std::unique_ptr<mc::data_loader::Shard>> shards;
         std::vector<std::span<const uint16_t>> spans;
         for (const auto& p : paths) {
           shards.push_back(std::make_unique<mc::data_loader::Shard>(p));
           spans.push_back(shards.back()->tokens());
         }
-        mc::data_loader::Sampler sampler(spans, model.getSeqLen(), train.getBatchSize(), world, train.getSeed());
+        mc::data_loader::Sampler sampler(spans, model.getSeqLen(), train.getBatchSize(), world,
+                                         train.getSeed());
 
         std::vector<std::unique_ptr<mc::ipc::ShmRegion>> regions;
         std::vector<std::unique_ptr<mc::ipc::SlotRing>> rings;
         for (uint32_t r = 0; r < world; ++r) {
           regions.push_back(std::make_unique<mc::ipc::ShmRegion>(
-              mc::ipc::ShmRegion::Attach{}, mc::layout::ring_shm_name(launch.getShmPrefix().cStr(), r)));
+              mc::ipc::ShmRegion::Attach{},
+              mc::layout::ring_shm_name(launch.getShmPrefix().cStr(), r)));
           rings.push_back(std::make_unique<mc::ipc::SlotRing>(*regions.back()));
-          MEGACPP_CHECK(rings.back()->slot_bytes() >= sampler.batch_bytes(), mc::ErrorKind::kProtocol,
-                        "ring slots are smaller than one batch");
+          MEGACPP_CHECK(rings.back()->slot_bytes() >= sampler.batch_bytes(),
+                        mc::ErrorKind::kProtocol, "ring slots are smaller than one batch");
         }
-        mc::log_info("{} shards, {} windows of {} tokens; {} ranks x {} steps", paths.size(), sampler.windows(),
-                     model.getSeqLen() + 1, world, steps);
+        mc::log_info("{} shards, {} windows of {} tokens; {} ranks x {} steps", paths.size(),
+                     sampler.windows(), model.getSeqLen() + 1, world, steps);
 
         // A ring's produced() count is the cursor: the next step to produce is produced() + 1.
         // A restarted loader therefore resumes exactly where the ranks' rings say it stopped.
-        auto next_step = [&](uint32_t r) { return static_cast<uint32_t>(rings[r]->produced()) + 1; };
+        auto next_step = [&](uint32_t r) {
+          return static_cast<uint32_t>(rings[r]->produced()) + 1;
+        };
         ctx.set_phase(mc::schema::Phase::PRODUCE);
         for (;;) {
           if (ctx.stop_requested()) return;

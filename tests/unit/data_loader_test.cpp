@@ -107,11 +107,13 @@ TEST(Sampler, RanksGetDifferentEqualBatchesDeterministically) {
     for (uint32_t r = 0; r < world; ++r) {
       s.fill(step, r, a.data());
       for (uint32_t row = 0; row < batch; ++row) {
-        seen.insert(std::vector<int64_t>(a.begin() + row * (seq + 1), a.begin() + (row + 1) * (seq + 1)));
+        seen.insert(
+            std::vector<int64_t>(a.begin() + row * (seq + 1), a.begin() + (row + 1) * (seq + 1)));
       }
     }
   }
-  EXPECT_GT(seen.size(), steps * batch * world * 9 / 10);  // distinct windows (text may repeat exactly)
+  EXPECT_GT(seen.size(),
+            steps * batch * world * 9 / 10);  // distinct windows (text may repeat exactly)
   EXPECT_THROW(s.fill(0, 0, a.data()), mc::Error);
   EXPECT_THROW(s.fill(1, 2, a.data()), mc::Error);
 }

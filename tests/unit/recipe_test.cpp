@@ -52,10 +52,12 @@ TEST(Recipe, HashIgnoresPathButNotValues) {
 }
 
 TEST(Recipe, RulesAreNamed) {
-  EXPECT_NE(expect_invalid(std::string(kBase) + "bogus = 1\n").find("train.bogus: unknown key"), std::string::npos);
+  EXPECT_NE(expect_invalid(std::string(kBase) + "bogus = 1\n").find("train.bogus: unknown key"),
+            std::string::npos);
   std::string bad_heads = kBase;
   bad_heads.replace(bad_heads.find("n_heads = 4"), 11, "n_heads = 5");
-  EXPECT_NE(expect_invalid(bad_heads).find("model.n_heads: must divide model.d_model"), std::string::npos);
+  EXPECT_NE(expect_invalid(bad_heads).find("model.n_heads: must divide model.d_model"),
+            std::string::npos);
   std::string zero_batch = kBase;
   zero_batch.replace(zero_batch.find("batch_size = 2"), 14, "batch_size = 0");
   EXPECT_NE(expect_invalid(zero_batch).find("zero-length work"), std::string::npos);
