@@ -7,6 +7,7 @@
 // In-process time per step: wall clock over steps warmup+1..warmup+steps.
 // Pipeline time per step: (wallNs of step warmup+steps - wallNs of step warmup) / steps, read
 // from the rank's own journal, so it counts everything the rank does between steps.
+#include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -78,6 +79,11 @@ double pipeline_ms(const fs::path& megacpp, const std::string& recipe, uint32_t 
   pid_t pid = ::fork();
   if (pid == 0) {
     ::setenv("MEGACPP_TRAINER_THREADS", std::to_string(threads).c_str(), 1);
+    int out = ::open((work / "megacpp-run.out").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (out >= 0) {
+      ::dup2(out, STDOUT_FILENO);
+      ::dup2(out, STDERR_FILENO);
+    }
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -106,7 +112,7 @@ double pipeline_ms(const fs::path& megacpp, const std::string& recipe, uint32_t 
 int main(int argc, char** argv) {
   CLI::App app{"Pipeline per-step overhead: one rank in `megacpp run` vs a plain in-process loop"};
   std::string recipe = "tiny";
-  uint32_t steps = 40, warmup = 5, repeats = 2;
+  uint32_t steps = 80, warmup = 5, repeats = 3;
   int threads = 1;
   fs::path megacpp = fs::read_symlink("/proc/self/exe").parent_path() / "megacpp";
   fs::path work = fs::temp_directory_path() / fmt::format("megacpp-bench-{}", ::getpid());
