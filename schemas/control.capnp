@@ -21,6 +21,8 @@ struct Heartbeat {
   tokens @6 :Float64;           # tokens processed so far (exact below 2^53)
   loss @7 :Float32;             # last step's loss (trainer); NaN otherwise
   stepSeconds @8 :Float64;      # last step's wall time (trainer)
+  lagSeconds @9 :Float64;       # collector: append -> fold delay of the newest records
+  generation @10 :UInt32;       # launch generation of the sender (restarts bump it)
 }
 
 struct Stop {
@@ -34,6 +36,8 @@ struct Failure {
   message @3 :Text;
   phase @4 :Common.Phase;
   step @5 :UInt32;
+  monoNs @6 :Int64;             # when the process met the failure (CLOCK_MONOTONIC)
+  errorKind @7 :Text;           # megacpp::ErrorKind name (peer_failure / timeout mark a victim)
 }
 
 struct TensorEntry {

@@ -28,6 +28,8 @@ struct ChildEvent {
   pid @2 :Int32;
   exitCode @3 :Int32;           # -1 when signaled
   signal @4 :Int32;             # 0 when exited
+  generation @5 :UInt32;
+  reason @6 :Text;              # childStarted: launch | restart; childExited: exit | stop | restart | teardown
 }
 
 struct RunStarted {
@@ -41,6 +43,48 @@ struct RunFinished {
   kind @2 :Text;                # typed reason when not ok: exited, signaled, ...
   stage @3 :Common.StageKind;
   rank @4 :UInt32;
+  teardownSeconds @5 :Float64;  # failure detected -> every process gone and shm/sockets removed
+}
+
+# A failure the supervisor observed, with the role it assigned once teardown was over.
+struct FailureEvent {
+  stage @0 :Common.StageKind;
+  rank @1 :UInt32;
+  kind @2 :Text;                # exited | signaled | hung | heartbeat_lost | exception | interrupted | ...
+  message @3 :Text;
+  role @4 :Text;                # first_failure | victim | torn_down
+  evidenceMonoNs @5 :Int64;     # when the cause happened (death, silence start, phase start, throw)
+  detectedMonoNs @6 :Int64;     # when the supervisor learned of it
+  phase @7 :Common.Phase;
+  step @8 :UInt32;
+  pid @9 :Int32;
+  stderrTail @10 :List(Text);
+  backtrace @11 :List(Text);
+}
+
+struct GraphEntry {
+  stage @0 :Common.StageKind;
+  rank @1 :UInt32;
+  pid @2 :Int32;
+  generation @3 :UInt32;
+  state @4 :Text;               # running | exited | signaled | stopped
+  heartbeatAgeSeconds @5 :Float64;
+  phaseAgeSeconds @6 :Float64;
+  step @7 :UInt32;
+  phase @8 :Common.Phase;
+  restarts @9 :UInt32;
+}
+
+# The stage graph at the moment of an error or timeout.
+struct StageGraph {
+  reason @0 :Text;
+  entries @1 :List(GraphEntry);
+}
+
+# Written by `megacpp status`/`collect` when the supervisor is gone and the run never finished.
+struct RunOrphaned {
+  supervisorPid @0 :Int32;
+  reason @1 :Text;
 }
 
 struct FirstForward {
@@ -64,6 +108,9 @@ struct JournalRecord {
     runStarted @12 :RunStarted;
     runFinished @13 :RunFinished;
     firstForward @14 :FirstForward;
+    failureObserved @15 :FailureEvent;
+    stageGraph @16 :StageGraph;
+    runOrphaned @17 :RunOrphaned;
   }
 }
 

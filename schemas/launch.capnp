@@ -87,4 +87,7 @@ struct LaunchContract {
   argv @19 :List(Text);
   env @20 :List(EnvVar);
   provenance @21 :Provenance;
+  supervisorPid @22 :Int32;
+  supervisorStartTicks @23 :UInt64;  # /proc/<pid>/stat starttime: tells a reused pid apart
+  metricsEndpoint @24 :Text;         # http://127.0.0.1:PORT/metrics
 }

@@ -22,6 +22,9 @@ struct StageSnapshot {
   signal @5 :Int32;
   lastStep @6 :UInt32;
   lastRecordAt @7 :Text;
+  role @8 :Text;                # first_failure | victim | torn_down (empty when none)
+  restarts @9 :UInt32;
+  generation @10 :UInt32;
 }
 
 struct RunError {
@@ -29,6 +32,34 @@ struct RunError {
   stage @1 :Common.StageKind;
   rank @2 :UInt32;
   message @3 :Text;
+  phase @4 :Common.Phase;
+  step @5 :UInt32;
+  pid @6 :Int32;
+  at @7 :Text;                  # wall time the cause happened
+  detectionSeconds @8 :Float64; # cause -> detection
+  teardownSeconds @9 :Float64;  # detection -> everything gone
+  failureDump @10 :Text;        # relative path, when the process wrote one
+  backtrace @11 :List(Text);
+  stderrTail @12 :List(Text);
+}
+
+struct GraphSnapshot {
+  reason @0 :Text;
+  at @1 :Text;
+  entries @2 :List(GraphSnapshotEntry);
+}
+
+struct GraphSnapshotEntry {
+  stage @0 :Common.StageKind;
+  rank @1 :UInt32;
+  pid @2 :Int32;
+  generation @3 :UInt32;
+  state @4 :Text;
+  heartbeatAgeSeconds @5 :Float64;
+  phaseAgeSeconds @6 :Float64;
+  step @7 :UInt32;
+  phase @8 :Common.Phase;
+  restarts @9 :UInt32;
 }
 
 struct JournalSummary {
@@ -56,6 +87,8 @@ struct Manifest {
   latestCheckpointStep @15 :UInt32;
   receipts @16 :List(Text);
   journals @17 :List(JournalSummary);
+  stageGraph @18 :GraphSnapshot;  # at the moment of an error or timeout
+  restarts @19 :UInt32;           # restartable-stage restarts over the run
 }
 
 struct BenchResult {

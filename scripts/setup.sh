@@ -16,7 +16,7 @@ APT_PACKAGES=(
   libzmq3-dev capnproto libcapnp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libfmt-dev libxxhash-dev
-  libgloo-dev clang-format python3-venv
+  libgloo-dev libcpp-httplib-dev prometheus clang-format python3-venv
 )
 
 missing=()

@@ -141,3 +141,7 @@ int run_stage_main(int argc, char** argv, schema::StageKind kind, std::string_vi
 }
 
 }  // namespace megacpp::stage
+
+namespace megacpp::stage {
+void fault_point(StageContext&, std::string_view, uint32_t) {}
+}  // namespace megacpp::stage

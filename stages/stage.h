@@ -61,6 +61,15 @@ class StageContext {
   std::atomic<uint32_t> step_{0};
 };
 
+// Fault injection for the chaos suite and the failure benchmark. MEGACPP_FAULT holds a
+// comma-separated list of "<stage>:<rank>:<point>:<step>:<action>" (stage as in
+// layout::stage_name; point names a place in that stage's loop, e.g. trainer: forward,
+// backward, optimizer; data_loader: produce; collector: fold; checkpointer: write).
+// action: throw (an Error{kInternal}) | abort | segv | exit (exit code 3) | hang (stop making
+// progress while heartbeats go on) | stop (SIGSTOP itself: heartbeats stop too).
+// A no-op, costing one comparison, unless the knob names this process, point and step.
+void fault_point(StageContext& ctx, std::string_view point, uint32_t step);
+
 // The main() of a stage executable. Parses --run-dir, --rank, --generation (and --help).
 int run_stage_main(int argc, char** argv, schema::StageKind kind, std::string_view description,
                    const std::function<void(StageContext&)>& body);
