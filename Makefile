@@ -9,7 +9,7 @@ STEPS      ?= 60
 RANKS      ?= 2
 CTEST_ARGS ?=
 
-.PHONY: all setup configure build run test test-unit test-sanitize format format-check bench clean
+.PHONY: all setup configure build run test test-unit test-sanitize chaos format format-check bench clean
 
 all: build
 
@@ -29,7 +29,7 @@ run: build
 # Every test: format check, the full build's ctest (unit, integration, e2e, the bounded chaos
 # sample), and an ASan+UBSan build of the torch-free libraries with their unit tests.
 test: build format-check
-	@ctest --test-dir $(BUILD) --output-on-failure -j 2 $(CTEST_ARGS)
+	@ctest --test-dir $(BUILD) --output-on-failure -j 2 -LE full $(CTEST_ARGS)
 	@$(MAKE) --no-print-directory test-sanitize
 
 test-sanitize: setup
@@ -38,6 +38,10 @@ test-sanitize: setup
 	  > $(BUILD_SAN).configure.log 2>&1 || (cat $(BUILD_SAN).configure.log; exit 1)
 	@cmake --build $(BUILD_SAN) -j $(JOBS)
 	@ASAN_OPTIONS=detect_leaks=1 ctest --test-dir $(BUILD_SAN) --output-on-failure -j 2 -L unit
+
+# Every chaos case (kill -9 of each stage kind, SIGSTOP, exceptions, a killed supervisor).
+chaos: build
+	@ctest --test-dir $(BUILD) --output-on-failure -R chaos_full
 
 format:
 	@git ls-files '*.h' '*.cpp' '*.cu' | xargs clang-format -i

@@ -1,10 +1,17 @@
 #include "core/error.h"
 
+#include <cxxabi.h>
+#include <execinfo.h>
 #include <zmq.h>
 
+#include <array>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include <fmt/format.h>
+
+#include "core/util.h"
 
 namespace megacpp {
 
@@ -30,12 +37,93 @@ std::string_view to_string(ErrorKind kind) {
   return "unknown";
 }
 
+namespace {
+
+// Frames captured beyond kMaxBacktraceFrames: the constructor's own frame and up to two
+// throw_* helpers, dropped when formatting.
+constexpr int kExtraFrames = 3;
+// A demangled template-heavy frame can run to kilobytes; a dump needs the start of it.
+constexpr size_t kMaxFrameChars = 512;
+
+struct FreeDeleter {
+  void operator()(void* p) const noexcept { std::free(p); }
+};
+
+// "object(mangled+0xoff) [0xaddr]" -> "demangled+0xoff in object [0xaddr]"; lines without a
+// symbol name ("object(+0xoff) [0xaddr]") are kept as they are: addr2line reads them.
+std::string format_frame(const char* raw) {
+  std::string line(raw);
+  const size_t lp = line.rfind('(');
+  const size_t plus = lp == std::string::npos ? std::string::npos : line.find('+', lp);
+  const size_t rp = lp == std::string::npos ? std::string::npos : line.find(')', lp);
+  if (lp != std::string::npos && plus != std::string::npos && rp != std::string::npos &&
+      plus > lp + 1 && rp > plus) {
+    const std::string mangled = line.substr(lp + 1, plus - lp - 1);
+    int status = 0;
+    std::unique_ptr<char, FreeDeleter> demangled(
+        abi::__cxa_demangle(mangled.c_str(), nullptr, nullptr, &status));
+    const std::string name = status == 0 && demangled ? std::string(demangled.get()) : mangled;
+    line = fmt::format("{}{} in {}{}", name, line.substr(plus, rp - plus), line.substr(0, lp),
+                       line.substr(rp + 1));
+  }
+  if (line.size() > kMaxFrameChars) {
+    line.resize(kMaxFrameChars - 3);
+    line += "...";
+  }
+  return line;
+}
+
+}  // namespace
+
+struct Error::Trace {
+  std::array<void*, kMaxBacktraceFrames + kExtraFrames> frames;
+  int count = 0;
+  std::once_flag once;
+  std::vector<std::string> lines;
+};
+
+std::vector<std::string> symbolize_frames(void* const* frames, int count) {
+  std::vector<std::string> out;
+  if (count <= 0) return out;
+  std::unique_ptr<char*, FreeDeleter> symbols(::backtrace_symbols(frames, count));
+  out.reserve(static_cast<size_t>(count));
+  for (int i = 0; i < count; ++i) {
+    out.push_back(symbols ? format_frame(symbols.get()[i])
+                          : fmt::format("[{}]", fmt::ptr(frames[i])));
+  }
+  return out;
+}
+
+// noinline: frame 0 of the capture is always this constructor, whoever calls it.
+__attribute__((noinline))
 Error::Error(ErrorKind kind, std::string message, const char* file, int line, int sys_errno)
     : std::runtime_error(std::move(message)),
       kind_(kind),
       file_(file),
       line_(line),
-      errno_(sys_errno) {}
+      errno_(sys_errno),
+      mono_ns_(megacpp::mono_ns()),
+      trace_(std::make_shared<Trace>()) {
+  trace_->count = ::backtrace(trace_->frames.data(), static_cast<int>(trace_->frames.size()));
+}
+
+const std::vector<std::string>& Error::backtrace() const {
+  static const std::vector<std::string> kNone;  // a moved-from Error has no trace
+  if (!trace_) return kNone;
+  std::call_once(trace_->once, [this] {
+    Trace& t = *trace_;
+    std::vector<std::string> all = symbolize_frames(t.frames.data(), t.count);
+    size_t first = std::min<size_t>(1, all.size());  // this constructor
+    while (first < all.size() && (all[first].starts_with("megacpp::detail::throw_") ||
+                                  all[first].starts_with("megacpp::Error::Error"))) {
+      ++first;
+    }
+    const size_t last = std::min(all.size(), first + kMaxBacktraceFrames);
+    t.lines.assign(std::make_move_iterator(all.begin() + static_cast<std::ptrdiff_t>(first)),
+                   std::make_move_iterator(all.begin() + static_cast<std::ptrdiff_t>(last)));
+  });
+  return trace_->lines;
+}
 
 namespace detail {
 

@@ -7,9 +7,12 @@
 #pragma once
 
 #include <cerrno>
+#include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace megacpp {
 
@@ -26,21 +29,40 @@ enum class ErrorKind {
 
 std::string_view to_string(ErrorKind kind);
 
+// Every Error records, at construction, when it was raised (CLOCK_MONOTONIC, the evidence
+// time of a first failure) and the raw return addresses of the native stack (at most
+// kMaxBacktraceFrames, the constructor's own frames and the throw_* helpers excluded).
+// Capturing costs one unwinder walk and no formatting; backtrace() symbolises on first call.
 class Error : public std::runtime_error {
  public:
+  static constexpr int kMaxBacktraceFrames = 32;
+
   Error(ErrorKind kind, std::string message, const char* file = "", int line = 0,
         int sys_errno = 0);
   ErrorKind kind() const noexcept { return kind_; }
   const std::string& file() const noexcept { return file_; }
   int line() const noexcept { return line_; }
   int sys_errno() const noexcept { return errno_; }
+  int64_t mono_ns() const noexcept { return mono_ns_; }
+  // One line per frame, innermost first: "function+0xoff in object [0xaddr]" (demangled) when
+  // the symbol is known, else the object and offset as backtrace_symbols prints them.
+  // Symbol names of executables need -rdynamic (megacpp::core adds it for its consumers).
+  // Thread-safe; copies of an Error share the captured trace.
+  const std::vector<std::string>& backtrace() const;
 
  private:
+  struct Trace;
   ErrorKind kind_;
   std::string file_;
   int line_;
   int errno_;
+  int64_t mono_ns_;
+  std::shared_ptr<Trace> trace_;
 };
+
+// Symbolises raw return addresses the way Error::backtrace() does (for stacks captured
+// elsewhere, e.g. kj::Exception::getStackTrace()). Allocates; not async-signal-safe.
+std::vector<std::string> symbolize_frames(void* const* frames, int count);
 
 namespace detail {
 [[noreturn]] void throw_syscall(const char* expr, int err, const char* file, int line);

@@ -268,6 +268,7 @@ struct ControlClient::State {
   const schema::StageKind stage;
   const uint32_t rank;
   const uint32_t generation;
+  std::atomic<double> lag_seconds{0};
   const Millis interval;
 
   std::atomic<uint16_t> phase{static_cast<uint16_t>(schema::Phase::STARTUP)};
@@ -278,9 +279,15 @@ struct ControlClient::State {
   std::atomic<double> step_seconds{0.0};
   std::atomic<bool> quit{false};
 
+  struct PendingFailure {
+    std::string kind;
+    std::string message;
+    std::string error_kind;
+    int64_t met_ns;  // CLOCK_MONOTONIC
+  };
   std::mutex mu;  // guards stop_reason and failures
   std::string stop_reason;
-  std::vector<std::pair<std::string, std::string>> failures;  // (kind, message) to send
+  std::vector<PendingFailure> failures;  // to send
   bool lingering = false;
 
   std::thread thread;  // last: joined before anything above is destroyed
@@ -315,27 +322,31 @@ struct ControlClient::State {
     hb.setTokens(tokens.load(std::memory_order_relaxed));
     hb.setLoss(std::bit_cast<float>(loss_bits.load(std::memory_order_relaxed)));
     hb.setStepSeconds(step_seconds.load(std::memory_order_relaxed));
+    hb.setLagSeconds(lag_seconds.load(std::memory_order_relaxed));
+    hb.setGeneration(generation);
     // Never waits: with no supervisor the queue fills to the HWM and heartbeats are dropped.
     channel.send(m.message(), Millis(0));
   }
 
   void flush_failures() {
-    std::vector<std::pair<std::string, std::string>> batch;
+    std::vector<PendingFailure> batch;
     {
       std::lock_guard lock(mu);
       batch.swap(failures);
     }
-    for (const auto& [kind, message] : batch) {
+    for (const auto& failure : batch) {
       ControlMessageBuilder m;
       auto f = m.root().initFailure();
       f.setStage(stage);
       f.setRank(rank);
-      f.setKind(kind);
-      f.setMessage(message);
+      f.setKind(failure.kind);
+      f.setMessage(failure.message);
       f.setPhase(static_cast<schema::Phase>(phase.load(std::memory_order_relaxed)));
       f.setStep(step.load(std::memory_order_acquire));
+      f.setMonoNs(failure.met_ns);
+      f.setErrorKind(failure.error_kind);
       if (!channel.send(m.message(), Millis(0))) {
-        log_warn("control client: could not queue failure report '{}'", kind);
+        log_warn("control client: could not queue failure report '{}'", failure.kind);
       }
       // The process is probably on its way down: give closing a bounded chance to deliver
       // the report instead of discarding it (linger 0).
@@ -425,12 +436,17 @@ std::string ControlClient::stop_reason() const {
   return state_->stop_reason;
 }
 
-void ControlClient::report_failure(const std::string& kind, const std::string& message) {
+void ControlClient::report_failure(const std::string& kind, const std::string& message,
+                                   const std::string& error_kind, int64_t met_ns) {
   {
     std::lock_guard lock(state_->mu);
-    state_->failures.emplace_back(kind, message);
+    state_->failures.push_back({kind, message, error_kind, met_ns != 0 ? met_ns : mono_ns()});
   }
   state_->wake();
 }
 
+}  // namespace megacpp::ipc
+
+namespace megacpp::ipc {
+void ControlClient::set_lag(double seconds) { state_->lag_seconds.store(seconds, std::memory_order_relaxed); }
 }  // namespace megacpp::ipc

@@ -216,11 +216,16 @@ class ControlClient {
   void set_phase(schema::Phase phase);  // also stamps phaseStartedMonoNs
   void set_step(uint32_t step);
   void set_progress(uint32_t step, double tokens, float loss, double step_seconds);
+  // Collector: how far behind the journals the last fold was (append -> fold, seconds).
+  void set_lag(double seconds);
   bool stop_requested() const noexcept { return stop_.load(std::memory_order_acquire); }
   std::string stop_reason() const;
   // Sends a Failure message now (best effort, from the calling thread's point of view it
   // is queued to the heartbeat thread and flushed before the destructor returns).
-  void report_failure(const std::string& kind, const std::string& message);
+  // `error_kind` is the megacpp::ErrorKind name when the failure was a megacpp::Error;
+  // `mono_ns` is when the process met the failure (0: now).
+  void report_failure(const std::string& kind, const std::string& message,
+                      const std::string& error_kind = {}, int64_t mono_ns = 0);
 
  private:
   struct State;

@@ -2,9 +2,20 @@
 // its journal, its control client, and the way it goes down.
 //
 // Contract of run_stage_main: the process dies with its parent (PR_SET_PDEATHSIG=SIGKILL),
-// journals processStarted first and processFinished only on a clean return, and on an
-// exception writes RUN/failures/<stage>-<rank>.json (typed kind, message, phase, step),
-// sends a Failure to the supervisor, and exits 1. SIGTERM requests a stop (stop_requested()).
+// journals processStarted first and processFinished only on a clean return, and goes down
+// leaving RUN/failures/<stage>-<rank>.json (schema::FailureDump: kind, errorKind, message,
+// phase, step, monoNs, native backtrace) whichever way it goes down:
+//   - an exception out of the body (megacpp::Error, kj::Exception, std::exception incl.
+//     c10::Error): kind "exception", errorKind the ErrorKind name (or capnp | c10 | std |
+//     unknown); the same kind/errorKind/message and monoNs (when the Error was constructed,
+//     else when it was caught) go to the supervisor in a Failure; exit status 1;
+//   - std::terminate (an exception escaping a thread or a noexcept function): kind
+//     "terminate", then abort() (status: signaled SIGABRT);
+//   - a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT): kind "signal", written with
+//     async-signal-safe calls only (frames as backtrace_symbols_fd prints them; symbolised
+//     frames also go to stderr), then the signal is re-raised with its default action, so
+//     the exit status still says "signaled".
+// SIGTERM/SIGINT request a stop (stop_requested()).
 #pragma once
 
 #include <atomic>
@@ -12,7 +23,9 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "ipc/ipc.h"
 #include "schemas/json.h"
@@ -27,8 +40,23 @@ struct StageArgs {
   uint32_t generation = 0;
 };
 
+namespace detail {
+enum class FaultAction { kThrow, kAbort, kSegv, kExit, kHang, kStop };
+struct Fault {
+  std::string point;
+  uint32_t step;
+  FaultAction action;
+};
+// Parses a MEGACPP_FAULT value (see fault_point) and keeps the entries naming `stage`, `rank`
+// and `generation`. Every entry is validated, also those for other processes, so a typo fails
+// every stage at start-up. Throws Error{kInvalidArgument} quoting the offending entry.
+std::vector<Fault> parse_faults(std::string_view spec, schema::StageKind stage, uint32_t rank,
+                                uint32_t generation);
+}  // namespace detail
+
 class StageContext {
  public:
+  // Throws Error{kInvalidArgument} for an invalid MEGACPP_FAULT.
   StageContext(schema::StageKind kind, const StageArgs& args);
   ~StageContext();
   StageContext(const StageContext&) = delete;
@@ -51,8 +79,11 @@ class StageContext {
   bool stop_requested() const;
 
  private:
+  friend void fault_point(StageContext& ctx, std::string_view point, uint32_t step);
+
   schema::StageKind kind_;
   StageArgs args_;
+  std::vector<detail::Fault> faults_;  // MEGACPP_FAULT entries naming this process
   schemas::JsonFile<schema::LaunchContract> launch_;
   ipc::ZmqContext zmq_;
   ipc::JournalWriter journal_;
@@ -67,7 +98,10 @@ class StageContext {
 // backward, optimizer; data_loader: produce; collector: fold; checkpointer: write).
 // action: throw (an Error{kInternal}) | abort | segv | exit (exit code 3) | hang (stop making
 // progress while heartbeats go on) | stop (SIGSTOP itself: heartbeats stop too).
+// An optional sixth field names the launch generation the fault applies to (default 0, the
+// first launch, so a restarted stage does not fail again at the same step; * for every one).
 // A no-op, costing one comparison, unless the knob names this process, point and step.
+// Example: MEGACPP_FAULT=trainer:1:backward:5:segv,data_loader:0:produce:3:exit:*
 void fault_point(StageContext& ctx, std::string_view point, uint32_t step);
 
 // The main() of a stage executable. Parses --run-dir, --rank, --generation (and --help).

@@ -71,9 +71,24 @@ int main(int argc, char** argv) {
   run->add_option("--ring-slots", ro.ring_slots, "Batch ring depth per rank")
       ->capture_default_str();
   run->add_option("--startup-budget-s", ro.startup_budget_s,
-                  "Start-up / first-step progress budget")
+                  "Seconds a trainer may spend in one phase before its first step is done")
       ->capture_default_str();
-  run->add_option("--hang-budget-s", ro.hang_budget_s, "Progress budget after the first step")
+  run->add_option("--hang-budget-s", ro.hang_budget_s,
+                  "After the first step: the floor of a phase's budget (hung when exceeded)")
+      ->capture_default_str();
+  run->add_option("--hang-multiple", ro.hang_multiple,
+                  "After the first step: a phase's budget is at least this x the median step time")
+      ->capture_default_str();
+  run->add_option("--heartbeat-timeout-s", ro.heartbeat_timeout_s,
+                  "Silence after which a process is heartbeat_lost (capped by its phase budget)")
+      ->capture_default_str();
+  run->add_option("--max-restarts", ro.max_restarts,
+                  "Restarts allowed per restartable stage (collector, data loader, checkpointer)")
+      ->capture_default_str();
+  run->add_option("--metrics-addr", ro.metrics_addr, "HOST:PORT for /metrics (port 0 = any free port)")
+      ->capture_default_str();
+  run->add_option("--metrics-linger-s", ro.metrics_linger_s,
+                  "Keep serving /metrics this long after the run ends (for a last scrape)")
       ->capture_default_str();
   run->add_option("--teardown-grace-s", ro.teardown_grace_s, "SIGTERM -> SIGKILL grace")
       ->capture_default_str();
@@ -115,6 +130,7 @@ int main(int argc, char** argv) {
     if (*status) return mc::supervisor::status(status_dir);
     if (*collect) {
       for (const auto& d : collect_dirs) {
+        mc::supervisor::reconcile(d);
         mc::collector::collect_run(d);
         fmt::print("collected {}\n", d.string());
       }

@@ -7,6 +7,11 @@
 #include <unistd.h>
 
 #include "core/error.h"
+#include "core/util.h"
+
+#include <sstream>
+
+#include <fmt/format.h>
 
 namespace megacpp::supervisor::detail {
 
@@ -55,4 +60,37 @@ std::filesystem::path self_exe_dir() {
   return std::filesystem::read_symlink("/proc/self/exe").parent_path();
 }
 
+}  // namespace megacpp::supervisor::detail
+
+namespace megacpp::supervisor::detail {
+uint64_t process_start_ticks(pid_t pid) {
+  std::string stat;
+  try {
+    stat = read_file(fmt::format("/proc/{}/stat", pid));
+  } catch (const Error&) {
+    return 0;
+  }
+  // The command name (field 2) is parenthesised and may hold spaces: count from its end.
+  auto close = stat.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream in(stat.substr(close + 2));
+  std::string field;
+  for (int i = 3; i <= 22 && (in >> field); ++i) {
+    if (i == 22) return std::stoull(field);
+  }
+  return 0;
+}
+}  // namespace megacpp::supervisor::detail
+
+namespace megacpp::supervisor::detail {
+char process_state(pid_t pid) {
+  std::string stat;
+  try {
+    stat = read_file(fmt::format("/proc/{}/stat", pid));
+  } catch (const Error&) {
+    return '?';
+  }
+  auto close = stat.rfind(')');
+  return close != std::string::npos && close + 2 < stat.size() ? stat[close + 2] : '?';
+}
 }  // namespace megacpp::supervisor::detail

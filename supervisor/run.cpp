@@ -3,6 +3,7 @@
 //
 // Blocking: the watch loop blocks only in zmq_poll with a 100 ms timeout over the control
 // ROUTER and a signalfd (SIGCHLD, SIGINT, SIGTERM). Every wait for a child is bounded.
+#include <poll.h>
 #include <signal.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
@@ -15,6 +16,8 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <sstream>
+#include <set>
 
 #include <capnp/message.h>
 #include <fmt/format.h>
@@ -29,6 +32,7 @@
 #include "schemas/run_layout.h"
 #include "stages/collector/collector.h"
 #include "supervisor/console.h"
+#include "supervisor/metrics.h"
 #include "supervisor/process.h"
 #include "supervisor/rendezvous.h"
 #include "supervisor/supervisor.h"
@@ -47,7 +51,14 @@ void RunOptions::validate() const {
   if (heartbeat_interval_ms < 10 || heartbeat_interval_ms > 10000)
     bad("--heartbeat-ms must be in [10, 10000]");
   if (ring_slots < 2 || ring_slots > 1024) bad("--ring-slots must be in [2, 1024]");
-  if (!(startup_budget_s > 0) || !(hang_budget_s > 0)) bad("hang budgets must be > 0 seconds");
+  if (!(startup_budget_s > 0) || !(hang_budget_s > 0) || !(heartbeat_timeout_s > 0)) {
+    bad("--startup-budget-s, --hang-budget-s and --heartbeat-timeout-s must be > 0");
+  }
+  if (!(hang_multiple >= 1)) bad("--hang-multiple must be >= 1");
+  if (!(teardown_grace_s >= 0) || teardown_grace_s > 30) bad("--teardown-grace-s must be in [0, 30]");
+  if (max_restarts > 100) bad("--max-restarts must be <= 100");
+  if (!(metrics_linger_s >= 0) || metrics_linger_s > 3600) bad("--metrics-linger-s must be in [0, 3600]");
+  if (metrics_addr.rfind(':') == std::string::npos) bad("--metrics-addr must be HOST:PORT");
   if (progress != "auto" && progress != "tty" && progress != "plain" && progress != "none") {
     bad("--progress must be auto, tty, plain or none");
   }
@@ -60,26 +71,31 @@ struct Child {
   uint32_t rank;
   std::string name;
   pid_t pid = -1;
+  uint32_t generation = 0;
+  uint32_t restarts = 0;
   bool alive = false;
+  bool seen = false;              // a Hello or heartbeat of this generation arrived
   bool stop_sent = false;
   int exit_code = 0;
   int signal = 0;
   int64_t started_ns = 0;
-  int64_t heartbeat_ns = 0;  // last heartbeat or hello
-  int64_t progress_ns = 0;   // last time the step advanced
+  int64_t heartbeat_ns = 0;       // last heartbeat or hello (supervisor's receive time)
+  int64_t phase_started_ns = 0;   // from the heartbeat (CLOCK_MONOTONIC is shared by the host)
+  int64_t progress_ns = 0;        // last time the step advanced
+  double last_step_wall = 0;
   uint32_t step = 0;
   Phase phase = Phase::STARTUP;
   double tokens = 0;
   float loss = NAN;
   double step_seconds = 0;
+  double lag_seconds = 0;
 };
 
 struct Failure {
-  std::string kind;  // exited | signaled | hung | heartbeat_lost | exception | interrupted | launch
+  std::string kind;  // exited | signaled | hung | heartbeat_lost | exception | interrupted | ...
   StageKind stage = StageKind::SUPERVISOR;
   uint32_t rank = 0;
   std::string message;
-  int64_t mono_ns = 0;
 };
 
 std::string fs_type_name(long type) {
@@ -136,6 +152,17 @@ std::string git_revision(bool& dirty) {
   return rev.empty() ? "unknown" : rev;
 }
 
+// One observed failure, before roles are assigned.
+struct Event {
+  std::string kind;
+  std::string message;
+  int priority = 1;          // 1: the process itself died/threw/went silent; 2: hung; 3: a victim's claim
+  int64_t evidence_ns = 0;   // when the cause happened
+  int64_t detected_ns = 0;   // when the supervisor learned of it
+  Phase phase = Phase::STARTUP;
+  uint32_t step = 0;
+};
+
 class Run {
  public:
   explicit Run(RunOptions o) : opt_(std::move(o)) {}
@@ -148,22 +175,33 @@ class Run {
  private:
   void prepare();
   void write_launch_contract();
-  void launch(StageKind stage, uint32_t rank);
+  void launch(StageKind stage, uint32_t rank, uint32_t generation, const char* reason);
   void watch();
+  void pump(int timeout_ms);
   void on_message(ipc::Received& m);
   void on_signals();
   void reap();
   void check_liveness();
-  void fail(Failure f);
+  void restart_or_fail(Child& c, const std::string& why, Event ev);
+  void record(Child& c, Event ev);
   void finish_ok();
-  void teardown(double grace_s);
+  void teardown();
+  void classify();
+  void journal_graph(const std::string& reason);
   bool wait_for(const std::function<bool()>& done, double seconds);
   void stop_child(Child& c);
   void journal_run_finished();
+  void update_metrics();
+  void release_ipc();
   int report();
   void cleanup();
   Child* by_name(const std::string& n);
+  Child* by_pid(pid_t pid);
   bool all_trainers_done() const;
+  double phase_budget(const Child& c) const;
+  static bool restartable(StageKind s) {
+    return s == StageKind::COLLECTOR || s == StageKind::DATA_LOADER || s == StageKind::CHECKPOINTER;
+  }
 
   RunOptions opt_;
   recipe::Recipe recipe_;
@@ -171,20 +209,29 @@ class Run {
   fs::path sock_dir_;
   bool sock_dir_private_ = false;
   std::string run_id_, shm_prefix_, control_ep_, checkpoint_ep_;
-  schema::FilesystemInfo::Reader fsinfo_;
   std::string fs_type_, fs_device_;
   bool fs_root_ = false;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<MetricsServer> metrics_server_;
+  std::string metrics_endpoint_;
   std::unique_ptr<StoreServer> store_;
   std::unique_ptr<ipc::ZmqContext> zmq_;
   std::unique_ptr<ipc::Channel> router_;
   std::unique_ptr<ipc::JournalWriter> journal_;
+  std::unique_ptr<ipc::JournalReader> checkpoint_journal_;
   std::vector<std::unique_ptr<ipc::ShmRegion>> rings_;
+  std::vector<std::unique_ptr<ipc::SlotRing>> ring_views_;
   std::vector<Child> children_;
+  std::set<pid_t> abandoned_;  // killed for a restart; their exit is expected
   int sigfd_ = -1;
-  std::optional<Failure> failure_;
+  std::map<std::string, Event> events_;  // by process name: the most telling event of each
+  int64_t detected_ns_ = 0;              // first event; 0 while the run is healthy
+  int64_t teardown_started_ns_ = 0;
+  std::optional<Failure> failure_;       // the first failure, once classified
+  std::vector<double> step_samples_;     // trainer step seconds (for the median)
   bool done_ = false;
+  bool released_ = false;
   bool cleaned_ = false;
-  int64_t t0_ = 0;
   std::unique_ptr<Console> console_;
 };
 
@@ -253,6 +300,26 @@ void Run::prepare() {
         run_.string(), fs_type_);
   }
 
+  // /metrics binds before anything is written: a port that cannot be bound is a start-up
+  // error that leaves no half-made run directory behind.
+  {
+    auto colon = opt_.metrics_addr.rfind(':');
+    std::string host = opt_.metrics_addr.substr(0, colon);
+    int port = -1;
+    try {
+      port = std::stoi(opt_.metrics_addr.substr(colon + 1));
+    } catch (const std::exception&) {
+    }
+    if (port < 0 || port > 65535) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("--metrics-addr {}: the port must be in [0, 65535]", opt_.metrics_addr));
+    }
+    bool dirty = false;
+    metrics_ = std::make_unique<Metrics>(MEGACPP_VERSION, git_revision(dirty), torch_version());
+    metrics_server_ = std::make_unique<MetricsServer>(*metrics_, host, static_cast<uint16_t>(port));
+    metrics_endpoint_ = fmt::format("http://{}:{}/metrics", host, metrics_server_->port());
+  }
+
   std::error_code ec;
   fs::create_directories(run_, ec);
   if (ec) {
@@ -299,6 +366,7 @@ void Run::prepare() {
     rings_.push_back(std::make_unique<ipc::ShmRegion>(
         ipc::ShmRegion::Create{}, name, ipc::SlotRing::region_bytes(opt_.ring_slots, slot_bytes)));
     ipc::SlotRing::format(*rings_.back(), opt_.ring_slots, slot_bytes);
+    ring_views_.push_back(std::make_unique<ipc::SlotRing>(*rings_.back()));
   }
   write_launch_contract();
 
@@ -308,6 +376,8 @@ void Run::prepare() {
       std::make_unique<ipc::JournalWriter>(layout::journal_path(run_, StageKind::SUPERVISOR, 0));
   journal_->set_identity(StageKind::SUPERVISOR, 0);
   journal_->append([](schema::JournalRecord::Builder r) { r.setProcessStarted(); });
+  checkpoint_journal_ = std::make_unique<ipc::JournalReader>(
+      layout::journal_path(run_, StageKind::CHECKPOINTER, 0));
 }
 
 void Run::write_launch_contract() {
@@ -369,32 +439,63 @@ void Run::write_launch_contract() {
   ::gethostname(host, sizeof host - 1);
   p.setHostname(host);
   p.setTorchVersion(torch_version());
+  l.setSupervisorPid(::getpid());
+  l.setSupervisorStartTicks(detail::process_start_ticks(::getpid()));
+  l.setMetricsEndpoint(metrics_endpoint_);
   write_file_atomic(layout::launch_path(run_), schemas::to_json(l.asReader()));
 }
 
-void Run::launch(StageKind stage, uint32_t rank) {
-  Child c;
-  c.stage = stage;
-  c.rank = rank;
-  c.name = layout::process_name(stage, rank);
+Child* Run::by_pid(pid_t pid) {
+  for (auto& c : children_) {
+    if (c.pid == pid) return &c;
+  }
+  return nullptr;
+}
+
+void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, const char* reason) {
+  Child* c = by_name(layout::process_name(stage, rank));
+  if (c == nullptr) {
+    children_.push_back(Child{stage, rank, layout::process_name(stage, rank)});
+    c = &children_.back();
+    metrics_->declare_stage(stage, rank);
+  }
   std::string exe_name = "megacpp-" + std::string(layout::stage_name(stage));
   std::replace(exe_name.begin(), exe_name.end(), '_', '-');
   auto exe = detail::self_exe_dir() / exe_name;
-  std::vector<std::string> argv = {exe.string(), "--run-dir",          run_.string(),
-                                   "--rank",     std::to_string(rank), "--generation",
-                                   "0"};
-  c.pid = detail::spawn(argv, layout::log_path(run_, stage, rank));
-  c.alive = true;
-  c.started_ns = mono_ns();
-  c.heartbeat_ns = c.started_ns;
-  c.progress_ns = c.started_ns;
+  std::vector<std::string> argv = {exe.string(), "--run-dir", run_.string(), "--rank", std::to_string(rank),
+                                   "--generation", std::to_string(generation)};
+  c->pid = detail::spawn(argv, layout::log_path(run_, stage, rank));
+  c->generation = generation;
+  c->alive = true;
+  c->seen = false;
+  c->stop_sent = false;
+  c->exit_code = 0;
+  c->signal = 0;
+  c->started_ns = mono_ns();
+  c->heartbeat_ns = c->started_ns;
+  c->phase_started_ns = c->started_ns;
+  c->progress_ns = c->started_ns;
+  c->phase = Phase::STARTUP;
+  metrics_->set_up(stage, rank, true);
   journal_->append([&](schema::JournalRecord::Builder r) {
     auto e = r.initChildStarted();
     e.setStage(stage);
     e.setRank(rank);
-    e.setPid(c.pid);
+    e.setPid(c->pid);
+    e.setGeneration(generation);
+    e.setReason(reason);
   });
-  children_.push_back(std::move(c));
+}
+
+double Run::phase_budget(const Child& c) const {
+  if (c.stage != StageKind::TRAINER || c.step == 0 || c.phase == Phase::STARTUP) return opt_.startup_budget_s;
+  double median = 0;
+  if (!step_samples_.empty()) {
+    std::vector<double> v = step_samples_;
+    std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
+    median = v[v.size() / 2];
+  }
+  return std::max(opt_.hang_budget_s, opt_.hang_multiple * median);
 }
 
 void Run::on_message(ipc::Received& m) {
@@ -404,28 +505,50 @@ void Run::on_message(ipc::Received& m) {
     log_warn("control message from unknown peer '{}' ignored", m.peer());
     return;
   }
-  int64_t now = mono_ns();
+  const int64_t now = mono_ns();
   switch (root.which()) {
     case schema::ControlMessage::HELLO:
-      c->heartbeat_ns = now;
+      if (root.getHello().getPid() == c->pid) {
+        c->heartbeat_ns = now;
+        c->seen = true;
+      }
       break;
     case schema::ControlMessage::HEARTBEAT: {
       auto h = root.getHeartbeat();
+      // A heartbeat queued by a previous generation (killed for a restart) proves nothing.
+      if (h.getGeneration() != c->generation) break;
       c->heartbeat_ns = now;
-      if (h.getStep() != c->step) c->progress_ns = now;
+      c->seen = true;
+      if (h.getPhaseStartedMonoNs() > 0) c->phase_started_ns = h.getPhaseStartedMonoNs();
+      if (h.getStep() != c->step) {
+        c->progress_ns = now;
+        c->last_step_wall = static_cast<double>(wall_ns()) / 1e9;
+        if (c->stage == StageKind::TRAINER && h.getStep() > c->step && h.getStepSeconds() > 0) {
+          step_samples_.push_back(h.getStepSeconds());
+          if (step_samples_.size() > 512) step_samples_.erase(step_samples_.begin());
+          metrics_->observe_step_seconds(c->rank, h.getStepSeconds());
+        }
+      }
       c->step = h.getStep();
       c->phase = h.getPhase();
       c->tokens = h.getTokens();
       c->loss = h.getLoss();
       c->step_seconds = h.getStepSeconds();
+      c->lag_seconds = h.getLagSeconds();
       break;
     }
     case schema::ControlMessage::FAILURE: {
       auto f = root.getFailure();
-      fail(Failure{"exception", c->stage, c->rank,
-                   fmt::format("{}: {} (phase {}, step {})", f.getKind().cStr(),
-                               f.getMessage().cStr(), static_cast<int>(f.getPhase()), f.getStep()),
-                   now});
+      std::string error_kind = f.getErrorKind();
+      log_warn("{} reports {} ({}): {}", c->name, f.getKind().cStr(), error_kind, f.getMessage().cStr());
+      // A restartable stage's failure is acted on when it exits (restart or fail).
+      if (restartable(c->stage)) break;
+      // A rank that failed because a peer or a collective did is a victim, not a cause.
+      bool victim = error_kind == "peer_failure" || error_kind == "timeout";
+      record(*c, Event{"exception",
+                       fmt::format("{}: {}", error_kind.empty() ? f.getKind().cStr() : error_kind,
+                                   f.getMessage().cStr()),
+                       victim ? 3 : 1, f.getMonoNs() > 0 ? f.getMonoNs() : now, now, f.getPhase(), f.getStep()});
       break;
     }
     default:
@@ -433,47 +556,92 @@ void Run::on_message(ipc::Received& m) {
   }
 }
 
+void Run::record(Child& c, Event ev) {
+  if (detected_ns_ == 0) {
+    detected_ns_ = ev.detected_ns;
+    log_error("failure detected: {} {}: {}", c.name, ev.kind, ev.message);
+  }
+  // Keep the most telling event per process: lower priority value, then earlier evidence.
+  // Events that arrive after teardown began are consequences of it, except a process's own
+  // report of something it met before the SIGTERM.
+  if (teardown_started_ns_ != 0 && ev.evidence_ns >= teardown_started_ns_) return;
+  auto it = events_.find(c.name);
+  if (it == events_.end() || std::tie(ev.priority, ev.evidence_ns) < std::tie(it->second.priority, it->second.evidence_ns)) {
+    events_[c.name] = std::move(ev);
+  }
+}
+
+void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
+  if (detected_ns_ == 0 && !done_ && restartable(c.stage) && c.restarts < opt_.max_restarts) {
+    ++c.restarts;
+    log_warn("{}: {}; restarting it ({} of at most {})", c.name, why, c.restarts, opt_.max_restarts);
+    metrics_->add_restart(c.stage, c.rank);
+    if (c.alive) {
+      abandoned_.insert(c.pid);
+      ::kill(c.pid, SIGKILL);
+      c.alive = false;
+    }
+    journal_->append([&](schema::JournalRecord::Builder r) {
+      auto e = r.initChildExited();
+      e.setStage(c.stage);
+      e.setRank(c.rank);
+      e.setPid(c.pid);
+      e.setExitCode(c.exit_code);
+      e.setSignal(c.signal);
+      e.setGeneration(c.generation);
+      e.setReason("restart");
+    });
+    launch(c.stage, c.rank, c.generation + 1, "restart");
+    return;
+  }
+  if (restartable(c.stage) && c.restarts >= opt_.max_restarts) {
+    ev.message += fmt::format(" (after {} restarts)", c.restarts);
+  }
+  record(c, std::move(ev));
+}
+
 void Run::reap() {
   for (;;) {
     int status = 0;
     pid_t pid = ::waitpid(-1, &status, WNOHANG);
     if (pid <= 0) return;
-    for (auto& c : children_) {
-      if (c.pid != pid || !c.alive) continue;
-      c.alive = false;
-      if (WIFEXITED(status)) {
-        c.exit_code = WEXITSTATUS(status);
-      } else if (WIFSIGNALED(status)) {
-        c.exit_code = -1;
-        c.signal = WTERMSIG(status);
-      }
-      if (!done_) {
-        journal_->append([&](schema::JournalRecord::Builder r) {
-          auto e = r.initChildExited();
-          e.setStage(c.stage);
-          e.setRank(c.rank);
-          e.setPid(c.pid);
-          e.setExitCode(c.exit_code);
-          e.setSignal(c.signal);
-        });
-      }
-      bool expected = (c.stage == StageKind::TRAINER && c.exit_code == 0 && c.signal == 0) ||
-                      (c.stop_sent && c.exit_code == 0 && c.signal == 0);
-      if (!expected && !failure_) {
-        if (c.signal != 0) {
-          fail(Failure{
-              "signaled", c.stage, c.rank,
-              fmt::format("{} (pid {}) was killed by signal {} ({}) in phase {} at step {}", c.name,
-                          c.pid, c.signal, strsignal(c.signal), static_cast<int>(c.phase), c.step),
-              mono_ns()});
-        } else {
-          fail(Failure{"exited", c.stage, c.rank,
-                       fmt::format("{} (pid {}) exited with code {} in phase {} at step {}", c.name,
-                                   c.pid, c.exit_code, static_cast<int>(c.phase), c.step),
-                       mono_ns()});
-        }
-      }
+    if (abandoned_.erase(pid) > 0) continue;
+    Child* cp = by_pid(pid);
+    if (cp == nullptr || !cp->alive) continue;
+    Child& c = *cp;
+    const int64_t now = mono_ns();
+    c.alive = false;
+    metrics_->set_up(c.stage, c.rank, false);
+    if (WIFEXITED(status)) {
+      c.exit_code = WEXITSTATUS(status);
+    } else if (WIFSIGNALED(status)) {
+      c.exit_code = -1;
+      c.signal = WTERMSIG(status);
     }
+    const bool clean = c.exit_code == 0 && c.signal == 0;
+    const bool expected = (c.stage == StageKind::TRAINER && clean) || (c.stop_sent && clean);
+    const bool torn_down = teardown_started_ns_ != 0;
+    const char* reason = expected ? (c.stop_sent ? "stop" : "exit") : torn_down ? "teardown" : "exit";
+    metrics_->add_exit(c.stage, clean ? "clean" : torn_down ? "torn_down" : c.signal ? "signaled" : "exited");
+    if (!done_) {
+      journal_->append([&](schema::JournalRecord::Builder r) {
+        auto e = r.initChildExited();
+        e.setStage(c.stage);
+        e.setRank(c.rank);
+        e.setPid(c.pid);
+        e.setExitCode(c.exit_code);
+        e.setSignal(c.signal);
+        e.setGeneration(c.generation);
+        e.setReason(reason);
+      });
+    }
+    if (expected || torn_down) continue;
+    std::string what = c.signal != 0 ? fmt::format("was killed by signal {} ({})", c.signal, strsignal(c.signal))
+                                     : fmt::format("exited with code {}", c.exit_code);
+    Event ev{c.signal != 0 ? "signaled" : "exited",
+             fmt::format("{} (pid {}) {} in phase {} at step {}", c.name, c.pid, what, static_cast<int>(c.phase), c.step),
+             1, now, now, c.phase, c.step};
+    restart_or_fail(c, what, std::move(ev));
   }
 }
 
@@ -482,69 +650,85 @@ void Run::on_signals() {
   while (::read(sigfd_, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
     if (si.ssi_signo == SIGCHLD) {
       reap();
-    } else if (!failure_) {
-      fail(Failure{
-          "interrupted", StageKind::SUPERVISOR, 0,
-          fmt::format("the supervisor received {}", strsignal(static_cast<int>(si.ssi_signo))),
-          mono_ns()});
+    } else if (detected_ns_ == 0) {
+      int64_t now = mono_ns();
+      detected_ns_ = now;
+      events_["supervisor-0"] = Event{"interrupted",
+                                      fmt::format("the supervisor received {}", strsignal(static_cast<int>(si.ssi_signo))),
+                                      1, now, now, Phase::SHUTDOWN, 0};
+      log_error("interrupted by {}", strsignal(static_cast<int>(si.ssi_signo)));
     }
   }
   reap();
 }
 
 void Run::check_liveness() {
-  int64_t now = mono_ns();
+  const int64_t now = mono_ns();
   for (auto& c : children_) {
     if (!c.alive || c.stop_sent) continue;
-    bool started = c.stage != StageKind::TRAINER || c.step >= 1;
-    double budget = started ? opt_.hang_budget_s : opt_.startup_budget_s;
-    double silent = static_cast<double>(now - c.heartbeat_ns) / 1e9;
-    if (silent > std::max(budget, 10.0 * opt_.heartbeat_interval_ms / 1000.0)) {
-      fail(Failure{"heartbeat_lost", c.stage, c.rank,
-                   fmt::format("{} (pid {}) sent no heartbeat for {:.1f}s (phase {}, step {})",
-                               c.name, c.pid, silent, static_cast<int>(c.phase), c.step),
-                   now});
-      return;
+    const double budget = phase_budget(c);
+    const double silent = static_cast<double>(now - c.heartbeat_ns) / 1e9;
+    // Until a process has said hello it is starting (loading libraries, attaching shm): the
+    // start-up budget applies, not the heartbeat timeout.
+    const double silence_limit = c.seen ? std::min(opt_.heartbeat_timeout_s, budget) : opt_.startup_budget_s;
+    if (silent > silence_limit) {
+      restart_or_fail(c, fmt::format("stalled: no heartbeat for {:.1f}s", silent),
+                      Event{"heartbeat_lost",
+                            fmt::format("{} (pid {}) sent no heartbeat for {:.1f}s (phase {}, step {})", c.name, c.pid,
+                                        silent, static_cast<int>(c.phase), c.step),
+                            1, c.heartbeat_ns, now, c.phase, c.step});
+      continue;
     }
-    if (c.stage == StageKind::TRAINER) {
-      double stalled = static_cast<double>(now - c.progress_ns) / 1e9;
-      if (stalled > budget) {
-        fail(Failure{"hung", c.stage, c.rank,
-                     fmt::format("{} (pid {}) made no progress for {:.1f}s in phase {} (step {})",
-                                 c.name, c.pid, stalled, static_cast<int>(c.phase), c.step),
-                     now});
-        return;
+    if (c.stage != StageKind::TRAINER) continue;
+    const double in_phase = static_cast<double>(now - std::max(c.phase_started_ns, c.progress_ns)) / 1e9;
+    // A rank starved of batches while its ring is empty points at the loader, which is
+    // restartable: act on the loader before the rank's own budget runs out.
+    if (c.phase == Phase::WAIT_BATCH && c.rank < ring_views_.size() && ring_views_[c.rank]->depth() == 0 &&
+        in_phase > opt_.heartbeat_timeout_s) {
+      if (Child* loader = by_name(layout::process_name(StageKind::DATA_LOADER, 0)); loader && loader->alive) {
+        loader->heartbeat_ns = now;  // one restart per stall, not one per starving rank
+        c.phase_started_ns = now;
+        restart_or_fail(*loader, fmt::format("stalled: {} waited {:.1f}s on an empty ring", c.name, in_phase),
+                        Event{"stalled",
+                              fmt::format("{} waited {:.1f}s on an empty ring", c.name, in_phase), 1,
+                              now, now, loader->phase, loader->step});
+        continue;
       }
     }
+    if (in_phase > budget) {
+      record(c, Event{"hung",
+                      fmt::format("{} (pid {}) made no progress for {:.1f}s in phase {} (step {}; budget {:.1f}s)",
+                                  c.name, c.pid, in_phase, static_cast<int>(c.phase), c.step, budget),
+                      2, std::max(c.phase_started_ns, c.progress_ns), now, c.phase, c.step});
+    }
   }
-}
-
-void Run::fail(Failure f) {
-  if (failure_) return;  // the first failure wins; later ones are consequences
-  log_error("first failure: {} {}-{}: {}", f.kind, layout::stage_name(f.stage), f.rank, f.message);
-  failure_ = std::move(f);
 }
 
 bool Run::all_trainers_done() const {
   for (const auto& c : children_) {
-    if (c.stage == StageKind::TRAINER && (c.alive || c.exit_code != 0 || c.signal != 0))
-      return false;
+    if (c.stage == StageKind::TRAINER && (c.alive || c.exit_code != 0 || c.signal != 0)) return false;
   }
   return true;
 }
 
+void Run::pump(int timeout_ms) {
+  zmq_pollitem_t items[2] = {router_->pollitem(), zmq_pollitem_t{nullptr, sigfd_, ZMQ_POLLIN, 0}};
+  int n = zmq_poll(items, 2, timeout_ms);
+  if (n < 0 && zmq_errno() != EINTR) ZMQ_CHECK(n);
+  if (n <= 0) return;
+  if (items[1].revents & ZMQ_POLLIN) on_signals();
+  if (items[0].revents & ZMQ_POLLIN) {
+    while (auto m = router_->receive(ipc::Millis(0))) on_message(*m);
+  }
+}
+
 void Run::watch() {
   for (;;) {
-    zmq_pollitem_t items[2] = {router_->pollitem(), zmq_pollitem_t{nullptr, sigfd_, ZMQ_POLLIN, 0}};
-    int n = zmq_poll(items, 2, 100);
-    if (n < 0 && zmq_errno() != EINTR) ZMQ_CHECK(n);
-    if (items[1].revents & ZMQ_POLLIN) on_signals();
-    if (items[0].revents & ZMQ_POLLIN) {
-      while (auto m = router_->receive(ipc::Millis(0))) on_message(*m);
-    }
-    if (failure_) return;
+    pump(100);
+    if (detected_ns_ != 0) return;
     check_liveness();
-    if (failure_) return;
+    if (detected_ns_ != 0) return;
+    update_metrics();
     if (console_) {
       std::vector<ConsoleRank> ranks;
       uint32_t up = 0;
@@ -558,17 +742,35 @@ void Run::watch() {
   }
 }
 
-bool Run::wait_for(const std::function<bool()>& done, double seconds) {
-  int64_t deadline = mono_ns() + static_cast<int64_t>(seconds * 1e9);
-  while (!done()) {
-    int64_t left_ms = (deadline - mono_ns()) / 1'000'000;
-    if (left_ms <= 0) return false;
-    zmq_pollitem_t items[2] = {router_->pollitem(), zmq_pollitem_t{nullptr, sigfd_, ZMQ_POLLIN, 0}};
-    zmq_poll(items, 2, static_cast<long>(std::min<int64_t>(left_ms, 50)));
-    if (items[1].revents & ZMQ_POLLIN) on_signals();
-    if (items[0].revents & ZMQ_POLLIN) {
-      while (auto m = router_->receive(ipc::Millis(0))) on_message(*m);
+void Run::update_metrics() {
+  const double now_wall = static_cast<double>(wall_ns()) / 1e9;
+  const int64_t now = mono_ns();
+  for (const auto& c : children_) {
+    metrics_->set_up(c.stage, c.rank, c.alive);
+    metrics_->set_heartbeat(c.stage, c.rank, now_wall - static_cast<double>(now - c.heartbeat_ns) / 1e9);
+    if (c.stage == StageKind::TRAINER) {
+      if (c.last_step_wall > 0) metrics_->set_last_step(c.stage, c.rank, c.step, c.last_step_wall);
+      metrics_->set_trainer_progress(c.rank, c.step, c.tokens);
     }
+    if (c.stage == StageKind::COLLECTOR) metrics_->set_collector_lag(c.lag_seconds);
+  }
+  for (uint32_t r = 0; r < ring_views_.size(); ++r) {
+    metrics_->set_queue(fmt::format("data_loader->trainer-{}", r), ring_views_[r]->depth(), ring_views_[r]->slots());
+  }
+  checkpoint_journal_->poll([&](schema::JournalRecord::Reader rec) {
+    if (rec.isCheckpointCommitted()) {
+      auto c = rec.getCheckpointCommitted();
+      metrics_->set_checkpoint(c.getStep(), c.getSeconds(), static_cast<double>(rec.getWallNs()) / 1e9);
+    }
+  });
+}
+
+bool Run::wait_for(const std::function<bool()>& done, double seconds) {
+  const int64_t deadline = mono_ns() + static_cast<int64_t>(seconds * 1e9);
+  while (!done()) {
+    const int64_t left_ms = (deadline - mono_ns()) / 1'000'000;
+    if (left_ms <= 0) return false;
+    pump(static_cast<int>(std::min<int64_t>(left_ms, 20)));
   }
   return true;
 }
@@ -587,25 +789,61 @@ void Run::finish_ok() {
   for (auto& c : children_) {
     if (c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) stop_child(c);
   }
-  double drain_s = static_cast<double>(env_knob_int("MEGACPP_DRAIN_TIMEOUT_S", 60));
+  const double drain_s = static_cast<double>(env_knob_int("MEGACPP_DRAIN_TIMEOUT_S", 60));
   bool drained = wait_for(
       [&] {
+        if (detected_ns_ != 0) return true;
         for (const auto& c : children_) {
-          if ((c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) && c.alive)
-            return false;
+          if ((c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) && c.alive) return false;
         }
         return true;
       },
       drain_s);
-  if (!drained && !failure_) {
-    fail(Failure{"hung", StageKind::CHECKPOINTER, 0,
-                 fmt::format("stages did not stop within {:.0f}s", drain_s), mono_ns()});
+  if (!drained) {
+    for (auto& c : children_) {
+      if ((c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) && c.alive) {
+        const int64_t now = mono_ns();
+        record(c, Event{"hung", fmt::format("{} did not stop within {:.0f}s of the end of training", c.name, drain_s),
+                        2, now, now, c.phase, c.step});
+      }
+    }
   }
 }
 
-void Run::teardown(double grace_s) {
+void Run::journal_graph(const std::string& reason) {
+  const int64_t now = mono_ns();
+  journal_->append([&](schema::JournalRecord::Builder r) {
+    auto g = r.initStageGraph();
+    g.setReason(reason);
+    auto entries = g.initEntries(static_cast<unsigned>(children_.size()));
+    for (size_t i = 0; i < children_.size(); ++i) {
+      const Child& c = children_[i];
+      auto e = entries[static_cast<unsigned>(i)];
+      e.setStage(c.stage);
+      e.setRank(c.rank);
+      e.setPid(c.pid);
+      e.setGeneration(c.generation);
+      e.setState(c.alive ? "running" : c.signal ? "signaled" : "exited");
+      e.setHeartbeatAgeSeconds(static_cast<double>(now - c.heartbeat_ns) / 1e9);
+      e.setPhaseAgeSeconds(static_cast<double>(now - c.phase_started_ns) / 1e9);
+      e.setStep(c.step);
+      e.setPhase(c.phase);
+      e.setRestarts(c.restarts);
+    }
+  });
+}
+
+void Run::teardown() {
+  // Bounded: SIGTERM, a grace period while still listening (a victim's own report of what it
+  // met may yet arrive), SIGKILL, one more second. Nothing here waits without a deadline.
+  teardown_started_ns_ = mono_ns();
   for (auto& c : children_) {
-    if (c.alive) ::kill(c.pid, SIGTERM);
+    if (!c.alive) continue;
+    // A stopped or silent process cannot act on SIGTERM: waiting out the grace for it only
+    // delays the teardown.
+    auto ev = events_.find(c.name);
+    bool silent = ev != events_.end() && ev->second.kind == "heartbeat_lost";
+    ::kill(c.pid, silent || detail::process_state(c.pid) == 'T' ? SIGKILL : SIGTERM);
   }
   auto none_alive = [&] {
     for (const auto& c : children_) {
@@ -613,21 +851,107 @@ void Run::teardown(double grace_s) {
     }
     return true;
   };
-  if (wait_for(none_alive, grace_s)) return;
+  if (wait_for(none_alive, opt_.teardown_grace_s)) return;
   for (auto& c : children_) {
     if (c.alive) {
-      log_warn("{} (pid {}) ignored SIGTERM for {:.1f}s: SIGKILL", c.name, c.pid, grace_s);
+      log_warn("{} (pid {}) still alive {:.1f}s after SIGTERM: SIGKILL", c.name, c.pid, opt_.teardown_grace_s);
       ::kill(c.pid, SIGKILL);
     }
   }
-  if (!wait_for(none_alive, 2.0)) {
+  if (!wait_for(none_alive, 1.0)) {
     for (const auto& c : children_) {
       if (c.alive) log_error("{} (pid {}) survived SIGKILL; not waiting for it", c.name, c.pid);
     }
   }
 }
 
+std::vector<std::string> tail_lines(const fs::path& path, size_t n) {
+  std::vector<std::string> out;
+  std::string text;
+  try {
+    text = read_file(path);
+  } catch (const Error&) {
+    return out;
+  }
+  if (text.size() > 16384) text = text.substr(text.size() - 16384);
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(line);
+  if (out.size() > n) out.erase(out.begin(), out.end() - static_cast<long>(n));
+  return out;
+}
+
+void Run::classify() {
+  // Exactly one first failure: the process whose own evidence (death, exception, silence) is
+  // the earliest; hangs only when nothing died or went silent; a victim's claim last.
+  const Event* first = nullptr;
+  std::string first_name;
+  for (const auto& [name, ev] : events_) {
+    if (first == nullptr || std::tie(ev.priority, ev.evidence_ns) < std::tie(first->priority, first->evidence_ns)) {
+      first = &ev;
+      first_name = name;
+    }
+  }
+  if (first == nullptr) return;
+  auto stage_rank = [&](const std::string& name) -> std::pair<StageKind, uint32_t> {
+    if (name == "supervisor-0") return {StageKind::SUPERVISOR, 0};
+    Child* c = by_name(name);
+    return {c->stage, c->rank};
+  };
+  auto [fs_stage, fs_rank] = stage_rank(first_name);
+  failure_ = Failure{first->kind, fs_stage, fs_rank, first->message};
+  auto journal_event = [&](const std::string& name, const Event& ev, const char* role) {
+    auto [stage, rank] = stage_rank(name);
+    Child* c = by_name(name);
+    journal_->append([&](schema::JournalRecord::Builder r) {
+      auto f = r.initFailureObserved();
+      f.setStage(stage);
+      f.setRank(rank);
+      f.setKind(ev.kind);
+      f.setMessage(ev.message);
+      f.setRole(role);
+      f.setEvidenceMonoNs(ev.evidence_ns);
+      f.setDetectedMonoNs(ev.detected_ns);
+      f.setPhase(ev.phase);
+      f.setStep(ev.step);
+      f.setPid(c ? c->pid : ::getpid());
+      if (std::string_view(role) == "first_failure" && c != nullptr) {
+        auto tail = tail_lines(layout::log_path(run_, stage, rank), 20);
+        auto t = f.initStderrTail(static_cast<unsigned>(tail.size()));
+        for (size_t i = 0; i < tail.size(); ++i) t.set(static_cast<unsigned>(i), tail[i]);
+        auto dump_path = layout::failure_path(run_, stage, rank);
+        if (fs::exists(dump_path)) {
+          try {
+            schemas::JsonFile<schema::FailureDump> dump(dump_path);
+            auto bt = dump.get().getBacktrace();
+            auto out = f.initBacktrace(bt.size());
+            for (unsigned i = 0; i < bt.size(); ++i) out.set(i, bt[i]);
+          } catch (const std::exception& e) {
+            log_warn("unreadable failure dump {}: {}", dump_path.string(), e.what());
+          }
+        }
+      }
+    });
+  };
+  journal_event(first_name, *first, "first_failure");
+  for (const auto& [name, ev] : events_) {
+    if (name != first_name) journal_event(name, ev, "victim");
+  }
+  for (const auto& c : children_) {
+    if (events_.contains(c.name)) continue;
+    bool torn = c.exit_code != 0 || c.signal != 0;
+    if (torn) {
+      journal_event(c.name,
+                    Event{"torn_down", fmt::format("{} was stopped by the teardown", c.name), 9, teardown_started_ns_,
+                          teardown_started_ns_, c.phase, c.step},
+                    "torn_down");
+    }
+  }
+}
+
 void Run::journal_run_finished() {
+  const double teardown_s =
+      detected_ns_ != 0 ? static_cast<double>(mono_ns() - detected_ns_) / 1e9 : 0.0;
   journal_->append([&](schema::JournalRecord::Builder r) {
     auto f = r.initRunFinished();
     f.setOk(!failure_);
@@ -636,6 +960,7 @@ void Run::journal_run_finished() {
       f.setStage(failure_->stage);
       f.setRank(failure_->rank);
       f.setReason(failure_->message);
+      f.setTeardownSeconds(teardown_s);
     } else {
       f.setReason("completed");
     }
@@ -658,12 +983,16 @@ int Run::report() {
       last = b.get().getLastLoss();
       tps = b.get().getTokensPerSecond();
     }
-    out += fmt::format("run ok: {} steps on {} ranks, loss {:.3f} -> {:.3f}, {:.0f} tokens/s\n",
-                       m.getStepsCompleted(), m.getWorld(), first, last, tps);
+    out += fmt::format("run ok: {} steps on {} ranks, loss {:.3f} -> {:.3f}, {:.0f} tokens/s", m.getStepsCompleted(),
+                       m.getWorld(), first, last, tps);
+    if (m.getRestarts() > 0) out += fmt::format(" ({} stage restarts)", m.getRestarts());
+    out += "\n";
   } else {
     auto e = m.getError();
-    out += fmt::format("run error: {} in {}-{}: {}\n", e.getKind().cStr(),
+    out += fmt::format("run error: first failure {} in {}-{}: {}\n", e.getKind().cStr(),
                        layout::stage_name(e.getStage()), e.getRank(), e.getMessage().cStr());
+    out += fmt::format("  detected {:.2f}s after the cause; every process gone and shm/sockets removed {:.2f}s later\n",
+                       e.getDetectionSeconds(), e.getTeardownSeconds());
   }
   out += fmt::format("  manifest    {}\n", layout::manifest_path(run_).string());
   std::string receipts;
@@ -680,6 +1009,21 @@ int Run::report() {
   return ok ? 0 : 1;
 }
 
+void Run::release_ipc() {
+  if (released_) return;
+  released_ = true;
+  router_.reset();
+  zmq_.reset();
+  ring_views_.clear();
+  rings_.clear();
+  if (!shm_prefix_.empty()) ipc::unlink_shm(shm_prefix_);
+  if (sock_dir_private_) {
+    std::error_code ec;
+    fs::remove_all(sock_dir_, ec);
+  }
+  store_.reset();
+}
+
 void Run::cleanup() {
   if (cleaned_) return;
   cleaned_ = true;
@@ -689,50 +1033,62 @@ void Run::cleanup() {
   for (auto& c : children_) {
     if (c.alive) ::waitpid(c.pid, nullptr, 0);
   }
-  router_.reset();
-  zmq_.reset();
-  rings_.clear();
-  if (!shm_prefix_.empty()) ipc::unlink_shm(shm_prefix_);
-  if (sock_dir_private_) {
-    std::error_code ec;
-    fs::remove_all(sock_dir_, ec);
-  }
-  store_.reset();
+  release_ipc();
+  metrics_server_.reset();
   if (sigfd_ >= 0) ::close(sigfd_);
   sigfd_ = -1;
 }
 
 int Run::execute() {
   prepare();
-  t0_ = mono_ns();
   console_ = make_console(opt_.progress, opt_.steps, recipe_.name, run_.string());
-  launch(StageKind::COLLECTOR, 0);
-  launch(StageKind::CHECKPOINTER, 0);
-  launch(StageKind::DATA_LOADER, 0);
-  for (uint32_t r = 0; r < opt_.ranks; ++r) launch(StageKind::TRAINER, r);
+  if (console_ && !metrics_endpoint_.empty()) fmt::print("megacpp: metrics at {}\n", metrics_endpoint_);
+  launch(StageKind::COLLECTOR, 0, 0, "launch");
+  launch(StageKind::CHECKPOINTER, 0, 0, "launch");
+  launch(StageKind::DATA_LOADER, 0, 0, "launch");
+  for (uint32_t r = 0; r < opt_.ranks; ++r) launch(StageKind::TRAINER, r, 0, "launch");
   journal_->append([&](schema::JournalRecord::Builder r) {
     auto s = r.initRunStarted();
     s.setWorld(opt_.ranks);
     s.setStepsPlanned(opt_.steps);
   });
   watch();
-  if (!failure_) finish_ok();
+  if (detected_ns_ == 0) finish_ok();
   if (console_) console_->finish();
-  if (failure_) teardown(opt_.teardown_grace_s);
+  if (detected_ns_ != 0) {
+    journal_graph("failure detected");
+    teardown();
+    classify();
+  }
+  if (!failure_) {
+    // The live collector folds the final state; the in-process fold below is the same pure
+    // function, so it changes nothing when the collector finished.
+    if (Child* col = by_name(layout::process_name(StageKind::COLLECTOR, 0)); col && col->alive) {
+      stop_child(*col);
+      if (!wait_for([&] { return !col->alive; }, 10.0)) {
+        ::kill(col->pid, SIGKILL);
+        wait_for([&] { return !col->alive; }, 1.0);
+      }
+    }
+  }
+  release_ipc();
   journal_run_finished();
   done_ = true;
-  // The live collector folds the final state; the in-process fold afterwards is the same
-  // pure function, so it is a no-op when the collector finished and the guarantee when the
-  // collector was the one that failed: the manifest never stays `running`.
-  if (Child* col = by_name(layout::process_name(StageKind::COLLECTOR, 0)); col && col->alive) {
-    stop_child(*col);
-    if (!wait_for([&] { return !col->alive; }, 10.0)) teardown(0.5);
-  }
+  // Always fold in-process as well: when the collector was the failing process this is
+  // what guarantees the manifest never stays `running`.
   collector::collect_run(run_);
+  for (const auto& c : children_) metrics_->set_up(c.stage, c.rank, c.alive);
+  int rc = report();
+  if (opt_.metrics_linger_s > 0) {
+    fmt::print("megacpp: serving {} for {:.0f}s more (--metrics-linger-s)\n", metrics_endpoint_, opt_.metrics_linger_s);
+    std::fflush(stdout);
+    // Interruptible: SIGINT/SIGTERM (blocked into the signalfd) end the linger early.
+    pollfd pfd{sigfd_, POLLIN, 0};
+    ::poll(&pfd, 1, static_cast<int>(opt_.metrics_linger_s * 1000));
+  }
   cleanup();
-  return report();
+  return rc;
 }
-
 }  // namespace
 
 int run(RunOptions options) {
@@ -740,34 +1096,99 @@ int run(RunOptions options) {
   return r.execute();
 }
 
+bool reconcile(const fs::path& run_dir) {
+  // A run whose supervisor journal ends without runFinished, and whose supervisor process
+  // (pid + start time from launch.json) no longer exists, was orphaned: record it and remove
+  // what the supervisor would have removed. Stages cannot outlive it (PR_SET_PDEATHSIG).
+  schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
+  auto l = launch.get();
+  bool finished = false, orphaned = false;
+  ipc::JournalReader::read_all(layout::journal_path(run_dir, StageKind::SUPERVISOR, 0),
+                               [&](schema::JournalRecord::Reader r) {
+                                 finished = finished || r.isRunFinished();
+                                 orphaned = orphaned || r.isRunOrphaned();
+                               });
+  if (finished || orphaned) return false;
+  const pid_t pid = l.getSupervisorPid();
+  if (pid > 0 && detail::process_start_ticks(pid) == l.getSupervisorStartTicks()) return false;
+  ipc::JournalWriter journal(layout::journal_path(run_dir, StageKind::SUPERVISOR, 0));
+  journal.set_identity(StageKind::SUPERVISOR, 0);
+  journal.append([&](schema::JournalRecord::Builder r) {
+    auto o = r.initRunOrphaned();
+    o.setSupervisorPid(pid);
+    o.setReason(fmt::format("the supervisor (pid {}) is gone and the run never finished", pid));
+  });
+  journal.sync();
+  size_t segments = ipc::unlink_shm(l.getShmPrefix().cStr());
+  std::error_code ec;
+  fs::path sock = l.getSockDir().cStr();
+  if (!sock.empty() && fs::exists(sock, ec)) fs::remove_all(sock, ec);
+  log_warn("run {} was orphaned (supervisor pid {} is gone); removed {} shm segment(s) and {}", run_dir.string(), pid,
+           segments, sock.string());
+  return true;
+}
+
 int status(const fs::path& run_dir) {
+  if (!fs::exists(layout::launch_path(run_dir))) {
+    throw Error(ErrorKind::kInvalidArgument, fmt::format("{} holds no run (no launch.json)", run_dir.string()));
+  }
+  if (reconcile(run_dir) || !fs::exists(layout::manifest_path(run_dir))) collector::collect_run(run_dir);
   schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
   auto m = manifest.get();
   static const char* kStates[] = {"launched", "running", "ok", "error", "detached", "orphaned"};
+  static const char* kPhases[] = {"startup", "wait_batch", "forward", "backward", "optimizer",
+                                  "snapshot", "idle", "shutdown", "produce", "write"};
+  auto phase_name = [](schema::Phase p) {
+    auto i = static_cast<size_t>(p);
+    return i < std::size(kPhases) ? kPhases[i] : "?";
+  };
   fmt::print("run {}  ({})\n", m.getRunId().cStr(), run_dir.string());
   fmt::print("  state      {}\n", kStates[static_cast<int>(m.getState())]);
   fmt::print("  recipe     {} ({})\n", m.getRecipe().cStr(), m.getRecipeHash().cStr());
-  fmt::print("  steps      {}/{} on {} ranks\n", m.getStepsCompleted(), m.getStepsPlanned(),
-             m.getWorld());
+  fmt::print("  steps      {}/{} on {} ranks\n", m.getStepsCompleted(), m.getStepsPlanned(), m.getWorld());
   fmt::print("  launched   {}\n  completed  {}\n  last seen  {}\n", m.getLaunchedAt().cStr(),
              m.getCompletedAt().cStr(), m.getLastPolledAt().cStr());
   if (m.hasError() && m.getError().getKind().size() > 0) {
     auto e = m.getError();
-    fmt::print("  first failure  {} in {}-{}: {}\n", e.getKind().cStr(),
-               layout::stage_name(e.getStage()), e.getRank(), e.getMessage().cStr());
+    fmt::print("  first failure\n");
+    fmt::print("    {} in {}-{} (pid {}), phase {}, step {}, at {}\n", e.getKind().cStr(),
+               layout::stage_name(e.getStage()), e.getRank(), e.getPid(), phase_name(e.getPhase()), e.getStep(),
+               e.getAt().cStr());
+    fmt::print("    {}\n", e.getMessage().cStr());
+    fmt::print("    detected {:.2f}s after the cause; teardown took {:.2f}s\n", e.getDetectionSeconds(),
+               e.getTeardownSeconds());
+    if (e.getFailureDump().size() > 0) fmt::print("    failure dump {}\n", (run_dir / e.getFailureDump().cStr()).string());
+    if (e.getBacktrace().size() > 0) {
+      fmt::print("    backtrace\n");
+      for (auto l : e.getBacktrace()) fmt::print("      {}\n", l.cStr());
+    }
+    if (e.getStderrTail().size() > 0) {
+      fmt::print("    stderr tail\n");
+      for (auto l : e.getStderrTail()) fmt::print("      | {}\n", l.cStr());
+    }
   }
   fmt::print("  stages\n");
   for (auto s : m.getStages()) {
     std::string how = s.getState().cStr();
     if (how == "exited") how += fmt::format("({})", s.getExitCode());
     if (how == "signaled") how += fmt::format("({})", s.getSignal());
-    fmt::print("    {:<16} pid {:<8} {:<14} last step {:<6} last record {}\n",
-               layout::process_name(s.getStage(), s.getRank()), s.getPid(), how, s.getLastStep(),
+    std::string role = s.getRole().size() > 0 ? std::string(s.getRole().cStr()) : "";
+    std::string restarts = s.getRestarts() > 0 ? fmt::format("restarts {}", s.getRestarts()) : "";
+    fmt::print("    {:<16} pid {:<8} {:<13} step {:<6} {:<14} {:<11} last record {}\n",
+               layout::process_name(s.getStage(), s.getRank()), s.getPid(), how, s.getLastStep(), role, restarts,
                s.getLastRecordAt().cStr());
   }
+  if (m.hasStageGraph() && m.getStageGraph().getEntries().size() > 0) {
+    auto g = m.getStageGraph();
+    fmt::print("  stage graph at {} ({})\n", g.getAt().cStr(), g.getReason().cStr());
+    for (auto e : g.getEntries()) {
+      fmt::print("    {:<16} {:<9} phase {:<10} for {:>6.1f}s  heartbeat {:>6.1f}s ago  step {}\n",
+                 layout::process_name(e.getStage(), e.getRank()), e.getState().cStr(), phase_name(e.getPhase()),
+                 e.getPhaseAgeSeconds(), e.getHeartbeatAgeSeconds(), e.getStep());
+    }
+  }
   if (m.getLatestCheckpoint().size() > 0) {
-    fmt::print("  checkpoint {} (step {})\n", m.getLatestCheckpoint().cStr(),
-               m.getLatestCheckpointStep());
+    fmt::print("  checkpoint {} (step {})\n", m.getLatestCheckpoint().cStr(), m.getLatestCheckpointStep());
   }
   return 0;
 }

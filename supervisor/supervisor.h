@@ -11,19 +11,27 @@ namespace megacpp::supervisor {
 // Everything `megacpp run` takes. validate() is the one place the rules live; a violation is
 // an Error{kInvalidArgument} whose message names the rule. Nothing is written before it passes.
 struct RunOptions {
-  std::string recipe = "tiny";  // a name in recipes/ or a path to a .toml
+  std::string recipe = "tiny";        // a name in recipes/ or a path to a .toml
   uint32_t ranks = 2;
   uint32_t steps = 60;
-  std::filesystem::path run_dir;     // must not exist yet, or be an empty directory
-  std::filesystem::path data_dir;    // default: <run_dir>/../data
-  bool require_data_volume = false;  // refuse a run directory on the root volume
+  std::filesystem::path run_dir;      // must not exist yet, or be an empty directory
+  std::filesystem::path data_dir;     // default: <run_dir>/../data
+  bool require_data_volume = false;   // refuse a run directory on the root volume
   uint32_t heartbeat_interval_ms = 200;
   uint32_t ring_slots = 4;
-  double startup_budget_s = 120;  // no heartbeat progress during start-up / first step
-  double hang_budget_s = 60;      // no progress after the first step
-  double teardown_grace_s = 2;    // SIGTERM -> SIGKILL
-  std::string progress = "auto";  // auto | tty | plain | none
-  std::vector<std::string> argv;  // recorded in the launch contract
+  // Detection. A trainer's current phase may last startup_budget_s until its first step is
+  // done, then max(hang_budget_s, hang_multiple x median step time). A process whose
+  // heartbeats stop for min(heartbeat_timeout_s, its phase budget) is heartbeat_lost.
+  double startup_budget_s = 300;
+  double hang_budget_s = 30;
+  double hang_multiple = 20;
+  double heartbeat_timeout_s = 10;
+  double teardown_grace_s = 1.5;      // SIGTERM -> SIGKILL
+  uint32_t max_restarts = 3;          // per restartable stage (collector, loader, checkpointer)
+  std::string metrics_addr = "127.0.0.1:0";  // HOST:PORT of /metrics; port 0 = any free port
+  double metrics_linger_s = 0;        // keep serving /metrics this long after the run ends
+  std::string progress = "auto";      // auto | tty | plain | none
+  std::vector<std::string> argv;      // recorded in the launch contract
 
   void validate() const;
 };
@@ -31,7 +39,13 @@ struct RunOptions {
 // Runs the job to completion. Returns the process exit code: 0 only when the manifest ends ok.
 int run(RunOptions options);
 
-// `megacpp status RUN`: prints the manifest readably; returns 0 if it could be read.
+// If the run never finished and its supervisor is gone, records it as orphaned and removes
+// what the supervisor would have removed (shm segments, the socket directory). Returns true
+// when it changed anything. Used by `megacpp status` and `megacpp collect` before they fold.
+bool reconcile(const std::filesystem::path& run_dir);
+
+// `megacpp status RUN`: reconciles, folds, and prints the manifest readably; returns 0 if it
+// could be read.
 int status(const std::filesystem::path& run_dir);
 
 }  // namespace megacpp::supervisor

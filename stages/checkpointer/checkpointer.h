@@ -9,7 +9,8 @@
 //    any point leaves either no checkpoint of that step or a complete, verified one.
 //  * Service: the message loop of the megacpp-checkpointer process — SnapshotReady in,
 //    SnapshotAck out (ok=true releases the rank's staging lease; committed=true tells every
-//    rank of the step that its checkpoint is durable).
+//    rank of the step that its checkpoint is durable). SnapshotReady is idempotent, so a
+//    rank may re-send it until it gets the ack it needs — across a restart of this process.
 //
 // Torch-free: tensors are bytes plus dtype/shape metadata.
 #pragma once
@@ -114,7 +115,9 @@ struct CommittedCheckpoint {
 class CheckpointStore {
  public:
   // Creates RUN/checkpoints if absent and removes every leftover "*.tmp" directory in it:
-  // an uncommitted checkpoint of an earlier process is discarded; committed ones stay.
+  // an uncommitted checkpoint of an earlier process is discarded; committed ones stay. A
+  // LATEST that lags the newest committed directory (a process killed between the rename
+  // and LATEST) is moved forward to it.
   CheckpointStore(fs::path run_dir, std::string run_id, std::string recipe_hash);
   CheckpointStore(const CheckpointStore&) = delete;
   CheckpointStore& operator=(const CheckpointStore&) = delete;
@@ -125,6 +128,8 @@ class CheckpointStore {
   const WrittenFile& write_rank(uint32_t step, uint32_t world, uint32_t rank,
                                 std::span<const TensorView> tensors);
   bool complete(uint32_t step) const;  // every rank of the step written
+  // The step's committed directory exists (committed by this or an earlier process).
+  bool committed(uint32_t step) const;
   // Commits a complete step: checkpoint.json, fsyncs, rename, fsync of RUN/checkpoints, and
   // LATEST (only moved forward: an older step never replaces a newer LATEST). If the
   // committed directory already exists (a step re-sent after a restart), the tmp copy is
@@ -155,15 +160,25 @@ class CheckpointStore {
 // Handles the snapshot plane over a bound ROUTER: for each SnapshotReady from a trainer
 // rank, attaches the rank's staging region (once per name/size, cached), writes the rank's
 // file, acks ok (the lease is released), and when a step is complete commits it, acks
-// committed to every rank of the step and journals checkpointCommitted.
+// committed to every rank of the step and journals checkpointCommitted. A commit discards
+// older steps still partially received (no rank will send them again).
+// SnapshotReady is idempotent (ranks re-send it while they wait, and after a restart of this
+// process): for a step already committed it acks ok+committed; for a rank already written in
+// this process and a step not yet committed it re-acks ok without rewriting; for a step older
+// than the newest commit (superseded) it acks ok without writing; anything else — a step
+// this process never saw, e.g. whose tmp directory a restart discarded — is written
+// normally. A duplicate never rewrites a file, commits twice or reads a released region.
 // On a malformed snapshot or a write error it sends ok=false with the error text to the
 // sender and rethrows (the stage fails; the supervisor decides).
 class Service {
  public:
   using PhaseFn = std::function<void(schema::Phase)>;
-  // `journal` may be null (no journaling); `on_phase` may be empty.
+  // Called with the step just before a rank file is written (a fault-injection point); it
+  // may throw, which fails that snapshot like a write error.
+  using WriteFn = std::function<void(uint32_t step)>;
+  // `journal` may be null (no journaling); `on_phase` and `before_write` may be empty.
   Service(CheckpointStore& store, ipc::Channel& router, ipc::JournalWriter* journal,
-          PhaseFn on_phase = {});
+          PhaseFn on_phase = {}, WriteFn before_write = {});
   ~Service();
   Service(const Service&) = delete;
   Service& operator=(const Service&) = delete;
@@ -179,18 +194,21 @@ class Service {
   struct Attached;
   struct StepState {
     int64_t first_mono_ns = 0;
-    std::map<uint32_t, std::string> peers;  // rank -> routing identity
+    uint32_t world = 0;
+    std::map<uint32_t, std::string> peers;  // rank written -> routing identity
   };
   void handle_snapshot(const std::string& peer, schema::SnapshotReady::Reader ready);
   const std::byte* region_for(uint32_t rank, const std::string& name, uint64_t bytes);
   void ack(const std::string& peer, uint32_t rank, uint32_t step, bool ok, bool committed,
            const std::string& error);
   void set_phase(schema::Phase phase);
+  void commit(uint32_t step, bool final);
 
   CheckpointStore& store_;
   ipc::Channel& router_;
   ipc::JournalWriter* journal_;
   PhaseFn on_phase_;
+  WriteFn before_write_;
   std::map<uint32_t, std::unique_ptr<Attached>> regions_;  // by rank
   std::map<uint32_t, StepState> steps_;                    // partially received steps
   uint64_t committed_ = 0;

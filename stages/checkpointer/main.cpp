@@ -15,7 +15,11 @@ void run(megacpp::stage::StageContext& ctx) {
   ck::CheckpointStore store(ctx.run_dir(), launch.getRunId(), launch.getRecipe().getHash());
   megacpp::ipc::Channel router(ctx.zmq(), megacpp::ipc::Channel::Kind::kRouter,
                                launch.getCheckpointEndpoint());
-  ck::Service service(store, router, &ctx.journal(), [&ctx](Phase p) { ctx.set_phase(p); });
+  // A relaunched checkpointer binds the same endpoint under the same identity; the ranks
+  // re-send what they still need acknowledged (the Service is idempotent).
+  ck::Service service(
+      store, router, &ctx.journal(), [&ctx](Phase p) { ctx.set_phase(p); },
+      [&ctx](uint32_t step) { megacpp::stage::fault_point(ctx, "write", step); });
   ctx.set_phase(Phase::IDLE);
   // On stop, messages already queued are still handled; the loop ends at the first quiet
   // receive (or at once when no step is partially received).

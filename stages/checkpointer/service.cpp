@@ -26,8 +26,12 @@ ino_t shm_inode(const std::string& name) {
 }  // namespace
 
 Service::Service(CheckpointStore& store, ipc::Channel& router, ipc::JournalWriter* journal,
-                 PhaseFn on_phase)
-    : store_(store), router_(router), journal_(journal), on_phase_(std::move(on_phase)) {}
+                 PhaseFn on_phase, WriteFn before_write)
+    : store_(store),
+      router_(router),
+      journal_(journal),
+      on_phase_(std::move(on_phase)),
+      before_write_(std::move(before_write)) {}
 
 Service::~Service() = default;
 
@@ -85,13 +89,52 @@ void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Re
   const uint32_t rank = ready.getRank();
   const uint32_t world = ready.getWorld();
   const uint32_t step = ready.getStep();
-  set_phase(schema::Phase::WRITE);
+  // What this snapshot is to us; decided before the staging region is touched, because a
+  // duplicate may arrive after its rank has moved on and reused the region.
+  enum class Seen { kNew, kWritten, kCommitted, kSuperseded };
+  Seen seen = Seen::kNew;
   try {
     MEGACPP_CHECK(world > 0 && rank < world, ErrorKind::kProtocol,
                   fmt::format("SnapshotReady from '{}': rank {} of world {}", peer, rank, world));
     if (peer != layout::process_name(schema::StageKind::TRAINER, rank)) {
       log_warn("SnapshotReady for rank {} arrived from '{}'", rank, peer);
     }
+    if (store_.committed(step)) {
+      seen = Seen::kCommitted;
+    } else if (auto it = steps_.find(step); it != steps_.end() && it->second.peers.contains(rank)) {
+      MEGACPP_CHECK(it->second.world == world, ErrorKind::kProtocol,
+                    fmt::format("step {}: rank {} re-sent its snapshot with world {}, was {}", step,
+                                rank, world, it->second.world));
+      it->second.peers[rank] = peer;
+      seen = Seen::kWritten;
+    } else if (store_.latest() && step < *store_.latest()) {
+      seen = Seen::kSuperseded;
+    }
+  } catch (const std::exception& e) {
+    log_error("snapshot of step {} from rank {} failed: {}", step, rank, e.what());
+    ack(peer, rank, step, false, false, e.what());
+    throw;
+  }
+  switch (seen) {
+    case Seen::kCommitted:
+      log_info("step {} is already committed; acking rank {}'s re-sent snapshot", step, rank);
+      ack(peer, rank, step, true, true, {});
+      return;
+    case Seen::kWritten:
+      log_info("rank {}'s snapshot of step {} is already written; acking it again", rank, step);
+      ack(peer, rank, step, true, false, {});
+      return;
+    case Seen::kSuperseded:
+      log_warn("not writing rank {}'s snapshot of step {}: step {} is already committed", rank,
+               step, *store_.latest());
+      ack(peer, rank, step, true, false, {});
+      return;
+    case Seen::kNew:
+      break;
+  }
+
+  set_phase(schema::Phase::WRITE);
+  try {
     const uint64_t region_bytes = ready.getRegionBytes();
     const std::byte* base = region_for(rank, ready.getRegion(), region_bytes);
     std::vector<TensorView> views;
@@ -110,8 +153,12 @@ void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Re
       v.bytes = bytes;
       views.push_back(std::move(v));
     }
+    if (before_write_) before_write_(step);
     auto [it, fresh] = steps_.try_emplace(step);
-    if (fresh) it->second.first_mono_ns = mono_ns();
+    if (fresh) {
+      it->second.first_mono_ns = mono_ns();
+      it->second.world = world;
+    }
     store_.write_rank(step, world, rank, views);
     it->second.peers[rank] = peer;
   } catch (const std::exception& e) {
@@ -121,34 +168,43 @@ void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Re
   }
   // The rank's file is durable: its staging lease is released.
   ack(peer, rank, step, true, false, {});
-
-  if (store_.complete(step)) {
-    StepState state = std::move(steps_.at(step));
-    steps_.erase(step);
-    CommittedCheckpoint done;
-    try {
-      done = store_.commit(step);
-    } catch (const std::exception& e) {
-      log_error("commit of step {} failed: {}", step, e.what());
-      for (const auto& [r, p] : state.peers) ack(p, r, step, false, false, e.what());
-      throw;
-    }
-    const double seconds = static_cast<double>(mono_ns() - state.first_mono_ns) / 1e9;
-    if (journal_ != nullptr) {
-      journal_->append([&](schema::JournalRecord::Builder rec) {
-        auto c = rec.initCheckpointCommitted();
-        c.setStep(step);
-        c.setPath(done.relative_path);
-        c.setBytes(done.bytes);
-        c.setSeconds(seconds);
-      });
-    }
-    ++committed_;
-    log_info("committed {} ({} bytes, world {}, {:.3f} s{})", done.relative_path, done.bytes, world,
-             seconds, ready.getFinal() ? ", final" : "");
-    for (const auto& [r, p] : state.peers) ack(p, r, step, true, true, {});
-  }
+  if (store_.complete(step)) commit(step, ready.getFinal());
   set_phase(schema::Phase::IDLE);
+}
+
+void Service::commit(uint32_t step, bool final) {
+  StepState state = std::move(steps_.at(step));
+  steps_.erase(step);
+  CommittedCheckpoint done;
+  try {
+    done = store_.commit(step);
+  } catch (const std::exception& e) {
+    log_error("commit of step {} failed: {}", step, e.what());
+    for (const auto& [r, p] : state.peers) ack(p, r, step, false, false, e.what());
+    throw;
+  }
+  const double seconds = static_cast<double>(mono_ns() - state.first_mono_ns) / 1e9;
+  if (journal_ != nullptr) {
+    journal_->append([&](schema::JournalRecord::Builder rec) {
+      auto c = rec.initCheckpointCommitted();
+      c.setStep(step);
+      c.setPath(done.relative_path);
+      c.setBytes(done.bytes);
+      c.setSeconds(seconds);
+    });
+  }
+  ++committed_;
+  log_info("committed {} ({} bytes, world {}, {:.3f} s{})", done.relative_path, done.bytes,
+           state.world, seconds, final ? ", final" : "");
+  for (const auto& [r, p] : state.peers) ack(p, r, step, true, true, {});
+  // Every rank has snapshotted `step`, so none will send an older step again (its lease
+  // was released or it was lost in a restart): what is left of older steps is dead.
+  for (auto it = steps_.begin(); it != steps_.end() && it->first < step;) {
+    log_warn("discarding step {} ({} rank(s) received): superseded by step {}", it->first,
+             it->second.peers.size(), step);
+    store_.discard(it->first);
+    it = steps_.erase(it);
+  }
 }
 
 void Service::discard_pending() {

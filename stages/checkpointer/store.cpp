@@ -76,6 +76,14 @@ CheckpointStore::CheckpointStore(fs::path run_dir, std::string run_id, std::stri
     }
   }
   if (removed) fsync_path(dir_);
+  if (latest_) {
+    const std::string name = layout::checkpoint_dir_name(*latest_);
+    const fs::path latest_file = dir_ / "LATEST";
+    if (!fs::exists(latest_file) || read_file(latest_file) != name + "\n") {
+      log_warn("LATEST lags the newest committed checkpoint; moving it to {}", name);
+      write_file_atomic(latest_file, name + "\n");
+    }
+  }
 }
 
 const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, uint32_t rank,
@@ -108,6 +116,10 @@ const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, ui
 bool CheckpointStore::complete(uint32_t step) const {
   auto it = pending_.find(step);
   return it != pending_.end() && it->second.files.size() == it->second.world;
+}
+
+bool CheckpointStore::committed(uint32_t step) const {
+  return fs::is_directory(dir_ / layout::checkpoint_dir_name(step));
 }
 
 CommittedCheckpoint CheckpointStore::commit(uint32_t step) {

@@ -51,6 +51,9 @@ struct Process {
   std::optional<Exit> exited;  // latest childExited
   uint32_t last_step = 0;
   std::optional<int64_t> last_wall;  // newest wallNs among the process's own records
+  uint32_t restarts = 0;             // childStarted records with reason "restart"
+  uint32_t generation = 0;
+  std::string role;                  // from the supervisor's failureObserved records
 
   void see_pid(int64_t mono, int32_t p) {
     if (!pid || std::make_pair(mono, p) > *pid) pid = std::make_pair(mono, p);
@@ -101,6 +104,26 @@ struct Collector::State {
   std::map<uint32_t, std::map<uint32_t, StepData>> steps;      // trainer rank -> step -> data
   std::map<uint32_t, double> first_forward;                    // trainer rank -> seconds
   std::optional<std::pair<uint32_t, std::string>> checkpoint;  // newest committed step, path
+  struct FirstFailure {
+    std::string kind, message;
+    StageKind stage = StageKind::SUPERVISOR;
+    uint32_t rank = 0;
+    schema::Phase phase = schema::Phase::STARTUP;
+    uint32_t step = 0;
+    int32_t pid = 0;
+    int64_t evidence_wall = 0;
+    double detection_seconds = 0;
+    std::vector<std::string> backtrace, stderr_tail;
+  };
+  std::optional<FirstFailure> first_failure;
+  double teardown_seconds = 0;
+  struct Graph {
+    std::string reason;
+    int64_t wall = 0;
+    capnp::MallocMessageBuilder message;
+  };
+  std::unique_ptr<Graph> graph;
+  std::optional<std::pair<int64_t, std::string>> orphaned;  // wall, reason
 
   void fold(schema::JournalRecord::Reader rec);
   uint32_t steps_completed() const;
@@ -147,8 +170,46 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       Process& child = processes[{ev.getStage(), ev.getRank()}];
       child.see_pid(mono, ev.getPid());
       Process::latest(child.started_mono, mono);
+      if (ev.getReason() == "restart") ++child.restarts;
+      child.generation = std::max(child.generation, ev.getGeneration());
       break;
     }
+    case schema::JournalRecord::FAILURE_OBSERVED:
+      if (from_supervisor) {
+        auto f = rec.getFailureObserved();
+        Process& p = processes[{f.getStage(), f.getRank()}];
+        p.role = f.getRole();
+        if (p.role == "first_failure" && !first_failure) {
+          FirstFailure ff;
+          ff.kind = f.getKind();
+          ff.message = f.getMessage();
+          ff.stage = f.getStage();
+          ff.rank = f.getRank();
+          ff.phase = f.getPhase();
+          ff.step = f.getStep();
+          ff.pid = f.getPid();
+          // Wall time of the cause: this record's wall clock minus how long ago, monotonically.
+          ff.evidence_wall = wall - (mono - f.getEvidenceMonoNs());
+          ff.detection_seconds =
+              static_cast<double>(f.getDetectedMonoNs() - f.getEvidenceMonoNs()) / 1e9;
+          for (auto l : f.getBacktrace()) ff.backtrace.emplace_back(l.cStr());
+          for (auto l : f.getStderrTail()) ff.stderr_tail.emplace_back(l.cStr());
+          first_failure = std::move(ff);
+        }
+      }
+      break;
+    case schema::JournalRecord::STAGE_GRAPH:
+      if (from_supervisor && !graph) {
+        graph = std::make_unique<Graph>();
+        auto g = rec.getStageGraph();
+        graph->reason = g.getReason();
+        graph->wall = wall;
+        graph->message.setRoot(g);
+      }
+      break;
+    case schema::JournalRecord::RUN_ORPHANED:
+      if (!orphaned) orphaned = std::make_pair(wall, std::string(rec.getRunOrphaned().getReason().cStr()));
+      break;
     case schema::JournalRecord::CHILD_EXITED: {
       auto ev = rec.getChildExited();
       Process& child = processes[{ev.getStage(), ev.getRank()}];
@@ -164,6 +225,7 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       if (from_supervisor && !finished) {
         auto f = rec.getRunFinished();
         finished = Finished{f.getOk(), f.getReason(), f.getKind(), f.getStage(), f.getRank(), wall};
+        teardown_seconds = f.getTeardownSeconds();
       }
       break;
     case schema::JournalRecord::FIRST_FORWARD:
@@ -264,6 +326,8 @@ bool Collector::poll() {
   return before != outputs_;
 }
 
+int64_t Collector::newest_record_wall_ns() const { return state_->newest_wall.value_or(0); }
+
 void Collector::finish() {
   for (auto& [name, j] : state_->journals) {
     j.reader->finish([this](schema::JournalRecord::Reader rec) { state_->fold(rec); });
@@ -275,7 +339,7 @@ void Collector::render() {
   const State& s = *state_;
   std::map<std::string, std::string> out;
   const uint32_t completed = s.steps_completed();
-  const bool terminal = s.finished.has_value();
+  const bool terminal = s.finished.has_value() || s.orphaned.has_value();
 
   {
     capnp::MallocMessageBuilder message;
@@ -289,6 +353,8 @@ void Collector::render() {
     m.setStepsCompleted(completed);
     if (s.finished) {
       m.setState(s.finished->ok ? schema::RunState::OK : schema::RunState::ERROR);
+    } else if (s.orphaned) {
+      m.setState(schema::RunState::ORPHANED);
     } else {
       m.setState(s.run_started_wall ? schema::RunState::RUNNING : schema::RunState::LAUNCHED);
     }
@@ -302,9 +368,29 @@ void Collector::render() {
       e.setStage(s.finished->stage);
       e.setRank(s.finished->rank);
       e.setMessage(s.finished->reason);
+      e.setTeardownSeconds(s.teardown_seconds);
+      if (s.first_failure) {
+        const auto& f = *s.first_failure;
+        e.setPhase(f.phase);
+        e.setStep(f.step);
+        e.setPid(f.pid);
+        e.setAt(rfc3339(f.evidence_wall));
+        e.setDetectionSeconds(f.detection_seconds);
+        auto dump = layout::failure_path(run_dir_, f.stage, f.rank);
+        if (fs::exists(dump)) e.setFailureDump(fs::relative(dump, run_dir_).string());
+        auto bt = e.initBacktrace(static_cast<unsigned>(f.backtrace.size()));
+        for (size_t k = 0; k < f.backtrace.size(); ++k) bt.set(static_cast<unsigned>(k), f.backtrace[k]);
+        auto tail = e.initStderrTail(static_cast<unsigned>(f.stderr_tail.size()));
+        for (size_t k = 0; k < f.stderr_tail.size(); ++k) tail.set(static_cast<unsigned>(k), f.stderr_tail[k]);
+      }
+    } else if (!s.finished && s.orphaned) {
+      auto e = m.initError();
+      e.setKind("orphaned");
+      e.setMessage(s.orphaned->second);
     }
     auto stages = m.initStages(static_cast<unsigned>(s.processes.size()));
     unsigned i = 0;
+    uint32_t total_restarts = 0;
     for (const auto& [key, p] : s.processes) {
       auto snap = stages[i++];
       snap.setStage(key.first);
@@ -316,6 +402,32 @@ void Collector::render() {
       snap.setSignal(signal);
       snap.setLastStep(p.last_step);
       if (p.last_wall) snap.setLastRecordAt(rfc3339(*p.last_wall));
+      snap.setRole(p.role);
+      snap.setRestarts(p.restarts);
+      snap.setGeneration(p.generation);
+      total_restarts += p.restarts;
+    }
+    m.setRestarts(total_restarts);
+    if (s.graph) {
+      auto g = m.initStageGraph();
+      g.setReason(s.graph->reason);
+      g.setAt(rfc3339(s.graph->wall));
+      auto src = s.graph->message.getRoot<schema::StageGraph>().getEntries();
+      auto dst = g.initEntries(src.size());
+      for (unsigned k = 0; k < src.size(); ++k) {
+        auto a = src[k];
+        auto b = dst[k];
+        b.setStage(a.getStage());
+        b.setRank(a.getRank());
+        b.setPid(a.getPid());
+        b.setGeneration(a.getGeneration());
+        b.setState(a.getState());
+        b.setHeartbeatAgeSeconds(a.getHeartbeatAgeSeconds());
+        b.setPhaseAgeSeconds(a.getPhaseAgeSeconds());
+        b.setStep(a.getStep());
+        b.setPhase(a.getPhase());
+        b.setRestarts(a.getRestarts());
+      }
     }
     if (s.checkpoint) {
       m.setLatestCheckpoint(s.checkpoint->second);

@@ -42,6 +42,9 @@ class Collector {
   // The rendered outputs as of the last poll()/finish(): relative path -> bytes
   // ("manifest.json", "receipts/bench_result.json", ...).
   const std::map<std::string, std::string>& outputs() const noexcept { return outputs_; }
+  // wallNs of the newest record folded so far (0 before any): the live collector reports
+  // its lag as the age of the newest record at the moment it was folded.
+  int64_t newest_record_wall_ns() const;
 
  private:
   struct State;

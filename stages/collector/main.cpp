@@ -3,6 +3,7 @@
 #include <chrono>
 #include <thread>
 
+#include "core/util.h"
 #include "stages/collector/collector.h"
 #include "stages/stage.h"
 
@@ -12,9 +13,15 @@ using megacpp::schema::Phase;
 
 void run(megacpp::stage::StageContext& ctx) {
   megacpp::collector::Collector collector(ctx.run_dir());
-  for (;;) {
+  for (uint32_t polls = 1;; ++polls) {
+    // The step of a collector is its poll count: a stuck fold shows as a step that stays.
+    ctx.set_step(polls);
     ctx.set_phase(Phase::WRITE);
+    megacpp::stage::fault_point(ctx, "fold", polls);
+    const int64_t before = collector.newest_record_wall_ns();
     if (collector.poll()) collector.write();
+    const int64_t newest = collector.newest_record_wall_ns();
+    ctx.control().set_lag(newest > before ? static_cast<double>(megacpp::wall_ns() - newest) / 1e9 : 0.0);
     ctx.set_phase(Phase::IDLE);
     // ~250 ms between polls, in slices so a stop is seen promptly.
     for (int i = 0; i < 10 && !ctx.stop_requested(); ++i) {

@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
             done = false;
             auto slot = rings[r]->try_acquire();
             if (!slot) continue;
+            mc::stage::fault_point(ctx, "produce", step);
             sampler.fill(step, r, reinterpret_cast<int64_t*>(slot->data()));
             rings[r]->publish(static_cast<uint32_t>(sampler.batch_bytes()), step);
             produced = true;

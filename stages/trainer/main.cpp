@@ -122,120 +122,34 @@ std::optional<Ring> attach_ring(stage::StageContext& ctx, const std::string& nam
   }
 }
 
-// The rank's side of the snapshot plane: one staging region (created at the first
-// snapshot, unlinked when the rank exits) leased to the checkpointer from SnapshotReady
-// until its SnapshotAck{ok}.
-class SnapshotPlane {
- public:
-  SnapshotPlane(stage::StageContext& ctx, const TrainStep& ts)
-      : ctx_(ctx),
-        ts_(ts),
-        peer_(layout::process_name(schema::StageKind::CHECKPOINTER, 0)),
-        lease_timeout_(knob_seconds("MEGACPP_SNAPSHOT_LEASE_TIMEOUT_S", 60)),
-        commit_timeout_(knob_seconds("MEGACPP_FINAL_COMMIT_TIMEOUT_S", 120)),
-        channel_(ctx.zmq(), ipc::Channel::Kind::kDealer,
-                 std::string(ctx.launch().getCheckpointEndpoint()),
-                 layout::process_name(schema::StageKind::TRAINER, ctx.rank())) {}
-  SnapshotPlane(const SnapshotPlane&) = delete;
-  SnapshotPlane& operator=(const SnapshotPlane&) = delete;
+// The rank's snapshot plane, configured from the launch contract and the knobs.
+SnapshotPlaneOptions snapshot_options(stage::StageContext& ctx) {
+  auto launch = ctx.launch();
+  SnapshotPlaneOptions o;
+  o.endpoint = launch.getCheckpointEndpoint();
+  o.identity = layout::process_name(schema::StageKind::TRAINER, ctx.rank());
+  o.peer_name = layout::process_name(schema::StageKind::CHECKPOINTER, 0);
+  o.region_name = layout::staging_shm_name(std::string(launch.getShmPrefix()), ctx.rank());
+  o.lease_timeout = knob_seconds("MEGACPP_SNAPSHOT_LEASE_TIMEOUT_S", 60);
+  o.commit_timeout = knob_seconds("MEGACPP_FINAL_COMMIT_TIMEOUT_S", 120);
+  o.resend_interval = knob_seconds("MEGACPP_SNAPSHOT_RESEND_S", 2);
+  o.stop_requested = [&ctx] { return ctx.stop_requested(); };
+  return o;
+}
 
-  // Handles every ack already queued; never blocks.
-  void poll() {
-    while (auto msg = channel_.receive(ipc::Millis(0))) handle(*msg);
+// Fault-injection point names of the step's parts (stage::fault_point).
+const char* fault_point_of(Phase phase) {
+  switch (phase) {
+    case Phase::FORWARD:
+      return "forward";
+    case Phase::BACKWARD:
+      return "backward";
+    case Phase::OPTIMIZER:
+      return "optimizer";
+    default:
+      return nullptr;
   }
-
-  // Waits for the lease, copies the share into staging and sends SnapshotReady. Returns
-  // false (nothing sent) when a stop was requested while waiting.
-  bool take(uint32_t step, bool final) {
-    ctx_.set_phase(Phase::SNAPSHOT);  // waiting for the lease is waiting on the checkpointer
-    if (leased_) {
-      const uint32_t prev = *leased_;
-      const bool freed = wait_for([&] { return !leased_; }, lease_timeout_);
-      if (!freed && ctx_.stop_requested()) return false;
-      MEGACPP_CHECK(freed, ErrorKind::kTimeout,
-                    fmt::format("{} did not acknowledge the snapshot of step {} within {} s; "
-                                "staging region still leased at step {}",
-                                peer_, prev, lease_timeout_.count() / 1000.0, step));
-    }
-    const uint32_t rank = ctx_.rank();
-    if (!region_) {
-      const uint64_t bytes = std::max(ts_.snapshot_layout().total_bytes, kSnapshotAlignment);
-      region_ = std::make_unique<ipc::ShmRegion>(
-          ipc::ShmRegion::Create{},
-          layout::staging_shm_name(std::string(ctx_.launch().getShmPrefix()), rank), bytes);
-    }
-    const SnapshotLayout layout = ts_.copy_snapshot({region_->data(), region_->size()});
-
-    ipc::ControlMessageBuilder mb;
-    auto ready = mb.root().initSnapshotReady();
-    ready.setRank(rank);
-    ready.setWorld(ts_.world());
-    ready.setStep(step);
-    ready.setRegion(region_->name());
-    ready.setRegionBytes(region_->size());
-    fill_tensor_entries(layout, ready.initTensors(static_cast<uint32_t>(layout.entries.size())));
-    ready.setFinal(final);
-    MEGACPP_CHECK(channel_.send(mb.message(), ipc::Millis(5000)), ErrorKind::kPeerFailure,
-                  fmt::format("could not queue SnapshotReady of step {} for {}", step, peer_));
-    leased_ = step;
-    return true;
-  }
-
-  // Waits for SnapshotAck{committed} of `step`. Returns false on a stop request.
-  bool wait_committed(uint32_t step) {
-    const bool done = wait_for([&] { return committed_ && *committed_ >= step; }, commit_timeout_);
-    if (!done && ctx_.stop_requested()) return false;
-    MEGACPP_CHECK(done, ErrorKind::kTimeout,
-                  fmt::format("{} did not commit the final checkpoint (step {}) within {} s", peer_,
-                              step, commit_timeout_.count() / 1000.0));
-    return true;
-  }
-
- private:
-  // Receives acks until `done()` or `timeout` or a stop request; returns done().
-  template <typename Pred>
-  bool wait_for(Pred done, std::chrono::milliseconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    poll();
-    while (!done() && !ctx_.stop_requested() && Clock::now() < deadline) {
-      if (auto msg = channel_.receive(kPoll)) handle(*msg);
-    }
-    return done();
-  }
-
-  void handle(ipc::Received& msg) {
-    auto root = msg.root();
-    if (root.which() != schema::ControlMessage::SNAPSHOT_ACK) {
-      log_warn("ignoring a non-SnapshotAck message ({}) on the snapshot channel",
-               static_cast<int>(root.which()));
-      return;
-    }
-    auto ack = root.getSnapshotAck();
-    if (ack.getRank() != ctx_.rank()) {
-      log_warn("ignoring a SnapshotAck for rank {} (step {})", ack.getRank(), ack.getStep());
-      return;
-    }
-    MEGACPP_CHECK(
-        ack.getOk(), ErrorKind::kPeerFailure,
-        fmt::format("{} failed the snapshot of step {}: {}", peer_, ack.getStep(),
-                    ack.hasError() && ack.getError().size() > 0 ? std::string(ack.getError().cStr())
-                                                                : std::string("no reason given")));
-    if (leased_ && ack.getStep() == *leased_) leased_.reset();
-    if (ack.getCommitted()) {
-      committed_ = std::max(committed_.value_or(0), ack.getStep());
-    }
-  }
-
-  stage::StageContext& ctx_;
-  const TrainStep& ts_;
-  const std::string peer_;
-  const std::chrono::milliseconds lease_timeout_;
-  const std::chrono::milliseconds commit_timeout_;
-  ipc::Channel channel_;
-  std::unique_ptr<ipc::ShmRegion> region_;
-  std::optional<uint32_t> leased_;     // step whose snapshot the checkpointer still reads
-  std::optional<uint32_t> committed_;  // latest step acknowledged as committed
-};
+}
 
 void run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   auto launch = ctx.launch();
@@ -286,7 +200,7 @@ void run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
                 fmt::format("ring slots of {} bytes cannot hold a [{}, {}] int64 batch",
                             ring->ring->slot_bytes(), B, T + 1));
 
-  SnapshotPlane snapshots(ctx, *ts);
+  SnapshotPlane snapshots(ctx.zmq(), *ts, snapshot_options(ctx));
   bool first_forward_done = false;
   double tokens_total = 0;
   auto step_start = Clock::now();
@@ -315,6 +229,7 @@ void run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     StepHooks hooks;
     hooks.on_phase = [&](Phase p) {
       ctx.set_phase(p);
+      if (const char* point = fault_point_of(p)) stage::fault_point(ctx, point, step);
       if (p == Phase::BACKWARD && !first_forward_done) {
         first_forward_done = true;
         const double s = seconds_since_process_start(main_entry);
@@ -352,6 +267,8 @@ void run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
         log_info("stop requested after step {}; leaving without a snapshot", step);
         return;
       }
+      // Waiting for the lease is waiting on the checkpointer.
+      ctx.set_phase(Phase::SNAPSHOT);
       if (!snapshots.take(step, final)) return;
     }
   }

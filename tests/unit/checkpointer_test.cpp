@@ -334,8 +334,7 @@ class ServiceTest : public ::testing::Test {
     journal_ = std::make_unique<ipc::JournalWriter>(
         layout::journal_path(run_.path(), schema::StageKind::CHECKPOINTER, 0));
     journal_->set_identity(schema::StageKind::CHECKPOINTER, 0);
-    service_ = std::make_unique<Service>(*store_, *router_, journal_.get(),
-                                         [this](schema::Phase p) { phases_.push_back(p); });
+    make_service();
     for (uint32_t r = 0; r < 2; ++r) {
       auto& rank = ranks_[r];
       rank.region = std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{},
@@ -344,6 +343,22 @@ class ServiceTest : public ::testing::Test {
           std::make_unique<ipc::Channel>(zmq_, ipc::Channel::Kind::kDealer, endpoint_,
                                          layout::process_name(schema::StageKind::TRAINER, r));
     }
+  }
+  void make_service() {
+    service_ = std::make_unique<Service>(
+        *store_, *router_, journal_.get(), [this](schema::Phase p) { phases_.push_back(p); },
+        [this](uint32_t step) { writes_.push_back(step); });
+  }
+  // What a relaunched checkpointer does: a fresh store over the same run directory (which
+  // discards uncommitted tmp directories) and a fresh ROUTER bound on the same endpoint. The
+  // ranks' DEALERs reconnect by themselves.
+  void restart() {
+    service_.reset();
+    router_.reset();
+    store_.reset();
+    store_ = std::make_unique<CheckpointStore>(run_.path(), "run-svc", "hash");
+    router_ = std::make_unique<ipc::Channel>(zmq_, ipc::Channel::Kind::kRouter, endpoint_);
+    make_service();
   }
   void TearDown() override {
     service_.reset();
@@ -404,8 +419,22 @@ class ServiceTest : public ::testing::Test {
   std::unique_ptr<ipc::JournalWriter> journal_;
   std::unique_ptr<Service> service_;
   std::vector<schema::Phase> phases_;
+  std::vector<uint32_t> writes_;  // steps of the rank files written, in order
   Rank ranks_[2];
 };
+
+fs::path tmp_dir(const fs::path& run, uint32_t step) {
+  return layout::checkpoints_dir(run) / (layout::checkpoint_dir_name(step) + ".tmp");
+}
+
+// Steps of the checkpointCommitted records in a journal, in order.
+std::vector<uint32_t> journaled_commits(const fs::path& journal) {
+  std::vector<uint32_t> steps;
+  ipc::JournalReader::read_all(journal, [&](schema::JournalRecord::Reader rec) {
+    if (rec.isCheckpointCommitted()) steps.push_back(rec.getCheckpointCommitted().getStep());
+  });
+  return steps;
+}
 
 TEST_F(ServiceTest, SnapshotsOfTwoRanksAreCommittedAndAcked) {
   for (uint32_t step : {5u, 10u}) {
@@ -514,6 +543,178 @@ TEST_F(ServiceTest, OutOfRegionTensorIsNackedAndThrows) {
   EXPECT_NE(a.error.find("outside"), std::string::npos) << a.error;
 }
 
+TEST_F(ServiceTest, DuplicateOfAWrittenStepIsAckedAgainWithoutRewriting) {
+  send_snapshot(0, 5, 2);
+  serve_one();
+  Ack first = receive_ack(0);
+  EXPECT_TRUE(first.ok);
+  EXPECT_FALSE(first.committed);
+  const fs::path file = tmp_dir(run_.path(), 5) / "rank_0.safetensors";
+  const std::string before = read_file(file);
+  // A re-send (here with a different tensor list, so a rewrite would show in the file).
+  send_snapshot(0, 5, 1);
+  serve_one();
+  Ack again = receive_ack(0);
+  EXPECT_EQ(again.step, 5u);
+  EXPECT_TRUE(again.ok);
+  EXPECT_FALSE(again.committed);
+  EXPECT_EQ(read_file(file), before);
+  EXPECT_EQ(writes_, std::vector<uint32_t>{5});
+
+  send_snapshot(1, 5, 1);
+  serve_one();
+  EXPECT_TRUE(receive_ack(1).ok);
+  EXPECT_TRUE(receive_ack(0).committed);
+  EXPECT_TRUE(receive_ack(1).committed);
+  EXPECT_EQ(service_->committed(), 1u);
+  EXPECT_EQ(writes_, (std::vector<uint32_t>{5, 5}));
+  EXPECT_EQ(read_safetensors_header(step_dir(run_.path(), 5) / "rank_0.safetensors").tensors.size(),
+            2u);
+  EXPECT_TRUE(verify_checkpoint(step_dir(run_.path(), 5)).ok);
+}
+
+TEST_F(ServiceTest, DuplicateOfACommittedStepIsAckedCommitted) {
+  for (uint32_t r = 0; r < 2; ++r) {
+    send_snapshot(r, 5, 2);
+    serve_one();
+  }
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_TRUE(receive_ack(r).ok);
+    EXPECT_TRUE(receive_ack(r).committed);
+  }
+  const std::string committed_file = read_file(step_dir(run_.path(), 5) / "rank_1.safetensors");
+  for (int i = 0; i < 2; ++i) {
+    send_snapshot(1, 5, 1);
+    serve_one();
+    Ack a = receive_ack(1);
+    EXPECT_EQ(a.step, 5u);
+    EXPECT_TRUE(a.ok);
+    EXPECT_TRUE(a.committed);
+  }
+  EXPECT_EQ(service_->committed(), 1u);
+  EXPECT_EQ(writes_, (std::vector<uint32_t>{5, 5}));
+  EXPECT_FALSE(service_->has_pending());
+  EXPECT_FALSE(fs::exists(tmp_dir(run_.path(), 5)));
+  EXPECT_EQ(read_file(step_dir(run_.path(), 5) / "rank_1.safetensors"), committed_file);
+  EXPECT_EQ(journaled_commits(journal_->path()), std::vector<uint32_t>{5});
+}
+
+TEST_F(ServiceTest, RestartDiscardsThePartialStepAndCommitsTheResentOneOnce) {
+  for (uint32_t r = 0; r < 2; ++r) {
+    send_snapshot(r, 3, 1);
+    serve_one();
+  }
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_TRUE(receive_ack(r).ok);
+    EXPECT_TRUE(receive_ack(r).committed);
+  }
+  const std::string step3 = read_file(step_dir(run_.path(), 3) / "rank_0.safetensors");
+  send_snapshot(0, 7, 2);
+  serve_one();
+  EXPECT_TRUE(receive_ack(0).ok);  // rank 0's lease is released; step 7 is not committed
+  ASSERT_TRUE(fs::exists(tmp_dir(run_.path(), 7) / "rank_0.safetensors"));
+
+  restart();
+  EXPECT_FALSE(fs::exists(tmp_dir(run_.path(), 7)));
+  EXPECT_TRUE(store_->pending().empty());
+  EXPECT_EQ(store_->latest(), 3u);
+  EXPECT_FALSE(service_->has_pending());
+
+  // Rank 1 sends step 7 for the first time; rank 0 re-sends it (it still waits for the
+  // commit), once more than needed.
+  send_snapshot(1, 7, 1);
+  serve_one();
+  Ack a1 = receive_ack(1);
+  EXPECT_TRUE(a1.ok);
+  EXPECT_FALSE(a1.committed);
+  EXPECT_FALSE(fs::exists(step_dir(run_.path(), 7)));
+  send_snapshot(0, 7, 2);
+  send_snapshot(0, 7, 2);
+  serve_one();
+  Ack a0 = receive_ack(0);
+  EXPECT_TRUE(a0.ok);
+  EXPECT_FALSE(a0.committed);
+  for (uint32_t r = 0; r < 2; ++r) {
+    Ack c = receive_ack(r);
+    EXPECT_EQ(c.step, 7u);
+    EXPECT_TRUE(c.committed);
+  }
+  serve_one();  // the extra duplicate
+  Ack dup = receive_ack(0);
+  EXPECT_TRUE(dup.ok);
+  EXPECT_TRUE(dup.committed);
+  EXPECT_EQ(service_->committed(), 1u);
+  EXPECT_EQ(writes_, (std::vector<uint32_t>{3, 3, 7, 7, 7}));
+  EXPECT_FALSE(service_->poll(10ms));
+
+  auto v = verify_checkpoint(step_dir(run_.path(), 7));
+  EXPECT_TRUE(v.ok) << (v.problems.empty() ? "" : v.problems[0]);
+  EXPECT_EQ(read_safetensors_header(step_dir(run_.path(), 7) / "rank_0.safetensors").tensors.size(),
+            2u);
+  EXPECT_EQ(read_file(step_dir(run_.path(), 3) / "rank_0.safetensors"), step3);
+  EXPECT_TRUE(verify_checkpoint(step_dir(run_.path(), 3)).ok);
+  EXPECT_FALSE(fs::exists(tmp_dir(run_.path(), 7)));
+  EXPECT_EQ(read_file(layout::checkpoints_dir(run_.path()) / "LATEST"), "step_00000007\n");
+  EXPECT_EQ(journaled_commits(journal_->path()), (std::vector<uint32_t>{3, 7}));
+}
+
+TEST_F(ServiceTest, ACommitDiscardsOlderPartialStepsAndTheirLateSnapshots) {
+  send_snapshot(0, 7, 1);
+  serve_one();
+  EXPECT_TRUE(receive_ack(0).ok);
+  for (uint32_t r = 0; r < 2; ++r) {
+    send_snapshot(r, 9, 1);
+    serve_one();
+  }
+  EXPECT_TRUE(receive_ack(0).ok);
+  EXPECT_TRUE(receive_ack(1).ok);
+  EXPECT_TRUE(receive_ack(0).committed);
+  EXPECT_TRUE(receive_ack(1).committed);
+  EXPECT_FALSE(service_->has_pending());
+  EXPECT_FALSE(fs::exists(tmp_dir(run_.path(), 7)));
+  // A late (re-sent) snapshot of the superseded step is acked but never written.
+  send_snapshot(1, 7, 1);
+  serve_one();
+  Ack late = receive_ack(1);
+  EXPECT_EQ(late.step, 7u);
+  EXPECT_TRUE(late.ok);
+  EXPECT_FALSE(late.committed);
+  EXPECT_EQ(writes_, (std::vector<uint32_t>{7, 9, 9}));
+  EXPECT_FALSE(fs::exists(tmp_dir(run_.path(), 7)));
+  EXPECT_FALSE(fs::exists(step_dir(run_.path(), 7)));
+  EXPECT_FALSE(service_->has_pending());
+}
+
+TEST_F(ServiceTest, AThrowingWriteHookFailsTheSnapshot) {
+  service_ =
+      std::make_unique<Service>(*store_, *router_, journal_.get(), nullptr, [](uint32_t step) {
+        if (step == 4) throw Error(ErrorKind::kInternal, "fault");
+      });
+  send_snapshot(0, 4, 1);
+  EXPECT_THROW(service_->poll(5000ms), Error);
+  Ack a = receive_ack(0);
+  EXPECT_FALSE(a.ok);
+  EXPECT_NE(a.error.find("fault"), std::string::npos) << a.error;
+  EXPECT_FALSE(fs::exists(tmp_dir(run_.path(), 4) / "rank_0.safetensors"));
+}
+
+TEST(CheckpointStore, LaggingLatestIsMovedForwardAtStart) {
+  TempDir run;
+  {
+    CheckpointStore store(run.path(), "r", "h");
+    commit_world2(store, 3);
+    commit_world2(store, 6);
+  }
+  const fs::path ckpts = layout::checkpoints_dir(run.path());
+  write_file_atomic(ckpts / "LATEST", "step_00000003\n");  // killed between rename and LATEST
+  CheckpointStore store(run.path(), "r", "h");
+  EXPECT_EQ(store.latest(), 6u);
+  EXPECT_TRUE(store.committed(6));
+  EXPECT_TRUE(store.committed(3));
+  EXPECT_FALSE(store.committed(4));
+  EXPECT_EQ(read_file(ckpts / "LATEST"), "step_00000006\n");
+}
+
 // ---------------------------------------------------------------------------------------
 // Python's safetensors reads what we write.
 
@@ -567,123 +768,235 @@ fs::path sibling_executable(const std::string& name) {
   return fs::read_symlink("/proc/self/exe").parent_path() / name;
 }
 
-// Waits (bounded) for `pid` to exit; SIGKILLs it after `limit`. Returns the wait status.
-int wait_child(pid_t pid, std::chrono::milliseconds limit) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  int status = 0;
-  while (::waitpid(pid, &status, WNOHANG) == 0) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      ADD_FAILURE() << "child " << pid << " did not exit in time";
-      return status;
-    }
-    std::this_thread::sleep_for(20ms);
-  }
-  return status;
-}
-
-TEST(CheckpointerProcess, CommitsAndStopsCleanlyDiscardingAPartialStep) {
-  const fs::path exe = sibling_executable("megacpp-checkpointer");
-  if (!fs::exists(exe)) GTEST_SKIP() << exe << " is not built";
-  TempDir run, sock;
-  const std::string control = "ipc://" + (sock.path() / "control").string();
-  const std::string ck = "ipc://" + (sock.path() / "ck").string();
-  {
+// A run directory with a launch.json, a supervisor's control ROUTER, two fake ranks (a
+// staging region and a DEALER each) and megacpp-checkpointer processes launched on it the
+// way the supervisor launches them (stderr appended to the stage's log).
+class CheckpointerHarness {
+ public:
+  explicit CheckpointerHarness(fs::path exe) : exe_(std::move(exe)) {
+    control_ = "ipc://" + (sock_.path() / "control").string();
+    ck_ = "ipc://" + (sock_.path() / "ck").string();
     capnp::MallocMessageBuilder message;
     auto l = message.initRoot<schema::LaunchContract>();
     l.setSchemaVersion(schema::SCHEMA_VERSION);
     l.setRunId("run-proc");
-    l.setRunDir(run.path().string());
-    l.setControlEndpoint(control);
-    l.setCheckpointEndpoint(ck);
+    l.setRunDir(run_.path().string());
+    l.setControlEndpoint(control_);
+    l.setCheckpointEndpoint(ck_);
     l.setWorld(2);
     l.setHeartbeatIntervalMs(100);
     l.getRecipe().setHash("hash-proc");
-    write_file_atomic(layout::launch_path(run.path()), schemas::to_json(l.asReader()));
+    write_file_atomic(layout::launch_path(run_.path()), schemas::to_json(l.asReader()));
+    supervisor_ = std::make_unique<ipc::Channel>(zmq_, ipc::Channel::Kind::kRouter, control_);
+    fs::create_directories(layout::logs_dir(run_.path()));
+    prefix_ = fmt::format("/megacpp-ckproc-{}-", ::getpid());
+    for (uint32_t r = 0; r < 2; ++r) {
+      regions_.push_back(std::make_unique<ipc::ShmRegion>(
+          ipc::ShmRegion::Create{}, layout::staging_shm_name(prefix_, r), 1024));
+      float v[2] = {1.5f * static_cast<float>(r + 1), -2.0f};
+      std::memcpy(regions_[r]->data(), v, sizeof v);
+      dealers_.push_back(
+          std::make_unique<ipc::Channel>(zmq_, ipc::Channel::Kind::kDealer, ck_,
+                                         layout::process_name(schema::StageKind::TRAINER, r)));
+    }
   }
-  ipc::ZmqContext zmq;
-  ipc::Channel supervisor(zmq, ipc::Channel::Kind::kRouter, control);
-
-  fs::create_directories(layout::logs_dir(run.path()));
-  const fs::path log = layout::log_path(run.path(), schema::StageKind::CHECKPOINTER, 0);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<std::string> args = {exe.string(), "--run-dir", run.path().string(), "--rank", "0"};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  ASSERT_EQ(::posix_spawn(&pid, exe.c_str(), &actions, nullptr, argv.data(), environ), 0);
-  posix_spawn_file_actions_destroy(&actions);
-
-  const std::string prefix = fmt::format("/megacpp-ckproc-{}-", ::getpid());
-  std::vector<std::unique_ptr<ipc::ShmRegion>> regions;
-  std::vector<std::unique_ptr<ipc::Channel>> dealers;
-  for (uint32_t r = 0; r < 2; ++r) {
-    regions.push_back(std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{},
-                                                       layout::staging_shm_name(prefix, r), 1024));
-    float v[2] = {1.5f * static_cast<float>(r + 1), -2.0f};
-    std::memcpy(regions[r]->data(), v, sizeof v);
-    dealers.push_back(std::make_unique<ipc::Channel>(
-        zmq, ipc::Channel::Kind::kDealer, ck, layout::process_name(schema::StageKind::TRAINER, r)));
+  ~CheckpointerHarness() {
+    for (pid_t pid : live_) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    dealers_.clear();
+    regions_.clear();
+    EXPECT_TRUE(ipc::list_shm(prefix_).empty());
   }
-  auto send = [&](uint32_t r, uint32_t step) {
+  CheckpointerHarness(const CheckpointerHarness&) = delete;
+  CheckpointerHarness& operator=(const CheckpointerHarness&) = delete;
+
+  pid_t spawn(uint32_t generation) {
+    const fs::path log = this->log();
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 2, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    std::vector<std::string> args = {
+        exe_.string(), "--run-dir",    run_.path().string(),      "--rank",
+        "0",           "--generation", std::to_string(generation)};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid = 0;
+    const int rc = ::posix_spawn(&pid, exe_.c_str(), &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    EXPECT_EQ(rc, 0);
+    if (rc == 0) live_.push_back(pid);
+    return pid;
+  }
+  // Waits (bounded) for `pid` to exit; SIGKILLs it after `limit`. Returns the wait status.
+  int wait(pid_t pid, std::chrono::milliseconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    int status = 0;
+    while (::waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, &status, 0);
+        ADD_FAILURE() << "child " << pid << " did not exit in time";
+        break;
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+    std::erase(live_, pid);
+    return status;
+  }
+
+  void send(uint32_t r, uint32_t step) {
     ipc::ControlMessageBuilder b;
     auto ready = b.root().initSnapshotReady();
     ready.setRank(r);
     ready.setWorld(2);
     ready.setStep(step);
-    ready.setRegion(regions[r]->name());
-    ready.setRegionBytes(regions[r]->size());
+    ready.setRegion(regions_[r]->name());
+    ready.setRegionBytes(regions_[r]->size());
     auto t = ready.initTensors(1)[0];
     t.setName(fmt::format("p{}", r));
     t.setDtype("F32");
     t.initShape(1).set(0, 2);
     t.setBytes(8);
     bool sent = false;
-    for (int i = 0; i < 10 && !sent; ++i) sent = dealers[r]->send(b.message());
+    for (int i = 0; i < 10 && !sent; ++i) sent = dealers_[r]->send(b.message());
     ASSERT_TRUE(sent);
+  }
+  struct Ack {
+    uint32_t step = 0;
+    bool ok = false, committed = false;
   };
-  auto ack = [&](uint32_t r) {
-    auto msg = dealers[r]->receive(10000ms);
-    EXPECT_TRUE(msg && msg->root().isSnapshotAck()) << read_file(log);
-    if (!msg || !msg->root().isSnapshotAck()) return std::make_pair(false, false);
+  std::optional<Ack> receive(uint32_t r, std::chrono::milliseconds timeout) {
+    auto msg = dealers_[r]->receive(timeout);
+    if (!msg || !msg->root().isSnapshotAck()) return std::nullopt;
     auto a = msg->root().getSnapshotAck();
-    return std::make_pair(a.getOk(), a.getCommitted());
-  };
-  send(0, 4);
-  EXPECT_EQ(ack(0), std::make_pair(true, false));
-  send(1, 4);
-  EXPECT_EQ(ack(1), std::make_pair(true, false));
-  EXPECT_EQ(ack(0), std::make_pair(true, true));
-  EXPECT_EQ(ack(1), std::make_pair(true, true));
-  send(0, 8);  // rank 1 never sends step 8
-  EXPECT_EQ(ack(0), std::make_pair(true, false));
+    return Ack{a.getStep(), a.getOk(), a.getCommitted()};
+  }
+  std::pair<bool, bool> ack(uint32_t r) {
+    auto a = receive(r, 10000ms);
+    EXPECT_TRUE(a) << read_file(log());
+    return a ? std::make_pair(a->ok, a->committed) : std::make_pair(false, false);
+  }
+  // What a trainer rank does while it needs an ack: re-send SnapshotReady of `step` every
+  // `interval` until an ack of that step with ok (and committed, if asked) arrives. Acks of
+  // other steps are ignored. Bounded; returns the number of sends.
+  int send_until(uint32_t r, uint32_t step, bool committed, std::chrono::milliseconds interval) {
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    int sends = 0;
+    while (std::chrono::steady_clock::now() < deadline) {
+      send(r, step);
+      ++sends;
+      const auto resend_at = std::chrono::steady_clock::now() + interval;
+      while (std::chrono::steady_clock::now() < resend_at) {
+        auto a = receive(r, 20ms);
+        if (a && a->step == step && a->ok && (a->committed || !committed)) return sends;
+      }
+    }
+    ADD_FAILURE() << "rank " << r << " got no ack of step " << step << "\n" << read_file(log());
+    return sends;
+  }
+
+  fs::path log() const { return layout::log_path(run_.path(), schema::StageKind::CHECKPOINTER, 0); }
+  const fs::path& run() const { return run_.path(); }
+  fs::path ckpts() const { return layout::checkpoints_dir(run_.path()); }
+  std::vector<std::string> journal_kinds() const {
+    std::vector<std::string> kinds;
+    ipc::JournalReader::read_all(
+        layout::journal_path(run_.path(), schema::StageKind::CHECKPOINTER, 0),
+        [&](schema::JournalRecord::Reader rec) {
+          if (rec.isProcessStarted()) kinds.push_back("started");
+          if (rec.isCheckpointCommitted()) {
+            kinds.push_back(rec.getCheckpointCommitted().getPath().cStr());
+          }
+          if (rec.isProcessFinished()) kinds.push_back("finished");
+        });
+    return kinds;
+  }
+
+ private:
+  fs::path exe_;
+  TempDir run_, sock_;
+  std::string control_, ck_, prefix_;
+  ipc::ZmqContext zmq_;
+  std::unique_ptr<ipc::Channel> supervisor_;
+  std::vector<std::unique_ptr<ipc::ShmRegion>> regions_;
+  std::vector<std::unique_ptr<ipc::Channel>> dealers_;
+  std::vector<pid_t> live_;
+};
+
+TEST(CheckpointerProcess, CommitsAndStopsCleanlyDiscardingAPartialStep) {
+  const fs::path exe = sibling_executable("megacpp-checkpointer");
+  if (!fs::exists(exe)) GTEST_SKIP() << exe << " is not built";
+  CheckpointerHarness h(exe);
+  const pid_t pid = h.spawn(0);
+  h.send(0, 4);
+  EXPECT_EQ(h.ack(0), std::make_pair(true, false));
+  h.send(1, 4);
+  EXPECT_EQ(h.ack(1), std::make_pair(true, false));
+  EXPECT_EQ(h.ack(0), std::make_pair(true, true));
+  EXPECT_EQ(h.ack(1), std::make_pair(true, true));
+  h.send(0, 8);  // rank 1 never sends step 8
+  EXPECT_EQ(h.ack(0), std::make_pair(true, false));
 
   ::kill(pid, SIGTERM);
-  const int status = wait_child(pid, 20000ms);
+  const int status = h.wait(pid, 20000ms);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status << "\n"
-                                                             << read_file(log);
-  const fs::path ckpts = layout::checkpoints_dir(run.path());
-  EXPECT_TRUE(verify_checkpoint(ckpts / "step_00000004").ok);
-  EXPECT_EQ(read_file(ckpts / "LATEST"), "step_00000004\n");
-  EXPECT_FALSE(fs::exists(ckpts / "step_00000008.tmp"));
-  EXPECT_FALSE(fs::exists(ckpts / "step_00000008"));
-  std::vector<std::string> kinds;
-  ipc::JournalReader::read_all(layout::journal_path(run.path(), schema::StageKind::CHECKPOINTER, 0),
-                               [&](schema::JournalRecord::Reader rec) {
-                                 if (rec.isProcessStarted()) kinds.push_back("started");
-                                 if (rec.isCheckpointCommitted()) {
-                                   kinds.push_back(rec.getCheckpointCommitted().getPath().cStr());
-                                 }
-                                 if (rec.isProcessFinished()) kinds.push_back("finished");
-                               });
-  EXPECT_EQ(kinds, (std::vector<std::string>{"started", "checkpoints/step_00000004", "finished"}));
-  dealers.clear();
-  regions.clear();
-  EXPECT_TRUE(ipc::list_shm(prefix).empty());
+                                                             << read_file(h.log());
+  EXPECT_TRUE(verify_checkpoint(h.ckpts() / "step_00000004").ok);
+  EXPECT_EQ(read_file(h.ckpts() / "LATEST"), "step_00000004\n");
+  EXPECT_FALSE(fs::exists(h.ckpts() / "step_00000008.tmp"));
+  EXPECT_FALSE(fs::exists(h.ckpts() / "step_00000008"));
+  EXPECT_EQ(h.journal_kinds(),
+            (std::vector<std::string>{"started", "checkpoints/step_00000004", "finished"}));
+}
+
+// DESIGN §4: the checkpointer dies -> it is relaunched on the same endpoint; the uncommitted
+// checkpoint is discarded, committed ones stay, and the ranks' re-sent snapshots commit the
+// step exactly once.
+TEST(CheckpointerProcess, SigkilledWhileASnapshotIsPendingARelaunchCommitsTheResentStep) {
+  const fs::path exe = sibling_executable("megacpp-checkpointer");
+  if (!fs::exists(exe)) GTEST_SKIP() << exe << " is not built";
+  CheckpointerHarness h(exe);
+  const pid_t first = h.spawn(0);
+  h.send_until(0, 2, false, 300ms);
+  h.send_until(1, 2, true, 300ms);
+  EXPECT_EQ(h.ack(0), std::make_pair(true, true));
+  const std::string step2 = read_file(h.ckpts() / "step_00000002" / "rank_0.safetensors");
+
+  // Rank 0's step 4 is written but uncommitted; rank 1's SnapshotReady reaches a process
+  // that never handles it (stopped, then killed): it is lost with the process.
+  h.send_until(0, 4, false, 300ms);
+  ::kill(first, SIGSTOP);
+  h.send(1, 4);
+  std::this_thread::sleep_for(100ms);
+  ::kill(first, SIGKILL);
+  const int status = h.wait(first, 10000ms);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << status;
+  EXPECT_TRUE(fs::exists(h.ckpts() / "step_00000004.tmp" / "rank_0.safetensors"));
+  EXPECT_FALSE(fs::exists(h.ckpts() / "step_00000004"));
+
+  const pid_t second = h.spawn(1);
+  // Both ranks still need an ack of step 4 (rank 1 its lease, rank 0 the commit of what it
+  // will treat as its final snapshot): they re-send until they get it.
+  h.send_until(1, 4, false, 300ms);
+  h.send_until(0, 4, true, 300ms);
+  h.send_until(1, 4, true, 300ms);  // answered at once: the step is committed
+  EXPECT_TRUE(verify_checkpoint(h.ckpts() / "step_00000004").ok);
+  EXPECT_TRUE(verify_checkpoint(h.ckpts() / "step_00000002").ok);
+  EXPECT_EQ(read_file(h.ckpts() / "step_00000002" / "rank_0.safetensors"), step2);
+  EXPECT_EQ(read_file(h.ckpts() / "LATEST"), "step_00000004\n");
+  EXPECT_FALSE(fs::exists(h.ckpts() / "step_00000004.tmp"));
+
+  ::kill(second, SIGTERM);
+  const int status2 = h.wait(second, 20000ms);
+  EXPECT_TRUE(WIFEXITED(status2) && WEXITSTATUS(status2) == 0) << "status " << status2 << "\n"
+                                                               << read_file(h.log());
+  // One journal, two processes: each step committed exactly once.
+  EXPECT_EQ(h.journal_kinds(),
+            (std::vector<std::string>{"started", "checkpoints/step_00000002", "started",
+                                      "checkpoints/step_00000004", "finished"}));
 }
 
 }  // namespace

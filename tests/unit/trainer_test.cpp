@@ -1,7 +1,9 @@
 // megacpp::trainer: the model learns, snapshot shares are laid out and partitioned as the
 // checkpointer expects, and two real processes over a real TCPStore + Gloo stay identical.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -20,6 +22,11 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "core/error.h"
+#include "core/util.h"
+#include "ipc/ipc.h"
+#include "schemas/json.h"
+#include "schemas/launch.capnp.h"
+#include "schemas/run_layout.h"
 #include "stages/trainer/trainer.h"
 
 namespace megacpp::trainer {
@@ -301,6 +308,291 @@ TEST_F(TrainerTest, TensorEntriesFillTheMessage) {
     for (uint32_t d = 0; d < e.shape.size(); ++d) EXPECT_EQ(reader[i].getShape()[d], e.shape[d]);
   }
   EXPECT_THROW(fill_tensor_entries(layout, ready.initTensors(1)), Error);
+}
+
+// ---------------------------------------------------------------------------------------
+// SnapshotPlane: the rank's side of the snapshot plane, against a ROUTER played by the test
+// and against a real megacpp-checkpointer that is killed and relaunched.
+
+using namespace std::chrono_literals;
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "mtr-XXXXXX").string();
+    MEGACPP_CHECK(::mkdtemp(tmpl.data()) != nullptr, ErrorKind::kSystem, "mkdtemp");
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+std::string staging_prefix() {
+  return fmt::format("/megacpp-trtest-{}-", ::getpid());
+}
+
+SnapshotPlaneOptions plane_options(const std::string& endpoint) {
+  SnapshotPlaneOptions o;
+  o.endpoint = endpoint;
+  o.identity = "trainer-0";
+  o.peer_name = "checkpointer-0";
+  o.region_name = layout::staging_shm_name(staging_prefix(), 0);
+  o.lease_timeout = 10s;
+  o.commit_timeout = 10s;
+  o.resend_interval = 100ms;
+  return o;
+}
+
+struct Ready {
+  uint32_t step = 0;
+  bool final = false;
+};
+std::optional<Ready> receive_ready(ipc::Channel& router, std::chrono::milliseconds timeout) {
+  auto msg = router.receive(timeout);
+  if (!msg || !msg->root().isSnapshotReady()) return std::nullopt;
+  EXPECT_EQ(msg->peer(), "trainer-0");
+  auto r = msg->root().getSnapshotReady();
+  return Ready{r.getStep(), r.getFinal()};
+}
+
+void send_ack(ipc::Channel& router, uint32_t step, bool ok, bool committed,
+              const std::string& error = {}) {
+  ipc::ControlMessageBuilder b;
+  auto a = b.root().initSnapshotAck();
+  a.setRank(0);
+  a.setStep(step);
+  a.setOk(ok);
+  a.setCommitted(committed);
+  if (!error.empty()) a.setError(error);
+  ASSERT_TRUE(router.send_to("trainer-0", b.message()));
+}
+
+// Polls `plane` until `done()` (bounded).
+template <typename Pred>
+bool poll_until(SnapshotPlane& plane, Pred done) {
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  bool ok = false;  // `done` may consume what it looks at: evaluated once per round
+  while (!(ok = done()) && std::chrono::steady_clock::now() < deadline) {
+    plane.poll();
+    std::this_thread::sleep_for(5ms);
+  }
+  return ok;
+}
+
+TEST_F(TrainerTest, SnapshotPlaneMatchesAcksByStepAndResendsWhatItNeeds) {
+  TempDir sock;
+  const std::string endpoint = "ipc://" + (sock.path() / "ck").string();
+  ipc::ZmqContext zmq;
+  ipc::Channel router(zmq, ipc::Channel::Kind::kRouter, endpoint);
+  TrainStep ts(tiny_model(), tiny_train(), 10);
+  {
+    SnapshotPlane plane(zmq, ts, plane_options(endpoint));
+    ASSERT_TRUE(plane.take(1, false));
+    EXPECT_EQ(plane.leased(), 1u);
+    auto r1 = receive_ready(router, 5s);
+    ASSERT_TRUE(r1);
+    EXPECT_EQ(r1->step, 1u);
+    send_ack(router, 1, true, false);
+    ASSERT_TRUE(poll_until(plane, [&] { return !plane.leased(); }));
+
+    ASSERT_TRUE(plane.take(2, false));
+    auto r2 = receive_ready(router, 5s);
+    ASSERT_TRUE(r2);
+    EXPECT_EQ(r2->step, 2u);
+    // Stale acks of step 1 (a duplicate's answer, a failure report) leave the lease of step
+    // 2 alone and do not fail the rank; the committed one is still news.
+    send_ack(router, 1, false, false, "stale failure");
+    send_ack(router, 1, true, true);
+    ASSERT_TRUE(poll_until(plane, [&] { return plane.committed().has_value(); }));
+    EXPECT_EQ(plane.committed(), 1u);
+    EXPECT_EQ(plane.leased(), 2u);
+    // Unacknowledged: poll() re-sends step 2.
+    std::optional<Ready> again;
+    ASSERT_TRUE(
+        poll_until(plane, [&] { return (again = receive_ready(router, 0ms)).has_value(); }));
+    EXPECT_EQ(again->step, 2u);
+    EXPECT_GE(plane.resends(), 1u);
+    EXPECT_EQ(plane.leased(), 2u);
+
+    // take(3) waits for the lease of step 2, re-sending it; a failure report for step 2 (the
+    // checkpointer goes down) is waited out; the ack that finally comes releases it.
+    std::thread checkpointer([&] {
+      std::optional<Ready> r;
+      int seen = 0;
+      while ((r = receive_ready(router, 5s)) && r->step == 2) {
+        if (++seen == 1) send_ack(router, 2, false, false, "disk on fire");
+        if (seen == 3) send_ack(router, 2, true, false);
+      }
+      ASSERT_TRUE(r);
+      EXPECT_EQ(r->step, 3u);
+      EXPECT_TRUE(r->final);
+      send_ack(router, 3, true, false);
+      // The final commit is needed: the rank re-sends until it comes.
+      auto dup = receive_ready(router, 5s);
+      ASSERT_TRUE(dup);
+      EXPECT_EQ(dup->step, 3u);
+      send_ack(router, 3, true, true);
+    });
+    const uint64_t before = plane.resends();
+    bool took = false, committed = false;
+    try {
+      took = plane.take(3, true);
+      committed = took && plane.wait_committed(3);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << e.what();
+    }
+    checkpointer.join();
+    EXPECT_TRUE(took);
+    EXPECT_TRUE(committed);
+    EXPECT_EQ(plane.committed(), 3u);
+    EXPECT_FALSE(plane.leased());
+    EXPECT_GE(plane.resends(), before + 2);
+  }
+  EXPECT_TRUE(ipc::list_shm(staging_prefix()).empty());
+}
+
+TEST_F(TrainerTest, SnapshotPlaneWaitsAreBounded) {
+  TempDir sock;
+  const std::string endpoint = "ipc://" + (sock.path() / "ck").string();
+  ipc::ZmqContext zmq;
+  TrainStep ts(tiny_model(), tiny_train(), 10);
+  SnapshotPlaneOptions o = plane_options(endpoint);  // nobody listens
+  o.lease_timeout = 300ms;
+  o.commit_timeout = 300ms;
+  {
+    SnapshotPlane plane(zmq, ts, o);
+    ASSERT_TRUE(plane.take(1, false));
+    try {
+      plane.take(2, false);
+      ADD_FAILURE() << "took a snapshot over a leased region";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kTimeout);
+      EXPECT_NE(std::string(e.what()).find("step 1"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("re-sent"), std::string::npos) << e.what();
+    }
+    try {
+      plane.wait_committed(1);
+      ADD_FAILURE() << "no commit, yet wait_committed returned";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kTimeout);
+    }
+  }
+  {
+    bool stop = false;
+    o.stop_requested = [&] { return stop; };
+    SnapshotPlane plane(zmq, ts, o);
+    ASSERT_TRUE(plane.take(1, true));
+    stop = true;
+    EXPECT_FALSE(plane.take(2, false));
+    EXPECT_FALSE(plane.wait_committed(1));
+  }
+  EXPECT_TRUE(ipc::list_shm(staging_prefix()).empty());
+}
+
+// The stage executable next to this test binary (both land in the build's bin/).
+fs::path sibling_executable(const std::string& name) {
+  return fs::read_symlink("/proc/self/exe").parent_path() / name;
+}
+
+int wait_exit(pid_t pid, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      ADD_FAILURE() << "child " << pid << " did not exit in time";
+      break;
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  return status;
+}
+
+// DESIGN §4 "checkpointer dies -> restart it": the checkpointer is SIGKILLed with this rank's
+// final snapshot unhandled; a relaunch on the same endpoint gets it re-sent and commits it.
+TEST_F(TrainerTest, SnapshotPlaneSurvivesACheckpointerRestart) {
+  const fs::path exe = sibling_executable("megacpp-checkpointer");
+  if (!fs::exists(exe)) GTEST_SKIP() << exe << " is not built";
+  TempDir run, sock;
+  const std::string control = "ipc://" + (sock.path() / "control").string();
+  const std::string endpoint = "ipc://" + (sock.path() / "ck").string();
+  {
+    capnp::MallocMessageBuilder message;
+    auto l = message.initRoot<schema::LaunchContract>();
+    l.setSchemaVersion(schema::SCHEMA_VERSION);
+    l.setRunId("run-trainer-test");
+    l.setRunDir(run.path().string());
+    l.setControlEndpoint(control);
+    l.setCheckpointEndpoint(endpoint);
+    l.setWorld(1);
+    l.setHeartbeatIntervalMs(100);
+    l.getRecipe().setHash("hash");
+    write_file_atomic(layout::launch_path(run.path()), schemas::to_json(l.asReader()));
+  }
+  ipc::ZmqContext zmq;
+  ipc::Channel supervisor(zmq, ipc::Channel::Kind::kRouter, control);
+  fs::create_directories(layout::logs_dir(run.path()));
+  const fs::path log = layout::log_path(run.path(), schema::StageKind::CHECKPOINTER, 0);
+  auto spawn = [&](uint32_t generation) {
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 2, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    std::vector<std::string> args = {
+        exe.string(), "--run-dir",    run.path().string(),       "--rank",
+        "0",          "--generation", std::to_string(generation)};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid = 0;
+    EXPECT_EQ(::posix_spawn(&pid, exe.c_str(), &actions, nullptr, argv.data(), environ), 0);
+    posix_spawn_file_actions_destroy(&actions);
+    return pid;
+  };
+
+  TrainStep ts(tiny_model(), tiny_train(), 2);
+  SnapshotPlaneOptions o = plane_options(endpoint);
+  o.resend_interval = 200ms;
+  {
+    SnapshotPlane plane(zmq, ts, o);
+    const pid_t first = spawn(0);
+    ASSERT_GT(first, 0);
+    ASSERT_TRUE(plane.take(1, false));
+    EXPECT_TRUE(plane.wait_committed(1)) << read_file(log);  // world 1: one rank commits
+
+    // The final snapshot reaches a checkpointer that never handles it.
+    ::kill(first, SIGSTOP);
+    ASSERT_TRUE(plane.take(2, true));
+    std::this_thread::sleep_for(200ms);
+    ::kill(first, SIGKILL);
+    const int status = wait_exit(first, 10s);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << status;
+
+    const uint64_t before = plane.resends();
+    const pid_t second = spawn(1);
+    ASSERT_GT(second, 0);
+    EXPECT_TRUE(plane.wait_committed(2)) << read_file(log);
+    EXPECT_GE(plane.resends(), before + 1);  // the first SnapshotReady died with `first`
+    ::kill(second, SIGTERM);
+    const int status2 = wait_exit(second, 20s);
+    EXPECT_TRUE(WIFEXITED(status2) && WEXITSTATUS(status2) == 0) << status2 << "\n"
+                                                                 << read_file(log);
+  }
+  const fs::path ckpts = layout::checkpoints_dir(run.path());
+  EXPECT_TRUE(fs::exists(ckpts / "step_00000001" / "rank_0.safetensors"));
+  EXPECT_TRUE(fs::exists(ckpts / "step_00000002" / "checkpoint.json"));
+  EXPECT_TRUE(fs::exists(ckpts / "step_00000002" / "rank_0.safetensors"));
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000002.tmp"));
+  EXPECT_EQ(read_file(ckpts / "LATEST"), "step_00000002\n");
+  EXPECT_TRUE(ipc::list_shm(staging_prefix()).empty());
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+// The rank's side of the snapshot plane: staging region, SnapshotReady, acks, re-sends.
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "core/util.h"
+#include "stages/trainer/trainer.h"
+
+namespace megacpp::trainer {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+// Longest single receive while waiting: bounds how late a stop request or a due re-send is
+// noticed.
+constexpr std::chrono::milliseconds kPoll{100};
+// The first send may wait this long for room in the DEALER's queue (it holds up to the
+// high-water mark even while the checkpointer is away, so this only fails on a flood).
+constexpr std::chrono::milliseconds kSendTimeout{5000};
+}  // namespace
+
+SnapshotPlane::SnapshotPlane(ipc::ZmqContext& zmq, const TrainStep& ts,
+                             SnapshotPlaneOptions options)
+    : ts_(ts),
+      options_(std::move(options)),
+      channel_(zmq, ipc::Channel::Kind::kDealer, options_.endpoint, options_.identity) {
+  MEGACPP_CHECK(options_.lease_timeout.count() > 0 && options_.commit_timeout.count() > 0 &&
+                    options_.resend_interval.count() > 0,
+                ErrorKind::kInvalidArgument, "snapshot plane timeouts must be > 0");
+}
+
+SnapshotPlane::~SnapshotPlane() = default;
+
+bool SnapshotPlane::needs_ack() const {
+  if (!pending_) return false;
+  if (leased_) return true;
+  return pending_final_ && (!committed_ || *committed_ < pending_step_);
+}
+
+void SnapshotPlane::resend_if_due() {
+  if (!needs_ack() || Clock::now() - last_send_ < options_.resend_interval) return;
+  last_send_ = Clock::now();
+  // A duplicate that cannot be queued now is simply tried again at the next interval.
+  if (channel_.send(pending_->message(), ipc::Millis(0))) {
+    ++resends_;
+    log_info("re-sent SnapshotReady of step {} to {} (no {} yet)", pending_step_,
+             options_.peer_name, leased_ ? "ack" : "commit");
+  }
+}
+
+void SnapshotPlane::poll() {
+  while (auto msg = channel_.receive(ipc::Millis(0))) handle(*msg);
+  resend_if_due();
+}
+
+template <typename Pred>
+bool SnapshotPlane::wait_for(Pred done, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  poll();
+  auto stop = [&] { return options_.stop_requested && options_.stop_requested(); };
+  while (!done() && !stop() && Clock::now() < deadline) {
+    const auto now = Clock::now();
+    Clock::duration wait = std::min<Clock::duration>(kPoll, deadline - now);
+    if (needs_ack()) wait = std::min(wait, last_send_ + options_.resend_interval - now);
+    wait = std::max(wait, Clock::duration::zero());
+    if (auto msg = channel_.receive(std::chrono::ceil<std::chrono::milliseconds>(wait))) {
+      handle(*msg);
+    }
+    resend_if_due();
+  }
+  return done();
+}
+
+std::string SnapshotPlane::last_error_note() const {
+  std::string note = fmt::format("re-sent {} time(s)", resends_);
+  if (!last_error_.empty()) note += "; last error: " + last_error_;
+  return note;
+}
+
+bool SnapshotPlane::take(uint32_t step, bool final) {
+  if (leased_) {
+    const uint32_t prev = *leased_;
+    const bool freed = wait_for([&] { return !leased_; }, options_.lease_timeout);
+    if (!freed && options_.stop_requested && options_.stop_requested()) return false;
+    MEGACPP_CHECK(freed, ErrorKind::kTimeout,
+                  fmt::format("{} did not acknowledge the snapshot of step {} within {} s ({}); "
+                              "staging region still leased at step {}",
+                              options_.peer_name, prev, options_.lease_timeout.count() / 1000.0,
+                              last_error_note(), step));
+  }
+  if (!region_) {
+    const uint64_t bytes = std::max(ts_.snapshot_layout().total_bytes, kSnapshotAlignment);
+    region_ =
+        std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{}, options_.region_name, bytes);
+  }
+  const SnapshotLayout layout = ts_.copy_snapshot({region_->data(), region_->size()});
+
+  auto message = std::make_unique<ipc::ControlMessageBuilder>();
+  auto ready = message->root().initSnapshotReady();
+  ready.setRank(ts_.rank());
+  ready.setWorld(ts_.world());
+  ready.setStep(step);
+  ready.setRegion(region_->name());
+  ready.setRegionBytes(region_->size());
+  fill_tensor_entries(layout, ready.initTensors(static_cast<uint32_t>(layout.entries.size())));
+  ready.setFinal(final);
+  MEGACPP_CHECK(
+      channel_.send(message->message(), kSendTimeout), ErrorKind::kPeerFailure,
+      fmt::format("could not queue SnapshotReady of step {} for {}", step, options_.peer_name));
+  pending_ = std::move(message);
+  pending_step_ = step;
+  pending_final_ = final;
+  last_send_ = Clock::now();
+  last_error_.clear();
+  leased_ = step;
+  return true;
+}
+
+bool SnapshotPlane::wait_committed(uint32_t step) {
+  const bool done =
+      wait_for([&] { return committed_ && *committed_ >= step; }, options_.commit_timeout);
+  if (!done && options_.stop_requested && options_.stop_requested()) return false;
+  MEGACPP_CHECK(done, ErrorKind::kTimeout,
+                fmt::format("{} did not commit the final checkpoint (step {}) within {} s ({})",
+                            options_.peer_name, step, options_.commit_timeout.count() / 1000.0,
+                            last_error_note()));
+  return true;
+}
+
+void SnapshotPlane::handle(ipc::Received& msg) {
+  auto root = msg.root();
+  if (root.which() != schema::ControlMessage::SNAPSHOT_ACK) {
+    log_warn("ignoring a non-SnapshotAck message ({}) on the snapshot channel",
+             static_cast<int>(root.which()));
+    return;
+  }
+  auto ack = root.getSnapshotAck();
+  const uint32_t step = ack.getStep();
+  if (ack.getRank() != ts_.rank()) {
+    log_warn("ignoring a SnapshotAck for rank {} (step {})", ack.getRank(), step);
+    return;
+  }
+  const bool current = pending_ && step == pending_step_;
+  if (!ack.getOk()) {
+    const std::string error = ack.hasError() && ack.getError().size() > 0
+                                  ? std::string(ack.getError().cStr())
+                                  : std::string("no reason given");
+    // The checkpointer goes down after a failed snapshot; a relaunched one gets the re-sent
+    // SnapshotReady, and one that stays down is the supervisor's failure to report.
+    log_warn("{} failed the snapshot of step {}{}: {}", options_.peer_name, step,
+             current ? "; re-sending it" : " (not pending; ignored)", error);
+    if (current) last_error_ = error;
+    return;
+  }
+  if (leased_ && step == *leased_) leased_.reset();
+  if (ack.getCommitted()) committed_ = std::max(committed_.value_or(0), step);
+}
+
+}  // namespace megacpp::trainer
