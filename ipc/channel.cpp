@@ -448,5 +448,7 @@ void ControlClient::report_failure(const std::string& kind, const std::string& m
 }  // namespace megacpp::ipc
 
 namespace megacpp::ipc {
-void ControlClient::set_lag(double seconds) { state_->lag_seconds.store(seconds, std::memory_order_relaxed); }
+void ControlClient::set_lag(double seconds) {
+  state_->lag_seconds.store(seconds, std::memory_order_relaxed);
+}
 }  // namespace megacpp::ipc

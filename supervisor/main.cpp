@@ -85,7 +85,8 @@ int main(int argc, char** argv) {
   run->add_option("--max-restarts", ro.max_restarts,
                   "Restarts allowed per restartable stage (collector, data loader, checkpointer)")
       ->capture_default_str();
-  run->add_option("--metrics-addr", ro.metrics_addr, "HOST:PORT for /metrics (port 0 = any free port)")
+  run->add_option("--metrics-addr", ro.metrics_addr,
+                  "HOST:PORT for /metrics (port 0 = any free port)")
       ->capture_default_str();
   run->add_option("--metrics-linger-s", ro.metrics_linger_s,
                   "Keep serving /metrics this long after the run ends (for a last scrape)")

@@ -16,8 +16,8 @@
 #include <map>
 #include <optional>
 #include <random>
-#include <sstream>
 #include <set>
+#include <sstream>
 
 #include <capnp/message.h>
 #include <fmt/format.h>
@@ -55,9 +55,11 @@ void RunOptions::validate() const {
     bad("--startup-budget-s, --hang-budget-s and --heartbeat-timeout-s must be > 0");
   }
   if (!(hang_multiple >= 1)) bad("--hang-multiple must be >= 1");
-  if (!(teardown_grace_s >= 0) || teardown_grace_s > 30) bad("--teardown-grace-s must be in [0, 30]");
+  if (!(teardown_grace_s >= 0) || teardown_grace_s > 30)
+    bad("--teardown-grace-s must be in [0, 30]");
   if (max_restarts > 100) bad("--max-restarts must be <= 100");
-  if (!(metrics_linger_s >= 0) || metrics_linger_s > 3600) bad("--metrics-linger-s must be in [0, 3600]");
+  if (!(metrics_linger_s >= 0) || metrics_linger_s > 3600)
+    bad("--metrics-linger-s must be in [0, 3600]");
   if (metrics_addr.rfind(':') == std::string::npos) bad("--metrics-addr must be HOST:PORT");
   if (progress != "auto" && progress != "tty" && progress != "plain" && progress != "none") {
     bad("--progress must be auto, tty, plain or none");
@@ -74,14 +76,14 @@ struct Child {
   uint32_t generation = 0;
   uint32_t restarts = 0;
   bool alive = false;
-  bool seen = false;              // a Hello or heartbeat of this generation arrived
+  bool seen = false;  // a Hello or heartbeat of this generation arrived
   bool stop_sent = false;
   int exit_code = 0;
   int signal = 0;
   int64_t started_ns = 0;
-  int64_t heartbeat_ns = 0;       // last heartbeat or hello (supervisor's receive time)
-  int64_t phase_started_ns = 0;   // from the heartbeat (CLOCK_MONOTONIC is shared by the host)
-  int64_t progress_ns = 0;        // last time the step advanced
+  int64_t heartbeat_ns = 0;      // last heartbeat or hello (supervisor's receive time)
+  int64_t phase_started_ns = 0;  // from the heartbeat (CLOCK_MONOTONIC is shared by the host)
+  int64_t progress_ns = 0;       // last time the step advanced
   double last_step_wall = 0;
   uint32_t step = 0;
   Phase phase = Phase::STARTUP;
@@ -156,9 +158,9 @@ std::string git_revision(bool& dirty) {
 struct Event {
   std::string kind;
   std::string message;
-  int priority = 1;          // 1: the process itself died/threw/went silent; 2: hung; 3: a victim's claim
-  int64_t evidence_ns = 0;   // when the cause happened
-  int64_t detected_ns = 0;   // when the supervisor learned of it
+  int priority = 1;  // 1: the process itself died/threw/went silent; 2: hung; 3: a victim's claim
+  int64_t evidence_ns = 0;  // when the cause happened
+  int64_t detected_ns = 0;  // when the supervisor learned of it
   Phase phase = Phase::STARTUP;
   uint32_t step = 0;
 };
@@ -227,8 +229,8 @@ class Run {
   std::map<std::string, Event> events_;  // by process name: the most telling event of each
   int64_t detected_ns_ = 0;              // first event; 0 while the run is healthy
   int64_t teardown_started_ns_ = 0;
-  std::optional<Failure> failure_;       // the first failure, once classified
-  std::vector<double> step_samples_;     // trainer step seconds (for the median)
+  std::optional<Failure> failure_;    // the first failure, once classified
+  std::vector<double> step_samples_;  // trainer step seconds (for the median)
   bool done_ = false;
   bool released_ = false;
   bool cleaned_ = false;
@@ -311,8 +313,9 @@ void Run::prepare() {
     } catch (const std::exception&) {
     }
     if (port < 0 || port > 65535) {
-      throw Error(ErrorKind::kInvalidArgument,
-                  fmt::format("--metrics-addr {}: the port must be in [0, 65535]", opt_.metrics_addr));
+      throw Error(
+          ErrorKind::kInvalidArgument,
+          fmt::format("--metrics-addr {}: the port must be in [0, 65535]", opt_.metrics_addr));
     }
     bool dirty = false;
     metrics_ = std::make_unique<Metrics>(MEGACPP_VERSION, git_revision(dirty), torch_version());
@@ -376,8 +379,8 @@ void Run::prepare() {
       std::make_unique<ipc::JournalWriter>(layout::journal_path(run_, StageKind::SUPERVISOR, 0));
   journal_->set_identity(StageKind::SUPERVISOR, 0);
   journal_->append([](schema::JournalRecord::Builder r) { r.setProcessStarted(); });
-  checkpoint_journal_ = std::make_unique<ipc::JournalReader>(
-      layout::journal_path(run_, StageKind::CHECKPOINTER, 0));
+  checkpoint_journal_ =
+      std::make_unique<ipc::JournalReader>(layout::journal_path(run_, StageKind::CHECKPOINTER, 0));
 }
 
 void Run::write_launch_contract() {
@@ -462,8 +465,13 @@ void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, const char
   std::string exe_name = "megacpp-" + std::string(layout::stage_name(stage));
   std::replace(exe_name.begin(), exe_name.end(), '_', '-');
   auto exe = detail::self_exe_dir() / exe_name;
-  std::vector<std::string> argv = {exe.string(), "--run-dir", run_.string(), "--rank", std::to_string(rank),
-                                   "--generation", std::to_string(generation)};
+  std::vector<std::string> argv = {exe.string(),
+                                   "--run-dir",
+                                   run_.string(),
+                                   "--rank",
+                                   std::to_string(rank),
+                                   "--generation",
+                                   std::to_string(generation)};
   c->pid = detail::spawn(argv, layout::log_path(run_, stage, rank));
   c->generation = generation;
   c->alive = true;
@@ -488,7 +496,8 @@ void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, const char
 }
 
 double Run::phase_budget(const Child& c) const {
-  if (c.stage != StageKind::TRAINER || c.step == 0 || c.phase == Phase::STARTUP) return opt_.startup_budget_s;
+  if (c.stage != StageKind::TRAINER || c.step == 0 || c.phase == Phase::STARTUP)
+    return opt_.startup_budget_s;
   double median = 0;
   if (!step_samples_.empty()) {
     std::vector<double> v = step_samples_;
@@ -540,7 +549,8 @@ void Run::on_message(ipc::Received& m) {
     case schema::ControlMessage::FAILURE: {
       auto f = root.getFailure();
       std::string error_kind = f.getErrorKind();
-      log_warn("{} reports {} ({}): {}", c->name, f.getKind().cStr(), error_kind, f.getMessage().cStr());
+      log_warn("{} reports {} ({}): {}", c->name, f.getKind().cStr(), error_kind,
+               f.getMessage().cStr());
       // A restartable stage's failure is acted on when it exits (restart or fail).
       if (restartable(c->stage)) break;
       // A rank that failed because a peer or a collective did is a victim, not a cause.
@@ -548,7 +558,8 @@ void Run::on_message(ipc::Received& m) {
       record(*c, Event{"exception",
                        fmt::format("{}: {}", error_kind.empty() ? f.getKind().cStr() : error_kind,
                                    f.getMessage().cStr()),
-                       victim ? 3 : 1, f.getMonoNs() > 0 ? f.getMonoNs() : now, now, f.getPhase(), f.getStep()});
+                       victim ? 3 : 1, f.getMonoNs() > 0 ? f.getMonoNs() : now, now, f.getPhase(),
+                       f.getStep()});
       break;
     }
     default:
@@ -566,7 +577,8 @@ void Run::record(Child& c, Event ev) {
   // report of something it met before the SIGTERM.
   if (teardown_started_ns_ != 0 && ev.evidence_ns >= teardown_started_ns_) return;
   auto it = events_.find(c.name);
-  if (it == events_.end() || std::tie(ev.priority, ev.evidence_ns) < std::tie(it->second.priority, it->second.evidence_ns)) {
+  if (it == events_.end() || std::tie(ev.priority, ev.evidence_ns) <
+                                 std::tie(it->second.priority, it->second.evidence_ns)) {
     events_[c.name] = std::move(ev);
   }
 }
@@ -574,7 +586,8 @@ void Run::record(Child& c, Event ev) {
 void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
   if (detected_ns_ == 0 && !done_ && restartable(c.stage) && c.restarts < opt_.max_restarts) {
     ++c.restarts;
-    log_warn("{}: {}; restarting it ({} of at most {})", c.name, why, c.restarts, opt_.max_restarts);
+    log_warn("{}: {}; restarting it ({} of at most {})", c.name, why, c.restarts,
+             opt_.max_restarts);
     metrics_->add_restart(c.stage, c.rank);
     if (c.alive) {
       abandoned_.insert(c.pid);
@@ -621,8 +634,13 @@ void Run::reap() {
     const bool clean = c.exit_code == 0 && c.signal == 0;
     const bool expected = (c.stage == StageKind::TRAINER && clean) || (c.stop_sent && clean);
     const bool torn_down = teardown_started_ns_ != 0;
-    const char* reason = expected ? (c.stop_sent ? "stop" : "exit") : torn_down ? "teardown" : "exit";
-    metrics_->add_exit(c.stage, clean ? "clean" : torn_down ? "torn_down" : c.signal ? "signaled" : "exited");
+    const char* reason = expected    ? (c.stop_sent ? "stop" : "exit")
+                         : torn_down ? "teardown"
+                                     : "exit";
+    metrics_->add_exit(c.stage, clean       ? "clean"
+                                : torn_down ? "torn_down"
+                                : c.signal  ? "signaled"
+                                            : "exited");
     if (!done_) {
       journal_->append([&](schema::JournalRecord::Builder r) {
         auto e = r.initChildExited();
@@ -636,11 +654,17 @@ void Run::reap() {
       });
     }
     if (expected || torn_down) continue;
-    std::string what = c.signal != 0 ? fmt::format("was killed by signal {} ({})", c.signal, strsignal(c.signal))
-                                     : fmt::format("exited with code {}", c.exit_code);
+    std::string what =
+        c.signal != 0 ? fmt::format("was killed by signal {} ({})", c.signal, strsignal(c.signal))
+                      : fmt::format("exited with code {}", c.exit_code);
     Event ev{c.signal != 0 ? "signaled" : "exited",
-             fmt::format("{} (pid {}) {} in phase {} at step {}", c.name, c.pid, what, static_cast<int>(c.phase), c.step),
-             1, now, now, c.phase, c.step};
+             fmt::format("{} (pid {}) {} in phase {} at step {}", c.name, c.pid, what,
+                         static_cast<int>(c.phase), c.step),
+             1,
+             now,
+             now,
+             c.phase,
+             c.step};
     restart_or_fail(c, what, std::move(ev));
   }
 }
@@ -653,9 +677,14 @@ void Run::on_signals() {
     } else if (detected_ns_ == 0) {
       int64_t now = mono_ns();
       detected_ns_ = now;
-      events_["supervisor-0"] = Event{"interrupted",
-                                      fmt::format("the supervisor received {}", strsignal(static_cast<int>(si.ssi_signo))),
-                                      1, now, now, Phase::SHUTDOWN, 0};
+      events_["supervisor-0"] = Event{
+          "interrupted",
+          fmt::format("the supervisor received {}", strsignal(static_cast<int>(si.ssi_signo))),
+          1,
+          now,
+          now,
+          Phase::SHUTDOWN,
+          0};
       log_error("interrupted by {}", strsignal(static_cast<int>(si.ssi_signo)));
     }
   }
@@ -670,43 +699,52 @@ void Run::check_liveness() {
     const double silent = static_cast<double>(now - c.heartbeat_ns) / 1e9;
     // Until a process has said hello it is starting (loading libraries, attaching shm): the
     // start-up budget applies, not the heartbeat timeout.
-    const double silence_limit = c.seen ? std::min(opt_.heartbeat_timeout_s, budget) : opt_.startup_budget_s;
+    const double silence_limit =
+        c.seen ? std::min(opt_.heartbeat_timeout_s, budget) : opt_.startup_budget_s;
     if (silent > silence_limit) {
-      restart_or_fail(c, fmt::format("stalled: no heartbeat for {:.1f}s", silent),
-                      Event{"heartbeat_lost",
-                            fmt::format("{} (pid {}) sent no heartbeat for {:.1f}s (phase {}, step {})", c.name, c.pid,
-                                        silent, static_cast<int>(c.phase), c.step),
-                            1, c.heartbeat_ns, now, c.phase, c.step});
+      restart_or_fail(
+          c, fmt::format("stalled: no heartbeat for {:.1f}s", silent),
+          Event{"heartbeat_lost",
+                fmt::format("{} (pid {}) sent no heartbeat for {:.1f}s (phase {}, step {})", c.name,
+                            c.pid, silent, static_cast<int>(c.phase), c.step),
+                1, c.heartbeat_ns, now, c.phase, c.step});
       continue;
     }
     if (c.stage != StageKind::TRAINER) continue;
-    const double in_phase = static_cast<double>(now - std::max(c.phase_started_ns, c.progress_ns)) / 1e9;
+    const double in_phase =
+        static_cast<double>(now - std::max(c.phase_started_ns, c.progress_ns)) / 1e9;
     // A rank starved of batches while its ring is empty points at the loader, which is
     // restartable: act on the loader before the rank's own budget runs out.
-    if (c.phase == Phase::WAIT_BATCH && c.rank < ring_views_.size() && ring_views_[c.rank]->depth() == 0 &&
-        in_phase > opt_.heartbeat_timeout_s) {
-      if (Child* loader = by_name(layout::process_name(StageKind::DATA_LOADER, 0)); loader && loader->alive) {
+    if (c.phase == Phase::WAIT_BATCH && c.rank < ring_views_.size() &&
+        ring_views_[c.rank]->depth() == 0 && in_phase > opt_.heartbeat_timeout_s) {
+      if (Child* loader = by_name(layout::process_name(StageKind::DATA_LOADER, 0));
+          loader && loader->alive) {
         loader->heartbeat_ns = now;  // one restart per stall, not one per starving rank
         c.phase_started_ns = now;
-        restart_or_fail(*loader, fmt::format("stalled: {} waited {:.1f}s on an empty ring", c.name, in_phase),
-                        Event{"stalled",
-                              fmt::format("{} waited {:.1f}s on an empty ring", c.name, in_phase), 1,
-                              now, now, loader->phase, loader->step});
+        restart_or_fail(
+            *loader, fmt::format("stalled: {} waited {:.1f}s on an empty ring", c.name, in_phase),
+            Event{"stalled", fmt::format("{} waited {:.1f}s on an empty ring", c.name, in_phase), 1,
+                  now, now, loader->phase, loader->step});
         continue;
       }
     }
     if (in_phase > budget) {
-      record(c, Event{"hung",
-                      fmt::format("{} (pid {}) made no progress for {:.1f}s in phase {} (step {}; budget {:.1f}s)",
-                                  c.name, c.pid, in_phase, static_cast<int>(c.phase), c.step, budget),
-                      2, std::max(c.phase_started_ns, c.progress_ns), now, c.phase, c.step});
+      record(
+          c,
+          Event{
+              "hung",
+              fmt::format(
+                  "{} (pid {}) made no progress for {:.1f}s in phase {} (step {}; budget {:.1f}s)",
+                  c.name, c.pid, in_phase, static_cast<int>(c.phase), c.step, budget),
+              2, std::max(c.phase_started_ns, c.progress_ns), now, c.phase, c.step});
     }
   }
 }
 
 bool Run::all_trainers_done() const {
   for (const auto& c : children_) {
-    if (c.stage == StageKind::TRAINER && (c.alive || c.exit_code != 0 || c.signal != 0)) return false;
+    if (c.stage == StageKind::TRAINER && (c.alive || c.exit_code != 0 || c.signal != 0))
+      return false;
   }
   return true;
 }
@@ -747,7 +785,8 @@ void Run::update_metrics() {
   const int64_t now = mono_ns();
   for (const auto& c : children_) {
     metrics_->set_up(c.stage, c.rank, c.alive);
-    metrics_->set_heartbeat(c.stage, c.rank, now_wall - static_cast<double>(now - c.heartbeat_ns) / 1e9);
+    metrics_->set_heartbeat(c.stage, c.rank,
+                            now_wall - static_cast<double>(now - c.heartbeat_ns) / 1e9);
     if (c.stage == StageKind::TRAINER) {
       if (c.last_step_wall > 0) metrics_->set_last_step(c.stage, c.rank, c.step, c.last_step_wall);
       metrics_->set_trainer_progress(c.rank, c.step, c.tokens);
@@ -755,12 +794,14 @@ void Run::update_metrics() {
     if (c.stage == StageKind::COLLECTOR) metrics_->set_collector_lag(c.lag_seconds);
   }
   for (uint32_t r = 0; r < ring_views_.size(); ++r) {
-    metrics_->set_queue(fmt::format("data_loader->trainer-{}", r), ring_views_[r]->depth(), ring_views_[r]->slots());
+    metrics_->set_queue(fmt::format("data_loader->trainer-{}", r), ring_views_[r]->depth(),
+                        ring_views_[r]->slots());
   }
   checkpoint_journal_->poll([&](schema::JournalRecord::Reader rec) {
     if (rec.isCheckpointCommitted()) {
       auto c = rec.getCheckpointCommitted();
-      metrics_->set_checkpoint(c.getStep(), c.getSeconds(), static_cast<double>(rec.getWallNs()) / 1e9);
+      metrics_->set_checkpoint(c.getStep(), c.getSeconds(),
+                               static_cast<double>(rec.getWallNs()) / 1e9);
     }
   });
 }
@@ -794,7 +835,8 @@ void Run::finish_ok() {
       [&] {
         if (detected_ns_ != 0) return true;
         for (const auto& c : children_) {
-          if ((c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) && c.alive) return false;
+          if ((c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) && c.alive)
+            return false;
         }
         return true;
       },
@@ -803,7 +845,9 @@ void Run::finish_ok() {
     for (auto& c : children_) {
       if ((c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) && c.alive) {
         const int64_t now = mono_ns();
-        record(c, Event{"hung", fmt::format("{} did not stop within {:.0f}s of the end of training", c.name, drain_s),
+        record(c, Event{"hung",
+                        fmt::format("{} did not stop within {:.0f}s of the end of training", c.name,
+                                    drain_s),
                         2, now, now, c.phase, c.step});
       }
     }
@@ -854,7 +898,8 @@ void Run::teardown() {
   if (wait_for(none_alive, opt_.teardown_grace_s)) return;
   for (auto& c : children_) {
     if (c.alive) {
-      log_warn("{} (pid {}) still alive {:.1f}s after SIGTERM: SIGKILL", c.name, c.pid, opt_.teardown_grace_s);
+      log_warn("{} (pid {}) still alive {:.1f}s after SIGTERM: SIGKILL", c.name, c.pid,
+               opt_.teardown_grace_s);
       ::kill(c.pid, SIGKILL);
     }
   }
@@ -887,7 +932,8 @@ void Run::classify() {
   const Event* first = nullptr;
   std::string first_name;
   for (const auto& [name, ev] : events_) {
-    if (first == nullptr || std::tie(ev.priority, ev.evidence_ns) < std::tie(first->priority, first->evidence_ns)) {
+    if (first == nullptr ||
+        std::tie(ev.priority, ev.evidence_ns) < std::tie(first->priority, first->evidence_ns)) {
       first = &ev;
       first_name = name;
     }
@@ -942,8 +988,8 @@ void Run::classify() {
     bool torn = c.exit_code != 0 || c.signal != 0;
     if (torn) {
       journal_event(c.name,
-                    Event{"torn_down", fmt::format("{} was stopped by the teardown", c.name), 9, teardown_started_ns_,
-                          teardown_started_ns_, c.phase, c.step},
+                    Event{"torn_down", fmt::format("{} was stopped by the teardown", c.name), 9,
+                          teardown_started_ns_, teardown_started_ns_, c.phase, c.step},
                     "torn_down");
     }
   }
@@ -983,16 +1029,18 @@ int Run::report() {
       last = b.get().getLastLoss();
       tps = b.get().getTokensPerSecond();
     }
-    out += fmt::format("run ok: {} steps on {} ranks, loss {:.3f} -> {:.3f}, {:.0f} tokens/s", m.getStepsCompleted(),
-                       m.getWorld(), first, last, tps);
+    out += fmt::format("run ok: {} steps on {} ranks, loss {:.3f} -> {:.3f}, {:.0f} tokens/s",
+                       m.getStepsCompleted(), m.getWorld(), first, last, tps);
     if (m.getRestarts() > 0) out += fmt::format(" ({} stage restarts)", m.getRestarts());
     out += "\n";
   } else {
     auto e = m.getError();
     out += fmt::format("run error: first failure {} in {}-{}: {}\n", e.getKind().cStr(),
                        layout::stage_name(e.getStage()), e.getRank(), e.getMessage().cStr());
-    out += fmt::format("  detected {:.2f}s after the cause; every process gone and shm/sockets removed {:.2f}s later\n",
-                       e.getDetectionSeconds(), e.getTeardownSeconds());
+    out += fmt::format(
+        "  detected {:.2f}s after the cause; every process gone and shm/sockets removed {:.2f}s "
+        "later\n",
+        e.getDetectionSeconds(), e.getTeardownSeconds());
   }
   out += fmt::format("  manifest    {}\n", layout::manifest_path(run_).string());
   std::string receipts;
@@ -1042,7 +1090,8 @@ void Run::cleanup() {
 int Run::execute() {
   prepare();
   console_ = make_console(opt_.progress, opt_.steps, recipe_.name, run_.string());
-  if (console_ && !metrics_endpoint_.empty()) fmt::print("megacpp: metrics at {}\n", metrics_endpoint_);
+  if (console_ && !metrics_endpoint_.empty())
+    fmt::print("megacpp: metrics at {}\n", metrics_endpoint_);
   launch(StageKind::COLLECTOR, 0, 0, "launch");
   launch(StageKind::CHECKPOINTER, 0, 0, "launch");
   launch(StageKind::DATA_LOADER, 0, 0, "launch");
@@ -1080,7 +1129,8 @@ int Run::execute() {
   for (const auto& c : children_) metrics_->set_up(c.stage, c.rank, c.alive);
   int rc = report();
   if (opt_.metrics_linger_s > 0) {
-    fmt::print("megacpp: serving {} for {:.0f}s more (--metrics-linger-s)\n", metrics_endpoint_, opt_.metrics_linger_s);
+    fmt::print("megacpp: serving {} for {:.0f}s more (--metrics-linger-s)\n", metrics_endpoint_,
+               opt_.metrics_linger_s);
     std::fflush(stdout);
     // Interruptible: SIGINT/SIGTERM (blocked into the signalfd) end the linger early.
     pollfd pfd{sigfd_, POLLIN, 0};
@@ -1123,21 +1173,23 @@ bool reconcile(const fs::path& run_dir) {
   std::error_code ec;
   fs::path sock = l.getSockDir().cStr();
   if (!sock.empty() && fs::exists(sock, ec)) fs::remove_all(sock, ec);
-  log_warn("run {} was orphaned (supervisor pid {} is gone); removed {} shm segment(s) and {}", run_dir.string(), pid,
-           segments, sock.string());
+  log_warn("run {} was orphaned (supervisor pid {} is gone); removed {} shm segment(s) and {}",
+           run_dir.string(), pid, segments, sock.string());
   return true;
 }
 
 int status(const fs::path& run_dir) {
   if (!fs::exists(layout::launch_path(run_dir))) {
-    throw Error(ErrorKind::kInvalidArgument, fmt::format("{} holds no run (no launch.json)", run_dir.string()));
+    throw Error(ErrorKind::kInvalidArgument,
+                fmt::format("{} holds no run (no launch.json)", run_dir.string()));
   }
-  if (reconcile(run_dir) || !fs::exists(layout::manifest_path(run_dir))) collector::collect_run(run_dir);
+  if (reconcile(run_dir) || !fs::exists(layout::manifest_path(run_dir)))
+    collector::collect_run(run_dir);
   schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
   auto m = manifest.get();
   static const char* kStates[] = {"launched", "running", "ok", "error", "detached", "orphaned"};
-  static const char* kPhases[] = {"startup", "wait_batch", "forward", "backward", "optimizer",
-                                  "snapshot", "idle", "shutdown", "produce", "write"};
+  static const char* kPhases[] = {"startup",  "wait_batch", "forward",  "backward", "optimizer",
+                                  "snapshot", "idle",       "shutdown", "produce",  "write"};
   auto phase_name = [](schema::Phase p) {
     auto i = static_cast<size_t>(p);
     return i < std::size(kPhases) ? kPhases[i] : "?";
@@ -1145,19 +1197,21 @@ int status(const fs::path& run_dir) {
   fmt::print("run {}  ({})\n", m.getRunId().cStr(), run_dir.string());
   fmt::print("  state      {}\n", kStates[static_cast<int>(m.getState())]);
   fmt::print("  recipe     {} ({})\n", m.getRecipe().cStr(), m.getRecipeHash().cStr());
-  fmt::print("  steps      {}/{} on {} ranks\n", m.getStepsCompleted(), m.getStepsPlanned(), m.getWorld());
+  fmt::print("  steps      {}/{} on {} ranks\n", m.getStepsCompleted(), m.getStepsPlanned(),
+             m.getWorld());
   fmt::print("  launched   {}\n  completed  {}\n  last seen  {}\n", m.getLaunchedAt().cStr(),
              m.getCompletedAt().cStr(), m.getLastPolledAt().cStr());
   if (m.hasError() && m.getError().getKind().size() > 0) {
     auto e = m.getError();
     fmt::print("  first failure\n");
     fmt::print("    {} in {}-{} (pid {}), phase {}, step {}, at {}\n", e.getKind().cStr(),
-               layout::stage_name(e.getStage()), e.getRank(), e.getPid(), phase_name(e.getPhase()), e.getStep(),
-               e.getAt().cStr());
+               layout::stage_name(e.getStage()), e.getRank(), e.getPid(), phase_name(e.getPhase()),
+               e.getStep(), e.getAt().cStr());
     fmt::print("    {}\n", e.getMessage().cStr());
-    fmt::print("    detected {:.2f}s after the cause; teardown took {:.2f}s\n", e.getDetectionSeconds(),
-               e.getTeardownSeconds());
-    if (e.getFailureDump().size() > 0) fmt::print("    failure dump {}\n", (run_dir / e.getFailureDump().cStr()).string());
+    fmt::print("    detected {:.2f}s after the cause; teardown took {:.2f}s\n",
+               e.getDetectionSeconds(), e.getTeardownSeconds());
+    if (e.getFailureDump().size() > 0)
+      fmt::print("    failure dump {}\n", (run_dir / e.getFailureDump().cStr()).string());
     if (e.getBacktrace().size() > 0) {
       fmt::print("    backtrace\n");
       for (auto l : e.getBacktrace()) fmt::print("      {}\n", l.cStr());
@@ -1175,20 +1229,22 @@ int status(const fs::path& run_dir) {
     std::string role = s.getRole().size() > 0 ? std::string(s.getRole().cStr()) : "";
     std::string restarts = s.getRestarts() > 0 ? fmt::format("restarts {}", s.getRestarts()) : "";
     fmt::print("    {:<16} pid {:<8} {:<13} step {:<6} {:<14} {:<11} last record {}\n",
-               layout::process_name(s.getStage(), s.getRank()), s.getPid(), how, s.getLastStep(), role, restarts,
-               s.getLastRecordAt().cStr());
+               layout::process_name(s.getStage(), s.getRank()), s.getPid(), how, s.getLastStep(),
+               role, restarts, s.getLastRecordAt().cStr());
   }
   if (m.hasStageGraph() && m.getStageGraph().getEntries().size() > 0) {
     auto g = m.getStageGraph();
     fmt::print("  stage graph at {} ({})\n", g.getAt().cStr(), g.getReason().cStr());
     for (auto e : g.getEntries()) {
       fmt::print("    {:<16} {:<9} phase {:<10} for {:>6.1f}s  heartbeat {:>6.1f}s ago  step {}\n",
-                 layout::process_name(e.getStage(), e.getRank()), e.getState().cStr(), phase_name(e.getPhase()),
-                 e.getPhaseAgeSeconds(), e.getHeartbeatAgeSeconds(), e.getStep());
+                 layout::process_name(e.getStage(), e.getRank()), e.getState().cStr(),
+                 phase_name(e.getPhase()), e.getPhaseAgeSeconds(), e.getHeartbeatAgeSeconds(),
+                 e.getStep());
     }
   }
   if (m.getLatestCheckpoint().size() > 0) {
-    fmt::print("  checkpoint {} (step {})\n", m.getLatestCheckpoint().cStr(), m.getLatestCheckpointStep());
+    fmt::print("  checkpoint {} (step {})\n", m.getLatestCheckpoint().cStr(),
+               m.getLatestCheckpointStep());
   }
   return 0;
 }

@@ -11,12 +11,12 @@ namespace megacpp::supervisor {
 // Everything `megacpp run` takes. validate() is the one place the rules live; a violation is
 // an Error{kInvalidArgument} whose message names the rule. Nothing is written before it passes.
 struct RunOptions {
-  std::string recipe = "tiny";        // a name in recipes/ or a path to a .toml
+  std::string recipe = "tiny";  // a name in recipes/ or a path to a .toml
   uint32_t ranks = 2;
   uint32_t steps = 60;
-  std::filesystem::path run_dir;      // must not exist yet, or be an empty directory
-  std::filesystem::path data_dir;     // default: <run_dir>/../data
-  bool require_data_volume = false;   // refuse a run directory on the root volume
+  std::filesystem::path run_dir;     // must not exist yet, or be an empty directory
+  std::filesystem::path data_dir;    // default: <run_dir>/../data
+  bool require_data_volume = false;  // refuse a run directory on the root volume
   uint32_t heartbeat_interval_ms = 200;
   uint32_t ring_slots = 4;
   // Detection. A trainer's current phase may last startup_budget_s until its first step is
@@ -26,12 +26,12 @@ struct RunOptions {
   double hang_budget_s = 30;
   double hang_multiple = 20;
   double heartbeat_timeout_s = 10;
-  double teardown_grace_s = 1.5;      // SIGTERM -> SIGKILL
-  uint32_t max_restarts = 3;          // per restartable stage (collector, loader, checkpointer)
+  double teardown_grace_s = 1.5;  // SIGTERM -> SIGKILL
+  uint32_t max_restarts = 3;      // per restartable stage (collector, loader, checkpointer)
   std::string metrics_addr = "127.0.0.1:0";  // HOST:PORT of /metrics; port 0 = any free port
-  double metrics_linger_s = 0;        // keep serving /metrics this long after the run ends
-  std::string progress = "auto";      // auto | tty | plain | none
-  std::vector<std::string> argv;      // recorded in the launch contract
+  double metrics_linger_s = 0;               // keep serving /metrics this long after the run ends
+  std::string progress = "auto";             // auto | tty | plain | none
+  std::vector<std::string> argv;             // recorded in the launch contract
 
   void validate() const;
 };

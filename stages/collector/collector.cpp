@@ -53,7 +53,7 @@ struct Process {
   std::optional<int64_t> last_wall;  // newest wallNs among the process's own records
   uint32_t restarts = 0;             // childStarted records with reason "restart"
   uint32_t generation = 0;
-  std::string role;                  // from the supervisor's failureObserved records
+  std::string role;  // from the supervisor's failureObserved records
 
   void see_pid(int64_t mono, int32_t p) {
     if (!pid || std::make_pair(mono, p) > *pid) pid = std::make_pair(mono, p);
@@ -208,7 +208,8 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       }
       break;
     case schema::JournalRecord::RUN_ORPHANED:
-      if (!orphaned) orphaned = std::make_pair(wall, std::string(rec.getRunOrphaned().getReason().cStr()));
+      if (!orphaned)
+        orphaned = std::make_pair(wall, std::string(rec.getRunOrphaned().getReason().cStr()));
       break;
     case schema::JournalRecord::CHILD_EXITED: {
       auto ev = rec.getChildExited();
@@ -326,7 +327,9 @@ bool Collector::poll() {
   return before != outputs_;
 }
 
-int64_t Collector::newest_record_wall_ns() const { return state_->newest_wall.value_or(0); }
+int64_t Collector::newest_record_wall_ns() const {
+  return state_->newest_wall.value_or(0);
+}
 
 void Collector::finish() {
   for (auto& [name, j] : state_->journals) {
@@ -379,9 +382,11 @@ void Collector::render() {
         auto dump = layout::failure_path(run_dir_, f.stage, f.rank);
         if (fs::exists(dump)) e.setFailureDump(fs::relative(dump, run_dir_).string());
         auto bt = e.initBacktrace(static_cast<unsigned>(f.backtrace.size()));
-        for (size_t k = 0; k < f.backtrace.size(); ++k) bt.set(static_cast<unsigned>(k), f.backtrace[k]);
+        for (size_t k = 0; k < f.backtrace.size(); ++k)
+          bt.set(static_cast<unsigned>(k), f.backtrace[k]);
         auto tail = e.initStderrTail(static_cast<unsigned>(f.stderr_tail.size()));
-        for (size_t k = 0; k < f.stderr_tail.size(); ++k) tail.set(static_cast<unsigned>(k), f.stderr_tail[k]);
+        for (size_t k = 0; k < f.stderr_tail.size(); ++k)
+          tail.set(static_cast<unsigned>(k), f.stderr_tail[k]);
       }
     } else if (!s.finished && s.orphaned) {
       auto e = m.initError();

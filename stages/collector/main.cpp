@@ -21,7 +21,8 @@ void run(megacpp::stage::StageContext& ctx) {
     const int64_t before = collector.newest_record_wall_ns();
     if (collector.poll()) collector.write();
     const int64_t newest = collector.newest_record_wall_ns();
-    ctx.control().set_lag(newest > before ? static_cast<double>(megacpp::wall_ns() - newest) / 1e9 : 0.0);
+    ctx.control().set_lag(newest > before ? static_cast<double>(megacpp::wall_ns() - newest) / 1e9
+                                          : 0.0);
     ctx.set_phase(Phase::IDLE);
     // ~250 ms between polls, in slices so a stop is seen promptly.
     for (int i = 0; i < 10 && !ctx.stop_requested(); ++i) {

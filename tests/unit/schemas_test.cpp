@@ -85,6 +85,9 @@ void fill_launch(schema::LaunchContract::Builder c) {
   p.setCompiler("gcc 12");
   p.setHostname("node0");
   p.setTorchVersion("2.11.0");
+  c.setSupervisorPid(4242);
+  c.setSupervisorStartTicks(123456);
+  c.setMetricsEndpoint("http://127.0.0.1:9464/metrics");
 }
 
 // Offsets of `"name":` for each top-level field, in schema order; -1 when absent. Top-level
@@ -94,7 +97,9 @@ std::vector<std::pair<std::string, size_t>> top_level_keys(const std::string& js
   std::vector<std::pair<std::string, size_t>> out;
   for (auto field : capnp::Schema::from<T>().getFields()) {
     std::string name = field.getProto().getName().cStr();
-    size_t at = json.find("\"" + name + "\":");
+    // Top-level keys open the document or a line indented by two spaces (the codec's pretty
+    // printer); nested keys of the same name sit deeper or inline.
+    size_t at = json.rfind("{ \"" + name + "\":", 0) == 0 ? 2 : json.find("\n  \"" + name + "\":");
     out.emplace_back(name, at);
   }
   return out;
@@ -182,6 +187,14 @@ TEST(SchemasJsonTest, ManifestRoundTrip) {
   journals[0].setName("trainer-1");
   journals[0].setRecords(40);
   journals[0].setTornBytes(12);
+  auto graph = m.initStageGraph();
+  graph.setReason("failure detected");
+  graph.setAt("2025-01-01T12:00:05.000Z");
+  auto entries = graph.initEntries(1);
+  entries[0].setStage(schema::StageKind::TRAINER);
+  entries[0].setRank(1);
+  entries[0].setState("signaled");
+  m.setRestarts(1);
 
   std::string json = schemas::to_json(m.asReader());
   EXPECT_NE(json.find("\"state\": \"error\""), std::string::npos) << json;
