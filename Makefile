@@ -9,7 +9,7 @@ STEPS      ?= 60
 RANKS      ?= 2
 CTEST_ARGS ?=
 
-.PHONY: all setup configure build run test test-unit test-sanitize chaos format format-check bench clean
+.PHONY: all setup configure build run test test-unit test-sanitize chaos format format-check bench bench-failure clean
 
 all: build
 
@@ -51,6 +51,9 @@ format-check:
 
 bench: build
 	@$(BUILD)/bin/bench_pipeline_overhead
+
+bench-failure: build
+	@.venv/bin/python bench/failure_detection.py
 
 clean:
 	rm -rf $(BUILD) $(BUILD_SAN) $(BUILD).configure.log $(BUILD_SAN).configure.log

@@ -23,7 +23,7 @@ directories are removed in `finally` blocks, also on Ctrl-C / SIGTERM.
 Timings are reported, never asserted; the goals are printed next to them:
   (a) megacpp p99 <= 5 s
   (b) megacpp within its configured budget B = min(hang budget, heartbeat-loss timeout, when
-      `megacpp run --help` has one): the supervisor's "first failure" log line within B
+      `megacpp run --help` has one): the supervisor's "failure detected" log line within B
       (+ 0.5 s of tick / heartbeat jitter) of the injection, and done within B + the teardown
       grace + 1 s.
 
@@ -280,11 +280,11 @@ class MegacppTrial:
                     shutil.rmtree(self.run, ignore_errors=True)
 
     def _detection_seconds(self, wall0):
-        """Injection -> the supervisor's "first failure" log line (its own wall-clock stamp),
+        """Injection -> the supervisor's "failure detected" log line (its own wall-clock stamp),
         or None when the line is absent or its format is not recognised."""
         text = (read_bytes(self.log_path) or b"").decode(errors="replace")
         m = re.search(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)Z \[megacpp\] error: "
-                      r"first failure", text, re.M)
+                      r"failure detected", text, re.M)
         if not m:
             return None
         stamp = datetime.datetime.fromisoformat(m.group(1)).replace(
@@ -430,7 +430,7 @@ def describe(r, cap):
         if r.get("hang_budget_s") is not None:
             line += f"  --hang-budget-s {r['hang_budget_s']:g}"
         if r.get("detected_seconds") is not None:
-            line += (f"\n             first failure logged {r['detected_seconds']:.2f} s after "
+            line += (f"\n             failure detected (logged) {r['detected_seconds']:.2f} s after "
                      f"injection")
         e = r.get("error")
         if e:

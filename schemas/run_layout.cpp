@@ -31,6 +31,32 @@ schema::StageKind parse_stage(std::string_view name) {
   throw Error(ErrorKind::kInvalidArgument, fmt::format("unknown stage '{}'", name));
 }
 
+std::string_view phase_name(schema::Phase phase) {
+  switch (phase) {
+    case schema::Phase::STARTUP:
+      return "startup";
+    case schema::Phase::WAIT_BATCH:
+      return "wait_batch";
+    case schema::Phase::FORWARD:
+      return "forward";
+    case schema::Phase::BACKWARD:
+      return "backward";
+    case schema::Phase::OPTIMIZER:
+      return "optimizer";
+    case schema::Phase::SNAPSHOT:
+      return "snapshot";
+    case schema::Phase::IDLE:
+      return "idle";
+    case schema::Phase::SHUTDOWN:
+      return "shutdown";
+    case schema::Phase::PRODUCE:
+      return "produce";
+    case schema::Phase::WRITE:
+      return "write";
+  }
+  return "unknown";
+}
+
 std::string process_name(schema::StageKind stage, uint32_t rank) {
   return fmt::format("{}-{}", stage_name(stage), rank);
 }

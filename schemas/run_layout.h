@@ -17,6 +17,7 @@ std::string_view stage_name(schema::StageKind stage);  // "data_loader", "traine
 // Parses stage_name()'s output; throws Error{kInvalidArgument} otherwise.
 schema::StageKind parse_stage(std::string_view name);
 std::string process_name(schema::StageKind stage, uint32_t rank);  // "trainer-1"
+std::string_view phase_name(schema::Phase phase);                  // "backward"
 
 inline fs::path launch_path(const fs::path& run) {
   return run / "launch.json";

@@ -659,7 +659,7 @@ void Run::reap() {
                       : fmt::format("exited with code {}", c.exit_code);
     Event ev{c.signal != 0 ? "signaled" : "exited",
              fmt::format("{} (pid {}) {} in phase {} at step {}", c.name, c.pid, what,
-                         static_cast<int>(c.phase), c.step),
+                         layout::phase_name(c.phase), c.step),
              1,
              now,
              now,
@@ -706,7 +706,7 @@ void Run::check_liveness() {
           c, fmt::format("stalled: no heartbeat for {:.1f}s", silent),
           Event{"heartbeat_lost",
                 fmt::format("{} (pid {}) sent no heartbeat for {:.1f}s (phase {}, step {})", c.name,
-                            c.pid, silent, static_cast<int>(c.phase), c.step),
+                            c.pid, silent, layout::phase_name(c.phase), c.step),
                 1, c.heartbeat_ns, now, c.phase, c.step});
       continue;
     }
@@ -735,7 +735,7 @@ void Run::check_liveness() {
               "hung",
               fmt::format(
                   "{} (pid {}) made no progress for {:.1f}s in phase {} (step {}; budget {:.1f}s)",
-                  c.name, c.pid, in_phase, static_cast<int>(c.phase), c.step, budget),
+                  c.name, c.pid, in_phase, layout::phase_name(c.phase), c.step, budget),
               2, std::max(c.phase_started_ns, c.progress_ns), now, c.phase, c.step});
     }
   }
@@ -1188,12 +1188,7 @@ int status(const fs::path& run_dir) {
   schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
   auto m = manifest.get();
   static const char* kStates[] = {"launched", "running", "ok", "error", "detached", "orphaned"};
-  static const char* kPhases[] = {"startup",  "wait_batch", "forward",  "backward", "optimizer",
-                                  "snapshot", "idle",       "shutdown", "produce",  "write"};
-  auto phase_name = [](schema::Phase p) {
-    auto i = static_cast<size_t>(p);
-    return i < std::size(kPhases) ? kPhases[i] : "?";
-  };
+  auto phase_name = [](schema::Phase p) { return layout::phase_name(p); };
   fmt::print("run {}  ({})\n", m.getRunId().cStr(), run_dir.string());
   fmt::print("  state      {}\n", kStates[static_cast<int>(m.getState())]);
   fmt::print("  recipe     {} ({})\n", m.getRecipe().cStr(), m.getRecipeHash().cStr());
