@@ -170,6 +170,9 @@ class Chaos(unittest.TestCase):
     def test_stopped_collector_is_restarted(self):
         self.restart_case("collector", signal.SIGSTOP, ["--heartbeat-timeout-s", "2"])
 
+    def test_stopped_data_loader_is_restarted(self):
+        self.restart_case("data_loader", signal.SIGSTOP, ["--heartbeat-timeout-s", "2"])
+
     def test_stopped_rank_is_heartbeat_lost(self):
         run = Run(self.tmp, steps=400, extra=["--hang-budget-s", "2", "--heartbeat-timeout-s", "2"])
         launch = run.launch()
