@@ -739,6 +739,23 @@ void Run::check_liveness() {
               2, std::max(c.phase_started_ns, c.progress_ns), now, c.phase, c.step});
     }
   }
+  // A rank hung in a collective is usually waiting on a peer that went silent a moment
+  // later than it entered the collective, so the peer may not have crossed its own silence
+  // limit yet. Record every process already silent for three heartbeat intervals: the
+  // priority rule then names the silent one, not the rank waiting on it.
+  if (detected_ns_ != 0) {
+    const double quiet = 3.0 * opt_.heartbeat_interval_ms / 1000.0;
+    for (auto& c : children_) {
+      const double silent = static_cast<double>(now - c.heartbeat_ns) / 1e9;
+      if (c.alive && c.seen && !c.stop_sent && silent > quiet && !events_.contains(c.name)) {
+        record(c, Event{"heartbeat_lost",
+                        fmt::format("{} (pid {}) sent no heartbeat for {:.1f}s (phase {}, step {}) "
+                                    "while a peer hung",
+                                    c.name, c.pid, silent, layout::phase_name(c.phase), c.step),
+                        1, c.heartbeat_ns, now, c.phase, c.step});
+      }
+    }
+  }
 }
 
 bool Run::all_trainers_done() const {
