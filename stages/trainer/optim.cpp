@@ -1,0 +1,600 @@
+// DistAdamW and DistMuon (DESIGN §7); contracts in optim.h.
+#include "stages/trainer/optim.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <map>
+#include <optional>
+#include <tuple>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace megacpp::trainer {
+
+namespace {
+
+using Pg = c10::intrusive_ptr<c10d::Backend>;
+
+at::Tensor scalar_tensor(double v, const at::Device& device) {
+  return at::full({}, v, at::TensorOptions().dtype(at::kFloat).device(device));
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  return c10::str(s);
+}
+
+bool is_gloo(const Pg& pg) {
+  return pg && pg->getBackendName() == "gloo";
+}
+
+void all_reduce(const Pg& pg, at::Tensor& t, c10d::ReduceOp op) {
+  std::vector<at::Tensor> v{t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = op;
+  pg->allreduce(v, o)->wait();
+}
+
+// SUM over ranks of `full` (contiguous, dim 0 divisible by world); returns this rank's rows.
+// `full` is a scratch buffer the caller owns (Gloo reduces it in place).
+at::Tensor reduce_scatter_sum(const Pg& pg, at::Tensor& full, uint32_t rank, uint32_t world) {
+  const int64_t rows = full.size(0) / world;
+  if (is_gloo(pg)) {
+    all_reduce(pg, full, c10d::ReduceOp::SUM);
+    return full.narrow(0, rank * rows, rows);
+  }
+  std::vector<int64_t> shape = full.sizes().vec();
+  shape[0] = rows;
+  at::Tensor out = at::empty(shape, full.options());
+  c10d::ReduceScatterOptions o;
+  o.reduceOp = c10d::ReduceOp::SUM;
+  pg->_reduce_scatter_base(out, full, o)->wait();
+  return out;
+}
+
+// Gathers every rank's `slice` (contiguous, not aliasing `out`) into `out` along dim 0.
+void all_gather(const Pg& pg, at::Tensor& out, at::Tensor& slice) {
+  pg->_allgather_base(out, slice)->wait();
+}
+
+// Local has-grad flags -> rank-symmetric flags (MAX over ranks), as bool on `device`.
+at::Tensor global_mask(const Pg& pg, const std::vector<at::Tensor>& params,
+                       const at::Device& device) {
+  at::Tensor mask = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
+  auto acc = mask.accessor<int32_t, 1>();
+  for (size_t i = 0; i < params.size(); ++i) acc[i] = params[i].grad().defined() ? 1 : 0;
+  if (pg) all_reduce(pg, mask, c10d::ReduceOp::MAX);
+  return mask.to(device).gt(0);
+}
+
+constexpr std::array<std::array<double, 3>, 5> kPolarExpress{{
+    {8.156554524902461, -22.48329292557795, 15.878769915207462},
+    {4.042929935166739, -2.808917465908714, 0.5000178451051316},
+    {3.8916678022926607, -2.772484153217685, 0.5060648178503393},
+    {3.285753657755655, -2.3681294933425376, 0.46449024233003106},
+    {2.3465413258596377, -1.7097828382687081, 0.42323551169305323},
+}};
+constexpr std::array<double, 3> kNewtonSchulz{3.4445, -4.7750, 2.0315};
+
+at::Tensor frobenius(const at::Tensor& x) {
+  return at::linalg_vector_norm(x, 2, at::IntArrayRef{-2, -1}, /*keepdim=*/true);
+}
+
+// One entry of a state dict while it is being collected: `value` is the live tensor.
+using Entries = std::vector<OptimizerStateEntry>;
+
+void load_entries(const std::string& kind, uint32_t rank, uint32_t world, const Entries& live,
+                  const OptimizerState& state) {
+  MEGACPP_CHECK(state.kind == kind, ErrorKind::kInvalidArgument,
+                fmt::format("state dict of kind '{}' loaded into {}", state.kind, kind));
+  MEGACPP_CHECK(state.rank == rank && state.world == world, ErrorKind::kInvalidArgument,
+                fmt::format("state dict of rank {}/{} loaded into rank {}/{}", state.rank,
+                            state.world, rank, world));
+  MEGACPP_CHECK(state.entries.size() == live.size(), ErrorKind::kInvalidArgument,
+                fmt::format("state dict has {} entries, the optimizer {}", state.entries.size(),
+                            live.size()));
+  for (size_t i = 0; i < live.size(); ++i) {
+    const auto& in = state.entries[i];
+    const auto& to = live[i];
+    MEGACPP_CHECK(in.name == to.name && in.value.defined() &&
+                      in.value.sizes() == to.value.sizes() && in.offset == to.offset &&
+                      in.full_shape == to.full_shape && in.replicated == to.replicated,
+                  ErrorKind::kInvalidArgument,
+                  fmt::format("state entry {} ('{}') does not match the optimizer's '{}'", i,
+                              in.name, to.name));
+  }
+  at::NoGradGuard ng;
+  for (size_t i = 0; i < live.size(); ++i) {
+    at::Tensor dst = live[i].value;
+    dst.copy_(state.entries[i].value);
+  }
+}
+
+OptimizerState clone_entries(const std::string& kind, uint32_t rank, uint32_t world, Entries live) {
+  OptimizerState s{.kind = kind, .rank = rank, .world = world, .entries = std::move(live)};
+  for (auto& e : s.entries) e.value = e.value.detach().clone();
+  return s;
+}
+
+void add_scalar_entry(Entries& out, std::string name, const at::Tensor& t) {
+  out.push_back(OptimizerStateEntry{
+      .name = std::move(name), .value = t, .full_shape = {}, .offset = 0, .replicated = true});
+}
+
+void rank_and_world(const Pg& pg, uint32_t& rank, uint32_t& world) {
+  rank = pg ? static_cast<uint32_t>(pg->getRank()) : 0;
+  world = pg ? static_cast<uint32_t>(pg->getSize()) : 1;
+}
+
+}  // namespace
+
+namespace detail {
+
+at::Tensor orthogonalize(const at::Tensor& g, Orthogonalizer which, int steps, bool bf16) {
+  at::Tensor x = bf16 ? g.to(at::kBFloat16) : g;
+  const bool tall = g.size(-2) > g.size(-1);
+  if (which == Orthogonalizer::kNewtonSchulz) {
+    const auto [a, b, c] = kNewtonSchulz;
+    if (tall) x = x.transpose(-2, -1);
+    x = x / (frobenius(x) + 1e-7);
+    for (int i = 0; i < steps; ++i) {
+      at::Tensor A = x.matmul(x.transpose(-2, -1));
+      at::Tensor B = b * A + c * A.matmul(A);
+      x = a * x + B.matmul(x);
+    }
+    return tall ? x.transpose(-2, -1) : x;
+  }
+  x = x / (frobenius(x) * 1.02 + 1e-6);
+  for (int i = 0; i < steps; ++i) {
+    const auto [a, b, c] = kPolarExpress[static_cast<size_t>(i)];
+    if (tall) {
+      at::Tensor A = x.transpose(-2, -1).matmul(x);
+      x = a * x + x.matmul(b * A + c * A.matmul(A));
+    } else {
+      at::Tensor A = x.matmul(x.transpose(-2, -1));
+      x = a * x + (b * A + c * A.matmul(A)).matmul(x);
+    }
+  }
+  return x;
+}
+
+}  // namespace detail
+
+// =======================================================================================
+// DistAdamW
+
+struct DistAdamW::Group {
+  AdamWScalars s;
+};
+
+struct DistAdamW::Param {
+  at::Tensor p;
+  size_t group = 0;
+  bool sharded = false;
+  int64_t rows = 0;  // rows owned per rank when sharded
+  at::Tensor exp_avg, exp_avg_sq, step;
+};
+
+DistAdamW::DistAdamW(std::vector<AdamWParamGroup> groups, Pg pg, DistAdamWOptions options)
+    : pg_(std::move(pg)) {
+  rank_and_world(pg_, rank_, world_);
+  MEGACPP_CHECK(!groups.empty(), ErrorKind::kInvalidArgument, "DistAdamW without groups");
+  MEGACPP_CHECK(options.crossover_numel >= 0, ErrorKind::kInvalidArgument,
+                "DistAdamW crossover_numel must be >= 0");
+  std::optional<at::Device> device;
+  at::NoGradGuard ng;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const auto& g = groups[gi];
+    MEGACPP_CHECK(!g.params.empty(), ErrorKind::kInvalidArgument,
+                  fmt::format("DistAdamW group {} has no parameters", gi));
+    for (const auto& p : g.params) {
+      MEGACPP_CHECK(p.defined() && p.is_contiguous() && p.is_floating_point(),
+                    ErrorKind::kInvalidArgument,
+                    fmt::format("DistAdamW group {}: parameters must be defined, contiguous "
+                                "floating-point tensors",
+                                gi));
+      if (!device) device = p.device();
+      MEGACPP_CHECK(p.device() == *device, ErrorKind::kInvalidArgument,
+                    "DistAdamW parameters on different devices");
+      Param q;
+      q.p = p;
+      q.group = gi;
+      // Explicit shape check: an indivisible first dimension cannot be reduce-scattered.
+      q.sharded = world_ > 1 && p.dim() >= 1 && p.numel() >= options.crossover_numel &&
+                  p.size(0) % world_ == 0;
+      q.rows = q.sharded ? p.size(0) / world_ : (p.dim() >= 1 ? p.size(0) : 0);
+      const at::Tensor owned =
+          q.sharded ? p.detach().narrow(0, rank_ * q.rows, q.rows) : p.detach();
+      const auto fopts = owned.options().dtype(at::kFloat);
+      q.exp_avg = at::zeros(owned.sizes(), fopts);
+      q.exp_avg_sq = at::zeros(owned.sizes(), fopts);
+      q.step = scalar_tensor(0.0, p.device());
+      params_.push_back(std::move(q));
+    }
+    Group grp;
+    grp.s.lr = scalar_tensor(g.lr, *device);
+    grp.s.beta1 = scalar_tensor(g.beta1, *device);
+    grp.s.beta2 = scalar_tensor(g.beta2, *device);
+    grp.s.eps = scalar_tensor(g.eps, *device);
+    grp.s.weight_decay = scalar_tensor(g.weight_decay, *device);
+    groups_.push_back(std::move(grp));
+  }
+}
+
+DistAdamW::~DistAdamW() = default;
+
+size_t DistAdamW::num_groups() const {
+  return groups_.size();
+}
+AdamWScalars& DistAdamW::scalars(size_t group) {
+  return groups_.at(group).s;
+}
+void DistAdamW::set_lr(size_t group, double lr) {
+  groups_.at(group).s.lr.fill_(lr);
+}
+void DistAdamW::set_weight_decay(size_t group, double wd) {
+  groups_.at(group).s.weight_decay.fill_(wd);
+}
+bool DistAdamW::is_sharded(size_t index) const {
+  return params_.at(index).sharded;
+}
+
+void DistAdamW::step() {
+  at::NoGradGuard ng;
+  std::vector<at::Tensor> ps;
+  ps.reserve(params_.size());
+  for (const auto& q : params_) ps.push_back(q.p);
+  const at::Tensor mask = global_mask(pg_, ps, params_.front().p.device());
+
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& q = params_[i];
+    const AdamWScalars& s = groups_[q.group].s;
+    const at::Tensor& grad = q.p.grad();
+    // A private, contiguous copy: collectives reduce in place and must not touch .grad.
+    at::Tensor full = grad.defined() ? grad.detach().to(q.p.dtype()).contiguous().clone()
+                                     : at::zeros_like(q.p.detach());
+    at::Tensor g;
+    at::Tensor p_owned;
+    if (q.sharded) {
+      g = reduce_scatter_sum(pg_, full, rank_, world_);
+      p_owned = q.p.detach().narrow(0, rank_ * q.rows, q.rows);
+    } else {
+      if (pg_ && world_ > 1) all_reduce(pg_, full, c10d::ReduceOp::SUM);
+      g = full;
+      p_owned = q.p.detach();
+    }
+    if (world_ > 1) g = g / static_cast<double>(world_);
+
+    const at::Tensor m = mask[static_cast<int64_t>(i)];
+    const at::Tensor g32 = g.to(at::kFloat);
+    const at::Tensor p32 = p_owned.to(at::kFloat);
+    const at::Tensor t = q.step + m.to(at::kFloat);
+    const at::Tensor tc = t.clamp_min(1.0);  // a skipped first step must not divide by zero
+    at::Tensor p_new = p32 * (1 - s.lr * s.weight_decay);
+    const at::Tensor ea = q.exp_avg.lerp(g32, 1 - s.beta1);
+    const at::Tensor eas = q.exp_avg_sq.lerp(g32.square(), 1 - s.beta2);
+    const at::Tensor bias1 = 1 - s.beta1.pow(tc);
+    const at::Tensor bias2 = 1 - s.beta2.pow(tc);
+    const at::Tensor denom = (eas / bias2).sqrt() + s.eps;
+    p_new = p_new - (ea / denom) * (s.lr / bias1);
+
+    p_owned.copy_(at::where(m, p_new, p32));
+    q.exp_avg.copy_(at::where(m, ea, q.exp_avg));
+    q.exp_avg_sq.copy_(at::where(m, eas, q.exp_avg_sq));
+    q.step.copy_(t);
+    if (q.sharded) {
+      at::Tensor slice = p_owned.clone();
+      at::Tensor out = q.p.detach();
+      all_gather(pg_, out, slice);
+    }
+  }
+}
+
+OptimizerState DistAdamW::state_dict() const {
+  Entries live;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param& q = params_[i];
+    const std::vector<int64_t> full = q.p.sizes().vec();
+    const int64_t off = q.sharded ? rank_ * q.rows : 0;
+    const std::array<std::pair<const char*, at::Tensor>, 2> moments{
+        {{"exp_avg", q.exp_avg}, {"exp_avg_sq", q.exp_avg_sq}}};
+    for (const auto& [name, t] : moments) {
+      live.push_back(OptimizerStateEntry{.name = fmt::format("p{}.{}", i, name),
+                                         .value = t,
+                                         .full_shape = full,
+                                         .offset = off,
+                                         .replicated = !q.sharded});
+    }
+    add_scalar_entry(live, fmt::format("p{}.step", i), q.step);
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const auto& s = groups_[g].s;
+    add_scalar_entry(live, fmt::format("g{}.lr", g), s.lr);
+    add_scalar_entry(live, fmt::format("g{}.beta1", g), s.beta1);
+    add_scalar_entry(live, fmt::format("g{}.beta2", g), s.beta2);
+    add_scalar_entry(live, fmt::format("g{}.eps", g), s.eps);
+    add_scalar_entry(live, fmt::format("g{}.weight_decay", g), s.weight_decay);
+  }
+  return clone_entries("dist_adamw", rank_, world_, std::move(live));
+}
+
+void DistAdamW::load_state_dict(const OptimizerState& state) {
+  OptimizerState live = state_dict();  // the layout (clones; replaced by the live tensors)
+  Entries targets;
+  size_t k = 0;
+  for (const Param& q : params_) {
+    for (const at::Tensor& t : {q.exp_avg, q.exp_avg_sq, q.step}) {
+      OptimizerStateEntry e = live.entries[k++];
+      e.value = t;
+      targets.push_back(std::move(e));
+    }
+  }
+  for (const Group& g : groups_) {
+    for (const at::Tensor& t : {g.s.lr, g.s.beta1, g.s.beta2, g.s.eps, g.s.weight_decay}) {
+      OptimizerStateEntry e = live.entries[k++];
+      e.value = t;
+      targets.push_back(std::move(e));
+    }
+  }
+  load_entries("dist_adamw", rank_, world_, targets, state);
+}
+
+// =======================================================================================
+// DistMuon
+
+struct DistMuon::Stack {
+  std::vector<at::Tensor> params;
+  int64_t rows = 0, cols = 0, chunk = 0;
+  int red_dim = -1;
+  at::Tensor momentum;  // (chunk, rows, cols): this rank's entries [rank*chunk, ...)
+  at::Tensor second;    // (chunk, rows, 1) or (chunk, 1, cols)
+};
+
+struct DistMuon::Group {
+  MuonScalars s;
+  std::vector<int64_t> qkv;
+  std::vector<Stack> stacks;
+};
+
+DistMuon::DistMuon(std::vector<MuonParamGroup> groups, Pg pg, DistMuonOptions options)
+    : pg_(std::move(pg)), options_(options) {
+  rank_and_world(pg_, rank_, world_);
+  MEGACPP_CHECK(
+      options_.ns_steps >= 1 && (options_.orthogonalizer == Orthogonalizer::kNewtonSchulz ||
+                                 options_.ns_steps <= static_cast<int>(kPolarExpress.size())),
+      ErrorKind::kInvalidArgument,
+      fmt::format("DistMuon ns_steps {} out of range", options_.ns_steps));
+  MEGACPP_CHECK(!groups.empty(), ErrorKind::kInvalidArgument, "DistMuon without groups");
+  for (auto& g : groups) add_param_group(std::move(g));
+}
+
+DistMuon::~DistMuon() = default;
+
+void DistMuon::add_param_group(MuonParamGroup group) {
+  const size_t gi = groups_.size();
+  MEGACPP_CHECK(!group.params.empty(), ErrorKind::kInvalidArgument,
+                fmt::format("DistMuon group {} has no parameters", gi));
+  const at::Tensor& first = group.params.front();
+  for (size_t i = 0; i < group.params.size(); ++i) {
+    const at::Tensor& p = group.params[i];
+    MEGACPP_CHECK(p.defined(), ErrorKind::kInvalidArgument,
+                  fmt::format("DistMuon group {} parameter {} is undefined", gi, i));
+    MEGACPP_CHECK(p.dim() == 2, ErrorKind::kInvalidArgument,
+                  fmt::format("DistMuon takes 2-D parameters only: group {} parameter {} has "
+                              "shape {} ({}-D); give it to AdamW or reshape it to a matrix",
+                              gi, i, shape_str(p.sizes()), p.dim()));
+    MEGACPP_CHECK(p.is_floating_point() && p.is_contiguous() && p.device() == first.device() &&
+                      p.scalar_type() == first.scalar_type(),
+                  ErrorKind::kInvalidArgument,
+                  fmt::format("DistMuon group {}: parameters must be contiguous floating-point "
+                              "tensors of one dtype and device",
+                              gi));
+    if (!groups_.empty()) {
+      const at::Tensor& any = groups_.front().stacks.front().params.front();
+      MEGACPP_CHECK(p.device() == any.device(), ErrorKind::kInvalidArgument,
+                    "DistMuon parameters on different devices");
+    }
+    if (!group.qkv_split_sizes.empty()) {
+      int64_t sum = 0;
+      for (int64_t v : group.qkv_split_sizes) {
+        MEGACPP_CHECK(v > 0, ErrorKind::kInvalidArgument, "qkv_split_sizes must be positive");
+        sum += v;
+      }
+      MEGACPP_CHECK(sum == p.size(0), ErrorKind::kInvalidArgument,
+                    fmt::format("qkv_split_sizes sum to {} but group {} parameter {} has shape {}",
+                                sum, gi, i, shape_str(p.sizes())));
+    }
+  }
+  Group g;
+  const at::Device device = first.device();
+  g.s.lr = scalar_tensor(group.lr, device);
+  g.s.momentum = scalar_tensor(group.momentum, device);
+  g.s.beta2 = scalar_tensor(group.beta2, device);
+  g.s.weight_decay = scalar_tensor(group.weight_decay, device);
+  g.qkv = group.qkv_split_sizes;
+  std::map<std::pair<int64_t, int64_t>, std::vector<at::Tensor>> by_shape;  // sorted shapes
+  for (const auto& p : group.params) by_shape[{p.size(0), p.size(1)}].push_back(p);
+  for (auto& [shape, params] : by_shape) {
+    Stack s;
+    s.rows = shape.first;
+    s.cols = shape.second;
+    s.params = std::move(params);
+    const auto n = static_cast<int64_t>(s.params.size());
+    s.chunk = (n + world_ - 1) / world_;
+    s.red_dim = s.rows >= s.cols ? -1 : -2;
+    const auto opts = first.options().requires_grad(false);
+    s.momentum = at::zeros({s.chunk, s.rows, s.cols}, opts);
+    s.second = s.rows >= s.cols ? at::zeros({s.chunk, s.rows, 1}, opts)
+                                : at::zeros({s.chunk, 1, s.cols}, opts);
+    g.stacks.push_back(std::move(s));
+  }
+  groups_.push_back(std::move(g));
+}
+
+size_t DistMuon::num_groups() const {
+  return groups_.size();
+}
+size_t DistMuon::num_stacks(size_t group) const {
+  return groups_.at(group).stacks.size();
+}
+int64_t DistMuon::chunk_size(size_t group, size_t stack) const {
+  return groups_.at(group).stacks.at(stack).chunk;
+}
+int64_t DistMuon::stack_len(size_t group, size_t stack) const {
+  return static_cast<int64_t>(groups_.at(group).stacks.at(stack).params.size());
+}
+MuonScalars& DistMuon::scalars(size_t group) {
+  return groups_.at(group).s;
+}
+void DistMuon::set_lr(size_t group, double lr) {
+  groups_.at(group).s.lr.fill_(lr);
+}
+void DistMuon::set_momentum(size_t group, double m) {
+  groups_.at(group).s.momentum.fill_(m);
+}
+void DistMuon::set_weight_decay(size_t group, double wd) {
+  groups_.at(group).s.weight_decay.fill_(wd);
+}
+
+void DistMuon::step() {
+  at::NoGradGuard ng;
+  std::vector<at::Tensor> all;
+  for (const Group& g : groups_)
+    for (const Stack& s : g.stacks) all.insert(all.end(), s.params.begin(), s.params.end());
+  const at::Tensor mask = global_mask(pg_, all, all.front().device());
+  int64_t base = 0;
+  for (Group& g : groups_) {
+    for (Stack& s : g.stacks) {
+      const auto n = static_cast<int64_t>(s.params.size());
+      step_stack(g, s, mask.narrow(0, base, n));
+      base += n;
+    }
+  }
+}
+
+void DistMuon::step_stack(Group& g, Stack& s, const at::Tensor& mask) {
+  const auto n = static_cast<int64_t>(s.params.size());
+  const at::Tensor& p0 = s.params.front();
+  const auto opts = p0.options().requires_grad(false);
+  const int64_t padded = s.chunk * world_;
+  at::Tensor stacked = at::zeros({padded, s.rows, s.cols}, opts);
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& grad = s.params[static_cast<size_t>(i)].grad();
+    if (grad.defined()) stacked[i].copy_(grad.detach());
+  }
+  at::Tensor grad_chunk = stacked;
+  if (pg_ && world_ > 1) {
+    grad_chunk = reduce_scatter_sum(pg_, stacked, rank_, world_) / static_cast<double>(world_);
+  }
+
+  const int64_t start = rank_ * s.chunk;
+  const int64_t owned = std::clamp<int64_t>(n - start, 0, s.chunk);
+  at::Tensor updated = at::zeros({s.chunk, s.rows, s.cols}, opts);
+  if (owned > 0) {
+    std::vector<at::Tensor> mine(s.params.begin() + start, s.params.begin() + start + owned);
+    for (auto& t : mine) t = t.detach();
+    const at::Tensor P = at::stack(mine);
+    const at::Tensor gr = grad_chunk.narrow(0, 0, owned);
+    const at::Tensor m = mask.narrow(0, start, owned).view({owned, 1, 1});
+    at::Tensor mom = s.momentum.narrow(0, 0, owned);
+    at::Tensor sec = s.second.narrow(0, 0, owned);
+    const at::Tensor mu = g.s.momentum.to(P.scalar_type());
+
+    // Nesterov momentum.
+    const at::Tensor mom_new = mom.lerp(gr, 1 - mu);
+    at::Tensor u = gr.lerp(mom_new, mu);
+
+    // Orthogonalization, per qkv slice when the group is split.
+    if (g.qkv.empty()) {
+      u = detail::orthogonalize(u, options_.orthogonalizer, options_.ns_steps,
+                                options_.bf16_orthogonalization);
+    } else {
+      std::vector<at::Tensor> parts = u.split_with_sizes(g.qkv, -2);
+      for (auto& part : parts) {
+        part = detail::orthogonalize(part, options_.orthogonalizer, options_.ns_steps,
+                                     options_.bf16_orthogonalization);
+      }
+      u = at::cat(parts, -2);
+    }
+    u = u.to(P.scalar_type());
+
+    // Variance reduction (factored second moment, norm preserving).
+    const at::Tensor beta2 = g.s.beta2.to(P.scalar_type());
+    const at::Tensor v_mean = u.to(at::kFloat).square().mean(s.red_dim, /*keepdim=*/true);
+    const double red_size = static_cast<double>(u.size(s.red_dim));
+    const at::Tensor v_norm = (v_mean.sum({-2, -1}, true) * red_size).sqrt();
+    const at::Tensor sec_new = sec.lerp(v_mean.to(sec.scalar_type()), 1 - beta2);
+    const at::Tensor step_size = sec_new.clamp_min(1e-10).rsqrt();
+    const at::Tensor scaled_sq_sum = (v_mean * red_size) * step_size.to(at::kFloat).square();
+    const at::Tensor v_norm_new = scaled_sq_sum.sum({-2, -1}, true).sqrt();
+    const at::Tensor final_scale = step_size * (v_norm / v_norm_new.clamp_min(1e-10));
+    u = u * final_scale.to(u.scalar_type());
+
+    // Cautious weight decay (parameter-sign agreement) and the update.
+    const double aspect = std::sqrt(std::max(1.0, static_cast<double>(s.rows) / s.cols));
+    const at::Tensor lr = (g.s.lr * aspect).to(P.scalar_type());
+    const at::Tensor wd = g.s.weight_decay.to(P.scalar_type());
+    const at::Tensor cautious = (u * P) >= 0;
+    const at::Tensor P_new = P - (lr * u + lr * wd * P * cautious);
+
+    mom.copy_(at::where(m, mom_new, mom));
+    sec.copy_(at::where(m, sec_new, sec));
+    updated.narrow(0, 0, owned).copy_(at::where(m, P_new, P));
+  }
+
+  at::Tensor gathered = updated;
+  if (pg_ && world_ > 1) {
+    gathered = at::empty({padded, s.rows, s.cols}, opts);
+    all_gather(pg_, gathered, updated);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    s.params[static_cast<size_t>(i)].detach().copy_(gathered[i]);
+  }
+}
+
+OptimizerState DistMuon::state_dict() const {
+  Entries live;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const Group& g = groups_[gi];
+    for (size_t si = 0; si < g.stacks.size(); ++si) {
+      const Stack& s = g.stacks[si];
+      const int64_t padded = s.chunk * world_;
+      const int64_t off = rank_ * s.chunk;
+      live.push_back(OptimizerStateEntry{.name = fmt::format("g{}.s{}.momentum", gi, si),
+                                         .value = s.momentum,
+                                         .full_shape = {padded, s.rows, s.cols},
+                                         .offset = off,
+                                         .replicated = false});
+      std::vector<int64_t> second_full = s.second.sizes().vec();
+      second_full[0] = padded;
+      live.push_back(OptimizerStateEntry{.name = fmt::format("g{}.s{}.second_momentum", gi, si),
+                                         .value = s.second,
+                                         .full_shape = second_full,
+                                         .offset = off,
+                                         .replicated = false});
+    }
+    add_scalar_entry(live, fmt::format("g{}.lr", gi), g.s.lr);
+    add_scalar_entry(live, fmt::format("g{}.momentum", gi), g.s.momentum);
+    add_scalar_entry(live, fmt::format("g{}.beta2", gi), g.s.beta2);
+    add_scalar_entry(live, fmt::format("g{}.weight_decay", gi), g.s.weight_decay);
+  }
+  return clone_entries("dist_muon", rank_, world_, std::move(live));
+}
+
+void DistMuon::load_state_dict(const OptimizerState& state) {
+  OptimizerState live = state_dict();
+  size_t k = 0;
+  for (Group& g : groups_) {
+    for (Stack& s : g.stacks) {
+      live.entries[k++].value = s.momentum;
+      live.entries[k++].value = s.second;
+    }
+    for (const at::Tensor& t : {g.s.lr, g.s.momentum, g.s.beta2, g.s.weight_decay})
+      live.entries[k++].value = t;
+  }
+  load_entries("dist_muon", rank_, world_, live.entries, state);
+}
+
+}  // namespace megacpp::trainer

@@ -1,0 +1,205 @@
+// The distributed optimizers of DESIGN §7: DistAdamW and DistMuon (ZeRO-2 style).
+//
+// Contracts shared by both:
+// - The process group may be null: world 1, rank 0, no collectives (the single-process
+//   reference runs the same code path).
+// - step() reads each parameter's .grad(); an undefined gradient means "this rank has none".
+//   Every step starts with one all-reduce(MAX) of an int32 has-grad mask (one entry per
+//   parameter); a rank without a gradient contributes zeros, and every rank issues the same
+//   collectives in the same order whatever its local gradient presence. A parameter that no
+//   rank has a gradient for is left exactly as it was, and so is its state (as nanochat skips
+//   a parameter whose grad is None: no weight decay, no step count). The decision is taken
+//   on tensors (torch::where), never on the host.
+// - Gradients are averaged over ranks with SUM then a division by the world size (Gloo has
+//   no AVG). On Gloo a reduce-scatter is an all-reduce followed by a narrow.
+// - Step scalars (lr, betas, momentum, weight decay) are 0-D float32 tensors on the
+//   parameters' device, owned by the optimizer and updated in place (set_* or through
+//   scalars()): a step contains no host synchronisation for them.
+// - step() does not modify gradients and does not zero them.
+// - Not thread-safe; one step at a time. Parameters must outlive the optimizer and keep
+//   their storage (the optimizer updates them in place).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+namespace megacpp::trainer {
+
+// One rank's share of an optimizer's state. Each entry is a tensor this rank owns (a slice
+// along dim 0 of a logical tensor of full_shape, starting at row `offset`) or holds
+// replicated (offset 0, full_shape == value's shape, replicated true). Loading it into an
+// optimizer built over the same parameters, groups, world and rank reproduces the next step
+// bit-exactly. Ranks' dicts together reassemble every logical tensor (concatenate the
+// non-replicated entries of a name in offset order; a Muon stack's trailing padding rows,
+// beyond full_shape[0], belong to no parameter).
+struct OptimizerStateEntry {
+  std::string name;
+  at::Tensor value;
+  std::vector<int64_t> full_shape;
+  int64_t offset = 0;
+  bool replicated = true;
+};
+struct OptimizerState {
+  std::string kind;  // "dist_adamw" or "dist_muon"
+  uint32_t rank = 0;
+  uint32_t world = 1;
+  std::vector<OptimizerStateEntry> entries;
+};
+
+// ---------------------------------------------------------------------------------------
+// DistAdamW (nanochat adamw_step_fused math): p *= 1 - lr*wd; m = lerp(m, g, 1-b1);
+// v = lerp(v, g², 1-b2); p -= lr/(1-b1^t) * m / (sqrt(v/(1-b2^t)) + eps). Decoupled weight
+// decay applies to every parameter of the group (not cautious). t counts the steps in which
+// some rank had a gradient for that parameter.
+// Placement, fixed at construction: a parameter with numel >= crossover_numel and
+// shape[0] % world == 0 is sharded (each rank owns rows [rank*r, (rank+1)*r), r =
+// shape[0]/world: reduce-scatter, local update of the slice and its state, all-gather);
+// every other parameter (0-D included) is replicated (all-reduce, replicated state).
+struct AdamWParamGroup {
+  std::vector<at::Tensor> params = {};
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+};
+struct DistAdamWOptions {
+  int64_t crossover_numel = 1024;  // measured crossover (DESIGN §7); huge = all replicated
+};
+struct AdamWScalars {
+  at::Tensor lr, beta1, beta2, eps, weight_decay;  // 0-D float32
+};
+
+class DistAdamW {
+ public:
+  // Throws Error{kInvalidArgument} for an empty group, an undefined parameter, or
+  // parameters on different devices.
+  DistAdamW(std::vector<AdamWParamGroup> groups, c10::intrusive_ptr<c10d::Backend> pg,
+            DistAdamWOptions options = {});
+  DistAdamW(const DistAdamW&) = delete;
+  DistAdamW& operator=(const DistAdamW&) = delete;
+  DistAdamW(DistAdamW&&) = delete;
+  DistAdamW& operator=(DistAdamW&&) = delete;
+  ~DistAdamW();
+
+  void step();
+
+  size_t num_groups() const;
+  AdamWScalars& scalars(size_t group);  // update in place (fill_/copy_) between steps
+  void set_lr(size_t group, double lr);
+  void set_weight_decay(size_t group, double wd);
+  // Placement of parameter `index` (flattened over groups, in construction order).
+  bool is_sharded(size_t index) const;
+
+  OptimizerState state_dict() const;  // deep copies
+  // Throws Error{kInvalidArgument} when the dict was taken from a different world, rank,
+  // kind or parameter layout.
+  void load_state_dict(const OptimizerState& state);
+
+  uint32_t rank() const { return rank_; }
+  uint32_t world() const { return world_; }
+
+ private:
+  struct Group;
+  struct Param;
+  c10::intrusive_ptr<c10d::Backend> pg_;
+  uint32_t rank_ = 0;
+  uint32_t world_ = 1;
+  std::vector<Group> groups_;
+  std::vector<Param> params_;
+};
+
+// ---------------------------------------------------------------------------------------
+// DistMuon (nanochat muon_step_fused math), per stack of same-shape matrices:
+//   Nesterov momentum: buf = lerp(buf, g, 1-μ); g = lerp(g, buf, μ)
+//   orthogonalization of each matrix (of each qkv slice alone when qkv_split_sizes is set):
+//     Polar Express: X = g/(‖g‖_F·1.02 + 1e-6), the 5 coefficient triples of DESIGN §7
+//     (tall: A = XᵀX, X = aX + X(bA + cA²); wide: A = XXᵀ, X = aX + (bA + cA²)X), or
+//     classic Newton–Schulz (3.4445, −4.7750, 2.0315) on the wide orientation after
+//     X = g/(‖g‖_F + 1e-7);
+//   variance reduction (NorMuon): factored second moment over the longer side
+//     (rows >= cols: per row, else per column), norm-preserving rescale;
+//   cautious update: mask = (u * p) >= 0; p -= lr_eff*u + lr_eff*wd*p*mask,
+//     lr_eff = lr * sqrt(max(1, rows/cols)).
+// Stacking: within a group, parameters of one shape form a stack (shapes in sorted order,
+// parameters in given order). Each rank owns chunk_size = ceil(n / world) consecutive
+// entries of a stack (the last ranks may own fewer or none); the stacked gradients are
+// zero-padded to chunk_size*world, reduce-scattered, the owned entries updated with their
+// state, the stack all-gathered and copied back.
+enum class Orthogonalizer { kPolarExpress, kNewtonSchulz };
+
+struct MuonParamGroup {
+  std::vector<at::Tensor> params = {};  // 2-D only
+  double lr = 0.02;
+  double momentum = 0.95;
+  double beta2 = 0.95;
+  double weight_decay = 0.0;
+  // Row sizes of a fused projection (e.g. {q, k, v}), summing to every parameter's shape[0];
+  // empty: each matrix is orthogonalized whole.
+  std::vector<int64_t> qkv_split_sizes = {};
+};
+struct DistMuonOptions {
+  Orthogonalizer orthogonalizer = Orthogonalizer::kPolarExpress;
+  int ns_steps = 5;  // 1..5 for Polar Express
+  // Orthogonalize in bfloat16 (as nanochat does); false keeps the parameter dtype.
+  bool bf16_orthogonalization = true;
+};
+struct MuonScalars {
+  at::Tensor lr, momentum, beta2, weight_decay;  // 0-D float32
+};
+
+class DistMuon {
+ public:
+  // Throws Error{kInvalidArgument} for a parameter that is not 2-D (naming its shape), an
+  // empty group, qkv_split_sizes that do not sum to shape[0], mixed devices or dtypes, or
+  // an ns_steps out of range.
+  DistMuon(std::vector<MuonParamGroup> groups, c10::intrusive_ptr<c10d::Backend> pg,
+           DistMuonOptions options = {});
+  DistMuon(const DistMuon&) = delete;
+  DistMuon& operator=(const DistMuon&) = delete;
+  DistMuon(DistMuon&&) = delete;
+  DistMuon& operator=(DistMuon&&) = delete;
+  ~DistMuon();
+
+  // Adds a group (same checks as the constructor); its stacks get their chunk_size from the
+  // current world. Every rank must add the same groups in the same order.
+  void add_param_group(MuonParamGroup group);
+
+  void step();
+
+  size_t num_groups() const;
+  size_t num_stacks(size_t group) const;
+  int64_t chunk_size(size_t group, size_t stack) const;
+  int64_t stack_len(size_t group, size_t stack) const;
+  MuonScalars& scalars(size_t group);
+  void set_lr(size_t group, double lr);
+  void set_momentum(size_t group, double momentum);
+  void set_weight_decay(size_t group, double wd);
+
+  OptimizerState state_dict() const;
+  void load_state_dict(const OptimizerState& state);
+
+  uint32_t rank() const { return rank_; }
+  uint32_t world() const { return world_; }
+
+ private:
+  struct Group;
+  struct Stack;
+  void step_stack(Group& g, Stack& s, const at::Tensor& global_mask);
+  c10::intrusive_ptr<c10d::Backend> pg_;
+  DistMuonOptions options_;
+  uint32_t rank_ = 0;
+  uint32_t world_ = 1;
+  std::vector<Group> groups_;
+};
+
+namespace detail {
+// The orthogonalization of a batch of matrices (..., rows, cols), exposed for tests.
+at::Tensor orthogonalize(const at::Tensor& g, Orthogonalizer which, int steps, bool bf16);
+}  // namespace detail
+
+}  // namespace megacpp::trainer

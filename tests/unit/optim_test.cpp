@@ -1,0 +1,468 @@
+// DistAdamW / DistMuon: world 1 against world 2 over a real TCPStore + Gloo (forked ranks),
+// placement rules, rank-asymmetric gradient presence, stacking, QKV splits, the 2-D
+// contract and state dict round trips.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <thread>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "core/error.h"
+#include "stages/trainer/optim.h"
+#include "stages/trainer/trainer.h"
+
+namespace megacpp::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using Pg = c10::intrusive_ptr<c10d::Backend>;
+
+class OptimTest : public ::testing::Test {
+ protected:
+  // One intra-op thread: forked ranks must not inherit a live OpenMP pool.
+  void SetUp() override { torch::set_num_threads(1); }
+};
+
+at::Tensor randn(at::IntArrayRef shape, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen, at::TensorOptions().dtype(at::kFloat));
+}
+
+std::vector<at::Tensor> make_params(const std::vector<std::vector<int64_t>>& shapes,
+                                    uint64_t seed) {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    out.push_back(randn(shapes[i], seed * 100 + i).requires_grad_(true));
+  }
+  return out;
+}
+
+// The gradient rank `rank` sees for parameter `i` at `step`; undefined when absent.
+at::Tensor rank_grad(const at::Tensor& p, size_t i, uint32_t step, uint32_t rank) {
+  return randn(p.sizes(), 7919 * (step + 1) + 31 * i + 1000003ULL * (rank + 1));
+}
+
+void set_grad(at::Tensor& p, const at::Tensor& g) {
+  p.mutable_grad() = g;
+}
+
+std::vector<float> flat(const std::vector<at::Tensor>& ps) {
+  std::vector<float> out;
+  for (const auto& p : ps) {
+    at::Tensor c = p.detach().contiguous().to(at::kFloat).reshape({-1});
+    out.insert(out.end(), c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+  }
+  return out;
+}
+
+bool write_floats(const fs::path& path, const std::vector<float>& v) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(v.data()),
+          static_cast<std::streamsize>(v.size() * sizeof(float)));
+  return f.good();
+}
+
+std::vector<float> read_floats(const fs::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<float> out(bytes.size() / sizeof(float));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  return out;
+}
+
+float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  float m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+
+bool bit_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  const auto fa = flat(a);
+  const auto fb = flat(b);
+  return fa.size() == fb.size() &&
+         std::memcmp(fa.data(), fb.data(), fa.size() * sizeof(float)) == 0;
+}
+
+// Runs body(pg, rank, dir) in two forked ranks joined by Gloo; the body's return value is
+// the child's exit status. Returns the scratch directory (the caller removes it).
+using Body = std::function<int(const Pg&, uint32_t, const fs::path&)>;
+fs::path run_world2(const Body& body) {
+  c10d::TCPStoreOptions so;
+  so.port = 0;
+  so.isServer = true;
+  so.waitWorkers = false;
+  so.timeout = std::chrono::seconds(20);
+  auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  const uint16_t port = server->getPort();
+  char tmpl[] = "/tmp/megacpp-optim-test-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) {
+    ADD_FAILURE() << "mkdtemp";
+    return {};
+  }
+  const fs::path dir(tmpl);
+  pid_t pids[2];
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    pids[rank] = fork();
+    if (pids[rank] == 0) {
+      int rc = 2;
+      try {
+        GlooOptions go;
+        go.store_port = port;
+        go.rank = rank;
+        go.world = 2;
+        go.store_timeout = std::chrono::seconds(20);
+        go.collective_timeout = std::chrono::seconds(20);
+        go.store_prefix = "optim_test/";
+        rc = body(connect_gloo(go), rank, dir);
+      } catch (const std::exception& e) {
+        fprintf(stderr, "rank %u: %s\n", rank, e.what());
+      }
+      _exit(rc);
+    }
+  }
+  int status[2] = {-1, -1};
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  for (int done = 0; done < 2;) {
+    for (int r = 0; r < 2; ++r) {
+      int st = 0;
+      if (status[r] == -1 && waitpid(pids[r], &st, WNOHANG) == pids[r]) {
+        status[r] = st;
+        ++done;
+      }
+    }
+    if (done < 2 && std::chrono::steady_clock::now() > deadline) {
+      for (int r = 0; r < 2; ++r) {
+        if (status[r] == -1) {
+          kill(pids[r], SIGKILL);
+          waitpid(pids[r], &status[r], 0);
+          ++done;
+        }
+      }
+      ADD_FAILURE() << "a rank did not finish within 60 s";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
+        << "rank " << r << " exit status " << WEXITSTATUS(status[r]);
+  }
+  return dir;
+}
+
+// Presence pattern of step `step` for rank `rank`: {0:g,1:-}, {0:-,1:g}, {0:g,1:g}, {-,-}.
+bool present(uint32_t step, uint32_t rank) {
+  switch (step % 4) {
+    case 0:
+      return rank == 0;
+    case 1:
+      return rank == 1;
+    case 2:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// World-1 gradient equal to the world-2 average: (g0 + g1) / 2 with absent ranks as zero.
+void set_reference_grads(std::vector<at::Tensor>& ps, uint32_t step, bool asymmetric) {
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const bool p0 = !asymmetric || present(step, 0);
+    const bool p1 = !asymmetric || present(step, 1);
+    if (!p0 && !p1) {
+      ps[i].mutable_grad() = at::Tensor();
+      continue;
+    }
+    at::Tensor sum = at::zeros_like(ps[i].detach());
+    if (p0) sum = sum + rank_grad(ps[i], i, step, 0);
+    if (p1) sum = sum + rank_grad(ps[i], i, step, 1);
+    set_grad(ps[i], sum / 2.0);
+  }
+}
+
+void set_rank_grads(std::vector<at::Tensor>& ps, uint32_t step, uint32_t rank, bool asymmetric) {
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (asymmetric && !present(step, rank)) {
+      ps[i].mutable_grad() = at::Tensor();
+    } else {
+      set_grad(ps[i], rank_grad(ps[i], i, step, rank));
+    }
+  }
+}
+
+const std::vector<std::vector<int64_t>> kAdamShapes = {
+    {64, 32},  // 2048 elements, 64 % 2 == 0: sharded
+    {16},      // small: replicated
+    {33, 64},  // 2112 elements, 33 % 2 != 0: replicated
+    {}};       // 0-D
+const std::vector<std::vector<int64_t>> kMuonShapesA = {
+    {32, 16}, {32, 16}, {32, 16}, {16, 48}, {16, 48}};
+const std::vector<std::vector<int64_t>> kMuonShapesB = {
+    {24, 24}, {24, 24}, {24, 24}, {24, 24}, {24, 24}};
+constexpr uint32_t kSteps = 8;
+constexpr uint32_t kAddAt = 3;  // Muon group B joins before this step
+
+std::vector<AdamWParamGroup> adam_groups(const std::vector<at::Tensor>& ps) {
+  return {AdamWParamGroup{.params = {ps[0], ps[1]}, .lr = 1e-2, .weight_decay = 0.1},
+          AdamWParamGroup{.params = {ps[2], ps[3]}, .lr = 3e-3, .weight_decay = 0.0}};
+}
+
+struct Trajectory {
+  std::vector<float> adam, muon;
+};
+
+// Runs kSteps of Adam and Muon; pg null = world 1 with reference (averaged) gradients.
+Trajectory train(const Pg& pg, uint32_t rank, bool asymmetric, std::string* err) {
+  auto ap = make_params(kAdamShapes, 1);
+  auto ma = make_params(kMuonShapesA, 2);
+  auto mb = make_params(kMuonShapesB, 3);
+  DistAdamW adam(adam_groups(ap), pg);
+  DistMuon muon({MuonParamGroup{.params = ma, .weight_decay = 0.1}}, pg);
+  const uint32_t world = pg ? 2 : 1;
+  if (pg &&
+      !(adam.is_sharded(0) && !adam.is_sharded(1) && !adam.is_sharded(2) && !adam.is_sharded(3))) {
+    *err = "unexpected AdamW placement";
+  }
+  // Stacks in sorted shape order: [16, 48] x 2, then [32, 16] x 3.
+  if (muon.num_stacks(0) != 2 || muon.stack_len(0, 0) != 2 ||
+      muon.chunk_size(0, 0) != (world == 2 ? 1 : 2) ||
+      muon.chunk_size(0, 1) != (world == 2 ? 2 : 3)) {
+    *err = "unexpected chunk sizes of group A";
+  }
+  std::vector<at::Tensor> all_muon = ma;
+  for (uint32_t step = 0; step < kSteps; ++step) {
+    if (step == kAddAt) {
+      muon.add_param_group(MuonParamGroup{.params = mb, .lr = 0.01, .weight_decay = 0.05});
+      if (muon.num_groups() != 2 || muon.chunk_size(1, 0) != (world == 2 ? 3 : 5))
+        *err = "add_param_group did not compute chunk_size";
+      all_muon.insert(all_muon.end(), mb.begin(), mb.end());
+    }
+    if (pg) {
+      set_rank_grads(ap, step, rank, asymmetric);
+      set_rank_grads(all_muon, step, rank, asymmetric);
+    } else {
+      set_reference_grads(ap, step, asymmetric);
+      set_reference_grads(all_muon, step, asymmetric);
+    }
+    adam.set_lr(0, 1e-2 * (1.0 - 0.05 * step));  // a schedule through the in-place scalars
+    adam.step();
+    muon.step();
+  }
+  std::vector<at::Tensor> mall = ma;
+  mall.insert(mall.end(), mb.begin(), mb.end());
+  return {flat(ap), flat(mall)};
+}
+
+void expect_world2_matches_world1(bool asymmetric) {
+  const fs::path dir = run_world2([asymmetric](const Pg& pg, uint32_t rank, const fs::path& d) {
+    std::string err;
+    const Trajectory t = train(pg, rank, asymmetric, &err);
+    if (!err.empty()) {
+      fprintf(stderr, "rank %u: %s\n", rank, err.c_str());
+      return 5;
+    }
+    return write_floats(d / fmt::format("adam{}", rank), t.adam) &&
+                   write_floats(d / fmt::format("muon{}", rank), t.muon)
+               ? 0
+               : 4;
+  });
+  ASSERT_FALSE(dir.empty());
+  const auto a0 = read_floats(dir / "adam0"), a1 = read_floats(dir / "adam1");
+  const auto m0 = read_floats(dir / "muon0"), m1 = read_floats(dir / "muon1");
+  fs::remove_all(dir);
+  std::string err;
+  const Trajectory ref = train(nullptr, 0, asymmetric, &err);
+  EXPECT_TRUE(err.empty()) << err;
+  ASSERT_EQ(a0.size(), ref.adam.size());
+  ASSERT_EQ(a1.size(), ref.adam.size());
+  ASSERT_EQ(m0.size(), ref.muon.size());
+  ASSERT_EQ(m1.size(), ref.muon.size());
+  // Ranks are bit-identical; the single-process reference agrees within DESIGN §7's bounds.
+  EXPECT_EQ(std::memcmp(a0.data(), a1.data(), a0.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(m0.data(), m1.data(), m0.size() * sizeof(float)), 0);
+  EXPECT_LE(max_abs_diff(a0, ref.adam), 2e-5f);
+  EXPECT_LE(max_abs_diff(m0, ref.muon), 3e-4f);
+  // The parameters did move.
+  auto ap = make_params(kAdamShapes, 1);
+  EXPECT_GT(max_abs_diff(flat(ap), ref.adam), 1e-3f);
+}
+
+TEST_F(OptimTest, World2MatchesWorld1) {
+  expect_world2_matches_world1(false);
+}
+
+TEST_F(OptimTest, RankAsymmetricPresenceKeepsRanksBitIdentical) {
+  expect_world2_matches_world1(true);
+}
+
+TEST_F(OptimTest, ShardedEqualsForcedReplicatedAndIndivisibleIsReplicated) {
+  const fs::path dir = run_world2([](const Pg& pg, uint32_t rank, const fs::path&) {
+    auto a = make_params(kAdamShapes, 4);
+    auto b = make_params(kAdamShapes, 4);
+    DistAdamW sharded(adam_groups(a), pg);
+    DistAdamW replicated(adam_groups(b), pg, DistAdamWOptions{.crossover_numel = 1LL << 40});
+    if (!sharded.is_sharded(0) || sharded.is_sharded(2)) return 5;  // 33 rows: indivisible
+    for (size_t i = 0; i < a.size(); ++i)
+      if (replicated.is_sharded(i)) return 6;
+    for (uint32_t step = 0; step < 5; ++step) {
+      set_rank_grads(a, step, rank, false);
+      set_rank_grads(b, step, rank, false);
+      sharded.step();
+      replicated.step();
+    }
+    return bit_equal(a, b) ? 0 : 7;
+  });
+  fs::remove_all(dir);
+}
+
+TEST_F(OptimTest, ParameterWithoutAnyGradientIsUntouched) {
+  const fs::path dir = run_world2([](const Pg& pg, uint32_t rank, const fs::path&) {
+    auto ap = make_params(kAdamShapes, 5);
+    auto mp = make_params(kMuonShapesA, 6);
+    const auto a_before = flat({ap[0].detach().clone(), ap[2].detach().clone()});
+    const auto m_before = flat({mp[1].detach().clone()});
+    const auto m_other = flat({mp[0].detach().clone()});
+    DistAdamW adam(adam_groups(ap), pg);  // group 0 has weight decay 0.1
+    DistMuon muon({MuonParamGroup{.params = mp, .weight_decay = 0.1}}, pg);
+    for (uint32_t step = 0; step < 4; ++step) {
+      set_rank_grads(ap, step, rank, false);
+      set_rank_grads(mp, step, rank, false);
+      ap[0].mutable_grad() = at::Tensor();  // sharded, decayed group: no rank has a gradient
+      ap[2].mutable_grad() = at::Tensor();  // replicated
+      mp[1].mutable_grad() = at::Tensor();  // owned by rank 0 within a stack that does step
+      adam.step();
+      muon.step();
+    }
+    if (flat({ap[0], ap[2]}) != a_before) return 5;
+    if (flat({mp[1]}) != m_before) return 6;
+    if (flat({mp[0]}) == m_other) return 7;
+    const OptimizerState s = adam.state_dict();
+    for (const auto& e : s.entries) {
+      if ((e.name == "p0.step" || e.name == "p2.step") && e.value.item<float>() != 0.0f) return 8;
+      if (e.name == "p1.step" && e.value.item<float>() != 4.0f) return 9;
+    }
+    return 0;
+  });
+  fs::remove_all(dir);
+}
+
+TEST_F(OptimTest, StateDictReproducesTheNextStepBitExactly) {
+  const fs::path dir = run_world2([](const Pg& pg, uint32_t rank, const fs::path&) {
+    auto ap = make_params(kAdamShapes, 8);
+    auto mp = make_params(kMuonShapesA, 9);
+    DistAdamW adam(adam_groups(ap), pg);
+    DistMuon muon({MuonParamGroup{.params = mp, .weight_decay = 0.1}}, pg);
+    for (uint32_t step = 0; step < 3; ++step) {
+      set_rank_grads(ap, step, rank, step == 1);
+      set_rank_grads(mp, step, rank, step == 1);
+      adam.step();
+      muon.step();
+    }
+    adam.set_lr(0, 7e-3);
+    muon.set_lr(0, 0.015);
+    const OptimizerState sa = adam.state_dict(), sm = muon.state_dict();
+    if (sa.entries.empty() || sm.entries.empty() || sa.rank != rank || sa.world != 2) return 5;
+    std::vector<at::Tensor> ap2, mp2;
+    for (const auto& p : ap) ap2.push_back(p.detach().clone().requires_grad_(true));
+    for (const auto& p : mp) mp2.push_back(p.detach().clone().requires_grad_(true));
+
+    set_rank_grads(ap, 3, rank, false);
+    set_rank_grads(mp, 3, rank, false);
+    adam.step();
+    muon.step();
+
+    DistAdamW adam2(adam_groups(ap2), pg);
+    DistMuon muon2({MuonParamGroup{.params = mp2, .weight_decay = 0.1}}, pg);
+    adam2.load_state_dict(sa);
+    muon2.load_state_dict(sm);
+    set_rank_grads(ap2, 3, rank, false);
+    set_rank_grads(mp2, 3, rank, false);
+    adam2.step();
+    muon2.step();
+    if (!bit_equal(ap, ap2)) return 6;
+    if (!bit_equal(mp, mp2)) return 7;
+    // A dict from another layout is refused.
+    try {
+      muon2.load_state_dict(sa);
+      return 8;
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kInvalidArgument) return 9;
+    }
+    return 0;
+  });
+  fs::remove_all(dir);
+}
+
+TEST_F(OptimTest, QkvSplitOrthogonalizesEachSliceAlone) {
+  auto split = make_params({{48, 16}}, 10);
+  auto whole = make_params({{48, 16}}, 10);
+  DistMuonOptions o{.bf16_orthogonalization = false};
+  DistMuon ms({MuonParamGroup{.params = split, .qkv_split_sizes = {16, 16, 16}}}, nullptr, o);
+  DistMuon mw({MuonParamGroup{.params = whole}}, nullptr, o);
+  const at::Tensor g = randn({48, 16}, 11);
+  set_grad(split[0], g.clone());
+  set_grad(whole[0], g.clone());
+  ms.step();
+  mw.step();
+  EXPECT_GT(max_abs_diff(flat(split), flat(whole)), 1e-4f);
+
+  // Each slice's orthogonalized direction is that of the slice alone: the orthogonalizer is
+  // applied per slice, so a change confined to the q rows leaves the k and v rows' update
+  // unchanged.
+  auto a = make_params({{48, 16}}, 12);
+  auto b = make_params({{48, 16}}, 12);
+  DistMuon ma({MuonParamGroup{.params = a, .qkv_split_sizes = {16, 16, 16}}}, nullptr, o);
+  DistMuon mb({MuonParamGroup{.params = b, .qkv_split_sizes = {16, 16, 16}}}, nullptr, o);
+  at::Tensor gb = g.clone();
+  gb.narrow(0, 0, 16).mul_(3.0);
+  set_grad(a[0], g.clone());
+  set_grad(b[0], gb);
+  const at::Tensor before = a[0].detach().clone();
+  ma.step();
+  mb.step();
+  const at::Tensor da = (a[0].detach() - before).narrow(0, 16, 32);
+  const at::Tensor db = (b[0].detach() - before).narrow(0, 16, 32);
+  // Variance reduction rescales the whole matrix, so compare directions.
+  const double cos =
+      (da * db).sum().item<double>() / (da.norm().item<double>() * db.norm().item<double>());
+  EXPECT_GT(cos, 0.999);
+}
+
+TEST_F(OptimTest, OrthogonalizersProduceNearOrthogonalMatrices) {
+  const at::Tensor g = randn({2, 32, 16}, 13);
+  for (auto which : {Orthogonalizer::kPolarExpress, Orthogonalizer::kNewtonSchulz}) {
+    const at::Tensor x = detail::orthogonalize(g, which, 5, false);
+    const at::Tensor sv = at::linalg_svdvals(x);
+    EXPECT_GT(sv.min().item<float>(), 0.3f);
+    EXPECT_LT(sv.max().item<float>(), 1.3f);
+  }
+}
+
+TEST_F(OptimTest, MuonRefusesNon2DParameters) {
+  auto ps = make_params({{4, 8, 8}}, 14);
+  try {
+    DistMuon m({MuonParamGroup{.params = ps}}, nullptr);
+    FAIL() << "a 3-D parameter was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("2-D parameters only"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("[4, 8, 8]"), std::string::npos) << e.what();
+  }
+  auto ok = make_params({{8, 8}}, 15);
+  DistMuon m({MuonParamGroup{.params = ok}}, nullptr);
+  EXPECT_THROW(m.add_param_group(MuonParamGroup{.params = make_params({{8}}, 16)}), Error);
+  EXPECT_THROW(m.add_param_group(MuonParamGroup{.params = ok, .qkv_split_sizes = {4, 3}}), Error);
+}
+
+}  // namespace
+}  // namespace megacpp::trainer
