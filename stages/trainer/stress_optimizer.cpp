@@ -1,0 +1,640 @@
+// megacpp-stress-optimizer: the long-run stress harness of DistAdamW / DistMuon (issue 4,
+// item 6). It forks W ranks joined by Gloo over a TCPStore this process hosts, steps both
+// optimizers over a small parameter set with a deterministic schedule of per-rank gradients
+// (present or absent), and checks at every sample that all ranks hold bit-identical
+// parameters and replicated state; with --reference it replays the same schedule through
+// tools/optim_reference.py (float64) and checks the distance to it.
+//
+// Gradient presence (phase = step % 4), generalising {0:g,1:-}, {0:-,1:g}, {0:g,1:g}, {-,-}
+// to W ranks: phase 0 only rank 0 has gradients, phase 1 only rank W-1, phase 2 every rank,
+// phase 3 none. --scenario conditional additionally flips presence for a per-step subset of
+// parameters on a per-rank basis (so one parameter can have a gradient on some ranks only,
+// or on none while its neighbours have one).
+//
+// Samples travel from the ranks to this process through the TCPStore (keys under
+// "stress/"); the cross-rank comparison and the reference comparison run here after the
+// ranks exit. --break-mask makes a rank with no local gradient skip step() (emulating a
+// missing has-grad mask): ranks then either pair their collectives with other ranks' different
+// steps (reported from the published step() call counts, and as distance to the reference;
+// at W=2 the pairing stays symmetric, so parameters stay equal across ranks yet are wrong), or
+// leave a peer in a collective that never completes (Gloo error or timeout; the parent
+// SIGKILLs ranks still running collective_timeout + 5 s after the first failure, or at
+// --deadline). Every wait is bounded.
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "stages/trainer/optim.h"
+#include "stages/trainer/trainer.h"
+
+namespace megacpp::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+
+struct Config {
+  uint32_t world = 2;
+  uint32_t steps = 1000;
+  uint32_t sample_every = 100;
+  std::string scenario = "pure";
+  bool break_mask = false;
+  std::string reference;
+  std::string python = "python3";
+  int collective_timeout_s = 10;
+  int deadline_s = 540;
+  bool keep = false;
+  // 0 by default: the cautious mask (u * p) >= 0 is discontinuous where u crosses 0, so one
+  // element whose u has a different sign in float32 than in float64 moves by lr_eff * wd * p
+  // (~5e-4 here), beyond the Muon tolerance, without anything being wrong.
+  double muon_wd = 0.0;
+};
+
+struct ParamSpec {
+  const char* name;
+  std::vector<int64_t> shape;
+  bool muon;
+};
+// Adam: indices 0..2 (one group). Muon: group 0 = {3, 4}, group 1 = {5} (fused qkv).
+const std::vector<ParamSpec> kParams = {
+    {"wte", {64, 32}, false},         {"lm_head", {64, 32}, false},    {"norm", {32}, false},
+    {"h0.attn_proj", {32, 32}, true}, {"h0.mlp_proj", {32, 32}, true}, {"h0.qkv", {96, 32}, true},
+};
+const std::vector<int64_t> kQkvSplit = {32, 32, 32};
+constexpr double kAdamLr = 0.004, kAdamB1 = 0.8, kAdamB2 = 0.95, kAdamEps = 1e-10, kAdamWd = 0.01;
+constexpr double kMuonLr = 0.02, kMuonMom = 0.95, kMuonB2 = 0.95;
+constexpr double kAdamTol = 2e-5, kMuonTol = 3e-4;
+
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+uint64_t mix3(uint64_t a, uint64_t b, uint64_t c) {
+  return mix(mix(mix(a) ^ b) ^ c);
+}
+
+at::Tensor randn(at::IntArrayRef shape, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen, at::TensorOptions().dtype(at::kFloat));
+}
+at::Tensor init_value(size_t i) {
+  return randn(kParams[i].shape, 1000 + i) * 0.5;
+}
+at::Tensor grad_value(uint32_t step, uint32_t rank, size_t i) {
+  return randn(kParams[i].shape, mix3(step, rank, i));
+}
+
+bool present(const Config& c, uint32_t step, uint32_t rank, size_t i) {
+  bool base = false;
+  switch (step % 4) {
+    case 0:
+      base = rank == 0;
+      break;
+    case 1:
+      base = rank == c.world - 1;
+      break;
+    case 2:
+      base = true;
+      break;
+    default:
+      base = false;
+  }
+  if (c.scenario == "conditional") {
+    const bool in_subset = mix3(step, i, 0xc0ffee) % 2 == 0;
+    const bool flip = mix3(step, rank, i + 77) % 3 == 0;
+    if (in_subset && flip) base = !base;
+  }
+  return base;
+}
+
+std::string key(uint32_t sample, uint32_t rank, const char* what) {
+  return fmt::format("stress/sample{}/rank{}/{}", sample, rank, what);
+}
+
+// Appends a tensor's values (as float64) to data and its description to meta.
+void publish_entry(json& meta, std::vector<double>& data, const std::string& name,
+                   const at::Tensor& t, const std::vector<int64_t>& full_shape, int64_t offset,
+                   bool replicated) {
+  const at::Tensor d = t.detach().to(at::kDouble).contiguous().reshape({-1});
+  meta.push_back({{"name", name},
+                  {"shape", t.sizes().vec()},
+                  {"full_shape", full_shape},
+                  {"offset", offset},
+                  {"replicated", replicated},
+                  {"start", data.size()},
+                  {"numel", d.numel()}});
+  data.insert(data.end(), d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
+}
+
+int run_rank(const Config& c, uint16_t port, uint32_t rank) {
+  uint32_t step = 0;
+  const char* where = "rendezvous";
+  try {
+    GlooOptions go;
+    go.store_port = port;
+    go.rank = rank;
+    go.world = c.world;
+    go.store_timeout = std::chrono::seconds(30);
+    go.collective_timeout = std::chrono::seconds(c.collective_timeout_s);
+    go.store_prefix = "stress/gloo/";
+    auto pg = connect_gloo(go);
+    c10d::TCPStoreOptions so;
+    so.port = port;
+    so.isServer = false;
+    so.timeout = std::chrono::seconds(30);
+    auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+
+    std::vector<at::Tensor> p;
+    for (size_t i = 0; i < kParams.size(); ++i) p.push_back(init_value(i).requires_grad_(true));
+    DistAdamW adam({AdamWParamGroup{.params = {p[0], p[1], p[2]},
+                                    .lr = kAdamLr,
+                                    .beta1 = kAdamB1,
+                                    .beta2 = kAdamB2,
+                                    .eps = kAdamEps,
+                                    .weight_decay = kAdamWd}},
+                   pg);
+    DistMuon muon({MuonParamGroup{.params = {p[3], p[4]},
+                                  .lr = kMuonLr,
+                                  .momentum = kMuonMom,
+                                  .beta2 = kMuonB2,
+                                  .weight_decay = c.muon_wd},
+                   MuonParamGroup{.params = {p[5]},
+                                  .lr = kMuonLr,
+                                  .momentum = kMuonMom,
+                                  .beta2 = kMuonB2,
+                                  .weight_decay = c.muon_wd,
+                                  .qkv_split_sizes = kQkvSplit}},
+                  pg, DistMuonOptions{.bf16_orthogonalization = false});
+    uint32_t adam_calls = 0, muon_calls = 0;
+    for (step = 0; step < c.steps; ++step) {
+      bool any_adam = false, any_muon = false;
+      for (size_t i = 0; i < p.size(); ++i) {
+        const bool has = present(c, step, rank, i);
+        p[i].mutable_grad() = has ? grad_value(step, rank, i) : at::Tensor();
+        (kParams[i].muon ? any_muon : any_adam) |= has;
+      }
+      where = "DistAdamW::step";
+      if (!c.break_mask || any_adam) {
+        adam.step();
+        ++adam_calls;
+      }
+      where = "DistMuon::step";
+      if (!c.break_mask || any_muon) {
+        muon.step();
+        ++muon_calls;
+      }
+      where = "sample publication";
+      if ((step + 1) % c.sample_every == 0) {
+        json meta = json::array();
+        std::vector<double> data;
+        for (size_t i = 0; i < p.size(); ++i)
+          publish_entry(meta, data, fmt::format("param.{}", kParams[i].name), p[i],
+                        p[i].sizes().vec(), 0, true);
+        for (const auto& [prefix, st] :
+             {std::pair{"adam.", adam.state_dict()}, std::pair{"muon.", muon.state_dict()}})
+          for (const auto& e : st.entries)
+            publish_entry(meta, data, prefix + e.name, e.value, e.full_shape, e.offset,
+                          e.replicated);
+        const std::string m = meta.dump();
+        std::vector<uint8_t> mb(m.begin(), m.end());
+        std::vector<uint8_t> db(data.size() * sizeof(double));
+        std::memcpy(db.data(), data.data(), db.size());
+        store->set(key(step + 1, rank, "data"), db);
+        const std::string calls = fmt::format("{} {}", adam_calls, muon_calls);
+        store->set(key(step + 1, rank, "calls"), std::vector<uint8_t>(calls.begin(), calls.end()));
+        store->set(key(step + 1, rank, "meta"), mb);
+      }
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    fprintf(stderr, "rank %u: failed at step %u in %s: %s\n", rank, step, where, e.what());
+    return 3;
+  }
+}
+
+// ---- safetensors (little-endian; header padded with spaces to a multiple of 8) ----------
+void write_safetensors(const fs::path& path,
+                       const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  json header = json::object();
+  size_t off = 0;
+  std::vector<at::Tensor> data;
+  for (const auto& [name, t] : tensors) {
+    at::Tensor c = t.detach().to(at::kFloat).contiguous();
+    const size_t bytes = static_cast<size_t>(c.numel()) * sizeof(float);
+    header[name] = {
+        {"dtype", "F32"}, {"shape", c.sizes().vec()}, {"data_offsets", {off, off + bytes}}};
+    off += bytes;
+    data.push_back(c);
+  }
+  std::string h = header.dump();
+  while (h.size() % 8 != 0) h.push_back(' ');
+  std::ofstream f(path, std::ios::binary);
+  const uint64_t n = h.size();
+  f.write(reinterpret_cast<const char*>(&n), 8);
+  f.write(h.data(), static_cast<std::streamsize>(h.size()));
+  for (const auto& c : data)
+    f.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.nbytes()));
+  if (!f.good()) throw std::runtime_error("writing " + path.string() + " failed");
+}
+
+std::map<std::string, std::vector<double>> read_safetensors(const fs::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  uint64_t n = 0;
+  f.read(reinterpret_cast<char*>(&n), 8);
+  std::string h(n, '\0');
+  f.read(h.data(), static_cast<std::streamsize>(n));
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (!f.eof() && !f.good()) throw std::runtime_error("reading " + path.string() + " failed");
+  std::map<std::string, std::vector<double>> out;
+  const json header = json::parse(h);  // items() refers into it: keep it alive
+  for (const auto& [name, v] : header.items()) {
+    if (name == "__metadata__") continue;
+    const size_t b = v["data_offsets"][0], e = v["data_offsets"][1];
+    const std::string dt = v["dtype"];
+    std::vector<double>& o = out[name];
+    if (dt == "F64") {
+      o.resize((e - b) / 8);
+      std::memcpy(o.data(), bytes.data() + b, e - b);
+    } else if (dt == "I64") {
+      std::vector<int64_t> t((e - b) / 8);
+      std::memcpy(t.data(), bytes.data() + b, e - b);
+      o.assign(t.begin(), t.end());
+    } else {
+      throw std::runtime_error(
+          fmt::format("{}: unexpected dtype {} for {}", path.string(), dt, name));
+    }
+  }
+  return out;
+}
+
+double max_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+
+// One sample as the ranks published it, assembled into logical tensors named like the
+// reference's OUT keys ("{p}", "{p}.exp_avg", ...).
+struct Sample {
+  double max_param_diff = 0;       // across ranks
+  double max_replicated_diff = 0;  // replicated optimizer state, across ranks
+  std::string calls_error;         // a rank that issued fewer step() calls than steps
+  std::map<std::string, std::vector<double>> logical;
+};
+
+Sample assemble(const Config& c, c10d::Store& store, uint32_t k) {
+  Sample s;
+  std::vector<json> metas(c.world);
+  std::vector<std::vector<double>> datas(c.world);
+  for (uint32_t r = 0; r < c.world; ++r) {
+    if (!store.check({key(k, r, "meta")}))
+      throw std::runtime_error(fmt::format("sample {}: rank {} never published it", k, r));
+    const auto m = store.get(key(k, r, "meta"));
+    metas[r] = json::parse(std::string(m.begin(), m.end()));
+    const auto cb = store.get(key(k, r, "calls"));
+    unsigned adam_calls = 0, muon_calls = 0;
+    if (sscanf(std::string(cb.begin(), cb.end()).c_str(), "%u %u", &adam_calls, &muon_calls) != 2 ||
+        adam_calls != k || muon_calls != k)
+      s.calls_error +=
+          fmt::format(" rank {} issued {} DistAdamW::step and {} DistMuon::step calls in {} steps;",
+                      r, adam_calls, muon_calls, k);
+    const auto d = store.get(key(k, r, "data"));
+    datas[r].resize(d.size() / sizeof(double));
+    std::memcpy(datas[r].data(), d.data(), d.size());
+  }
+  std::map<std::string, std::vector<double>> raw;  // entry name -> assembled logical values
+  for (size_t e = 0; e < metas[0].size(); ++e) {
+    const json& m0 = metas[0][e];
+    const std::string name = m0["name"];
+    const std::vector<int64_t> full = m0["full_shape"];
+    int64_t full_numel = 1;
+    for (int64_t d : full) full_numel *= d;
+    const int64_t row = full.empty() ? 1 : full_numel / std::max<int64_t>(full[0], 1);
+    std::vector<double> out(static_cast<size_t>(full_numel), 0.0);
+    for (uint32_t r = 0; r < c.world; ++r) {
+      const json& m = metas[r].at(e);
+      if (m["name"] != name) throw std::runtime_error("ranks published different state layouts");
+      const size_t start = m["start"], numel = m["numel"];
+      const double* v = datas[r].data() + start;
+      if (m["replicated"]) {
+        double d = 0;
+        for (size_t i = 0; i < numel; ++i)
+          d = std::max(d, std::abs(v[i] - (r == 0 ? v[i] : out[i])));
+        if (r == 0) std::copy(v, v + numel, out.begin());
+        double& acc = name.rfind("param.", 0) == 0 ? s.max_param_diff : s.max_replicated_diff;
+        acc = std::max(acc, d);
+      } else {
+        const size_t at = static_cast<size_t>(m["offset"].get<int64_t>() * row);
+        std::copy(v, v + std::min(numel, out.size() - std::min(at, out.size())), out.begin() + at);
+      }
+    }
+    raw[name] = std::move(out);
+  }
+  // Map entry names to the reference's logical names.
+  for (size_t i = 0; i < kParams.size(); ++i)
+    s.logical[kParams[i].name] = raw.at(fmt::format("param.{}", kParams[i].name));
+  for (size_t i = 0; i < 3; ++i) {
+    const std::string n = kParams[i].name;
+    s.logical[n + ".exp_avg"] = raw.at(fmt::format("adam.p{}.exp_avg", i));
+    s.logical[n + ".exp_avg_sq"] = raw.at(fmt::format("adam.p{}.exp_avg_sq", i));
+    s.logical[n + ".step"] = raw.at(fmt::format("adam.p{}.step", i));
+  }
+  const std::vector<std::pair<std::string, std::vector<size_t>>> stacks = {{"g0.s0", {3, 4}},
+                                                                           {"g1.s0", {5}}};
+  for (const auto& [st, members] : stacks) {
+    const auto& mom = raw.at("muon." + st + ".momentum");
+    const auto& sec = raw.at("muon." + st + ".second_momentum");
+    for (size_t j = 0; j < members.size(); ++j) {
+      const auto& shp = kParams[members[j]].shape;
+      const size_t mn = static_cast<size_t>(shp[0] * shp[1]);
+      const size_t sn = static_cast<size_t>(shp[0] >= shp[1] ? shp[0] : shp[1]);
+      const std::string n = kParams[members[j]].name;
+      s.logical[n + ".momentum_buffer"].assign(mom.begin() + j * mn, mom.begin() + (j + 1) * mn);
+      s.logical[n + ".second_momentum_buffer"].assign(sec.begin() + j * sn,
+                                                      sec.begin() + (j + 1) * sn);
+    }
+  }
+  return s;
+}
+
+// Runs argv with a deadline; returns the exit status or -1 when it was killed at the deadline.
+int run_child(const std::vector<std::string>& args, int deadline_s) {
+  const pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execvp(argv[0], argv.data());
+    fprintf(stderr, "execvp %s: %s\n", argv[0], strerror(errno));
+    _exit(127);
+  }
+  const auto deadline = Clock::now() + std::chrono::seconds(deadline_s);
+  for (;;) {
+    int st = 0;
+    if (waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+    if (Clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &st, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+int run(const Config& c) {
+  torch::set_num_threads(1);  // forked ranks must not inherit a live OpenMP pool
+  c10d::TCPStoreOptions so;
+  so.port = 0;
+  so.isServer = true;
+  so.waitWorkers = false;
+  so.timeout = std::chrono::seconds(30);
+  auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  const uint16_t port = server->getPort();
+  const auto t0 = Clock::now();
+
+  std::vector<pid_t> pids(c.world, -1);
+  for (uint32_t r = 0; r < c.world; ++r) {
+    pids[r] = fork();
+    if (pids[r] < 0) {
+      fprintf(stderr, "fork failed\n");
+      return 2;
+    }
+    if (pids[r] == 0) _exit(run_rank(c, port, r));
+  }
+  std::vector<int> status(c.world, -1);
+  std::vector<bool> killed(c.world, false);
+  const auto deadline = t0 + std::chrono::seconds(c.deadline_s);
+  std::optional<Clock::time_point> first_failure;
+  const auto grace = std::chrono::seconds(c.collective_timeout_s + 5);
+  for (uint32_t done = 0; done < c.world;) {
+    for (uint32_t r = 0; r < c.world; ++r) {
+      int st = 0;
+      if (status[r] == -1 && waitpid(pids[r], &st, WNOHANG) == pids[r]) {
+        status[r] = st;
+        ++done;
+        if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0) && !first_failure) {
+          first_failure = Clock::now();
+          fprintf(stderr, "rank %u failed first (status %d); others get %llds to finish\n", r,
+                  WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st),
+                  static_cast<long long>(grace.count()));
+        }
+      }
+    }
+    const auto now = Clock::now();
+    if (done < c.world && (now > deadline || (first_failure && now > *first_failure + grace))) {
+      for (uint32_t r = 0; r < c.world; ++r) {
+        if (status[r] != -1) continue;
+        kill(pids[r], SIGKILL);
+        waitpid(pids[r], &status[r], 0);
+        killed[r] = true;
+        ++done;
+        fprintf(stderr, "rank %u: still running %s; killed (stuck in a collective)\n", r,
+                now > deadline ? fmt::format("at the {}s deadline", c.deadline_s).c_str()
+                               : "after another rank failed");
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const double train_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  bool ok = true;
+  for (uint32_t r = 0; r < c.world; ++r) {
+    if (killed[r] || !WIFEXITED(status[r]) || WEXITSTATUS(status[r]) != 0) ok = false;
+  }
+  if (!ok) {
+    std::string failed, finished;
+    for (uint32_t r = 0; r < c.world; ++r) {
+      const bool good = !killed[r] && WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0;
+      (good ? finished : failed) += fmt::format(" {}", r);
+    }
+    fprintf(stderr,
+            "FAIL: after %.1fs ranks [%s ] failed or were killed inside a collective (see their "
+            "errors above) while ranks [%s ] finished: the ranks' collective sequences diverged "
+            "(stuck or mismatched collective)\n",
+            train_s, failed.c_str(), finished.c_str());
+    return 1;
+  }
+  printf("world %u, %u steps, scenario %s%s: ranks finished in %.1fs\n", c.world, c.steps,
+         c.scenario.c_str(), c.break_mask ? " (break-mask)" : "", train_s);
+
+  std::vector<uint32_t> ks;
+  for (uint32_t k = c.sample_every; k <= c.steps; k += c.sample_every) ks.push_back(k);
+  std::vector<Sample> samples;
+  for (uint32_t k : ks) {
+    samples.push_back(assemble(c, *server, k));
+    const Sample& s = samples.back();
+    printf("sample %u: max_abs_param_diff=%.17g max_replicated_state_diff=%.17g (across ranks)\n",
+           k, s.max_param_diff, s.max_replicated_diff);
+    if (!s.calls_error.empty()) {
+      fprintf(stderr,
+              "FAIL: collective sequences diverged by sample %u:%s their collectives "
+              "paired with other ranks' different steps\n",
+              k, s.calls_error.c_str());
+      ok = false;
+    }
+    if (s.max_param_diff != 0.0 || s.max_replicated_diff != 0.0) {
+      fprintf(stderr,
+              "FAIL: ranks diverged by sample %u (max_abs_param_diff=%.17g, "
+              "max_replicated_state_diff=%.17g)\n",
+              k, s.max_param_diff, s.max_replicated_diff);
+      ok = false;
+    }
+  }
+  if (!ok) return 1;
+  if (c.reference.empty()) {
+    printf("PASS (no reference)\n");
+    return 0;
+  }
+
+  char tmpl[] = "/tmp/megacpp-stress-optimizer-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) throw std::runtime_error("mkdtemp failed");
+  const fs::path dir(tmpl);
+  std::vector<std::pair<std::string, at::Tensor>> init, grads;
+  json params = json::array();
+  for (size_t i = 0; i < kParams.size(); ++i) {
+    init.emplace_back(kParams[i].name, init_value(i));
+    json p = {{"name", kParams[i].name},
+              {"shape", kParams[i].shape},
+              {"optimizer", kParams[i].muon ? "muon" : "adamw"},
+              {"init", {{"file", "init.safetensors"}, {"key", kParams[i].name}}}};
+    if (i == 5) p["qkv_split_sizes"] = kQkvSplit;
+    params.push_back(p);
+  }
+  for (uint32_t s = 0; s < c.steps; ++s)
+    for (uint32_t r = 0; r < c.world; ++r)
+      for (size_t i = 0; i < kParams.size(); ++i)
+        if (present(c, s, r, i))
+          grads.emplace_back(fmt::format("step{}.rank{}.{}", s, r, kParams[i].name),
+                             grad_value(s, r, i));
+  const json spec = {{"world_size", c.world},
+                     {"steps", c.steps},
+                     {"hyperparameters",
+                      {{"adamw",
+                        {{"lr", kAdamLr},
+                         {"betas", {kAdamB1, kAdamB2}},
+                         {"eps", kAdamEps},
+                         {"weight_decay", kAdamWd}}},
+                       {"muon",
+                        {{"lr", kMuonLr},
+                         {"momentum", kMuonMom},
+                         {"beta2", kMuonB2},
+                         {"weight_decay", c.muon_wd},
+                         {"ns_method", "polar_express"},
+                         {"ns_steps", 5}}}}},
+                     {"params", params}};
+  write_safetensors(dir / "init.safetensors", init);
+  write_safetensors(dir / "grads.safetensors", grads);
+  std::ofstream(dir / "spec.json") << spec.dump(2);
+  const auto tr = Clock::now();
+  const int rc =
+      run_child({c.python, c.reference, "--spec", (dir / "spec.json").string(), "--grads",
+                 (dir / "grads.safetensors").string(), "--out", (dir / "out.safetensors").string(),
+                 "--sample-every", std::to_string(c.sample_every)},
+                c.deadline_s);
+  if (rc != 0) {
+    fprintf(stderr, "FAIL: the reference %s (inputs kept in %s)\n",
+            rc == -1 ? "hit the deadline" : fmt::format("exited {}", rc).c_str(), dir.c_str());
+    return 1;
+  }
+  const auto ref = read_safetensors(dir / "out.safetensors");
+  printf("reference: %zu gradient tensors replayed in %.1fs\n", grads.size(),
+         std::chrono::duration<double>(Clock::now() - tr).count());
+  auto ref_get = [&](const std::string& k) -> const std::vector<double>& {
+    auto it = ref.find(k);
+    if (it == ref.end()) throw std::runtime_error("reference output lacks " + k);
+    return it->second;
+  };
+  for (size_t si = 0; si < ks.size(); ++si) {
+    const Sample& s = samples[si];
+    const std::string pre = fmt::format("sample{}.", ks[si]);
+    double adam = 0, mu_p = 0, mu_a = 0, mu_b = 0;
+    bool steps_equal = true;
+    std::string worst_mu = "-";
+    for (size_t i = 0; i < kParams.size(); ++i) {
+      const std::string n = kParams[i].name;
+      if (!kParams[i].muon) {
+        for (const char* suf : {"", ".exp_avg", ".exp_avg_sq"})
+          adam = std::max(adam, max_diff(s.logical.at(n + suf), ref_get(pre + n + suf)));
+        steps_equal &= s.logical.at(n + ".step") == ref_get(pre + n + ".step");
+      } else {
+        const double d = max_diff(s.logical.at(n), ref_get(pre + n));
+        if (d > mu_p) worst_mu = n;
+        mu_p = std::max(mu_p, d);
+        mu_a = std::max(mu_a, max_diff(s.logical.at(n + ".momentum_buffer"),
+                                       ref_get(pre + n + ".momentum_buffer")));
+        mu_b = std::max(mu_b, max_diff(s.logical.at(n + ".second_momentum_buffer"),
+                                       ref_get(pre + n + ".second_momentum_buffer")));
+      }
+    }
+    const bool good =
+        steps_equal && adam <= kAdamTol && mu_p <= kMuonTol && mu_a <= kMuonTol && mu_b <= kMuonTol;
+    printf(
+        "sample %u vs reference: max_adam_abs_diff=%.3g max_mu_param_abs_diff=%.3g "
+        "(%s) max_mu_a_abs_diff=%.3g max_mu_b_abs_diff=%.3g adam_steps_equal=%s %s\n",
+        ks[si], adam, mu_p, worst_mu.c_str(), mu_a, mu_b, steps_equal ? "yes" : "NO",
+        good ? "ok" : "OUT OF TOLERANCE");
+    ok &= good;
+  }
+  if (!ok) {
+    fprintf(stderr,
+            "FAIL: distance to the reference out of tolerance (Adam %g, Muon %g); "
+            "inputs kept in %s\n",
+            kAdamTol, kMuonTol, dir.c_str());
+    return 1;
+  }
+  if (!c.keep) fs::remove_all(dir);
+  printf("PASS\n");
+  return 0;
+}
+
+}  // namespace
+}  // namespace megacpp::trainer
+
+int main(int argc, char** argv) {
+  megacpp::trainer::Config c;
+  CLI::App app{"Stress DistAdamW/DistMuon over W forked Gloo ranks (issue 4 item 6)"};
+  app.add_option("--world", c.world, "ranks")->check(CLI::Range(1u, 64u));
+  app.add_option("--steps", c.steps, "optimizer steps")->check(CLI::Range(1u, 1000000u));
+  app.add_option("--sample-every", c.sample_every, "compare every N steps")
+      ->check(CLI::Range(1u, 1000000u));
+  app.add_option("--scenario", c.scenario, "gradient presence schedule")
+      ->check(CLI::IsMember({"pure", "conditional"}));
+  app.add_flag("--break-mask", c.break_mask,
+               "ranks without a local gradient skip step() (must fail, never hang)");
+  app.add_option("--reference", c.reference, "tools/optim_reference.py");
+  app.add_option("--python", c.python, "python interpreter for --reference");
+  app.add_option("--collective-timeout", c.collective_timeout_s, "Gloo timeout, seconds");
+  app.add_option("--deadline", c.deadline_s, "parent-side deadline, seconds");
+  app.add_option("--muon-weight-decay", c.muon_wd, "Muon (cautious) weight decay");
+  app.add_flag("--keep", c.keep, "keep the reference inputs/outputs");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return megacpp::trainer::run(c);
+  } catch (const std::exception& e) {
+    fprintf(stderr, "FAIL: %s\n", e.what());
+    return 1;
+  }
+}
