@@ -1,5 +1,9 @@
 // megacpp: the user's entry point.
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -115,6 +119,13 @@ int main(int argc, char** argv) {
       app.add_subcommand("verify", "Verify a checkpoint directory (or a run's LATEST checkpoint)");
   verify_cmd->add_option("path", verify_path, "Checkpoint directory or run directory")->required();
 
+  auto* stress = app.add_subcommand("stress-optimizer",
+                                    "Run the distributed-optimizer stress harness "
+                                    "(megacpp-stress-optimizer; its --help lists the options)");
+  stress->allow_extras();
+  stress->prefix_command();
+  stress->set_help_flag();  // --help goes to the harness, which lists its own options
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -143,6 +154,19 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*verify_cmd) return verify(verify_path);
+    if (*stress) {
+      // The harness links torch and forks Gloo ranks: it is its own executable next to this one.
+      auto exe = fs::read_symlink("/proc/self/exe").parent_path() / "megacpp-stress-optimizer";
+      std::vector<std::string> args = {exe.string()};
+      for (const auto& a : stress->remaining()) args.push_back(a);
+      std::vector<char*> cargs;
+      for (auto& a : args) cargs.push_back(a.data());
+      cargs.push_back(nullptr);
+      std::fflush(stdout);
+      ::execv(cargs[0], cargs.data());
+      throw mc::Error(mc::ErrorKind::kSystem,
+                      fmt::format("cannot run {}: {}", exe.string(), std::strerror(errno)));
+    }
   } catch (const mc::Error& e) {
     std::fflush(stdout);
     fmt::print(stderr, "megacpp: error: {}\n", e.what());

@@ -1,9 +1,9 @@
-// megacpp-stress-optimizer: the long-run stress harness of DistAdamW / DistMuon (issue 4,
-// item 6). It forks W ranks joined by Gloo over a TCPStore this process hosts, steps both
-// optimizers over a small parameter set with a deterministic schedule of per-rank gradients
-// (present or absent), and checks at every sample that all ranks hold bit-identical
-// parameters and replicated state; with --reference it replays the same schedule through
-// tools/optim_reference.py (float64) and checks the distance to it.
+// megacpp-stress-optimizer: the long-run stress harness of DistAdamW / DistMuon. It forks W ranks
+// joined by Gloo over a TCPStore this process hosts, steps both optimizers over a small parameter
+// set with a deterministic schedule of per-rank gradients (present or absent), and checks at every
+// sample that all ranks hold bit-identical parameters and replicated state; with --reference it
+// replays the same schedule through tools/optim_reference.py (float64) and checks the distance to
+// it.
 //
 // Gradient presence (phase = step % 4), generalising {0:g,1:-}, {0:-,1:g}, {0:g,1:g}, {-,-}
 // to W ranks: phase 0 only rank 0 has gradients, phase 1 only rank W-1, phase 2 every rank,
@@ -615,7 +615,7 @@ int run(const Config& c) {
 
 int main(int argc, char** argv) {
   megacpp::trainer::Config c;
-  CLI::App app{"Stress DistAdamW/DistMuon over W forked Gloo ranks (issue 4 item 6)"};
+  CLI::App app{"Stress DistAdamW/DistMuon over W forked Gloo ranks"};
   app.add_option("--world", c.world, "ranks")->check(CLI::Range(1u, 64u));
   app.add_option("--steps", c.steps, "optimizer steps")->check(CLI::Range(1u, 1000000u));
   app.add_option("--sample-every", c.sample_every, "compare every N steps")
