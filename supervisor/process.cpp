@@ -60,37 +60,33 @@ std::filesystem::path self_exe_dir() {
   return std::filesystem::read_symlink("/proc/self/exe").parent_path();
 }
 
-}  // namespace megacpp::supervisor::detail
-
-namespace megacpp::supervisor::detail {
-uint64_t process_start_ticks(pid_t pid) {
+namespace {
+// The fields of /proc/<pid>/stat after the command name (field 2, parenthesised, may hold
+// spaces, so the split is at its last ')'): field 3 comes first. Empty when unreadable.
+std::string stat_after_comm(pid_t pid) {
   std::string stat;
   try {
     stat = read_file(fmt::format("/proc/{}/stat", pid));
   } catch (const Error&) {
-    return 0;
+    return {};
   }
-  // The command name (field 2) is parenthesised and may hold spaces: count from its end.
   auto close = stat.rfind(')');
-  if (close == std::string::npos) return 0;
-  std::istringstream in(stat.substr(close + 2));
+  return close == std::string::npos || close + 2 >= stat.size() ? std::string()
+                                                                : stat.substr(close + 2);
+}
+}  // namespace
+
+uint64_t process_start_ticks(pid_t pid) {
+  std::istringstream in(stat_after_comm(pid));
   std::string field;
   for (int i = 3; i <= 22 && (in >> field); ++i) {
     if (i == 22) return std::stoull(field);
   }
   return 0;
 }
-}  // namespace megacpp::supervisor::detail
 
-namespace megacpp::supervisor::detail {
 char process_state(pid_t pid) {
-  std::string stat;
-  try {
-    stat = read_file(fmt::format("/proc/{}/stat", pid));
-  } catch (const Error&) {
-    return '?';
-  }
-  auto close = stat.rfind(')');
-  return close != std::string::npos && close + 2 < stat.size() ? stat[close + 2] : '?';
+  std::string rest = stat_after_comm(pid);
+  return rest.empty() ? '?' : rest[0];
 }
 }  // namespace megacpp::supervisor::detail

@@ -24,15 +24,10 @@ int block_signals_to_fd();
 
 std::filesystem::path self_exe_dir();
 
-}  // namespace megacpp::supervisor::detail
-
-namespace megacpp::supervisor::detail {
 // Field 22 of /proc/<pid>/stat (start time in clock ticks since boot): with the pid it names
 // one process, even after the pid is reused. 0 when the process does not exist.
 uint64_t process_start_ticks(pid_t pid);
-}  // namespace megacpp::supervisor::detail
 
-namespace megacpp::supervisor::detail {
 // Field 3 of /proc/<pid>/stat ('R', 'S', 'T' for stopped, ...); '?' when unreadable.
 char process_state(pid_t pid);
 }  // namespace megacpp::supervisor::detail

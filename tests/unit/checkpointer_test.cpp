@@ -23,30 +23,14 @@
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
 #include "stages/checkpointer/checkpointer.h"
+#include "tests/unit/test_support.h"
 
 namespace megacpp::checkpointer {
 namespace {
 
 using namespace std::chrono_literals;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "mck-XXXXXX").string();
-    MEGACPP_CHECK(::mkdtemp(tmpl.data()) != nullptr, ErrorKind::kSystem, "mkdtemp");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using megacpp::test_support::TempDir;
 
 // A byte buffer standing in for a staging region, with F32/I64 tensors at known offsets.
 struct FakeRegion {

@@ -24,6 +24,7 @@
 #include "schemas/manifest.capnp.h"
 #include "schemas/run_layout.h"
 #include "stages/collector/collector.h"
+#include "tests/unit/test_support.h"
 
 namespace megacpp::collector {
 namespace {
@@ -33,24 +34,7 @@ using schema::StageKind;
 
 constexpr int64_t kWallBase = 1'700'000'000'000'000'000;  // 2023-11-14T22:13:20Z
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "mcol-XXXXXX").string();
-    MEGACPP_CHECK(::mkdtemp(tmpl.data()) != nullptr, ErrorKind::kSystem, "mkdtemp");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using megacpp::test_support::TempDir;
 
 // Synthesises a run: launch.json and journal records with chosen timestamps (t in ms).
 class FakeRun {

@@ -20,6 +20,7 @@
 
 #include "core/error.h"
 #include "ipc/ipc.h"
+#include "tests/unit/test_support.h"
 
 namespace megacpp::ipc {
 namespace {
@@ -27,26 +28,7 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-// A private temporary directory, removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "megacpp-ipc-test-XXXXXX").string();
-    char* p = ::mkdtemp(tmpl.data());
-    if (p == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = p;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using megacpp::test_support::TempDir;
 
 // A forked child that is killed and reaped if the test leaves early.
 class Child {

@@ -29,6 +29,7 @@
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
 #include "stages/stage.h"
+#include "tests/unit/test_support.h"
 
 // Outside any anonymous namespace: external linkage puts them in the dynamic symbol table
 // (-rdynamic), so backtraces can name them.
@@ -65,24 +66,7 @@ std::string s(capnp::Text::Reader t) {
   return t.cStr();
 }
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "mstage-XXXXXX").string();
-    MEGACPP_CHECK(::mkdtemp(tmpl.data()) != nullptr, ErrorKind::kSystem, "mkdtemp");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using megacpp::test_support::TempDir;
 
 // A minimal run directory: launch.json whose control endpoint is a socket in the directory.
 class RunDir {

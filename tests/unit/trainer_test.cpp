@@ -28,6 +28,7 @@
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
 #include "stages/trainer/trainer.h"
+#include "tests/unit/test_support.h"
 
 namespace megacpp::trainer {
 namespace {
@@ -316,24 +317,7 @@ TEST_F(TrainerTest, TensorEntriesFillTheMessage) {
 
 using namespace std::chrono_literals;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "mtr-XXXXXX").string();
-    MEGACPP_CHECK(::mkdtemp(tmpl.data()) != nullptr, ErrorKind::kSystem, "mkdtemp");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using megacpp::test_support::TempDir;
 
 std::string staging_prefix() {
   return fmt::format("/megacpp-trtest-{}-", ::getpid());
