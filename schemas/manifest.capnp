@@ -3,6 +3,7 @@
 using Cxx = import "/capnp/c++.capnp";
 $Cxx.namespace("megacpp::schema");
 using Common = import "common.capnp";
+using Journal = import "journal.capnp";
 
 enum RunState {
   launched @0;
@@ -46,20 +47,7 @@ struct RunError {
 struct GraphSnapshot {
   reason @0 :Text;
   at @1 :Text;
-  entries @2 :List(GraphSnapshotEntry);
-}
-
-struct GraphSnapshotEntry {
-  stage @0 :Common.StageKind;
-  rank @1 :UInt32;
-  pid @2 :Int32;
-  generation @3 :UInt32;
-  state @4 :Text;
-  heartbeatAgeSeconds @5 :Float64;
-  phaseAgeSeconds @6 :Float64;
-  step @7 :UInt32;
-  phase @8 :Common.Phase;
-  restarts @9 :UInt32;
+  entries @2 :List(Journal.GraphEntry);  # as journaled by the supervisor
 }
 
 struct JournalSummary {

@@ -417,22 +417,7 @@ void Collector::render() {
       auto g = m.initStageGraph();
       g.setReason(s.graph->reason);
       g.setAt(rfc3339(s.graph->wall));
-      auto src = s.graph->message.getRoot<schema::StageGraph>().getEntries();
-      auto dst = g.initEntries(src.size());
-      for (unsigned k = 0; k < src.size(); ++k) {
-        auto a = src[k];
-        auto b = dst[k];
-        b.setStage(a.getStage());
-        b.setRank(a.getRank());
-        b.setPid(a.getPid());
-        b.setGeneration(a.getGeneration());
-        b.setState(a.getState());
-        b.setHeartbeatAgeSeconds(a.getHeartbeatAgeSeconds());
-        b.setPhaseAgeSeconds(a.getPhaseAgeSeconds());
-        b.setStep(a.getStep());
-        b.setPhase(a.getPhase());
-        b.setRestarts(a.getRestarts());
-      }
+      g.setEntries(s.graph->message.getRoot<schema::StageGraph>().getEntries());
     }
     if (s.checkpoint) {
       m.setLatestCheckpoint(s.checkpoint->second);
