@@ -112,12 +112,6 @@ void load_entries(const std::string& kind, uint32_t rank, uint32_t world, const 
   }
 }
 
-OptimizerState clone_entries(const std::string& kind, uint32_t rank, uint32_t world, Entries live) {
-  OptimizerState s{.kind = kind, .rank = rank, .world = world, .entries = std::move(live)};
-  for (auto& e : s.entries) e.value = e.value.detach().clone();
-  return s;
-}
-
 void add_scalar_entry(Entries& out, std::string name, const at::Tensor& t) {
   out.push_back(OptimizerStateEntry{
       .name = std::move(name), .value = t, .full_shape = {}, .offset = 0, .replicated = true});
@@ -293,6 +287,12 @@ void DistAdamW::step() {
 }
 
 OptimizerState DistAdamW::state_dict() const {
+  OptimizerState s = state_view();
+  for (auto& e : s.entries) e.value = e.value.detach().clone();
+  return s;
+}
+
+OptimizerState DistAdamW::state_view() const {
   Entries live;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Param& q = params_[i];
@@ -317,7 +317,7 @@ OptimizerState DistAdamW::state_dict() const {
     add_scalar_entry(live, fmt::format("g{}.eps", g), s.eps);
     add_scalar_entry(live, fmt::format("g{}.weight_decay", g), s.weight_decay);
   }
-  return clone_entries("dist_adamw", rank_, world_, std::move(live));
+  return OptimizerState{.kind = "dist_adamw", .rank = rank_, .world = world_, .entries = live};
 }
 
 void DistAdamW::load_state_dict(const OptimizerState& state) {
@@ -346,6 +346,7 @@ void DistAdamW::load_state_dict(const OptimizerState& state) {
 
 struct DistMuon::Stack {
   std::vector<at::Tensor> params;
+  std::vector<size_t> members;  // index of each params entry in its group's given order
   int64_t rows = 0, cols = 0, chunk = 0;
   int red_dim = -1;
   at::Tensor momentum;  // (chunk, rows, cols): this rank's entries [rank*chunk, ...)
@@ -414,15 +415,17 @@ void DistMuon::add_param_group(MuonParamGroup group) {
   g.s.beta2 = scalar_tensor(group.beta2, device);
   g.s.weight_decay = scalar_tensor(group.weight_decay, device);
   g.qkv = group.qkv_split_sizes;
-  std::map<std::pair<int64_t, int64_t>, std::vector<at::Tensor>> by_shape;  // sorted shapes
-  for (const auto& p : group.params) by_shape[{p.size(0), p.size(1)}].push_back(p);
-  for (auto& [shape, params] : by_shape) {
+  std::map<std::pair<int64_t, int64_t>, std::vector<size_t>> by_shape;  // sorted shapes
+  for (size_t i = 0; i < group.params.size(); ++i)
+    by_shape[{group.params[i].size(0), group.params[i].size(1)}].push_back(i);
+  for (auto& [shape, members] : by_shape) {
     Stack s;
     s.rows = shape.first;
     s.cols = shape.second;
-    s.params = std::move(params);
+    for (size_t i : members) s.params.push_back(group.params[i]);
+    s.members = std::move(members);
     const auto n = static_cast<int64_t>(s.params.size());
-    s.chunk = (n + world_ - 1) / world_;
+    s.chunk = options_.replicated ? n : (n + world_ - 1) / world_;
     s.red_dim = s.rows >= s.cols ? -1 : -2;
     const auto opts = first.options().requires_grad(false);
     s.momentum = at::zeros({s.chunk, s.rows, s.cols}, opts);
@@ -441,6 +444,9 @@ size_t DistMuon::num_stacks(size_t group) const {
 }
 int64_t DistMuon::chunk_size(size_t group, size_t stack) const {
   return groups_.at(group).stacks.at(stack).chunk;
+}
+std::vector<size_t> DistMuon::stack_members(size_t group, size_t stack) const {
+  return groups_.at(group).stacks.at(stack).members;
 }
 int64_t DistMuon::stack_len(size_t group, size_t stack) const {
   return static_cast<int64_t>(groups_.at(group).stacks.at(stack).params.size());
@@ -478,18 +484,25 @@ void DistMuon::step_stack(Group& g, Stack& s, const at::Tensor& mask) {
   const auto n = static_cast<int64_t>(s.params.size());
   const at::Tensor& p0 = s.params.front();
   const auto opts = p0.options().requires_grad(false);
-  const int64_t padded = s.chunk * world_;
+  const bool sharded = !options_.replicated && pg_ && world_ > 1;
+  // The reduced buffer has ceil(n / world) * world rows in both placements: a ring all-reduce
+  // sums an element in an order that depends on the buffer's size and the element's offset,
+  // so equal buffers keep replicated results bit-identical to sharded ones at any world.
+  const int64_t padded = (n + world_ - 1) / world_ * world_;
   at::Tensor stacked = at::zeros({padded, s.rows, s.cols}, opts);
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& grad = s.params[static_cast<size_t>(i)].grad();
     if (grad.defined()) stacked[i].copy_(grad.detach());
   }
   at::Tensor grad_chunk = stacked;
-  if (pg_ && world_ > 1) {
+  if (sharded) {
     grad_chunk = reduce_scatter_sum(pg_, stacked, rank_, world_) / static_cast<double>(world_);
+  } else if (pg_ && world_ > 1) {
+    all_reduce(pg_, stacked, c10d::ReduceOp::SUM);
+    grad_chunk = stacked.narrow(0, 0, n) / static_cast<double>(world_);
   }
 
-  const int64_t start = rank_ * s.chunk;
+  const int64_t start = options_.replicated ? 0 : rank_ * s.chunk;
   const int64_t owned = std::clamp<int64_t>(n - start, 0, s.chunk);
   at::Tensor updated = at::zeros({s.chunk, s.rows, s.cols}, opts);
   if (owned > 0) {
@@ -545,7 +558,7 @@ void DistMuon::step_stack(Group& g, Stack& s, const at::Tensor& mask) {
   }
 
   at::Tensor gathered = updated;
-  if (pg_ && world_ > 1) {
+  if (sharded) {
     gathered = at::empty({padded, s.rows, s.cols}, opts);
     all_gather(pg_, gathered, updated);
   }
@@ -555,32 +568,38 @@ void DistMuon::step_stack(Group& g, Stack& s, const at::Tensor& mask) {
 }
 
 OptimizerState DistMuon::state_dict() const {
+  OptimizerState s = state_view();
+  for (auto& e : s.entries) e.value = e.value.detach().clone();
+  return s;
+}
+
+OptimizerState DistMuon::state_view() const {
   Entries live;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     const Group& g = groups_[gi];
     for (size_t si = 0; si < g.stacks.size(); ++si) {
       const Stack& s = g.stacks[si];
-      const int64_t padded = s.chunk * world_;
-      const int64_t off = rank_ * s.chunk;
+      const int64_t padded = options_.replicated ? s.chunk : s.chunk * world_;
+      const int64_t off = options_.replicated ? 0 : rank_ * s.chunk;
       live.push_back(OptimizerStateEntry{.name = fmt::format("g{}.s{}.momentum", gi, si),
                                          .value = s.momentum,
                                          .full_shape = {padded, s.rows, s.cols},
                                          .offset = off,
-                                         .replicated = false});
+                                         .replicated = options_.replicated});
       std::vector<int64_t> second_full = s.second.sizes().vec();
       second_full[0] = padded;
       live.push_back(OptimizerStateEntry{.name = fmt::format("g{}.s{}.second_momentum", gi, si),
                                          .value = s.second,
                                          .full_shape = second_full,
                                          .offset = off,
-                                         .replicated = false});
+                                         .replicated = options_.replicated});
     }
     add_scalar_entry(live, fmt::format("g{}.lr", gi), g.s.lr);
     add_scalar_entry(live, fmt::format("g{}.momentum", gi), g.s.momentum);
     add_scalar_entry(live, fmt::format("g{}.beta2", gi), g.s.beta2);
     add_scalar_entry(live, fmt::format("g{}.weight_decay", gi), g.s.weight_decay);
   }
-  return clone_entries("dist_muon", rank_, world_, std::move(live));
+  return OptimizerState{.kind = "dist_muon", .rank = rank_, .world = world_, .entries = live};
 }
 
 void DistMuon::load_state_dict(const OptimizerState& state) {

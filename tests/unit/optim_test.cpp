@@ -212,6 +212,9 @@ const std::vector<std::vector<int64_t>> kMuonShapesB = {
 constexpr uint32_t kSteps = 8;
 constexpr uint32_t kAddAt = 3;  // Muon group B joins before this step
 
+// Below the default (Gloo-measured) crossover: these small parameters exercise both paths.
+const DistAdamWOptions kSharding{.crossover_numel = 1024};
+
 std::vector<AdamWParamGroup> adam_groups(const std::vector<at::Tensor>& ps) {
   return {AdamWParamGroup{.params = {ps[0], ps[1]}, .lr = 1e-2, .weight_decay = 0.1},
           AdamWParamGroup{.params = {ps[2], ps[3]}, .lr = 3e-3, .weight_decay = 0.0}};
@@ -226,7 +229,7 @@ Trajectory train(const Pg& pg, uint32_t rank, bool asymmetric, std::string* err)
   auto ap = make_params(kAdamShapes, 1);
   auto ma = make_params(kMuonShapesA, 2);
   auto mb = make_params(kMuonShapesB, 3);
-  DistAdamW adam(adam_groups(ap), pg);
+  DistAdamW adam(adam_groups(ap), pg, kSharding);
   DistMuon muon({MuonParamGroup{.params = ma, .weight_decay = 0.1}}, pg);
   const uint32_t world = pg ? 2 : 1;
   if (pg &&
@@ -309,16 +312,41 @@ TEST_F(OptimTest, ShardedEqualsForcedReplicatedAndIndivisibleIsReplicated) {
   const fs::path dir = run_world2([](const Pg& pg, uint32_t rank, const fs::path&) {
     auto a = make_params(kAdamShapes, 4);
     auto b = make_params(kAdamShapes, 4);
-    DistAdamW sharded(adam_groups(a), pg);
+    DistAdamW sharded(adam_groups(a), pg, kSharding);
     DistAdamW replicated(adam_groups(b), pg, DistAdamWOptions{.crossover_numel = 1LL << 40});
     if (!sharded.is_sharded(0) || sharded.is_sharded(2)) return 5;  // 33 rows: indivisible
     for (size_t i = 0; i < a.size(); ++i)
       if (replicated.is_sharded(i)) return 6;
-    for (uint32_t step = 0; step < 5; ++step) {
-      set_rank_grads(a, step, rank, false);
-      set_rank_grads(b, step, rank, false);
-      sharded.step();
-      replicated.step();
+    // Muon: stacks sharded by chunk_size vs whole stacks on every rank (asymmetric presence,
+    // qkv split in one group), in float32 and in bfloat16.
+    for (bool bf16 : {false, true}) {
+      auto ma = make_params(kMuonShapesA, 6), mb = make_params(kMuonShapesA, 6);
+      auto qa = make_params({{48, 16}}, 7), qb = make_params({{48, 16}}, 7);
+      auto groups = [](const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& q) {
+        return std::vector<MuonParamGroup>{
+            MuonParamGroup{.params = m, .weight_decay = 0.1},
+            MuonParamGroup{.params = q, .weight_decay = 0.1, .qkv_split_sizes = {16, 16, 16}}};
+      };
+      DistMuon ms(groups(ma, qa), pg, DistMuonOptions{.bf16_orthogonalization = bf16});
+      DistMuon mr(groups(mb, qb), pg,
+                  DistMuonOptions{.bf16_orthogonalization = bf16, .replicated = true});
+      if (mr.chunk_size(0, 1) != 3 || ms.chunk_size(0, 1) != 2) return 8;
+      for (uint32_t step = 0; step < 5; ++step) {
+        for (auto* set : {&ma, &mb}) set_rank_grads(*set, step, rank, true);
+        for (auto* set : {&qa, &qb}) set_rank_grads(*set, step, rank, true);
+        ms.step();
+        mr.step();
+      }
+      if (!bit_equal(ma, mb) || !bit_equal(qa, qb)) return bf16 ? 10 : 9;
+      // Replicated state is whole on every rank; the sharded rank's slice of the [16, 48] x 2
+      // stack (one entry per rank) equals the matching rows of it, momentum and second moment.
+      const auto ss = ms.state_view(), rs = mr.state_view();
+      for (size_t e = 0; e < 2; ++e) {
+        const auto& mine = ss.entries[e];
+        const auto& whole = rs.entries[e];
+        if (mine.replicated || !whole.replicated || mine.offset != rank) return 11;
+        if (!at::equal(mine.value, whole.value.narrow(0, mine.offset, 1))) return 12;
+      }
     }
     return bit_equal(a, b) ? 0 : 7;
   });
@@ -332,7 +360,7 @@ TEST_F(OptimTest, ParameterWithoutAnyGradientIsUntouched) {
     const auto a_before = flat({ap[0].detach().clone(), ap[2].detach().clone()});
     const auto m_before = flat({mp[1].detach().clone()});
     const auto m_other = flat({mp[0].detach().clone()});
-    DistAdamW adam(adam_groups(ap), pg);  // group 0 has weight decay 0.1
+    DistAdamW adam(adam_groups(ap), pg, kSharding);  // group 0 has weight decay 0.1
     DistMuon muon({MuonParamGroup{.params = mp, .weight_decay = 0.1}}, pg);
     for (uint32_t step = 0; step < 4; ++step) {
       set_rank_grads(ap, step, rank, false);
@@ -360,7 +388,7 @@ TEST_F(OptimTest, StateDictReproducesTheNextStepBitExactly) {
   const fs::path dir = run_world2([](const Pg& pg, uint32_t rank, const fs::path&) {
     auto ap = make_params(kAdamShapes, 8);
     auto mp = make_params(kMuonShapesA, 9);
-    DistAdamW adam(adam_groups(ap), pg);
+    DistAdamW adam(adam_groups(ap), pg, kSharding);
     DistMuon muon({MuonParamGroup{.params = mp, .weight_decay = 0.1}}, pg);
     for (uint32_t step = 0; step < 3; ++step) {
       set_rank_grads(ap, step, rank, step == 1);
@@ -381,7 +409,7 @@ TEST_F(OptimTest, StateDictReproducesTheNextStepBitExactly) {
     adam.step();
     muon.step();
 
-    DistAdamW adam2(adam_groups(ap2), pg);
+    DistAdamW adam2(adam_groups(ap2), pg, kSharding);
     DistMuon muon2({MuonParamGroup{.params = mp2, .weight_decay = 0.1}}, pg);
     adam2.load_state_dict(sa);
     muon2.load_state_dict(sm);
