@@ -56,6 +56,17 @@ void get_double(const toml::table* t, std::string_view section, const char* key,
   out = *v;
 }
 
+void get_bool(const toml::table* t, std::string_view section, const char* key, bool& out,
+              const std::filesystem::path& origin) {
+  if (t == nullptr) return;
+  const auto* node = t->get(key);
+  if (node == nullptr) return;
+  auto v = node->value<bool>();
+  if (!node->is_boolean() || !v)
+    bad(origin, fmt::format("{}.{}", section, key), "must be a boolean");
+  out = *v;
+}
+
 void get_string(const toml::table* t, std::string_view section, const char* key, std::string& out,
                 const std::filesystem::path& origin) {
   if (t == nullptr) return;
@@ -111,12 +122,25 @@ void Recipe::validate() const {
   rule(model.mlp_mult >= 1, "model.mlp_mult", "must be >= 1");
   rule(train.batch_size >= 1, "train.batch_size",
        "must be >= 1 (a rank with zero-length work is refused)");
-  rule(train.lr > 0, "train.lr", "must be > 0");
   rule(train.min_lr_ratio >= 0 && train.min_lr_ratio <= 1, "train.min_lr_ratio",
        "must be in [0, 1]");
-  rule(train.beta1 >= 0 && train.beta1 < 1, "train.beta1", "must be in [0, 1)");
-  rule(train.beta2 >= 0 && train.beta2 < 1, "train.beta2", "must be in [0, 1)");
-  rule(train.weight_decay >= 0, "train.weight_decay", "must be >= 0");
+  const OptimConfig& o = train.optim;
+  rule(o.embed_lr > 0, "optim.embed_lr", "must be > 0");
+  rule(o.head_lr > 0, "optim.head_lr", "must be > 0");
+  rule(o.adam_lr > 0, "optim.adam_lr", "must be > 0");
+  rule(o.adam_beta1 >= 0 && o.adam_beta1 < 1, "optim.adam_beta1", "must be in [0, 1)");
+  rule(o.adam_beta2 >= 0 && o.adam_beta2 < 1, "optim.adam_beta2", "must be in [0, 1)");
+  rule(o.adam_eps > 0, "optim.adam_eps", "must be > 0");
+  rule(o.adam_weight_decay >= 0, "optim.adam_weight_decay", "must be >= 0");
+  rule(o.muon_lr > 0, "optim.muon_lr", "must be > 0");
+  rule(o.muon_momentum >= 0 && o.muon_momentum < 1, "optim.muon_momentum", "must be in [0, 1)");
+  rule(o.muon_beta2 >= 0 && o.muon_beta2 < 1, "optim.muon_beta2", "must be in [0, 1)");
+  rule(o.muon_weight_decay >= 0, "optim.muon_weight_decay", "must be >= 0");
+  rule(o.muon_orthogonalizer == "polar_express" || o.muon_orthogonalizer == "newton_schulz",
+       "optim.muon_orthogonalizer", "must be \"polar_express\" or \"newton_schulz\"");
+  rule(o.muon_ns_steps >= 1 &&
+           o.muon_ns_steps <= (o.muon_orthogonalizer == "polar_express" ? 5 : 20),
+       "optim.muon_ns_steps", "must be in [1, 5] for polar_express, [1, 20] for newton_schulz");
   rule(train.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)");
   rule(train.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1");
   rule(data.corpus == "builtin", "data.corpus", "only the built-in corpus exists in this build");
@@ -156,20 +180,28 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
   }
   Recipe r;
   r.path = origin;
-  check_keys(root, {"name", "pattern", "model", "train", "data"}, origin, "");
+  check_keys(root, {"name", "pattern", "model", "train", "optim", "data"}, origin, "");
   get_string(&root, "", "name", r.name, origin);
   get_string(&root, "", "pattern", r.pattern, origin);
   const auto* m = section(root, "model", origin);
   const auto* t = section(root, "train", origin);
+  const auto* o = section(root, "optim", origin);
   const auto* d = section(root, "data", origin);
   if (m)
     check_keys(*m, {"vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_mult"}, origin,
                "model");
   if (t) {
-    check_keys(*t,
-               {"batch_size", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1",
-                "beta2", "grad_clip", "seed", "checkpoint_every"},
-               origin, "train");
+    check_keys(
+        *t, {"batch_size", "min_lr_ratio", "warmup_steps", "grad_clip", "seed", "checkpoint_every"},
+        origin, "train");
+  }
+  if (o) {
+    check_keys(
+        *o,
+        {"embed_lr", "head_lr", "adam_lr", "adam_beta1", "adam_beta2", "adam_eps",
+         "adam_weight_decay", "adamw_crossover", "muon_lr", "muon_momentum", "muon_beta2",
+         "muon_weight_decay", "muon_orthogonalizer", "muon_ns_steps", "muon_bf16", "qkv_split"},
+        origin, "optim");
   }
   if (d) check_keys(*d, {"corpus", "shard_tokens", "shards"}, origin, "data");
   get_uint(m, "model", "vocab_size", r.model.vocab_size, origin);
@@ -179,15 +211,28 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
   get_uint(m, "model", "n_heads", r.model.n_heads, origin);
   get_uint(m, "model", "mlp_mult", r.model.mlp_mult, origin);
   get_uint(t, "train", "batch_size", r.train.batch_size, origin);
-  get_double(t, "train", "lr", r.train.lr, origin);
   get_double(t, "train", "min_lr_ratio", r.train.min_lr_ratio, origin);
   get_uint(t, "train", "warmup_steps", r.train.warmup_steps, origin);
-  get_double(t, "train", "weight_decay", r.train.weight_decay, origin);
-  get_double(t, "train", "beta1", r.train.beta1, origin);
-  get_double(t, "train", "beta2", r.train.beta2, origin);
   get_double(t, "train", "grad_clip", r.train.grad_clip, origin);
   get_uint(t, "train", "seed", r.train.seed, origin);
   get_uint(t, "train", "checkpoint_every", r.train.checkpoint_every, origin);
+  OptimConfig& op = r.train.optim;
+  get_double(o, "optim", "embed_lr", op.embed_lr, origin);
+  get_double(o, "optim", "head_lr", op.head_lr, origin);
+  get_double(o, "optim", "adam_lr", op.adam_lr, origin);
+  get_double(o, "optim", "adam_beta1", op.adam_beta1, origin);
+  get_double(o, "optim", "adam_beta2", op.adam_beta2, origin);
+  get_double(o, "optim", "adam_eps", op.adam_eps, origin);
+  get_double(o, "optim", "adam_weight_decay", op.adam_weight_decay, origin);
+  get_uint(o, "optim", "adamw_crossover", op.adamw_crossover, origin);
+  get_double(o, "optim", "muon_lr", op.muon_lr, origin);
+  get_double(o, "optim", "muon_momentum", op.muon_momentum, origin);
+  get_double(o, "optim", "muon_beta2", op.muon_beta2, origin);
+  get_double(o, "optim", "muon_weight_decay", op.muon_weight_decay, origin);
+  get_string(o, "optim", "muon_orthogonalizer", op.muon_orthogonalizer, origin);
+  get_uint(o, "optim", "muon_ns_steps", op.muon_ns_steps, origin);
+  get_bool(o, "optim", "muon_bf16", op.muon_bf16, origin);
+  get_bool(o, "optim", "qkv_split", op.qkv_split, origin);
   get_string(d, "data", "corpus", r.data.corpus, origin);
   get_uint(d, "data", "shard_tokens", r.data.shard_tokens, origin);
   get_uint(d, "data", "shards", r.data.shards, origin);
@@ -225,15 +270,29 @@ void to_spec(const Recipe& r, schema::RecipeSpec::Builder s) {
   m.setMlpMult(r.model.mlp_mult);
   auto t = s.initTrain();
   t.setBatchSize(r.train.batch_size);
-  t.setLr(r.train.lr);
   t.setMinLrRatio(r.train.min_lr_ratio);
   t.setWarmupSteps(r.train.warmup_steps);
-  t.setWeightDecay(r.train.weight_decay);
-  t.setBeta1(r.train.beta1);
-  t.setBeta2(r.train.beta2);
   t.setGradClip(r.train.grad_clip);
   t.setSeed(r.train.seed);
   t.setCheckpointEvery(r.train.checkpoint_every);
+  const OptimConfig& o = r.train.optim;
+  auto os = t.initOptim();
+  os.setEmbedLr(o.embed_lr);
+  os.setHeadLr(o.head_lr);
+  os.setAdamLr(o.adam_lr);
+  os.setAdamBeta1(o.adam_beta1);
+  os.setAdamBeta2(o.adam_beta2);
+  os.setAdamEps(o.adam_eps);
+  os.setAdamWeightDecay(o.adam_weight_decay);
+  os.setAdamwCrossover(o.adamw_crossover);
+  os.setMuonLr(o.muon_lr);
+  os.setMuonMomentum(o.muon_momentum);
+  os.setMuonBeta2(o.muon_beta2);
+  os.setMuonWeightDecay(o.muon_weight_decay);
+  os.setMuonOrthogonalizer(o.muon_orthogonalizer);
+  os.setMuonNsSteps(o.muon_ns_steps);
+  os.setMuonBf16(o.muon_bf16);
+  os.setQkvSplit(o.qkv_split);
   auto d = s.initData();
   d.setCorpus(r.data.corpus);
   d.setShardTokens(r.data.shard_tokens);
@@ -247,14 +306,21 @@ std::string describe(const Recipe& r) {
   return fmt::format(
       "recipe {} ({})\n  hash      {}\n  pattern   {} -> {} layers [{}]\n"
       "  model     vocab {} seq {} d_model {} heads {} mlp x{}\n"
-      "  train     batch {}/rank lr {} (warmup {}, min ratio {}) betas ({}, {}) wd {} clip {} seed "
-      "{}\n"
+      "  train     batch {}/rank, lr schedule: warmup {}, cosine to x{}; clip {} seed {}\n"
+      "  optim     DistMuon (hidden matrices): lr {} momentum {} beta2 {} wd {} {} x{}{}{}\n"
+      "            DistAdamW: embed lr {}, head lr {}, other lr {}, betas ({}, {}) eps {} wd {}, "
+      "sharded from {} elements\n"
       "  checkpoint every {} steps\n  data      {} corpus, {} shards x {} tokens\n",
       r.name, r.path.string(), r.hash, r.pattern, r.layers.size(), layers, r.model.vocab_size,
       r.model.seq_len, r.model.d_model, r.model.n_heads, r.model.mlp_mult, r.train.batch_size,
-      r.train.lr, r.train.warmup_steps, r.train.min_lr_ratio, r.train.beta1, r.train.beta2,
-      r.train.weight_decay, r.train.grad_clip, r.train.seed, r.train.checkpoint_every,
-      r.data.corpus, r.data.shards, r.data.shard_tokens);
+      r.train.warmup_steps, r.train.min_lr_ratio, r.train.grad_clip, r.train.seed,
+      r.train.optim.muon_lr, r.train.optim.muon_momentum, r.train.optim.muon_beta2,
+      r.train.optim.muon_weight_decay, r.train.optim.muon_orthogonalizer,
+      r.train.optim.muon_ns_steps, r.train.optim.muon_bf16 ? " bf16" : "",
+      r.train.optim.qkv_split ? ", qkv split" : "", r.train.optim.embed_lr, r.train.optim.head_lr,
+      r.train.optim.adam_lr, r.train.optim.adam_beta1, r.train.optim.adam_beta2,
+      r.train.optim.adam_eps, r.train.optim.adam_weight_decay, r.train.optim.adamw_crossover,
+      r.train.checkpoint_every, r.data.corpus, r.data.shards, r.data.shard_tokens);
 }
 
 }  // namespace megacpp::recipe

@@ -24,17 +24,41 @@ struct ModelConfig {
   uint32_t mlp_mult = 4;
 };
 
+// The [optim] table: the hybrid optimizer of DESIGN §7. DistMuon takes every 2-D matrix
+// inside the blocks; DistAdamW takes the embedding (embed_lr), the head (head_lr) and every
+// other parameter (adam_lr). Learning rates are the peaks of the [train] schedule, which
+// scales all of them by the same factor each step.
+struct OptimConfig {
+  double embed_lr = 0.2;
+  double head_lr = 0.004;
+  double adam_lr = 0.004;
+  double adam_beta1 = 0.8;
+  double adam_beta2 = 0.95;
+  double adam_eps = 1e-10;
+  double adam_weight_decay = 0.0;
+  // A DistAdamW parameter with at least this many elements and shape[0] % world == 0 is
+  // sharded (reduce-scatter, owned-slice update, all-gather); others are all-reduced.
+  uint32_t adamw_crossover = 262144;  // measured on Gloo: bench_optimizer section 3
+  double muon_lr = 0.02;
+  double muon_momentum = 0.95;
+  double muon_beta2 = 0.95;
+  double muon_weight_decay = 0.0;  // cautious: applied where update and parameter agree
+  std::string muon_orthogonalizer = "polar_express";  // or "newton_schulz"
+  uint32_t muon_ns_steps = 5;
+  bool muon_bf16 = true;  // orthogonalize in bfloat16
+  bool qkv_split = true;  // orthogonalize the fused qkv projection's q, k, v slices alone
+};
+
 struct TrainConfig {
-  uint32_t batch_size = 16;
-  double lr = 3e-3;
+  uint32_t batch_size = 16;  // sequences per rank per step
+  // LR schedule (a factor on every [optim] learning rate): linear warmup over warmup_steps,
+  // then cosine down to min_lr_ratio at the last step.
   double min_lr_ratio = 0.1;
   uint32_t warmup_steps = 5;
-  double weight_decay = 0.0;
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double grad_clip = 1.0;
+  double grad_clip = 1.0;  // per-rank gradient norm clip before the optimizer; 0 disables
   uint32_t seed = 1234;
   uint32_t checkpoint_every = 20;
+  OptimConfig optim;
 };
 
 struct DataConfig {

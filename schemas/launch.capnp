@@ -12,17 +12,33 @@ struct ModelSpec {
   mlpMult @5 :UInt32;
 }
 
+struct OptimSpec {               # recipe [optim]; see recipes/recipe.h OptimConfig
+  embedLr @0 :Float64;
+  headLr @1 :Float64;
+  adamLr @2 :Float64;
+  adamBeta1 @3 :Float64;
+  adamBeta2 @4 :Float64;
+  adamEps @5 :Float64;
+  adamWeightDecay @6 :Float64;
+  adamwCrossover @7 :UInt32;
+  muonLr @8 :Float64;
+  muonMomentum @9 :Float64;
+  muonBeta2 @10 :Float64;
+  muonWeightDecay @11 :Float64;
+  muonOrthogonalizer @12 :Text;  # "polar_express" | "newton_schulz"
+  muonNsSteps @13 :UInt32;
+  muonBf16 @14 :Bool;
+  qkvSplit @15 :Bool;
+}
+
 struct TrainSpec {
   batchSize @0 :UInt32;         # sequences per rank per step
-  lr @1 :Float64;
-  minLrRatio @2 :Float64;
-  warmupSteps @3 :UInt32;
-  weightDecay @4 :Float64;
-  beta1 @5 :Float64;
-  beta2 @6 :Float64;
-  gradClip @7 :Float64;
-  seed @8 :UInt32;
-  checkpointEvery @9 :UInt32;
+  minLrRatio @1 :Float64;
+  warmupSteps @2 :UInt32;
+  gradClip @3 :Float64;
+  seed @4 :UInt32;
+  checkpointEvery @5 :UInt32;
+  optim @6 :OptimSpec;
 }
 
 struct DataSpec {

@@ -123,10 +123,11 @@ class CheckpointStore {
   CheckpointStore& operator=(const CheckpointStore&) = delete;
 
   // Writes (or rewrites) rank_<rank>.safetensors of `step` into the step's tmp directory and
-  // fsyncs it. Throws Error{kProtocol} if `world` disagrees with an earlier rank of the same
-  // step or rank >= world; write errors as write_safetensors.
+  // fsyncs it. `layout` (the rank's reassembly JSON, may be empty) is stored verbatim as the
+  // "megacpp.layout" metadata entry. Throws Error{kProtocol} if `world` disagrees with an
+  // earlier rank of the same step or rank >= world; write errors as write_safetensors.
   const WrittenFile& write_rank(uint32_t step, uint32_t world, uint32_t rank,
-                                std::span<const TensorView> tensors);
+                                std::span<const TensorView> tensors, std::string_view layout = {});
   bool complete(uint32_t step) const;  // every rank of the step written
   // The step's committed directory exists (committed by this or an earlier process).
   bool committed(uint32_t step) const;

@@ -159,7 +159,7 @@ void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Re
       it->second.first_mono_ns = mono_ns();
       it->second.world = world;
     }
-    store_.write_rank(step, world, rank, views);
+    store_.write_rank(step, world, rank, views, ready.getLayout().cStr());
     it->second.peers[rank] = peer;
   } catch (const std::exception& e) {
     log_error("snapshot of step {} from rank {} failed: {}", step, rank, e.what());

@@ -87,7 +87,8 @@ CheckpointStore::CheckpointStore(fs::path run_dir, std::string run_id, std::stri
 }
 
 const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, uint32_t rank,
-                                               std::span<const TensorView> tensors) {
+                                               std::span<const TensorView> tensors,
+                                               std::string_view layout) {
   MEGACPP_CHECK(world > 0 && rank < world, ErrorKind::kProtocol,
                 fmt::format("snapshot of step {} from rank {} of world {}", step, rank, world));
   const fs::path tmp = dir_ / (layout::checkpoint_dir_name(step) + std::string(kTmpSuffix));
@@ -101,13 +102,14 @@ const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, ui
   MEGACPP_CHECK(p.world == world, ErrorKind::kProtocol,
                 fmt::format("step {}: rank {} reports world {} but an earlier rank reported {}",
                             step, rank, world, p.world));
-  const std::map<std::string, std::string> metadata{
+  std::map<std::string, std::string> metadata{
       {"run_id", run_id_},
       {"recipe_hash", recipe_hash_},
       {"step", std::to_string(step)},
       {"rank", std::to_string(rank)},
       {"world", std::to_string(world)},
   };
+  if (!layout.empty()) metadata.emplace("megacpp.layout", std::string(layout));
   p.files.erase(rank);
   WrittenFile written = write_safetensors(tmp / rank_file_name(rank), tensors, metadata);
   return p.files[rank] = std::move(written);

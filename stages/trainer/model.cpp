@@ -1,4 +1,4 @@
-// The transformer, the configuration mirrors and the LR schedule.
+// The transformer, configuration from the launch spec and the LR schedule.
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
@@ -23,17 +23,33 @@ ModelConfig model_config(schema::ModelSpec::Reader spec) {
 }
 
 TrainConfig train_config(schema::TrainSpec::Reader spec) {
+  const auto o = spec.getOptim();
   return TrainConfig{
       .batch_size = spec.getBatchSize(),
-      .lr = spec.getLr(),
       .min_lr_ratio = spec.getMinLrRatio(),
       .warmup_steps = spec.getWarmupSteps(),
-      .weight_decay = spec.getWeightDecay(),
-      .beta1 = spec.getBeta1(),
-      .beta2 = spec.getBeta2(),
       .grad_clip = spec.getGradClip(),
       .seed = spec.getSeed(),
       .checkpoint_every = spec.getCheckpointEvery(),
+      .optim =
+          OptimConfig{
+              .embed_lr = o.getEmbedLr(),
+              .head_lr = o.getHeadLr(),
+              .adam_lr = o.getAdamLr(),
+              .adam_beta1 = o.getAdamBeta1(),
+              .adam_beta2 = o.getAdamBeta2(),
+              .adam_eps = o.getAdamEps(),
+              .adam_weight_decay = o.getAdamWeightDecay(),
+              .adamw_crossover = o.getAdamwCrossover(),
+              .muon_lr = o.getMuonLr(),
+              .muon_momentum = o.getMuonMomentum(),
+              .muon_beta2 = o.getMuonBeta2(),
+              .muon_weight_decay = o.getMuonWeightDecay(),
+              .muon_orthogonalizer = o.getMuonOrthogonalizer(),
+              .muon_ns_steps = o.getMuonNsSteps(),
+              .muon_bf16 = o.getMuonBf16(),
+              .qkv_split = o.getQkvSplit(),
+          },
   };
 }
 
@@ -49,9 +65,9 @@ void validate(const ModelConfig& m) {
                 fmt::format("model: head dimension {} must be even (RoPE)", m.d_model / m.n_heads));
 }
 
-double lr_at(const TrainConfig& t, uint32_t step, uint32_t total_steps) {
+double lr_scale(const TrainConfig& t, uint32_t step, uint32_t total_steps) {
   if (t.warmup_steps > 0 && step <= t.warmup_steps) {
-    return t.lr * static_cast<double>(step) / static_cast<double>(t.warmup_steps);
+    return static_cast<double>(step) / static_cast<double>(t.warmup_steps);
   }
   double progress = 1.0;
   if (total_steps > t.warmup_steps) {
@@ -60,7 +76,7 @@ double lr_at(const TrainConfig& t, uint32_t step, uint32_t total_steps) {
   }
   progress = std::clamp(progress, 0.0, 1.0);
   const double cosine = 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
-  return t.lr * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine);
+  return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine;
 }
 
 namespace {

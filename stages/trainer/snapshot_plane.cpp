@@ -104,6 +104,7 @@ bool SnapshotPlane::take(uint32_t step, bool final) {
   ready.setRegionBytes(region_->size());
   fill_tensor_entries(layout, ready.initTensors(static_cast<uint32_t>(layout.entries.size())));
   ready.setFinal(final);
+  ready.setLayout(ts_.snapshot_metadata());
   MEGACPP_CHECK(
       channel_.send(message->message(), kSendTimeout), ErrorKind::kPeerFailure,
       fmt::format("could not queue SnapshotReady of step {} for {}", step, options_.peer_name));

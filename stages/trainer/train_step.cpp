@@ -1,14 +1,19 @@
-// TrainStep (step, gradient all-reduce, AdamW), snapshot shares and the Gloo rendezvous.
+// TrainStep (step, clipping, DistAdamW + DistMuon), snapshot shares and the Gloo rendezvous.
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <array>
 #include <chrono>
 #include <cstring>
+#include <map>
+#include <string_view>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "stages/trainer/optim.h"
 #include "stages/trainer/trainer.h"
 
 namespace megacpp::trainer {
@@ -99,8 +104,16 @@ struct TrainStep::Impl {
   uint32_t world = 1;
   Transformer model;
   std::vector<NamedTensor> params;  // registration order; alias the live parameters
-  std::unique_ptr<torch::optim::AdamW> optimizer;
-  at::Tensor flat;  // all gradients (or parameters, for the broadcast), contiguous
+  std::vector<ParamAssignment> assignment;
+  // Parameter names in each optimizer's flattened order (DistAdamW: groups in order, then
+  // parameters; DistMuon: per group, the given order) with the groups' labels and base LRs.
+  std::vector<std::string> adam_names;
+  std::vector<std::string> adam_group_labels;
+  std::vector<double> adam_base_lr;
+  std::vector<std::vector<std::string>> muon_names;
+  std::vector<std::string> muon_group_labels;
+  std::unique_ptr<DistAdamW> adamw;
+  std::unique_ptr<DistMuon> muon;
 
   Impl(const ModelConfig& m, const TrainConfig& t, uint32_t steps,
        c10::intrusive_ptr<c10d::Backend> group)
@@ -111,69 +124,114 @@ struct TrainStep::Impl {
       rank = static_cast<uint32_t>(pg->getRank());
       world = static_cast<uint32_t>(pg->getSize());
     }
-    int64_t numel = 0;
-    std::vector<at::Tensor> tensors;
-    for (auto& item : model->named_parameters()) {
-      params.emplace_back(item.key(), item.value());
-      tensors.push_back(item.value());
-      numel += item.value().numel();
-    }
-    flat = torch::empty({numel}, torch::kFloat32);
-    optimizer = std::make_unique<torch::optim::AdamW>(
-        tensors,
-        torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).weight_decay(t.weight_decay));
+    for (auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
     if (pg && world > 1) broadcast_parameters();
+    build_optimizers();
+  }
+
+  static bool ends_with(const std::string& s, std::string_view suffix) {
+    return s.size() >= suffix.size() &&
+           s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  }
+
+  void build_optimizers() {
+    const OptimConfig& o = train_cfg.optim;
+    // Fixed group order on every rank: it is the collective order.
+    const std::array<std::pair<const char*, double>, 3> adam_groups{
+        {{"embed", o.embed_lr}, {"head", o.head_lr}, {"other", o.adam_lr}}};
+    const std::array<const char*, 2> muon_groups{"qkv", "matrices"};
+    std::map<std::string, std::vector<size_t>> members;  // group label -> param indices
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& [name, p] = params[i];
+      ParamAssignment a;
+      a.name = name;
+      if (name == "embed.weight") {
+        a.optimizer = "adamw", a.group = "embed";
+      } else if (name == "head.weight") {
+        a.optimizer = "adamw", a.group = "head";
+      } else if (name.starts_with("blocks.") && p.dim() == 2) {
+        a.optimizer = "muon";
+        a.group = o.qkv_split && ends_with(name, ".attn.qkv.weight") ? "qkv" : "matrices";
+        a.sharded = true;
+      } else {
+        a.optimizer = "adamw", a.group = "other";
+      }
+      members[a.optimizer + "." + a.group].push_back(i);
+      assignment.push_back(std::move(a));
+    }
+    std::vector<AdamWParamGroup> ag;
+    std::vector<size_t> adam_index;  // flattened DistAdamW index -> parameter index
+    for (const auto& [label, lr] : adam_groups) {
+      const auto it = members.find(std::string("adamw.") + label);
+      if (it == members.end()) continue;
+      AdamWParamGroup g{.lr = lr,
+                        .beta1 = o.adam_beta1,
+                        .beta2 = o.adam_beta2,
+                        .eps = o.adam_eps,
+                        .weight_decay = o.adam_weight_decay};
+      for (size_t i : it->second) {
+        g.params.push_back(params[i].second);
+        adam_names.push_back(params[i].first);
+        adam_index.push_back(i);
+      }
+      adam_group_labels.emplace_back(label);
+      adam_base_lr.push_back(lr);
+      ag.push_back(std::move(g));
+    }
+    adamw = std::make_unique<DistAdamW>(std::move(ag), pg,
+                                        DistAdamWOptions{.crossover_numel = o.adamw_crossover});
+    for (size_t k = 0; k < adam_index.size(); ++k)
+      assignment[adam_index[k]].sharded = adamw->is_sharded(k);
+
+    const int64_t d = model_cfg.d_model;
+    std::vector<MuonParamGroup> mg;
+    for (const char* label : muon_groups) {
+      const auto it = members.find(std::string("muon.") + label);
+      if (it == members.end()) continue;
+      MuonParamGroup g{.lr = o.muon_lr,
+                       .momentum = o.muon_momentum,
+                       .beta2 = o.muon_beta2,
+                       .weight_decay = o.muon_weight_decay};
+      if (std::string_view(label) == "qkv") g.qkv_split_sizes = {d, d, d};
+      std::vector<std::string> names;
+      for (size_t i : it->second) {
+        g.params.push_back(params[i].second);
+        names.push_back(params[i].first);
+      }
+      muon_names.push_back(std::move(names));
+      muon_group_labels.emplace_back(label);
+      mg.push_back(std::move(g));
+    }
+    muon = std::make_unique<DistMuon>(
+        std::move(mg), pg,
+        DistMuonOptions{.orthogonalizer = o.muon_orthogonalizer == "newton_schulz"
+                                              ? Orthogonalizer::kNewtonSchulz
+                                              : Orthogonalizer::kPolarExpress,
+                        .ns_steps = static_cast<int>(o.muon_ns_steps),
+                        .bf16_orthogonalization = o.muon_bf16});
   }
 
   // Every rank initialised from the same seed already; the broadcast makes rank 0's
   // parameters authoritative regardless (e.g. a torch build whose RNG stream differs).
   void broadcast_parameters() {
     torch::NoGradGuard no_grad;
-    pack([](const at::Tensor& p) { return p; });
+    int64_t numel = 0;
+    for (const auto& [name, p] : params) numel += p.numel();
+    at::Tensor flat = torch::empty({numel}, torch::kFloat32);
+    int64_t off = 0;
+    for (const auto& [name, p] : params) {
+      flat.narrow(0, off, p.numel()).copy_(p.reshape({-1}));
+      off += p.numel();
+    }
     std::vector<at::Tensor> bufs{flat};
     c10d::BroadcastOptions opts;
     opts.rootRank = 0;
     pg->broadcast(bufs, opts)->wait();
-    unpack([](const at::Tensor& p) { return p; });
-  }
-
-  // Copies source(p) of every parameter into `flat`, in order.
-  template <typename F>
-  void pack(F source) {
-    int64_t off = 0;
+    off = 0;
     for (auto& [name, p] : params) {
-      const int64_t n = p.numel();
-      at::Tensor s = source(p);
-      if (s.defined()) {
-        flat.narrow(0, off, n).copy_(s.reshape({-1}));
-      } else {
-        flat.narrow(0, off, n).zero_();  // a rank without a gradient contributes zeros
-      }
-      off += n;
+      p.view({-1}).copy_(flat.narrow(0, off, p.numel()));
+      off += p.numel();
     }
-  }
-
-  // Copies `flat` back into target(p) of every parameter.
-  template <typename F>
-  void unpack(F target) {
-    int64_t off = 0;
-    for (auto& [name, p] : params) {
-      const int64_t n = p.numel();
-      at::Tensor t = target(p);
-      t.view({-1}).copy_(flat.narrow(0, off, n));
-      off += n;
-    }
-  }
-
-  void allreduce_gradients() {
-    for (auto& [name, p] : params) {
-      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-    }
-    pack([](const at::Tensor& p) { return p.grad(); });
-    std::vector<at::Tensor> bufs{flat};
-    pg->allreduce(bufs)->wait();  // SUM: Gloo has no AVG
-    flat.div_(static_cast<double>(world));
-    unpack([](const at::Tensor& p) { return p.grad(); });
   }
 
   double grad_norm_and_clip() {
@@ -187,6 +245,64 @@ struct TrainStep::Impl {
       torch::_foreach_mul_(grads, train_cfg.grad_clip / (norm + 1e-6));
     }
     return norm;
+  }
+
+  std::string muon_stack_name(size_t g, size_t st) const {
+    const auto members = muon->stack_members(g, st);
+    const std::string& first = muon_names[g][members.front()];
+    for (const auto& [name, t] : params) {
+      if (name == first)
+        return fmt::format("optim.muon.{}.{}x{}", muon_group_labels[g], t.size(0), t.size(1));
+    }
+    throw Error(ErrorKind::kInternal, "muon stack member not found: " + first, __FILE__, __LINE__);
+  }
+
+  // Maps an optimizer state entry name ("p3.exp_avg", "g0.lr", "g1.s0.momentum") to the
+  // snapshot's logical name.
+  std::string logical_name(bool is_adam, const std::string& entry) const {
+    const size_t dot = entry.find('.');
+    const std::string head = entry.substr(0, dot), rest = entry.substr(dot + 1);
+    if (is_adam) {
+      if (head[0] == 'p')
+        return "optim.adamw." + adam_names[std::stoul(head.substr(1))] + "." + rest;
+      return "optim.adamw." + adam_group_labels[std::stoul(head.substr(1))] + "." + rest;
+    }
+    const size_t g = std::stoul(head.substr(1));
+    if (rest[0] == 's' && rest.find('.') != std::string::npos) {
+      const size_t dot2 = rest.find('.');
+      return muon_stack_name(g, std::stoul(rest.substr(1, dot2 - 1))) + rest.substr(dot2);
+    }
+    return "optim.muon." + muon_group_labels[g] + "." + rest;
+  }
+
+  struct ShareEntry {
+    std::string name;
+    at::Tensor value;
+    const OptimizerStateEntry* state = nullptr;  // optimizer entries only
+    std::string logical;
+  };
+
+  // The share plus the reassembly data of its sharded entries. `views` keeps the entries
+  // referenced by ShareEntry::state alive.
+  std::vector<ShareEntry> share(std::array<OptimizerState, 2>& views) const {
+    std::vector<ShareEntry> out;
+    if (rank == 0) {
+      for (const auto& [name, p] : params)
+        out.push_back({"model." + name, p.detach(), nullptr, {}});
+    }
+    views[0] = adamw->state_view();
+    views[1] = muon->state_view();
+    for (int k = 0; k < 2; ++k) {
+      for (const auto& e : views[k].entries) {
+        const std::string logical = logical_name(k == 0, e.name);
+        if (e.replicated) {
+          if (rank == 0) out.push_back({logical, e.value, &e, logical});
+        } else {
+          out.push_back({fmt::format("{}.shard{}", logical, rank), e.value, &e, logical});
+        }
+      }
+    }
+    return out;
   }
 };
 
@@ -217,6 +333,9 @@ Transformer& TrainStep::model() noexcept {
 std::vector<NamedTensor> TrainStep::parameters() const {
   return impl_->params;
 }
+std::vector<ParamAssignment> TrainStep::assignment() const {
+  return impl_->assignment;
+}
 
 StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const StepHooks& hooks) {
   Impl& s = *impl_;
@@ -234,7 +353,7 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
 
   phase(schema::Phase::FORWARD);
   auto t0 = Clock::now();
-  s.optimizer->zero_grad(/*set_to_none=*/true);
+  for (auto& [name, p] : s.params) p.mutable_grad() = at::Tensor();
   at::Tensor loss;
   {
     const auto logits = s.model->forward(tokens.narrow(1, 0, T));
@@ -254,52 +373,55 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
 
   phase(schema::Phase::OPTIMIZER);
   t0 = Clock::now();
-  if (s.pg && s.world > 1) {
-    torch::NoGradGuard no_grad;
-    const auto a0 = Clock::now();
-    s.allreduce_gradients();
-    out.allreduce_seconds = seconds_since(a0);
-  }
   {
     torch::NoGradGuard no_grad;
     out.grad_norm = s.grad_norm_and_clip();
+    out.lr_scale = lr_scale(s.train_cfg, step_index, s.total_steps);
+    for (size_t g = 0; g < s.adam_base_lr.size(); ++g)
+      s.adamw->set_lr(g, s.adam_base_lr[g] * out.lr_scale);
+    for (size_t g = 0; g < s.muon->num_groups(); ++g)
+      s.muon->set_lr(g, s.train_cfg.optim.muon_lr * out.lr_scale);
+    s.adamw->step();
+    s.muon->step();
   }
-  out.lr = lr_at(s.train_cfg, step_index, s.total_steps);
-  for (auto& group : s.optimizer->param_groups()) {
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(out.lr);
-  }
-  s.optimizer->step();
   out.optimizer_seconds = seconds_since(t0);
   return out;
 }
 
-std::vector<NamedTensor> TrainStep::snapshot_share(uint32_t rank, uint32_t world) const {
-  MEGACPP_CHECK(world > 0 && rank < world, ErrorKind::kInvalidArgument,
-                fmt::format("snapshot share of rank {} in world {}", rank, world));
-  const Impl& s = *impl_;
-  std::vector<NamedTensor> share;
-  if (rank == 0) {
-    for (const auto& [name, p] : s.params) share.emplace_back("model." + name, p.detach());
-  }
-  const auto& state = s.optimizer->state();
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    if (i % world != rank) continue;
-    const auto& [name, p] = s.params[i];
-    const auto it = state.find(p.unsafeGetTensorImpl());
-    const auto* st = it == state.end()
-                         ? nullptr
-                         : static_cast<const torch::optim::AdamWParamState*>(it->second.get());
-    const std::string prefix = "optim." + name;
-    share.emplace_back(prefix + ".exp_avg", st ? st->exp_avg() : torch::zeros_like(p));
-    share.emplace_back(prefix + ".exp_avg_sq", st ? st->exp_avg_sq() : torch::zeros_like(p));
-    share.emplace_back(prefix + ".step",
-                       torch::scalar_tensor(st ? st->step() : int64_t{0}, torch::kInt64));
-  }
-  return share;
+std::vector<NamedTensor> TrainStep::snapshot_share() const {
+  std::array<OptimizerState, 2> views;
+  std::vector<NamedTensor> out;
+  for (auto& e : impl_->share(views)) out.emplace_back(std::move(e.name), std::move(e.value));
+  return out;
 }
 
-SnapshotLayout TrainStep::snapshot_layout(uint32_t rank, uint32_t world) const {
-  return layout_of(snapshot_share(rank, world));
+SnapshotLayout TrainStep::snapshot_layout() const {
+  return layout_of(snapshot_share());
+}
+
+std::string TrainStep::snapshot_metadata() const {
+  const Impl& s = *impl_;
+  std::array<OptimizerState, 2> views;
+  nlohmann::ordered_json shards = nlohmann::ordered_json::object();
+  for (const auto& e : s.share(views)) {
+    if (e.state == nullptr || e.state->replicated) continue;
+    shards[e.name] = {
+        {"logical", e.logical}, {"full_shape", e.state->full_shape}, {"offset", e.state->offset}};
+  }
+  nlohmann::ordered_json stacks = nlohmann::ordered_json::object();
+  for (size_t g = 0; g < s.muon->num_groups(); ++g) {
+    for (size_t st = 0; st < s.muon->num_stacks(g); ++st) {
+      std::vector<std::string> names;
+      for (size_t i : s.muon->stack_members(g, st)) names.push_back(s.muon_names[g][i]);
+      stacks[s.muon_stack_name(g, st)] = names;
+    }
+  }
+  return nlohmann::ordered_json{{"format", "megacpp.snapshot.v1"},
+                                {"rank", s.rank},
+                                {"world", s.world},
+                                {"shards", shards},
+                                {"muon_stacks", stacks}}
+      .dump();
 }
 
 SnapshotLayout TrainStep::copy_snapshot(std::span<std::byte> region) const {

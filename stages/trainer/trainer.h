@@ -1,6 +1,6 @@
-// megacpp::trainer — the model, one training step (forward, loss, backward, gradient
-// all-reduce, clipping, AdamW), this rank's share of a checkpoint snapshot, and the rank's
-// side of the snapshot plane.
+// megacpp::trainer — the model, one training step (forward, loss, backward, clipping, the
+// hybrid DistMuon + DistAdamW optimizer of optim.h), this rank's share of a checkpoint
+// snapshot, and the rank's side of the snapshot plane.
 //
 // Used by the rank process (megacpp-trainer) and, unchanged, by an in-process benchmark
 // loop: TrainStep knows nothing about rings, control sockets or journals. Everything runs on
@@ -23,6 +23,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "ipc/ipc.h"
+#include "recipes/recipe.h"
 #include "schemas/common.capnp.h"
 #include "schemas/control.capnp.h"
 #include "schemas/launch.capnp.h"
@@ -30,30 +31,12 @@
 namespace megacpp::trainer {
 
 // ---------------------------------------------------------------------------------------
-// Configuration: plain mirrors of schema::ModelSpec / schema::TrainSpec, so tests and
-// benchmarks need no Cap'n Proto message to build a model.
+// Configuration: the recipe's own types (recipes/recipe.h), so a recipe, a launch spec and a
+// test all build the same TrainStep.
 
-struct ModelConfig {
-  uint32_t vocab_size = 0;
-  uint32_t seq_len = 0;
-  uint32_t d_model = 0;
-  uint32_t n_layers = 0;
-  uint32_t n_heads = 0;
-  uint32_t mlp_mult = 4;
-};
-
-struct TrainConfig {
-  uint32_t batch_size = 0;  // sequences per rank per step
-  double lr = 1e-3;
-  double min_lr_ratio = 0.1;
-  uint32_t warmup_steps = 0;
-  double weight_decay = 0.0;
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double grad_clip = 1.0;  // <= 0 disables clipping
-  uint32_t seed = 0;
-  uint32_t checkpoint_every = 0;  // 0: only the final snapshot
-};
+using ModelConfig = recipe::ModelConfig;
+using TrainConfig = recipe::TrainConfig;
+using OptimConfig = recipe::OptimConfig;
 
 ModelConfig model_config(schema::ModelSpec::Reader spec);
 TrainConfig train_config(schema::TrainSpec::Reader spec);
@@ -61,9 +44,10 @@ TrainConfig train_config(schema::TrainSpec::Reader spec);
 // an even head dimension (RoPE rotates pairs).
 void validate(const ModelConfig& model);
 
-// Learning rate of 1-based `step` of `total_steps`: linear warmup to `lr` over
-// warmup_steps, then cosine from lr down to lr * min_lr_ratio at total_steps.
-double lr_at(const TrainConfig& train, uint32_t step, uint32_t total_steps);
+// The LR schedule's factor for 1-based `step` of `total_steps` (every [optim] learning rate is
+// multiplied by it): linear warmup from 0 to 1 over warmup_steps, then cosine from 1 down to
+// min_lr_ratio at total_steps.
+double lr_scale(const TrainConfig& train, uint32_t step, uint32_t total_steps);
 
 // ---------------------------------------------------------------------------------------
 // Model: decoder-only transformer. Embedding -> RMSNorm -> n_layers x [x + attn(norm(x)),
@@ -132,12 +116,13 @@ TORCH_MODULE(Transformer);
 
 struct StepTiming {
   float loss = 0;              // mean cross-entropy of this rank's batch, before the update
-  double grad_norm = 0;        // global L2 norm of the averaged gradient, before clipping
-  double lr = 0;               // learning rate applied in this step
+  double grad_norm = 0;        // L2 norm of this rank's own gradient, before clipping
+  double lr_scale = 0;         // the schedule's factor applied to every learning rate this step
   double forward_seconds = 0;  // forward + loss
   double backward_seconds = 0;
-  double allreduce_seconds = 0;  // part of optimizer_seconds (0 without a process group)
-  double optimizer_seconds = 0;  // gradient all-reduce + clipping + AdamW update
+  // Clipping + DistAdamW::step + DistMuon::step, their collectives (has-grad masks,
+  // all-reduce / reduce-scatter / all-gather of gradients and parameters) included.
+  double optimizer_seconds = 0;
 };
 
 // Optional callbacks into the caller, invoked on the calling thread.
@@ -175,11 +160,25 @@ SnapshotLayout layout_of(const std::vector<NamedTensor>& tensors);
 void fill_tensor_entries(const SnapshotLayout& layout,
                          capnp::List<schema::TensorEntry>::Builder out);
 
-// Model, AdamW and the step, for one rank. Not thread-safe; not copyable or movable.
+// Which optimizer steps a parameter, and in which group.
+struct ParamAssignment {
+  std::string name;       // model parameter name
+  std::string optimizer;  // "muon" or "adamw"
+  std::string group;      // muon: "qkv" | "matrices"; adamw: "embed" | "head" | "other"
+  bool sharded = false;   // adamw: reduce-scatter + all-gather (else all-reduce); muon: true
+};
+
+// Model, optimizers and the step, for one rank. Not thread-safe; not copyable or movable.
 //
 // Construction initialises the model from train.seed (identical on every rank), then, with
 // a process group, broadcasts rank 0's parameters (a collective: every rank must construct
 // its TrainStep). `pg` is kept for the object's lifetime; nullptr means one process.
+// Optimizers (train.optim): DistMuon takes the blocks' 2-D matrices, the fused qkv
+// projections in their own group (split into q, k, v when optim.qkv_split); DistAdamW takes
+// the embedding, the head and every other parameter, one group each. The gradients are not
+// all-reduced by the step itself: each optimizer reduces (or reduce-scatters) what it owns.
+// Clipping (train.grad_clip) scales this rank's gradient by its own norm before that
+// reduction, so it needs no extra collective.
 class TrainStep {
  public:
   TrainStep(const ModelConfig& model, const TrainConfig& train, uint32_t total_steps,
@@ -204,16 +203,25 @@ class TrainStep {
   // (name, tensor) in registration order; the tensors alias the live parameters.
   std::vector<NamedTensor> parameters() const;
 
-  // This rank's share of state, in a fixed order: "model.<name>" for every parameter (rank
-  // 0 only), then for each parameter index i with i % world == rank:
-  // "optim.<name>.exp_avg", "optim.<name>.exp_avg_sq" (F32, parameter shape) and
-  // "optim.<name>.step" (I64, shape []). Before the first update the optimizer tensors are
-  // zeros, so names, shapes and sizes never change over a run. Model tensors alias the live
-  // parameters; the others are the live AdamW state or fresh tensors.
-  std::vector<NamedTensor> snapshot_share(uint32_t rank, uint32_t world) const;
-  std::vector<NamedTensor> snapshot_share() const { return snapshot_share(rank(), world()); }
-  SnapshotLayout snapshot_layout(uint32_t rank, uint32_t world) const;
-  SnapshotLayout snapshot_layout() const { return snapshot_layout(rank(), world()); }
+  std::vector<ParamAssignment> assignment() const;  // in parameter order
+
+  // This rank's share of state, in a fixed order. Rank 0: "model.<name>" for every
+  // parameter, then every optimizer entry held replicated (the same on every rank):
+  // "optim.adamw.<param>.{exp_avg,exp_avg_sq,step}" of all-reduced parameters and the
+  // groups' scalars "optim.{adamw,muon}.<group>.{lr,...}". Every rank: the slices it owns,
+  // suffixed ".shard<rank>": "optim.adamw.<param>.{exp_avg,exp_avg_sq}.shard<r>" (rows
+  // [offset, offset + rows) of the parameter's state) and
+  // "optim.muon.<group>.<rows>x<cols>.{momentum,second_momentum}.shard<r>" (entries of a
+  // stack of same-shape matrices; rows past the stack length are padding).
+  // snapshot_metadata() says how to reassemble them. Names are unique across the ranks of a
+  // world, and names, shapes and sizes never change over a run (state exists, zero, from
+  // construction). The tensors alias live parameters and optimizer state.
+  std::vector<NamedTensor> snapshot_share() const;
+  SnapshotLayout snapshot_layout() const;
+  // JSON, the same on every rank but for "rank": {"format": "megacpp.snapshot.v1", "rank",
+  // "world", "shards": {<entry>: {"logical": <name without .shard<r>>, "full_shape": [...],
+  // "offset": <first row>}}, "muon_stacks": {"optim.muon.<group>.<r>x<c>": [<param>, ...]}}.
+  std::string snapshot_metadata() const;
   // Copies this rank's share into `region` per snapshot_layout() and returns that layout.
   // Throws Error{kInvalidArgument} if the region is smaller than layout.total_bytes.
   SnapshotLayout copy_snapshot(std::span<std::byte> region) const;

@@ -77,6 +77,8 @@ class DefaultRun(unittest.TestCase):
         self.assertIn("bench_result.json", m["receipts"])
 
     def test_checkpoint_loads_in_python(self):
+        import torch
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
         ckdir = os.path.join(self.run_dir, "checkpoints")
@@ -97,10 +99,36 @@ class DefaultRun(unittest.TestCase):
             self.assertEqual(tuple(tensors["model.blocks.%d.attn.qkv.weight" % i].shape), (3 * d, d))
             self.assertEqual(tuple(tensors["model.blocks.%d.mlp.fc.weight" % i].shape),
                              (model["mlpMult"] * d, d))
+        # Optimizer state: replicated entries whole (rank 0), sharded ones as ".shard<r>" slices
+        # that the "megacpp.layout" metadata of each rank file reassembles along dim 0.
+        shards, stacks = {}, {}
+        for r in range(2):
+            with safe_open(os.path.join(ckdir, latest, "rank_%d.safetensors" % r), "pt") as f:
+                layout = json.loads(f.metadata()["megacpp.layout"])
+            self.assertEqual((layout["rank"], layout["world"]), (r, 2))
+            for name, m in layout["shards"].items():
+                shards.setdefault(m["logical"], []).append((m["offset"], name, m["full_shape"]))
+            stacks.update(layout["muon_stacks"])
+        logical = {k: t for k, t in tensors.items() if k.startswith("optim.")}
+        for name, parts in shards.items():
+            parts.sort()
+            whole = torch.cat([tensors[n] for _, n, _ in parts])
+            self.assertEqual(list(whole.shape), parts[0][2], name)
+            logical[name] = whole
         params = [k[len("model."):] for k in tensors if k.startswith("model.")]
         for p in params:
+            if ".attn." in p or ".mlp." in p:
+                continue  # DistMuon: state lives in the stacks below
             for s in ("exp_avg", "exp_avg_sq"):
-                self.assertEqual(tensors["optim.%s.%s" % (p, s)].shape, tensors["model." + p].shape)
+                self.assertEqual(logical["optim.adamw.%s.%s" % (p, s)].shape,
+                                 tensors["model." + p].shape, p)
+        muon_params = [p for p in params if ".attn." in p or ".mlp." in p]
+        self.assertEqual(sorted(sum(stacks.values(), [])), sorted(muon_params))
+        for stack, members in stacks.items():
+            mom = logical[stack + ".momentum"]
+            self.assertGreaterEqual(mom.shape[0], len(members))
+            for i, p in enumerate(members):
+                self.assertEqual(mom[i].shape, tensors["model." + p].shape, p)
         with open(os.path.join(ckdir, latest, "checkpoint.json")) as f:
             ck = json.load(f)
         self.assertEqual(ck["step"], STEPS)

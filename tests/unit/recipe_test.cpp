@@ -47,8 +47,11 @@ TEST(Recipe, HashIgnoresPathButNotValues) {
   auto a = mc::recipe::parse(kBase, "a.toml");
   auto b = mc::recipe::parse(kBase, "elsewhere/b.toml");
   EXPECT_EQ(a.hash, b.hash);
-  auto c = mc::recipe::parse(std::string(kBase) + "lr = 0.5\n", "a.toml");
+  auto c = mc::recipe::parse(std::string(kBase) + "warmup_steps = 7\n", "a.toml");
   EXPECT_NE(a.hash, c.hash);
+  auto d = mc::recipe::parse(std::string(kBase) + "[optim]\nmuon_lr = 0.05\n", "a.toml");
+  EXPECT_NE(a.hash, d.hash);
+  EXPECT_DOUBLE_EQ(d.train.optim.muon_lr, 0.05);
 }
 
 TEST(Recipe, RulesAreNamed) {
@@ -65,6 +68,17 @@ TEST(Recipe, RulesAreNamed) {
   moe.replace(moe.find("pattern = \"A\""), 13, "pattern = \"AE\"");
   EXPECT_NE(expect_invalid(moe).find("block family A only"), std::string::npos);
   EXPECT_NE(expect_invalid("name = [").find("x.toml:1"), std::string::npos);
+  EXPECT_NE(expect_invalid(std::string(kBase) + "lr = 0.1\n").find("train.lr: unknown key"),
+            std::string::npos);
+  EXPECT_NE(expect_invalid(std::string(kBase) + "[optim]\nmuon_orthogonalizer = \"svd\"\n")
+                .find("optim.muon_orthogonalizer: must be"),
+            std::string::npos);
+  EXPECT_NE(expect_invalid(std::string(kBase) + "[optim]\nmuon_ns_steps = 6\n")
+                .find("optim.muon_ns_steps"),
+            std::string::npos);
+  EXPECT_NE(expect_invalid(std::string(kBase) + "[optim]\nqkv_split = 1\n")
+                .find("optim.qkv_split: must be a boolean"),
+            std::string::npos);
   std::string wrong_type = kBase;
   wrong_type.replace(wrong_type.find("seq_len = 32"), 12, "seq_len = \"32\"");
   EXPECT_NE(expect_invalid(wrong_type).find("model.seq_len"), std::string::npos);

@@ -52,12 +52,9 @@ void fill_launch(schema::LaunchContract::Builder c) {
   m.setMlpMult(4);
   auto t = r.initTrain();
   t.setBatchSize(8);
-  t.setLr(3e-4);
   t.setMinLrRatio(0.1);
   t.setWarmupSteps(5);
-  t.setWeightDecay(0.01);
-  t.setBeta1(0.9);
-  t.setBeta2(0.95);
+  t.initOptim().setMuonLr(3e-4);
   t.setGradClip(1.0);
   t.setSeed(1234);
   t.setCheckpointEvery(20);
@@ -122,7 +119,7 @@ TEST(SchemasJsonTest, LaunchContractRoundTrip) {
   EXPECT_EQ(c.getRingSlotBytes(), 1u << 20);
   EXPECT_EQ(std::string(c.getRecipe().getLayers()[1].cStr()), "A");
   EXPECT_EQ(c.getRecipe().getModel().getDModel(), 128u);
-  EXPECT_DOUBLE_EQ(c.getRecipe().getTrain().getLr(), 3e-4);
+  EXPECT_DOUBLE_EQ(c.getRecipe().getTrain().getOptim().getMuonLr(), 3e-4);
   EXPECT_EQ(std::string(c.getRecipe().getData().getCorpus().cStr()), "builtin");
   EXPECT_EQ(std::string(c.getArgv()[2].cStr()), "--recipe=tiny \"quoted\"");
   EXPECT_EQ(std::string(c.getEnv()[0].getName().cStr()), "MEGACPP_HEARTBEAT_MS");
