@@ -1,9 +1,13 @@
 // megacpp-stress-optimizer: the long-run stress harness of DistAdamW / DistMuon. It forks W ranks
 // joined by Gloo over a TCPStore this process hosts, steps both optimizers over a small parameter
 // set with a deterministic schedule of per-rank gradients (present or absent), and checks at every
-// sample that all ranks hold bit-identical parameters and replicated state; with --reference it
-// replays the same schedule through tools/optim_reference.py (float64) and checks the distance to
-// it.
+// sample that all ranks hold bit-identical parameters and optimizer state (max_adam_abs_diff,
+// max_mu_a_abs_diff, max_mu_b_abs_diff, max_abs_param_diff, each exactly 0). Sharded state is
+// held by one rank only, so every rank also steps a replicated mirror of both optimizers
+// (DistAdamW without sharding, DistMuon with DistMuonOptions::replicated) on the same
+// gradients: its state is compared across ranks, and the sharded pair must equal it exactly.
+// With --reference it replays the same schedule through tools/optim_reference.py (float64)
+// and checks the distance to it.
 //
 // Gradient presence (phase = step % 4), generalising {0:g,1:-}, {0:-,1:g}, {0:g,1:g}, {-,-}
 // to W ranks: phase 0 only rank 0 has gradients, phase 1 only rank W-1, phase 2 every rank,
@@ -32,6 +36,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <string>
 #include <thread>
@@ -174,7 +179,7 @@ int run_rank(const Config& c, uint16_t port, uint32_t rank) {
                                     .beta2 = kAdamB2,
                                     .eps = kAdamEps,
                                     .weight_decay = kAdamWd}},
-                   pg);
+                   pg, DistAdamWOptions{.crossover_numel = 1024});  // wte, lm_head sharded
     DistMuon muon({MuonParamGroup{.params = {p[3], p[4]},
                                   .lr = kMuonLr,
                                   .momentum = kMuonMom,
@@ -187,33 +192,65 @@ int run_rank(const Config& c, uint16_t port, uint32_t rank) {
                                   .weight_decay = c.muon_wd,
                                   .qkv_split_sizes = kQkvSplit}},
                   pg, DistMuonOptions{.bf16_orthogonalization = false});
+    // The mirror: the same optimizers with every state tensor replicated (DistAdamW with no
+    // parameter above the crossover, DistMuon owning whole stacks) over a second copy of the
+    // parameters, stepped on the same gradients right after the sharded pair. Its state is
+    // held by every rank, so it can be compared across ranks; the sharded pair must equal it.
+    std::vector<at::Tensor> q;
+    for (size_t i = 0; i < kParams.size(); ++i) q.push_back(init_value(i).requires_grad_(true));
+    DistAdamW adam_r({AdamWParamGroup{.params = {q[0], q[1], q[2]},
+                                      .lr = kAdamLr,
+                                      .beta1 = kAdamB1,
+                                      .beta2 = kAdamB2,
+                                      .eps = kAdamEps,
+                                      .weight_decay = kAdamWd}},
+                     pg, DistAdamWOptions{.crossover_numel = std::numeric_limits<int64_t>::max()});
+    DistMuon muon_r({MuonParamGroup{.params = {q[3], q[4]},
+                                    .lr = kMuonLr,
+                                    .momentum = kMuonMom,
+                                    .beta2 = kMuonB2,
+                                    .weight_decay = c.muon_wd},
+                     MuonParamGroup{.params = {q[5]},
+                                    .lr = kMuonLr,
+                                    .momentum = kMuonMom,
+                                    .beta2 = kMuonB2,
+                                    .weight_decay = c.muon_wd,
+                                    .qkv_split_sizes = kQkvSplit}},
+                    pg, DistMuonOptions{.bf16_orthogonalization = false, .replicated = true});
     uint32_t adam_calls = 0, muon_calls = 0;
     for (step = 0; step < c.steps; ++step) {
       bool any_adam = false, any_muon = false;
       for (size_t i = 0; i < p.size(); ++i) {
         const bool has = present(c, step, rank, i);
         p[i].mutable_grad() = has ? grad_value(step, rank, i) : at::Tensor();
+        q[i].mutable_grad() = has ? p[i].grad().clone() : at::Tensor();
         (kParams[i].muon ? any_muon : any_adam) |= has;
       }
       where = "DistAdamW::step";
       if (!c.break_mask || any_adam) {
         adam.step();
+        adam_r.step();
         ++adam_calls;
       }
       where = "DistMuon::step";
       if (!c.break_mask || any_muon) {
         muon.step();
+        muon_r.step();
         ++muon_calls;
       }
       where = "sample publication";
       if ((step + 1) % c.sample_every == 0) {
         json meta = json::array();
         std::vector<double> data;
-        for (size_t i = 0; i < p.size(); ++i)
+        for (size_t i = 0; i < p.size(); ++i) {
           publish_entry(meta, data, fmt::format("param.{}", kParams[i].name), p[i],
                         p[i].sizes().vec(), 0, true);
+          publish_entry(meta, data, fmt::format("mirror.{}", kParams[i].name), q[i],
+                        q[i].sizes().vec(), 0, true);
+        }
         for (const auto& [prefix, st] :
-             {std::pair{"adam.", adam.state_dict()}, std::pair{"muon.", muon.state_dict()}})
+             {std::pair{"adam.", adam.state_view()}, std::pair{"muon.", muon.state_view()},
+              std::pair{"adam_r.", adam_r.state_view()}, std::pair{"muon_r.", muon_r.state_view()}})
           for (const auto& e : st.entries)
             publish_entry(meta, data, prefix + e.name, e.value, e.full_shape, e.offset,
                           e.replicated);
@@ -289,6 +326,11 @@ std::map<std::string, std::vector<double>> read_safetensors(const fs::path& path
   return out;
 }
 
+// A difference that must be exactly zero: "0.0" when it is, every digit when it is not.
+std::string exact(double d) {
+  return d == 0.0 ? "0.0" : fmt::format("{:.17g}", d);
+}
+
 double max_diff(const std::vector<double>& a, const std::vector<double>& b) {
   if (a.size() != b.size()) return INFINITY;
   double m = 0;
@@ -298,10 +340,18 @@ double max_diff(const std::vector<double>& a, const std::vector<double>& b) {
 
 // One sample as the ranks published it, assembled into logical tensors named like the
 // reference's OUT keys ("{p}", "{p}.exp_avg", ...).
+// Across ranks, over every value more than one rank holds: parameters (both pairs), AdamW
+// state (exp_avg, exp_avg_sq, step, group scalars), Muon momentum buffers and group scalars
+// (mu_a), Muon second-moment buffers (mu_b) — the sharded pair's replicated entries and the
+// whole mirror. Plus the sharded pair against the mirror (parameters and reassembled state).
 struct Sample {
-  double max_param_diff = 0;       // across ranks
-  double max_replicated_diff = 0;  // replicated optimizer state, across ranks
-  std::string calls_error;         // a rank that issued fewer step() calls than steps
+  double max_param_diff = 0;
+  double max_adam_diff = 0;
+  double max_mu_a_diff = 0;
+  double max_mu_b_diff = 0;
+  double max_sharded_vs_replicated = 0;
+  size_t compared_values = 0;  // held by more than one rank and compared
+  std::string calls_error;     // a rank that issued fewer step() calls than steps
   std::map<std::string, std::vector<double>> logical;
 };
 
@@ -344,7 +394,14 @@ Sample assemble(const Config& c, c10d::Store& store, uint32_t k) {
         for (size_t i = 0; i < numel; ++i)
           d = std::max(d, std::abs(v[i] - (r == 0 ? v[i] : out[i])));
         if (r == 0) std::copy(v, v + numel, out.begin());
-        double& acc = name.rfind("param.", 0) == 0 ? s.max_param_diff : s.max_replicated_diff;
+        if (r > 0) s.compared_values += numel;
+        const bool param = name.starts_with("param.") || name.starts_with("mirror.");
+        const bool adam = name.starts_with("adam");
+        const bool mu_b = name.ends_with(".second_momentum");
+        double& acc = param  ? s.max_param_diff
+                      : adam ? s.max_adam_diff
+                      : mu_b ? s.max_mu_b_diff
+                             : s.max_mu_a_diff;
         acc = std::max(acc, d);
       } else {
         const size_t at = static_cast<size_t>(m["offset"].get<int64_t>() * row);
@@ -352,6 +409,18 @@ Sample assemble(const Config& c, c10d::Store& store, uint32_t k) {
       }
     }
     raw[name] = std::move(out);
+  }
+  // The sharded pair against the mirror: Muon stacks compare their first (unpadded) rows.
+  for (const auto& [name, values] : raw) {
+    std::string other;
+    if (name.starts_with("param.")) other = "mirror." + name.substr(6);
+    if (name.starts_with("adam.")) other = "adam_r." + name.substr(5);
+    if (name.starts_with("muon.")) other = "muon_r." + name.substr(5);
+    if (other.empty()) continue;
+    const auto& mirror = raw.at(other);
+    for (size_t i = 0; i < mirror.size(); ++i)
+      s.max_sharded_vs_replicated =
+          std::max(s.max_sharded_vs_replicated, std::abs(values.at(i) - mirror[i]));
   }
   // Map entry names to the reference's logical names.
   for (size_t i = 0; i < kParams.size(); ++i)
@@ -486,8 +555,12 @@ int run(const Config& c) {
   for (uint32_t k : ks) {
     samples.push_back(assemble(c, *server, k));
     const Sample& s = samples.back();
-    printf("sample %u: max_abs_param_diff=%.17g max_replicated_state_diff=%.17g (across ranks)\n",
-           k, s.max_param_diff, s.max_replicated_diff);
+    printf(
+        "sample %u across ranks: max_adam_abs_diff=%s max_mu_a_abs_diff=%s max_mu_b_abs_diff=%s "
+        "max_abs_param_diff=%s (%zu values); sharded vs replicated max_abs_diff=%s\n",
+        k, exact(s.max_adam_diff).c_str(), exact(s.max_mu_a_diff).c_str(),
+        exact(s.max_mu_b_diff).c_str(), exact(s.max_param_diff).c_str(), s.compared_values,
+        exact(s.max_sharded_vs_replicated).c_str());
     if (!s.calls_error.empty()) {
       fprintf(stderr,
               "FAIL: collective sequences diverged by sample %u:%s their collectives "
@@ -495,11 +568,19 @@ int run(const Config& c) {
               k, s.calls_error.c_str());
       ok = false;
     }
-    if (s.max_param_diff != 0.0 || s.max_replicated_diff != 0.0) {
+    if (s.max_param_diff != 0.0 || s.max_adam_diff != 0.0 || s.max_mu_a_diff != 0.0 ||
+        s.max_mu_b_diff != 0.0) {
       fprintf(stderr,
-              "FAIL: ranks diverged by sample %u (max_abs_param_diff=%.17g, "
-              "max_replicated_state_diff=%.17g)\n",
-              k, s.max_param_diff, s.max_replicated_diff);
+              "FAIL: ranks diverged by sample %u (max_adam_abs_diff=%.17g max_mu_a_abs_diff=%.17g "
+              "max_mu_b_abs_diff=%.17g max_abs_param_diff=%.17g)\n",
+              k, s.max_adam_diff, s.max_mu_a_diff, s.max_mu_b_diff, s.max_param_diff);
+      ok = false;
+    }
+    if (s.max_sharded_vs_replicated != 0.0) {
+      fprintf(stderr,
+              "FAIL: sharded optimizers differ from their replicated mirror by sample %u "
+              "(max_abs_diff=%.17g)\n",
+              k, s.max_sharded_vs_replicated);
       ok = false;
     }
   }
@@ -592,8 +673,8 @@ int run(const Config& c) {
     const bool good =
         steps_equal && adam <= kAdamTol && mu_p <= kMuonTol && mu_a <= kMuonTol && mu_b <= kMuonTol;
     printf(
-        "sample %u vs reference: max_adam_abs_diff=%.3g max_mu_param_abs_diff=%.3g "
-        "(%s) max_mu_a_abs_diff=%.3g max_mu_b_abs_diff=%.3g adam_steps_equal=%s %s\n",
+        "sample %u vs reference: adam_abs_diff=%.3g mu_param_abs_diff=%.3g "
+        "(%s) mu_a_abs_diff=%.3g mu_b_abs_diff=%.3g adam_steps_equal=%s %s\n",
         ks[si], adam, mu_p, worst_mu.c_str(), mu_a, mu_b, steps_equal ? "yes" : "NO",
         good ? "ok" : "OUT OF TOLERANCE");
     ok &= good;
@@ -624,13 +705,23 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"pure", "conditional"}));
   app.add_flag("--break-mask", c.break_mask,
                "ranks without a local gradient skip step() (must fail, never hang)");
-  app.add_option("--reference", c.reference, "tools/optim_reference.py");
-  app.add_option("--python", c.python, "python interpreter for --reference");
+  const std::filesystem::path src(MEGACPP_SOURCE_DIR);
+  if (std::filesystem::exists(src / "tools/optim_reference.py") &&
+      std::filesystem::exists(src / ".venv/bin/python")) {
+    c.reference = (src / "tools/optim_reference.py").string();
+    c.python = (src / ".venv/bin/python").string();
+  }
+  bool no_reference = false;
+  app.add_option("--reference", c.reference, "the float64 reference script")->capture_default_str();
+  app.add_option("--python", c.python, "python interpreter (with torch) for --reference")
+      ->capture_default_str();
+  app.add_flag("--no-reference", no_reference, "skip the comparison with the reference");
   app.add_option("--collective-timeout", c.collective_timeout_s, "Gloo timeout, seconds");
   app.add_option("--deadline", c.deadline_s, "parent-side deadline, seconds");
   app.add_option("--muon-weight-decay", c.muon_wd, "Muon (cautious) weight decay");
   app.add_flag("--keep", c.keep, "keep the reference inputs/outputs");
   CLI11_PARSE(app, argc, argv);
+  if (no_reference) c.reference.clear();
   try {
     return megacpp::trainer::run(c);
   } catch (const std::exception& e) {
