@@ -51,6 +51,7 @@ format-check:
 
 bench: build
 	@$(BUILD)/bin/bench_pipeline_overhead
+	@$(BUILD)/bin/bench_optimizer
 
 bench-failure: build
 	@.venv/bin/python bench/failure_detection.py
