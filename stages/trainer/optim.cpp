@@ -464,107 +464,145 @@ void DistMuon::set_weight_decay(size_t group, double wd) {
   groups_.at(group).s.weight_decay.fill_(wd);
 }
 
+// One step of every stack with two collectives for all of them (besides the has-grad mask):
+// the stacked gradients of every stack share one buffer laid out rank-major — rank q's
+// segment holds entries [q*c, (q+1)*c) of each stack, c = ceil(n / world) — so a single
+// reduce-scatter hands each rank the gradients of the entries it owns, and a single
+// all-gather of the segments returns every updated entry. The replicated placement
+// all-reduces the same buffer (same summation order) and reads every segment.
 void DistMuon::step() {
   at::NoGradGuard ng;
   std::vector<at::Tensor> all;
   for (const Group& g : groups_)
     for (const Stack& s : g.stacks) all.insert(all.end(), s.params.begin(), s.params.end());
   const at::Tensor mask = global_mask(pg_, all, all.front().device());
-  int64_t base = 0;
+
+  struct Slot {
+    Group* g;
+    Stack* s;
+    int64_t n, c, numel, off, base;  // entries, entries per segment, entry size, offsets
+  };
+  std::vector<Slot> slots;
+  int64_t seg = 0, base = 0;
   for (Group& g : groups_) {
     for (Stack& s : g.stacks) {
       const auto n = static_cast<int64_t>(s.params.size());
-      step_stack(g, s, mask.narrow(0, base, n));
+      const int64_t c = (n + world_ - 1) / world_;
+      slots.push_back({&g, &s, n, c, s.rows * s.cols, seg, base});
+      seg += c * s.rows * s.cols;
       base += n;
+    }
+  }
+  const at::Tensor& p0 = slots.front().s->params.front();
+  const auto opts = p0.options().requires_grad(false);
+  at::Tensor flat = at::zeros({seg * world_}, opts);
+  for (const Slot& sl : slots) {
+    for (int64_t i = 0; i < sl.n; ++i) {
+      const at::Tensor& grad = sl.s->params[static_cast<size_t>(i)].grad();
+      if (!grad.defined()) continue;
+      const int64_t at_ = (i / sl.c) * seg + sl.off + (i % sl.c) * sl.numel;
+      flat.narrow(0, at_, sl.numel).copy_(grad.detach().reshape({-1}));
+    }
+  }
+  const bool sharded = !options_.replicated && pg_ && world_ > 1;
+  at::Tensor mine = flat;  // sharded: this rank's segment; otherwise the whole buffer
+  if (sharded) {
+    mine = reduce_scatter_sum(pg_, flat, rank_, world_) / static_cast<double>(world_);
+  } else if (pg_ && world_ > 1) {
+    all_reduce(pg_, flat, c10d::ReduceOp::SUM);
+    mine = flat / static_cast<double>(world_);
+  }
+
+  at::Tensor out_seg = sharded ? at::zeros({seg}, opts) : at::Tensor();
+  for (const Slot& sl : slots) {
+    const int64_t start = sharded ? rank_ * sl.c : 0;
+    const int64_t owned = std::clamp<int64_t>(sl.n - start, 0, sharded ? sl.c : sl.n);
+    if (owned == 0) continue;
+    at::Tensor grad;
+    if (sharded) {
+      grad = mine.narrow(0, sl.off, owned * sl.numel);
+    } else {
+      std::vector<at::Tensor> parts;
+      for (int64_t q = 0; q * sl.c < sl.n; ++q)
+        parts.push_back(
+            mine.narrow(0, q * seg + sl.off, std::min(sl.c, sl.n - q * sl.c) * sl.numel));
+      grad = at::cat(parts);
+    }
+    grad = grad.view({owned, sl.s->rows, sl.s->cols});
+    const at::Tensor updated =
+        update_stack(*sl.g, *sl.s, grad, mask.narrow(0, sl.base + start, owned), start, owned);
+    if (sharded) {
+      out_seg.narrow(0, sl.off, owned * sl.numel).copy_(updated.reshape({-1}));
+    } else {
+      for (int64_t i = 0; i < owned; ++i)
+        sl.s->params[static_cast<size_t>(i)].detach().copy_(updated[i]);
+    }
+  }
+  if (!sharded) return;
+  at::Tensor gathered = at::empty({seg * world_}, opts);
+  all_gather(pg_, gathered, out_seg);
+  for (const Slot& sl : slots) {
+    for (int64_t i = 0; i < sl.n; ++i) {
+      const int64_t at_ = (i / sl.c) * seg + sl.off + (i % sl.c) * sl.numel;
+      sl.s->params[static_cast<size_t>(i)].detach().view({-1}).copy_(
+          gathered.narrow(0, at_, sl.numel));
     }
   }
 }
 
-void DistMuon::step_stack(Group& g, Stack& s, const at::Tensor& mask) {
-  const auto n = static_cast<int64_t>(s.params.size());
-  const at::Tensor& p0 = s.params.front();
-  const auto opts = p0.options().requires_grad(false);
-  const bool sharded = !options_.replicated && pg_ && world_ > 1;
-  // The reduced buffer has ceil(n / world) * world rows in both placements: a ring all-reduce
-  // sums an element in an order that depends on the buffer's size and the element's offset,
-  // so equal buffers keep replicated results bit-identical to sharded ones at any world.
-  const int64_t padded = (n + world_ - 1) / world_ * world_;
-  at::Tensor stacked = at::zeros({padded, s.rows, s.cols}, opts);
-  for (int64_t i = 0; i < n; ++i) {
-    const at::Tensor& grad = s.params[static_cast<size_t>(i)].grad();
-    if (grad.defined()) stacked[i].copy_(grad.detach());
-  }
-  at::Tensor grad_chunk = stacked;
-  if (sharded) {
-    grad_chunk = reduce_scatter_sum(pg_, stacked, rank_, world_) / static_cast<double>(world_);
-  } else if (pg_ && world_ > 1) {
-    all_reduce(pg_, stacked, c10d::ReduceOp::SUM);
-    grad_chunk = stacked.narrow(0, 0, n) / static_cast<double>(world_);
-  }
+// Updates `owned` entries of a stack starting at entry `start` (their state is rows
+// [0, owned) of the stack's state tensors) from their averaged gradients `gr` [owned, rows,
+// cols]; `m` says which of them some rank had a gradient for. Returns the new values.
+at::Tensor DistMuon::update_stack(Group& g, Stack& s, const at::Tensor& gr, const at::Tensor& mask,
+                                  int64_t start, int64_t owned) {
+  std::vector<at::Tensor> mine(s.params.begin() + start, s.params.begin() + start + owned);
+  for (auto& t : mine) t = t.detach();
+  const at::Tensor P = at::stack(mine);
+  const at::Tensor m = mask.view({owned, 1, 1});
+  at::Tensor mom = s.momentum.narrow(0, 0, owned);
+  at::Tensor sec = s.second.narrow(0, 0, owned);
+  const at::Tensor mu = g.s.momentum.to(P.scalar_type());
 
-  const int64_t start = options_.replicated ? 0 : rank_ * s.chunk;
-  const int64_t owned = std::clamp<int64_t>(n - start, 0, s.chunk);
-  at::Tensor updated = at::zeros({s.chunk, s.rows, s.cols}, opts);
-  if (owned > 0) {
-    std::vector<at::Tensor> mine(s.params.begin() + start, s.params.begin() + start + owned);
-    for (auto& t : mine) t = t.detach();
-    const at::Tensor P = at::stack(mine);
-    const at::Tensor gr = grad_chunk.narrow(0, 0, owned);
-    const at::Tensor m = mask.narrow(0, start, owned).view({owned, 1, 1});
-    at::Tensor mom = s.momentum.narrow(0, 0, owned);
-    at::Tensor sec = s.second.narrow(0, 0, owned);
-    const at::Tensor mu = g.s.momentum.to(P.scalar_type());
+  // Nesterov momentum.
+  const at::Tensor mom_new = mom.lerp(gr, 1 - mu);
+  at::Tensor u = gr.lerp(mom_new, mu);
 
-    // Nesterov momentum.
-    const at::Tensor mom_new = mom.lerp(gr, 1 - mu);
-    at::Tensor u = gr.lerp(mom_new, mu);
-
-    // Orthogonalization, per qkv slice when the group is split.
-    if (g.qkv.empty()) {
-      u = detail::orthogonalize(u, options_.orthogonalizer, options_.ns_steps,
-                                options_.bf16_orthogonalization);
-    } else {
-      std::vector<at::Tensor> parts = u.split_with_sizes(g.qkv, -2);
-      for (auto& part : parts) {
-        part = detail::orthogonalize(part, options_.orthogonalizer, options_.ns_steps,
-                                     options_.bf16_orthogonalization);
-      }
-      u = at::cat(parts, -2);
+  // Orthogonalization, per qkv slice when the group is split.
+  if (g.qkv.empty()) {
+    u = detail::orthogonalize(u, options_.orthogonalizer, options_.ns_steps,
+                              options_.bf16_orthogonalization);
+  } else {
+    std::vector<at::Tensor> parts = u.split_with_sizes(g.qkv, -2);
+    for (auto& part : parts) {
+      part = detail::orthogonalize(part, options_.orthogonalizer, options_.ns_steps,
+                                   options_.bf16_orthogonalization);
     }
-    u = u.to(P.scalar_type());
-
-    // Variance reduction (factored second moment, norm preserving).
-    const at::Tensor beta2 = g.s.beta2.to(P.scalar_type());
-    const at::Tensor v_mean = u.to(at::kFloat).square().mean(s.red_dim, /*keepdim=*/true);
-    const double red_size = static_cast<double>(u.size(s.red_dim));
-    const at::Tensor v_norm = (v_mean.sum({-2, -1}, true) * red_size).sqrt();
-    const at::Tensor sec_new = sec.lerp(v_mean.to(sec.scalar_type()), 1 - beta2);
-    const at::Tensor step_size = sec_new.clamp_min(1e-10).rsqrt();
-    const at::Tensor scaled_sq_sum = (v_mean * red_size) * step_size.to(at::kFloat).square();
-    const at::Tensor v_norm_new = scaled_sq_sum.sum({-2, -1}, true).sqrt();
-    const at::Tensor final_scale = step_size * (v_norm / v_norm_new.clamp_min(1e-10));
-    u = u * final_scale.to(u.scalar_type());
-
-    // Cautious weight decay (parameter-sign agreement) and the update.
-    const double aspect = std::sqrt(std::max(1.0, static_cast<double>(s.rows) / s.cols));
-    const at::Tensor lr = (g.s.lr * aspect).to(P.scalar_type());
-    const at::Tensor wd = g.s.weight_decay.to(P.scalar_type());
-    const at::Tensor cautious = (u * P) >= 0;
-    const at::Tensor P_new = P - (lr * u + lr * wd * P * cautious);
-
-    mom.copy_(at::where(m, mom_new, mom));
-    sec.copy_(at::where(m, sec_new, sec));
-    updated.narrow(0, 0, owned).copy_(at::where(m, P_new, P));
+    u = at::cat(parts, -2);
   }
+  u = u.to(P.scalar_type());
 
-  at::Tensor gathered = updated;
-  if (sharded) {
-    gathered = at::empty({padded, s.rows, s.cols}, opts);
-    all_gather(pg_, gathered, updated);
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    s.params[static_cast<size_t>(i)].detach().copy_(gathered[i]);
-  }
+  // Variance reduction (factored second moment, norm preserving).
+  const at::Tensor beta2 = g.s.beta2.to(P.scalar_type());
+  const at::Tensor v_mean = u.to(at::kFloat).square().mean(s.red_dim, /*keepdim=*/true);
+  const double red_size = static_cast<double>(u.size(s.red_dim));
+  const at::Tensor v_norm = (v_mean.sum({-2, -1}, true) * red_size).sqrt();
+  const at::Tensor sec_new = sec.lerp(v_mean.to(sec.scalar_type()), 1 - beta2);
+  const at::Tensor step_size = sec_new.clamp_min(1e-10).rsqrt();
+  const at::Tensor scaled_sq_sum = (v_mean * red_size) * step_size.to(at::kFloat).square();
+  const at::Tensor v_norm_new = scaled_sq_sum.sum({-2, -1}, true).sqrt();
+  const at::Tensor final_scale = step_size * (v_norm / v_norm_new.clamp_min(1e-10));
+  u = u * final_scale.to(u.scalar_type());
+
+  // Cautious weight decay (parameter-sign agreement) and the update.
+  const double aspect = std::sqrt(std::max(1.0, static_cast<double>(s.rows) / s.cols));
+  const at::Tensor lr = (g.s.lr * aspect).to(P.scalar_type());
+  const at::Tensor wd = g.s.weight_decay.to(P.scalar_type());
+  const at::Tensor cautious = (u * P) >= 0;
+  const at::Tensor P_new = P - (lr * u + lr * wd * P * cautious);
+
+  mom.copy_(at::where(m, mom_new, mom));
+  sec.copy_(at::where(m, sec_new, sec));
+  return at::where(m, P_new, P);
 }
 
 OptimizerState DistMuon::state_dict() const {

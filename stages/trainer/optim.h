@@ -134,10 +134,11 @@ class DistAdamW {
 //     lr_eff = lr * sqrt(max(1, rows/cols)).
 // Stacking: within a group, parameters of one shape form a stack (shapes in sorted order,
 // parameters in given order). Each rank owns chunk_size = ceil(n / world) consecutive
-// entries of a stack (the last ranks may own fewer or none); the stacked gradients are
-// zero-padded to chunk_size*world, reduce-scattered, the owned entries updated with their
-// state, the stack all-gathered and copied back. DistMuonOptions::replicated instead gives
-// every rank the whole stack.
+// entries of a stack (the last ranks may own fewer or none); the stacked gradients of all
+// stacks are zero-padded to chunk_size*world and laid out rank-major in one buffer, which
+// one reduce-scatter reduces, the owned entries are updated with their state, and one
+// all-gather returns every entry. DistMuonOptions::replicated instead gives every rank the
+// whole stacks (the same buffer, all-reduced).
 enum class Orthogonalizer { kPolarExpress, kNewtonSchulz };
 
 struct MuonParamGroup {
@@ -205,7 +206,8 @@ class DistMuon {
  private:
   struct Group;
   struct Stack;
-  void step_stack(Group& g, Stack& s, const at::Tensor& global_mask);
+  at::Tensor update_stack(Group& g, Stack& s, const at::Tensor& grad, const at::Tensor& mask,
+                          int64_t start, int64_t owned);
   c10::intrusive_ptr<c10d::Backend> pg_;
   DistMuonOptions options_;
   uint32_t rank_ = 0;
