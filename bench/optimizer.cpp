@@ -842,12 +842,7 @@ int main(int argc, char** argv) {
                                                      r.model.n_layers, r.model.mlp_mult, c.steps),
                                         model_shapes("large", 4096, 512, 4, 4, c.large_steps)};
 
-    c10d::TCPStoreOptions so;
-    so.port = 0;
-    so.isServer = true;
-    so.waitWorkers = false;
-    so.timeout = std::chrono::seconds(60);
-    auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    auto server = tr::host_local_store(std::chrono::seconds(60));
     const uint16_t port = server->getPort();
 
     fmt::print(

@@ -476,12 +476,7 @@ int run_child(const std::vector<std::string>& args, int deadline_s) {
 
 int run(const Config& c) {
   torch::set_num_threads(1);  // forked ranks must not inherit a live OpenMP pool
-  c10d::TCPStoreOptions so;
-  so.port = 0;
-  so.isServer = true;
-  so.waitWorkers = false;
-  so.timeout = std::chrono::seconds(30);
-  auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  auto server = host_local_store(std::chrono::seconds(30));
   const uint16_t port = server->getPort();
   const auto t0 = Clock::now();
 

@@ -441,6 +441,15 @@ SnapshotLayout TrainStep::copy_snapshot(std::span<std::byte> region) const {
   return layout;
 }
 
+c10::intrusive_ptr<c10d::TCPStore> host_local_store(std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions so;
+  so.port = 0;
+  so.isServer = true;
+  so.waitWorkers = false;
+  so.timeout = timeout;
+  return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+}
+
 c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooOptions& o) {
   MEGACPP_CHECK(o.world > 0 && o.rank < o.world, ErrorKind::kInvalidArgument,
                 fmt::format("rank {} outside world {}", o.rank, o.world));

@@ -21,6 +21,7 @@
 
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "ipc/ipc.h"
 #include "recipes/recipe.h"
@@ -249,6 +250,11 @@ struct GlooOptions {
   std::string store_prefix;
 };
 c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooOptions& options);
+
+// A TCPStore server on 127.0.0.1 at a port the kernel picks (read it with getPort()), for
+// a process that forks its own ranks (tests, the stress harness, benchmarks); `timeout`
+// bounds every store operation. Throws c10::Error (c10d's) when it cannot listen.
+c10::intrusive_ptr<c10d::TCPStore> host_local_store(std::chrono::milliseconds timeout);
 
 // ---------------------------------------------------------------------------------------
 // The rank's side of the snapshot plane (DESIGN §3): one staging region, created at the

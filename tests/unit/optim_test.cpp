@@ -98,12 +98,7 @@ bool bit_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& 
 // the child's exit status. Returns the scratch directory (the caller removes it).
 using Body = std::function<int(const Pg&, uint32_t, const fs::path&)>;
 fs::path run_world2(const Body& body) {
-  c10d::TCPStoreOptions so;
-  so.port = 0;
-  so.isServer = true;
-  so.waitWorkers = false;
-  so.timeout = std::chrono::seconds(20);
-  auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  auto server = host_local_store(std::chrono::seconds(20));
   const uint16_t port = server->getPort();
   char tmpl[] = "/tmp/megacpp-optim-test-XXXXXX";
   if (mkdtemp(tmpl) == nullptr) {

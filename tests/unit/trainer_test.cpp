@@ -659,12 +659,7 @@ std::vector<float> read_floats(const fs::path& path) {
 }
 
 TEST_F(TrainerTest, TwoRanksOverGlooStayBitIdentical) {
-  c10d::TCPStoreOptions so;
-  so.port = 0;  // the server picks a free port
-  so.isServer = true;
-  so.waitWorkers = false;
-  so.timeout = std::chrono::seconds(20);
-  auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  auto server = host_local_store(std::chrono::seconds(20));
   const uint16_t port = server->getPort();
   ASSERT_NE(port, 0);
 
