@@ -129,11 +129,6 @@ struct TrainStep::Impl {
     build_optimizers();
   }
 
-  static bool ends_with(const std::string& s, std::string_view suffix) {
-    return s.size() >= suffix.size() &&
-           s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-  }
-
   void build_optimizers() {
     const OptimConfig& o = train_cfg.optim;
     // Fixed group order on every rank: it is the collective order.
@@ -151,7 +146,7 @@ struct TrainStep::Impl {
         a.optimizer = "adamw", a.group = "head";
       } else if (name.starts_with("blocks.") && p.dim() == 2) {
         a.optimizer = "muon";
-        a.group = o.qkv_split && ends_with(name, ".attn.qkv.weight") ? "qkv" : "matrices";
+        a.group = o.qkv_split && name.ends_with(".attn.qkv.weight") ? "qkv" : "matrices";
         a.sharded = true;
       } else {
         a.optimizer = "adamw", a.group = "other";
@@ -257,8 +252,9 @@ struct TrainStep::Impl {
     throw Error(ErrorKind::kInternal, "muon stack member not found: " + first, __FILE__, __LINE__);
   }
 
-  // Maps an optimizer state entry name ("p3.exp_avg", "g0.lr", "g1.s0.momentum") to the
-  // snapshot's logical name.
+  // Maps an optimizer state entry name to the snapshot's logical name. The entry names are
+  // optim.cpp's: DistAdamW "p<i>.<field>" (flattened parameter i) and "g<g>.<scalar>";
+  // DistMuon "g<g>.s<s>.<field>" (stack s of group g) and "g<g>.<scalar>".
   std::string logical_name(bool is_adam, const std::string& entry) const {
     const size_t dot = entry.find('.');
     const std::string head = entry.substr(0, dot), rest = entry.substr(dot + 1);
