@@ -183,6 +183,7 @@ class Run {
   void on_message(ipc::Received& m);
   void on_signals();
   void reap();
+  void journal_child_exited(const Child& c, const char* reason);
   void check_liveness();
   void restart_or_fail(Child& c, const std::string& why, Event ev);
   void record(Child& c, Event ev);
@@ -594,16 +595,7 @@ void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
       ::kill(c.pid, SIGKILL);
       c.alive = false;
     }
-    journal_->append([&](schema::JournalRecord::Builder r) {
-      auto e = r.initChildExited();
-      e.setStage(c.stage);
-      e.setRank(c.rank);
-      e.setPid(c.pid);
-      e.setExitCode(c.exit_code);
-      e.setSignal(c.signal);
-      e.setGeneration(c.generation);
-      e.setReason("restart");
-    });
+    journal_child_exited(c, "restart");
     launch(c.stage, c.rank, c.generation + 1, "restart");
     return;
   }
@@ -611,6 +603,19 @@ void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
     ev.message += fmt::format(" (after {} restarts)", c.restarts);
   }
   record(c, std::move(ev));
+}
+
+void Run::journal_child_exited(const Child& c, const char* reason) {
+  journal_->append([&](schema::JournalRecord::Builder r) {
+    auto e = r.initChildExited();
+    e.setStage(c.stage);
+    e.setRank(c.rank);
+    e.setPid(c.pid);
+    e.setExitCode(c.exit_code);
+    e.setSignal(c.signal);
+    e.setGeneration(c.generation);
+    e.setReason(reason);
+  });
 }
 
 void Run::reap() {
@@ -642,16 +647,7 @@ void Run::reap() {
                                 : c.signal  ? "signaled"
                                             : "exited");
     if (!done_) {
-      journal_->append([&](schema::JournalRecord::Builder r) {
-        auto e = r.initChildExited();
-        e.setStage(c.stage);
-        e.setRank(c.rank);
-        e.setPid(c.pid);
-        e.setExitCode(c.exit_code);
-        e.setSignal(c.signal);
-        e.setGeneration(c.generation);
-        e.setReason(reason);
-      });
+      journal_child_exited(c, reason);
     }
     if (expected || torn_down) continue;
     std::string what =
