@@ -766,17 +766,7 @@ class CheckpointerHarness {
   explicit CheckpointerHarness(fs::path exe) : exe_(std::move(exe)) {
     control_ = "ipc://" + (sock_.path() / "control").string();
     ck_ = "ipc://" + (sock_.path() / "ck").string();
-    capnp::MallocMessageBuilder message;
-    auto l = message.initRoot<schema::LaunchContract>();
-    l.setSchemaVersion(schema::SCHEMA_VERSION);
-    l.setRunId("run-proc");
-    l.setRunDir(run_.path().string());
-    l.setControlEndpoint(control_);
-    l.setCheckpointEndpoint(ck_);
-    l.setWorld(2);
-    l.setHeartbeatIntervalMs(100);
-    l.getRecipe().setHash("hash-proc");
-    write_file_atomic(layout::launch_path(run_.path()), schemas::to_json(l.asReader()));
+    test_support::write_test_launch(run_.path(), "run-proc", control_, ck_, 2, "hash-proc");
     supervisor_ = std::make_unique<ipc::Channel>(zmq_, ipc::Channel::Kind::kRouter, control_);
     fs::create_directories(layout::logs_dir(run_.path()));
     prefix_ = fmt::format("/megacpp-ckproc-{}-", ::getpid());

@@ -21,8 +21,12 @@
 #include "core/error.h"
 #include "stages/trainer/optim.h"
 #include "stages/trainer/trainer.h"
+#include "tests/unit/test_support.h"
 
 namespace megacpp::trainer {
+
+using test_support::read_floats;
+using test_support::write_floats;
 namespace {
 
 namespace fs = std::filesystem;
@@ -63,21 +67,6 @@ std::vector<float> flat(const std::vector<at::Tensor>& ps) {
     at::Tensor c = p.detach().contiguous().to(at::kFloat).reshape({-1});
     out.insert(out.end(), c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
   }
-  return out;
-}
-
-bool write_floats(const fs::path& path, const std::vector<float>& v) {
-  std::ofstream f(path, std::ios::binary);
-  f.write(reinterpret_cast<const char*>(v.data()),
-          static_cast<std::streamsize>(v.size() * sizeof(float)));
-  return f.good();
-}
-
-std::vector<float> read_floats(const fs::path& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  std::vector<float> out(bytes.size() / sizeof(float));
-  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
   return out;
 }
 
@@ -126,28 +115,7 @@ fs::path run_world2(const Body& body) {
       _exit(rc);
     }
   }
-  int status[2] = {-1, -1};
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  for (int done = 0; done < 2;) {
-    for (int r = 0; r < 2; ++r) {
-      int st = 0;
-      if (status[r] == -1 && waitpid(pids[r], &st, WNOHANG) == pids[r]) {
-        status[r] = st;
-        ++done;
-      }
-    }
-    if (done < 2 && std::chrono::steady_clock::now() > deadline) {
-      for (int r = 0; r < 2; ++r) {
-        if (status[r] == -1) {
-          kill(pids[r], SIGKILL);
-          waitpid(pids[r], &status[r], 0);
-          ++done;
-        }
-      }
-      ADD_FAILURE() << "a rank did not finish within 60 s";
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  const std::vector<int> status = test_support::reap_within(pids, std::chrono::seconds(60));
   for (int r = 0; r < 2; ++r) {
     EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
         << "rank " << r << " exit status " << WEXITSTATUS(status[r]);

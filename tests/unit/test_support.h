@@ -1,13 +1,29 @@
 // Helpers shared by the unit tests (header-only; not part of any library).
 #pragma once
 
+#include <gtest/gtest.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 
+#include <capnp/message.h>
+
+#include <chrono>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <span>
 #include <string>
 #include <system_error>
+#include <thread>
+#include <vector>
 
 #include "core/error.h"
+#include "core/util.h"
+#include "schemas/json.h"
+#include "schemas/launch.capnp.h"
+#include "schemas/run_layout.h"
 
 namespace megacpp::test_support {
 
@@ -30,5 +46,66 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+// Waits for forked children, bounded: those still running after `timeout` are SIGKILLed
+// and the test fails (a hung rank must not hang the test). Returns each child's wait
+// status, in the order of `pids`.
+inline std::vector<int> reap_within(std::span<const pid_t> pids, std::chrono::seconds timeout) {
+  std::vector<int> status(pids.size(), -1);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (size_t done = 0; done < pids.size();) {
+    for (size_t r = 0; r < pids.size(); ++r) {
+      int st = 0;
+      if (status[r] == -1 && ::waitpid(pids[r], &st, WNOHANG) == pids[r]) {
+        status[r] = st;
+        ++done;
+      }
+    }
+    if (done < pids.size() && std::chrono::steady_clock::now() > deadline) {
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (status[r] != -1) continue;
+        ::kill(pids[r], SIGKILL);
+        ::waitpid(pids[r], &status[r], 0);
+        ++done;
+      }
+      ADD_FAILURE() << "a child did not finish within " << timeout.count() << " s";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return status;
+}
+
+// Raw float32 files, how forked ranks hand vectors back to the test process.
+inline bool write_floats(const std::filesystem::path& path, const std::vector<float>& v) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(v.data()),
+          static_cast<std::streamsize>(v.size() * sizeof(float)));
+  return f.good();
+}
+inline std::vector<float> read_floats(const std::filesystem::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<float> out(bytes.size() / sizeof(float));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  return out;
+}
+
+// Writes RUN/launch.json with what a checkpointer launched on `run_dir` reads: run id, the
+// control and checkpoint endpoints, the world, a 100 ms heartbeat and a recipe hash.
+inline void write_test_launch(const std::filesystem::path& run_dir, const std::string& run_id,
+                              const std::string& control, const std::string& checkpoint,
+                              uint32_t world, const std::string& recipe_hash) {
+  capnp::MallocMessageBuilder message;
+  auto l = message.initRoot<schema::LaunchContract>();
+  l.setSchemaVersion(schema::SCHEMA_VERSION);
+  l.setRunId(run_id);
+  l.setRunDir(run_dir.string());
+  l.setControlEndpoint(control);
+  l.setCheckpointEndpoint(checkpoint);
+  l.setWorld(world);
+  l.setHeartbeatIntervalMs(100);
+  l.getRecipe().setHash(recipe_hash);
+  write_file_atomic(layout::launch_path(run_dir), schemas::to_json(l.asReader()));
+}
 
 }  // namespace megacpp::test_support

@@ -32,6 +32,8 @@
 #include "tests/unit/test_support.h"
 
 namespace megacpp::trainer {
+
+using test_support::read_floats;
 namespace {
 
 namespace fs = std::filesystem;
@@ -524,19 +526,7 @@ TEST_F(TrainerTest, SnapshotPlaneSurvivesACheckpointerRestart) {
   TempDir run, sock;
   const std::string control = "ipc://" + (sock.path() / "control").string();
   const std::string endpoint = "ipc://" + (sock.path() / "ck").string();
-  {
-    capnp::MallocMessageBuilder message;
-    auto l = message.initRoot<schema::LaunchContract>();
-    l.setSchemaVersion(schema::SCHEMA_VERSION);
-    l.setRunId("run-trainer-test");
-    l.setRunDir(run.path().string());
-    l.setControlEndpoint(control);
-    l.setCheckpointEndpoint(endpoint);
-    l.setWorld(1);
-    l.setHeartbeatIntervalMs(100);
-    l.getRecipe().setHash("hash");
-    write_file_atomic(layout::launch_path(run.path()), schemas::to_json(l.asReader()));
-  }
+  test_support::write_test_launch(run.path(), "run-trainer-test", control, endpoint, 1, "hash");
   ipc::ZmqContext zmq;
   ipc::Channel supervisor(zmq, ipc::Channel::Kind::kRouter, control);
   fs::create_directories(layout::logs_dir(run.path()));
@@ -650,14 +640,6 @@ int run_rank_child(uint16_t port, uint32_t rank, const fs::path& out) {
   }
 }
 
-std::vector<float> read_floats(const fs::path& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  std::vector<float> out(bytes.size() / sizeof(float));
-  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
-  return out;
-}
-
 TEST_F(TrainerTest, TwoRanksOverGlooStayBitIdentical) {
   auto server = host_local_store(std::chrono::seconds(20));
   const uint16_t port = server->getPort();
@@ -673,30 +655,7 @@ TEST_F(TrainerTest, TwoRanksOverGlooStayBitIdentical) {
     ASSERT_GE(pids[rank], 0);
     if (pids[rank] == 0) _exit(run_rank_child(port, rank, dir / fmt::format("rank{}.bin", rank)));
   }
-  // Bounded wait: a hung rank is killed rather than hanging the test.
-  int status[2] = {-1, -1};
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  for (int done = 0; done < 2;) {
-    for (int r = 0; r < 2; ++r) {
-      if (status[r] != -1) continue;
-      int st = 0;
-      if (waitpid(pids[r], &st, WNOHANG) == pids[r]) {
-        status[r] = st;
-        ++done;
-      }
-    }
-    if (done < 2 && std::chrono::steady_clock::now() > deadline) {
-      for (int r = 0; r < 2; ++r) {
-        if (status[r] == -1) {
-          kill(pids[r], SIGKILL);
-          waitpid(pids[r], &status[r], 0);
-          ++done;
-        }
-      }
-      ADD_FAILURE() << "a rank did not finish within 60 s";
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  const std::vector<int> status = test_support::reap_within(pids, std::chrono::seconds(60));
   for (int r = 0; r < 2; ++r) {
     EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
         << "rank " << r << " status " << status[r];
