@@ -277,6 +277,9 @@ struct ControlClient::State {
   std::atomic<double> tokens{0.0};
   std::atomic<uint32_t> loss_bits{std::bit_cast<uint32_t>(std::numeric_limits<float>::quiet_NaN())};
   std::atomic<double> step_seconds{0.0};
+  std::atomic<int64_t> progress_ns{0};
+  std::atomic<uint64_t> work_done{0};
+  std::atomic<int64_t> pending_since_ns{0};
   std::atomic<bool> quit{false};
 
   struct PendingFailure {
@@ -324,6 +327,9 @@ struct ControlClient::State {
     hb.setStepSeconds(step_seconds.load(std::memory_order_relaxed));
     hb.setLagSeconds(lag_seconds.load(std::memory_order_relaxed));
     hb.setGeneration(generation);
+    hb.setProgressMonoNs(progress_ns.load(std::memory_order_relaxed));
+    hb.setWorkDone(work_done.load(std::memory_order_relaxed));
+    hb.setPendingSinceMonoNs(pending_since_ns.load(std::memory_order_relaxed));
     // Never waits: with no supervisor the queue fills to the HWM and heartbeats are dropped.
     channel.send(m.message(), Millis(0));
   }
@@ -448,6 +454,12 @@ void ControlClient::report_failure(const std::string& kind, const std::string& m
 }  // namespace megacpp::ipc
 
 namespace megacpp::ipc {
+void ControlClient::report_progress(uint64_t work_done, int64_t pending_since_ns) {
+  state_->work_done.store(work_done, std::memory_order_relaxed);
+  state_->pending_since_ns.store(pending_since_ns, std::memory_order_relaxed);
+  state_->progress_ns.store(mono_ns(), std::memory_order_relaxed);
+}
+
 void ControlClient::set_lag(double seconds) {
   state_->lag_seconds.store(seconds, std::memory_order_relaxed);
 }

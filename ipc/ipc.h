@@ -218,6 +218,12 @@ class ControlClient {
   void set_progress(uint32_t step, double tokens, float loss, double step_seconds);
   // Collector: how far behind the journals the last fold was (append -> fold, seconds).
   void set_lag(double seconds);
+  // Called by the thread that does the stage's work, never by a helper thread: each call
+  // stamps "progress now" (the supervisor judges a stage by the age of this stamp, since
+  // heartbeats come from this client's own thread and go on while the work is wedged).
+  // `work_done` counts finished units of work (folds, commits, batches); `pending_since_ns`
+  // is when the oldest piece of work still owed arrived (CLOCK_MONOTONIC; 0: none owed).
+  void report_progress(uint64_t work_done, int64_t pending_since_ns = 0);
   bool stop_requested() const noexcept { return stop_.load(std::memory_order_acquire); }
   std::string stop_reason() const;
   // Sends a Failure message now (best effort, from the calling thread's point of view it

@@ -23,6 +23,11 @@ struct Heartbeat {
   stepSeconds @8 :Float64;      # last step's wall time (trainer)
   lagSeconds @9 :Float64;       # collector: append -> fold delay of the newest records
   generation @10 :UInt32;       # launch generation of the sender (restarts bump it)
+  # Progress as the stage's working thread (not the heartbeat thread) last reported it:
+  # a wedged fold, write or fill stops these while heartbeats go on.
+  progressMonoNs @11 :Int64;    # when the working thread last made progress (0: not yet)
+  workDone @12 :UInt64;         # units of work done: folds, commits, batches produced
+  pendingSinceMonoNs @13 :Int64;  # since when the oldest owed piece of work waits (0: none)
 }
 
 struct Stop {

@@ -30,6 +30,7 @@ struct ChildEvent {
   signal @4 :Int32;             # 0 when exited
   generation @5 :UInt32;
   reason @6 :Text;              # childStarted: launch | restart; childExited: exit | stop | restart | teardown
+  cause @7 :Text;               # restart: why the previous generation was replaced
 }
 
 struct RunStarted {
@@ -73,6 +74,9 @@ struct GraphEntry {
   step @7 :UInt32;
   phase @8 :Common.Phase;
   restarts @9 :UInt32;
+  progressAgeSeconds @10 :Float64;  # since the working thread last reported progress (-1: never)
+  workDone @11 :UInt64;             # folds / commits / batches produced, as last reported
+  pendingAgeSeconds @12 :Float64;   # age of the oldest owed piece of work (0: none)
 }
 
 # The stage graph at the moment of an error or timeout.

@@ -106,4 +106,10 @@ struct LaunchContract {
   supervisorPid @22 :Int32;
   supervisorStartTicks @23 :UInt64;  # /proc/<pid>/stat starttime: tells a reused pid apart
   metricsEndpoint @24 :Text;         # http://127.0.0.1:PORT/metrics
+  # Progress budgets of the restartable stages: a stage whose working thread reports no
+  # progress for this long is hung and restarted. The trainer sizes its snapshot waits on
+  # the checkpointer's budget, so a wedged checkpointer is replaced before a rank gives up.
+  collectorStallSeconds @25 :Float64;
+  loaderStallSeconds @26 :Float64;
+  checkpointerStallSeconds @27 :Float64;
 }

@@ -26,6 +26,7 @@ struct StageSnapshot {
   role @8 :Text;                # first_failure | victim | torn_down (empty when none)
   restarts @9 :UInt32;
   generation @10 :UInt32;
+  restartCauses @11 :List(Text);  # one per restart, oldest first: "generation N: why"
 }
 
 struct RunError {

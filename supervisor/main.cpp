@@ -86,6 +86,15 @@ int main(int argc, char** argv) {
   run->add_option("--heartbeat-timeout-s", ro.heartbeat_timeout_s,
                   "Silence after which a process is heartbeat_lost (capped by its phase budget)")
       ->capture_default_str();
+  run->add_option("--collector-stall-s", ro.collector_stall_s,
+                  "Restart the collector when it finishes no fold for this long")
+      ->capture_default_str();
+  run->add_option("--loader-stall-s", ro.loader_stall_s,
+                  "Restart the data loader when it fills no ring that has room for this long")
+      ->capture_default_str();
+  run->add_option("--checkpointer-stall-s", ro.checkpointer_stall_s,
+                  "Restart the checkpointer when its loop or write does not move for this long")
+      ->capture_default_str();
   run->add_option("--max-restarts", ro.max_restarts,
                   "Restarts allowed per restartable stage (collector, data loader, checkpointer)")
       ->capture_default_str();

@@ -55,6 +55,11 @@ void RunOptions::validate() const {
     bad("--startup-budget-s, --hang-budget-s and --heartbeat-timeout-s must be > 0");
   }
   if (!(hang_multiple >= 1)) bad("--hang-multiple must be >= 1");
+  for (auto [flag, v] : {std::pair{"--collector-stall-s", collector_stall_s},
+                         std::pair{"--loader-stall-s", loader_stall_s},
+                         std::pair{"--checkpointer-stall-s", checkpointer_stall_s}}) {
+    if (!(v > 0) || v > 86400) bad(fmt::format("{} must be in (0, 86400]", flag));
+  }
   if (!(teardown_grace_s >= 0) || teardown_grace_s > 30)
     bad("--teardown-grace-s must be in [0, 30]");
   if (max_restarts > 100) bad("--max-restarts must be <= 100");
@@ -91,7 +96,21 @@ struct Child {
   float loss = NAN;
   double step_seconds = 0;
   double lag_seconds = 0;
+  // As the working thread reported it (CLOCK_MONOTONIC of the stage; 0: not reported yet).
+  int64_t work_ns = 0;
+  uint64_t work_done = 0;
+  int64_t pending_since_ns = 0;
+  // A restart in progress: the previous generation was sent SIGKILL at dying_since_ns and
+  // the next one is launched only once dying_pid is reaped, so two generations never share
+  // a ring, a socket or the manifest.
+  pid_t dying_pid = 0;
+  int64_t dying_since_ns = 0;
+  std::string restart_cause{};
 };
+
+// How long a stage killed for a restart may take to be reaped before its restart is abandoned
+// and the run fails (a process in uninterruptible I/O, or unmapping a very large region).
+constexpr double kRestartReapBoundSeconds = 10;
 
 struct Failure {
   std::string kind;  // exited | signaled | hung | heartbeat_lost | exception | interrupted | ...
@@ -177,7 +196,8 @@ class Run {
  private:
   void prepare();
   void write_launch_contract();
-  void launch(StageKind stage, uint32_t rank, uint32_t generation, const char* reason);
+  void launch(StageKind stage, uint32_t rank, uint32_t generation, const char* reason,
+              const std::string& cause = {});
   void watch();
   void pump(int timeout_ms);
   void on_message(ipc::Received& m);
@@ -200,8 +220,12 @@ class Run {
   void cleanup();
   Child* by_name(const std::string& n);
   Child* by_pid(pid_t pid);
+  Child* by_dying_pid(pid_t pid);
   bool all_trainers_done() const;
   double phase_budget(const Child& c) const;
+  double stall_budget(StageKind s) const;
+  const Child* waited_on(const Child& trainer);
+  void check_stage_progress(Child& c, int64_t now);
   static bool restartable(StageKind s) {
     return s == StageKind::COLLECTOR || s == StageKind::DATA_LOADER || s == StageKind::CHECKPOINTER;
   }
@@ -225,7 +249,6 @@ class Run {
   std::vector<std::unique_ptr<ipc::ShmRegion>> rings_;
   std::vector<std::unique_ptr<ipc::SlotRing>> ring_views_;
   std::vector<Child> children_;
-  std::set<pid_t> abandoned_;  // killed for a restart; their exit is expected
   int sigfd_ = -1;
   std::map<std::string, Event> events_;  // by process name: the most telling event of each
   int64_t detected_ns_ = 0;              // first event; 0 while the run is healthy
@@ -446,7 +469,17 @@ void Run::write_launch_contract() {
   l.setSupervisorPid(::getpid());
   l.setSupervisorStartTicks(detail::process_start_ticks(::getpid()));
   l.setMetricsEndpoint(metrics_endpoint_);
+  l.setCollectorStallSeconds(opt_.collector_stall_s);
+  l.setLoaderStallSeconds(opt_.loader_stall_s);
+  l.setCheckpointerStallSeconds(opt_.checkpointer_stall_s);
   write_file_atomic(layout::launch_path(run_), schemas::to_json(l.asReader()));
+}
+
+Child* Run::by_dying_pid(pid_t pid) {
+  for (auto& c : children_) {
+    if (c.dying_pid == pid) return &c;
+  }
+  return nullptr;
 }
 
 Child* Run::by_pid(pid_t pid) {
@@ -456,7 +489,8 @@ Child* Run::by_pid(pid_t pid) {
   return nullptr;
 }
 
-void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, const char* reason) {
+void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, const char* reason,
+                 const std::string& cause) {
   Child* c = by_name(layout::process_name(stage, rank));
   if (c == nullptr) {
     children_.push_back(Child{stage, rank, layout::process_name(stage, rank)});
@@ -485,6 +519,9 @@ void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, const char
   c->phase_started_ns = c->started_ns;
   c->progress_ns = c->started_ns;
   c->phase = Phase::STARTUP;
+  c->work_ns = 0;
+  c->work_done = 0;
+  c->pending_since_ns = 0;
   metrics_->set_up(stage, rank, true);
   journal_->append([&](schema::JournalRecord::Builder r) {
     auto e = r.initChildStarted();
@@ -493,6 +530,7 @@ void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, const char
     e.setPid(c->pid);
     e.setGeneration(generation);
     e.setReason(reason);
+    if (!cause.empty()) e.setCause(cause);
   });
 }
 
@@ -545,6 +583,9 @@ void Run::on_message(ipc::Received& m) {
       c->loss = h.getLoss();
       c->step_seconds = h.getStepSeconds();
       c->lag_seconds = h.getLagSeconds();
+      c->work_ns = h.getProgressMonoNs();
+      c->work_done = h.getWorkDone();
+      c->pending_since_ns = h.getPendingSinceMonoNs();
       break;
     }
     case schema::ControlMessage::FAILURE: {
@@ -590,13 +631,18 @@ void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
     log_warn("{}: {}; restarting it ({} of at most {})", c.name, why, c.restarts,
              opt_.max_restarts);
     metrics_->add_restart(c.stage, c.rank);
+    c.restart_cause = fmt::format("generation {}: {}", c.generation, why);
     if (c.alive) {
-      abandoned_.insert(c.pid);
+      // Relaunched from reap() once this pid is gone (bounded in check_liveness).
       ::kill(c.pid, SIGKILL);
       c.alive = false;
+      c.dying_pid = c.pid;
+      c.dying_since_ns = mono_ns();
+      metrics_->set_up(c.stage, c.rank, false);
+      return;
     }
     journal_child_exited(c, "restart");
-    launch(c.stage, c.rank, c.generation + 1, "restart");
+    launch(c.stage, c.rank, c.generation + 1, "restart", c.restart_cause);
     return;
   }
   if (restartable(c.stage) && c.restarts >= opt_.max_restarts) {
@@ -623,7 +669,16 @@ void Run::reap() {
     int status = 0;
     pid_t pid = ::waitpid(-1, &status, WNOHANG);
     if (pid <= 0) return;
-    if (abandoned_.erase(pid) > 0) continue;
+    if (Child* dying = by_dying_pid(pid)) {
+      dying->dying_pid = 0;
+      dying->exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      dying->signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+      journal_child_exited(*dying, "restart");
+      if (detected_ns_ == 0 && !done_) {
+        launch(dying->stage, dying->rank, dying->generation + 1, "restart", dying->restart_cause);
+      }
+      continue;
+    }
     Child* cp = by_pid(pid);
     if (cp == nullptr || !cp->alive) continue;
     Child& c = *cp;
@@ -687,9 +742,65 @@ void Run::on_signals() {
   reap();
 }
 
+double Run::stall_budget(StageKind s) const {
+  switch (s) {
+    case StageKind::COLLECTOR:
+      return opt_.collector_stall_s;
+    case StageKind::DATA_LOADER:
+      return opt_.loader_stall_s;
+    case StageKind::CHECKPOINTER:
+      return opt_.checkpointer_stall_s;
+    default:
+      return opt_.startup_budget_s;
+  }
+}
+
+// The stage a trainer is waiting on in its current phase, if any.
+const Child* Run::waited_on(const Child& trainer) {
+  if (trainer.phase == Phase::WAIT_BATCH)
+    return by_name(layout::process_name(StageKind::DATA_LOADER, 0));
+  if (trainer.phase == Phase::SNAPSHOT)
+    return by_name(layout::process_name(StageKind::CHECKPOINTER, 0));
+  return nullptr;
+}
+
+// A restartable stage is judged by its working thread's progress stamp, never by its
+// heartbeats alone (they come from the control client's thread and go on while the work is
+// wedged). Until its first report the start-up budget applies (libraries, shm, a built-in
+// corpus written on first use).
+void Run::check_stage_progress(Child& c, int64_t now) {
+  const bool reported = c.work_ns > 0;
+  const int64_t since = reported ? std::max(c.work_ns, c.started_ns) : c.started_ns;
+  const double limit = reported ? stall_budget(c.stage) : opt_.startup_budget_s;
+  const double idle = static_cast<double>(now - since) / 1e9;
+  if (idle <= limit) return;
+  const char* unit = c.stage == StageKind::COLLECTOR     ? "folds"
+                     : c.stage == StageKind::DATA_LOADER ? "batches"
+                                                         : "commits";
+  std::string what = fmt::format("made no progress for {:.1f}s in phase {} ({} {} done", idle,
+                                 layout::phase_name(c.phase), c.work_done, unit);
+  if (c.pending_since_ns > 0) {
+    what += fmt::format("; oldest pending snapshot {:.1f}s old",
+                        static_cast<double>(now - c.pending_since_ns) / 1e9);
+  }
+  what += fmt::format("; budget {:.0f}s{})", limit, reported ? "" : ", before its first report");
+  restart_or_fail(c, "hung: " + what,
+                  Event{"hung", fmt::format("{} (pid {}) {}", c.name, c.pid, what), 1, since, now,
+                        c.phase, c.step});
+}
+
 void Run::check_liveness() {
   const int64_t now = mono_ns();
   for (auto& c : children_) {
+    if (c.dying_pid != 0 &&
+        static_cast<double>(now - c.dying_since_ns) / 1e9 > kRestartReapBoundSeconds) {
+      record(c, Event{"unkillable",
+                      fmt::format("{} (pid {}) did not exit within {:.0f}s of SIGKILL; its restart "
+                                  "is abandoned (two generations would share its resources)",
+                                  c.name, c.dying_pid, kRestartReapBoundSeconds),
+                      1, c.dying_since_ns, now, c.phase, c.step});
+      continue;
+    }
     if (!c.alive || c.stop_sent) continue;
     const double budget = phase_budget(c);
     const double silent = static_cast<double>(now - c.heartbeat_ns) / 1e9;
@@ -706,9 +817,21 @@ void Run::check_liveness() {
                 1, c.heartbeat_ns, now, c.phase, c.step});
       continue;
     }
+    if (restartable(c.stage)) {
+      check_stage_progress(c, now);
+      continue;
+    }
     if (c.stage != StageKind::TRAINER) continue;
-    const double in_phase =
-        static_cast<double>(now - std::max(c.phase_started_ns, c.progress_ns)) / 1e9;
+    // A rank waiting on the loader or the checkpointer is not judged before that stage has
+    // had its own budget (and a restart) to act: its clock starts no earlier than the stage's
+    // latest launch, and its budget covers the stage's stall budget.
+    int64_t since = std::max(c.phase_started_ns, c.progress_ns);
+    double rank_budget = budget;
+    if (const Child* dep = waited_on(c)) {
+      since = std::max(since, dep->started_ns);
+      rank_budget = std::max(budget, stall_budget(dep->stage) + opt_.heartbeat_timeout_s);
+    }
+    const double in_phase = static_cast<double>(now - since) / 1e9;
     // A rank starved of batches while its ring is empty points at the loader, which is
     // restartable: act on the loader before the rank's own budget runs out.
     if (c.phase == Phase::WAIT_BATCH && c.rank < ring_views_.size() &&
@@ -724,15 +847,15 @@ void Run::check_liveness() {
         continue;
       }
     }
-    if (in_phase > budget) {
+    if (in_phase > rank_budget) {
       record(
           c,
           Event{
               "hung",
               fmt::format(
                   "{} (pid {}) made no progress for {:.1f}s in phase {} (step {}; budget {:.1f}s)",
-                  c.name, c.pid, in_phase, layout::phase_name(c.phase), c.step, budget),
-              2, std::max(c.phase_started_ns, c.progress_ns), now, c.phase, c.step});
+                  c.name, c.pid, in_phase, layout::phase_name(c.phase), c.step, rank_budget),
+              2, since, now, c.phase, c.step});
     }
   }
   // A rank hung in a collective is usually waiting on a peer that went silent a moment
@@ -886,6 +1009,10 @@ void Run::journal_graph(const std::string& reason) {
       e.setStep(c.step);
       e.setPhase(c.phase);
       e.setRestarts(c.restarts);
+      e.setProgressAgeSeconds(c.work_ns > 0 ? static_cast<double>(now - c.work_ns) / 1e9 : -1.0);
+      e.setWorkDone(c.work_done);
+      e.setPendingAgeSeconds(
+          c.pending_since_ns > 0 ? static_cast<double>(now - c.pending_since_ns) / 1e9 : 0.0);
     }
   });
 }
@@ -1239,15 +1366,20 @@ int status(const fs::path& run_dir) {
     fmt::print("    {:<16} pid {:<8} {:<13} step {:<6} {:<14} {:<11} last record {}\n",
                layout::process_name(s.getStage(), s.getRank()), s.getPid(), how, s.getLastStep(),
                role, restarts, s.getLastRecordAt().cStr());
+    for (auto cause : s.getRestartCauses()) fmt::print("      restarted: {}\n", cause.cStr());
   }
   if (m.hasStageGraph() && m.getStageGraph().getEntries().size() > 0) {
     auto g = m.getStageGraph();
     fmt::print("  stage graph at {} ({})\n", g.getAt().cStr(), g.getReason().cStr());
     for (auto e : g.getEntries()) {
-      fmt::print("    {:<16} {:<9} phase {:<10} for {:>6.1f}s  heartbeat {:>6.1f}s ago  step {}\n",
+      fmt::print("    {:<16} {:<9} phase {:<10} for {:>6.1f}s  heartbeat {:>6.1f}s ago  step {}",
                  layout::process_name(e.getStage(), e.getRank()), e.getState().cStr(),
                  phase_name(e.getPhase()), e.getPhaseAgeSeconds(), e.getHeartbeatAgeSeconds(),
                  e.getStep());
+      if (e.getStage() != StageKind::TRAINER && e.getProgressAgeSeconds() >= 0) {
+        fmt::print("  progress {:.1f}s ago ({} done)", e.getProgressAgeSeconds(), e.getWorkDone());
+      }
+      fmt::print("\n");
     }
   }
   if (m.getLatestCheckpoint().size() > 0) {

@@ -26,6 +26,15 @@ struct RunOptions {
   double hang_budget_s = 30;
   double hang_multiple = 20;
   double heartbeat_timeout_s = 10;
+  // Progress budgets of the restartable stages. Their heartbeats come from a helper thread,
+  // so a stage is judged by the progress its working thread reports: a collector that has
+  // not finished a fold, a loader that has not filled a ring with room, a checkpointer whose
+  // loop or write has not moved, for this long, is hung and restarted. A rank waiting on
+  // the loader or the checkpointer gets that stage's budget on top of its own, so the wedged
+  // stage is acted on first and the rank is never blamed for it.
+  double collector_stall_s = 30;
+  double loader_stall_s = 30;
+  double checkpointer_stall_s = 60;
   double teardown_grace_s = 1.5;  // SIGTERM -> SIGKILL
   uint32_t max_restarts = 3;      // per restartable stage (collector, loader, checkpointer)
   std::string metrics_addr = "127.0.0.1:0";  // HOST:PORT of /metrics; port 0 = any free port

@@ -58,13 +58,19 @@ struct WrittenFile {
   uint32_t tensors = 0;
 };
 
+// Called after every chunk (at most 64 MiB) that reached the file and after the fsync: a
+// slow write keeps calling it, a write blocked in the kernel does not (the checkpointer's
+// progress stamp, judged by the supervisor).
+using ProgressFn = std::function<void()>;
+
 // Writes a safetensors file at `path` (created or truncated, mode 0644) and fsyncs it.
 // Data is laid out in the order given. `metadata` lands in "__metadata__" after
 // "format": "pt". Throws Error{kInvalidArgument} for an unknown dtype, a byte count that does
 // not match the shape, or a duplicate/reserved name; Error{kSystem} on an I/O failure (the
 // partial file is removed).
 WrittenFile write_safetensors(const fs::path& path, std::span<const TensorView> tensors,
-                              const std::map<std::string, std::string>& metadata = {});
+                              const std::map<std::string, std::string>& metadata = {},
+                              const ProgressFn& on_chunk = {});
 
 struct SafetensorsTensor {
   std::string name;
@@ -141,6 +147,8 @@ class CheckpointStore {
   std::vector<uint32_t> pending() const;  // steps with a tmp directory, ascending
   std::optional<uint32_t> latest() const { return latest_; }  // newest committed step
   const fs::path& dir() const noexcept { return dir_; }
+  // Called while rank files are written (see ProgressFn).
+  void set_progress(ProgressFn on_chunk) { on_chunk_ = std::move(on_chunk); }
 
  private:
   struct Pending {
@@ -153,6 +161,7 @@ class CheckpointStore {
   std::string recipe_hash_;
   std::map<uint32_t, Pending> pending_;
   std::optional<uint32_t> latest_;
+  ProgressFn on_chunk_;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -190,6 +199,11 @@ class Service {
   // Discards every partially received step (its tmp directory is removed).
   void discard_pending();
   uint64_t committed() const noexcept { return committed_; }  // checkpoints committed so far
+  // When the oldest partially received step got its first snapshot (CLOCK_MONOTONIC); 0 when
+  // no step is pending.
+  int64_t oldest_pending_ns() const {
+    return steps_.empty() ? 0 : steps_.begin()->second.first_mono_ns;
+  }
 
  private:
   struct Attached;

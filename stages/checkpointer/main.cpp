@@ -20,11 +20,19 @@ void run(megacpp::stage::StageContext& ctx) {
   ck::Service service(
       store, router, &ctx.journal(), [&ctx](Phase p) { ctx.set_phase(p); },
       [&ctx](uint32_t step) { megacpp::stage::fault_point(ctx, "write", step); });
+  // Progress: every turn of this loop (a message handled or 200 ms of quiet) and every chunk
+  // of a rank file that reaches the disk. A write blocked in the kernel or a wedged loop
+  // stops the stamps, and the supervisor restarts the checkpointer on its stall budget.
+  auto progress = [&ctx, &service] {
+    ctx.control().report_progress(service.committed(), service.oldest_pending_ns());
+  };
+  store.set_progress(progress);
   ctx.set_phase(Phase::IDLE);
   // On stop, messages already queued are still handled; the loop ends at the first quiet
   // receive (or at once when no step is partially received).
   for (;;) {
     const bool handled = service.poll(std::chrono::milliseconds(200));
+    progress();
     if (ctx.stop_requested() && (!handled || !service.has_pending())) break;
   }
   if (service.has_pending()) service.discard_pending();

@@ -23,7 +23,7 @@ namespace {
 // The format's own bound on the header (safetensors refuses larger ones).
 constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 // Largest single write(2): keeps each call well under the kernel's per-call limit.
-constexpr size_t kMaxWriteChunk = 256ull << 20;
+constexpr size_t kMaxWriteChunk = 64ull << 20;
 
 class Fd {
  public:
@@ -61,13 +61,15 @@ std::string xxh3_digest_hex(XXH3_state_t* state) {
   return fmt::format("{:016x}", XXH3_64bits_digest(state));
 }
 
-void write_all(int fd, const std::byte* data, uint64_t bytes, XXH3_state_t* hash) {
+void write_all(int fd, const std::byte* data, uint64_t bytes, XXH3_state_t* hash,
+               const ProgressFn& on_chunk) {
   if (bytes > 0) XXH3_64bits_update(hash, data, bytes);
   while (bytes > 0) {
     size_t chunk = static_cast<size_t>(std::min<uint64_t>(bytes, kMaxWriteChunk));
     ssize_t n = SYSCALL_CHECK(::write(fd, data, chunk));
     data += n;
     bytes -= static_cast<uint64_t>(n);
+    if (on_chunk) on_chunk();
   }
 }
 
@@ -118,7 +120,8 @@ std::optional<size_t> dtype_size(std::string_view dtype) {
 }
 
 WrittenFile write_safetensors(const fs::path& path, std::span<const TensorView> tensors,
-                              const std::map<std::string, std::string>& metadata) {
+                              const std::map<std::string, std::string>& metadata,
+                              const ProgressFn& on_chunk) {
   // Header: "__metadata__" first, then tensors in data order (readers sort by offset anyway).
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   nlohmann::ordered_json meta = nlohmann::ordered_json::object();
@@ -164,10 +167,12 @@ WrittenFile write_safetensors(const fs::path& path, std::span<const TensorView> 
   Fd fd(SYSCALL_CHECK(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)));
   auto hash = new_xxh3();
   try {
-    write_all(fd.get(), length.data(), length.size(), hash.get());
-    write_all(fd.get(), reinterpret_cast<const std::byte*>(text.data()), text.size(), hash.get());
-    for (const TensorView& t : tensors) write_all(fd.get(), t.data, t.bytes, hash.get());
+    write_all(fd.get(), length.data(), length.size(), hash.get(), on_chunk);
+    write_all(fd.get(), reinterpret_cast<const std::byte*>(text.data()), text.size(), hash.get(),
+              on_chunk);
+    for (const TensorView& t : tensors) write_all(fd.get(), t.data, t.bytes, hash.get(), on_chunk);
     SYSCALL_CHECK(::fsync(fd.get()));
+    if (on_chunk) on_chunk();
     fd.close_checked();
   } catch (...) {
     ::unlink(path.c_str());

@@ -111,7 +111,7 @@ const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, ui
   };
   if (!layout.empty()) metadata.emplace("megacpp.layout", std::string(layout));
   p.files.erase(rank);
-  WrittenFile written = write_safetensors(tmp / rank_file_name(rank), tensors, metadata);
+  WrittenFile written = write_safetensors(tmp / rank_file_name(rank), tensors, metadata, on_chunk_);
   return p.files[rank] = std::move(written);
 }
 

@@ -50,8 +50,9 @@ struct Process {
   };
   std::optional<Exit> exited;  // latest childExited
   uint32_t last_step = 0;
-  std::optional<int64_t> last_wall;  // newest wallNs among the process's own records
-  uint32_t restarts = 0;             // childStarted records with reason "restart"
+  std::optional<int64_t> last_wall;         // newest wallNs among the process's own records
+  uint32_t restarts = 0;                    // childStarted records with reason "restart"
+  std::vector<std::string> restart_causes;  // their causes, in journal order
   uint32_t generation = 0;
   std::string role;  // from the supervisor's failureObserved records
 
@@ -170,7 +171,10 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       Process& child = processes[{ev.getStage(), ev.getRank()}];
       child.see_pid(mono, ev.getPid());
       Process::latest(child.started_mono, mono);
-      if (ev.getReason() == "restart") ++child.restarts;
+      if (ev.getReason() == "restart") {
+        ++child.restarts;
+        child.restart_causes.emplace_back(ev.hasCause() ? ev.getCause().cStr() : "");
+      }
       child.generation = std::max(child.generation, ev.getGeneration());
       break;
     }
@@ -410,6 +414,11 @@ void Collector::render() {
       snap.setRole(p.role);
       snap.setRestarts(p.restarts);
       snap.setGeneration(p.generation);
+      if (!p.restart_causes.empty()) {
+        auto causes = snap.initRestartCauses(static_cast<unsigned>(p.restart_causes.size()));
+        for (size_t j = 0; j < p.restart_causes.size(); ++j)
+          causes.set(static_cast<unsigned>(j), p.restart_causes[j]);
+      }
       total_restarts += p.restarts;
     }
     m.setRestarts(total_restarts);

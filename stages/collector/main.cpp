@@ -23,6 +23,9 @@ void run(megacpp::stage::StageContext& ctx) {
     const int64_t newest = collector.newest_record_wall_ns();
     ctx.control().set_lag(newest > before ? static_cast<double>(megacpp::wall_ns() - newest) / 1e9
                                           : 0.0);
+    // Stamped only here, after a fold: a fold that never returns stops the stamps while
+    // the heartbeats go on, and the supervisor restarts the collector on its stall budget.
+    ctx.control().report_progress(polls);
     ctx.set_phase(Phase::IDLE);
     // ~250 ms between polls, in slices so a stop is seen promptly.
     for (int i = 0; i < 10 && !ctx.stop_requested(); ++i) {

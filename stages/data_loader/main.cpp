@@ -57,6 +57,10 @@ int main(int argc, char** argv) {
         auto next_step = [&](uint32_t r) {
           return static_cast<uint32_t>(rings[r]->produced()) + 1;
         };
+        // Progress is stamped at the end of each turn: every ring with room got its batch, or
+        // none had room (nothing owed). A fill that never returns leaves the stamp to age, and
+        // the supervisor restarts the loader on its stall budget.
+        uint64_t batches = 0;
         ctx.set_phase(mc::schema::Phase::PRODUCE);
         for (;;) {
           if (ctx.stop_requested()) return;
@@ -73,12 +77,17 @@ int main(int argc, char** argv) {
             sampler.fill(step, r, reinterpret_cast<int64_t*>(slot->data()));
             rings[r]->publish(static_cast<uint32_t>(sampler.batch_bytes()), step);
             produced = true;
+            ++batches;
           }
           ctx.set_step(min_next - 1);
+          ctx.control().report_progress(batches);
           if (done) break;
           if (!produced) std::this_thread::sleep_for(std::chrono::microseconds(200));
         }
         ctx.set_phase(mc::schema::Phase::IDLE);
-        while (!ctx.stop_requested()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        while (!ctx.stop_requested()) {
+          ctx.control().report_progress(batches);
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
       });
 }

@@ -130,8 +130,15 @@ SnapshotPlaneOptions snapshot_options(stage::StageContext& ctx) {
   o.identity = layout::process_name(schema::StageKind::TRAINER, ctx.rank());
   o.peer_name = layout::process_name(schema::StageKind::CHECKPOINTER, 0);
   o.region_name = layout::staging_shm_name(std::string(launch.getShmPrefix()), ctx.rank());
-  o.lease_timeout = knob_seconds("MEGACPP_SNAPSHOT_LEASE_TIMEOUT_S", 60);
-  o.commit_timeout = knob_seconds("MEGACPP_FINAL_COMMIT_TIMEOUT_S", 120);
+  // The rank gives up on the checkpointer only well after the supervisor would have replaced
+  // a wedged one (its stall budget) and the re-sent snapshot was written: otherwise the
+  // waiting rank, not the checkpointer, would be the failure.
+  const double stall =
+      launch.getCheckpointerStallSeconds() > 0 ? launch.getCheckpointerStallSeconds() : 60.0;
+  o.lease_timeout =
+      knob_seconds("MEGACPP_SNAPSHOT_LEASE_TIMEOUT_S", std::max(60.0, 2 * stall + 30));
+  o.commit_timeout =
+      knob_seconds("MEGACPP_FINAL_COMMIT_TIMEOUT_S", std::max(120.0, 2 * stall + 60));
   o.resend_interval = knob_seconds("MEGACPP_SNAPSHOT_RESEND_S", 2);
   o.stop_requested = [&ctx] { return ctx.stop_requested(); };
   return o;

@@ -173,6 +173,32 @@ class Chaos(unittest.TestCase):
     def test_stopped_data_loader_is_restarted(self):
         self.restart_case("data_loader", signal.SIGSTOP, ["--heartbeat-timeout-s", "2"])
 
+    # A stage whose working thread is wedged keeps heartbeating (the control client has its own
+    # thread): it must be judged by its progress, restarted, and never blamed on a rank.
+    def wedged_case(self, stage, point, step):
+        budgets = ["--collector-stall-s", "3", "--loader-stall-s", "3", "--checkpointer-stall-s", "3"]
+        run = Run(self.tmp, steps=80, extra=budgets,
+                  env={"MEGACPP_FAULT": "%s:0:%s:%d:hang" % (stage, point, step)})
+        launch = run.launch()
+        self.assertEqual(run.finish(), 0, run.out[-2000:])
+        m = self.assert_clean(run, launch)
+        name = {"data_loader": "dataLoader"}.get(stage, stage)
+        self.assert_ok_with_restart(m, name)
+        self.assertEqual(m["stepsCompleted"], 80)
+        s = [s for s in m["stages"] if s["stage"] == name and s["rank"] == 0][0]
+        causes = s.get("restartCauses", [])
+        self.assertTrue(causes and "generation 0: hung: made no progress" in causes[0], s)
+        self.assertEqual([x for x in m["stages"] if x.get("role")], [], m["stages"])
+
+    def test_wedged_collector_fold_is_restarted(self):
+        self.wedged_case("collector", "fold", random.randint(3, 10))
+
+    def test_wedged_checkpointer_write_is_restarted(self):
+        self.wedged_case("checkpointer", "write", random.choice([20, 40]))
+
+    def test_wedged_data_loader_fill_is_restarted(self):
+        self.wedged_case("data_loader", "produce", random.randint(8, 30))
+
     def test_stopped_rank_is_heartbeat_lost(self):
         run = Run(self.tmp, steps=400, extra=["--hang-budget-s", "2", "--heartbeat-timeout-s", "2"])
         launch = run.launch()
