@@ -31,6 +31,8 @@ std::string_view to_string(ErrorKind kind) {
       return "timeout";
     case ErrorKind::kPeerFailure:
       return "peer_failure";
+    case ErrorKind::kInterrupted:
+      return "interrupted";
     case ErrorKind::kInternal:
       return "internal";
   }

@@ -24,6 +24,7 @@ enum class ErrorKind {
   kCorruption,       // a checksum or format violation in durable data
   kTimeout,          // a deadline that is an invariant (not an expected poll timeout)
   kPeerFailure,      // another process failed and this one cannot go on
+  kInterrupted,      // asked to stop (SIGTERM/SIGINT, a Stop) before its work was done
   kInternal,         // a bug
 };
 

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <exception>
 #include <optional>
+#include <stdexcept>
 #include <thread>
 #include <typeinfo>
 
@@ -563,9 +564,10 @@ void arm_crash_handlers(schema::StageKind stage, const StageArgs& args) {
 // Fault injection
 
 constexpr std::pair<std::string_view, detail::FaultAction> kFaultActions[] = {
-    {"throw", detail::FaultAction::kThrow}, {"abort", detail::FaultAction::kAbort},
-    {"segv", detail::FaultAction::kSegv},   {"exit", detail::FaultAction::kExit},
-    {"hang", detail::FaultAction::kHang},   {"stop", detail::FaultAction::kStop},
+    {"throw", detail::FaultAction::kThrow},     {"abort", detail::FaultAction::kAbort},
+    {"segv", detail::FaultAction::kSegv},       {"exit", detail::FaultAction::kExit},
+    {"hang", detail::FaultAction::kHang},       {"stop", detail::FaultAction::kStop},
+    {"foreign", detail::FaultAction::kForeign},
 };
 
 std::string_view action_name(detail::FaultAction action) {
@@ -610,7 +612,7 @@ std::vector<Fault> parse_faults(std::string_view spec, schema::StageKind stage, 
           ErrorKind::kInvalidArgument,
           fmt::format("MEGACPP_FAULT: invalid entry '{}': {} (expected "
                       "<stage>:<rank>:<point>:<step>:<action>[:<generation>|*], action one of "
-                      "throw|abort|segv|exit|hang|stop)",
+                      "throw|abort|segv|exit|hang|stop|foreign)",
                       entry, why),
           __FILE__, __LINE__);
     };
@@ -711,6 +713,10 @@ void fault_point(StageContext& ctx, std::string_view point, uint32_t step) {
       case detail::FaultAction::kThrow:
         throw Error(ErrorKind::kInternal, fmt::format("injected fault at {} step {}", point, step),
                     __FILE__, __LINE__);
+      case detail::FaultAction::kForeign:
+        // Not a megacpp::Error: stands for a library's own exception (a c10::Error from a bad
+        // index, std::bad_alloc), which the process must type by where it happened.
+        throw std::runtime_error(fmt::format("injected foreign error at {} step {}", point, step));
       case detail::FaultAction::kAbort:
         std::abort();
       case detail::FaultAction::kSegv: {

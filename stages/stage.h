@@ -41,7 +41,7 @@ struct StageArgs {
 };
 
 namespace detail {
-enum class FaultAction { kThrow, kAbort, kSegv, kExit, kHang, kStop };
+enum class FaultAction { kThrow, kAbort, kSegv, kExit, kHang, kStop, kForeign };
 struct Fault {
   std::string point;
   uint32_t step;
@@ -97,7 +97,8 @@ class StageContext {
 // layout::stage_name; point names a place in that stage's loop, e.g. trainer: forward,
 // backward, optimizer; data_loader: produce; collector: fold; checkpointer: write).
 // action: throw (an Error{kInternal}) | abort | segv | exit (exit code 3) | hang (stop making
-// progress while heartbeats go on) | stop (SIGSTOP itself: heartbeats stop too).
+// progress while heartbeats go on) | stop (SIGSTOP itself: heartbeats stop too) | foreign (a
+// std::runtime_error, standing for a library's own exception such as a c10::Error).
 // An optional sixth field names the launch generation the fault applies to (default 0, the
 // first launch, so a restarted stage does not fail again at the same step; * for every one).
 // A no-op, costing one comparison, unless the knob names this process, point and step.

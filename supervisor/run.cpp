@@ -673,6 +673,9 @@ void Run::reap() {
       dying->dying_pid = 0;
       dying->exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
       dying->signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+      dying->restart_cause +=
+          fmt::format("; pid {} reaped {:.2f}s after SIGKILL", pid,
+                      static_cast<double>(mono_ns() - dying->dying_since_ns) / 1e9);
       journal_child_exited(*dying, "restart");
       if (detected_ns_ == 0 && !done_) {
         launch(dying->stage, dying->rank, dying->generation + 1, "restart", dying->restart_cause);

@@ -347,6 +347,9 @@ void Collector::render() {
   std::map<std::string, std::string> out;
   const uint32_t completed = s.steps_completed();
   const bool terminal = s.finished.has_value() || s.orphaned.has_value();
+  // `ok` is earned, not reported: a run that finished without error but short of its
+  // planned steps (a rank that left early and still exited 0) is an error.
+  const bool short_of_plan = s.finished && s.finished->ok && completed < s.steps_planned;
 
   {
     capnp::MallocMessageBuilder message;
@@ -359,7 +362,7 @@ void Collector::render() {
     m.setStepsPlanned(s.steps_planned);
     m.setStepsCompleted(completed);
     if (s.finished) {
-      m.setState(s.finished->ok ? schema::RunState::OK : schema::RunState::ERROR);
+      m.setState(s.finished->ok && !short_of_plan ? schema::RunState::OK : schema::RunState::ERROR);
     } else if (s.orphaned) {
       m.setState(schema::RunState::ORPHANED);
     } else {
@@ -369,7 +372,13 @@ void Collector::render() {
     if (s.run_started_wall) m.setRunningAt(rfc3339(*s.run_started_wall));
     if (s.finished) m.setCompletedAt(rfc3339(s.finished->wall_ns));
     if (s.newest_wall) m.setLastPolledAt(rfc3339(*s.newest_wall));
-    if (s.finished && !s.finished->ok) {
+    if (short_of_plan) {
+      auto e = m.initError();
+      e.setKind("incomplete");
+      e.setStage(StageKind::SUPERVISOR);
+      e.setMessage(fmt::format("the run finished with {} of {} planned steps completed", completed,
+                               s.steps_planned));
+    } else if (s.finished && !s.finished->ok) {
       auto e = m.initError();
       e.setKind(s.finished->kind);
       e.setStage(s.finished->stage);

@@ -20,6 +20,7 @@
 #include "ipc/ipc.h"
 #include "schemas/run_layout.h"
 #include "stages/stage.h"
+#include "stages/trainer/collective.h"
 #include "stages/trainer/trainer.h"
 
 namespace megacpp::trainer {
@@ -70,12 +71,12 @@ double seconds_since_process_start(Clock::time_point main_entry) {
   return seconds_since(main_entry);
 }
 
-// Runs `fn`, turning a foreign exception (c10::Error from torch or the store, gloo's
-// IoException/TimeoutException) into a typed megacpp::Error: a timeout stays a timeout;
-// anything else with peers involved is reported as a peer failure (a dead or hung rank
-// closes its connections), and in a single process it is a bug.
+// Runs `fn`, turning a foreign exception (a c10::Error from torch, std::bad_alloc, ...) into
+// a typed megacpp::Error of the rank's own: kInternal, whatever the world size. Failures
+// inside a collective or the rendezvous arrive here already typed as a peer failure or a
+// timeout (collective.h), and pass through.
 template <typename F>
-auto typed_errors(std::string_view what, uint32_t world, F&& fn) {
+auto typed_errors(std::string_view what, F&& fn) {
   try {
     return fn();
   } catch (const Error&) {
@@ -83,13 +84,7 @@ auto typed_errors(std::string_view what, uint32_t world, F&& fn) {
   } catch (const std::exception& e) {
     std::string text = e.what();
     if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) text = c10->what_without_backtrace();
-    ErrorKind kind = ErrorKind::kInternal;
-    if (text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos) {
-      kind = ErrorKind::kTimeout;
-    } else if (world > 1) {
-      kind = ErrorKind::kPeerFailure;
-    }
-    throw Error(kind, fmt::format("{}: {}", what, text), __FILE__, __LINE__);
+    throw Error(ErrorKind::kInternal, fmt::format("{}: {}", what, text), __FILE__, __LINE__);
   }
 }
 
@@ -158,7 +153,9 @@ const char* fault_point_of(Phase phase) {
   }
 }
 
-void run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
+// Trains every planned step and waits for the final commit; returns false when a stop
+// request (SIGTERM/SIGINT, a Stop) ended it early.
+bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   auto launch = ctx.launch();
   const uint32_t rank = ctx.rank();
   const uint32_t world = launch.getWorld();
@@ -188,18 +185,18 @@ void run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     go.device_hostname = env_knob("MEGACPP_GLOO_HOSTNAME").value_or("127.0.0.1");
     go.store_prefix =
         fmt::format("megacpp/{}/g{}/", launch.getRunId().cStr(), launch.getGeneration());
-    pg = typed_errors(fmt::format("rendezvous at {}:{}", go.store_host, go.store_port), world,
-                      [&] { return connect_gloo(go); });
+    with_peers(fmt::format("rendezvous at {}:{}", go.store_host, go.store_port),
+               [&] { pg = connect_gloo(go); });
     log_info("joined the Gloo group as rank {} of {}", rank, world);
   }
 
-  const auto ts = typed_errors("model set-up and parameter broadcast", world, [&] {
+  const auto ts = typed_errors("model set-up and parameter broadcast", [&] {
     return std::make_unique<TrainStep>(model, train, steps, pg);
   });
 
   const std::string ring_name = layout::ring_shm_name(std::string(launch.getShmPrefix()), rank);
   auto ring = attach_ring(ctx, ring_name, store_timeout);
-  if (!ring) return;
+  if (!ring) return false;
   const int64_t B = train.batch_size;
   const int64_t T = model.seq_len;
   const uint64_t batch_bytes = static_cast<uint64_t>(B * (T + 1)) * sizeof(int64_t);
@@ -219,7 +216,7 @@ void run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     while (!(slot = ring->ring->peek(kPoll))) {
       if (ctx.stop_requested()) {
         log_info("stop requested while waiting for batch {}; leaving", step);
-        return;
+        return false;
       }
       snapshots.poll();
     }
@@ -245,8 +242,8 @@ void run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       }
     };
     hooks.after_backward = [&] { ring->ring->release(); };
-    const StepTiming timing = typed_errors(fmt::format("step {}", step), world,
-                                           [&] { return ts->step(tokens, step, hooks); });
+    const StepTiming timing =
+        typed_errors(fmt::format("step {}", step), [&] { return ts->step(tokens, step, hooks); });
     // Wall time since the previous step ended (so it includes the previous snapshot copy):
     // the step times of a run add up to its training time.
     const double step_seconds = seconds_since(step_start);
@@ -272,19 +269,20 @@ void run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     if (final || (train.checkpoint_every > 0 && step % train.checkpoint_every == 0)) {
       if (ctx.stop_requested()) {
         log_info("stop requested after step {}; leaving without a snapshot", step);
-        return;
+        return false;
       }
       // Waiting for the lease is waiting on the checkpointer.
       ctx.set_phase(Phase::SNAPSHOT);
-      if (!snapshots.take(step, final)) return;
+      if (!snapshots.take(step, final)) return false;
     }
   }
   ctx.set_phase(Phase::SNAPSHOT);
   if (!snapshots.wait_committed(steps)) {
     log_info("stop requested while waiting for the final commit; leaving");
-    return;
+    return false;
   }
   log_info("trained {} steps; final checkpoint committed", steps);
+  return true;
 }
 
 }  // namespace
@@ -296,6 +294,14 @@ int main(int argc, char** argv) {
       argc, argv, megacpp::schema::StageKind::TRAINER,
       "megacpp trainer rank: trains on its data loader's ring, snapshots to the checkpointer",
       [main_entry](megacpp::stage::StageContext& ctx) {
-        megacpp::trainer::run_rank(ctx, main_entry);
+        // A rank that leaves early does not exit 0: only a finished rank is a clean exit, so a
+        // stray SIGTERM is reported (kind "interrupted") instead of ending the run `ok`.
+        if (!megacpp::trainer::run_rank(ctx, main_entry)) {
+          throw megacpp::Error(
+              megacpp::ErrorKind::kInterrupted,
+              fmt::format("asked to stop after step {} of {}, before training finished", ctx.step(),
+                          ctx.launch().getSteps()),
+              __FILE__, __LINE__);
+        }
       });
 }

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "stages/trainer/collective.h"
 #include "stages/trainer/optim.h"
 #include "stages/trainer/trainer.h"
 
@@ -221,7 +222,7 @@ struct TrainStep::Impl {
     std::vector<at::Tensor> bufs{flat};
     c10d::BroadcastOptions opts;
     opts.rootRank = 0;
-    pg->broadcast(bufs, opts)->wait();
+    run_collective("broadcast of the parameters", [&] { return pg->broadcast(bufs, opts); });
     off = 0;
     for (auto& [name, p] : params) {
       p.view({-1}).copy_(flat.narrow(0, off, p.numel()));

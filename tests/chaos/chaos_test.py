@@ -31,13 +31,13 @@ def pids_of(pattern):
 
 
 class Run:
-    def __init__(self, tmp, steps=60, extra=(), env=None):
+    def __init__(self, tmp, steps=60, extra=(), env=None, ranks=2):
         self.dir = os.path.join(tmp, "run")
         e = dict(os.environ)
         e.update(env or {})
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            [MEGACPP, "run", "tiny", "--ranks", "2", "--steps", str(steps), "--run-dir", self.dir,
+            [MEGACPP, "run", "tiny", "--ranks", str(ranks), "--steps", str(steps), "--run-dir", self.dir,
              "--data-dir", os.path.join(tmp, "data"), "--progress", "none"] + list(extra),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
         self.out = ""
@@ -188,6 +188,8 @@ class Chaos(unittest.TestCase):
         s = [s for s in m["stages"] if s["stage"] == name and s["rank"] == 0][0]
         causes = s.get("restartCauses", [])
         self.assertTrue(causes and "generation 0: hung: made no progress" in causes[0], s)
+        # The next generation was launched only after the wedged one was reaped.
+        self.assertRegex(causes[0], r"; pid \d+ reaped [0-9.]+s after SIGKILL$")
         self.assertEqual([x for x in m["stages"] if x.get("role")], [], m["stages"])
 
     def test_wedged_collector_fold_is_restarted(self):
@@ -223,6 +225,35 @@ class Chaos(unittest.TestCase):
             d = json.load(f)
         self.assertIn("injected fault", d["message"])
         self.assertEqual(d["phase"], "backward")
+
+    def test_foreign_error_in_a_rank_is_its_own(self):
+        # A library's own exception (here a std::runtime_error standing for a c10::Error) in a
+        # world of 2 is the rank's failure, not a victim's claim: it is typed internal, and the
+        # peer that then fails inside a collective is the victim.
+        step = random.randint(3, 15)
+        run = Run(self.tmp, env={"MEGACPP_FAULT": "trainer:1:forward:%d:foreign" % step})
+        launch = run.launch()
+        self.assertEqual(run.finish(), 1)
+        m = self.assert_clean(run, launch)
+        self.assert_first_failure(m, "exception", "trainer", 1)
+        self.assertTrue(m["error"]["message"].startswith("internal: step %d:" % step), m["error"])
+        self.assertIn("injected foreign error", m["error"]["message"])
+        other = [s for s in m["stages"] if s["stage"] == "trainer" and s["rank"] == 0][0]
+        self.assertIn(other.get("role"), ("victim", "torn_down"), other)
+
+    def test_stray_sigterm_to_a_rank_is_not_ok(self):
+        # At world 1 no peer notices a rank that leaves early; it must not exit 0, and the run
+        # must not end ok short of its planned steps.
+        run = Run(self.tmp, steps=400, ranks=1)
+        launch = run.launch()
+        run.wait_steps(random.randint(3, 12))
+        os.kill(run.pid("trainer", 0), signal.SIGTERM)
+        self.assertEqual(run.finish(), 1, run.out[-2000:])
+        m = self.assert_clean(run, launch)
+        self.assert_first_failure(m, "exception", "trainer", 0)
+        self.assertTrue(m["error"]["message"].startswith("interrupted: asked to stop after step"),
+                        m["error"])
+        self.assertLess(m["stepsCompleted"], 400)
 
     def test_killed_supervisor_is_orphaned(self):
         run = Run(self.tmp, steps=400)

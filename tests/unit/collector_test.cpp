@@ -371,6 +371,40 @@ TEST(Collector, ErrorPathWithTypedErrorAndMinStepRule) {
   EXPECT_EQ(t.get().getSteps().size(), 3u);
 }
 
+// A rank that left early and still exited 0 (a stray SIGTERM) makes the supervisor's
+// runFinished(ok) a lie; the fold compares completed with planned steps and says so.
+TEST(Collector, OkRequiresEveryPlannedStep) {
+  FakeRun run;
+  run.supervisor_start();
+  run.run_started();
+  for (uint32_t r = 0; r < 2; ++r) run.trainer_start(r);
+  for (uint32_t st = 1; st <= 3; ++st) run.step(0, st);
+  for (uint32_t st = 1; st <= 2; ++st) run.step(1, st);
+  for (uint32_t r = 0; r < 2; ++r) {
+    run.finished(StageKind::TRAINER, r, 5000);
+    run.child_exited(StageKind::TRAINER, r, 5100, 0, 0);
+  }
+  run.run_finished(6000, true);
+  collect_run(run.run());
+
+  schemas::JsonFile<schema::Manifest> doc(layout::manifest_path(run.run()));
+  auto m = doc.get();
+  EXPECT_EQ(m.getStepsCompleted(), 2u);
+  EXPECT_EQ(m.getStepsPlanned(), 3u);
+  EXPECT_EQ(m.getState(), schema::RunState::ERROR);
+  ASSERT_TRUE(m.hasError());
+  EXPECT_EQ(s(m.getError().getKind()), "incomplete");
+  EXPECT_EQ(s(m.getError().getMessage()), "the run finished with 2 of 3 planned steps completed");
+
+  // The same journals with every planned step are ok.
+  FakeRun whole;
+  whole.whole_run(3);
+  collect_run(whole.run());
+  schemas::JsonFile<schema::Manifest> ok(layout::manifest_path(whole.run()));
+  EXPECT_EQ(ok.get().getState(), schema::RunState::OK);
+  EXPECT_FALSE(ok.get().hasError() && ok.get().getError().getKind().size() > 0);
+}
+
 TEST(Collector, RecollectIsByteIdenticalAndDoesNotRewrite) {
   FakeRun run;
   run.whole_run();

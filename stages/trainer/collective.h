@@ -1,0 +1,26 @@
+// megacpp::trainer collectives — the one place a rank's error is typed as caused by a peer.
+//
+// A collective that fails while it runs (a peer closed its connections, the transport's
+// deadline passed) is the evidence that the failure began elsewhere: the rank is a victim.
+// An error anywhere else in a rank (a bad index, an allocation failure, a NaN check) is the
+// rank's own, whatever the world size. Typing by where the error happened, not by the world
+// size, keeps a rank's own bug from being filed as a victim's claim.
+#pragma once
+
+#include <functional>
+#include <string_view>
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace megacpp::trainer {
+
+// Issues a collective with `issue` and waits for it. A failure of either is rethrown as
+// Error{kTimeout} when the transport reports a timeout, else Error{kPeerFailure}, naming
+// `what`. A megacpp::Error passes through unchanged.
+void run_collective(std::string_view what,
+                    const std::function<c10::intrusive_ptr<c10d::Work>()>& issue);
+
+// Runs `connect` (a rendezvous: the store and the peers' connections) with the same typing.
+void with_peers(std::string_view what, const std::function<void()>& connect);
+
+}  // namespace megacpp::trainer
