@@ -41,6 +41,7 @@ constexpr const char* kContentType = "text/plain; version=0.0.4; charset=utf-8";
 struct StageSeries {
   bool up = false;
   double heartbeat_ts = 0;
+  double progress_ts = 0;
   uint32_t last_step = 0;
   double last_step_ts = 0;
   uint64_t restarts = 0;
@@ -214,6 +215,11 @@ void Metrics::set_heartbeat(schema::StageKind stage, uint32_t rank, double unix_
   state_->stage(stage, rank).heartbeat_ts = unix_seconds;
 }
 
+void Metrics::set_progress(schema::StageKind stage, uint32_t rank, double unix_seconds) {
+  std::lock_guard lock(state_->mu);
+  state_->stage(stage, rank).progress_ts = unix_seconds;
+}
+
 void Metrics::set_last_step(schema::StageKind stage, uint32_t rank, uint32_t step,
                             double unix_seconds) {
   std::lock_guard lock(state_->mu);
@@ -298,6 +304,10 @@ std::string Metrics::render() const {
       {"megacpp_stage_last_heartbeat_timestamp_seconds", "gauge",
        "Unix time of the stage's last heartbeat (0 before the first).",
        [](const detail::StageSeries& v) { return fmt_double(v.heartbeat_ts); }},
+      {"megacpp_stage_last_progress_timestamp_seconds", "gauge",
+       "Unix time at which the stage's working thread last reported progress (0 before the "
+       "first; trainers report steps instead).",
+       [](const detail::StageSeries& v) { return fmt_double(v.progress_ts); }},
       {"megacpp_stage_last_step", "gauge", "The last step the stage reported done.",
        [](const detail::StageSeries& v) { return std::to_string(v.last_step); }},
       {"megacpp_stage_last_step_timestamp_seconds", "gauge",

@@ -41,6 +41,9 @@ class Metrics {
   void declare_stage(schema::StageKind stage, uint32_t rank);
   void set_up(schema::StageKind stage, uint32_t rank, bool up);
   void set_heartbeat(schema::StageKind stage, uint32_t rank, double unix_seconds);
+  // When the stage's working thread last reported progress (its heartbeats may go on while
+  // the work is wedged; this is the series to alert on).
+  void set_progress(schema::StageKind stage, uint32_t rank, double unix_seconds);
   void set_last_step(schema::StageKind stage, uint32_t rank, uint32_t step, double unix_seconds);
   void add_restart(schema::StageKind stage, uint32_t rank);
   // reason: clean | exited | signaled | stalled | torn_down | hung | heartbeat_lost; any other

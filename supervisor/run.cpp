@@ -926,6 +926,10 @@ void Run::update_metrics() {
     metrics_->set_up(c.stage, c.rank, c.alive);
     metrics_->set_heartbeat(c.stage, c.rank,
                             now_wall - static_cast<double>(now - c.heartbeat_ns) / 1e9);
+    if (c.work_ns > 0) {
+      metrics_->set_progress(c.stage, c.rank,
+                             now_wall - static_cast<double>(now - c.work_ns) / 1e9);
+    }
     if (c.stage == StageKind::TRAINER) {
       if (c.last_step_wall > 0) metrics_->set_last_step(c.stage, c.rank, c.step, c.last_step_wall);
       metrics_->set_trainer_progress(c.rank, c.step, c.tokens);

@@ -476,6 +476,38 @@ TEST(ControlClientTest, HelloHeartbeatsStopAndFailure) {
   EXPECT_EQ(router.malformed(), 0u);
 }
 
+// The progress stamp is set by report_progress() alone (the working thread); heartbeats that
+// go on without it carry the old stamp, which is what lets the supervisor see a wedged stage.
+TEST(ControlClientTest, ProgressIsStampedOnlyByTheWorkingThread) {
+  TempDir dir;
+  const std::string endpoint = "ipc://" + (dir.path() / "control").string();
+  ZmqContext ctx;
+  Channel router(ctx, Channel::Kind::kRouter, endpoint);
+  ControlClient client(endpoint, schema::StageKind::CHECKPOINTER, 0, 0, Millis(20));
+
+  auto hb0 = receive_until(router, [](Received& r) { return r.root().isHeartbeat(); });
+  ASSERT_NE(hb0, nullptr);
+  EXPECT_EQ(hb0->root().getHeartbeat().getProgressMonoNs(), 0);  // nothing reported yet
+
+  const int64_t before = mono_ns();
+  client.report_progress(7, before - 1000);
+  auto hb = receive_until(router, [](Received& r) {
+    return r.root().isHeartbeat() && r.root().getHeartbeat().getWorkDone() == 7;
+  });
+  ASSERT_NE(hb, nullptr);
+  const int64_t stamp = hb->root().getHeartbeat().getProgressMonoNs();
+  EXPECT_GE(stamp, before);
+  EXPECT_EQ(hb->root().getHeartbeat().getPendingSinceMonoNs(), before - 1000);
+
+  // Later heartbeats, with no report in between, keep the same stamp.
+  for (int i = 0; i < 3; ++i) {
+    auto later = receive_until(router, [](Received& r) { return r.root().isHeartbeat(); });
+    ASSERT_NE(later, nullptr);
+    EXPECT_EQ(later->root().getHeartbeat().getProgressMonoNs(), stamp);
+    EXPECT_GT(later->root().getHeartbeat().getMonoNs(), stamp);
+  }
+}
+
 TEST(ControlClientTest, PendingFailureIsFlushedByDestructor) {
   TempDir dir;
   const std::string endpoint = "ipc://" + (dir.path() / "control").string();

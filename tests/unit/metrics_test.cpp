@@ -183,6 +183,7 @@ TEST(Metrics, RenderContentAndOrder) {
   m.set_up(StageKind::TRAINER, 1, true);
   m.set_heartbeat(StageKind::TRAINER, 1, 1700000000.25);
   m.set_last_step(StageKind::TRAINER, 1, 7, 1700000000.5);
+  m.set_progress(StageKind::COLLECTOR, 0, 1700000000.75);
   m.add_restart(StageKind::COLLECTOR, 0);
   m.add_exit(StageKind::COLLECTOR, "stalled");
   m.set_trainer_progress(1, 7, 3584);
@@ -199,6 +200,9 @@ megacpp_stage_up{stage="trainer",rank="1"} 1
 # TYPE megacpp_stage_last_heartbeat_timestamp_seconds gauge
 megacpp_stage_last_heartbeat_timestamp_seconds{stage="collector",rank="0"} 0
 megacpp_stage_last_heartbeat_timestamp_seconds{stage="trainer",rank="1"} 1700000000.25
+# TYPE megacpp_stage_last_progress_timestamp_seconds gauge
+megacpp_stage_last_progress_timestamp_seconds{stage="collector",rank="0"} 1700000000.75
+megacpp_stage_last_progress_timestamp_seconds{stage="trainer",rank="1"} 0
 # TYPE megacpp_stage_last_step gauge
 megacpp_stage_last_step{stage="collector",rank="0"} 0
 megacpp_stage_last_step{stage="trainer",rank="1"} 7
@@ -315,8 +319,8 @@ TEST(Metrics, EveryDeclaredStageHasAllSeries) {
     std::string labels = "{stage=\"" + names.at(s) + "\",rank=\"" + std::to_string(r) + "\"}";
     for (const char* family :
          {"megacpp_stage_up", "megacpp_stage_last_heartbeat_timestamp_seconds",
-          "megacpp_stage_last_step", "megacpp_stage_last_step_timestamp_seconds",
-          "megacpp_stage_restarts_total"}) {
+          "megacpp_stage_last_progress_timestamp_seconds", "megacpp_stage_last_step",
+          "megacpp_stage_last_step_timestamp_seconds", "megacpp_stage_restarts_total"}) {
       EXPECT_TRUE(has_line(text, family + labels + " 0")) << family << labels;
     }
     for (const char* reason :
