@@ -638,7 +638,6 @@ void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
       c.alive = false;
       c.dying_pid = c.pid;
       c.dying_since_ns = mono_ns();
-      metrics_->set_up(c.stage, c.rank, false);
       return;
     }
     journal_child_exited(c, "restart");
@@ -773,7 +772,7 @@ const Child* Run::waited_on(const Child& trainer) {
 // corpus written on first use).
 void Run::check_stage_progress(Child& c, int64_t now) {
   const bool reported = c.work_ns > 0;
-  const int64_t since = reported ? std::max(c.work_ns, c.started_ns) : c.started_ns;
+  const int64_t since = reported ? c.work_ns : c.started_ns;
   const double limit = reported ? stall_budget(c.stage) : opt_.startup_budget_s;
   const double idle = static_cast<double>(now - since) / 1e9;
   if (idle <= limit) return;
