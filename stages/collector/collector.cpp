@@ -302,7 +302,7 @@ Collector::Collector(fs::path run_dir)
 
 Collector::~Collector() = default;
 
-bool Collector::poll() {
+bool Collector::poll(const std::function<void()>& after_journal) {
   const fs::path dir = layout::journal_dir(run_dir_);
   std::error_code ec;
   if (fs::is_directory(dir, ec)) {
@@ -325,6 +325,7 @@ bool Collector::poll() {
   }
   for (auto& [name, j] : state_->journals) {
     j.reader->poll([this](schema::JournalRecord::Reader rec) { state_->fold(rec); });
+    if (after_journal) after_journal();
   }
   auto before = std::move(outputs_);
   render();

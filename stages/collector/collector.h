@@ -8,6 +8,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -31,8 +32,10 @@ class Collector {
 
   // Folds every record appended since the last call (new journal files are picked up);
   // a trailing partial frame waits for the next poll. Returns true if the rendered outputs
-  // differ from those of the previous poll (always true on the first).
-  bool poll();
+  // differ from those of the previous poll (always true on the first). `after_journal`, if
+  // given, is called after each journal file is folded: the live collector stamps its
+  // progress there, so a first fold of a long run's journals is not taken for a wedged one.
+  bool poll(const std::function<void()>& after_journal = {});
   // No more records will come: remaining partial tails are counted as torn.
   void finish();
   // Writes manifest.json and the receipts (terminal states only) with write_file_atomic,

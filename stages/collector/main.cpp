@@ -19,12 +19,13 @@ void run(megacpp::stage::StageContext& ctx) {
     ctx.set_phase(Phase::WRITE);
     megacpp::stage::fault_point(ctx, "fold", polls);
     const int64_t before = collector.newest_record_wall_ns();
-    if (collector.poll()) collector.write();
+    if (collector.poll([&] { ctx.control().report_progress(polls - 1); })) collector.write();
     const int64_t newest = collector.newest_record_wall_ns();
     ctx.control().set_lag(newest > before ? static_cast<double>(megacpp::wall_ns() - newest) / 1e9
                                           : 0.0);
-    // Stamped only here, after a fold: a fold that never returns stops the stamps while
-    // the heartbeats go on, and the supervisor restarts the collector on its stall budget.
+    // Stamped only by the fold itself (after each journal, and here once it is written): a
+    // fold that never returns stops the stamps while the heartbeats go on, and the
+    // supervisor restarts the collector on its stall budget.
     ctx.control().report_progress(polls);
     ctx.set_phase(Phase::IDLE);
     // ~250 ms between polls, in slices so a stop is seen promptly.
