@@ -363,8 +363,8 @@ void Run::prepare() {
 
   store_ = std::make_unique<StoreServer>("127.0.0.1", 0, opt_.ranks);
 
-  const uint32_t slot_bytes =
-      recipe_.train.batch_size * (recipe_.model.seq_len + 1) * sizeof(int64_t);
+  static_assert(recipe::kMaxBatchSlotBytes <= ipc::SlotRing::kMaxSlotBytes);
+  const uint64_t slot_bytes = recipe::batch_slot_bytes(recipe_);
   for (uint32_t r = 0; r < opt_.ranks; ++r) {
     auto name = layout::ring_shm_name(shm_prefix_, r);
     rings_.push_back(std::make_unique<ipc::ShmRegion>(
@@ -402,7 +402,8 @@ void Run::write_launch_contract() {
   l.setWorld(opt_.ranks);
   l.setSteps(opt_.steps);
   l.setRingSlots(opt_.ring_slots);
-  l.setRingSlotBytes(recipe_.train.batch_size * (recipe_.model.seq_len + 1) * sizeof(int64_t));
+  // The recipe rules keep it within kMaxBatchSlotBytes, which fits 32 bits.
+  l.setRingSlotBytes(static_cast<uint32_t>(recipe::batch_slot_bytes(recipe_)));
   l.setHeartbeatIntervalMs(opt_.heartbeat_interval_ms);
   recipe::to_spec(recipe_, l.initRecipe());
   auto f = l.initFilesystem();
