@@ -5,6 +5,7 @@
 // ROUTER and a signalfd (SIGCHLD, SIGINT, SIGTERM). Every wait for a child is bounded.
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -21,6 +22,7 @@
 
 #include <capnp/message.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/error.h"
 #include "core/util.h"
@@ -45,7 +47,8 @@ using schema::StageKind;
 
 void RunOptions::validate() const {
   auto bad = [](std::string msg) { throw Error(ErrorKind::kInvalidArgument, std::move(msg)); };
-  if (ranks < 1 || ranks > 256) bad(fmt::format("--ranks {}: must be in [1, 256]", ranks));
+  if (ranks < 1 || ranks > layout::kMaxRanks)
+    bad(fmt::format("--ranks {}: must be in [1, {}]", ranks, layout::kMaxRanks));
   if (steps < 1) bad("--steps must be >= 1");
   if (run_dir.empty()) bad("--run-dir is required");
   if (heartbeat_interval_ms < 10 || heartbeat_interval_ms > 10000)
@@ -339,7 +342,7 @@ void Run::prepare() {
   for (auto& ch : run_id_) {
     if (ch == ':') ch = '-';
   }
-  shm_prefix_ = fmt::format("/megacpp-{}-g0-", random_hex(8));
+  shm_prefix_ = layout::shm_prefix(run_id_, 0);
   ipc::unlink_shm(shm_prefix_);
 
   // A Unix socket path holds ~107 bytes; a deep run directory falls back to a short private dir.
@@ -349,6 +352,7 @@ void Run::prepare() {
     if (::mkdtemp(tmpl) == nullptr)
       ::megacpp::detail::throw_syscall("mkdtemp", errno, __FILE__, __LINE__);
     sock_dir_ = tmpl;
+    write_file_atomic(sock_dir_ / layout::kSockOwnerFile, run_id_);
   } else {
     fs::create_directory(sock_dir_);
   }
@@ -1160,6 +1164,41 @@ int run(RunOptions options) {
   return r.execute();
 }
 
+namespace {
+// Removes `dir` when it is provably the private socket directory of run `run_id`: exactly
+// /tmp/megacpp-XXXXXX as prepare() makes it, a real directory owned by this user, its owner
+// file naming the run, and nothing in it but that file and the run's endpoints. Removes only
+// those entries, then the directory; never recurses.
+bool remove_private_sock_dir(const fs::path& dir, const std::string& run_id) {
+  const std::string name = dir.filename().string();
+  if (!layout::valid_run_id(run_id) || dir != dir.lexically_normal() ||
+      dir.parent_path() != "/tmp" || !name.starts_with("megacpp-") || name.size() != 14) {
+    return false;
+  }
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
+    return false;
+  const fs::path owner = dir / layout::kSockOwnerFile;
+  if (::lstat(owner.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
+  try {
+    if (read_file(owner) != run_id) return false;
+  } catch (const Error&) {
+    return false;
+  }
+  static const std::set<std::string> kEntries = {std::string(layout::kSockOwnerFile), "control",
+                                                 "checkpoint"};
+  std::error_code ec;
+  std::vector<fs::path> entries;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (!kEntries.contains(it->path().filename().string())) return false;
+    entries.push_back(it->path());
+  }
+  if (ec) return false;
+  for (const auto& e : entries) ::unlink(e.c_str());
+  return ::rmdir(dir.c_str()) == 0;
+}
+}  // namespace
+
 bool reconcile(const fs::path& run_dir) {
   // A run whose supervisor journal ends without runFinished, and whose supervisor process
   // (pid + start time from launch.json) no longer exists, was orphaned: record it and remove
@@ -1183,12 +1222,41 @@ bool reconcile(const fs::path& run_dir) {
     o.setReason(fmt::format("the supervisor (pid {}) is gone and the run never finished", pid));
   });
   journal.sync();
-  size_t segments = ipc::unlink_shm(l.getShmPrefix().cStr());
+  // What is removed is derived from the run id and the run directory, never read from
+  // launch.json: a corrupt or hostile contract must not name another run's segments or an
+  // arbitrary directory.
+  const std::string run_id = l.getRunId();
+  size_t segments = 0;
+  if (layout::valid_run_id(run_id)) {
+    const std::string prefix = layout::shm_prefix(run_id, 0);
+    for (uint32_t r = 0; r < layout::kMaxRanks; ++r) {
+      for (const auto& name :
+           {layout::ring_shm_name(prefix, r), layout::staging_shm_name(prefix, r)})
+        segments += ::shm_unlink(name.c_str()) == 0 ? 1 : 0;
+    }
+  } else {
+    log_warn("run {}: launch.json's runId '{}' is not a run id; no shm segment removed",
+             run_dir.string(), run_id);
+  }
+  std::vector<std::string> removed;
   std::error_code ec;
-  fs::path sock = l.getSockDir().cStr();
-  if (!sock.empty() && fs::exists(sock, ec)) fs::remove_all(sock, ec);
-  log_warn("run {} was orphaned (supervisor pid {} is gone); removed {} shm segment(s) and {}",
-           run_dir.string(), pid, segments, sock.string());
+  const fs::path own_sock = run_dir / "sock";
+  if (fs::is_directory(fs::symlink_status(own_sock, ec))) {
+    fs::remove_all(own_sock, ec);
+    removed.push_back(own_sock.string());
+  }
+  const fs::path sock = fs::path(l.getSockDir().cStr());
+  if (!sock.empty() && sock != own_sock && fs::exists(fs::symlink_status(sock, ec))) {
+    if (remove_private_sock_dir(sock, run_id)) {
+      removed.push_back(sock.string());
+    } else {
+      log_warn("run {}: socket directory {} is not provably this run's; left in place",
+               run_dir.string(), sock.string());
+    }
+  }
+  log_warn("run {} was orphaned (supervisor pid {} is gone); removed {} shm segment(s){}{}",
+           run_dir.string(), pid, segments, removed.empty() ? "" : " and ",
+           fmt::join(removed, ", "));
   return true;
 }
 

@@ -149,5 +149,115 @@ class SupervisorTest(unittest.TestCase):
         self.assertEqual(run.finish(60), 1)
 
 
+    def test_killed_supervisor_with_a_private_socket_dir(self):
+        # A run directory too deep for ipc:// paths: the sockets live in /tmp/megacpp-XXXXXX.
+        deep = os.path.join(self.tmp, *(["d" * 40] * 3))
+        os.makedirs(deep)
+        run = Run(deep)
+        launch = run.launch()
+        self.assertTrue(launch["sockDir"].startswith("/tmp/megacpp-"), launch["sockDir"])
+        self.assertEqual(launch["shmPrefix"], "/megacpp-%s-g0-" % launch["runId"])
+        run.wait_steps(2)
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.proc.wait()
+        deadline = time.monotonic() + 5
+        while pids_of(run.dir) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(pids_of(run.dir), [], "stages outlived the supervisor")
+        self.assertTrue(glob.glob("/dev/shm" + launch["shmPrefix"] + "*"))
+        self.status_orphaned(run.dir)
+        self.assertEqual(glob.glob("/dev/shm" + launch["shmPrefix"] + "*"), [])
+        self.assertFalse(os.path.exists(launch["sockDir"]), launch["sockDir"])
+
+    # --- orphan reconciliation trusts nothing in launch.json ------------------------------
+    RUN_ID = "2026-01-02T03-04-05-a1b2c3"
+
+    def orphan(self, **launch):
+        """A run directory whose supervisor is gone and whose journal never finished."""
+        run_dir = os.path.join(self.tmp, "run")
+        os.makedirs(os.path.join(run_dir, "journal"))
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        contract = {"schemaVersion": 1, "runId": self.RUN_ID, "world": 2, "steps": 10,
+                    "runDir": run_dir, "supervisorPid": gone.pid, "supervisorStartTicks": "1"}
+        contract.update(launch)
+        with open(os.path.join(run_dir, "launch.json"), "w") as f:
+            json.dump(contract, f)
+        return run_dir
+
+    def shm(self, name):
+        path = "/dev/shm/" + name
+        with open(path, "w") as f:
+            f.write("canary")
+        self.addCleanup(lambda: os.path.exists(path) and os.unlink(path))
+        return path
+
+    def status_orphaned(self, run_dir):
+        s = subprocess.run([MEGACPP, "status", run_dir], capture_output=True, text=True, timeout=60)
+        self.assertEqual(s.returncode, 0, s.stderr)
+        self.assertIn("orphaned", s.stdout)
+        with open(os.path.join(run_dir, "manifest.json")) as f:
+            self.assertEqual(json.load(f)["state"], "orphaned")
+        return s
+
+    def test_hostile_launch_contract_touches_nothing_of_others(self):
+        tag = os.urandom(4).hex()
+        # Another run's segment, and one any prefix-of-a-name match would catch. The hostile
+        # prefix is the canary's own rather than "/": were the defect back, "/" would unlink
+        # every segment of this user, concurrent runs' included.
+        canary = self.shm("megacpp-canary-%s-ring-0" % tag)
+        own = self.shm("megacpp-%s-g0-ring-0" % self.RUN_ID)
+        elsewhere = os.path.join(self.tmp, "precious")
+        os.makedirs(elsewhere)
+        with open(os.path.join(elsewhere, "keep"), "w") as f:
+            f.write("canary")
+        run_dir = self.orphan(shmPrefix="/megacpp-canary-%s-" % tag, sockDir=elsewhere)
+        self.status_orphaned(run_dir)
+        self.assertTrue(os.path.exists(canary), "an unrelated shm segment was unlinked")
+        self.assertTrue(os.path.exists(os.path.join(elsewhere, "keep")),
+                        "a directory outside the run was deleted")
+        self.assertFalse(os.path.exists(own), "the run's own segment (from its id) was left")
+
+    def test_hostile_run_id_removes_no_segment(self):
+        canary = self.shm("megacpp-canary-%s" % os.urandom(4).hex())
+        run_dir = self.orphan(runId="/../canary", shmPrefix="/megacpp-canary-")
+        self.status_orphaned(run_dir)
+        self.assertTrue(os.path.exists(canary))
+
+    def private_sock_dir(self, marker):
+        d = "/tmp/megacpp-" + os.urandom(3).hex()
+        os.mkdir(d, 0o700)
+        self.addCleanup(shutil.rmtree, d, True)
+        if marker is not None:
+            with open(os.path.join(d, "run-id"), "w") as f:
+                f.write(marker)
+        open(os.path.join(d, "control"), "w").close()
+        return d
+
+    def test_private_socket_dir_removed_only_when_it_names_the_run(self):
+        theirs = self.private_sock_dir("2026-01-02T03-04-05-ffffff")
+        run_dir = self.orphan(shmPrefix="/megacpp-%s-g0-" % self.RUN_ID, sockDir=theirs)
+        self.status_orphaned(run_dir)
+        self.assertTrue(os.path.exists(os.path.join(theirs, "control")),
+                        "another run's socket directory was removed")
+        shutil.rmtree(os.path.join(self.tmp, "run"))
+        ours = self.private_sock_dir(self.RUN_ID)
+        run_dir = self.orphan(shmPrefix="/megacpp-%s-g0-" % self.RUN_ID, sockDir=ours)
+        self.status_orphaned(run_dir)
+        self.assertFalse(os.path.exists(ours), "the run's own socket directory was left")
+
+    def test_own_socket_dir_in_the_run_is_removed(self):
+        run_dir = self.orphan(shmPrefix="/megacpp-%s-g0-" % self.RUN_ID)
+        os.mkdir(os.path.join(run_dir, "sock"), 0o700)
+        open(os.path.join(run_dir, "sock", "control"), "w").close()
+        with open(os.path.join(run_dir, "launch.json")) as f:
+            contract = json.load(f)
+        contract["sockDir"] = os.path.join(run_dir, "sock")
+        with open(os.path.join(run_dir, "launch.json"), "w") as f:
+            json.dump(contract, f)
+        self.status_orphaned(run_dir)
+        self.assertFalse(os.path.exists(os.path.join(run_dir, "sock")))
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
