@@ -196,6 +196,7 @@ class Run {
   void journal_graph(const std::string& reason);
   bool wait_for(const std::function<bool()>& done, double seconds);
   void stop_child(Child& c);
+  void kill_child(const Child& c, int sig);
   void journal_run_finished();
   void update_metrics();
   void release_ipc();
@@ -239,6 +240,8 @@ class Run {
   bool released_ = false;
   bool cleaned_ = false;
   std::unique_ptr<Console> console_;
+  // MEGACPP_TEST_UNKILLABLE: the process name whose teardown signals are not sent.
+  const std::string unkillable_for_test_ = env_knob("MEGACPP_TEST_UNKILLABLE").value_or("");
 };
 
 Child* Run::by_name(const std::string& n) {
@@ -842,6 +845,14 @@ void Run::stop_child(Child& c) {
   if (!router_->send_to(c.name, b.message(), ipc::Millis(200))) ::kill(c.pid, SIGTERM);
 }
 
+// MEGACPP_TEST_UNKILLABLE=<process> makes this a no-op for that process: to the supervisor
+// it is then what a process in uninterruptible sleep is, one that survives SIGKILL. The
+// hook exists to test that no wait for such a process is unbounded.
+void Run::kill_child(const Child& c, int sig) {
+  if (c.name == unkillable_for_test_) return;
+  ::kill(c.pid, sig);
+}
+
 void Run::finish_ok() {
   // Training is over; the loader and the checkpointer drain and exit, then the collector
   // folds the final state. A stage that does not stop within its bound is a failure.
@@ -905,7 +916,7 @@ void Run::teardown() {
     // delays the teardown.
     auto ev = events_.find(c.name);
     bool silent = ev != events_.end() && ev->second.kind == "heartbeat_lost";
-    ::kill(c.pid, silent || detail::process_state(c.pid) == 'T' ? SIGKILL : SIGTERM);
+    kill_child(c, silent || detail::process_state(c.pid) == 'T' ? SIGKILL : SIGTERM);
   }
   auto none_alive = [&] {
     for (const auto& c : children_) {
@@ -918,7 +929,7 @@ void Run::teardown() {
     if (c.alive) {
       log_warn("{} (pid {}) still alive {:.1f}s after SIGTERM: SIGKILL", c.name, c.pid,
                opt_.teardown_grace_s);
-      ::kill(c.pid, SIGKILL);
+      kill_child(c, SIGKILL);
     }
   }
   if (!wait_for(none_alive, 1.0)) {
@@ -1094,7 +1105,7 @@ void Run::cleanup() {
   if (cleaned_) return;
   cleaned_ = true;
   for (auto& c : children_) {
-    if (c.alive) ::kill(c.pid, SIGKILL);
+    if (c.alive) kill_child(c, SIGKILL);
   }
   for (auto& c : children_) {
     if (c.alive) ::waitpid(c.pid, nullptr, 0);
@@ -1133,7 +1144,7 @@ int Run::execute() {
     if (Child* col = by_name(layout::process_name(StageKind::COLLECTOR, 0)); col && col->alive) {
       stop_child(*col);
       if (!wait_for([&] { return !col->alive; }, 10.0)) {
-        ::kill(col->pid, SIGKILL);
+        kill_child(*col, SIGKILL);
         wait_for([&] { return !col->alive; }, 1.0);
       }
     }
