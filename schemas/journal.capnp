@@ -29,7 +29,8 @@ struct ChildEvent {
   exitCode @3 :Int32;           # -1 when signaled
   signal @4 :Int32;             # 0 when exited
   generation @5 :UInt32;
-  reason @6 :Text;              # childStarted: launch | restart; childExited: exit | stop | restart | teardown
+  reason @6 :Text;              # childStarted: launch | restart; childExited: exit | stop | restart | teardown;
+                                # childUnkillable: what it survived
 }
 
 struct RunStarted {
@@ -111,6 +112,9 @@ struct JournalRecord {
     failureObserved @15 :FailureEvent;
     stageGraph @16 :StageGraph;
     runOrphaned @17 :RunOrphaned;
+    # The supervisor gave up on a child that outlived SIGKILL and its bound (e.g. stuck in
+    # uninterruptible I/O); it was not reaped. exitCode and signal are 0.
+    childUnkillable @18 :ChildEvent;
   }
 }
 

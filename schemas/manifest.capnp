@@ -18,7 +18,7 @@ struct StageSnapshot {
   stage @0 :Common.StageKind;
   rank @1 :UInt32;
   pid @2 :Int32;
-  state @3 :Text;               # started | finished | exited | signaled
+  state @3 :Text;               # started | finished | exited | signaled | unkillable (outlived SIGKILL; never reaped)
   exitCode @4 :Int32;
   signal @5 :Int32;
   lastStep @6 :UInt32;

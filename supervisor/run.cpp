@@ -168,6 +168,11 @@ struct Event {
   uint32_t step = 0;
 };
 
+// How long a SIGKILLed child may take to be reaped before the supervisor gives up on it: a
+// process in uninterruptible sleep (stuck I/O) outlives SIGKILL until the I/O completes,
+// which may be never. It is then named unkillable and not waited for.
+constexpr double kKillWaitS = 1.0;
+
 class Run {
  public:
   explicit Run(RunOptions o) : opt_(std::move(o)) {}
@@ -197,6 +202,7 @@ class Run {
   bool wait_for(const std::function<bool()>& done, double seconds);
   void stop_child(Child& c);
   void kill_child(const Child& c, int sig);
+  void give_up_on(const Child& c);
   void journal_run_finished();
   void update_metrics();
   void release_ipc();
@@ -229,7 +235,8 @@ class Run {
   std::vector<std::unique_ptr<ipc::ShmRegion>> rings_;
   std::vector<std::unique_ptr<ipc::SlotRing>> ring_views_;
   std::vector<Child> children_;
-  std::set<pid_t> abandoned_;  // killed for a restart; their exit is expected
+  std::set<pid_t> abandoned_;   // killed for a restart; their exit is expected
+  std::set<pid_t> unkillable_;  // outlived SIGKILL and kKillWaitS: never waited for again
   int sigfd_ = -1;
   std::map<std::string, Event> events_;  // by process name: the most telling event of each
   int64_t detected_ns_ = 0;              // first event; 0 while the run is healthy
@@ -853,6 +860,21 @@ void Run::kill_child(const Child& c, int sig) {
   ::kill(c.pid, sig);
 }
 
+void Run::give_up_on(const Child& c) {
+  if (!unkillable_.insert(c.pid).second) return;
+  log_error("{} (pid {}) survived SIGKILL for {:.1f}s; unkillable, not waiting for it", c.name,
+            c.pid, kKillWaitS);
+  if (!journal_) return;
+  journal_->append([&](schema::JournalRecord::Builder r) {
+    auto e = r.initChildUnkillable();
+    e.setStage(c.stage);
+    e.setRank(c.rank);
+    e.setPid(c.pid);
+    e.setGeneration(c.generation);
+    e.setReason("survived SIGKILL");
+  });
+}
+
 void Run::finish_ok() {
   // Training is over; the loader and the checkpointer drain and exit, then the collector
   // folds the final state. A stage that does not stop within its bound is a failure.
@@ -932,9 +954,9 @@ void Run::teardown() {
       kill_child(c, SIGKILL);
     }
   }
-  if (!wait_for(none_alive, 1.0)) {
+  if (!wait_for(none_alive, kKillWaitS)) {
     for (const auto& c : children_) {
-      if (c.alive) log_error("{} (pid {}) survived SIGKILL; not waiting for it", c.name, c.pid);
+      if (c.alive) give_up_on(c);
     }
   }
 }
@@ -1071,6 +1093,12 @@ int Run::report() {
         "later\n",
         e.getDetectionSeconds(), e.getTeardownSeconds());
   }
+  for (auto st : m.getStages()) {
+    if (st.getState() == "unkillable") {
+      out += fmt::format("  unkillable  {} (pid {}) outlived SIGKILL and was not waited for\n",
+                         layout::process_name(st.getStage(), st.getRank()), st.getPid());
+    }
+  }
   out += fmt::format("  manifest    {}\n", layout::manifest_path(run_).string());
   std::string receipts;
   for (auto r : m.getReceipts()) receipts += (receipts.empty() ? "" : ", ") + std::string(r.cStr());
@@ -1104,12 +1132,27 @@ void Run::release_ipc() {
 void Run::cleanup() {
   if (cleaned_) return;
   cleaned_ = true;
+  // No blocking wait: a child that outlives SIGKILL would hang `megacpp run` forever. The
+  // children still alive get SIGKILL and, together, kKillWaitS to be reaped; one already
+  // given up on is not waited for again.
+  std::vector<Child*> waiting;
   for (auto& c : children_) {
-    if (c.alive) kill_child(c, SIGKILL);
+    if (!c.alive || unkillable_.contains(c.pid)) continue;
+    kill_child(c, SIGKILL);
+    waiting.push_back(&c);
   }
-  for (auto& c : children_) {
-    if (c.alive) ::waitpid(c.pid, nullptr, 0);
+  const int64_t deadline = mono_ns() + static_cast<int64_t>(kKillWaitS * 1e9);
+  for (;;) {
+    std::erase_if(waiting, [](Child* c) {
+      const pid_t r = ::waitpid(c->pid, nullptr, WNOHANG);
+      if (r == 0) return false;
+      c->alive = false;  // reaped, or not our child any more (ECHILD)
+      return true;
+    });
+    if (waiting.empty() || mono_ns() >= deadline) break;
+    ::usleep(10'000);
   }
+  for (const Child* c : waiting) give_up_on(*c);
   release_ipc();
   metrics_server_.reset();
   if (sigfd_ >= 0) ::close(sigfd_);
@@ -1145,7 +1188,7 @@ int Run::execute() {
       stop_child(*col);
       if (!wait_for([&] { return !col->alive; }, 10.0)) {
         kill_child(*col, SIGKILL);
-        wait_for([&] { return !col->alive; }, 1.0);
+        if (!wait_for([&] { return !col->alive; }, kKillWaitS)) give_up_on(*col);
       }
     }
   }

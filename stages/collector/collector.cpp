@@ -48,7 +48,8 @@ struct Process {
     int32_t signal;
     auto key() const { return std::tie(mono, code, signal); }
   };
-  std::optional<Exit> exited;  // latest childExited
+  std::optional<Exit> exited;              // latest childExited
+  std::optional<int64_t> unkillable_mono;  // latest childUnkillable
   uint32_t last_step = 0;
   std::optional<int64_t> last_wall;  // newest wallNs among the process's own records
   uint32_t restarts = 0;             // childStarted records with reason "restart"
@@ -219,6 +220,13 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       if (!child.exited || e.key() > child.exited->key()) child.exited = e;
       break;
     }
+    case schema::JournalRecord::CHILD_UNKILLABLE: {
+      auto ev = rec.getChildUnkillable();
+      Process& child = processes[{ev.getStage(), ev.getRank()}];
+      child.see_pid(mono, ev.getPid());
+      Process::latest(child.unkillable_mono, mono);
+      break;
+    }
     case schema::JournalRecord::RUN_STARTED:
       if (from_supervisor && !run_started_wall) run_started_wall = wall;
       break;
@@ -272,6 +280,10 @@ std::string stage_state(const Process& p, int32_t& exit_code, int32_t& signal) {
   signal = 0;
   auto after_start = [&](int64_t mono) { return !p.started_mono || mono >= *p.started_mono; };
   const bool finished = p.finished_mono && after_start(*p.finished_mono);
+  if (p.unkillable_mono && after_start(*p.unkillable_mono) &&
+      (!p.exited || p.exited->mono < *p.unkillable_mono)) {
+    return "unkillable";
+  }
   if (p.exited && after_start(p.exited->mono)) {
     exit_code = p.exited->code;
     signal = p.exited->signal;

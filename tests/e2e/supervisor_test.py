@@ -169,6 +169,33 @@ class SupervisorTest(unittest.TestCase):
         self.assertEqual(glob.glob("/dev/shm" + launch["shmPrefix"] + "*"), [])
         self.assertFalse(os.path.exists(launch["sockDir"]), launch["sockDir"])
 
+    def test_unkillable_process_is_named_and_the_run_ends(self):
+        # MEGACPP_TEST_UNKILLABLE makes the supervisor's teardown signals to the data loader
+        # no-ops: to the supervisor it survives SIGTERM and SIGKILL like a process in
+        # uninterruptible sleep, and no exit of it ever arrives (its loop runs until told to
+        # stop). Every wait for it must be bounded. PR_SET_PDEATHSIG ends it once the
+        # supervisor has exited.
+        grace = 0.5
+        run = Run(self.tmp, extra=["--teardown-grace-s", str(grace)],
+                  env={"MEGACPP_TEST_UNKILLABLE": "data_loader-0",
+                       "MEGACPP_FAULT": "trainer:1:backward:3:throw"})
+        launch = run.launch()
+        t0 = time.monotonic()
+        self.assertEqual(run.finish(timeout=90), 1)
+        self.assertLess(time.monotonic() - t0, 60)
+        m = run.manifest()
+        self.assertEqual(m["state"], "error")
+        self.assertEqual((m["error"]["kind"], m["error"]["stage"], m["error"]["rank"]),
+                         ("exception", "trainer", 1), m["error"])
+        states = {"%s-%d" % (s["stage"], s["rank"]): s["state"] for s in m["stages"]}
+        self.assertEqual(states["dataLoader-0"], "unkillable", states)
+        self.assertEqual([n for n, st in states.items() if st == "unkillable"], ["dataLoader-0"])
+        self.assertIn("data_loader-0", run.out)
+        self.assertIn("unkillable", run.out)
+        # What the supervisor owns is still released.
+        self.assertEqual(glob.glob("/dev/shm" + launch["shmPrefix"] + "*"), [])
+        self.assertFalse(os.path.exists(launch["sockDir"]))
+
     # --- orphan reconciliation trusts nothing in launch.json ------------------------------
     RUN_ID = "2026-01-02T03-04-05-a1b2c3"
 
