@@ -61,6 +61,10 @@ struct FailureEvent {
   pid @9 :Int32;
   stderrTail @10 :List(Text);
   backtrace @11 :List(Text);
+  # True when evidenceMonoNs is not when the cause happened but when the supervisor learned of
+  # it: a death, whose exit time no kernel interface gives an unprivileged parent (SIGCHLD,
+  # waitid and pidfds carry no timestamp), so it is the reap time.
+  evidenceUnmeasured @12 :Bool;
 }
 
 struct GraphEntry {

@@ -36,12 +36,15 @@ struct RunError {
   phase @4 :Common.Phase;
   step @5 :UInt32;
   pid @6 :Int32;
-  at @7 :Text;                  # wall time the cause happened
-  detectionSeconds @8 :Float64; # cause -> detection
+  at @7 :Text;                  # wall time the cause happened (a death: when it was reaped)
+  detectionSeconds @8 :Float64; # cause -> detection; 0 when detectionMeasured is false
   teardownSeconds @9 :Float64;  # detection -> everything gone
   failureDump @10 :Text;        # relative path, when the process wrote one
   backtrace @11 :List(Text);
   stderrTail @12 :List(Text);
+  # False when the cause's time is unknown, so detectionSeconds is not a measurement: a death
+  # (no kernel source gives a process's exit time), or no first failure at all.
+  detectionMeasured @13 :Bool;
 }
 
 struct GraphSnapshot {

@@ -166,6 +166,8 @@ struct Event {
   int64_t detected_ns = 0;  // when the supervisor learned of it
   Phase phase = Phase::STARTUP;
   uint32_t step = 0;
+  // False when evidence_ns is only the detection time (a death: see reap()).
+  bool evidence_measured = true;
 };
 
 // How long a SIGKILLed child may take to be reaped before the supervisor gives up on it: a
@@ -668,6 +670,8 @@ void Run::reap() {
     std::string what =
         c.signal != 0 ? fmt::format("was killed by signal {} ({})", c.signal, strsignal(c.signal))
                       : fmt::format("exited with code {}", c.exit_code);
+    // The evidence of a death is its reap: neither SIGCHLD, waitid nor a pidfd says when the
+    // process exited, so the detection delay of a death is not measured.
     Event ev{c.signal != 0 ? "signaled" : "exited",
              fmt::format("{} (pid {}) {} in phase {} at step {}", c.name, c.pid, what,
                          layout::phase_name(c.phase), c.step),
@@ -675,7 +679,8 @@ void Run::reap() {
              now,
              now,
              c.phase,
-             c.step};
+             c.step,
+             false};
     restart_or_fail(c, what, std::move(ev));
   }
 }
@@ -961,6 +966,12 @@ void Run::teardown() {
   }
 }
 
+std::string detection_text(schema::RunError::Reader e) {
+  return e.getDetectionMeasured()
+             ? fmt::format("detected {:.2f}s after the cause", e.getDetectionSeconds())
+             : std::string("detection delay not measured (the kernel gives no exit time)");
+}
+
 std::vector<std::string> tail_lines(const fs::path& path, size_t n) {
   std::vector<std::string> out;
   std::string text;
@@ -1009,6 +1020,7 @@ void Run::classify() {
       f.setRole(role);
       f.setEvidenceMonoNs(ev.evidence_ns);
       f.setDetectedMonoNs(ev.detected_ns);
+      f.setEvidenceUnmeasured(!ev.evidence_measured);
       f.setPhase(ev.phase);
       f.setStep(ev.step);
       f.setPid(c ? c->pid : ::getpid());
@@ -1088,10 +1100,8 @@ int Run::report() {
     auto e = m.getError();
     out += fmt::format("run error: first failure {} in {}-{}: {}\n", e.getKind().cStr(),
                        layout::stage_name(e.getStage()), e.getRank(), e.getMessage().cStr());
-    out += fmt::format(
-        "  detected {:.2f}s after the cause; every process gone and shm/sockets removed {:.2f}s "
-        "later\n",
-        e.getDetectionSeconds(), e.getTeardownSeconds());
+    out += fmt::format("  {}; every process gone and shm/sockets removed {:.2f}s later\n",
+                       detection_text(e), e.getTeardownSeconds());
   }
   for (auto st : m.getStages()) {
     if (st.getState() == "unkillable") {
@@ -1339,8 +1349,7 @@ int status(const fs::path& run_dir) {
                layout::stage_name(e.getStage()), e.getRank(), e.getPid(), phase_name(e.getPhase()),
                e.getStep(), e.getAt().cStr());
     fmt::print("    {}\n", e.getMessage().cStr());
-    fmt::print("    detected {:.2f}s after the cause; teardown took {:.2f}s\n",
-               e.getDetectionSeconds(), e.getTeardownSeconds());
+    fmt::print("    {}; teardown took {:.2f}s\n", detection_text(e), e.getTeardownSeconds());
     if (e.getFailureDump().size() > 0)
       fmt::print("    failure dump {}\n", (run_dir / e.getFailureDump().cStr()).string());
     if (e.getBacktrace().size() > 0) {

@@ -114,6 +114,7 @@ struct Collector::State {
     int32_t pid = 0;
     int64_t evidence_wall = 0;
     double detection_seconds = 0;
+    bool detection_measured = false;
     std::vector<std::string> backtrace, stderr_tail;
   };
   std::optional<FirstFailure> first_failure;
@@ -191,8 +192,11 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
           ff.pid = f.getPid();
           // Wall time of the cause: this record's wall clock minus how long ago, monotonically.
           ff.evidence_wall = wall - (mono - f.getEvidenceMonoNs());
+          ff.detection_measured = !f.getEvidenceUnmeasured();
           ff.detection_seconds =
-              static_cast<double>(f.getDetectedMonoNs() - f.getEvidenceMonoNs()) / 1e9;
+              ff.detection_measured
+                  ? static_cast<double>(f.getDetectedMonoNs() - f.getEvidenceMonoNs()) / 1e9
+                  : 0.0;
           for (auto l : f.getBacktrace()) ff.backtrace.emplace_back(l.cStr());
           for (auto l : f.getStderrTail()) ff.stderr_tail.emplace_back(l.cStr());
           first_failure = std::move(ff);
@@ -391,6 +395,7 @@ void Collector::render() {
         e.setPid(f.pid);
         e.setAt(rfc3339(f.evidence_wall));
         e.setDetectionSeconds(f.detection_seconds);
+        e.setDetectionMeasured(f.detection_measured);
         auto dump = layout::failure_path(run_dir_, f.stage, f.rank);
         if (fs::exists(dump)) e.setFailureDump(fs::relative(dump, run_dir_).string());
         auto bt = e.initBacktrace(static_cast<unsigned>(f.backtrace.size()));

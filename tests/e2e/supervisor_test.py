@@ -196,6 +196,39 @@ class SupervisorTest(unittest.TestCase):
         self.assertEqual(glob.glob("/dev/shm" + launch["shmPrefix"] + "*"), [])
         self.assertFalse(os.path.exists(launch["sockDir"]))
 
+    def test_detection_of_a_death_is_not_claimed(self):
+        # No kernel interface gives an unprivileged parent the time a child exited; the reap
+        # time is all the supervisor has, so a death's detection delay is marked not measured
+        # rather than reported as a measured 0.
+        run = Run(self.tmp)
+        run.wait_steps(2)
+        os.kill(run.pid("trainer", 1), signal.SIGKILL)
+        self.assertEqual(run.finish(60), 1)
+        e = run.manifest()["error"]
+        self.assertEqual((e["kind"], e["stage"], e["rank"]), ("signaled", "trainer", 1), e)
+        self.assertIs(e["detectionMeasured"], False, e)
+        self.assertEqual(e["detectionSeconds"], 0, e)
+        self.assertIn("detection delay not measured", run.out)
+        s = subprocess.run([MEGACPP, "status", run.dir], capture_output=True, text=True, timeout=60)
+        self.assertIn("detection delay not measured", s.stdout)
+
+    def test_detection_of_a_silence_is_measured(self):
+        run = Run(self.tmp, extra=["--heartbeat-timeout-s", "2", "--hang-budget-s", "2"])
+        run.wait_steps(2)
+        victim = run.pid("trainer", 1)
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            self.assertEqual(run.finish(60), 1)
+        finally:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except OSError:
+                pass
+        e = run.manifest()["error"]
+        self.assertEqual((e["kind"], e["stage"], e["rank"]), ("heartbeat_lost", "trainer", 1), e)
+        self.assertIs(e["detectionMeasured"], True, e)
+        self.assertGreaterEqual(e["detectionSeconds"], 2.0, e)
+
     # --- orphan reconciliation trusts nothing in launch.json ------------------------------
     RUN_ID = "2026-01-02T03-04-05-a1b2c3"
 

@@ -401,6 +401,33 @@ TEST(Collector, UnkillableChildIsNamed) {
   EXPECT_EQ(states["trainer-1"], "signaled");
 }
 
+// detectionSeconds is a measurement only when the evidence time is the cause's: for a death
+// the supervisor knows only the reap time, and the manifest says the delay is not measured.
+TEST(Collector, DetectionOfADeathIsMarkedNotMeasured) {
+  for (bool unmeasured : {false, true}) {
+    FakeRun run;
+    run.supervisor_start();
+    run.run_started();
+    run.rec(StageKind::SUPERVISOR, 0, 3600, [&](auto r) {
+      auto f = r.initFailureObserved();
+      f.setStage(StageKind::TRAINER);
+      f.setRank(1);
+      f.setKind(unmeasured ? "signaled" : "heartbeat_lost");
+      f.setRole("first_failure");
+      f.setEvidenceMonoNs(3000'000'000);
+      f.setDetectedMonoNs(3500'000'000);
+      f.setEvidenceUnmeasured(unmeasured);
+    });
+    run.run_finished(3700, false, unmeasured ? "signaled" : "heartbeat_lost", StageKind::TRAINER, 1,
+                     "trainer-1");
+    collect_run(run.run());
+    schemas::JsonFile<schema::Manifest> doc(layout::manifest_path(run.run()));
+    auto e = doc.get().getError();
+    EXPECT_EQ(e.getDetectionMeasured(), !unmeasured);
+    EXPECT_DOUBLE_EQ(e.getDetectionSeconds(), unmeasured ? 0.0 : 0.5);
+  }
+}
+
 TEST(Collector, RecollectIsByteIdenticalAndDoesNotRewrite) {
   FakeRun run;
   run.whole_run();
