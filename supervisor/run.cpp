@@ -138,22 +138,19 @@ std::string random_hex(size_t n) {
   return out.substr(0, n);
 }
 
+// Bounded like every wait for a child: a git stuck on a lock or a slow filesystem costs at
+// most kGitTimeoutS per call and leaves the revision "unknown".
+constexpr double kGitTimeoutS = 5.0;
+
 std::string git_revision(bool& dirty) {
-  dirty = false;
-  std::string rev;
-  if (FILE* p = ::popen("git -C " MEGACPP_SOURCE_DIR " rev-parse HEAD 2>/dev/null", "r")) {
-    char buf[128] = {};
-    if (std::fgets(buf, sizeof buf, p)) rev = buf;
-    ::pclose(p);
-  }
+  std::string rev =
+      detail::capture_output({"git", "-C", MEGACPP_SOURCE_DIR, "rev-parse", "HEAD"}, kGitTimeoutS)
+          .value_or("");
   while (!rev.empty() && (rev.back() == '\n' || rev.back() == '\r')) rev.pop_back();
-  if (FILE* p = ::popen("git -C " MEGACPP_SOURCE_DIR
-                        " status --porcelain --untracked-files=no 2>/dev/null",
-                        "r")) {
-    char buf[8];
-    dirty = std::fgets(buf, sizeof buf, p) != nullptr;
-    ::pclose(p);
-  }
+  auto status = detail::capture_output(
+      {"git", "-C", MEGACPP_SOURCE_DIR, "status", "--porcelain", "--untracked-files=no"},
+      kGitTimeoutS);
+  dirty = status && !status->empty();
   return rev.empty() ? "unknown" : rev;
 }
 

@@ -131,6 +131,8 @@ class SupervisorTest(unittest.TestCase):
     def test_nothing_listens_outside_loopback(self):
         run = Run(self.tmp)
         launch = run.launch()
+        # The revision comes from a bounded `git` child (capture_output), not popen/pclose.
+        self.assertRegex(launch["provenance"]["gitRevision"], r"^[0-9a-f]{40}$")
         run.wait_steps(2)
         tree = [run.proc.pid] + pids_of(run.dir)
         listeners = listening_sockets()
