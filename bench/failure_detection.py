@@ -437,8 +437,12 @@ def describe(r, cap):
             line += (f"\n             manifest error: kind={e.get('kind')} stage={e.get('stage')}"
                      f" rank={e.get('rank')}")
             if "detectionSeconds" in e or "teardownSeconds" in e:
-                line += (f" detection={e.get('detectionSeconds', 0):.2f}s"
-                         f" teardown={e.get('teardownSeconds', 0):.2f}s")
+                # A death's exit time is not known to the supervisor: its manifest marks the
+                # delay not measured, and the line above (from this bench's own kill) stands.
+                measured = e.get("detectionMeasured", True)
+                line += (f" detection={e.get('detectionSeconds', 0):.2f}s" if measured
+                         else " detection=not measured")
+                line += f" teardown={e.get('teardownSeconds', 0):.2f}s"
             line += "" if r.get("first_failure_ok") else "   <-- does NOT name trainer-1"
             line += f"\n             message: {e.get('message', '')}"
         elif r.get("manifest_state") is not None:

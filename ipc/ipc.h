@@ -76,9 +76,12 @@ size_t unlink_shm(std::string_view prefix);
 // short sleeps; every wait takes a timeout and returns nullopt when it expires.
 class SlotRing {
  public:
-  static size_t region_bytes(uint32_t slots, uint32_t slot_bytes);
+  // The header stores a slot's size in 32 bits.
+  static constexpr uint64_t kMaxSlotBytes = UINT32_MAX;
+  // Throws Error{kInvalidArgument} for an empty geometry or slot_bytes > kMaxSlotBytes.
+  static size_t region_bytes(uint32_t slots, uint64_t slot_bytes);
   // Writes a fresh header into `region` (creator side). Throws if the region is too small.
-  static void format(ShmRegion& region, uint32_t slots, uint32_t slot_bytes);
+  static void format(ShmRegion& region, uint32_t slots, uint64_t slot_bytes);
   // Validates magic/version/geometry; throws Error{kCorruption} on mismatch.
   explicit SlotRing(ShmRegion& region);
   SlotRing(const SlotRing&) = delete;

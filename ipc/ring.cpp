@@ -41,9 +41,12 @@ struct Geometry {
   uint64_t total;           // region bytes needed
 };
 
-Geometry geometry(uint32_t slots, uint32_t slot_bytes) {
+Geometry geometry(uint32_t slots, uint64_t slot_bytes) {
   MEGACPP_CHECK(slots > 0 && slot_bytes > 0, ErrorKind::kInvalidArgument,
                 fmt::format("ring geometry {}x{} must be non-empty", slots, slot_bytes));
+  MEGACPP_CHECK(slot_bytes <= SlotRing::kMaxSlotBytes, ErrorKind::kInvalidArgument,
+                fmt::format("ring slots of {} bytes exceed the {}-byte limit", slot_bytes,
+                            SlotRing::kMaxSlotBytes));
   Geometry g{};
   g.stride = round_up(slot_bytes, kAlign);
   g.meta_offset = kHeaderBytes;
@@ -104,12 +107,12 @@ struct SlotRing::Header {
   alignas(64) std::atomic<uint64_t> consumed;  // written by the consumer only
   alignas(64) uint8_t reserved1[64];
 };
-size_t SlotRing::region_bytes(uint32_t slots, uint32_t slot_bytes) {
+size_t SlotRing::region_bytes(uint32_t slots, uint64_t slot_bytes) {
   static_assert(sizeof(Header) == kHeaderBytes && alignof(Header) == 64);
   return geometry(slots, slot_bytes).total;
 }
 
-void SlotRing::format(ShmRegion& region, uint32_t slots, uint32_t slot_bytes) {
+void SlotRing::format(ShmRegion& region, uint32_t slots, uint64_t slot_bytes) {
   Geometry g = geometry(slots, slot_bytes);
   MEGACPP_CHECK(region.size() >= g.total, ErrorKind::kInvalidArgument,
                 fmt::format("shm {} holds {} bytes; a {}x{} ring needs {}", region.name(),
@@ -117,7 +120,7 @@ void SlotRing::format(ShmRegion& region, uint32_t slots, uint32_t slot_bytes) {
   auto* h = std::construct_at(reinterpret_cast<Header*>(region.data()));
   h->version = kRingVersion;
   h->slots = slots;
-  h->slot_bytes = slot_bytes;
+  h->slot_bytes = static_cast<uint32_t>(slot_bytes);  // <= kMaxSlotBytes: checked by geometry()
   h->stride = g.stride;
   h->meta_offset = g.meta_offset;
   h->payload_offset = g.payload_offset;

@@ -114,7 +114,9 @@ void Recipe::validate() const {
   rule(model.vocab_size >= 2 && model.vocab_size <= 65536, "model.vocab_size",
        "must be in [2, 65536] (token shards store uint16)");
   rule(model.seq_len >= 2, "model.seq_len", "must be >= 2");
-  rule(model.n_layers >= 1, "model.n_layers", "must be >= 1");
+  rule(model.n_layers >= 1 && model.n_layers <= kMaxLayers, "model.n_layers",
+       fmt::format("must be in [1, {}]", kMaxLayers));
+  rule(model.d_model >= 2, "model.d_model", "must be >= 2");
   rule(model.n_heads >= 1 && model.d_model % model.n_heads == 0, "model.n_heads",
        "must divide model.d_model");
   rule(model.n_heads >= 1 && (model.d_model / model.n_heads) % 2 == 0, "model.d_model",
@@ -122,6 +124,10 @@ void Recipe::validate() const {
   rule(model.mlp_mult >= 1, "model.mlp_mult", "must be >= 1");
   rule(train.batch_size >= 1, "train.batch_size",
        "must be >= 1 (a rank with zero-length work is refused)");
+  rule(batch_slot_bytes(*this) <= kMaxBatchSlotBytes, "train.batch_size, model.seq_len",
+       fmt::format("a batch of batch_size x (seq_len + 1) int64 tokens is {} bytes; a batch ring "
+                   "slot holds at most {}",
+                   batch_slot_bytes(*this), kMaxBatchSlotBytes));
   rule(train.min_lr_ratio >= 0 && train.min_lr_ratio <= 1, "train.min_lr_ratio",
        "must be in [0, 1]");
   const OptimConfig& o = train.optim;
@@ -147,7 +153,12 @@ void Recipe::validate() const {
   rule(model.vocab_size >= 128, "model.vocab_size",
        "the built-in corpus is 7-bit text: needs vocab_size >= 128");
   rule(data.shards >= 1, "data.shards", "must be >= 1");
-  rule(data.shard_tokens > model.seq_len + 1, "data.shard_tokens", "must exceed model.seq_len + 1");
+  rule(uint64_t{data.shard_tokens} > uint64_t{model.seq_len} + 1, "data.shard_tokens",
+       "must exceed model.seq_len + 1");
+}
+
+uint64_t batch_slot_bytes(const Recipe& r) {
+  return uint64_t{r.train.batch_size} * (uint64_t{r.model.seq_len} + 1) * sizeof(int64_t);
 }
 
 std::filesystem::path resolve(const std::string& name_or_path,

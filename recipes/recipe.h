@@ -81,6 +81,14 @@ struct Recipe {
   void validate() const;
 };
 
+// The most layers a recipe may declare (the pattern is expanded to one entry per layer).
+inline constexpr uint32_t kMaxLayers = 4096;
+// The largest batch a rank's ring slot holds: the ring's slot size and the launch contract's
+// ringSlotBytes are 32-bit (ipc::SlotRing::kMaxSlotBytes).
+inline constexpr uint64_t kMaxBatchSlotBytes = UINT32_MAX;
+// Bytes of one rank's batch: batch_size x (seq_len + 1) int64 tokens, in 64 bits.
+uint64_t batch_slot_bytes(const Recipe& r);
+
 // `name_or_path`: a path to a .toml file, or the name of a recipe in `recipe_dir`.
 std::filesystem::path resolve(const std::string& name_or_path,
                               const std::filesystem::path& recipe_dir);

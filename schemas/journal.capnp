@@ -29,7 +29,8 @@ struct ChildEvent {
   exitCode @3 :Int32;           # -1 when signaled
   signal @4 :Int32;             # 0 when exited
   generation @5 :UInt32;
-  reason @6 :Text;              # childStarted: launch | restart; childExited: exit | stop | restart | teardown
+  reason @6 :Text;              # childStarted: launch | restart; childExited: exit | stop | restart | teardown;
+                                # childUnkillable: what it survived
   cause @7 :Text;               # restart: why the previous generation was replaced
 }
 
@@ -61,6 +62,10 @@ struct FailureEvent {
   pid @9 :Int32;
   stderrTail @10 :List(Text);
   backtrace @11 :List(Text);
+  # True when evidenceMonoNs is not when the cause happened but when the supervisor learned of
+  # it: a death, whose exit time no kernel interface gives an unprivileged parent (SIGCHLD,
+  # waitid and pidfds carry no timestamp), so it is the reap time.
+  evidenceUnmeasured @12 :Bool;
 }
 
 struct GraphEntry {
@@ -115,6 +120,9 @@ struct JournalRecord {
     failureObserved @15 :FailureEvent;
     stageGraph @16 :StageGraph;
     runOrphaned @17 :RunOrphaned;
+    # The supervisor gave up on a child that outlived SIGKILL and its bound (e.g. stuck in
+    # uninterruptible I/O); it was not reaped. exitCode and signal are 0.
+    childUnkillable @18 :ChildEvent;
   }
 }
 

@@ -18,7 +18,7 @@ struct StageSnapshot {
   stage @0 :Common.StageKind;
   rank @1 :UInt32;
   pid @2 :Int32;
-  state @3 :Text;               # started | finished | exited | signaled
+  state @3 :Text;               # started | finished | exited | signaled | unkillable (outlived SIGKILL; never reaped)
   exitCode @4 :Int32;
   signal @5 :Int32;
   lastStep @6 :UInt32;
@@ -37,12 +37,15 @@ struct RunError {
   phase @4 :Common.Phase;
   step @5 :UInt32;
   pid @6 :Int32;
-  at @7 :Text;                  # wall time the cause happened
-  detectionSeconds @8 :Float64; # cause -> detection
+  at @7 :Text;                  # wall time the cause happened (a death: when it was reaped)
+  detectionSeconds @8 :Float64; # cause -> detection; 0 when detectionMeasured is false
   teardownSeconds @9 :Float64;  # detection -> everything gone
   failureDump @10 :Text;        # relative path, when the process wrote one
   backtrace @11 :List(Text);
   stderrTail @12 :List(Text);
+  # False when the cause's time is unknown, so detectionSeconds is not a measurement: a death
+  # (no kernel source gives a process's exit time), or no first failure at all.
+  detectionMeasured @13 :Bool;
 }
 
 struct GraphSnapshot {

@@ -74,6 +74,22 @@ std::string checkpoint_dir_name(uint32_t step) {
   return fmt::format("step_{:08d}", step);
 }
 
+bool valid_run_id(std::string_view id) {
+  if (id.empty() || id.size() > 64) return false;
+  for (char c : id) {
+    const bool ok =
+        (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+std::string shm_prefix(std::string_view run_id, uint32_t generation) {
+  MEGACPP_CHECK(valid_run_id(run_id), ErrorKind::kInvalidArgument,
+                fmt::format("'{}' is not a run id (1 to 64 of A-Z a-z 0-9 -)", run_id));
+  return fmt::format("/megacpp-{}-g{}-", run_id, generation);
+}
+
 std::string ring_shm_name(std::string_view prefix, uint32_t rank) {
   return fmt::format("{}ring-{}", prefix, rank);
 }

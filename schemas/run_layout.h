@@ -48,9 +48,24 @@ fs::path failure_path(const fs::path& run, schema::StageKind stage,
                       uint32_t rank);            // failures/trainer-1.json
 std::string checkpoint_dir_name(uint32_t step);  // step_00000040
 
+// The most trainer ranks one run has (`megacpp run --ranks`).
+inline constexpr uint32_t kMaxRanks = 256;
+
+// A run id as the supervisor makes them: 1 to 64 of [A-Za-z0-9-]. Names are derived only from
+// a valid one, so a run id read back from launch.json cannot name anything outside its run.
+bool valid_run_id(std::string_view id);
+
+// The shm prefix of a run: "/megacpp-<run id>-g<generation>-" (a function of the run id, so
+// `megacpp status` recomputes it instead of trusting launch.json's copy). Throws
+// Error{kInvalidArgument} for an invalid run id.
+std::string shm_prefix(std::string_view run_id, uint32_t generation);
+
 // shm names: "<prefix>ring-<rank>" (batch plane), "<prefix>stage-<rank>" (snapshot plane).
-// prefix looks like "/megacpp-<runid>-g<generation>-".
 std::string ring_shm_name(std::string_view prefix, uint32_t rank);
 std::string staging_shm_name(std::string_view prefix, uint32_t rank);
+
+// A private socket directory (used when RUN/sock would make too long an ipc:// path) holds
+// this file, whose content is the run id: the proof that the directory is the run's own.
+inline constexpr std::string_view kSockOwnerFile = "run-id";
 
 }  // namespace megacpp::layout

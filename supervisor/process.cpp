@@ -1,9 +1,11 @@
 #include "supervisor/process.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "core/error.h"
@@ -54,6 +56,63 @@ int block_signals_to_fd() {
   sigaddset(&set, SIGTERM);
   SYSCALL_CHECK(::sigprocmask(SIG_BLOCK, &set, nullptr));
   return SYSCALL_CHECK(::signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC));
+}
+
+std::optional<std::string> capture_output(const std::vector<std::string>& argv, double timeout_s) {
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  int out[2];
+  if (::pipe2(out, O_CLOEXEC) != 0) return std::nullopt;
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    ::close(out[0]);
+    ::close(out[1]);
+    return std::nullopt;
+  }
+  if (pid == 0) {
+    // Child: only async-signal-safe calls until exec.
+    ::dup2(out[1], STDOUT_FILENO);
+    int devnull = ::open("/dev/null", O_RDWR);
+    if (devnull >= 0) {
+      ::dup2(devnull, STDIN_FILENO);
+      ::dup2(devnull, STDERR_FILENO);
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::execvp(args[0], args.data());
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  const int64_t deadline = mono_ns() + static_cast<int64_t>(timeout_s * 1e9);
+  std::string text;
+  for (;;) {
+    const int64_t left_ms = (deadline - mono_ns()) / 1'000'000;
+    if (left_ms <= 0) break;
+    pollfd p{out[0], POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(left_ms)) <= 0) continue;
+    char buf[4096];
+    const ssize_t n = ::read(out[0], buf, sizeof buf);
+    if (n <= 0) break;
+    text.append(buf, static_cast<size_t>(n));
+  }
+  ::close(out[0]);
+  int status = 0;
+  auto reaped_by = [&](int64_t until) {
+    for (;;) {
+      if (::waitpid(pid, &status, WNOHANG) != 0) return true;
+      if (mono_ns() >= until) return false;
+      ::usleep(5'000);
+    }
+  };
+  if (!reaped_by(deadline)) {
+    ::kill(pid, SIGKILL);
+    reaped_by(mono_ns() + 1'000'000'000);
+    return std::nullopt;
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return std::nullopt;
+  return text;
 }
 
 std::filesystem::path self_exe_dir() {

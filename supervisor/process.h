@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,12 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& l
 // Blocks SIGCHLD, SIGINT, SIGTERM in the calling thread and returns a signalfd for them.
 // The caller owns the fd. Children get the original mask back before exec.
 int block_signals_to_fd();
+
+// Runs `argv` (PATH searched) with stdout captured and stdin/stderr on /dev/null, and
+// returns its stdout if it exits 0 within `timeout_s`. Bounded: a command still running at
+// the deadline is SIGKILLed and given at most one more second to be reaped, then left.
+// nullopt on any failure.
+std::optional<std::string> capture_output(const std::vector<std::string>& argv, double timeout_s);
 
 std::filesystem::path self_exe_dir();
 

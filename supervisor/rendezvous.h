@@ -11,7 +11,8 @@ namespace megacpp::supervisor {
 
 class StoreServer {
  public:
-  // Binds a TCPStore server (port 0 = any free port) expecting `world` workers.
+  // Hosts a TCPStore server listening on `host` only (port 0 = any free port), expecting
+  // `world` workers. Throws Error{kInvalidArgument} for a host that does not resolve.
   // Lifetime: serves until destroyed; destruction closes every client connection.
   StoreServer(const std::string& host, uint16_t port, uint32_t world);
   ~StoreServer();

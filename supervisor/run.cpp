@@ -5,6 +5,7 @@
 // ROUTER and a signalfd (SIGCHLD, SIGINT, SIGTERM). Every wait for a child is bounded.
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -12,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <optional>
@@ -21,6 +23,7 @@
 
 #include <capnp/message.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/error.h"
 #include "core/util.h"
@@ -45,7 +48,8 @@ using schema::StageKind;
 
 void RunOptions::validate() const {
   auto bad = [](std::string msg) { throw Error(ErrorKind::kInvalidArgument, std::move(msg)); };
-  if (ranks < 1 || ranks > 256) bad(fmt::format("--ranks {}: must be in [1, 256]", ranks));
+  if (ranks < 1 || ranks > layout::kMaxRanks)
+    bad(fmt::format("--ranks {}: must be in [1, {}]", ranks, layout::kMaxRanks));
   if (steps < 1) bad("--steps must be >= 1");
   if (run_dir.empty()) bad("--run-dir is required");
   if (heartbeat_interval_ms < 10 || heartbeat_interval_ms > 10000)
@@ -154,22 +158,19 @@ std::string random_hex(size_t n) {
   return out.substr(0, n);
 }
 
+// Bounded like every wait for a child: a git stuck on a lock or a slow filesystem costs at
+// most kGitTimeoutS per call and leaves the revision "unknown".
+constexpr double kGitTimeoutS = 5.0;
+
 std::string git_revision(bool& dirty) {
-  dirty = false;
-  std::string rev;
-  if (FILE* p = ::popen("git -C " MEGACPP_SOURCE_DIR " rev-parse HEAD 2>/dev/null", "r")) {
-    char buf[128] = {};
-    if (std::fgets(buf, sizeof buf, p)) rev = buf;
-    ::pclose(p);
-  }
+  std::string rev =
+      detail::capture_output({"git", "-C", MEGACPP_SOURCE_DIR, "rev-parse", "HEAD"}, kGitTimeoutS)
+          .value_or("");
   while (!rev.empty() && (rev.back() == '\n' || rev.back() == '\r')) rev.pop_back();
-  if (FILE* p = ::popen("git -C " MEGACPP_SOURCE_DIR
-                        " status --porcelain --untracked-files=no 2>/dev/null",
-                        "r")) {
-    char buf[8];
-    dirty = std::fgets(buf, sizeof buf, p) != nullptr;
-    ::pclose(p);
-  }
+  auto status = detail::capture_output(
+      {"git", "-C", MEGACPP_SOURCE_DIR, "status", "--porcelain", "--untracked-files=no"},
+      kGitTimeoutS);
+  dirty = status && !status->empty();
   return rev.empty() ? "unknown" : rev;
 }
 
@@ -182,7 +183,14 @@ struct Event {
   int64_t detected_ns = 0;  // when the supervisor learned of it
   Phase phase = Phase::STARTUP;
   uint32_t step = 0;
+  // False when evidence_ns is only the detection time (a death: see reap()).
+  bool evidence_measured = true;
 };
+
+// How long a SIGKILLed child may take to be reaped before the supervisor gives up on it: a
+// process in uninterruptible sleep (stuck I/O) outlives SIGKILL until the I/O completes,
+// which may be never. It is then named unkillable and not waited for.
+constexpr double kKillWaitS = 1.0;
 
 class Run {
  public:
@@ -213,6 +221,8 @@ class Run {
   void journal_graph(const std::string& reason);
   bool wait_for(const std::function<bool()>& done, double seconds);
   void stop_child(Child& c);
+  void kill_child(const Child& c, int sig);
+  void give_up_on(const Child& c);
   void journal_run_finished();
   void update_metrics();
   void release_ipc();
@@ -221,6 +231,10 @@ class Run {
   Child* by_name(const std::string& n);
   Child* by_pid(pid_t pid);
   Child* by_dying_pid(pid_t pid);
+  // A generation killed for a restart was reaped: journal it and launch the next one
+  // (unless the run is ending). reap_dying() is the bounded, non-blocking form for cleanup.
+  void reaped_dying(Child& dying, int status);
+  void reap_dying();
   bool all_trainers_done() const;
   double phase_budget(const Child& c) const;
   double stall_budget(StageKind s) const;
@@ -249,6 +263,7 @@ class Run {
   std::vector<std::unique_ptr<ipc::ShmRegion>> rings_;
   std::vector<std::unique_ptr<ipc::SlotRing>> ring_views_;
   std::vector<Child> children_;
+  std::set<pid_t> unkillable_;  // outlived SIGKILL and kKillWaitS: never waited for again
   int sigfd_ = -1;
   std::map<std::string, Event> events_;  // by process name: the most telling event of each
   int64_t detected_ns_ = 0;              // first event; 0 while the run is healthy
@@ -259,6 +274,8 @@ class Run {
   bool released_ = false;
   bool cleaned_ = false;
   std::unique_ptr<Console> console_;
+  // MEGACPP_TEST_UNKILLABLE: the process name whose teardown signals are not sent.
+  const std::string unkillable_for_test_ = env_knob("MEGACPP_TEST_UNKILLABLE").value_or("");
 };
 
 Child* Run::by_name(const std::string& n) {
@@ -362,7 +379,7 @@ void Run::prepare() {
   for (auto& ch : run_id_) {
     if (ch == ':') ch = '-';
   }
-  shm_prefix_ = fmt::format("/megacpp-{}-g0-", random_hex(8));
+  shm_prefix_ = layout::shm_prefix(run_id_, 0);
   ipc::unlink_shm(shm_prefix_);
 
   // A Unix socket path holds ~107 bytes; a deep run directory falls back to a short private dir.
@@ -372,6 +389,7 @@ void Run::prepare() {
     if (::mkdtemp(tmpl) == nullptr)
       ::megacpp::detail::throw_syscall("mkdtemp", errno, __FILE__, __LINE__);
     sock_dir_ = tmpl;
+    write_file_atomic(sock_dir_ / layout::kSockOwnerFile, run_id_);
   } else {
     fs::create_directory(sock_dir_);
   }
@@ -386,8 +404,8 @@ void Run::prepare() {
 
   store_ = std::make_unique<StoreServer>("127.0.0.1", 0, opt_.ranks);
 
-  const uint32_t slot_bytes =
-      recipe_.train.batch_size * (recipe_.model.seq_len + 1) * sizeof(int64_t);
+  static_assert(recipe::kMaxBatchSlotBytes <= ipc::SlotRing::kMaxSlotBytes);
+  const uint64_t slot_bytes = recipe::batch_slot_bytes(recipe_);
   for (uint32_t r = 0; r < opt_.ranks; ++r) {
     auto name = layout::ring_shm_name(shm_prefix_, r);
     rings_.push_back(std::make_unique<ipc::ShmRegion>(
@@ -425,7 +443,8 @@ void Run::write_launch_contract() {
   l.setWorld(opt_.ranks);
   l.setSteps(opt_.steps);
   l.setRingSlots(opt_.ring_slots);
-  l.setRingSlotBytes(recipe_.train.batch_size * (recipe_.model.seq_len + 1) * sizeof(int64_t));
+  // The recipe rules keep it within kMaxBatchSlotBytes, which fits 32 bits.
+  l.setRingSlotBytes(static_cast<uint32_t>(recipe::batch_slot_bytes(recipe_)));
   l.setHeartbeatIntervalMs(opt_.heartbeat_interval_ms);
   recipe::to_spec(recipe_, l.initRecipe());
   auto f = l.initFilesystem();
@@ -663,22 +682,34 @@ void Run::journal_child_exited(const Child& c, const char* reason) {
   });
 }
 
+void Run::reaped_dying(Child& dying, int status) {
+  const pid_t pid = dying.dying_pid;
+  dying.dying_pid = 0;
+  dying.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  dying.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+  dying.restart_cause += fmt::format("; pid {} reaped {:.2f}s after SIGKILL", pid,
+                                     static_cast<double>(mono_ns() - dying.dying_since_ns) / 1e9);
+  journal_child_exited(dying, "restart");
+  if (detected_ns_ == 0 && !done_) {
+    launch(dying.stage, dying.rank, dying.generation + 1, "restart", dying.restart_cause);
+  }
+}
+
+void Run::reap_dying() {
+  for (auto& c : children_) {
+    if (c.dying_pid == 0) continue;
+    int status = 0;
+    if (::waitpid(c.dying_pid, &status, WNOHANG) == c.dying_pid) reaped_dying(c, status);
+  }
+}
+
 void Run::reap() {
   for (;;) {
     int status = 0;
     pid_t pid = ::waitpid(-1, &status, WNOHANG);
     if (pid <= 0) return;
     if (Child* dying = by_dying_pid(pid)) {
-      dying->dying_pid = 0;
-      dying->exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      dying->signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-      dying->restart_cause +=
-          fmt::format("; pid {} reaped {:.2f}s after SIGKILL", pid,
-                      static_cast<double>(mono_ns() - dying->dying_since_ns) / 1e9);
-      journal_child_exited(*dying, "restart");
-      if (detected_ns_ == 0 && !done_) {
-        launch(dying->stage, dying->rank, dying->generation + 1, "restart", dying->restart_cause);
-      }
+      reaped_dying(*dying, status);
       continue;
     }
     Child* cp = by_pid(pid);
@@ -710,6 +741,8 @@ void Run::reap() {
     std::string what =
         c.signal != 0 ? fmt::format("was killed by signal {} ({})", c.signal, strsignal(c.signal))
                       : fmt::format("exited with code {}", c.exit_code);
+    // The evidence of a death is its reap: neither SIGCHLD, waitid nor a pidfd says when the
+    // process exited, so the detection delay of a death is not measured.
     Event ev{c.signal != 0 ? "signaled" : "exited",
              fmt::format("{} (pid {}) {} in phase {} at step {}", c.name, c.pid, what,
                          layout::phase_name(c.phase), c.step),
@@ -717,7 +750,8 @@ void Run::reap() {
              now,
              now,
              c.phase,
-             c.step};
+             c.step,
+             false};
     restart_or_fail(c, what, std::move(ev));
   }
 }
@@ -966,6 +1000,29 @@ void Run::stop_child(Child& c) {
   if (!router_->send_to(c.name, b.message(), ipc::Millis(200))) ::kill(c.pid, SIGTERM);
 }
 
+// MEGACPP_TEST_UNKILLABLE=<process> makes this a no-op for that process: to the supervisor
+// it is then what a process in uninterruptible sleep is, one that survives SIGKILL. The
+// hook exists to test that no wait for such a process is unbounded.
+void Run::kill_child(const Child& c, int sig) {
+  if (c.name == unkillable_for_test_) return;
+  ::kill(c.pid, sig);
+}
+
+void Run::give_up_on(const Child& c) {
+  if (!unkillable_.insert(c.pid).second) return;
+  log_error("{} (pid {}) survived SIGKILL for {:.1f}s; unkillable, not waiting for it", c.name,
+            c.pid, kKillWaitS);
+  if (!journal_) return;
+  journal_->append([&](schema::JournalRecord::Builder r) {
+    auto e = r.initChildUnkillable();
+    e.setStage(c.stage);
+    e.setRank(c.rank);
+    e.setPid(c.pid);
+    e.setGeneration(c.generation);
+    e.setReason("survived SIGKILL");
+  });
+}
+
 void Run::finish_ok() {
   // Training is over; the loader and the checkpointer drain and exit, then the collector
   // folds the final state. A stage that does not stop within its bound is a failure.
@@ -1033,7 +1090,7 @@ void Run::teardown() {
     // delays the teardown.
     auto ev = events_.find(c.name);
     bool silent = ev != events_.end() && ev->second.kind == "heartbeat_lost";
-    ::kill(c.pid, silent || detail::process_state(c.pid) == 'T' ? SIGKILL : SIGTERM);
+    kill_child(c, silent || detail::process_state(c.pid) == 'T' ? SIGKILL : SIGTERM);
   }
   auto none_alive = [&] {
     for (const auto& c : children_) {
@@ -1046,14 +1103,20 @@ void Run::teardown() {
     if (c.alive) {
       log_warn("{} (pid {}) still alive {:.1f}s after SIGTERM: SIGKILL", c.name, c.pid,
                opt_.teardown_grace_s);
-      ::kill(c.pid, SIGKILL);
+      kill_child(c, SIGKILL);
     }
   }
-  if (!wait_for(none_alive, 1.0)) {
+  if (!wait_for(none_alive, kKillWaitS)) {
     for (const auto& c : children_) {
-      if (c.alive) log_error("{} (pid {}) survived SIGKILL; not waiting for it", c.name, c.pid);
+      if (c.alive) give_up_on(c);
     }
   }
+}
+
+std::string detection_text(schema::RunError::Reader e) {
+  return e.getDetectionMeasured()
+             ? fmt::format("detected {:.2f}s after the cause", e.getDetectionSeconds())
+             : std::string("detection delay not measured (the kernel gives no exit time)");
 }
 
 std::vector<std::string> tail_lines(const fs::path& path, size_t n) {
@@ -1104,6 +1167,7 @@ void Run::classify() {
       f.setRole(role);
       f.setEvidenceMonoNs(ev.evidence_ns);
       f.setDetectedMonoNs(ev.detected_ns);
+      f.setEvidenceUnmeasured(!ev.evidence_measured);
       f.setPhase(ev.phase);
       f.setStep(ev.step);
       f.setPid(c ? c->pid : ::getpid());
@@ -1183,10 +1247,14 @@ int Run::report() {
     auto e = m.getError();
     out += fmt::format("run error: first failure {} in {}-{}: {}\n", e.getKind().cStr(),
                        layout::stage_name(e.getStage()), e.getRank(), e.getMessage().cStr());
-    out += fmt::format(
-        "  detected {:.2f}s after the cause; every process gone and shm/sockets removed {:.2f}s "
-        "later\n",
-        e.getDetectionSeconds(), e.getTeardownSeconds());
+    out += fmt::format("  {}; every process gone and shm/sockets removed {:.2f}s later\n",
+                       detection_text(e), e.getTeardownSeconds());
+  }
+  for (auto st : m.getStages()) {
+    if (st.getState() == "unkillable") {
+      out += fmt::format("  unkillable  {} (pid {}) outlived SIGKILL and was not waited for\n",
+                         layout::process_name(st.getStage(), st.getRank()), st.getPid());
+    }
   }
   out += fmt::format("  manifest    {}\n", layout::manifest_path(run_).string());
   std::string receipts;
@@ -1221,12 +1289,31 @@ void Run::release_ipc() {
 void Run::cleanup() {
   if (cleaned_) return;
   cleaned_ = true;
+  // No blocking wait: a child that outlives SIGKILL would hang `megacpp run` forever. The
+  // children still alive get SIGKILL and, together, kKillWaitS to be reaped; one already
+  // given up on is not waited for again. A generation killed for a restart gets the same
+  // bound to be reaped and journaled.
+  std::vector<Child*> waiting;
   for (auto& c : children_) {
-    if (c.alive) ::kill(c.pid, SIGKILL);
+    if (!c.alive || unkillable_.contains(c.pid)) continue;
+    kill_child(c, SIGKILL);
+    waiting.push_back(&c);
   }
-  for (auto& c : children_) {
-    if (c.alive) ::waitpid(c.pid, nullptr, 0);
+  const int64_t deadline = mono_ns() + static_cast<int64_t>(kKillWaitS * 1e9);
+  for (;;) {
+    std::erase_if(waiting, [](Child* c) {
+      const pid_t r = ::waitpid(c->pid, nullptr, WNOHANG);
+      if (r == 0) return false;
+      c->alive = false;  // reaped, or not our child any more (ECHILD)
+      return true;
+    });
+    reap_dying();
+    const bool any_dying =
+        std::ranges::any_of(children_, [](const Child& c) { return c.dying_pid != 0; });
+    if ((waiting.empty() && !any_dying) || mono_ns() >= deadline) break;
+    ::usleep(10'000);
   }
+  for (const Child* c : waiting) give_up_on(*c);
   release_ipc();
   metrics_server_.reset();
   if (sigfd_ >= 0) ::close(sigfd_);
@@ -1261,8 +1348,8 @@ int Run::execute() {
     if (Child* col = by_name(layout::process_name(StageKind::COLLECTOR, 0)); col && col->alive) {
       stop_child(*col);
       if (!wait_for([&] { return !col->alive; }, 10.0)) {
-        ::kill(col->pid, SIGKILL);
-        wait_for([&] { return !col->alive; }, 1.0);
+        kill_child(*col, SIGKILL);
+        if (!wait_for([&] { return !col->alive; }, kKillWaitS)) give_up_on(*col);
       }
     }
   }
@@ -1292,6 +1379,41 @@ int run(RunOptions options) {
   return r.execute();
 }
 
+namespace {
+// Removes `dir` when it is provably the private socket directory of run `run_id`: exactly
+// /tmp/megacpp-XXXXXX as prepare() makes it, a real directory owned by this user, its owner
+// file naming the run, and nothing in it but that file and the run's endpoints. Removes only
+// those entries, then the directory; never recurses.
+bool remove_private_sock_dir(const fs::path& dir, const std::string& run_id) {
+  const std::string name = dir.filename().string();
+  if (!layout::valid_run_id(run_id) || dir != dir.lexically_normal() ||
+      dir.parent_path() != "/tmp" || !name.starts_with("megacpp-") || name.size() != 14) {
+    return false;
+  }
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())
+    return false;
+  const fs::path owner = dir / layout::kSockOwnerFile;
+  if (::lstat(owner.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
+  try {
+    if (read_file(owner) != run_id) return false;
+  } catch (const Error&) {
+    return false;
+  }
+  static const std::set<std::string> kEntries = {std::string(layout::kSockOwnerFile), "control",
+                                                 "checkpoint"};
+  std::error_code ec;
+  std::vector<fs::path> entries;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (!kEntries.contains(it->path().filename().string())) return false;
+    entries.push_back(it->path());
+  }
+  if (ec) return false;
+  for (const auto& e : entries) ::unlink(e.c_str());
+  return ::rmdir(dir.c_str()) == 0;
+}
+}  // namespace
+
 bool reconcile(const fs::path& run_dir) {
   // A run whose supervisor journal ends without runFinished, and whose supervisor process
   // (pid + start time from launch.json) no longer exists, was orphaned: record it and remove
@@ -1315,12 +1437,41 @@ bool reconcile(const fs::path& run_dir) {
     o.setReason(fmt::format("the supervisor (pid {}) is gone and the run never finished", pid));
   });
   journal.sync();
-  size_t segments = ipc::unlink_shm(l.getShmPrefix().cStr());
+  // What is removed is derived from the run id and the run directory, never read from
+  // launch.json: a corrupt or hostile contract must not name another run's segments or an
+  // arbitrary directory.
+  const std::string run_id = l.getRunId();
+  size_t segments = 0;
+  if (layout::valid_run_id(run_id)) {
+    const std::string prefix = layout::shm_prefix(run_id, 0);
+    for (uint32_t r = 0; r < layout::kMaxRanks; ++r) {
+      for (const auto& name :
+           {layout::ring_shm_name(prefix, r), layout::staging_shm_name(prefix, r)})
+        segments += ::shm_unlink(name.c_str()) == 0 ? 1 : 0;
+    }
+  } else {
+    log_warn("run {}: launch.json's runId '{}' is not a run id; no shm segment removed",
+             run_dir.string(), run_id);
+  }
+  std::vector<std::string> removed;
   std::error_code ec;
-  fs::path sock = l.getSockDir().cStr();
-  if (!sock.empty() && fs::exists(sock, ec)) fs::remove_all(sock, ec);
-  log_warn("run {} was orphaned (supervisor pid {} is gone); removed {} shm segment(s) and {}",
-           run_dir.string(), pid, segments, sock.string());
+  const fs::path own_sock = run_dir / "sock";
+  if (fs::is_directory(fs::symlink_status(own_sock, ec))) {
+    fs::remove_all(own_sock, ec);
+    removed.push_back(own_sock.string());
+  }
+  const fs::path sock = fs::path(l.getSockDir().cStr());
+  if (!sock.empty() && sock != own_sock && fs::exists(fs::symlink_status(sock, ec))) {
+    if (remove_private_sock_dir(sock, run_id)) {
+      removed.push_back(sock.string());
+    } else {
+      log_warn("run {}: socket directory {} is not provably this run's; left in place",
+               run_dir.string(), sock.string());
+    }
+  }
+  log_warn("run {} was orphaned (supervisor pid {} is gone); removed {} shm segment(s){}{}",
+           run_dir.string(), pid, segments, removed.empty() ? "" : " and ",
+           fmt::join(removed, ", "));
   return true;
 }
 
@@ -1349,8 +1500,7 @@ int status(const fs::path& run_dir) {
                layout::stage_name(e.getStage()), e.getRank(), e.getPid(), phase_name(e.getPhase()),
                e.getStep(), e.getAt().cStr());
     fmt::print("    {}\n", e.getMessage().cStr());
-    fmt::print("    detected {:.2f}s after the cause; teardown took {:.2f}s\n",
-               e.getDetectionSeconds(), e.getTeardownSeconds());
+    fmt::print("    {}; teardown took {:.2f}s\n", detection_text(e), e.getTeardownSeconds());
     if (e.getFailureDump().size() > 0)
       fmt::print("    failure dump {}\n", (run_dir / e.getFailureDump().cStr()).string());
     if (e.getBacktrace().size() > 0) {

@@ -48,7 +48,8 @@ struct Process {
     int32_t signal;
     auto key() const { return std::tie(mono, code, signal); }
   };
-  std::optional<Exit> exited;  // latest childExited
+  std::optional<Exit> exited;              // latest childExited
+  std::optional<int64_t> unkillable_mono;  // latest childUnkillable
   uint32_t last_step = 0;
   std::optional<int64_t> last_wall;         // newest wallNs among the process's own records
   uint32_t restarts = 0;                    // childStarted records with reason "restart"
@@ -114,6 +115,7 @@ struct Collector::State {
     int32_t pid = 0;
     int64_t evidence_wall = 0;
     double detection_seconds = 0;
+    bool detection_measured = false;
     std::vector<std::string> backtrace, stderr_tail;
   };
   std::optional<FirstFailure> first_failure;
@@ -194,8 +196,11 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
           ff.pid = f.getPid();
           // Wall time of the cause: this record's wall clock minus how long ago, monotonically.
           ff.evidence_wall = wall - (mono - f.getEvidenceMonoNs());
+          ff.detection_measured = !f.getEvidenceUnmeasured();
           ff.detection_seconds =
-              static_cast<double>(f.getDetectedMonoNs() - f.getEvidenceMonoNs()) / 1e9;
+              ff.detection_measured
+                  ? static_cast<double>(f.getDetectedMonoNs() - f.getEvidenceMonoNs()) / 1e9
+                  : 0.0;
           for (auto l : f.getBacktrace()) ff.backtrace.emplace_back(l.cStr());
           for (auto l : f.getStderrTail()) ff.stderr_tail.emplace_back(l.cStr());
           first_failure = std::move(ff);
@@ -221,6 +226,13 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       child.see_pid(mono, ev.getPid());
       Process::Exit e{mono, ev.getExitCode(), ev.getSignal()};
       if (!child.exited || e.key() > child.exited->key()) child.exited = e;
+      break;
+    }
+    case schema::JournalRecord::CHILD_UNKILLABLE: {
+      auto ev = rec.getChildUnkillable();
+      Process& child = processes[{ev.getStage(), ev.getRank()}];
+      child.see_pid(mono, ev.getPid());
+      Process::latest(child.unkillable_mono, mono);
       break;
     }
     case schema::JournalRecord::RUN_STARTED:
@@ -276,6 +288,10 @@ std::string stage_state(const Process& p, int32_t& exit_code, int32_t& signal) {
   signal = 0;
   auto after_start = [&](int64_t mono) { return !p.started_mono || mono >= *p.started_mono; };
   const bool finished = p.finished_mono && after_start(*p.finished_mono);
+  if (p.unkillable_mono && after_start(*p.unkillable_mono) &&
+      (!p.exited || p.exited->mono < *p.unkillable_mono)) {
+    return "unkillable";
+  }
   if (p.exited && after_start(p.exited->mono)) {
     exit_code = p.exited->code;
     signal = p.exited->signal;
@@ -393,6 +409,7 @@ void Collector::render() {
         e.setPid(f.pid);
         e.setAt(rfc3339(f.evidence_wall));
         e.setDetectionSeconds(f.detection_seconds);
+        e.setDetectionMeasured(f.detection_measured);
         auto dump = layout::failure_path(run_dir_, f.stage, f.rank);
         if (fs::exists(dump)) e.setFailureDump(fs::relative(dump, run_dir_).string());
         auto bt = e.initBacktrace(static_cast<unsigned>(f.backtrace.size()));

@@ -405,6 +405,63 @@ TEST(Collector, OkRequiresEveryPlannedStep) {
   EXPECT_FALSE(ok.get().hasError() && ok.get().getError().getKind().size() > 0);
 }
 
+// A child the supervisor gave up on after SIGKILL was never reaped: its state says so
+// instead of "started", and a later exit of the same generation (a late reap) wins.
+TEST(Collector, UnkillableChildIsNamed) {
+  FakeRun run;
+  run.supervisor_start();
+  run.run_started();
+  run.child_exited(StageKind::TRAINER, 1, 3500, -1, 9);
+  auto unkillable = [&](StageKind stage, int64_t t_ms) {
+    run.rec(StageKind::SUPERVISOR, 0, t_ms, [&](auto r) {
+      auto c = r.initChildUnkillable();
+      c.setStage(stage);
+      c.setRank(0);
+      c.setPid(FakeRun::pid(stage, 0));
+      c.setReason("survived SIGKILL");
+    });
+  };
+  unkillable(StageKind::CHECKPOINTER, 3700);
+  unkillable(StageKind::TRAINER, 3700);
+  run.child_exited(StageKind::TRAINER, 0, 3800, -1, 9);
+  run.run_finished(3900, false, "signaled", StageKind::TRAINER, 1, "trainer-1 killed");
+  collect_run(run.run());
+  schemas::JsonFile<schema::Manifest> doc(layout::manifest_path(run.run()));
+  std::map<std::string, std::string> states;
+  for (auto st : doc.get().getStages())
+    states[layout::process_name(st.getStage(), st.getRank())] = s(st.getState());
+  EXPECT_EQ(states["checkpointer-0"], "unkillable");
+  EXPECT_EQ(states["trainer-0"], "signaled");
+  EXPECT_EQ(states["trainer-1"], "signaled");
+}
+
+// detectionSeconds is a measurement only when the evidence time is the cause's: for a death
+// the supervisor knows only the reap time, and the manifest says the delay is not measured.
+TEST(Collector, DetectionOfADeathIsMarkedNotMeasured) {
+  for (bool unmeasured : {false, true}) {
+    FakeRun run;
+    run.supervisor_start();
+    run.run_started();
+    run.rec(StageKind::SUPERVISOR, 0, 3600, [&](auto r) {
+      auto f = r.initFailureObserved();
+      f.setStage(StageKind::TRAINER);
+      f.setRank(1);
+      f.setKind(unmeasured ? "signaled" : "heartbeat_lost");
+      f.setRole("first_failure");
+      f.setEvidenceMonoNs(3000'000'000);
+      f.setDetectedMonoNs(3500'000'000);
+      f.setEvidenceUnmeasured(unmeasured);
+    });
+    run.run_finished(3700, false, unmeasured ? "signaled" : "heartbeat_lost", StageKind::TRAINER, 1,
+                     "trainer-1");
+    collect_run(run.run());
+    schemas::JsonFile<schema::Manifest> doc(layout::manifest_path(run.run()));
+    auto e = doc.get().getError();
+    EXPECT_EQ(e.getDetectionMeasured(), !unmeasured);
+    EXPECT_DOUBLE_EQ(e.getDetectionSeconds(), unmeasured ? 0.0 : 0.5);
+  }
+}
+
 TEST(Collector, RecollectIsByteIdenticalAndDoesNotRewrite) {
   FakeRun run;
   run.whole_run();

@@ -154,6 +154,9 @@ using RingTest = ShmTest;
 TEST_F(RingTest, FormatValidatesGeometry) {
   EXPECT_GE(SlotRing::region_bytes(4, 100), 256u + 4 * 128);
   EXPECT_THROW(SlotRing::region_bytes(0, 100), Error);
+  // Sizes are 64-bit: a slot one byte over the 32-bit limit is refused, not truncated to 1.
+  EXPECT_THROW(SlotRing::region_bytes(4, SlotRing::kMaxSlotBytes + 2), Error);
+  EXPECT_GT(SlotRing::region_bytes(2, SlotRing::kMaxSlotBytes), 2 * SlotRing::kMaxSlotBytes);
   ShmRegion small(ShmRegion::Create{}, prefix_ + "small", 512);
   EXPECT_THROW(SlotRing::format(small, 16, 1024), Error);
   try {

@@ -84,6 +84,51 @@ TEST(Recipe, RulesAreNamed) {
   EXPECT_NE(expect_invalid(wrong_type).find("model.seq_len"), std::string::npos);
 }
 
+namespace {
+std::string with(std::string text, const std::string& from, const std::string& to) {
+  text.replace(text.find(from), from.size(), to);
+  return text;
+}
+}  // namespace
+
+TEST(Recipe, ZeroAndOverflowingDimensionsAreRefused) {
+  EXPECT_NE(expect_invalid(with(kBase, "d_model = 64", "d_model = 0")).find("model.d_model"),
+            std::string::npos);
+  EXPECT_NE(expect_invalid(with(kBase, "n_heads = 4", "n_heads = 0")).find("model.n_heads"),
+            std::string::npos);
+  EXPECT_NE(expect_invalid(with(kBase, "n_layers = 3", "n_layers = 0")).find("model.n_layers"),
+            std::string::npos);
+  EXPECT_NE(
+      expect_invalid(with(kBase, "n_layers = 3", "n_layers = 4294967295")).find("model.n_layers"),
+      std::string::npos);
+  EXPECT_NE(expect_invalid(with(kBase, "seq_len = 32", "seq_len = 1")).find("model.seq_len"),
+            std::string::npos);
+  EXPECT_NE(
+      expect_invalid(with(kBase, "vocab_size = 256", "vocab_size = 0")).find("model.vocab_size"),
+      std::string::npos);
+  // seq_len + 1 wraps to 0 in 32 bits: the shard rule must not be fooled by it.
+  EXPECT_NE(expect_invalid(with(kBase, "seq_len = 32", "seq_len = 4294967295")).find("seq_len"),
+            std::string::npos);
+}
+
+// A batch slot is batch_size * (seq_len + 1) int64 tokens. 65536 x 65537 wraps in 32 bits to
+// 65536 tokens (a 512 KiB slot for a 32 GiB batch); the ring's slot size is 32-bit.
+TEST(Recipe, BatchSlotLargerThanTheRingCanHoldIsRefused) {
+  std::string big =
+      with(with(kBase, "seq_len = 32", "seq_len = 65536"), "batch_size = 2", "batch_size = 65536");
+  big += "[data]\nshard_tokens = 1000000\n";
+  std::string msg = expect_invalid(big);
+  EXPECT_NE(msg.find("train.batch_size"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("model.seq_len"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  auto ok = mc::recipe::parse(kBase, "x.toml");
+  EXPECT_EQ(mc::recipe::batch_slot_bytes(ok), uint64_t{2} * 33 * 8);
+  mc::recipe::Recipe r = ok;
+  r.train.batch_size = 65536;
+  r.model.seq_len = 65536;
+  EXPECT_EQ(mc::recipe::batch_slot_bytes(r), uint64_t{65536} * 65537 * 8);
+}
+
 TEST(Recipe, ResolveByNameAndPath) {
   auto p = mc::recipe::resolve("tiny", MEGACPP_RECIPE_DIR);
   EXPECT_TRUE(std::filesystem::exists(p));

@@ -279,3 +279,17 @@ TEST(RunLayoutTest, StageNamesRoundTrip) {
 
 }  // namespace
 }  // namespace megacpp
+
+TEST(RunLayoutTest, ShmPrefixIsAFunctionOfAValidRunId) {
+  const std::string id = "2026-01-02T03-04-05-a1b2c3";
+  EXPECT_TRUE(megacpp::layout::valid_run_id(id));
+  EXPECT_EQ(megacpp::layout::shm_prefix(id, 0), "/megacpp-2026-01-02T03-04-05-a1b2c3-g0-");
+  EXPECT_LE(megacpp::layout::staging_shm_name(megacpp::layout::shm_prefix(std::string(64, 'a'), 0),
+                                              megacpp::layout::kMaxRanks)
+                .size(),
+            255u);
+  for (const char* bad : {"", "/", "..", "a/b", "a b", "a.b", "a_b"})
+    EXPECT_FALSE(megacpp::layout::valid_run_id(bad)) << bad;
+  EXPECT_FALSE(megacpp::layout::valid_run_id(std::string(65, 'a')));
+  EXPECT_THROW(megacpp::layout::shm_prefix("/", 0), megacpp::Error);
+}
