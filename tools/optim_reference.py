@@ -34,6 +34,10 @@ SPEC.json:
   "init.seed": torch.Generator().manual_seed(seed); torch.randn(shape, dtype=float64,
   generator=gen) * std (std defaults to 1.0).
 
+A non-finite value is an error, never a result: a NaN/Inf gradient or initial value is refused
+(ValueError naming the key and element), and so is a parameter or state tensor that becomes
+non-finite during the replay (naming it, the element and the step).
+
 GRADS.safetensors: "step{s}.rank{r}.{param}" for s in [0, steps), r in [0, world_size), any
   float dtype (upcast to float64), shape == param shape. A missing key means rank r had
   p.grad is None on step s. Any other key is an error.
@@ -251,6 +255,7 @@ class Reference:
             t = load_file(path)[init.get("key", name)].to(DTYPE)
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name}: init tensor shape {tuple(t.shape)} != {shape}")
+            check_finite(f"{name}: init tensor", t)
             return t.clone()
         gen = torch.Generator().manual_seed(int(init.get("seed", 0)))
         return torch.randn(shape, dtype=DTYPE, generator=gen) * float(init.get("std", 1.0))
@@ -308,6 +313,21 @@ class Reference:
 _GRAD_KEY = re.compile(r"^step(\d+)\.rank(\d+)\.(.+)$")
 
 
+def first_nonfinite(t):
+    """None when every element of t is finite, else 'index (value)' of the first one that is not."""
+    bad = (~torch.isfinite(t)).nonzero()
+    if bad.numel() == 0:
+        return None
+    idx = tuple(int(i) for i in bad[0])
+    return f"{list(idx)} ({t[idx].item()})"
+
+
+def check_finite(what, t):
+    where = first_nonfinite(t)
+    if where is not None:
+        raise ValueError(f"{what}: non-finite element {where}")
+
+
 def index_gradients(grads, ref):
     """{step: {param: {rank: float64 tensor}}} from the flat GRADS dict; rejects stray keys."""
     shapes = {p["name"]: p["shape"] for p in ref.params}
@@ -323,6 +343,7 @@ def index_gradients(grads, ref):
             raise ValueError(f"gradient key {key!r}: step/rank out of range")
         if tuple(t.shape) != shapes[name]:
             raise ValueError(f"gradient key {key!r}: shape {tuple(t.shape)} != {shapes[name]}")
+        check_finite(f"gradient {key!r}", t)
         by_step.setdefault(s, {}).setdefault(name, {})[r] = t.to(DTYPE)
     return by_step
 
@@ -334,6 +355,8 @@ def run(spec, grads, spec_dir=".", sample_every=0):
     out = {f"initial.{p['name']}": p["initial"] for p in ref.params}
     for s in range(ref.steps):
         ref.step(by_step.get(s, {}))
+        for k, v in ref.snapshot().items():
+            check_finite(f"step {s}: {k}", v)
         if sample_every and (s + 1) % sample_every == 0:
             out.update(ref.snapshot(prefix=f"sample{s + 1}."))
     out.update(ref.snapshot())

@@ -115,6 +115,22 @@ class QkvSplitTest(unittest.TestCase):
             ref.run(spec, {})
 
 
+class NonFiniteTest(unittest.TestCase):
+    PARAMS = [{"name": "a", "shape": [8, 4], "optimizer": "adamw", "init": {"seed": 1}}]
+
+    def test_non_finite_gradient_is_refused_naming_the_element(self):
+        g = torch.zeros(8, 4, dtype=F64)
+        g[2, 3] = float("nan")
+        with self.assertRaisesRegex(ValueError, r"step0\.rank1\.a.*\[2, 3\] \(nan\)"):
+            ref.run(make_spec(self.PARAMS, world_size=2, steps=1), {"step0.rank1.a": g})
+
+    def test_state_that_overflows_is_an_error(self):
+        g = torch.zeros(8, 4, dtype=F64)
+        g[5, 1] = 1e200  # finite, but its square is not
+        with self.assertRaisesRegex(ValueError, r"step 0: a\.exp_avg_sq: .*\[5, 1\] \(inf\)"):
+            ref.run(make_spec(self.PARAMS, world_size=1, steps=1), {"step0.rank0.a": g})
+
+
 class AveragingTest(unittest.TestCase):
     PARAMS = [{"name": "a", "shape": [8, 4], "optimizer": "adamw", "init": {"seed": 1}},
               {"name": "m", "shape": [16, 8], "optimizer": "muon", "init": {"seed": 2}}]

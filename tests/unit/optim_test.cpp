@@ -12,7 +12,10 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
@@ -25,6 +28,7 @@
 
 namespace megacpp::trainer {
 
+using test_support::max_abs_diff;
 using test_support::read_floats;
 using test_support::write_floats;
 namespace {
@@ -68,12 +72,6 @@ std::vector<float> flat(const std::vector<at::Tensor>& ps) {
     out.insert(out.end(), c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
   }
   return out;
-}
-
-float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  float m = 0;
-  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
-  return m;
 }
 
 bool bit_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
@@ -256,6 +254,7 @@ void expect_world2_matches_world1(bool asymmetric) {
   // Ranks are bit-identical; the single-process reference agrees within DESIGN §7's bounds.
   EXPECT_EQ(std::memcmp(a0.data(), a1.data(), a0.size() * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(m0.data(), m1.data(), m0.size() * sizeof(float)), 0);
+  EXPECT_TRUE(test_support::all_finite(a0) && test_support::all_finite(m0));
   EXPECT_LE(max_abs_diff(a0, ref.adam), 2e-5f);
   EXPECT_LE(max_abs_diff(m0, ref.muon), 3e-4f);
   // The parameters did move.
@@ -427,6 +426,23 @@ TEST_F(OptimTest, QkvSplitOrthogonalizesEachSliceAlone) {
   const double cos =
       (da * db).sum().item<double>() / (da.norm().item<double>() * db.norm().item<double>());
   EXPECT_GT(cos, 0.999);
+}
+
+// The shared distance is NaN — failing every bound — when a value is not finite.
+TEST_F(OptimTest, DistancesFailOnNonFiniteValues) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const auto& [a, b] : {std::pair{std::vector<float>{1, nan}, std::vector<float>{1, nan}},
+                             std::pair{std::vector<float>{nan, 1}, std::vector<float>{0, 1}},
+                             std::pair{std::vector<float>{1, inf}, std::vector<float>{1, inf}},
+                             std::pair{std::vector<float>{1, 2}, std::vector<float>{1}}}) {
+    const double d = max_abs_diff(a, b);
+    EXPECT_FALSE(d <= 1.0) << d;
+    EXPECT_FALSE(d > 1e-3) << d;
+    EXPECT_FALSE(test_support::mean_abs_diff(a, b) <= 1.0);
+  }
+  EXPECT_EQ(max_abs_diff(std::vector<float>{1, 2}, std::vector<float>{1, 2.5f}), 0.5);
+  EXPECT_FALSE(test_support::all_finite(std::vector<float>{0, inf}));
 }
 
 TEST_F(OptimTest, OrthogonalizersProduceNearOrthogonalMatrices) {
