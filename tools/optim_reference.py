@@ -48,7 +48,8 @@ OUT.safetensors (all float64 except ".step"):
   "{param}.exp_avg", "{param}.exp_avg_sq"   AdamW state, param shape
   "{param}.step"                    AdamW per-parameter step count, int64, shape [1]
   "{param}.momentum_buffer"         Muon, param shape
-  "{param}.second_momentum_buffer"  Muon, [rows, 1] if rows >= cols else [1, cols]
+  "{param}.second_momentum_buffer"  Muon, [rows, 1] if rows >= cols or the parameter has
+                                    qkv_split_sizes, else [1, cols]
   with --sample-every N, after every N-th completed step k (k = N, 2N, ...): the same keys
   prefixed "sample{k}." (e.g. "sample100.h0.qkv.momentum_buffer"). State that was never
   created (a parameter that never had a gradient) is written as zeros (step 0), which is what a
@@ -108,46 +109,27 @@ def orthogonalize(g, ns_method="polar_express", ns_steps=5):
 
 
 def orthogonalize_split(g, split_sizes, ns_method, ns_steps):
-    """Orthogonalise each row-slice of a fused matrix alone (qkv_split_sizes), then re-concatenate.
-
-    Only the orthogonalisation is per slice; the tall/wide decision is made per slice. Momentum,
-    variance reduction, lr scaling and the cautious update see the whole fused matrix, exactly
-    as nanochat treats any 2-D parameter.
-    """
+    """Orthogonalise each row-slice of a fused matrix alone (qkv_split_sizes), then re-concatenate."""
     if not split_sizes:
         return orthogonalize(g, ns_method, ns_steps)
     return torch.cat([orthogonalize(s, ns_method, ns_steps)
                       for s in torch.split(g, list(split_sizes), dim=0)], dim=0)
 
 
-def muon_red_dim(shape):
-    return -1 if shape[-2] >= shape[-1] else -2
+def muon_red_dim(shape, split_sizes=None):
+    """The dimension the factored second moment averages over: per row (-1) when rows >= cols
+    or the matrix is split into row slices (each row lies in one slice, so no statistic mixes
+    slices), else per column (-2)."""
+    return -1 if split_sizes or shape[-2] >= shape[-1] else -2
 
 
-def muon_second_moment_shape(shape):
-    return (shape[-2], 1) if shape[-2] >= shape[-1] else (1, shape[-1])
+def muon_second_moment_shape(shape, split_sizes=None):
+    return (shape[-2], 1) if muon_red_dim(shape, split_sizes) == -1 else (1, shape[-1])
 
 
-def muon_step(grad, param, momentum_buffer, second_momentum_buffer, *, lr, momentum, beta2,
-              weight_decay, ns_method, ns_steps, qkv_split_sizes=None):
-    """nanochat muon_step_fused for one parameter, float64, in place on param and both buffers.
-
-    lr is the group lr; the shape scaling lr * max(1, rows/cols)**0.5 is applied here (nanochat
-    Muon.step). beta2 None -> 0.0 (nanochat).
-    """
-    shape = param.shape
-    lr = lr * max(1.0, shape[-2] / shape[-1]) ** 0.5
-    beta2 = 0.0 if beta2 is None else beta2
-    red_dim = muon_red_dim(shape)
-
-    # Nesterov momentum: buf = lerp(buf, g, 1 - mu); g = lerp(g, buf, mu).
-    momentum_buffer.lerp_(grad, 1 - momentum)
-    g = grad.lerp(momentum_buffer, momentum)
-
-    # Orthogonalisation (float64; nanochat runs this in bfloat16).
-    g = orthogonalize_split(g, qkv_split_sizes, ns_method, ns_steps)
-
-    # Variance reduction (NorMuon-style factored second moment, Frobenius norm preserved).
+def variance_reduce(g, second_momentum_buffer, beta2, red_dim):
+    """NorMuon-style factored second moment of one matrix (or slice), Frobenius norm preserved.
+    Updates second_momentum_buffer in place; returns the rescaled update."""
     v_mean = g.square().mean(dim=red_dim, keepdim=True)
     red_dim_size = g.size(red_dim)
     v_norm_sq = v_mean.sum(dim=(-2, -1), keepdim=True) * red_dim_size
@@ -157,12 +139,43 @@ def muon_step(grad, param, momentum_buffer, second_momentum_buffer, *, lr, momen
     scaled_sq_sum = (v_mean * red_dim_size) * step_size.square()
     v_norm_new = scaled_sq_sum.sum(dim=(-2, -1), keepdim=True).sqrt()
     final_scale = step_size * (v_norm / v_norm_new.clamp_min(1e-10))
-    g = g * final_scale
+    return g * final_scale
 
-    # Cautious weight decay: decay only where the update agrees in sign with the parameter
-    # ((g * p) >= 0, evaluated on the pre-update parameter), then the update.
-    mask = (g * param) >= 0
-    param.sub_(lr * g + lr * weight_decay * param * mask)
+
+def muon_step(grad, param, momentum_buffer, second_momentum_buffer, *, lr, momentum, beta2,
+              weight_decay, ns_method, ns_steps, qkv_split_sizes=None, variance_reduction=True):
+    """nanochat muon_step_fused for one parameter, float64, in place on param and both buffers.
+
+    lr is the group lr; the shape scaling lr * max(1, rows/cols)**0.5 is applied here (nanochat
+    Muon.step). beta2 None -> 0.0 (nanochat). With qkv_split_sizes, every row slice is a matrix
+    of its own after the (elementwise) momentum: it is orthogonalised alone, its variance
+    reduction preserves its own Frobenius norm, and its lr scale is that of its own shape, so
+    the fused parameter moves exactly as its slices would as separate parameters (the second
+    moment is per row, which is what a separate slice with rows >= cols keeps).
+    variance_reduction=False skips the second moment (for comparisons with plain Muon).
+    """
+    beta2 = 0.0 if beta2 is None else beta2
+    split = list(qkv_split_sizes) if qkv_split_sizes else [param.shape[-2]]
+    red_dim = muon_red_dim(param.shape, qkv_split_sizes)
+
+    # Nesterov momentum: buf = lerp(buf, g, 1 - mu); g = lerp(g, buf, mu).
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    g = grad.lerp(momentum_buffer, momentum)
+
+    sm_slices = (torch.split(second_momentum_buffer, split, dim=0) if red_dim == -1
+                 else [second_momentum_buffer])
+    for g_s, p_s, sm_s in zip(torch.split(g, split, dim=0), torch.split(param, split, dim=0),
+                              sm_slices):
+        lr_s = lr * max(1.0, g_s.size(-2) / g_s.size(-1)) ** 0.5
+        # Orthogonalisation (float64; nanochat runs this in bfloat16).
+        u = orthogonalize(g_s, ns_method, ns_steps)
+        if variance_reduction:
+            u = variance_reduce(u, sm_s, beta2, red_dim)
+        # Cautious weight decay: decay only where the update agrees in sign with the parameter
+        # ((u * p) >= 0, evaluated on the pre-update parameter); the update itself is never
+        # gated (see DESIGN.md, "The cautious gate").
+        mask = (u * p_s) >= 0
+        p_s.sub_(lr_s * u + lr_s * weight_decay * p_s * mask)
 
 
 def adamw_step(grad, param, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay):
@@ -284,7 +297,7 @@ class Reference:
                 if not st:
                     st["momentum_buffer"] = torch.zeros(p["shape"], dtype=DTYPE)
                     st["second_momentum_buffer"] = torch.zeros(
-                        muon_second_moment_shape(p["shape"]), dtype=DTYPE)
+                        muon_second_moment_shape(p["shape"], p["split"]), dtype=DTYPE)
                 muon_step(g, p["value"], st["momentum_buffer"], st["second_momentum_buffer"],
                           lr=hp.get("lr", 0.02), momentum=hp.get("momentum", 0.95),
                           beta2=hp.get("beta2", 0.95),
@@ -306,7 +319,8 @@ class Reference:
                 out[f"{prefix}{n}.momentum_buffer"] = st.get("momentum_buffer", zeros).clone()
                 out[f"{prefix}{n}.second_momentum_buffer"] = st.get(
                     "second_momentum_buffer",
-                    torch.zeros(muon_second_moment_shape(p["shape"]), dtype=DTYPE)).clone()
+                    torch.zeros(muon_second_moment_shape(p["shape"], p["split"]),
+                                dtype=DTYPE)).clone()
         return out
 
 
