@@ -34,6 +34,10 @@ SPEC.json:
   "init.seed": torch.Generator().manual_seed(seed); torch.randn(shape, dtype=float64,
   generator=gen) * std (std defaults to 1.0).
 
+A non-finite value is an error, never a result: a NaN/Inf gradient or initial value is refused
+(ValueError naming the key and element), and so is a parameter or state tensor that becomes
+non-finite during the replay (naming it, the element and the step).
+
 GRADS.safetensors: "step{s}.rank{r}.{param}" for s in [0, steps), r in [0, world_size), any
   float dtype (upcast to float64), shape == param shape. A missing key means rank r had
   p.grad is None on step s. Any other key is an error.
@@ -44,7 +48,8 @@ OUT.safetensors (all float64 except ".step"):
   "{param}.exp_avg", "{param}.exp_avg_sq"   AdamW state, param shape
   "{param}.step"                    AdamW per-parameter step count, int64, shape [1]
   "{param}.momentum_buffer"         Muon, param shape
-  "{param}.second_momentum_buffer"  Muon, [rows, 1] if rows >= cols else [1, cols]
+  "{param}.second_momentum_buffer"  Muon, [rows, 1] if rows >= cols or the parameter has
+                                    qkv_split_sizes, else [1, cols]
   with --sample-every N, after every N-th completed step k (k = N, 2N, ...): the same keys
   prefixed "sample{k}." (e.g. "sample100.h0.qkv.momentum_buffer"). State that was never
   created (a parameter that never had a gradient) is written as zeros (step 0), which is what a
@@ -104,46 +109,27 @@ def orthogonalize(g, ns_method="polar_express", ns_steps=5):
 
 
 def orthogonalize_split(g, split_sizes, ns_method, ns_steps):
-    """Orthogonalise each row-slice of a fused matrix alone (qkv_split_sizes), then re-concatenate.
-
-    Only the orthogonalisation is per slice; the tall/wide decision is made per slice. Momentum,
-    variance reduction, lr scaling and the cautious update see the whole fused matrix, exactly
-    as nanochat treats any 2-D parameter.
-    """
+    """Orthogonalise each row-slice of a fused matrix alone (qkv_split_sizes), then re-concatenate."""
     if not split_sizes:
         return orthogonalize(g, ns_method, ns_steps)
     return torch.cat([orthogonalize(s, ns_method, ns_steps)
                       for s in torch.split(g, list(split_sizes), dim=0)], dim=0)
 
 
-def muon_red_dim(shape):
-    return -1 if shape[-2] >= shape[-1] else -2
+def muon_red_dim(shape, split_sizes=None):
+    """The dimension the factored second moment averages over: per row (-1) when rows >= cols
+    or the matrix is split into row slices (each row lies in one slice, so no statistic mixes
+    slices), else per column (-2)."""
+    return -1 if split_sizes or shape[-2] >= shape[-1] else -2
 
 
-def muon_second_moment_shape(shape):
-    return (shape[-2], 1) if shape[-2] >= shape[-1] else (1, shape[-1])
+def muon_second_moment_shape(shape, split_sizes=None):
+    return (shape[-2], 1) if muon_red_dim(shape, split_sizes) == -1 else (1, shape[-1])
 
 
-def muon_step(grad, param, momentum_buffer, second_momentum_buffer, *, lr, momentum, beta2,
-              weight_decay, ns_method, ns_steps, qkv_split_sizes=None):
-    """nanochat muon_step_fused for one parameter, float64, in place on param and both buffers.
-
-    lr is the group lr; the shape scaling lr * max(1, rows/cols)**0.5 is applied here (nanochat
-    Muon.step). beta2 None -> 0.0 (nanochat).
-    """
-    shape = param.shape
-    lr = lr * max(1.0, shape[-2] / shape[-1]) ** 0.5
-    beta2 = 0.0 if beta2 is None else beta2
-    red_dim = muon_red_dim(shape)
-
-    # Nesterov momentum: buf = lerp(buf, g, 1 - mu); g = lerp(g, buf, mu).
-    momentum_buffer.lerp_(grad, 1 - momentum)
-    g = grad.lerp(momentum_buffer, momentum)
-
-    # Orthogonalisation (float64; nanochat runs this in bfloat16).
-    g = orthogonalize_split(g, qkv_split_sizes, ns_method, ns_steps)
-
-    # Variance reduction (NorMuon-style factored second moment, Frobenius norm preserved).
+def variance_reduce(g, second_momentum_buffer, beta2, red_dim):
+    """NorMuon-style factored second moment of one matrix (or slice), Frobenius norm preserved.
+    Updates second_momentum_buffer in place; returns the rescaled update."""
     v_mean = g.square().mean(dim=red_dim, keepdim=True)
     red_dim_size = g.size(red_dim)
     v_norm_sq = v_mean.sum(dim=(-2, -1), keepdim=True) * red_dim_size
@@ -153,12 +139,43 @@ def muon_step(grad, param, momentum_buffer, second_momentum_buffer, *, lr, momen
     scaled_sq_sum = (v_mean * red_dim_size) * step_size.square()
     v_norm_new = scaled_sq_sum.sum(dim=(-2, -1), keepdim=True).sqrt()
     final_scale = step_size * (v_norm / v_norm_new.clamp_min(1e-10))
-    g = g * final_scale
+    return g * final_scale
 
-    # Cautious weight decay: decay only where the update agrees in sign with the parameter
-    # ((g * p) >= 0, evaluated on the pre-update parameter), then the update.
-    mask = (g * param) >= 0
-    param.sub_(lr * g + lr * weight_decay * param * mask)
+
+def muon_step(grad, param, momentum_buffer, second_momentum_buffer, *, lr, momentum, beta2,
+              weight_decay, ns_method, ns_steps, qkv_split_sizes=None, variance_reduction=True):
+    """nanochat muon_step_fused for one parameter, float64, in place on param and both buffers.
+
+    lr is the group lr; the shape scaling lr * max(1, rows/cols)**0.5 is applied here (nanochat
+    Muon.step). beta2 None -> 0.0 (nanochat). With qkv_split_sizes, every row slice is a matrix
+    of its own after the (elementwise) momentum: it is orthogonalised alone, its variance
+    reduction preserves its own Frobenius norm, and its lr scale is that of its own shape, so
+    the fused parameter moves exactly as its slices would as separate parameters (the second
+    moment is per row, which is what a separate slice with rows >= cols keeps).
+    variance_reduction=False skips the second moment (for comparisons with plain Muon).
+    """
+    beta2 = 0.0 if beta2 is None else beta2
+    split = list(qkv_split_sizes) if qkv_split_sizes else [param.shape[-2]]
+    red_dim = muon_red_dim(param.shape, qkv_split_sizes)
+
+    # Nesterov momentum: buf = lerp(buf, g, 1 - mu); g = lerp(g, buf, mu).
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    g = grad.lerp(momentum_buffer, momentum)
+
+    sm_slices = (torch.split(second_momentum_buffer, split, dim=0) if red_dim == -1
+                 else [second_momentum_buffer])
+    for g_s, p_s, sm_s in zip(torch.split(g, split, dim=0), torch.split(param, split, dim=0),
+                              sm_slices):
+        lr_s = lr * max(1.0, g_s.size(-2) / g_s.size(-1)) ** 0.5
+        # Orthogonalisation (float64; nanochat runs this in bfloat16).
+        u = orthogonalize(g_s, ns_method, ns_steps)
+        if variance_reduction:
+            u = variance_reduce(u, sm_s, beta2, red_dim)
+        # Cautious weight decay: decay only where the update agrees in sign with the parameter
+        # ((u * p) >= 0, evaluated on the pre-update parameter); the update itself is never
+        # gated (see DESIGN.md, "The cautious gate").
+        mask = (u * p_s) >= 0
+        p_s.sub_(lr_s * u + lr_s * weight_decay * p_s * mask)
 
 
 def adamw_step(grad, param, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay):
@@ -251,6 +268,7 @@ class Reference:
             t = load_file(path)[init.get("key", name)].to(DTYPE)
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name}: init tensor shape {tuple(t.shape)} != {shape}")
+            check_finite(f"{name}: init tensor", t)
             return t.clone()
         gen = torch.Generator().manual_seed(int(init.get("seed", 0)))
         return torch.randn(shape, dtype=DTYPE, generator=gen) * float(init.get("std", 1.0))
@@ -279,7 +297,7 @@ class Reference:
                 if not st:
                     st["momentum_buffer"] = torch.zeros(p["shape"], dtype=DTYPE)
                     st["second_momentum_buffer"] = torch.zeros(
-                        muon_second_moment_shape(p["shape"]), dtype=DTYPE)
+                        muon_second_moment_shape(p["shape"], p["split"]), dtype=DTYPE)
                 muon_step(g, p["value"], st["momentum_buffer"], st["second_momentum_buffer"],
                           lr=hp.get("lr", 0.02), momentum=hp.get("momentum", 0.95),
                           beta2=hp.get("beta2", 0.95),
@@ -301,11 +319,27 @@ class Reference:
                 out[f"{prefix}{n}.momentum_buffer"] = st.get("momentum_buffer", zeros).clone()
                 out[f"{prefix}{n}.second_momentum_buffer"] = st.get(
                     "second_momentum_buffer",
-                    torch.zeros(muon_second_moment_shape(p["shape"]), dtype=DTYPE)).clone()
+                    torch.zeros(muon_second_moment_shape(p["shape"], p["split"]),
+                                dtype=DTYPE)).clone()
         return out
 
 
 _GRAD_KEY = re.compile(r"^step(\d+)\.rank(\d+)\.(.+)$")
+
+
+def first_nonfinite(t):
+    """None when every element of t is finite, else 'index (value)' of the first one that is not."""
+    bad = (~torch.isfinite(t)).nonzero()
+    if bad.numel() == 0:
+        return None
+    idx = tuple(int(i) for i in bad[0])
+    return f"{list(idx)} ({t[idx].item()})"
+
+
+def check_finite(what, t):
+    where = first_nonfinite(t)
+    if where is not None:
+        raise ValueError(f"{what}: non-finite element {where}")
 
 
 def index_gradients(grads, ref):
@@ -323,6 +357,7 @@ def index_gradients(grads, ref):
             raise ValueError(f"gradient key {key!r}: step/rank out of range")
         if tuple(t.shape) != shapes[name]:
             raise ValueError(f"gradient key {key!r}: shape {tuple(t.shape)} != {shapes[name]}")
+        check_finite(f"gradient {key!r}", t)
         by_step.setdefault(s, {}).setdefault(name, {})[r] = t.to(DTYPE)
     return by_step
 
@@ -334,6 +369,8 @@ def run(spec, grads, spec_dir=".", sample_every=0):
     out = {f"initial.{p['name']}": p["initial"] for p in ref.params}
     for s in range(ref.steps):
         ref.step(by_step.get(s, {}))
+        for k, v in ref.snapshot().items():
+            check_finite(f"step {s}: {k}", v)
         if sample_every and (s + 1) % sample_every == 0:
             out.update(ref.snapshot(prefix=f"sample{s + 1}."))
     out.update(ref.snapshot())

@@ -427,11 +427,11 @@ void DistMuon::add_param_group(MuonParamGroup group) {
     s.members = std::move(members);
     const auto n = static_cast<int64_t>(s.params.size());
     s.chunk = options_.replicated ? n : (n + world_ - 1) / world_;
-    s.red_dim = s.rows >= s.cols ? -1 : -2;
+    s.red_dim = !g.qkv.empty() || s.rows >= s.cols ? -1 : -2;
     const auto opts = first.options().requires_grad(false);
     s.momentum = at::zeros({s.chunk, s.rows, s.cols}, opts);
-    s.second = s.rows >= s.cols ? at::zeros({s.chunk, s.rows, 1}, opts)
-                                : at::zeros({s.chunk, 1, s.cols}, opts);
+    s.second = s.red_dim == -1 ? at::zeros({s.chunk, s.rows, 1}, opts)
+                               : at::zeros({s.chunk, 1, s.cols}, opts);
     g.stacks.push_back(std::move(s));
   }
   groups_.push_back(std::move(g));
@@ -568,38 +568,48 @@ at::Tensor DistMuon::update_stack(Group& g, Stack& s, const at::Tensor& gr, cons
   const at::Tensor mom_new = mom.lerp(gr, 1 - mu);
   at::Tensor u = gr.lerp(mom_new, mu);
 
-  // Orthogonalization, per qkv slice when the group is split.
-  if (g.qkv.empty()) {
-    u = detail::orthogonalize(u, options_.orthogonalizer, options_.ns_steps,
-                              options_.bf16_orthogonalization);
-  } else {
-    std::vector<at::Tensor> parts = u.split_with_sizes(g.qkv, -2);
-    for (auto& part : parts) {
-      part = detail::orthogonalize(part, options_.orthogonalizer, options_.ns_steps,
-                                   options_.bf16_orthogonalization);
-    }
-    u = at::cat(parts, -2);
-  }
-  u = u.to(P.scalar_type());
-
-  // Variance reduction (factored second moment, norm preserving).
+  // Each matrix, or each row slice of a split group, is a matrix of its own from here on:
+  // orthogonalized alone, variance-reduced preserving its own Frobenius norm, and stepped with
+  // the lr scale of its own shape. The second moment of a split group is per row (each row
+  // lies in one slice), so its slices share the state tensor without sharing a statistic.
+  const std::vector<int64_t> slices =
+      g.qkv.empty() ? std::vector<int64_t>{s.rows} : std::vector<int64_t>(g.qkv);
+  const std::vector<at::Tensor> u_parts = u.split_with_sizes(slices, -2);
+  const std::vector<at::Tensor> p_parts = P.split_with_sizes(slices, -2);
+  const std::vector<at::Tensor> sec_parts =
+      s.red_dim == -1 ? sec.split_with_sizes(slices, -2) : std::vector<at::Tensor>{sec};
   const at::Tensor beta2 = g.s.beta2.to(P.scalar_type());
-  const at::Tensor v_mean = u.to(at::kFloat).square().mean(s.red_dim, /*keepdim=*/true);
-  const double red_size = static_cast<double>(u.size(s.red_dim));
-  const at::Tensor v_norm = (v_mean.sum({-2, -1}, true) * red_size).sqrt();
-  const at::Tensor sec_new = sec.lerp(v_mean.to(sec.scalar_type()), 1 - beta2);
-  const at::Tensor step_size = sec_new.clamp_min(1e-10).rsqrt();
-  const at::Tensor scaled_sq_sum = (v_mean * red_size) * step_size.to(at::kFloat).square();
-  const at::Tensor v_norm_new = scaled_sq_sum.sum({-2, -1}, true).sqrt();
-  const at::Tensor final_scale = step_size * (v_norm / v_norm_new.clamp_min(1e-10));
-  u = u * final_scale.to(u.scalar_type());
-
-  // Cautious weight decay (parameter-sign agreement) and the update.
-  const double aspect = std::sqrt(std::max(1.0, static_cast<double>(s.rows) / s.cols));
-  const at::Tensor lr = (g.s.lr * aspect).to(P.scalar_type());
   const at::Tensor wd = g.s.weight_decay.to(P.scalar_type());
-  const at::Tensor cautious = (u * P) >= 0;
-  const at::Tensor P_new = P - (lr * u + lr * wd * P * cautious);
+  std::vector<at::Tensor> sec_new_parts, p_new_parts;
+  for (size_t i = 0; i < slices.size(); ++i) {
+    at::Tensor ui = detail::orthogonalize(u_parts[i], options_.orthogonalizer, options_.ns_steps,
+                                          options_.bf16_orthogonalization)
+                        .to(P.scalar_type());
+
+    // Variance reduction (factored second moment, norm preserving).
+    const at::Tensor v_mean = ui.to(at::kFloat).square().mean(s.red_dim, /*keepdim=*/true);
+    const double red_size = static_cast<double>(ui.size(s.red_dim));
+    const at::Tensor v_norm = (v_mean.sum({-2, -1}, true) * red_size).sqrt();
+    const at::Tensor& seci = sec_parts[s.red_dim == -1 ? i : 0];
+    const at::Tensor sec_new = seci.lerp(v_mean.to(seci.scalar_type()), 1 - beta2);
+    const at::Tensor step_size = sec_new.clamp_min(1e-10).rsqrt();
+    const at::Tensor scaled_sq_sum = (v_mean * red_size) * step_size.to(at::kFloat).square();
+    const at::Tensor v_norm_new = scaled_sq_sum.sum({-2, -1}, true).sqrt();
+    const at::Tensor final_scale = step_size * (v_norm / v_norm_new.clamp_min(1e-10));
+    ui = ui * final_scale.to(ui.scalar_type());
+
+    // Cautious weight decay (parameter-sign agreement gates the decay, never the update:
+    // DESIGN.md, "The cautious gate") and the update.
+    const double aspect = std::sqrt(std::max(1.0, static_cast<double>(slices[i]) / s.cols));
+    const at::Tensor lr = (g.s.lr * aspect).to(P.scalar_type());
+    const at::Tensor& Pi = p_parts[i];
+    const at::Tensor cautious = (ui * Pi) >= 0;
+    p_new_parts.push_back(Pi - (lr * ui + lr * wd * Pi * cautious));
+    sec_new_parts.push_back(sec_new);
+  }
+  const at::Tensor P_new = p_new_parts.size() == 1 ? p_new_parts[0] : at::cat(p_new_parts, -2);
+  const at::Tensor sec_new =
+      sec_new_parts.size() == 1 ? sec_new_parts[0] : at::cat(sec_new_parts, -2);
 
   mom.copy_(at::where(m, mom_new, mom));
   sec.copy_(at::where(m, sec_new, sec));

@@ -123,15 +123,21 @@ class DistAdamW {
 // ---------------------------------------------------------------------------------------
 // DistMuon (nanochat muon_step_fused math), per stack of same-shape matrices:
 //   Nesterov momentum: buf = lerp(buf, g, 1-μ); g = lerp(g, buf, μ)
-//   orthogonalization of each matrix (of each qkv slice alone when qkv_split_sizes is set):
+//   then per matrix — per row slice when qkv_split_sizes is set, each slice being a matrix of
+//   its own (rows r = its size) from here on:
+//   orthogonalization:
 //     Polar Express: X = g/(‖g‖_F·1.02 + 1e-6), the 5 coefficient triples of DESIGN §7
 //     (tall: A = XᵀX, X = aX + X(bA + cA²); wide: A = XXᵀ, X = aX + (bA + cA²)X), or
 //     classic Newton–Schulz (3.4445, −4.7750, 2.0315) on the wide orientation after
 //     X = g/(‖g‖_F + 1e-7);
-//   variance reduction (NorMuon): factored second moment over the longer side
-//     (rows >= cols: per row, else per column), norm-preserving rescale;
-//   cautious update: mask = (u * p) >= 0; p -= lr_eff*u + lr_eff*wd*p*mask,
-//     lr_eff = lr * sqrt(max(1, rows/cols)).
+//   variance reduction (NorMuon): factored second moment over the longer side (per row when
+//     rows >= cols or the group is split, else per column), rescaled to preserve the
+//     matrix's (slice's) Frobenius norm;
+//   cautious weight decay: mask = (u * p) >= 0; p -= lr_eff*u + lr_eff*wd*p*mask,
+//     lr_eff = lr * sqrt(max(1, r/cols)). The parameter-sign gate masks the decay only; the
+//     update is never masked (DESIGN.md, "The cautious gate").
+// A split parameter therefore moves exactly as its slices would as separate parameters
+// whenever every slice has r >= cols (a wide slice alone would keep per-column statistics).
 // Stacking: within a group, parameters of one shape form a stack (shapes in sorted order,
 // parameters in given order). Each rank owns chunk_size = ceil(n / world) consecutive
 // entries of a stack (the last ranks may own fewer or none); the stacked gradients of all

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
+from unittest import mock
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -113,6 +114,122 @@ class QkvSplitTest(unittest.TestCase):
                            "qkv_split_sizes": [32, 32]}])
         with self.assertRaises(ValueError):
             ref.run(spec, {})
+
+
+class TorchMuonTest(unittest.TestCase):
+    """The reference's Muon against torch.optim.Muon (torch 2.11), an independent implementation,
+    on what the two share: Nesterov momentum, classic Newton-Schulz (3.4445, -4.7750, 2.0315) on
+    the wide orientation, and the lr scale sqrt(max(1, rows/cols)). Not shared, so off here:
+    variance reduction (torch has none) and weight decay (torch decays by lr * wd, uncautious;
+    ours by the scaled lr, cautious, as nanochat). torch orthogonalises in bfloat16; its
+    Tensor.bfloat16 is patched to the identity so both run in float64. They then differ only
+    in the normalisation's epsilon (X / (|X|_F + 1e-7) against X / max(|X|_F, 1e-7)), ~1e-9
+    here; a wrong lr scale, coefficient or orientation moves parameters by ~1e-3 or more."""
+
+    LR, MOMENTUM, STEPS = 0.02, 0.95, 6
+
+    def run_both(self, shape, split):
+        p_ref = randn(shape, 60) * 0.5
+        slices = [p_ref[i:j].clone() for i, j in _bounds(split or [shape[0]])]
+        params = [torch.nn.Parameter(s) for s in slices]
+        opt = torch.optim.Muon(params, lr=self.LR, weight_decay=0.0, momentum=self.MOMENTUM,
+                               nesterov=True, ns_steps=5)
+        mom = torch.zeros(shape, dtype=F64)
+        sec = torch.zeros(ref.muon_second_moment_shape(shape, split), dtype=F64)
+        for s in range(self.STEPS):
+            g = randn(shape, 70 + s)
+            ref.muon_step(g, p_ref, mom, sec, lr=self.LR, momentum=self.MOMENTUM, beta2=0.95,
+                          weight_decay=0.0, ns_method="newton_schulz", ns_steps=5,
+                          qkv_split_sizes=split, variance_reduction=False)
+            for prm, (i, j) in zip(params, _bounds(split or [shape[0]])):
+                prm.grad = g[i:j].clone()
+            with mock.patch.object(torch.Tensor, "bfloat16", lambda t: t):
+                opt.step()
+        return p_ref, torch.cat([prm.detach() for prm in params]), randn(shape, 60) * 0.5
+
+    def test_whole_matrices_match(self):
+        for shape in [(64, 32), (16, 48), (32, 32)]:
+            with self.subTest(shape=shape):
+                mine, theirs, initial = self.run_both(shape, None)
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-8)
+                self.assertGreater((mine - initial).abs().max().item(), 1e-2)
+
+    def test_qkv_slices_move_as_separate_parameters(self):
+        # GQA-like slices of different aspect: q (64 x 32) takes sqrt(2) * lr, k and v
+        # (16 x 32) take lr; the fused (96 x 32) matrix would have taken sqrt(3) * lr.
+        mine, theirs, _ = self.run_both((96, 32), [64, 16, 16])
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-8)
+
+
+def _bounds(split):
+    out, at = [], 0
+    for n in split:
+        out.append((at, at + n))
+        at += n
+    return out
+
+
+class MuonSemanticsTest(unittest.TestCase):
+    def test_variance_reduction_preserves_each_slice_norm(self):
+        # Step 1 from zero state, no weight decay: each slice's update has the Frobenius norm
+        # of that slice's orthogonalised momentum (variance reduction is norm-preserving per
+        # slice, not over the fused matrix).
+        shape, split, mu = (96, 32), [64, 16, 16], 0.95
+        p = randn(shape, 80)
+        before = p.clone()
+        g = randn(shape, 81)
+        mom = torch.zeros(shape, dtype=F64)
+        sec = torch.zeros(ref.muon_second_moment_shape(shape, split), dtype=F64)
+        ref.muon_step(g, p, mom, sec, lr=0.02, momentum=mu, beta2=0.95, weight_decay=0.0,
+                      ns_method="polar_express", ns_steps=5, qkv_split_sizes=split)
+        nesterov = g.lerp(g * (1 - mu), mu)
+        for i, j in _bounds(split):
+            lr = 0.02 * max(1.0, (j - i) / 32) ** 0.5
+            update = (before[i:j] - p[i:j]) / lr
+            want = ref.orthogonalize(nesterov[i:j], "polar_express", 5).norm()
+            self.assertAlmostEqual(update.norm().item(), want.item(), places=9)
+
+    def test_muon_fits_a_teacher(self):
+        # The cautious gate masks weight decay only. A gate on the update itself ((u * p) >= 0)
+        # only ever lets |p| shrink: the student below then stays near its initial loss instead
+        # of falling by orders of magnitude (DESIGN.md, "The cautious gate").
+        gen = torch.Generator().manual_seed(1)
+        t1 = torch.randn(64, 32, generator=gen, dtype=F64) / 32 ** 0.5
+        t2 = torch.randn(32, 64, generator=gen, dtype=F64) / 8.0
+        ws = [(torch.randn(64, 32, generator=gen, dtype=F64) * 0.02).requires_grad_(),
+              (torch.randn(32, 64, generator=gen, dtype=F64) * 0.02).requires_grad_()]
+        state = [(torch.zeros(w.shape, dtype=F64),
+                  torch.zeros(ref.muon_second_moment_shape(w.shape), dtype=F64)) for w in ws]
+        losses = []
+        for _ in range(150):
+            x = torch.randn(256, 32, generator=gen, dtype=F64)
+            y = torch.relu(x @ t1.T) @ t2.T
+            loss = ((torch.relu(x @ ws[0].T) @ ws[1].T - y) ** 2).mean()
+            for w in ws:
+                w.grad = None
+            loss.backward()
+            losses.append(loss.item())
+            with torch.no_grad():
+                for w, (mom, sec) in zip(ws, state):
+                    ref.muon_step(w.grad, w, mom, sec, lr=0.02, momentum=0.95, beta2=0.95,
+                                  weight_decay=0.1, ns_method="polar_express", ns_steps=5)
+        self.assertLess(losses[-1], losses[0] / 10)
+
+
+class NonFiniteTest(unittest.TestCase):
+    PARAMS = [{"name": "a", "shape": [8, 4], "optimizer": "adamw", "init": {"seed": 1}}]
+
+    def test_non_finite_gradient_is_refused_naming_the_element(self):
+        g = torch.zeros(8, 4, dtype=F64)
+        g[2, 3] = float("nan")
+        with self.assertRaisesRegex(ValueError, r"step0\.rank1\.a.*\[2, 3\] \(nan\)"):
+            ref.run(make_spec(self.PARAMS, world_size=2, steps=1), {"step0.rank1.a": g})
+
+    def test_state_that_overflows_is_an_error(self):
+        g = torch.zeros(8, 4, dtype=F64)
+        g[5, 1] = 1e200  # finite, but its square is not
+        with self.assertRaisesRegex(ValueError, r"step 0: a\.exp_avg_sq: .*\[5, 1\] \(inf\)"):
+            ref.run(make_spec(self.PARAMS, world_size=1, steps=1), {"step0.rank0.a": g})
 
 
 class AveragingTest(unittest.TestCase):

@@ -9,10 +9,12 @@
 #include <capnp/message.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <span>
 #include <string>
 #include <system_error>
@@ -73,6 +75,37 @@ inline std::vector<int> reap_within(std::span<const pid_t> pids, std::chrono::se
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return status;
+}
+
+// Distances between value vectors. A NaN or Inf operand (or a difference that overflows), or
+// vectors of different sizes, make the distance NaN, so that every bound on it fails — `<=`,
+// `<`, `>` and `>=` alike — whereas std::max(m, NaN) would keep m and pass it.
+template <typename T>
+double max_abs_diff(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return std::numeric_limits<double>::quiet_NaN();
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = std::abs(static_cast<double>(a[i]) - static_cast<double>(b[i]));
+    if (!std::isfinite(d)) return std::numeric_limits<double>::quiet_NaN();
+    m = d > m ? d : m;
+  }
+  return m;
+}
+template <typename T>
+double mean_abs_diff(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.empty()) return std::numeric_limits<double>::quiet_NaN();
+  const double m = max_abs_diff(a, b);
+  if (std::isnan(m)) return m;
+  double sum = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    sum += std::abs(static_cast<double>(a[i]) - static_cast<double>(b[i]));
+  return sum / static_cast<double>(a.size());
+}
+template <typename T>
+bool all_finite(const std::vector<T>& v) {
+  for (const T& x : v)
+    if (!std::isfinite(static_cast<double>(x))) return false;
+  return true;
 }
 
 // Raw float32 files, how forked ranks hand vectors back to the test process.

@@ -708,6 +708,7 @@ TEST_F(TrainerTest, TwoRanksOverGlooStayBitIdentical) {
   ASSERT_FALSE(p0.empty());
   ASSERT_EQ(p0.size(), p1.size());
   EXPECT_EQ(std::memcmp(p0.data(), p1.data(), p0.size() * sizeof(float)), 0) << "ranks diverged";
+  EXPECT_TRUE(test_support::all_finite(p0)) << "bit-identical ranks, but not finite";
 
   // The averaged gradient is the gradient of both ranks' batches together: a single process
   // on the concatenated batch lands on (numerically almost) the same parameters, and far
@@ -723,13 +724,9 @@ TEST_F(TrainerTest, TwoRanksOverGlooStayBitIdentical) {
     joint.step(torch::cat({b0, b1}, 0), step);
     alone.step(b0, step);
   }
-  auto mean_abs_diff = [&](const std::vector<float>& ref) {
-    double sum = 0;
-    for (size_t i = 0; i < p0.size(); ++i) sum += std::abs(double{p0[i]} - double{ref[i]});
-    return sum / static_cast<double>(p0.size());
-  };
-  const double joint_diff = mean_abs_diff(flat_parameters(joint));
-  const double alone_diff = mean_abs_diff(flat_parameters(alone));
+  // NaN when anything is non-finite: both bounds below then fail.
+  const double joint_diff = test_support::mean_abs_diff(p0, flat_parameters(joint));
+  const double alone_diff = test_support::mean_abs_diff(p0, flat_parameters(alone));
   RecordProperty("joint_mean_abs_diff", std::to_string(joint_diff));
   RecordProperty("alone_mean_abs_diff", std::to_string(alone_diff));
   EXPECT_LT(joint_diff, 1e-4);
