@@ -261,6 +261,7 @@ class Chaos(unittest.TestCase):
         run.wait_steps(random.randint(3, 12))
         os.kill(run.proc.pid, signal.SIGKILL)
         run.proc.wait()
+        run.proc.stdout.close()
         deadline = time.monotonic() + 5
         while pids_of(run.dir) and time.monotonic() < deadline:
             time.sleep(0.05)
