@@ -222,7 +222,7 @@ class Run {
   bool wait_for(const std::function<bool()>& done, double seconds);
   void stop_child(Child& c);
   void kill_child(const Child& c, int sig);
-  void give_up_on(const Child& c);
+  void give_up_on(const Child& c, double waited_s = kKillWaitS);
   void journal_run_finished();
   void update_metrics();
   void release_ipc();
@@ -669,17 +669,21 @@ void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
   record(c, std::move(ev));
 }
 
+namespace {
+void set_child_event(schema::ChildEvent::Builder e, const Child& c, const char* reason) {
+  e.setStage(c.stage);
+  e.setRank(c.rank);
+  e.setPid(c.pid);
+  e.setExitCode(c.exit_code);
+  e.setSignal(c.signal);
+  e.setGeneration(c.generation);
+  e.setReason(reason);
+}
+}  // namespace
+
 void Run::journal_child_exited(const Child& c, const char* reason) {
-  journal_->append([&](schema::JournalRecord::Builder r) {
-    auto e = r.initChildExited();
-    e.setStage(c.stage);
-    e.setRank(c.rank);
-    e.setPid(c.pid);
-    e.setExitCode(c.exit_code);
-    e.setSignal(c.signal);
-    e.setGeneration(c.generation);
-    e.setReason(reason);
-  });
+  journal_->append(
+      [&](schema::JournalRecord::Builder r) { set_child_event(r.initChildExited(), c, reason); });
 }
 
 void Run::reaped_dying(Child& dying, int status) {
@@ -835,6 +839,7 @@ void Run::check_liveness() {
                                   "is abandoned (two generations would share its resources)",
                                   c.name, c.dying_pid, kRestartReapBoundSeconds),
                       1, c.dying_since_ns, now, c.phase, c.step});
+      give_up_on(c, kRestartReapBoundSeconds);
       continue;
     }
     if (!c.alive || c.stop_sent) continue;
@@ -1008,18 +1013,13 @@ void Run::kill_child(const Child& c, int sig) {
   ::kill(c.pid, sig);
 }
 
-void Run::give_up_on(const Child& c) {
+void Run::give_up_on(const Child& c, double waited_s) {
   if (!unkillable_.insert(c.pid).second) return;
   log_error("{} (pid {}) survived SIGKILL for {:.1f}s; unkillable, not waiting for it", c.name,
-            c.pid, kKillWaitS);
+            c.pid, waited_s);
   if (!journal_) return;
   journal_->append([&](schema::JournalRecord::Builder r) {
-    auto e = r.initChildUnkillable();
-    e.setStage(c.stage);
-    e.setRank(c.rank);
-    e.setPid(c.pid);
-    e.setGeneration(c.generation);
-    e.setReason("survived SIGKILL");
+    set_child_event(r.initChildUnkillable(), c, "survived SIGKILL");
   });
 }
 

@@ -21,70 +21,10 @@ import tempfile
 import time
 import unittest
 
-MEGACPP = os.environ["MEGACPP_BIN"]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from run_harness import MEGACPP, Run, pids_of  # noqa: E402
+
 TEARDOWN_BOUND_S = 5.0
-
-
-def pids_of(pattern):
-    p = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
-    return [int(x) for x in p.stdout.split()]
-
-
-class Run:
-    def __init__(self, tmp, steps=60, extra=(), env=None, ranks=2):
-        self.dir = os.path.join(tmp, "run")
-        e = dict(os.environ)
-        e.update(env or {})
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            [MEGACPP, "run", "tiny", "--ranks", str(ranks), "--steps", str(steps), "--run-dir", self.dir,
-             "--data-dir", os.path.join(tmp, "data"), "--progress", "none"] + list(extra),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
-        self.out = ""
-
-    def launch(self):
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with open(os.path.join(self.dir, "launch.json")) as f:
-                    return json.load(f)
-            except (OSError, ValueError):
-                time.sleep(0.05)
-        raise AssertionError("no launch.json")
-
-    def wait_steps(self, n, timeout=60):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with open(os.path.join(self.dir, "manifest.json")) as f:
-                    if json.load(f).get("stepsCompleted", 0) >= n:
-                        return
-            except (OSError, ValueError):
-                pass
-            if self.proc.poll() is not None:
-                raise AssertionError("run ended before step %d:\n%s" % (n, self.proc.stdout.read()))
-            time.sleep(0.05)
-        raise AssertionError("step %d not reached" % n)
-
-    def pid(self, stage, rank=0):
-        exe = "megacpp-" + stage.replace("_", "-")
-        found = pids_of("%s --run-dir %s --rank %d" % (exe, self.dir, rank))
-        assert found, (stage, rank)
-        return found[0]
-
-    def finish(self, timeout=120):
-        try:
-            self.out, _ = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.out, _ = self.proc.communicate()
-            raise AssertionError("megacpp run did not end within %ds" % timeout)
-        sys.stderr.write(self.out[-1500:])
-        return self.proc.returncode
-
-    def manifest(self):
-        with open(os.path.join(self.dir, "manifest.json")) as f:
-            return json.load(f)
 
 
 class Chaos(unittest.TestCase):

@@ -14,12 +14,8 @@ import tempfile
 import time
 import unittest
 
-MEGACPP = os.environ["MEGACPP_BIN"]
-
-
-def pids_of(pattern):
-    p = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
-    return [int(x) for x in p.stdout.split()]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from run_harness import MEGACPP, Run, pids_of  # noqa: E402
 
 
 def listening_sockets():
@@ -60,62 +56,6 @@ def socket_inodes(pid):
     return inodes
 
 
-class Run:
-    def __init__(self, tmp, steps=400, extra=(), env=None):
-        self.dir = os.path.join(tmp, "run")
-        e = dict(os.environ)
-        e.update(env or {})
-        self.proc = subprocess.Popen(
-            [MEGACPP, "run", "tiny", "--ranks", "2", "--steps", str(steps), "--run-dir", self.dir,
-             "--data-dir", os.path.join(tmp, "data"), "--progress", "none"] + list(extra),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
-        self.out = ""
-
-    def launch(self):
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with open(os.path.join(self.dir, "launch.json")) as f:
-                    return json.load(f)
-            except (OSError, ValueError):
-                time.sleep(0.05)
-        raise AssertionError("no launch.json")
-
-    def wait_steps(self, n, timeout=120):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with open(os.path.join(self.dir, "manifest.json")) as f:
-                    if json.load(f).get("stepsCompleted", 0) >= n:
-                        return
-            except (OSError, ValueError):
-                pass
-            if self.proc.poll() is not None:
-                raise AssertionError("run ended before step %d:\n%s" % (n, self.proc.stdout.read()))
-            time.sleep(0.05)
-        raise AssertionError("step %d not reached" % n)
-
-    def pid(self, stage, rank=0):
-        exe = "megacpp-" + stage.replace("_", "-")
-        found = pids_of("%s --run-dir %s --rank %d" % (exe, self.dir, rank))
-        assert found, (stage, rank)
-        return found[0]
-
-    def finish(self, timeout):
-        try:
-            self.out, _ = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.out, _ = self.proc.communicate()
-            raise AssertionError("megacpp run did not end within %ds:\n%s" % (timeout, self.out[-3000:]))
-        sys.stderr.write(self.out[-1500:])
-        return self.proc.returncode
-
-    def manifest(self):
-        with open(os.path.join(self.dir, "manifest.json")) as f:
-            return json.load(f)
-
-
 class SupervisorTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="megacpp-sup-")
@@ -129,7 +69,7 @@ class SupervisorTest(unittest.TestCase):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def test_nothing_listens_outside_loopback(self):
-        run = Run(self.tmp)
+        run = Run(self.tmp, steps=400)
         launch = run.launch()
         # The revision comes from a bounded `git` child (capture_output), not popen/pclose.
         self.assertRegex(launch["provenance"]["gitRevision"], r"^[0-9a-f]{40}$")
@@ -155,7 +95,7 @@ class SupervisorTest(unittest.TestCase):
         # A run directory too deep for ipc:// paths: the sockets live in /tmp/megacpp-XXXXXX.
         deep = os.path.join(self.tmp, *(["d" * 40] * 3))
         os.makedirs(deep)
-        run = Run(deep)
+        run = Run(deep, steps=400)
         launch = run.launch()
         self.assertTrue(launch["sockDir"].startswith("/tmp/megacpp-"), launch["sockDir"])
         self.assertEqual(launch["shmPrefix"], "/megacpp-%s-g0-" % launch["runId"])
@@ -178,7 +118,7 @@ class SupervisorTest(unittest.TestCase):
         # stop). Every wait for it must be bounded. PR_SET_PDEATHSIG ends it once the
         # supervisor has exited.
         grace = 0.5
-        run = Run(self.tmp, extra=["--teardown-grace-s", str(grace)],
+        run = Run(self.tmp, steps=400, extra=["--teardown-grace-s", str(grace)],
                   env={"MEGACPP_TEST_UNKILLABLE": "data_loader-0",
                        "MEGACPP_FAULT": "trainer:1:backward:3:throw"})
         launch = run.launch()
@@ -202,7 +142,7 @@ class SupervisorTest(unittest.TestCase):
         # No kernel interface gives an unprivileged parent the time a child exited; the reap
         # time is all the supervisor has, so a death's detection delay is marked not measured
         # rather than reported as a measured 0.
-        run = Run(self.tmp)
+        run = Run(self.tmp, steps=400)
         run.wait_steps(2)
         os.kill(run.pid("trainer", 1), signal.SIGKILL)
         self.assertEqual(run.finish(60), 1)
@@ -215,7 +155,7 @@ class SupervisorTest(unittest.TestCase):
         self.assertIn("detection delay not measured", s.stdout)
 
     def test_detection_of_a_silence_is_measured(self):
-        run = Run(self.tmp, extra=["--heartbeat-timeout-s", "2", "--hang-budget-s", "2"])
+        run = Run(self.tmp, steps=400, extra=["--heartbeat-timeout-s", "2", "--hang-budget-s", "2"])
         run.wait_steps(2)
         victim = run.pid("trainer", 1)
         os.kill(victim, signal.SIGSTOP)
