@@ -146,5 +146,9 @@ void throw_check(ErrorKind kind, const char* expr, const std::string& msg, const
   throw Error(kind, fmt::format("{} [check `{}` at {}:{}]", msg, expr, file, line), file, line);
 }
 
+void throw_fail(ErrorKind kind, std::string msg, const char* file, int line, int sys_errno) {
+  throw Error(kind, std::move(msg), file, line, sys_errno);
+}
+
 }  // namespace detail
 }  // namespace megacpp

@@ -14,6 +14,8 @@
 #include <string_view>
 #include <vector>
 
+#include <fmt/format.h>
+
 namespace megacpp {
 
 enum class ErrorKind {
@@ -70,6 +72,8 @@ namespace detail {
 [[noreturn]] void throw_zmq(const char* expr, int err, const char* file, int line);
 [[noreturn]] void throw_check(ErrorKind kind, const char* expr, const std::string& msg,
                               const char* file, int line);
+[[noreturn]] void throw_fail(ErrorKind kind, std::string msg, const char* file, int line,
+                             int sys_errno = 0);
 }  // namespace detail
 
 }  // namespace megacpp
@@ -92,6 +96,16 @@ namespace detail {
     if (megacpp_r_ == -1) ::megacpp::detail::throw_zmq(#expr, zmq_errno(), __FILE__, __LINE__); \
     megacpp_r_;                                                                                 \
   })
+
+// Raises Error{kind} with a fmt-formatted message (the user-facing line: what, which file or
+// key, what to do), recording file and line for the failure dump. The one way megacpp throws.
+#define MEGACPP_FAIL(kind, ...) \
+  ::megacpp::detail::throw_fail((kind), ::fmt::format(__VA_ARGS__), __FILE__, __LINE__)
+// The same for a failed OS call reported as an error code (std::error_code, a returned errno):
+// kind kSystem, the code kept as Error::sys_errno().
+#define MEGACPP_FAIL_SYS(err, ...)                                                         \
+  ::megacpp::detail::throw_fail(::megacpp::ErrorKind::kSystem, ::fmt::format(__VA_ARGS__), \
+                                __FILE__, __LINE__, (err))
 
 // An invariant: throws Error{kind} with the expression text and message when false.
 #define MEGACPP_CHECK(cond, kind, msg)                                                     \

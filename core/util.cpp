@@ -57,7 +57,7 @@ int64_t env_knob_int(std::string_view name, int64_t fallback) {
   try {
     return std::stoll(*v);
   } catch (const std::exception&) {
-    throw Error(ErrorKind::kInvalidArgument, fmt::format("{}={} is not an integer", name, *v));
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{}={} is not an integer", name, *v);
   }
 }
 
@@ -67,7 +67,7 @@ double env_knob_double(std::string_view name, double fallback) {
   try {
     return std::stod(*v);
   } catch (const std::exception&) {
-    throw Error(ErrorKind::kInvalidArgument, fmt::format("{}={} is not a number", name, *v));
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{}={} is not a number", name, *v);
   }
 }
 

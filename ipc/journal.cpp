@@ -61,10 +61,8 @@ JournalWriter::JournalWriter(const std::filesystem::path& path) : path_(path), f
     std::error_code ec;
     std::filesystem::create_directories(path_.parent_path(), ec);
     if (ec) {
-      throw Error(
-          ErrorKind::kSystem,
-          fmt::format("create_directories({}): {}", path_.parent_path().string(), ec.message()),
-          __FILE__, __LINE__, ec.value());
+      MEGACPP_FAIL_SYS(ec.value(), "create_directories({}): {}", path_.parent_path().string(),
+                       ec.message());
     }
   }
   detail::Fd fd(

@@ -17,8 +17,7 @@ namespace {
 
 [[noreturn]] void bad(const std::filesystem::path& origin, std::string_view key,
                       std::string_view rule) {
-  throw Error(ErrorKind::kInvalidArgument,
-              fmt::format("recipe {}: {}: {}", origin.string(), key, rule));
+  MEGACPP_FAIL(ErrorKind::kInvalidArgument, "recipe {}: {}: {}", origin.string(), key, rule);
 }
 
 void check_keys(const toml::table& t, const std::set<std::string>& allowed,
@@ -166,16 +165,15 @@ std::filesystem::path resolve(const std::string& name_or_path,
   std::filesystem::path p(name_or_path);
   if (p.has_extension() || name_or_path.find('/') != std::string::npos) {
     if (!std::filesystem::is_regular_file(p)) {
-      throw Error(ErrorKind::kInvalidArgument,
-                  fmt::format("recipe {}: no such file", name_or_path));
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument, "recipe {}: no such file", name_or_path);
     }
     return std::filesystem::absolute(p);
   }
   auto named = recipe_dir / (name_or_path + ".toml");
   if (!std::filesystem::is_regular_file(named)) {
-    throw Error(ErrorKind::kInvalidArgument,
-                fmt::format("recipe '{}': no such recipe in {} (pass a path to a .toml file)",
-                            name_or_path, recipe_dir.string()));
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "recipe '{}': no such recipe in {} (pass a path to a .toml file)", name_or_path,
+                 recipe_dir.string());
   }
   return std::filesystem::absolute(named);
 }
@@ -185,9 +183,8 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
   try {
     root = toml::parse(text, origin.string());
   } catch (const toml::parse_error& e) {
-    throw Error(ErrorKind::kInvalidArgument,
-                fmt::format("recipe {}:{}:{}: {}", origin.string(), e.source().begin.line,
-                            e.source().begin.column, e.description()));
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "recipe {}:{}:{}: {}", origin.string(),
+                 e.source().begin.line, e.source().begin.column, e.description());
   }
   Recipe r;
   r.path = origin;
@@ -259,8 +256,8 @@ Recipe load(const std::filesystem::path& path) {
   try {
     text = read_file(path);
   } catch (const Error& e) {
-    throw Error(ErrorKind::kInvalidArgument,
-                fmt::format("recipe {}: cannot read: {}", path.string(), e.what()));
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "recipe {}: cannot read: {}", path.string(),
+                 e.what());
   }
   return parse(text, path);
 }

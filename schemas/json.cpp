@@ -22,8 +22,8 @@ void from_json(std::string_view json, capnp::DynamicStruct::Builder root, std::s
   try {
     codec.decode(kj::ArrayPtr<const char>(json.data(), json.size()), root);
   } catch (const kj::Exception& e) {
-    throw Error(ErrorKind::kCorruption,
-                fmt::format("{}: not a valid document: {}", what, e.getDescription().cStr()));
+    MEGACPP_FAIL(ErrorKind::kCorruption, "{}: not a valid document: {}", what,
+                 e.getDescription().cStr());
   }
 }
 

@@ -28,7 +28,7 @@ schema::StageKind parse_stage(std::string_view name) {
         schema::StageKind::COLLECTOR, schema::StageKind::CHECKPOINTER}) {
     if (stage_name(s) == name) return s;
   }
-  throw Error(ErrorKind::kInvalidArgument, fmt::format("unknown stage '{}'", name));
+  MEGACPP_FAIL(ErrorKind::kInvalidArgument, "unknown stage '{}'", name);
 }
 
 std::string_view phase_name(schema::Phase phase) {

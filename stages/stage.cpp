@@ -711,8 +711,7 @@ void fault_point(StageContext& ctx, std::string_view point, uint32_t step) {
     log_warn("injected fault at {} step {}: {}", point, step, action_name(f.action));
     switch (f.action) {
       case detail::FaultAction::kThrow:
-        throw Error(ErrorKind::kInternal, fmt::format("injected fault at {} step {}", point, step),
-                    __FILE__, __LINE__);
+        MEGACPP_FAIL(ErrorKind::kInternal, "injected fault at {} step {}", point, step);
       case detail::FaultAction::kForeign:
         // Not a megacpp::Error: stands for a library's own exception (a c10::Error from a bad
         // index, std::bad_alloc), which the process must type by where it happened.

@@ -426,9 +426,8 @@ MetricsServer::MetricsServer(const Metrics& metrics, const std::string& host, ui
     bound = port;
   }
   if (bound <= 0) {
-    throw Error(ErrorKind::kInvalidArgument,
-                fmt::format("cannot serve /metrics on {}: {}", detail::host_port(host, port),
-                            detail::bind_failure_reason(host, port)));
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "cannot serve /metrics on {}: {}",
+                 detail::host_port(host, port), detail::bind_failure_reason(host, port));
   }
   port_ = static_cast<uint16_t>(bound);
 
@@ -458,9 +457,8 @@ MetricsServer::MetricsServer(const Metrics& metrics, const std::string& host, ui
   }
   if (!srv.is_running()) {
     stop_and_join();
-    throw Error(ErrorKind::kInternal,
-                fmt::format("the /metrics server on {} did not start listening",
-                            detail::host_port(host, port_)));
+    MEGACPP_FAIL(ErrorKind::kInternal, "the /metrics server on {} did not start listening",
+                 detail::host_port(host, port_));
   }
 }
 

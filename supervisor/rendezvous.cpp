@@ -30,8 +30,7 @@ int listen_on(const std::string& host, uint16_t port) {
   addrinfo* found = nullptr;
   const std::string service = std::to_string(port);
   if (int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc != 0) {
-    throw Error(ErrorKind::kInvalidArgument,
-                fmt::format("rendezvous host {}: {}", host, ::gai_strerror(rc)));
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "rendezvous host {}: {}", host, ::gai_strerror(rc));
   }
   std::string why = "no address";
   int fd = -1;
@@ -51,8 +50,8 @@ int listen_on(const std::string& host, uint16_t port) {
   }
   ::freeaddrinfo(found);
   if (fd < 0) {
-    throw Error(ErrorKind::kSystem,
-                fmt::format("could not listen for the rendezvous on {}:{}: {}", host, port, why));
+    MEGACPP_FAIL(ErrorKind::kSystem, "could not listen for the rendezvous on {}:{}: {}", host, port,
+                 why);
   }
   return fd;
 }
@@ -85,7 +84,7 @@ StoreServer::StoreServer(const std::string& host, uint16_t port, uint32_t world)
   try {
     impl_->store = c10::make_intrusive<c10d::TCPStore>(host, o);
   } catch (const std::exception& e) {
-    throw Error(ErrorKind::kSystem, std::string("could not host the c10d TCPStore: ") + e.what());
+    MEGACPP_FAIL(ErrorKind::kSystem, "could not host the c10d TCPStore: {}", e.what());
   }
 }
 

@@ -47,7 +47,9 @@ using schema::Phase;
 using schema::StageKind;
 
 void RunOptions::validate() const {
-  auto bad = [](std::string msg) { throw Error(ErrorKind::kInvalidArgument, std::move(msg)); };
+  auto bad = [](std::string msg) {
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{}", std::move(msg));
+  };
   if (ranks < 1 || ranks > layout::kMaxRanks)
     bad(fmt::format("--ranks {}: must be in [1, {}]", ranks, layout::kMaxRanks));
   if (steps < 1) bad("--steps must be >= 1");
@@ -296,29 +298,26 @@ void Run::prepare() {
   run_ = fs::absolute(opt_.run_dir).lexically_normal();
   if (fs::exists(run_)) {
     if (!fs::is_directory(run_)) {
-      throw Error(ErrorKind::kInvalidArgument,
-                  fmt::format("run directory {} exists and is not a directory", run_.string()));
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument, "run directory {} exists and is not a directory",
+                   run_.string());
     }
     if (fs::exists(layout::launch_path(run_))) {
-      throw Error(
+      MEGACPP_FAIL(
           ErrorKind::kInvalidArgument,
-          fmt::format(
-              "run directory {} already holds a run (launch.json exists): choose a fresh --run-dir "
-              "(resuming a run is not supported yet)",
-              run_.string()));
+          "run directory {} already holds a run (launch.json exists): choose a fresh --run-dir "
+          "(resuming a run is not supported yet)",
+          run_.string());
     }
     if (!fs::is_empty(run_)) {
-      throw Error(
-          ErrorKind::kInvalidArgument,
-          fmt::format("run directory {} is not empty: choose a fresh --run-dir", run_.string()));
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "run directory {} is not empty: choose a fresh --run-dir", run_.string());
     }
   }
   auto anchor = nearest_existing(run_);
   if (!fs::is_directory(anchor) || ::access(anchor.c_str(), W_OK) != 0) {
-    throw Error(
-        ErrorKind::kInvalidArgument,
-        fmt::format("run directory {} is not writable ({} is {})", run_.string(), anchor.string(),
-                    fs::is_directory(anchor) ? "not writable" : "not a directory"));
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "run directory {} is not writable ({} is {})",
+                 run_.string(), anchor.string(),
+                 fs::is_directory(anchor) ? "not writable" : "not a directory");
   }
   struct statfs sfs {};
   struct stat st {
@@ -331,11 +330,11 @@ void Run::prepare() {
   fs_root_ = st.st_dev == root_st.st_dev;
   if (fs_root_) {
     if (opt_.require_data_volume) {
-      throw Error(ErrorKind::kInvalidArgument,
-                  fmt::format("rule data-volume: run directory {} is on the root volume (device "
-                              "{}, {}); put it on a "
-                              "data volume or drop --require-data-volume",
-                              run_.string(), fs_device_, fs_type_));
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "rule data-volume: run directory {} is on the root volume (device "
+                   "{}, {}); put it on a "
+                   "data volume or drop --require-data-volume",
+                   run_.string(), fs_device_, fs_type_);
     }
     log_warn(
         "run directory {} is on the root volume ({}); production launches pass "
@@ -354,9 +353,8 @@ void Run::prepare() {
     } catch (const std::exception&) {
     }
     if (port < 0 || port > 65535) {
-      throw Error(
-          ErrorKind::kInvalidArgument,
-          fmt::format("--metrics-addr {}: the port must be in [0, 65535]", opt_.metrics_addr));
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument, "--metrics-addr {}: the port must be in [0, 65535]",
+                   opt_.metrics_addr);
     }
     bool dirty = false;
     metrics_ = std::make_unique<Metrics>(MEGACPP_VERSION, git_revision(dirty), torch_version());
@@ -367,8 +365,8 @@ void Run::prepare() {
   std::error_code ec;
   fs::create_directories(run_, ec);
   if (ec) {
-    throw Error(ErrorKind::kInvalidArgument,
-                fmt::format("run directory {} is not writable: {}", run_.string(), ec.message()));
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "run directory {} is not writable: {}", run_.string(),
+                 ec.message());
   }
   for (const auto& d :
        {layout::journal_dir(run_), layout::receipts_dir(run_), layout::failures_dir(run_),
@@ -1477,8 +1475,7 @@ bool reconcile(const fs::path& run_dir) {
 
 int status(const fs::path& run_dir) {
   if (!fs::exists(layout::launch_path(run_dir))) {
-    throw Error(ErrorKind::kInvalidArgument,
-                fmt::format("{} holds no run (no launch.json)", run_dir.string()));
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{} holds no run (no launch.json)", run_dir.string());
   }
   if (reconcile(run_dir) || !fs::exists(layout::manifest_path(run_dir)))
     collector::collect_run(run_dir);

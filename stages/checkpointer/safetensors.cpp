@@ -74,7 +74,7 @@ void write_all(int fd, const std::byte* data, uint64_t bytes, XXH3_state_t* hash
 }
 
 [[noreturn]] void corrupt(const std::string& what) {
-  throw Error(ErrorKind::kCorruption, what);
+  MEGACPP_FAIL(ErrorKind::kCorruption, "{}", what);
 }
 
 uint64_t le64(const char* p) {
@@ -155,9 +155,8 @@ WrittenFile write_safetensors(const fs::path& path, std::span<const TensorView> 
   try {
     text = header.dump();
   } catch (const nlohmann::json::exception& e) {
-    throw Error(
-        ErrorKind::kInvalidArgument,
-        fmt::format("{}: cannot encode the safetensors header: {}", path.string(), e.what()));
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{}: cannot encode the safetensors header: {}",
+                 path.string(), e.what());
   }
   text.resize((text.size() + 7) / 8 * 8, ' ');
   std::array<std::byte, 8> length{};
@@ -281,7 +280,7 @@ SafetensorsHeader read_safetensors_header(const fs::path& path) {
     return parse_safetensors_header(prefix, size);
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::kCorruption) throw;
-    throw Error(ErrorKind::kCorruption, fmt::format("{}: {}", path.string(), e.what()));
+    MEGACPP_FAIL(ErrorKind::kCorruption, "{}: {}", path.string(), e.what());
   }
 }
 

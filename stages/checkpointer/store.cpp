@@ -39,8 +39,7 @@ void remove_tree(const fs::path& p) {
   std::error_code ec;
   fs::remove_all(p, ec);
   if (ec) {
-    throw Error(ErrorKind::kSystem, fmt::format("cannot remove {}: {}", p.string(), ec.message()),
-                __FILE__, __LINE__, ec.value());
+    MEGACPP_FAIL_SYS(ec.value(), "cannot remove {}: {}", p.string(), ec.message());
   }
 }
 
@@ -48,8 +47,7 @@ void make_dirs(const fs::path& p) {
   std::error_code ec;
   fs::create_directories(p, ec);
   if (ec) {
-    throw Error(ErrorKind::kSystem, fmt::format("cannot create {}: {}", p.string(), ec.message()),
-                __FILE__, __LINE__, ec.value());
+    MEGACPP_FAIL_SYS(ec.value(), "cannot create {}: {}", p.string(), ec.message());
   }
 }
 

@@ -324,8 +324,7 @@ bool Collector::poll(const std::function<void()>& after_journal) {
   if (fs::is_directory(dir, ec)) {
     fs::directory_iterator it(dir, ec);
     if (ec) {
-      throw Error(ErrorKind::kSystem, fmt::format("cannot list {}: {}", dir.string(), ec.message()),
-                  __FILE__, __LINE__, ec.value());
+      MEGACPP_FAIL_SYS(ec.value(), "cannot list {}: {}", dir.string(), ec.message());
     }
     for (const auto& entry : it) {
       const std::string name = entry.path().filename().string();
@@ -573,9 +572,8 @@ void Collector::write() {
     if (!same) {
       fs::create_directories(path.parent_path(), ec);
       if (ec) {
-        throw Error(ErrorKind::kSystem,
-                    fmt::format("cannot create {}: {}", path.parent_path().string(), ec.message()),
-                    __FILE__, __LINE__, ec.value());
+        MEGACPP_FAIL_SYS(ec.value(), "cannot create {}: {}", path.parent_path().string(),
+                         ec.message());
       }
       write_file_atomic(path, bytes);
     }

@@ -117,7 +117,7 @@ Shard::Shard(const std::filesystem::path& path) : path_(path) {
   }
   map_bytes_ = static_cast<size_t>(st.st_size);
   auto corrupt = [&](std::string_view what) {
-    throw Error(ErrorKind::kCorruption, fmt::format("shard {}: {}", path.string(), what));
+    MEGACPP_FAIL(ErrorKind::kCorruption, "shard {}: {}", path.string(), what);
   };
   if (map_bytes_ < kShardHeaderInts * sizeof(int32_t)) {
     ::close(fd);

@@ -24,8 +24,7 @@ namespace {
     // Gloo and the store say "Timed out" / "timeout" in their messages; they carry no type.
     const bool timeout =
         text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos;
-    throw Error(timeout ? ErrorKind::kTimeout : ErrorKind::kPeerFailure,
-                fmt::format("{}: {}", what, text), __FILE__, __LINE__);
+    MEGACPP_FAIL(timeout ? ErrorKind::kTimeout : ErrorKind::kPeerFailure, "{}: {}", what, text);
   }
 }
 

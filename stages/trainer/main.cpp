@@ -84,7 +84,7 @@ auto typed_errors(std::string_view what, F&& fn) {
   } catch (const std::exception& e) {
     std::string text = e.what();
     if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) text = c10->what_without_backtrace();
-    throw Error(ErrorKind::kInternal, fmt::format("{}: {}", what, text), __FILE__, __LINE__);
+    MEGACPP_FAIL(ErrorKind::kInternal, "{}: {}", what, text);
   }
 }
 
@@ -297,11 +297,9 @@ int main(int argc, char** argv) {
         // A rank that leaves early does not exit 0: only a finished rank is a clean exit, so a
         // stray SIGTERM is reported (kind "interrupted") instead of ending the run `ok`.
         if (!megacpp::trainer::run_rank(ctx, main_entry)) {
-          throw megacpp::Error(
-              megacpp::ErrorKind::kInterrupted,
-              fmt::format("asked to stop after step {} of {}, before training finished", ctx.step(),
-                          ctx.launch().getSteps()),
-              __FILE__, __LINE__);
+          MEGACPP_FAIL(megacpp::ErrorKind::kInterrupted,
+                       "asked to stop after step {} of {}, before training finished", ctx.step(),
+                       ctx.launch().getSteps());
         }
       });
 }

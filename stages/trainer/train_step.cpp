@@ -56,9 +56,7 @@ std::string safetensors_dtype(at::ScalarType type) {
     case at::kBool:
       return "BOOL";
     default:
-      throw Error(ErrorKind::kInvalidArgument,
-                  fmt::format("no safetensors dtype for {}", c10::toString(type)), __FILE__,
-                  __LINE__);
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument, "no safetensors dtype for {}", c10::toString(type));
   }
 }
 
@@ -250,7 +248,7 @@ struct TrainStep::Impl {
       if (name == first)
         return fmt::format("optim.muon.{}.{}x{}", muon_group_labels[g], t.size(0), t.size(1));
     }
-    throw Error(ErrorKind::kInternal, "muon stack member not found: " + first, __FILE__, __LINE__);
+    MEGACPP_FAIL(ErrorKind::kInternal, "muon stack member not found: {}", first);
   }
 
   // Maps an optimizer state entry name to the snapshot's logical name. The entry names are
