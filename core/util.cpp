@@ -11,6 +11,7 @@
 #include <xxhash.h>
 
 #include "core/error.h"
+#include "core/knobs.h"
 
 namespace megacpp {
 
@@ -44,8 +45,8 @@ std::string rfc3339(int64_t ns) {
 }
 
 std::optional<std::string> env_knob(std::string_view name) {
-  MEGACPP_CHECK(name.starts_with("MEGACPP_"), ErrorKind::kInternal,
-                fmt::format("environment knob {} must be named MEGACPP_*", name));
+  MEGACPP_CHECK(find_knob(name) != nullptr, ErrorKind::kInternal,
+                fmt::format("environment knob {} is not declared in core/knobs.h", name));
   const char* v = std::getenv(std::string(name).c_str());
   if (v == nullptr || *v == '\0') return std::nullopt;
   return std::string(v);

@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 
+#include "core/knobs.h"
+
 namespace megacpp {
 
 // CLOCK_MONOTONIC nanoseconds: comparable across processes on one host (first-failure order).
@@ -18,8 +20,8 @@ int64_t wall_ns();
 // RFC 3339 UTC text with milliseconds for a wall_ns() value.
 std::string rfc3339(int64_t wall_ns);
 
-// The one way to read an environment knob. `name` must start with "MEGACPP_" (checked):
-// every knob the project reads is greppable by that prefix and lands in provenance.
+// The one way to read an environment knob. `name` must be declared in core/knobs.h (checked);
+// call sites use that table's typed accessors (knob_int(Knob::k...), ...), which come here.
 std::optional<std::string> env_knob(std::string_view name);
 int64_t env_knob_int(std::string_view name, int64_t fallback);
 double env_knob_double(std::string_view name, double fallback);

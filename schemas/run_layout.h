@@ -1,4 +1,4 @@
-// Names of everything under a run directory and of a run's shm segments (DESIGN §2).
+// Names of everything under a run directory and of a run's shm segments (README.md "What a run leaves behind").
 // The one place these conventions live; every stage and the collector use it.
 #pragma once
 

@@ -25,6 +25,13 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// The checkpoint a LATEST file names, next to it.
+fs::path follow_latest(const fs::path& latest) {
+  std::string name = mc::read_file(latest);
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  return latest.parent_path() / name;
+}
+
 int verify(const fs::path& path) {
   fs::path dir = path;
   if (fs::exists(path / "launch.json")) {
@@ -32,9 +39,16 @@ int verify(const fs::path& path) {
     if (!fs::exists(latest))
       throw mc::Error(mc::ErrorKind::kInvalidArgument,
                       fmt::format("{}: no committed checkpoint", path.string()));
-    std::string name = mc::read_file(latest);
-    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-    dir = mc::layout::checkpoints_dir(path) / name;
+    dir = follow_latest(latest);
+  } else if (fs::is_regular_file(path)) {
+    // RUN/checkpoints/LATEST names the checkpoint to verify; any other file is not one.
+    if (path.filename() != "LATEST")
+      throw mc::Error(mc::ErrorKind::kInvalidArgument,
+                      fmt::format("{} is a file; pass a checkpoint directory "
+                                  "(RUN/checkpoints/step_N), a run directory or its "
+                                  "checkpoints/LATEST",
+                                  path.string()));
+    dir = follow_latest(path);
   }
   auto result = mc::checkpointer::verify_checkpoint(dir);
   if (result.ok) {

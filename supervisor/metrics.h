@@ -1,4 +1,4 @@
-// The supervisor's Prometheus /metrics (DESIGN §8): a registry of the series the supervisor
+// The supervisor's Prometheus /metrics (README.md "Metrics"): a registry of the series the supervisor
 // knows about every stage it watches, rendered in the text exposition format 0.0.4, and a
 // loopback HTTP server that serves it.
 //

@@ -277,7 +277,7 @@ class Run {
   bool cleaned_ = false;
   std::unique_ptr<Console> console_;
   // MEGACPP_TEST_UNKILLABLE: the process name whose teardown signals are not sent.
-  const std::string unkillable_for_test_ = env_knob("MEGACPP_TEST_UNKILLABLE").value_or("");
+  const std::string unkillable_for_test_ = knob_string(Knob::kTestUnkillable);
 };
 
 Child* Run::by_name(const std::string& n) {
@@ -1027,7 +1027,7 @@ void Run::finish_ok() {
   for (auto& c : children_) {
     if (c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) stop_child(c);
   }
-  const double drain_s = static_cast<double>(env_knob_int("MEGACPP_DRAIN_TIMEOUT_S", 60));
+  const double drain_s = static_cast<double>(knob_int(Knob::kDrainTimeoutS));
   bool drained = wait_for(
       [&] {
         if (detected_ns_ != 0) return true;

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Independent single-process float64 reference for megacpp's distributed optimizer (DESIGN §7).
+"""Independent single-process float64 reference for megacpp's distributed optimizer
+(README.md "Distributed optimizer").
 
 It replays a recorded schedule of per-rank gradients through AdamW and Muon exactly as
 nanochat defines them (karpathy/nanochat, nanochat/adamw.py::adamw_step_fused and
@@ -68,7 +69,7 @@ from safetensors.torch import load_file, save_file
 DTYPE = torch.float64
 
 # nanochat/muon.py: Polar Express coefficients for num_iters=5, safety_factor=2e-2, cushion=2
-# (https://arxiv.org/pdf/2505.16932); identical to DESIGN §7.
+# (https://arxiv.org/pdf/2505.16932); identical to stages/trainer/optim.h.
 POLAR_EXPRESS_COEFFS = [
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -194,8 +195,8 @@ def average_gradients(rank_grads, world_size, shape):
     """The gradient the distributed optimizer applies, given {rank: grad} for present ranks.
 
     Every rank enters the same collective; a rank whose p.grad is None contributes a zero tensor
-    (the has-grad mask, DESIGN §7). The collective is a SUM (Gloo has no AVG) divided by
-    world_size -- NOT by the number of ranks that had a gradient. So {0: g, 1: None} at W=2
+    (the has-grad mask, README.md "Distributed optimizer"). The collective is a SUM (Gloo has no
+    AVG) divided by world_size -- NOT by the number of ranks that had a gradient. So {0: g, 1: None} at W=2
     applies g / 2. Summation is in ascending rank order.
     Returns None when no rank had a gradient (the all-reduce MAX of the mask is 0).
     """

@@ -1,4 +1,5 @@
-// megacpp::checkpointer — the snapshot plane's receiving end (DESIGN §3, §4).
+// megacpp::checkpointer — the snapshot plane's receiving end (DESIGN.md "Decisions",
+// "Failure model as implemented").
 //
 // Three layers, each usable alone:
 //  * safetensors: a writer that streams tensors from a staging region straight to a file

@@ -1,6 +1,6 @@
 // megacpp-trainer: one trainer rank. Joins the Gloo group, trains on the batches its data
 // loader publishes into the rank's shm ring, journals every step, and hands snapshots to
-// the checkpointer through a leased staging region (DESIGN §3).
+// the checkpointer through a leased staging region (DESIGN.md "Decisions": snapshot ownership).
 #include <time.h>
 #include <unistd.h>
 
@@ -35,9 +35,11 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-std::chrono::milliseconds knob_seconds(std::string_view name, double fallback) {
-  const double s = env_knob_double(name, fallback);
-  MEGACPP_CHECK(s > 0, ErrorKind::kInvalidArgument, fmt::format("{} must be > 0", name));
+// A seconds knob (core/knobs.h) as a positive duration; `fallback` for a computed default.
+std::chrono::milliseconds knob_millis(Knob k, std::optional<double> fallback = std::nullopt) {
+  const double s = fallback ? knob_seconds(k, *fallback) : knob_seconds(k);
+  MEGACPP_CHECK(s > 0, ErrorKind::kInvalidArgument,
+                fmt::format("{} must be > 0", knob_spec(k).name));
   return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0));
 }
 
@@ -131,10 +133,10 @@ SnapshotPlaneOptions snapshot_options(stage::StageContext& ctx) {
   const double stall =
       launch.getCheckpointerStallSeconds() > 0 ? launch.getCheckpointerStallSeconds() : 60.0;
   o.lease_timeout =
-      knob_seconds("MEGACPP_SNAPSHOT_LEASE_TIMEOUT_S", std::max(60.0, 2 * stall + 30));
+      knob_millis(Knob::kSnapshotLeaseTimeoutS, std::max(60.0, 2 * stall + 30));
   o.commit_timeout =
-      knob_seconds("MEGACPP_FINAL_COMMIT_TIMEOUT_S", std::max(120.0, 2 * stall + 60));
-  o.resend_interval = knob_seconds("MEGACPP_SNAPSHOT_RESEND_S", 2);
+      knob_millis(Knob::kFinalCommitTimeoutS, std::max(120.0, 2 * stall + 60));
+  o.resend_interval = knob_millis(Knob::kSnapshotResendS);
   o.stop_requested = [&ctx] { return ctx.stop_requested(); };
   return o;
 }
@@ -168,10 +170,10 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   MEGACPP_CHECK(steps > 0 && train.batch_size > 0, ErrorKind::kInvalidArgument,
                 "launch: steps and batchSize must be > 0");
 
-  const int64_t threads = env_knob_int("MEGACPP_TRAINER_THREADS", 1);
+  const int64_t threads = knob_int(Knob::kTrainerThreads);
   MEGACPP_CHECK(threads > 0, ErrorKind::kInvalidArgument, "MEGACPP_TRAINER_THREADS must be > 0");
   torch::set_num_threads(static_cast<int>(threads));
-  const auto store_timeout = knob_seconds("MEGACPP_STORE_TIMEOUT_S", 60);
+  const auto store_timeout = knob_millis(Knob::kStoreTimeoutS);
 
   c10::intrusive_ptr<c10d::Backend> pg;
   if (world > 1) {
@@ -181,8 +183,8 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     go.rank = rank;
     go.world = world;
     go.store_timeout = store_timeout;
-    go.collective_timeout = knob_seconds("MEGACPP_COLLECTIVE_TIMEOUT_S", 300);
-    go.device_hostname = env_knob("MEGACPP_GLOO_HOSTNAME").value_or("127.0.0.1");
+    go.collective_timeout = knob_millis(Knob::kCollectiveTimeoutS);
+    go.device_hostname = knob_string(Knob::kGlooHostname);
     go.store_prefix =
         fmt::format("megacpp/{}/g{}/", launch.getRunId().cStr(), launch.getGeneration());
     with_peers(fmt::format("rendezvous at {}:{}", go.store_host, go.store_port),

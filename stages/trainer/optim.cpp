@@ -1,4 +1,4 @@
-// DistAdamW and DistMuon (DESIGN §7); contracts in optim.h.
+// DistAdamW and DistMuon (README.md "Distributed optimizer"); contracts in optim.h.
 #include "stages/trainer/optim.h"
 
 #include <algorithm>

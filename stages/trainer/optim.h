@@ -1,4 +1,4 @@
-// The distributed optimizers of DESIGN §7: DistAdamW and DistMuon (ZeRO-2 style).
+// The distributed optimizers (README.md "Distributed optimizer"): DistAdamW and DistMuon (ZeRO-2 style).
 //
 // Contracts shared by both:
 // - The process group may be null: world 1, rank 0, no collectives (the single-process
@@ -126,7 +126,8 @@ class DistAdamW {
 //   then per matrix — per row slice when qkv_split_sizes is set, each slice being a matrix of
 //   its own (rows r = its size) from here on:
 //   orthogonalization:
-//     Polar Express: X = g/(‖g‖_F·1.02 + 1e-6), the 5 coefficient triples of DESIGN §7
+//     Polar Express: X = g/(‖g‖_F·1.02 + 1e-6), the 5 coefficient triples of
+//     tools/optim_reference.py
 //     (tall: A = XᵀX, X = aX + X(bA + cA²); wide: A = XXᵀ, X = aX + (bA + cA²)X), or
 //     classic Newton–Schulz (3.4445, −4.7750, 2.0315) on the wide orientation after
 //     X = g/(‖g‖_F + 1e-7);

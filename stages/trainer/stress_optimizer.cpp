@@ -121,7 +121,7 @@ const std::vector<ParamSpec> kParams = {
 const std::vector<int64_t> kQkvSplit = {32, 32, 32};
 constexpr double kAdamLr = 0.004, kAdamB1 = 0.8, kAdamB2 = 0.95, kAdamEps = 1e-10, kAdamWd = 0.01;
 constexpr double kMuonLr = 0.02, kMuonMom = 0.95, kMuonB2 = 0.95;
-// Distance to the float64 reference. Adam and float32 Muon: DESIGN §7, fixed. bfloat16 Muon:
+// Distance to the float64 reference. Adam and float32 Muon: fixed (DESIGN.md "Decisions": stress harness tolerances). bfloat16 Muon:
 // the orthogonalization rounds every update to 8 significant bits, an error of a fixed
 // relative size per step that does not cancel; consecutive updates are correlated through
 // the momentum, so the accumulated distance grows like sqrt(k) after k steps — measured

@@ -257,7 +257,7 @@ c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooOptions& options);
 c10::intrusive_ptr<c10d::TCPStore> host_local_store(std::chrono::milliseconds timeout);
 
 // ---------------------------------------------------------------------------------------
-// The rank's side of the snapshot plane (DESIGN §3): one staging region, created at the
+// The rank's side of the snapshot plane (DESIGN.md "Decisions": snapshot ownership): one staging region, created at the
 // first snapshot and unlinked with this object, leased to the checkpointer from a
 // SnapshotReady until the SnapshotAck{ok} of that step.
 //

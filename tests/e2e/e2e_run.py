@@ -135,6 +135,18 @@ class DefaultRun(unittest.TestCase):
         v = run(["verify", self.run_dir])
         self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
 
+    def test_verify_accepts_the_latest_file(self):
+        # RUN/checkpoints/LATEST is followed to the checkpoint it names.
+        v = run(["verify", os.path.join(self.run_dir, "checkpoints", "LATEST")])
+        self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
+        self.assertIn("step_%08d verifies" % STEPS, v.stdout)
+        # Any other file is refused in one line that says what to pass.
+        p = run(["verify", os.path.join(self.run_dir, "launch.json")])
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        lines = p.stderr.strip().splitlines()
+        self.assertEqual(len(lines), 1, p.stderr)
+        self.assertIn("pass a checkpoint directory", lines[0])
+
     def test_nothing_left_behind(self):
         prefix = self.launch["shmPrefix"].lstrip("/")
         self.assertEqual(glob.glob("/dev/shm/" + prefix + "*"), [])

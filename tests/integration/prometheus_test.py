@@ -1,4 +1,4 @@
-"""Integration: a real Prometheus scrapes a real `megacpp run` (DESIGN §8).
+"""Integration: a real Prometheus scrapes a real `megacpp run` (README.md "Metrics").
 
 Starts `megacpp run tiny --ranks 2` with /metrics on an ephemeral loopback port, points a
 Prometheus at the endpoint the supervisor wrote to launch.json (scrape every 1 s), waits until

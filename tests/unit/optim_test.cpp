@@ -251,7 +251,8 @@ void expect_world2_matches_world1(bool asymmetric) {
   ASSERT_EQ(a1.size(), ref.adam.size());
   ASSERT_EQ(m0.size(), ref.muon.size());
   ASSERT_EQ(m1.size(), ref.muon.size());
-  // Ranks are bit-identical; the single-process reference agrees within DESIGN §7's bounds.
+  // Ranks are bit-identical; the single-process reference agrees within the bounds of
+  // DESIGN.md "Decisions" (stress harness tolerances).
   EXPECT_EQ(std::memcmp(a0.data(), a1.data(), a0.size() * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(m0.data(), m1.data(), m0.size() * sizeof(float)), 0);
   EXPECT_TRUE(test_support::all_finite(a0) && test_support::all_finite(m0));

@@ -518,7 +518,7 @@ int wait_exit(pid_t pid, std::chrono::milliseconds limit) {
   return status;
 }
 
-// DESIGN §4 "checkpointer dies -> restart it": the checkpointer is SIGKILLed with this rank's
+// DESIGN.md "Failure model as implemented" (restartable stages: the checkpointer): the checkpointer is SIGKILLed with this rank's
 // final snapshot unhandled; a relaunch on the same endpoint gets it re-sent and commits it.
 TEST_F(TrainerTest, SnapshotPlaneSurvivesACheckpointerRestart) {
   const fs::path exe = sibling_executable("megacpp-checkpointer");
