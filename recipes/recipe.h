@@ -1,4 +1,5 @@
-// megacpp::recipe — named, hashed training declarations (DESIGN.md "Layout additions"), parsed from TOML.
+// megacpp::recipe — named, hashed training declarations (DESIGN.md "Layout additions"), parsed from
+// TOML.
 //
 // Parsing is strict: an unknown key, a wrong type or a value outside its rule is an
 // Error{kInvalidArgument} naming the file, the key and the rule. The hash is XXH3-64 of the
@@ -24,9 +25,9 @@ struct ModelConfig {
   uint32_t mlp_mult = 4;
 };
 
-// The [optim] table: the hybrid optimizer of README.md "Distributed optimizer". DistMuon takes every 2-D matrix
-// inside the blocks; DistAdamW takes the embedding (embed_lr), the head (head_lr) and every
-// other parameter (adam_lr). Learning rates are the peaks of the [train] schedule, which
+// The [optim] table: the hybrid optimizer of README.md "Distributed optimizer". DistMuon takes
+// every 2-D matrix inside the blocks; DistAdamW takes the embedding (embed_lr), the head (head_lr)
+// and every other parameter (adam_lr). Learning rates are the peaks of the [train] schedule, which
 // scales all of them by the same factor each step.
 struct OptimConfig {
   double embed_lr = 0.2;

@@ -1,5 +1,5 @@
-// Names of everything under a run directory and of a run's shm segments (README.md "What a run leaves behind").
-// The one place these conventions live; every stage and the collector use it.
+// Names of everything under a run directory and of a run's shm segments (README.md "What a run
+// leaves behind"). The one place these conventions live; every stage and the collector use it.
 #pragma once
 
 #include <cstdint>

@@ -669,8 +669,7 @@ std::vector<Fault> parse_faults(std::string_view spec, schema::StageKind stage, 
 StageContext::StageContext(schema::StageKind kind, const StageArgs& args)
     : kind_(kind),
       args_(args),
-      faults_(detail::parse_faults(knob_string(Knob::kFault), kind, args.rank,
-                                   args.generation)),
+      faults_(detail::parse_faults(knob_string(Knob::kFault), kind, args.rank, args.generation)),
       launch_(layout::launch_path(args.run_dir)),
       journal_(layout::journal_path(args.run_dir, kind, args.rank)) {
   for (const auto& f : faults_) {

@@ -1,6 +1,6 @@
-// The supervisor's Prometheus /metrics (README.md "Metrics"): a registry of the series the supervisor
-// knows about every stage it watches, rendered in the text exposition format 0.0.4, and a
-// loopback HTTP server that serves it.
+// The supervisor's Prometheus /metrics (README.md "Metrics"): a registry of the series the
+// supervisor knows about every stage it watches, rendered in the text exposition format 0.0.4, and
+// a loopback HTTP server that serves it.
 //
 // Contract: series names are fixed (see metrics.cpp); labels only ever take bounded values
 // (stage kind, rank, exit reason, queue edge, build identity), never a per-step or per-run

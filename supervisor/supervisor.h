@@ -1,5 +1,5 @@
-// megacpp::supervisor — launches and watches the stage graph of one node (DESIGN.md "Lifecycle as implemented",
-// "Failure model as implemented").
+// megacpp::supervisor — launches and watches the stage graph of one node (DESIGN.md "Lifecycle as
+// implemented", "Failure model as implemented").
 #pragma once
 
 #include <cstdint>

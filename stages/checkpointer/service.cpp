@@ -9,7 +9,8 @@
 namespace megacpp::checkpointer {
 
 // A rank's staging region, attached once and reused for every snapshot of that rank
-// (attaching per checkpoint would cost a mapping each time; DESIGN.md "Decisions": snapshot ownership).
+// (attaching per checkpoint would cost a mapping each time; DESIGN.md "Decisions": snapshot
+// ownership).
 struct Service::Attached {
   std::string name;
   uint64_t bytes = 0;

@@ -1,4 +1,5 @@
-// megacpp::collector — the fold: journals + launch contract -> manifest + receipts (DESIGN.md "Decisions": the final fold).
+// megacpp::collector — the fold: journals + launch contract -> manifest + receipts (DESIGN.md
+// "Decisions": the final fold).
 //
 // Contract: the outputs are a pure function of the run directory. Every field derives from
 // journal content or launch.json (never from the clock at fold time); journals are read in

@@ -132,10 +132,8 @@ SnapshotPlaneOptions snapshot_options(stage::StageContext& ctx) {
   // waiting rank, not the checkpointer, would be the failure.
   const double stall =
       launch.getCheckpointerStallSeconds() > 0 ? launch.getCheckpointerStallSeconds() : 60.0;
-  o.lease_timeout =
-      knob_millis(Knob::kSnapshotLeaseTimeoutS, std::max(60.0, 2 * stall + 30));
-  o.commit_timeout =
-      knob_millis(Knob::kFinalCommitTimeoutS, std::max(120.0, 2 * stall + 60));
+  o.lease_timeout = knob_millis(Knob::kSnapshotLeaseTimeoutS, std::max(60.0, 2 * stall + 30));
+  o.commit_timeout = knob_millis(Knob::kFinalCommitTimeoutS, std::max(120.0, 2 * stall + 60));
   o.resend_interval = knob_millis(Knob::kSnapshotResendS);
   o.stop_requested = [&ctx] { return ctx.stop_requested(); };
   return o;

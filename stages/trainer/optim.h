@@ -1,4 +1,5 @@
-// The distributed optimizers (README.md "Distributed optimizer"): DistAdamW and DistMuon (ZeRO-2 style).
+// The distributed optimizers (README.md "Distributed optimizer"): DistAdamW and DistMuon (ZeRO-2
+// style).
 //
 // Contracts shared by both:
 // - The process group may be null: world 1, rank 0, no collectives (the single-process

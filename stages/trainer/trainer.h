@@ -257,9 +257,9 @@ c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooOptions& options);
 c10::intrusive_ptr<c10d::TCPStore> host_local_store(std::chrono::milliseconds timeout);
 
 // ---------------------------------------------------------------------------------------
-// The rank's side of the snapshot plane (DESIGN.md "Decisions": snapshot ownership): one staging region, created at the
-// first snapshot and unlinked with this object, leased to the checkpointer from a
-// SnapshotReady until the SnapshotAck{ok} of that step.
+// The rank's side of the snapshot plane (DESIGN.md "Decisions": snapshot ownership): one staging
+// region, created at the first snapshot and unlinked with this object, leased to the checkpointer
+// from a SnapshotReady until the SnapshotAck{ok} of that step.
 //
 // Surviving a checkpointer restart: the checkpointer may die and be relaunched under the
 // same identity and endpoint, discarding what it had not committed. While this rank needs an

@@ -713,7 +713,8 @@ TEST(SafetensorsPython, LoadsWithSafetensorsNumpy) {
   // not a skip: a skip here silently dropped the round trip in every other clone.
   const fs::path python = MEGACPP_VENV_PYTHON;
   ASSERT_TRUE(fs::exists(python)) << python << " is missing (run `make setup`)";
-  ASSERT_EQ(std::system((python.string() + " -c 'import safetensors.numpy' 2>/dev/null").c_str()), 0)
+  ASSERT_EQ(std::system((python.string() + " -c 'import safetensors.numpy' 2>/dev/null").c_str()),
+            0)
       << python << " has no safetensors package (run `make setup`)";
   TempDir run;
   CheckpointStore store(run.path(), "run-py", "h");
@@ -933,9 +934,9 @@ TEST(CheckpointerProcess, CommitsAndStopsCleanlyDiscardingAPartialStep) {
             (std::vector<std::string>{"started", "checkpoints/step_00000004", "finished"}));
 }
 
-// DESIGN.md "Failure model as implemented" (restartable stages): the checkpointer dies -> it is relaunched on the same endpoint; the uncommitted
-// checkpoint is discarded, committed ones stay, and the ranks' re-sent snapshots commit the
-// step exactly once.
+// DESIGN.md "Failure model as implemented" (restartable stages): the checkpointer dies -> it is
+// relaunched on the same endpoint; the uncommitted checkpoint is discarded, committed ones stay,
+// and the ranks' re-sent snapshots commit the step exactly once.
 TEST(CheckpointerProcess, SigkilledWhileASnapshotIsPendingARelaunchCommitsTheResentStep) {
   const fs::path exe = sibling_executable("megacpp-checkpointer");
   if (!fs::exists(exe)) GTEST_SKIP() << exe << " is not built";

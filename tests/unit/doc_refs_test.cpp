@@ -44,8 +44,8 @@ TEST(DocReferences, CitedSectionsExist) {
   static const std::regex cite(R"re((DESIGN|README)\.md,? "([^"]+)")re");
   static const std::regex numbered(R"(DESIGN §)");
   int citations = 0;
-  for (auto it = fs::recursive_directory_iterator(kSource); it != fs::recursive_directory_iterator();
-       ++it) {
+  for (auto it = fs::recursive_directory_iterator(kSource);
+       it != fs::recursive_directory_iterator(); ++it) {
     const auto& e = *it;
     const std::string rel = fs::relative(e.path(), kSource).string();
     if (rel.starts_with(".") || rel.starts_with("build") || rel.starts_with("runs")) {

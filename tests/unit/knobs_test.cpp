@@ -103,9 +103,11 @@ TEST(Knobs, TypedReadsUseTheDeclaredDefault) {
 TEST(Knobs, EveryKnobReadInTheTreeIsDeclared) {
   const auto known = declared();
   static const std::regex literal(R"re("(MEGACPP_[A-Z0-9_]+)")re");
-  static const std::regex raw_read(R"(\b(getenv|secure_getenv|env_knob|env_knob_int|env_knob_double)\s*\()");
+  static const std::regex raw_read(
+      R"(\b(getenv|secure_getenv|env_knob|env_knob_int|env_knob_double)\s*\()");
   int files = 0;
-  for (const char* dir : {"core", "ipc", "ops", "recipes", "schemas", "stages", "supervisor", "bench"}) {
+  for (const char* dir :
+       {"core", "ipc", "ops", "recipes", "schemas", "stages", "supervisor", "bench"}) {
     for (const auto& e : fs::recursive_directory_iterator(kSource / dir)) {
       const auto ext = e.path().extension();
       if (!e.is_regular_file() || (ext != ".cpp" && ext != ".h" && ext != ".cu")) continue;
@@ -113,8 +115,8 @@ TEST(Knobs, EveryKnobReadInTheTreeIsDeclared) {
       const std::string text = slurp(e.path());
       const std::string rel = fs::relative(e.path(), kSource).string();
       for (std::sregex_iterator it(text.begin(), text.end(), literal), end; it != end; ++it) {
-        EXPECT_TRUE(known.contains((*it)[1])) << rel << " names " << (*it)[1]
-                                              << ", which core/knobs.h does not declare";
+        EXPECT_TRUE(known.contains((*it)[1]))
+            << rel << " names " << (*it)[1] << ", which core/knobs.h does not declare";
       }
       if (rel.starts_with("core/")) continue;
       std::smatch m;

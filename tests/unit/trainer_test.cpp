@@ -518,8 +518,9 @@ int wait_exit(pid_t pid, std::chrono::milliseconds limit) {
   return status;
 }
 
-// DESIGN.md "Failure model as implemented" (restartable stages: the checkpointer): the checkpointer is SIGKILLed with this rank's
-// final snapshot unhandled; a relaunch on the same endpoint gets it re-sent and commits it.
+// DESIGN.md "Failure model as implemented" (restartable stages: the checkpointer): the checkpointer
+// is SIGKILLed with this rank's final snapshot unhandled; a relaunch on the same endpoint gets it
+// re-sent and commits it.
 TEST_F(TrainerTest, SnapshotPlaneSurvivesACheckpointerRestart) {
   const fs::path exe = sibling_executable("megacpp-checkpointer");
   if (!fs::exists(exe)) GTEST_SKIP() << exe << " is not built";
