@@ -174,7 +174,7 @@ def muon_step(grad, param, momentum_buffer, second_momentum_buffer, *, lr, momen
             u = variance_reduce(u, sm_s, beta2, red_dim)
         # Cautious weight decay: decay only where the update agrees in sign with the parameter
         # ((u * p) >= 0, evaluated on the pre-update parameter); the update itself is never
-        # gated (see DESIGN.md, "The cautious gate").
+        # gated (see DESIGN.md "Decisions": the cautious gate).
         mask = (u * p_s) >= 0
         p_s.sub_(lr_s * u + lr_s * weight_decay * p_s * mask)
 

@@ -599,7 +599,7 @@ at::Tensor DistMuon::update_stack(Group& g, Stack& s, const at::Tensor& gr, cons
     ui = ui * final_scale.to(ui.scalar_type());
 
     // Cautious weight decay (parameter-sign agreement gates the decay, never the update:
-    // DESIGN.md, "The cautious gate") and the update.
+    // DESIGN.md "Decisions": the cautious gate) and the update.
     const double aspect = std::sqrt(std::max(1.0, static_cast<double>(slices[i]) / s.cols));
     const at::Tensor lr = (g.s.lr * aspect).to(P.scalar_type());
     const at::Tensor& Pi = p_parts[i];

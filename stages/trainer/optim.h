@@ -137,7 +137,7 @@ class DistAdamW {
 //     matrix's (slice's) Frobenius norm;
 //   cautious weight decay: mask = (u * p) >= 0; p -= lr_eff*u + lr_eff*wd*p*mask,
 //     lr_eff = lr * sqrt(max(1, r/cols)). The parameter-sign gate masks the decay only; the
-//     update is never masked (DESIGN.md, "The cautious gate").
+//     update is never masked (DESIGN.md "Decisions": the cautious gate).
 // A split parameter therefore moves exactly as its slices would as separate parameters
 // whenever every slice has r >= cols (a wide slice alone would keep per-column statistics).
 // Stacking: within a group, parameters of one shape form a stack (shapes in sorted order,

@@ -125,9 +125,9 @@ constexpr double kMuonLr = 0.02, kMuonMom = 0.95, kMuonB2 = 0.95;
 // harness tolerances). bfloat16 Muon: the orthogonalization rounds every update to 8 significant
 // bits, an error of a fixed relative size per step that does not cancel; consecutive updates are
 // correlated through the momentum, so the accumulated distance grows like sqrt(k) after k steps —
-// measured worst 6.3e-4·sqrt(k) over k = 50..1000 (DESIGN.md, "Stress harness tolerances"). The
-// bound is 1.5e-3·sqrt(k), 2.4x that; a formula error is far beyond it (the fused-qkv lr
-// scale this repository used to apply: 0.19 at k = 50, where the bound is 0.011).
+// measured worst 6.3e-4·sqrt(k) over k = 50..1000 (DESIGN.md "Decisions": stress harness
+// tolerances). The bound is 1.5e-3·sqrt(k), 2.4x that; a formula error is far beyond it (the
+// fused-qkv lr scale this repository used to apply: 0.19 at k = 50, where the bound is 0.011).
 constexpr double kAdamTol = 2e-5, kMuonTol = 3e-4, kMuonBf16TolPerSqrtStep = 1.5e-3;
 
 uint64_t mix(uint64_t x) {

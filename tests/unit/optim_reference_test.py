@@ -192,7 +192,7 @@ class MuonSemanticsTest(unittest.TestCase):
     def test_muon_fits_a_teacher(self):
         # The cautious gate masks weight decay only. A gate on the update itself ((u * p) >= 0)
         # only ever lets |p| shrink: the student below then stays near its initial loss instead
-        # of falling by orders of magnitude (DESIGN.md, "The cautious gate").
+        # of falling by orders of magnitude (DESIGN.md "Decisions": the cautious gate).
         gen = torch.Generator().manual_seed(1)
         t1 = torch.randn(64, 32, generator=gen, dtype=F64) / 32 ** 0.5
         t2 = torch.randn(32, 64, generator=gen, dtype=F64) / 8.0

@@ -463,8 +463,8 @@ TEST_F(OptimTest, QkvSplitMovesAsSeparateSlices) {
   }
 }
 
-// The parameter-sign gate masks weight decay, never the update (DESIGN.md, "The cautious
-// gate"): against the same step without decay, an element whose update agrees in sign with
+// The parameter-sign gate masks weight decay, never the update (DESIGN.md "Decisions": the
+// cautious gate): against the same step without decay, an element whose update agrees in sign with
 // the parameter (it shrinks |p|) also decays by lr·wd·p, and an element whose update grows
 // |p| moves by the update alone, undecayed and unmasked.
 TEST_F(OptimTest, CautiousGateMasksWeightDecayNotTheUpdate) {
