@@ -64,6 +64,19 @@ enum ProcessState {
   signaled @3;
   unkillable @4;                               # outlived SIGKILL; never reaped
   tornDown @5 $Json.name("torn_down");
+  running @6;                                  # alive (journal GraphEntry.state only)
+}
+
+# Why the supervisor journaled a child starting, exiting or outliving SIGKILL
+# (journal ChildEvent.childReason).
+enum ChildReason {
+  none @0 $Json.name("");                      # a journal written before this enum: see note
+  launch @1;                                   # childStarted: first generation
+  restart @2;                                  # childStarted: a new generation; childExited: the replaced one
+  exit @3;                                     # childExited: on its own
+  stop @4;                                     # childExited: after the supervisor's Stop
+  teardown @5;                                 # childExited: by the teardown of a failed run
+  survivedKill @6 $Json.name("survived_kill"); # childUnkillable
 }
 
 # megacpp::ErrorKind (core/error.h) one to one, in the same order, then the foreign
@@ -82,4 +95,5 @@ enum ErrorKind {
   c10 @10;                                     # a c10::Error (LibTorch)
   std @11;                                     # any other std::exception
   unknown @12;                                 # anything else
+  none @13 $Json.name("");                     # not reported (a Failure that is no exception)
 }

@@ -49,12 +49,18 @@ std::string_view name(schema::ProcessState state) {
 std::string_view name(schema::ErrorKind kind) {
   return json_name(kind);
 }
+std::string_view name(schema::ChildReason reason) {
+  return json_name(reason);
+}
 
 std::optional<schema::FailureKind> failure_kind_named(std::string_view name) {
   return named<schema::FailureKind>(name);
 }
 std::optional<schema::FailureRole> failure_role_named(std::string_view name) {
   return named<schema::FailureRole>(name);
+}
+std::optional<schema::ChildReason> child_reason_named(std::string_view name) {
+  return named<schema::ChildReason>(name);
 }
 std::optional<schema::ErrorKind> error_kind_named(std::string_view name) {
   return named<schema::ErrorKind>(name);
@@ -108,6 +114,7 @@ std::optional<ErrorKind> from_schema(schema::ErrorKind kind) {
     case schema::ErrorKind::C10:
     case schema::ErrorKind::STD:
     case schema::ErrorKind::UNKNOWN:
+    case schema::ErrorKind::NONE:
       return std::nullopt;
   }
   return std::nullopt;

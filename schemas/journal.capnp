@@ -35,9 +35,9 @@ struct ChildEvent {
   exitCode @3 :Int32;           # -1 when signaled
   signal @4 :Int32;             # 0 when exited
   generation @5 :UInt32;
-  reason @6 :Text;              # childStarted: launch | restart; childExited: exit | stop | restart | teardown;
-                                # childUnkillable: what it survived
+  note @6 :Text;                # obsolete: the reason as text, read only when childReason is none
   cause @7 :Text;               # restart: why the previous generation was replaced
+  childReason @8 :Common.ChildReason;
 }
 
 struct RunStarted {
@@ -82,7 +82,7 @@ struct GraphEntry {
   rank @1 :UInt32;
   pid @2 :Int32;
   generation @3 :UInt32;
-  state @4 :Text;               # running | exited | signaled | stopped
+  state @4 :Text;               # a Common.ProcessState name: running | exited | signaled
   heartbeatAgeSeconds @5 :Float64;
   phaseAgeSeconds @6 :Float64;
   step @7 :UInt32;

@@ -19,6 +19,7 @@ void handle_annotated_enums(capnp::JsonCodec& codec) {
   codec.handleByAnnotation<schema::FailureRole>();
   codec.handleByAnnotation<schema::ProcessState>();
   codec.handleByAnnotation<schema::ErrorKind>();
+  codec.handleByAnnotation<schema::ChildReason>();
 }
 
 }  // namespace

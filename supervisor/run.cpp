@@ -225,6 +225,7 @@ int evidence_rank(const Event& ev) {
         case schema::ErrorKind::C10:
         case schema::ErrorKind::STD:
         case schema::ErrorKind::UNKNOWN:
+        case schema::ErrorKind::NONE:
           return 1;
       }
       return 1;
@@ -260,14 +261,14 @@ class Run {
  private:
   void prepare();
   void write_launch_contract();
-  void launch(StageKind stage, uint32_t rank, uint32_t generation, const char* reason,
+  void launch(StageKind stage, uint32_t rank, uint32_t generation, schema::ChildReason reason,
               const std::string& cause = {});
   void watch();
   void pump(int timeout_ms);
   void on_message(ipc::Received& m);
   void on_signals();
   void reap();
-  void journal_child_exited(const Child& c, const char* reason);
+  void journal_child_exited(const Child& c, schema::ChildReason reason);
   void check_liveness();
   void restart_or_fail(Child& c, const std::string& why, Event ev);
   void record(Child& c, Event ev);
@@ -560,7 +561,7 @@ Child* Run::by_pid(pid_t pid) {
   return nullptr;
 }
 
-void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, const char* reason,
+void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, schema::ChildReason reason,
                  const std::string& cause) {
   Child* c = by_name(layout::process_name(stage, rank));
   if (c == nullptr) {
@@ -600,7 +601,7 @@ void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, const char
     e.setRank(rank);
     e.setPid(c->pid);
     e.setGeneration(generation);
-    e.setReason(reason);
+    e.setChildReason(reason);
     if (!cause.empty()) e.setCause(cause);
   });
 }
@@ -661,21 +662,22 @@ void Run::on_message(ipc::Received& m) {
     }
     case schema::ControlMessage::FAILURE: {
       auto f = root.getFailure();
-      std::string error_kind = f.getErrorKind();
-      log_warn("{} reports {} ({}): {}", c->name, f.getKind().cStr(), error_kind,
-               f.getMessage().cStr());
+      const schema::ErrorKind error_kind = f.getErrorKind();
+      const std::string said = error_kind == schema::ErrorKind::NONE
+                                   ? std::string(f.getKind().cStr())
+                                   : std::string(schemas::name(error_kind));
+      log_warn("{} reports {} ({}): {}", c->name, f.getKind().cStr(), said, f.getMessage().cStr());
       // A restartable stage's failure is acted on when it exits (restart or fail).
       if (restartable(c->stage)) break;
       // A rank that failed because a peer or a collective did is a victim, not a cause
       // (evidence_rank): the Failure names its error kind, typed here.
       Event ev{schema::FailureKind::EXCEPTION,
-               fmt::format("{}: {}", error_kind.empty() ? f.getKind().cStr() : error_kind,
-                           f.getMessage().cStr()),
+               fmt::format("{}: {}", said, f.getMessage().cStr()),
                f.getMonoNs() > 0 ? f.getMonoNs() : now,
                now,
                f.getPhase(),
                f.getStep()};
-      ev.error_kind = schemas::error_kind_named(error_kind).value_or(schema::ErrorKind::UNKNOWN);
+      ev.error_kind = error_kind;
       record(*c, std::move(ev));
       break;
     }
@@ -714,8 +716,8 @@ void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
       c.dying_since_ns = mono_ns();
       return;
     }
-    journal_child_exited(c, "restart");
-    launch(c.stage, c.rank, c.generation + 1, "restart", c.restart_cause);
+    journal_child_exited(c, schema::ChildReason::RESTART);
+    launch(c.stage, c.rank, c.generation + 1, schema::ChildReason::RESTART, c.restart_cause);
     return;
   }
   if (restartable(c.stage) && c.restarts >= opt_.max_restarts) {
@@ -725,18 +727,18 @@ void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
 }
 
 namespace {
-void set_child_event(schema::ChildEvent::Builder e, const Child& c, const char* reason) {
+void set_child_event(schema::ChildEvent::Builder e, const Child& c, schema::ChildReason reason) {
   e.setStage(c.stage);
   e.setRank(c.rank);
   e.setPid(c.pid);
   e.setExitCode(c.exit_code);
   e.setSignal(c.signal);
   e.setGeneration(c.generation);
-  e.setReason(reason);
+  e.setChildReason(reason);
 }
 }  // namespace
 
-void Run::journal_child_exited(const Child& c, const char* reason) {
+void Run::journal_child_exited(const Child& c, schema::ChildReason reason) {
   journal_->append(
       [&](schema::JournalRecord::Builder r) { set_child_event(r.initChildExited(), c, reason); });
 }
@@ -748,9 +750,10 @@ void Run::reaped_dying(Child& dying, int status) {
   dying.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
   dying.restart_cause += fmt::format("; pid {} reaped {:.2f}s after SIGKILL", pid,
                                      static_cast<double>(mono_ns() - dying.dying_since_ns) / 1e9);
-  journal_child_exited(dying, "restart");
+  journal_child_exited(dying, schema::ChildReason::RESTART);
   if (detected_ns_ == 0 && !done_) {
-    launch(dying.stage, dying.rank, dying.generation + 1, "restart", dying.restart_cause);
+    launch(dying.stage, dying.rank, dying.generation + 1, schema::ChildReason::RESTART,
+           dying.restart_cause);
   }
 }
 
@@ -786,13 +789,14 @@ void Run::reap() {
     const bool clean = c.exit_code == 0 && c.signal == 0;
     const bool expected = (c.stage == StageKind::TRAINER && clean) || (c.stop_sent && clean);
     const bool torn_down = teardown_started_ns_ != 0;
-    const char* reason = expected    ? (c.stop_sent ? "stop" : "exit")
-                         : torn_down ? "teardown"
-                                     : "exit";
-    metrics_->add_exit(c.stage, clean       ? "clean"
-                                : torn_down ? "torn_down"
-                                : c.signal  ? "signaled"
-                                            : "exited");
+    const schema::ChildReason reason =
+        expected    ? (c.stop_sent ? schema::ChildReason::STOP : schema::ChildReason::EXIT)
+        : torn_down ? schema::ChildReason::TEARDOWN
+                    : schema::ChildReason::EXIT;
+    metrics_->add_exit(c.stage, clean       ? schema::FailureKind::NONE
+                                : torn_down ? schema::FailureKind::TORN_DOWN
+                                : c.signal  ? schema::FailureKind::SIGNALED
+                                            : schema::FailureKind::EXITED);
     if (!done_) {
       journal_child_exited(c, reason);
     }
@@ -1078,7 +1082,7 @@ void Run::give_up_on(const Child& c, double waited_s) {
             c.pid, waited_s);
   if (!journal_) return;
   journal_->append([&](schema::JournalRecord::Builder r) {
-    set_child_event(r.initChildUnkillable(), c, "survived SIGKILL");
+    set_child_event(r.initChildUnkillable(), c, schema::ChildReason::SURVIVED_KILL);
   });
 }
 
@@ -1125,7 +1129,9 @@ void Run::journal_graph(const std::string& reason) {
       e.setRank(c.rank);
       e.setPid(c.pid);
       e.setGeneration(c.generation);
-      e.setState(c.alive ? "running" : c.signal ? "signaled" : "exited");
+      e.setState(std::string(schemas::name(c.alive    ? schema::ProcessState::RUNNING
+                                           : c.signal ? schema::ProcessState::SIGNALED
+                                                      : schema::ProcessState::EXITED)));
       e.setHeartbeatAgeSeconds(static_cast<double>(now - c.heartbeat_ns) / 1e9);
       e.setPhaseAgeSeconds(static_cast<double>(now - c.phase_started_ns) / 1e9);
       e.setStep(c.step);
@@ -1384,10 +1390,12 @@ int Run::execute() {
   console_ = make_console(opt_.progress, opt_.steps, recipe_.name, run_.string());
   if (console_ && !metrics_endpoint_.empty())
     fmt::print("megacpp: metrics at {}\n", metrics_endpoint_);
-  launch(StageKind::COLLECTOR, 0, 0, "launch");
-  launch(StageKind::CHECKPOINTER, 0, 0, "launch");
-  launch(StageKind::DATA_LOADER, 0, 0, "launch");
-  for (uint32_t r = 0; r < opt_.ranks; ++r) launch(StageKind::TRAINER, r, 0, "launch");
+  launch(StageKind::COLLECTOR, 0, 0, schema::ChildReason::LAUNCH);
+  launch(StageKind::CHECKPOINTER, 0, 0, schema::ChildReason::LAUNCH);
+  launch(StageKind::DATA_LOADER, 0, 0, schema::ChildReason::LAUNCH);
+  for (uint32_t r = 0; r < opt_.ranks; ++r) {
+    launch(StageKind::TRAINER, r, 0, schema::ChildReason::LAUNCH);
+  }
   journal_->append([&](schema::JournalRecord::Builder r) {
     auto s = r.initRunStarted();
     s.setWorld(opt_.ranks);

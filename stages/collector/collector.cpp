@@ -192,7 +192,11 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       Process& child = processes[{ev.getStage(), ev.getRank()}];
       child.see_pid(mono, ev.getPid());
       Process::latest(child.started_mono, mono);
-      if (ev.getReason() == "restart") {
+      // A journal written before ChildReason carries the reason as text in `note`.
+      const bool restart = ev.getChildReason() == schema::ChildReason::RESTART ||
+                           (ev.getChildReason() == schema::ChildReason::NONE &&
+                            ev.getNote() == "restart");
+      if (restart) {
         ++child.restarts;
         child.restart_causes.emplace_back(ev.hasCause() ? ev.getCause().cStr() : "");
       }

@@ -426,7 +426,7 @@ TEST(Collector, UnkillableChildIsNamed) {
       c.setStage(stage);
       c.setRank(0);
       c.setPid(FakeRun::pid(stage, 0));
-      c.setReason("survived SIGKILL");
+      c.setChildReason(schema::ChildReason::SURVIVED_KILL);
     });
   };
   unkillable(StageKind::CHECKPOINTER, 3700);
