@@ -285,7 +285,7 @@ struct ControlClient::State {
   struct PendingFailure {
     std::string kind;
     std::string message;
-    std::string error_kind;
+    schema::ErrorKind error_kind;
     int64_t met_ns;  // CLOCK_MONOTONIC
   };
   std::mutex mu;  // guards stop_reason and failures
@@ -443,7 +443,7 @@ std::string ControlClient::stop_reason() const {
 }
 
 void ControlClient::report_failure(const std::string& kind, const std::string& message,
-                                   const std::string& error_kind, int64_t met_ns) {
+                                   schema::ErrorKind error_kind, int64_t met_ns) {
   {
     std::lock_guard lock(state_->mu);
     state_->failures.push_back({kind, message, error_kind, met_ns != 0 ? met_ns : mono_ns()});

@@ -231,10 +231,12 @@ class ControlClient {
   std::string stop_reason() const;
   // Sends a Failure message now (best effort, from the calling thread's point of view it
   // is queued to the heartbeat thread and flushed before the destructor returns).
-  // `error_kind` is the megacpp::ErrorKind name when the failure was a megacpp::Error;
+  // `error_kind`: what was thrown (schemas::to_schema of a megacpp::Error's kind, or the
+  // foreign kinds), NONE when the failure is no exception;
   // `mono_ns` is when the process met the failure (0: now).
   void report_failure(const std::string& kind, const std::string& message,
-                      const std::string& error_kind = {}, int64_t mono_ns = 0);
+                      schema::ErrorKind error_kind = schema::ErrorKind::NONE,
+                      int64_t mono_ns = 0);
 
  private:
   struct State;

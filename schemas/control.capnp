@@ -42,7 +42,7 @@ struct Failure {
   phase @4 :Common.Phase;
   step @5 :UInt32;
   monoNs @6 :Int64;             # when the process met the failure (CLOCK_MONOTONIC)
-  errorKind @7 :Text;           # megacpp::ErrorKind name (peer_failure / timeout mark a victim)
+  errorKind @7 :Common.ErrorKind = none;  # what was thrown (peerFailure / timeout mark a victim)
 }
 
 struct TensorEntry {

@@ -1,5 +1,11 @@
 @0xc572b04758e48d15;
 # One record of a process's append-only journal (framed and checksummed by ipc::JournalWriter).
+#
+# Typed failures: the binary journal is the wire format, and changing a field from Text to an
+# enum is not wire compatible. So the enums are NEW fields with new ordinals (failureKind,
+# failureRole); the old Text fields are renamed *Text (a rename keeps the wire format), are no
+# longer written, and are kept so journals written before them still decode and fold: the
+# collector reads them (through the enum's JSON name) only when the enum field is none.
 using Cxx = import "/capnp/c++.capnp";
 $Cxx.namespace("megacpp::schema");
 using Common = import "common.capnp";
@@ -29,9 +35,9 @@ struct ChildEvent {
   exitCode @3 :Int32;           # -1 when signaled
   signal @4 :Int32;             # 0 when exited
   generation @5 :UInt32;
-  reason @6 :Text;              # childStarted: launch | restart; childExited: exit | stop | restart | teardown;
-                                # childUnkillable: what it survived
+  note @6 :Text;                # obsolete: the reason as text, read only when childReason is none
   cause @7 :Text;               # restart: why the previous generation was replaced
+  childReason @8 :Common.ChildReason;
 }
 
 struct RunStarted {
@@ -42,19 +48,20 @@ struct RunStarted {
 struct RunFinished {
   ok @0 :Bool;
   reason @1 :Text;
-  kind @2 :Text;                # typed reason when not ok: exited, signaled, ...
+  kindText @2 :Text;            # obsolete: the kind as a name; read only when failureKind is none
   stage @3 :Common.StageKind;
   rank @4 :UInt32;
   teardownSeconds @5 :Float64;  # failure detected -> every process gone and shm/sockets removed
+  failureKind @6 :Common.FailureKind;  # typed reason when not ok
 }
 
 # A failure the supervisor observed, with the role it assigned once teardown was over.
 struct FailureEvent {
   stage @0 :Common.StageKind;
   rank @1 :UInt32;
-  kind @2 :Text;                # exited | signaled | hung | heartbeat_lost | exception | interrupted | ...
+  kindText @2 :Text;            # obsolete (see failureKind): read only when failureKind is none
   message @3 :Text;
-  role @4 :Text;                # first_failure | victim | torn_down
+  roleText @4 :Text;            # obsolete (see failureRole): read only when failureRole is none
   evidenceMonoNs @5 :Int64;     # when the cause happened (death, silence start, phase start, throw)
   detectedMonoNs @6 :Int64;     # when the supervisor learned of it
   phase @7 :Common.Phase;
@@ -66,6 +73,8 @@ struct FailureEvent {
   # it: a death, whose exit time no kernel interface gives an unprivileged parent (SIGCHLD,
   # waitid and pidfds carry no timestamp), so it is the reap time.
   evidenceUnmeasured @12 :Bool;
+  failureKind @13 :Common.FailureKind;
+  failureRole @14 :Common.FailureRole;
 }
 
 struct GraphEntry {
@@ -73,7 +82,7 @@ struct GraphEntry {
   rank @1 :UInt32;
   pid @2 :Int32;
   generation @3 :UInt32;
-  state @4 :Text;               # running | exited | signaled | stopped
+  state @4 :Text;               # a Common.ProcessState name: running | exited | signaled
   heartbeatAgeSeconds @5 :Float64;
   phaseAgeSeconds @6 :Float64;
   step @7 :UInt32;

@@ -1,5 +1,10 @@
 @0xaad75c7143265e0e;
 # RUN/manifest.json and RUN/receipts/*.json: written only by the collector's fold.
+#
+# Typed failures: these structs exist only as JSON documents (never as binary messages), and
+# a JSON key is its field's name and its position its ordinal. So StageSnapshot.state/role
+# and RunError.kind changed type in place, Text -> enum, keeping name and ordinal: the JSON
+# is byte-identical because each enumerant's $Json.name is the word the Text used to hold.
 using Cxx = import "/capnp/c++.capnp";
 $Cxx.namespace("megacpp::schema");
 using Common = import "common.capnp";
@@ -18,19 +23,19 @@ struct StageSnapshot {
   stage @0 :Common.StageKind;
   rank @1 :UInt32;
   pid @2 :Int32;
-  state @3 :Text;               # started | finished | exited | signaled | unkillable (outlived SIGKILL; never reaped)
+  state @3 :Common.ProcessState;
   exitCode @4 :Int32;
   signal @5 :Int32;
   lastStep @6 :UInt32;
   lastRecordAt @7 :Text;
-  role @8 :Text;                # first_failure | victim | torn_down (empty when none)
+  role @8 :Common.FailureRole;  # "" when none
   restarts @9 :UInt32;
   generation @10 :UInt32;
   restartCauses @11 :List(Text);  # one per restart, oldest first: "generation N: why"
 }
 
 struct RunError {
-  kind @0 :Text;
+  kind @0 :Common.FailureKind;
   stage @1 :Common.StageKind;
   rank @2 :UInt32;
   message @3 :Text;

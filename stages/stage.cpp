@@ -29,6 +29,7 @@
 
 #include "core/error.h"
 #include "core/util.h"
+#include "schemas/enums.h"
 #include "schemas/journal.capnp.h"
 
 namespace megacpp::stage {
@@ -123,8 +124,13 @@ void copy_cstr(char* dst, size_t cap, std::string_view src) {
 }
 
 struct DumpFields {
-  std::string kind;        // exception | terminate
-  std::string error_kind;  // megacpp::ErrorKind name, or capnp / c10 / std / unknown
+  std::string kind;  // exception | terminate
+  // The thrown megacpp::ErrorKind, or capnp / c10 / std / unknown for a foreign exception;
+  // nullopt only when describing the failure ran out of memory.
+  std::optional<schema::ErrorKind> error_kind;
+  std::string error_kind_name() const {
+    return error_kind ? std::string(schemas::name(*error_kind)) : std::string();
+  }
   std::string message;
   std::vector<std::string> backtrace;
   int64_t mono_ns = 0;  // when the failure was met
@@ -165,22 +171,23 @@ DumpFields classify(std::exception_ptr ep, std::string kind) noexcept {
     try {
       std::rethrow_exception(ep);
     } catch (const Error& e) {
-      f.error_kind = to_string(e.kind());
+      f.error_kind = schemas::to_schema(e.kind());
       f.message = e.what();
       f.backtrace = e.backtrace();
       f.mono_ns = e.mono_ns();
     } catch (const kj::Exception& e) {
-      f.error_kind = "capnp";
+      f.error_kind = schema::ErrorKind::CAPNP;
       f.message = fmt::format("{} ({}:{})", e.getDescription().cStr(), e.getFile(), e.getLine());
       auto trace = e.getStackTrace();
       f.backtrace = symbolize_frames(trace.begin(), static_cast<int>(trace.size()));
     } catch (const std::exception& e) {
       const std::string type = demangled_type_name(typeid(e));
-      f.error_kind = type.starts_with("c10::") ? "c10" : "std";
+      const bool c10 = type.starts_with("c10::");
+      f.error_kind = c10 ? schema::ErrorKind::C10 : schema::ErrorKind::STD;
       split_embedded_trace(e.what(), f);
-      if (f.error_kind == "std") f.message = fmt::format("{}: {}", type, f.message);
+      if (!c10) f.message = fmt::format("{}: {}", type, f.message);
     } catch (...) {
-      f.error_kind = "unknown";
+      f.error_kind = schema::ErrorKind::UNKNOWN;
       const std::type_info* type = abi::__cxa_current_exception_type();
       f.message = fmt::format("exception of type {}",
                               type != nullptr ? demangled_type_name(*type) : "unknown");
@@ -202,7 +209,7 @@ void write_failure_dump(const StageContext* ctx, schema::StageKind stage, uint32
     d.setRank(rank);
     d.setPid(::getpid());
     d.setKind(f.kind);
-    d.setErrorKind(f.error_kind);
+    d.setErrorKind(f.error_kind_name());
     d.setMessage(f.message);
     if (ctx != nullptr) {
       d.setPhase(ctx->phase());
@@ -492,7 +499,7 @@ void on_fatal_signal(int sig, siginfo_t* info, void*) {
       }
     } else {
       f.kind = "terminate";
-      f.error_kind = "unknown";
+      f.error_kind = schema::ErrorKind::UNKNOWN;
       f.message = "std::terminate called without an active exception";
       f.mono_ns = mono_ns();
     }
@@ -780,7 +787,8 @@ int run_stage_main(int argc, char** argv, schema::StageKind kind, std::string_vi
   log_failure(failure);
   write_failure_dump(ctx.get(), kind, args.rank, dump_path, failure);
   if (ctx) {
-    ctx->control().report_failure(failure.kind, failure.message, failure.error_kind,
+    ctx->control().report_failure(failure.kind, failure.message,
+                                  failure.error_kind.value_or(schema::ErrorKind::NONE),
                                   failure.mono_ns);
   }
   return 1;

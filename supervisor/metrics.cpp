@@ -25,14 +25,24 @@
 #include <vector>
 
 #include "core/error.h"
+#include "schemas/enums.h"
 #include "schemas/run_layout.h"
 
 namespace megacpp::supervisor {
 
 namespace detail {
 
-constexpr std::array<std::string_view, 7> kExitReasons = {
-    "clean", "exited", "signaled", "stalled", "torn_down", "hung", "heartbeat_lost"};
+// The exit reasons counted per stage kind: a clean exit (none), then the failure kinds a
+// process ends with; labelled by exit_label().
+constexpr std::array<schema::FailureKind, 7> kExitReasons = {
+    schema::FailureKind::NONE,          schema::FailureKind::EXITED,
+    schema::FailureKind::SIGNALED,      schema::FailureKind::STALLED,
+    schema::FailureKind::TORN_DOWN,     schema::FailureKind::HUNG,
+    schema::FailureKind::HEARTBEAT_LOST};
+
+std::string_view exit_label(schema::FailureKind kind) {
+  return kind == schema::FailureKind::NONE ? "clean" : schemas::name(kind);
+}
 // Seconds; from sub-10 ms CPU toy steps to a minute-long step of a large model.
 constexpr std::array<double, 14> kStepBuckets = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                  1,     2.5,  5,     10,   20,  30,   60};
@@ -76,7 +86,7 @@ struct MetricsState {
   // Callers hold mu.
   StageSeries& stage(schema::StageKind kind, uint32_t rank) {
     std::string name(layout::stage_name(kind));
-    for (auto reason : kExitReasons) exits.try_emplace({name, std::string(reason)}, 0);
+    for (auto reason : kExitReasons) exits.try_emplace({name, std::string(exit_label(reason))}, 0);
     if (kind == schema::StageKind::TRAINER) trainers.try_emplace(rank);
     return stages[{std::move(name), rank}];
   }
@@ -233,15 +243,18 @@ void Metrics::add_restart(schema::StageKind stage, uint32_t rank) {
   ++state_->stage(stage, rank).restarts;
 }
 
-void Metrics::add_exit(schema::StageKind stage, std::string_view reason) {
+void Metrics::add_exit(schema::StageKind stage, schema::FailureKind reason) {
   MEGACPP_CHECK(std::find(detail::kExitReasons.begin(), detail::kExitReasons.end(), reason) !=
                     detail::kExitReasons.end(),
-                ErrorKind::kInternal, fmt::format("unknown exit reason '{}'", reason));
+                ErrorKind::kInternal,
+                fmt::format("{} ({}) is not an exit reason", schemas::name(reason),
+                            static_cast<uint16_t>(reason)));
   std::lock_guard lock(state_->mu);
-  ++state_->exits[{std::string(layout::stage_name(stage)), std::string(reason)}];
+  ++state_->exits[{std::string(layout::stage_name(stage)), std::string(detail::exit_label(reason))}];
   // The other reasons of this stage kind exist from now on too.
   for (auto r : detail::kExitReasons) {
-    state_->exits.try_emplace({std::string(layout::stage_name(stage)), std::string(r)}, 0);
+    state_->exits.try_emplace(
+        {std::string(layout::stage_name(stage)), std::string(detail::exit_label(r))}, 0);
   }
 }
 

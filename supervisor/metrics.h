@@ -48,7 +48,7 @@ class Metrics {
   void add_restart(schema::StageKind stage, uint32_t rank);
   // reason: clean | exited | signaled | stalled | torn_down | hung | heartbeat_lost; any other
   // value is a bug (Error{kInternal}), since an open label set would be unbounded.
-  void add_exit(schema::StageKind stage, std::string_view reason);
+  void add_exit(schema::StageKind stage, schema::FailureKind reason);
   // Totals, not increments. A counter never goes down: a smaller total than the one already
   // recorded (a late or reordered report) is ignored.
   void set_trainer_progress(uint32_t rank, uint64_t steps, double tokens);

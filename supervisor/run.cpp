@@ -29,6 +29,7 @@
 #include "core/util.h"
 #include "ipc/ipc.h"
 #include "recipes/recipe.h"
+#include "schemas/enums.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/manifest.capnp.h"
@@ -119,7 +120,7 @@ struct Child {
 constexpr double kRestartReapBoundSeconds = 10;
 
 struct Failure {
-  std::string kind;  // exited | signaled | hung | heartbeat_lost | exception | interrupted | ...
+  schema::FailureKind kind = schema::FailureKind::NONE;
   StageKind stage = StageKind::SUPERVISOR;
   uint32_t rank = 0;
   std::string message;
@@ -178,16 +179,70 @@ std::string git_revision(bool& dirty) {
 
 // One observed failure, before roles are assigned.
 struct Event {
-  std::string kind;
+  schema::FailureKind kind = schema::FailureKind::NONE;
   std::string message;
-  int priority = 1;  // 1: the process itself died/threw/went silent; 2: hung; 3: a victim's claim
   int64_t evidence_ns = 0;  // when the cause happened
   int64_t detected_ns = 0;  // when the supervisor learned of it
   Phase phase = Phase::STARTUP;
   uint32_t step = 0;
   // False when evidence_ns is only the detection time (a death: see reap()).
   bool evidence_measured = true;
+  // kind exception: what the process said it met (peer_failure / timeout: a victim's claim).
+  schema::ErrorKind error_kind = schema::ErrorKind::UNKNOWN;
+  // kind hung: judged by the stage's own progress watchdog (its working thread stalled), not
+  // a process that made no progress in a phase, perhaps waiting on another.
+  bool own_progress = false;
 };
+
+// How telling an event is about the cause of a failure; lower wins (then earlier evidence):
+// a process's own death, throw or silence; then a hang (the process may be waiting on
+// another); then a victim's claim (it threw because a peer or a collective failed); last, a
+// consequence of the teardown.
+int evidence_rank(const Event& ev) {
+  switch (ev.kind) {
+    case schema::FailureKind::EXITED:
+    case schema::FailureKind::SIGNALED:
+    case schema::FailureKind::HEARTBEAT_LOST:
+    case schema::FailureKind::INTERRUPTED:
+    case schema::FailureKind::UNKILLABLE:
+    case schema::FailureKind::STALLED:
+      return 1;
+    case schema::FailureKind::HUNG:
+      return ev.own_progress ? 1 : 2;
+    case schema::FailureKind::EXCEPTION:
+      switch (ev.error_kind) {
+        case schema::ErrorKind::PEER_FAILURE:
+        case schema::ErrorKind::TIMEOUT:
+          return 3;
+        case schema::ErrorKind::INVALID_ARGUMENT:
+        case schema::ErrorKind::SYSTEM:
+        case schema::ErrorKind::ZMQ:
+        case schema::ErrorKind::PROTOCOL:
+        case schema::ErrorKind::CORRUPTION:
+        case schema::ErrorKind::INTERRUPTED:
+        case schema::ErrorKind::INTERNAL:
+        case schema::ErrorKind::CAPNP:
+        case schema::ErrorKind::C10:
+        case schema::ErrorKind::STD:
+        case schema::ErrorKind::UNKNOWN:
+        case schema::ErrorKind::NONE:
+          return 1;
+      }
+      return 1;
+    case schema::FailureKind::TORN_DOWN:
+      return 9;
+    case schema::FailureKind::NONE:
+    case schema::FailureKind::INCOMPLETE:
+    case schema::FailureKind::ORPHANED:
+      break;  // not events the supervisor records
+  }
+  return 9;
+}
+
+bool more_telling(const Event& a, const Event& b) {
+  return std::make_tuple(evidence_rank(a), a.evidence_ns) <
+         std::make_tuple(evidence_rank(b), b.evidence_ns);
+}
 
 // How long a SIGKILLed child may take to be reaped before the supervisor gives up on it: a
 // process in uninterruptible sleep (stuck I/O) outlives SIGKILL until the I/O completes,
@@ -206,14 +261,14 @@ class Run {
  private:
   void prepare();
   void write_launch_contract();
-  void launch(StageKind stage, uint32_t rank, uint32_t generation, const char* reason,
+  void launch(StageKind stage, uint32_t rank, uint32_t generation, schema::ChildReason reason,
               const std::string& cause = {});
   void watch();
   void pump(int timeout_ms);
   void on_message(ipc::Received& m);
   void on_signals();
   void reap();
-  void journal_child_exited(const Child& c, const char* reason);
+  void journal_child_exited(const Child& c, schema::ChildReason reason);
   void check_liveness();
   void restart_or_fail(Child& c, const std::string& why, Event ev);
   void record(Child& c, Event ev);
@@ -506,7 +561,7 @@ Child* Run::by_pid(pid_t pid) {
   return nullptr;
 }
 
-void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, const char* reason,
+void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, schema::ChildReason reason,
                  const std::string& cause) {
   Child* c = by_name(layout::process_name(stage, rank));
   if (c == nullptr) {
@@ -546,7 +601,7 @@ void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, const char
     e.setRank(rank);
     e.setPid(c->pid);
     e.setGeneration(generation);
-    e.setReason(reason);
+    e.setChildReason(reason);
     if (!cause.empty()) e.setCause(cause);
   });
 }
@@ -607,18 +662,23 @@ void Run::on_message(ipc::Received& m) {
     }
     case schema::ControlMessage::FAILURE: {
       auto f = root.getFailure();
-      std::string error_kind = f.getErrorKind();
-      log_warn("{} reports {} ({}): {}", c->name, f.getKind().cStr(), error_kind,
-               f.getMessage().cStr());
+      const schema::ErrorKind error_kind = f.getErrorKind();
+      const std::string said = error_kind == schema::ErrorKind::NONE
+                                   ? std::string(f.getKind().cStr())
+                                   : std::string(schemas::name(error_kind));
+      log_warn("{} reports {} ({}): {}", c->name, f.getKind().cStr(), said, f.getMessage().cStr());
       // A restartable stage's failure is acted on when it exits (restart or fail).
       if (restartable(c->stage)) break;
-      // A rank that failed because a peer or a collective did is a victim, not a cause.
-      bool victim = error_kind == "peer_failure" || error_kind == "timeout";
-      record(*c, Event{"exception",
-                       fmt::format("{}: {}", error_kind.empty() ? f.getKind().cStr() : error_kind,
-                                   f.getMessage().cStr()),
-                       victim ? 3 : 1, f.getMonoNs() > 0 ? f.getMonoNs() : now, now, f.getPhase(),
-                       f.getStep()});
+      // A rank that failed because a peer or a collective did is a victim, not a cause
+      // (evidence_rank): the Failure names its error kind, typed here.
+      Event ev{schema::FailureKind::EXCEPTION,
+               fmt::format("{}: {}", said, f.getMessage().cStr()),
+               f.getMonoNs() > 0 ? f.getMonoNs() : now,
+               now,
+               f.getPhase(),
+               f.getStep()};
+      ev.error_kind = error_kind;
+      record(*c, std::move(ev));
       break;
     }
     default:
@@ -629,15 +689,14 @@ void Run::on_message(ipc::Received& m) {
 void Run::record(Child& c, Event ev) {
   if (detected_ns_ == 0) {
     detected_ns_ = ev.detected_ns;
-    log_error("failure detected: {} {}: {}", c.name, ev.kind, ev.message);
+    log_error("failure detected: {} {}: {}", c.name, schemas::name(ev.kind), ev.message);
   }
   // Keep the most telling event per process: lower priority value, then earlier evidence.
   // Events that arrive after teardown began are consequences of it, except a process's own
   // report of something it met before the SIGTERM.
   if (teardown_started_ns_ != 0 && ev.evidence_ns >= teardown_started_ns_) return;
   auto it = events_.find(c.name);
-  if (it == events_.end() || std::tie(ev.priority, ev.evidence_ns) <
-                                 std::tie(it->second.priority, it->second.evidence_ns)) {
+  if (it == events_.end() || more_telling(ev, it->second)) {
     events_[c.name] = std::move(ev);
   }
 }
@@ -657,8 +716,8 @@ void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
       c.dying_since_ns = mono_ns();
       return;
     }
-    journal_child_exited(c, "restart");
-    launch(c.stage, c.rank, c.generation + 1, "restart", c.restart_cause);
+    journal_child_exited(c, schema::ChildReason::RESTART);
+    launch(c.stage, c.rank, c.generation + 1, schema::ChildReason::RESTART, c.restart_cause);
     return;
   }
   if (restartable(c.stage) && c.restarts >= opt_.max_restarts) {
@@ -668,18 +727,18 @@ void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
 }
 
 namespace {
-void set_child_event(schema::ChildEvent::Builder e, const Child& c, const char* reason) {
+void set_child_event(schema::ChildEvent::Builder e, const Child& c, schema::ChildReason reason) {
   e.setStage(c.stage);
   e.setRank(c.rank);
   e.setPid(c.pid);
   e.setExitCode(c.exit_code);
   e.setSignal(c.signal);
   e.setGeneration(c.generation);
-  e.setReason(reason);
+  e.setChildReason(reason);
 }
 }  // namespace
 
-void Run::journal_child_exited(const Child& c, const char* reason) {
+void Run::journal_child_exited(const Child& c, schema::ChildReason reason) {
   journal_->append(
       [&](schema::JournalRecord::Builder r) { set_child_event(r.initChildExited(), c, reason); });
 }
@@ -691,9 +750,10 @@ void Run::reaped_dying(Child& dying, int status) {
   dying.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
   dying.restart_cause += fmt::format("; pid {} reaped {:.2f}s after SIGKILL", pid,
                                      static_cast<double>(mono_ns() - dying.dying_since_ns) / 1e9);
-  journal_child_exited(dying, "restart");
+  journal_child_exited(dying, schema::ChildReason::RESTART);
   if (detected_ns_ == 0 && !done_) {
-    launch(dying.stage, dying.rank, dying.generation + 1, "restart", dying.restart_cause);
+    launch(dying.stage, dying.rank, dying.generation + 1, schema::ChildReason::RESTART,
+           dying.restart_cause);
   }
 }
 
@@ -729,13 +789,14 @@ void Run::reap() {
     const bool clean = c.exit_code == 0 && c.signal == 0;
     const bool expected = (c.stage == StageKind::TRAINER && clean) || (c.stop_sent && clean);
     const bool torn_down = teardown_started_ns_ != 0;
-    const char* reason = expected    ? (c.stop_sent ? "stop" : "exit")
-                         : torn_down ? "teardown"
-                                     : "exit";
-    metrics_->add_exit(c.stage, clean       ? "clean"
-                                : torn_down ? "torn_down"
-                                : c.signal  ? "signaled"
-                                            : "exited");
+    const schema::ChildReason reason =
+        expected    ? (c.stop_sent ? schema::ChildReason::STOP : schema::ChildReason::EXIT)
+        : torn_down ? schema::ChildReason::TEARDOWN
+                    : schema::ChildReason::EXIT;
+    metrics_->add_exit(c.stage, clean       ? schema::FailureKind::NONE
+                                : torn_down ? schema::FailureKind::TORN_DOWN
+                                : c.signal  ? schema::FailureKind::SIGNALED
+                                            : schema::FailureKind::EXITED);
     if (!done_) {
       journal_child_exited(c, reason);
     }
@@ -745,10 +806,9 @@ void Run::reap() {
                       : fmt::format("exited with code {}", c.exit_code);
     // The evidence of a death is its reap: neither SIGCHLD, waitid nor a pidfd says when the
     // process exited, so the detection delay of a death is not measured.
-    Event ev{c.signal != 0 ? "signaled" : "exited",
+    Event ev{c.signal != 0 ? schema::FailureKind::SIGNALED : schema::FailureKind::EXITED,
              fmt::format("{} (pid {}) {} in phase {} at step {}", c.name, c.pid, what,
                          layout::phase_name(c.phase), c.step),
-             1,
              now,
              now,
              c.phase,
@@ -767,9 +827,8 @@ void Run::on_signals() {
       int64_t now = mono_ns();
       detected_ns_ = now;
       events_["supervisor-0"] = Event{
-          "interrupted",
+          schema::FailureKind::INTERRUPTED,
           fmt::format("the supervisor received {}", strsignal(static_cast<int>(si.ssi_signo))),
-          1,
           now,
           now,
           Phase::SHUTDOWN,
@@ -822,9 +881,14 @@ void Run::check_stage_progress(Child& c, int64_t now) {
                         static_cast<double>(now - c.pending_since_ns) / 1e9);
   }
   what += fmt::format("; budget {:.0f}s{})", limit, reported ? "" : ", before its first report");
-  restart_or_fail(c, "hung: " + what,
-                  Event{"hung", fmt::format("{} (pid {}) {}", c.name, c.pid, what), 1, since, now,
-                        c.phase, c.step});
+  Event ev{schema::FailureKind::HUNG,
+           fmt::format("{} (pid {}) {}", c.name, c.pid, what),
+           since,
+           now,
+           c.phase,
+           c.step};
+  ev.own_progress = true;
+  restart_or_fail(c, "hung: " + what, std::move(ev));
 }
 
 void Run::check_liveness() {
@@ -832,11 +896,11 @@ void Run::check_liveness() {
   for (auto& c : children_) {
     if (c.dying_pid != 0 &&
         static_cast<double>(now - c.dying_since_ns) / 1e9 > kRestartReapBoundSeconds) {
-      record(c, Event{"unkillable",
+      record(c, Event{schema::FailureKind::UNKILLABLE,
                       fmt::format("{} (pid {}) did not exit within {:.0f}s of SIGKILL; its restart "
                                   "is abandoned (two generations would share its resources)",
                                   c.name, c.dying_pid, kRestartReapBoundSeconds),
-                      1, c.dying_since_ns, now, c.phase, c.step});
+                      c.dying_since_ns, now, c.phase, c.step});
       give_up_on(c, kRestartReapBoundSeconds);
       continue;
     }
@@ -850,10 +914,10 @@ void Run::check_liveness() {
     if (silent > silence_limit) {
       restart_or_fail(
           c, fmt::format("stalled: no heartbeat for {:.1f}s", silent),
-          Event{"heartbeat_lost",
+          Event{schema::FailureKind::HEARTBEAT_LOST,
                 fmt::format("{} (pid {}) sent no heartbeat for {:.1f}s (phase {}, step {})", c.name,
                             c.pid, silent, layout::phase_name(c.phase), c.step),
-                1, c.heartbeat_ns, now, c.phase, c.step});
+                c.heartbeat_ns, now, c.phase, c.step});
       continue;
     }
     if (restartable(c.stage)) {
@@ -881,8 +945,9 @@ void Run::check_liveness() {
         c.phase_started_ns = now;
         restart_or_fail(
             *loader, fmt::format("stalled: {} waited {:.1f}s on an empty ring", c.name, in_phase),
-            Event{"stalled", fmt::format("{} waited {:.1f}s on an empty ring", c.name, in_phase), 1,
-                  now, now, loader->phase, loader->step});
+            Event{schema::FailureKind::STALLED,
+                  fmt::format("{} waited {:.1f}s on an empty ring", c.name, in_phase), now, now,
+                  loader->phase, loader->step});
         continue;
       }
     }
@@ -890,11 +955,11 @@ void Run::check_liveness() {
       record(
           c,
           Event{
-              "hung",
+              schema::FailureKind::HUNG,
               fmt::format(
                   "{} (pid {}) made no progress for {:.1f}s in phase {} (step {}; budget {:.1f}s)",
                   c.name, c.pid, in_phase, layout::phase_name(c.phase), c.step, rank_budget),
-              2, since, now, c.phase, c.step});
+              since, now, c.phase, c.step});
     }
   }
   // A rank hung in a collective is usually waiting on a peer that went silent a moment
@@ -906,11 +971,11 @@ void Run::check_liveness() {
     for (auto& c : children_) {
       const double silent = static_cast<double>(now - c.heartbeat_ns) / 1e9;
       if (c.alive && c.seen && !c.stop_sent && silent > quiet && !events_.contains(c.name)) {
-        record(c, Event{"heartbeat_lost",
+        record(c, Event{schema::FailureKind::HEARTBEAT_LOST,
                         fmt::format("{} (pid {}) sent no heartbeat for {:.1f}s (phase {}, step {}) "
                                     "while a peer hung",
                                     c.name, c.pid, silent, layout::phase_name(c.phase), c.step),
-                        1, c.heartbeat_ns, now, c.phase, c.step});
+                        c.heartbeat_ns, now, c.phase, c.step});
       }
     }
   }
@@ -1017,7 +1082,7 @@ void Run::give_up_on(const Child& c, double waited_s) {
             c.pid, waited_s);
   if (!journal_) return;
   journal_->append([&](schema::JournalRecord::Builder r) {
-    set_child_event(r.initChildUnkillable(), c, "survived SIGKILL");
+    set_child_event(r.initChildUnkillable(), c, schema::ChildReason::SURVIVED_KILL);
   });
 }
 
@@ -1042,10 +1107,10 @@ void Run::finish_ok() {
     for (auto& c : children_) {
       if ((c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) && c.alive) {
         const int64_t now = mono_ns();
-        record(c, Event{"hung",
+        record(c, Event{schema::FailureKind::HUNG,
                         fmt::format("{} did not stop within {:.0f}s of the end of training", c.name,
                                     drain_s),
-                        2, now, now, c.phase, c.step});
+                        now, now, c.phase, c.step});
       }
     }
   }
@@ -1064,7 +1129,9 @@ void Run::journal_graph(const std::string& reason) {
       e.setRank(c.rank);
       e.setPid(c.pid);
       e.setGeneration(c.generation);
-      e.setState(c.alive ? "running" : c.signal ? "signaled" : "exited");
+      e.setState(std::string(schemas::name(c.alive    ? schema::ProcessState::RUNNING
+                                           : c.signal ? schema::ProcessState::SIGNALED
+                                                      : schema::ProcessState::EXITED)));
       e.setHeartbeatAgeSeconds(static_cast<double>(now - c.heartbeat_ns) / 1e9);
       e.setPhaseAgeSeconds(static_cast<double>(now - c.phase_started_ns) / 1e9);
       e.setStep(c.step);
@@ -1087,7 +1154,7 @@ void Run::teardown() {
     // A stopped or silent process cannot act on SIGTERM: waiting out the grace for it only
     // delays the teardown.
     auto ev = events_.find(c.name);
-    bool silent = ev != events_.end() && ev->second.kind == "heartbeat_lost";
+    bool silent = ev != events_.end() && ev->second.kind == schema::FailureKind::HEARTBEAT_LOST;
     kill_child(c, silent || detail::process_state(c.pid) == 'T' ? SIGKILL : SIGTERM);
   }
   auto none_alive = [&] {
@@ -1139,8 +1206,7 @@ void Run::classify() {
   const Event* first = nullptr;
   std::string first_name;
   for (const auto& [name, ev] : events_) {
-    if (first == nullptr ||
-        std::tie(ev.priority, ev.evidence_ns) < std::tie(first->priority, first->evidence_ns)) {
+    if (first == nullptr || more_telling(ev, *first)) {
       first = &ev;
       first_name = name;
     }
@@ -1153,23 +1219,23 @@ void Run::classify() {
   };
   auto [fs_stage, fs_rank] = stage_rank(first_name);
   failure_ = Failure{first->kind, fs_stage, fs_rank, first->message};
-  auto journal_event = [&](const std::string& name, const Event& ev, const char* role) {
+  auto journal_event = [&](const std::string& name, const Event& ev, schema::FailureRole role) {
     auto [stage, rank] = stage_rank(name);
     Child* c = by_name(name);
     journal_->append([&](schema::JournalRecord::Builder r) {
       auto f = r.initFailureObserved();
       f.setStage(stage);
       f.setRank(rank);
-      f.setKind(ev.kind);
+      f.setFailureKind(ev.kind);
       f.setMessage(ev.message);
-      f.setRole(role);
+      f.setFailureRole(role);
       f.setEvidenceMonoNs(ev.evidence_ns);
       f.setDetectedMonoNs(ev.detected_ns);
       f.setEvidenceUnmeasured(!ev.evidence_measured);
       f.setPhase(ev.phase);
       f.setStep(ev.step);
       f.setPid(c ? c->pid : ::getpid());
-      if (std::string_view(role) == "first_failure" && c != nullptr) {
+      if (role == schema::FailureRole::FIRST_FAILURE && c != nullptr) {
         auto tail = tail_lines(layout::log_path(run_, stage, rank), 20);
         auto t = f.initStderrTail(static_cast<unsigned>(tail.size()));
         for (size_t i = 0; i < tail.size(); ++i) t.set(static_cast<unsigned>(i), tail[i]);
@@ -1187,18 +1253,19 @@ void Run::classify() {
       }
     });
   };
-  journal_event(first_name, *first, "first_failure");
+  journal_event(first_name, *first, schema::FailureRole::FIRST_FAILURE);
   for (const auto& [name, ev] : events_) {
-    if (name != first_name) journal_event(name, ev, "victim");
+    if (name != first_name) journal_event(name, ev, schema::FailureRole::VICTIM);
   }
   for (const auto& c : children_) {
     if (events_.contains(c.name)) continue;
     bool torn = c.exit_code != 0 || c.signal != 0;
     if (torn) {
       journal_event(c.name,
-                    Event{"torn_down", fmt::format("{} was stopped by the teardown", c.name), 9,
+                    Event{schema::FailureKind::TORN_DOWN,
+                          fmt::format("{} was stopped by the teardown", c.name),
                           teardown_started_ns_, teardown_started_ns_, c.phase, c.step},
-                    "torn_down");
+                    schema::FailureRole::TORN_DOWN);
     }
   }
 }
@@ -1210,7 +1277,7 @@ void Run::journal_run_finished() {
     auto f = r.initRunFinished();
     f.setOk(!failure_);
     if (failure_) {
-      f.setKind(failure_->kind);
+      f.setFailureKind(failure_->kind);
       f.setStage(failure_->stage);
       f.setRank(failure_->rank);
       f.setReason(failure_->message);
@@ -1243,13 +1310,13 @@ int Run::report() {
     out += "\n";
   } else {
     auto e = m.getError();
-    out += fmt::format("run error: first failure {} in {}-{}: {}\n", e.getKind().cStr(),
+    out += fmt::format("run error: first failure {} in {}-{}: {}\n", schemas::name(e.getKind()),
                        layout::stage_name(e.getStage()), e.getRank(), e.getMessage().cStr());
     out += fmt::format("  {}; every process gone and shm/sockets removed {:.2f}s later\n",
                        detection_text(e), e.getTeardownSeconds());
   }
   for (auto st : m.getStages()) {
-    if (st.getState() == "unkillable") {
+    if (st.getState() == schema::ProcessState::UNKILLABLE) {
       out += fmt::format("  unkillable  {} (pid {}) outlived SIGKILL and was not waited for\n",
                          layout::process_name(st.getStage(), st.getRank()), st.getPid());
     }
@@ -1323,10 +1390,12 @@ int Run::execute() {
   console_ = make_console(opt_.progress, opt_.steps, recipe_.name, run_.string());
   if (console_ && !metrics_endpoint_.empty())
     fmt::print("megacpp: metrics at {}\n", metrics_endpoint_);
-  launch(StageKind::COLLECTOR, 0, 0, "launch");
-  launch(StageKind::CHECKPOINTER, 0, 0, "launch");
-  launch(StageKind::DATA_LOADER, 0, 0, "launch");
-  for (uint32_t r = 0; r < opt_.ranks; ++r) launch(StageKind::TRAINER, r, 0, "launch");
+  launch(StageKind::COLLECTOR, 0, 0, schema::ChildReason::LAUNCH);
+  launch(StageKind::CHECKPOINTER, 0, 0, schema::ChildReason::LAUNCH);
+  launch(StageKind::DATA_LOADER, 0, 0, schema::ChildReason::LAUNCH);
+  for (uint32_t r = 0; r < opt_.ranks; ++r) {
+    launch(StageKind::TRAINER, r, 0, schema::ChildReason::LAUNCH);
+  }
   journal_->append([&](schema::JournalRecord::Builder r) {
     auto s = r.initRunStarted();
     s.setWorld(opt_.ranks);
@@ -1490,10 +1559,10 @@ int status(const fs::path& run_dir) {
              m.getWorld());
   fmt::print("  launched   {}\n  completed  {}\n  last seen  {}\n", m.getLaunchedAt().cStr(),
              m.getCompletedAt().cStr(), m.getLastPolledAt().cStr());
-  if (m.hasError() && m.getError().getKind().size() > 0) {
+  if (m.hasError() && m.getError().getKind() != schema::FailureKind::NONE) {
     auto e = m.getError();
     fmt::print("  first failure\n");
-    fmt::print("    {} in {}-{} (pid {}), phase {}, step {}, at {}\n", e.getKind().cStr(),
+    fmt::print("    {} in {}-{} (pid {}), phase {}, step {}, at {}\n", schemas::name(e.getKind()),
                layout::stage_name(e.getStage()), e.getRank(), e.getPid(), phase_name(e.getPhase()),
                e.getStep(), e.getAt().cStr());
     fmt::print("    {}\n", e.getMessage().cStr());
@@ -1511,10 +1580,10 @@ int status(const fs::path& run_dir) {
   }
   fmt::print("  stages\n");
   for (auto s : m.getStages()) {
-    std::string how = s.getState().cStr();
-    if (how == "exited") how += fmt::format("({})", s.getExitCode());
-    if (how == "signaled") how += fmt::format("({})", s.getSignal());
-    std::string role = s.getRole().size() > 0 ? std::string(s.getRole().cStr()) : "";
+    std::string how(schemas::name(s.getState()));
+    if (s.getState() == schema::ProcessState::EXITED) how += fmt::format("({})", s.getExitCode());
+    if (s.getState() == schema::ProcessState::SIGNALED) how += fmt::format("({})", s.getSignal());
+    std::string role(schemas::name(s.getRole()));
     std::string restarts = s.getRestarts() > 0 ? fmt::format("restarts {}", s.getRestarts()) : "";
     fmt::print("    {:<16} pid {:<8} {:<13} step {:<6} {:<14} {:<11} last record {}\n",
                layout::process_name(s.getStage(), s.getRank()), s.getPid(), how, s.getLastStep(),

@@ -18,6 +18,7 @@
 #include "core/util.h"
 #include "ipc/ipc.h"
 #include "schemas/common.capnp.h"
+#include "schemas/enums.h"
 #include "schemas/journal.capnp.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
@@ -35,6 +36,21 @@ constexpr std::string_view kManifest = "manifest.json";
 constexpr std::string_view kBenchResult = "bench_result.json";
 constexpr std::string_view kBenchTelemetry = "bench_telemetry.json";
 constexpr std::string_view kJournalSuffix = ".journal";
+
+// The typed kind and role of a supervisor record; a journal written before the enum fields
+// carries only the obsolete Text field, read through the enum's name.
+template <typename Reader>
+schema::FailureKind failure_kind(Reader r) {
+  if (r.getFailureKind() != schema::FailureKind::NONE || !r.hasKindText())
+    return r.getFailureKind();
+  return schemas::failure_kind_named(r.getKindText().cStr()).value_or(schema::FailureKind::NONE);
+}
+
+schema::FailureRole failure_role(schema::FailureEvent::Reader r) {
+  if (r.getFailureRole() != schema::FailureRole::NONE || !r.hasRoleText())
+    return r.getFailureRole();
+  return schemas::failure_role_named(r.getRoleText().cStr()).value_or(schema::FailureRole::NONE);
+}
 
 // What is known about one process (stage, rank).
 struct Process {
@@ -55,7 +71,8 @@ struct Process {
   uint32_t restarts = 0;                    // childStarted records with reason "restart"
   std::vector<std::string> restart_causes;  // their causes, in journal order
   uint32_t generation = 0;
-  std::string role;  // from the supervisor's failureObserved records
+  schema::FailureRole role =
+      schema::FailureRole::NONE;  // from the supervisor's failureObserved records
 
   void see_pid(int64_t mono, int32_t p) {
     if (!pid || std::make_pair(mono, p) > *pid) pid = std::make_pair(mono, p);
@@ -95,7 +112,8 @@ struct Collector::State {
   std::optional<int64_t> run_started_wall;
   struct Finished {
     bool ok = false;
-    std::string reason, kind;
+    std::string reason;
+    schema::FailureKind kind = schema::FailureKind::NONE;
     StageKind stage = StageKind::SUPERVISOR;
     uint32_t rank = 0;
     int64_t wall_ns = 0;
@@ -107,7 +125,8 @@ struct Collector::State {
   std::map<uint32_t, double> first_forward;                    // trainer rank -> seconds
   std::optional<std::pair<uint32_t, std::string>> checkpoint;  // newest committed step, path
   struct FirstFailure {
-    std::string kind, message;
+    schema::FailureKind kind = schema::FailureKind::NONE;
+    std::string message;
     StageKind stage = StageKind::SUPERVISOR;
     uint32_t rank = 0;
     schema::Phase phase = schema::Phase::STARTUP;
@@ -173,7 +192,11 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       Process& child = processes[{ev.getStage(), ev.getRank()}];
       child.see_pid(mono, ev.getPid());
       Process::latest(child.started_mono, mono);
-      if (ev.getReason() == "restart") {
+      // A journal written before ChildReason carries the reason as text in `note`.
+      const bool restart = ev.getChildReason() == schema::ChildReason::RESTART ||
+                           (ev.getChildReason() == schema::ChildReason::NONE &&
+                            ev.getNote() == "restart");
+      if (restart) {
         ++child.restarts;
         child.restart_causes.emplace_back(ev.hasCause() ? ev.getCause().cStr() : "");
       }
@@ -184,10 +207,10 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       if (from_supervisor) {
         auto f = rec.getFailureObserved();
         Process& p = processes[{f.getStage(), f.getRank()}];
-        p.role = f.getRole();
-        if (p.role == "first_failure" && !first_failure) {
+        p.role = failure_role(f);
+        if (p.role == schema::FailureRole::FIRST_FAILURE && !first_failure) {
           FirstFailure ff;
-          ff.kind = f.getKind();
+          ff.kind = failure_kind(f);
           ff.message = f.getMessage();
           ff.stage = f.getStage();
           ff.rank = f.getRank();
@@ -241,7 +264,8 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
     case schema::JournalRecord::RUN_FINISHED:
       if (from_supervisor && !finished) {
         auto f = rec.getRunFinished();
-        finished = Finished{f.getOk(), f.getReason(), f.getKind(), f.getStage(), f.getRank(), wall};
+        finished =
+            Finished{f.getOk(), f.getReason(), failure_kind(f), f.getStage(), f.getRank(), wall};
         teardown_seconds = f.getTeardownSeconds();
       }
       break;
@@ -283,23 +307,23 @@ bool Collector::State::truncated() const {
 
 namespace {
 
-std::string stage_state(const Process& p, int32_t& exit_code, int32_t& signal) {
+schema::ProcessState stage_state(const Process& p, int32_t& exit_code, int32_t& signal) {
   exit_code = 0;
   signal = 0;
   auto after_start = [&](int64_t mono) { return !p.started_mono || mono >= *p.started_mono; };
   const bool finished = p.finished_mono && after_start(*p.finished_mono);
   if (p.unkillable_mono && after_start(*p.unkillable_mono) &&
       (!p.exited || p.exited->mono < *p.unkillable_mono)) {
-    return "unkillable";
+    return schema::ProcessState::UNKILLABLE;
   }
   if (p.exited && after_start(p.exited->mono)) {
     exit_code = p.exited->code;
     signal = p.exited->signal;
-    if (signal != 0) return "signaled";
-    if (exit_code == 0 && finished) return "finished";
-    return "exited";
+    if (signal != 0) return schema::ProcessState::SIGNALED;
+    if (exit_code == 0 && finished) return schema::ProcessState::FINISHED;
+    return schema::ProcessState::EXITED;
   }
-  return finished ? "finished" : "started";
+  return finished ? schema::ProcessState::FINISHED : schema::ProcessState::STARTED;
 }
 
 }  // namespace
@@ -390,7 +414,7 @@ void Collector::render() {
     if (s.newest_wall) m.setLastPolledAt(rfc3339(*s.newest_wall));
     if (short_of_plan) {
       auto e = m.initError();
-      e.setKind("incomplete");
+      e.setKind(schema::FailureKind::INCOMPLETE);
       e.setStage(StageKind::SUPERVISOR);
       e.setMessage(fmt::format("the run finished with {} of {} planned steps completed", completed,
                                s.steps_planned));
@@ -420,7 +444,7 @@ void Collector::render() {
       }
     } else if (!s.finished && s.orphaned) {
       auto e = m.initError();
-      e.setKind("orphaned");
+      e.setKind(schema::FailureKind::ORPHANED);
       e.setMessage(s.orphaned->second);
     }
     auto stages = m.initStages(static_cast<unsigned>(s.processes.size()));

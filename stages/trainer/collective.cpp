@@ -1,5 +1,6 @@
 #include "stages/trainer/collective.h"
 
+#include <chrono>
 #include <exception>
 #include <string>
 
@@ -7,13 +8,18 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/util.h"
 
 namespace megacpp::trainer {
 
 namespace {
 
-// Called from a catch block: rethrows the exception in flight as a typed Error.
-[[noreturn]] void rethrow_as_peer_failure(std::string_view what) {
+// Called from a catch block: rethrows the exception in flight as a typed Error. Gloo's and
+// the store's exceptions carry no type for a timeout, but their deadlines are ours: a failure
+// that came no earlier than the deadline after the operation began is the deadline passing
+// (Error{kTimeout}); one that came before it is a peer's doing (Error{kPeerFailure}).
+[[noreturn]] void rethrow_as_peer_failure(std::string_view what, int64_t started_ns,
+                                          int64_t deadline_ns) {
   try {
     throw;
   } catch (const Error&) {
@@ -21,29 +27,33 @@ namespace {
   } catch (const std::exception& e) {
     std::string text = e.what();
     if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) text = c10->what_without_backtrace();
-    // Gloo and the store say "Timed out" / "timeout" in their messages; they carry no type.
-    const bool timeout =
-        text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos;
+    const bool timeout = deadline_ns > 0 && mono_ns() - started_ns >= deadline_ns;
     MEGACPP_FAIL(timeout ? ErrorKind::kTimeout : ErrorKind::kPeerFailure, "{}: {}", what, text);
   }
 }
 
 }  // namespace
 
-void run_collective(std::string_view what,
+void run_collective(std::string_view what, const c10::intrusive_ptr<c10d::Backend>& pg,
                     const std::function<c10::intrusive_ptr<c10d::Work>()>& issue) {
+  const int64_t started = mono_ns();
   try {
     issue()->wait();
   } catch (...) {
-    rethrow_as_peer_failure(what);
+    const auto timeout = pg->getBackendOptions()->timeout;
+    rethrow_as_peer_failure(what, started,
+                            std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count());
   }
 }
 
-void with_peers(std::string_view what, const std::function<void()>& connect) {
+void with_peers(std::string_view what, std::chrono::milliseconds deadline,
+                const std::function<void()>& connect) {
+  const int64_t started = mono_ns();
   try {
     connect();
   } catch (...) {
-    rethrow_as_peer_failure(what);
+    rethrow_as_peer_failure(what, started,
+                            std::chrono::duration_cast<std::chrono::nanoseconds>(deadline).count());
   }
 }
 

@@ -7,20 +7,25 @@
 // size, keeps a rank's own bug from being filed as a victim's claim.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <string_view>
 
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace megacpp::trainer {
 
 // Issues a collective with `issue` and waits for it. A failure of either is rethrown as
-// Error{kTimeout} when the transport reports a timeout, else Error{kPeerFailure}, naming
-// `what`. A megacpp::Error passes through unchanged.
-void run_collective(std::string_view what,
+// Error{kTimeout} when it came once `pg`'s timeout had passed since the collective was issued
+// (the transports' exceptions carry no type for a timeout, but the deadline is ours), else
+// Error{kPeerFailure}, naming `what`. A megacpp::Error passes through unchanged.
+void run_collective(std::string_view what, const c10::intrusive_ptr<c10d::Backend>& pg,
                     const std::function<c10::intrusive_ptr<c10d::Work>()>& issue);
 
-// Runs `connect` (a rendezvous: the store and the peers' connections) with the same typing.
-void with_peers(std::string_view what, const std::function<void()>& connect);
+// Runs `connect` (a rendezvous: the store and the peers' connections) with the same typing;
+// `deadline` is the earliest timeout the rendezvous was given.
+void with_peers(std::string_view what, std::chrono::milliseconds deadline,
+                const std::function<void()>& connect);
 
 }  // namespace megacpp::trainer

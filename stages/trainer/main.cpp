@@ -186,7 +186,7 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     go.store_prefix =
         fmt::format("megacpp/{}/g{}/", launch.getRunId().cStr(), launch.getGeneration());
     with_peers(fmt::format("rendezvous at {}:{}", go.store_host, go.store_port),
-               [&] { pg = connect_gloo(go); });
+               std::min(go.store_timeout, go.collective_timeout), [&] { pg = connect_gloo(go); });
     log_info("joined the Gloo group as rank {} of {}", rank, world);
   }
 

@@ -35,7 +35,7 @@ void all_reduce(const Pg& pg, at::Tensor& t, c10d::ReduceOp op) {
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions o;
   o.reduceOp = op;
-  run_collective("all_reduce", [&] { return pg->allreduce(v, o); });
+  run_collective("all_reduce", pg, [&] { return pg->allreduce(v, o); });
 }
 
 // SUM over ranks of `full` (contiguous, dim 0 divisible by world); returns this rank's rows.
@@ -51,13 +51,13 @@ at::Tensor reduce_scatter_sum(const Pg& pg, at::Tensor& full, uint32_t rank, uin
   at::Tensor out = at::empty(shape, full.options());
   c10d::ReduceScatterOptions o;
   o.reduceOp = c10d::ReduceOp::SUM;
-  run_collective("reduce_scatter", [&] { return pg->_reduce_scatter_base(out, full, o); });
+  run_collective("reduce_scatter", pg, [&] { return pg->_reduce_scatter_base(out, full, o); });
   return out;
 }
 
 // Gathers every rank's `slice` (contiguous, not aliasing `out`) into `out` along dim 0.
 void all_gather(const Pg& pg, at::Tensor& out, at::Tensor& slice) {
-  run_collective("all_gather", [&] { return pg->_allgather_base(out, slice); });
+  run_collective("all_gather", pg, [&] { return pg->_allgather_base(out, slice); });
 }
 
 // Local has-grad flags -> rank-symmetric flags (MAX over ranks), as bool on `device`.

@@ -220,7 +220,7 @@ struct TrainStep::Impl {
     std::vector<at::Tensor> bufs{flat};
     c10d::BroadcastOptions opts;
     opts.rootRank = 0;
-    run_collective("broadcast of the parameters", [&] { return pg->broadcast(bufs, opts); });
+    run_collective("broadcast of the parameters", pg, [&] { return pg->broadcast(bufs, opts); });
     off = 0;
     for (auto& [name, p] : params) {
       p.view({-1}).copy_(flat.narrow(0, off, p.numel()));

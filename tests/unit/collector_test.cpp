@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "core/util.h"
 #include "ipc/ipc.h"
+#include "schemas/enums.h"
 #include "schemas/journal.capnp.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
@@ -136,7 +137,7 @@ class FakeRun {
     rec(StageKind::SUPERVISOR, 0, t_ms, [&](auto r) {
       auto f = r.initRunFinished();
       f.setOk(ok);
-      f.setKind(kind);
+      f.setFailureKind(schemas::failure_kind_named(kind).value());
       f.setStage(stage);
       f.setRank(rank);
       f.setReason(reason);
@@ -181,6 +182,13 @@ struct Parsed {
 
 std::string s(capnp::Text::Reader t) {
   return std::string(t.cStr(), t.size());
+}
+// The manifest's typed fields, as the name the JSON carries.
+std::string s(schema::FailureKind k) {
+  return std::string(schemas::name(k));
+}
+std::string s(schema::ProcessState st) {
+  return std::string(schemas::name(st));
 }
 
 TEST(Collector, StatesLaunchedRunningOkAndIncrementalPoll) {
@@ -402,7 +410,7 @@ TEST(Collector, OkRequiresEveryPlannedStep) {
   collect_run(whole.run());
   schemas::JsonFile<schema::Manifest> ok(layout::manifest_path(whole.run()));
   EXPECT_EQ(ok.get().getState(), schema::RunState::OK);
-  EXPECT_FALSE(ok.get().hasError() && ok.get().getError().getKind().size() > 0);
+  EXPECT_FALSE(ok.get().hasError() && s(ok.get().getError().getKind()).size() > 0);
 }
 
 // A child the supervisor gave up on after SIGKILL was never reaped: its state says so
@@ -418,7 +426,7 @@ TEST(Collector, UnkillableChildIsNamed) {
       c.setStage(stage);
       c.setRank(0);
       c.setPid(FakeRun::pid(stage, 0));
-      c.setReason("survived SIGKILL");
+      c.setChildReason(schema::ChildReason::SURVIVED_KILL);
     });
   };
   unkillable(StageKind::CHECKPOINTER, 3700);
@@ -446,8 +454,9 @@ TEST(Collector, DetectionOfADeathIsMarkedNotMeasured) {
       auto f = r.initFailureObserved();
       f.setStage(StageKind::TRAINER);
       f.setRank(1);
-      f.setKind(unmeasured ? "signaled" : "heartbeat_lost");
-      f.setRole("first_failure");
+      f.setFailureKind(unmeasured ? schema::FailureKind::SIGNALED
+                                  : schema::FailureKind::HEARTBEAT_LOST);
+      f.setFailureRole(schema::FailureRole::FIRST_FAILURE);
       f.setEvidenceMonoNs(3000'000'000);
       f.setDetectedMonoNs(3500'000'000);
       f.setEvidenceUnmeasured(unmeasured);

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "schemas/common.capnp.h"
+#include "schemas/enums.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/manifest.capnp.h"
@@ -160,7 +161,7 @@ TEST(SchemasJsonTest, ManifestRoundTrip) {
   m.setCompletedAt("2025-01-01T12:00:09.000Z");
   m.setLastPolledAt("2025-01-01T12:00:08.500Z");
   auto err = m.initError();
-  err.setKind("signaled");
+  err.setKind(schema::FailureKind::SIGNALED);
   err.setStage(schema::StageKind::TRAINER);
   err.setRank(1);
   err.setMessage("trainer-1 killed by signal 9 in phase backward at step 17");
@@ -168,13 +169,13 @@ TEST(SchemasJsonTest, ManifestRoundTrip) {
   stages[0].setStage(schema::StageKind::TRAINER);
   stages[0].setRank(0);
   stages[0].setPid(1234);
-  stages[0].setState("torn_down");
+  stages[0].setState(schema::ProcessState::TORN_DOWN);
   stages[0].setExitCode(-1);
   stages[0].setSignal(15);
   stages[0].setLastStep(17);
   stages[1].setStage(schema::StageKind::TRAINER);
   stages[1].setRank(1);
-  stages[1].setState("signaled");
+  stages[1].setState(schema::ProcessState::SIGNALED);
   stages[1].setSignal(9);
   m.setLatestCheckpoint("checkpoints/step_00000010");
   m.setLatestCheckpointStep(10);
@@ -293,3 +294,91 @@ TEST(RunLayoutTest, ShmPrefixIsAFunctionOfAValidRunId) {
   EXPECT_FALSE(megacpp::layout::valid_run_id(std::string(65, 'a')));
   EXPECT_THROW(megacpp::layout::shm_prefix("/", 0), megacpp::Error);
 }
+
+namespace megacpp {
+namespace {
+
+// Every enumerant of the typed-failure enums is named (in the JSON files and logs) by the
+// snake_case word the Text fields carried before them.
+TEST(SchemasEnums, EveryEnumerantHasItsSnakeCaseName) {
+  const std::vector<std::pair<schema::FailureKind, std::string>> kinds = {
+      {schema::FailureKind::NONE, ""},
+      {schema::FailureKind::EXITED, "exited"},
+      {schema::FailureKind::SIGNALED, "signaled"},
+      {schema::FailureKind::HUNG, "hung"},
+      {schema::FailureKind::HEARTBEAT_LOST, "heartbeat_lost"},
+      {schema::FailureKind::EXCEPTION, "exception"},
+      {schema::FailureKind::INTERRUPTED, "interrupted"},
+      {schema::FailureKind::UNKILLABLE, "unkillable"},
+      {schema::FailureKind::TORN_DOWN, "torn_down"},
+      {schema::FailureKind::STALLED, "stalled"},
+      {schema::FailureKind::INCOMPLETE, "incomplete"},
+      {schema::FailureKind::ORPHANED, "orphaned"}};
+  ASSERT_EQ(kinds.size(), capnp::Schema::from<schema::FailureKind>().getEnumerants().size());
+  const std::vector<std::pair<schema::FailureRole, std::string>> roles = {
+      {schema::FailureRole::NONE, ""},
+      {schema::FailureRole::FIRST_FAILURE, "first_failure"},
+      {schema::FailureRole::VICTIM, "victim"},
+      {schema::FailureRole::TORN_DOWN, "torn_down"}};
+  ASSERT_EQ(roles.size(), capnp::Schema::from<schema::FailureRole>().getEnumerants().size());
+  const std::vector<std::pair<schema::ProcessState, std::string>> states = {
+      {schema::ProcessState::STARTED, "started"},
+      {schema::ProcessState::FINISHED, "finished"},
+      {schema::ProcessState::EXITED, "exited"},
+      {schema::ProcessState::SIGNALED, "signaled"},
+      {schema::ProcessState::UNKILLABLE, "unkillable"},
+      {schema::ProcessState::TORN_DOWN, "torn_down"}};
+  ASSERT_EQ(states.size(), capnp::Schema::from<schema::ProcessState>().getEnumerants().size());
+
+  // Through the JSON codec: a manifest whose error kind, stage state and role are each
+  // enumerant carries the name as its JSON string, and reads back to the same enumerant.
+  auto check = [](auto set, auto get, const auto& table) {
+    for (const auto& [value, want] : table) {
+      EXPECT_EQ(std::string(schemas::name(value)), want);
+      capnp::MallocMessageBuilder message;
+      auto m = message.initRoot<schema::Manifest>();
+      set(m, value);
+      const std::string json = schemas::to_json(m.asReader());
+      EXPECT_NE(json.find(": \"" + want + "\""), std::string::npos) << json;
+      schemas::JsonDocument<schema::Manifest> doc(json, "manifest.json");
+      EXPECT_EQ(get(doc.get()), value) << json;
+    }
+  };
+  check([](schema::Manifest::Builder m, schema::FailureKind k) { m.initError().setKind(k); },
+        [](schema::Manifest::Reader m) { return m.getError().getKind(); }, kinds);
+  check([](schema::Manifest::Builder m, schema::FailureRole r) { m.initStages(1)[0].setRole(r); },
+        [](schema::Manifest::Reader m) { return m.getStages()[0].getRole(); }, roles);
+  check(
+      [](schema::Manifest::Builder m, schema::ProcessState st) { m.initStages(1)[0].setState(st); },
+      [](schema::Manifest::Reader m) { return m.getStages()[0].getState(); }, states);
+}
+
+// core ErrorKind and schema::ErrorKind correspond one to one through to_schema/from_schema;
+// the schema's foreign kinds (capnp, c10, std, unknown) have no core counterpart.
+TEST(SchemasEnums, ErrorKindConversionCoversEveryEnumerant) {
+  const ErrorKind core[] = {
+      ErrorKind::kInvalidArgument, ErrorKind::kSystem,      ErrorKind::kZmq,
+      ErrorKind::kProtocol,        ErrorKind::kCorruption,  ErrorKind::kTimeout,
+      ErrorKind::kPeerFailure,     ErrorKind::kInterrupted, ErrorKind::kInternal};
+  for (ErrorKind k : core) {
+    EXPECT_EQ(schemas::from_schema(schemas::to_schema(k)), k) << to_string(k);
+    EXPECT_EQ(schemas::name(schemas::to_schema(k)), to_string(k));
+    EXPECT_EQ(schemas::error_kind_named(to_string(k)), schemas::to_schema(k));
+  }
+  size_t mapped = 0;
+  for (auto e : capnp::Schema::from<schema::ErrorKind>().getEnumerants()) {
+    const auto value = static_cast<schema::ErrorKind>(e.getOrdinal());
+    if (auto k = schemas::from_schema(value)) {
+      ++mapped;
+      EXPECT_EQ(schemas::to_schema(*k), value);
+    } else {
+      const std::string n(schemas::name(value));
+      EXPECT_TRUE(n == "capnp" || n == "c10" || n == "std" || n == "unknown") << n;
+    }
+  }
+  EXPECT_EQ(mapped, std::size(core));
+  EXPECT_EQ(schemas::name(schema::ErrorKind::PEER_FAILURE), "peer_failure");
+}
+
+}  // namespace
+}  // namespace megacpp

@@ -310,7 +310,7 @@ TEST(StageFault, ThrowWritesDumpAndReportsFailure) {
       auto f = m->root().getFailure();
       EXPECT_EQ(f.getStage(), StageKind::COLLECTOR);
       EXPECT_EQ(s(f.getKind()), "exception");
-      EXPECT_EQ(s(f.getErrorKind()), "internal");
+      EXPECT_EQ(f.getErrorKind(), schema::ErrorKind::INTERNAL);
       EXPECT_NE(s(f.getMessage()).find("injected fault at fold step 2"), std::string::npos);
       EXPECT_EQ(f.getStep(), 2u);
       failure_mono = f.getMonoNs();
