@@ -235,8 +235,7 @@ class ControlClient {
   // foreign kinds), NONE when the failure is no exception;
   // `mono_ns` is when the process met the failure (0: now).
   void report_failure(const std::string& kind, const std::string& message,
-                      schema::ErrorKind error_kind = schema::ErrorKind::NONE,
-                      int64_t mono_ns = 0);
+                      schema::ErrorKind error_kind = schema::ErrorKind::NONE, int64_t mono_ns = 0);
 
  private:
   struct State;

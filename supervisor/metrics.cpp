@@ -250,7 +250,8 @@ void Metrics::add_exit(schema::StageKind stage, schema::FailureKind reason) {
                 fmt::format("{} ({}) is not an exit reason", schemas::name(reason),
                             static_cast<uint16_t>(reason)));
   std::lock_guard lock(state_->mu);
-  ++state_->exits[{std::string(layout::stage_name(stage)), std::string(detail::exit_label(reason))}];
+  ++state_
+        ->exits[{std::string(layout::stage_name(stage)), std::string(detail::exit_label(reason))}];
   // The other reasons of this stage kind exist from now on too.
   for (auto r : detail::kExitReasons) {
     state_->exits.try_emplace(

@@ -36,6 +36,7 @@
 #include "schemas/run_layout.h"
 #include "stages/collector/collector.h"
 #include "supervisor/console.h"
+#include "supervisor/failure_policy.h"
 #include "supervisor/metrics.h"
 #include "supervisor/process.h"
 #include "supervisor/rendezvous.h"
@@ -115,9 +116,7 @@ struct Child {
   std::string restart_cause{};
 };
 
-// How long a stage killed for a restart may take to be reaped before its restart is abandoned
-// and the run fails (a process in uninterruptible I/O, or unmapping a very large region).
-constexpr double kRestartReapBoundSeconds = 10;
+using policy::Event;
 
 struct Failure {
   schema::FailureKind kind = schema::FailureKind::NONE;
@@ -178,72 +177,6 @@ std::string git_revision(bool& dirty) {
 }
 
 // One observed failure, before roles are assigned.
-struct Event {
-  schema::FailureKind kind = schema::FailureKind::NONE;
-  std::string message;
-  int64_t evidence_ns = 0;  // when the cause happened
-  int64_t detected_ns = 0;  // when the supervisor learned of it
-  Phase phase = Phase::STARTUP;
-  uint32_t step = 0;
-  // False when evidence_ns is only the detection time (a death: see reap()).
-  bool evidence_measured = true;
-  // kind exception: what the process said it met (peer_failure / timeout: a victim's claim).
-  schema::ErrorKind error_kind = schema::ErrorKind::UNKNOWN;
-  // kind hung: judged by the stage's own progress watchdog (its working thread stalled), not
-  // a process that made no progress in a phase, perhaps waiting on another.
-  bool own_progress = false;
-};
-
-// How telling an event is about the cause of a failure; lower wins (then earlier evidence):
-// a process's own death, throw or silence; then a hang (the process may be waiting on
-// another); then a victim's claim (it threw because a peer or a collective failed); last, a
-// consequence of the teardown.
-int evidence_rank(const Event& ev) {
-  switch (ev.kind) {
-    case schema::FailureKind::EXITED:
-    case schema::FailureKind::SIGNALED:
-    case schema::FailureKind::HEARTBEAT_LOST:
-    case schema::FailureKind::INTERRUPTED:
-    case schema::FailureKind::UNKILLABLE:
-    case schema::FailureKind::STALLED:
-      return 1;
-    case schema::FailureKind::HUNG:
-      return ev.own_progress ? 1 : 2;
-    case schema::FailureKind::EXCEPTION:
-      switch (ev.error_kind) {
-        case schema::ErrorKind::PEER_FAILURE:
-        case schema::ErrorKind::TIMEOUT:
-          return 3;
-        case schema::ErrorKind::INVALID_ARGUMENT:
-        case schema::ErrorKind::SYSTEM:
-        case schema::ErrorKind::ZMQ:
-        case schema::ErrorKind::PROTOCOL:
-        case schema::ErrorKind::CORRUPTION:
-        case schema::ErrorKind::INTERRUPTED:
-        case schema::ErrorKind::INTERNAL:
-        case schema::ErrorKind::CAPNP:
-        case schema::ErrorKind::C10:
-        case schema::ErrorKind::STD:
-        case schema::ErrorKind::UNKNOWN:
-        case schema::ErrorKind::NONE:
-          return 1;
-      }
-      return 1;
-    case schema::FailureKind::TORN_DOWN:
-      return 9;
-    case schema::FailureKind::NONE:
-    case schema::FailureKind::INCOMPLETE:
-    case schema::FailureKind::ORPHANED:
-      break;  // not events the supervisor records
-  }
-  return 9;
-}
-
-bool more_telling(const Event& a, const Event& b) {
-  return std::make_tuple(evidence_rank(a), a.evidence_ns) <
-         std::make_tuple(evidence_rank(b), b.evidence_ns);
-}
-
 // How long a SIGKILLed child may take to be reaped before the supervisor gives up on it: a
 // process in uninterruptible sleep (stuck I/O) outlives SIGKILL until the I/O completes,
 // which may be never. It is then named unkillable and not waited for.
@@ -251,7 +184,7 @@ constexpr double kKillWaitS = 1.0;
 
 class Run {
  public:
-  explicit Run(RunOptions o) : opt_(std::move(o)) {}
+  explicit Run(RunOptions o) : opt_(std::move(o)), budgets_(budgets_of(opt_)) {}
   ~Run() { cleanup(); }
   Run(const Run&) = delete;
   Run& operator=(const Run&) = delete;
@@ -297,11 +230,20 @@ class Run {
   double stall_budget(StageKind s) const;
   const Child* waited_on(const Child& trainer);
   void check_stage_progress(Child& c, int64_t now);
-  static bool restartable(StageKind s) {
-    return s == StageKind::COLLECTOR || s == StageKind::DATA_LOADER || s == StageKind::CHECKPOINTER;
+
+  static policy::Budgets budgets_of(const RunOptions& o) {
+    return policy::Budgets{o.startup_budget_s,
+                           o.hang_budget_s,
+                           o.hang_multiple,
+                           o.heartbeat_timeout_s,
+                           o.heartbeat_interval_ms / 1000.0,
+                           o.collector_stall_s,
+                           o.loader_stall_s,
+                           o.checkpointer_stall_s};
   }
 
   RunOptions opt_;
+  policy::Budgets budgets_;
   recipe::Recipe recipe_;
   fs::path run_;
   fs::path sock_dir_;
@@ -607,15 +549,7 @@ void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, schema::Ch
 }
 
 double Run::phase_budget(const Child& c) const {
-  if (c.stage != StageKind::TRAINER || c.step == 0 || c.phase == Phase::STARTUP)
-    return opt_.startup_budget_s;
-  double median = 0;
-  if (!step_samples_.empty()) {
-    std::vector<double> v = step_samples_;
-    std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
-    median = v[v.size() / 2];
-  }
-  return std::max(opt_.hang_budget_s, opt_.hang_multiple * median);
+  return policy::phase_budget(budgets_, c.stage, c.step, c.phase, step_samples_);
 }
 
 void Run::on_message(ipc::Received& m) {
@@ -636,7 +570,7 @@ void Run::on_message(ipc::Received& m) {
     case schema::ControlMessage::HEARTBEAT: {
       auto h = root.getHeartbeat();
       // A heartbeat queued by a previous generation (killed for a restart) proves nothing.
-      if (h.getGeneration() != c->generation) break;
+      if (!policy::heartbeat_counts(h.getGeneration(), c->generation)) break;
       c->heartbeat_ns = now;
       c->seen = true;
       if (h.getPhaseStartedMonoNs() > 0) c->phase_started_ns = h.getPhaseStartedMonoNs();
@@ -668,9 +602,9 @@ void Run::on_message(ipc::Received& m) {
                                    : std::string(schemas::name(error_kind));
       log_warn("{} reports {} ({}): {}", c->name, f.getKind().cStr(), said, f.getMessage().cStr());
       // A restartable stage's failure is acted on when it exits (restart or fail).
-      if (restartable(c->stage)) break;
+      if (policy::restartable(c->stage)) break;
       // A rank that failed because a peer or a collective did is a victim, not a cause
-      // (evidence_rank): the Failure names its error kind, typed here.
+      // (policy::evidence_of): the Failure names its error kind.
       Event ev{schema::FailureKind::EXCEPTION,
                fmt::format("{}: {}", said, f.getMessage().cStr()),
                f.getMonoNs() > 0 ? f.getMonoNs() : now,
@@ -691,18 +625,18 @@ void Run::record(Child& c, Event ev) {
     detected_ns_ = ev.detected_ns;
     log_error("failure detected: {} {}: {}", c.name, schemas::name(ev.kind), ev.message);
   }
-  // Keep the most telling event per process: lower priority value, then earlier evidence.
-  // Events that arrive after teardown began are consequences of it, except a process's own
-  // report of something it met before the SIGTERM.
-  if (teardown_started_ns_ != 0 && ev.evidence_ns >= teardown_started_ns_) return;
+  // Keep the most telling event per process (policy::more_telling).
+  if (!policy::admitted(ev, teardown_started_ns_)) return;
   auto it = events_.find(c.name);
-  if (it == events_.end() || more_telling(ev, it->second)) {
+  if (it == events_.end() || policy::more_telling(ev, it->second)) {
     events_[c.name] = std::move(ev);
   }
 }
 
 void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
-  if (detected_ns_ == 0 && !done_ && restartable(c.stage) && c.restarts < opt_.max_restarts) {
+  const policy::Restart decision =
+      policy::decide_restart(c.stage, c.restarts, opt_.max_restarts, detected_ns_ != 0, done_);
+  if (decision == policy::Restart::kRestart) {
     ++c.restarts;
     log_warn("{}: {}; restarting it ({} of at most {})", c.name, why, c.restarts,
              opt_.max_restarts);
@@ -720,7 +654,7 @@ void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
     launch(c.stage, c.rank, c.generation + 1, schema::ChildReason::RESTART, c.restart_cause);
     return;
   }
-  if (restartable(c.stage) && c.restarts >= opt_.max_restarts) {
+  if (decision == policy::Restart::kExhausted) {
     ev.message += fmt::format(" (after {} restarts)", c.restarts);
   }
   record(c, std::move(ev));
@@ -840,25 +774,12 @@ void Run::on_signals() {
 }
 
 double Run::stall_budget(StageKind s) const {
-  switch (s) {
-    case StageKind::COLLECTOR:
-      return opt_.collector_stall_s;
-    case StageKind::DATA_LOADER:
-      return opt_.loader_stall_s;
-    case StageKind::CHECKPOINTER:
-      return opt_.checkpointer_stall_s;
-    default:
-      return opt_.startup_budget_s;
-  }
+  return policy::stall_budget(budgets_, s);
 }
 
-// The stage a trainer is waiting on in its current phase, if any.
 const Child* Run::waited_on(const Child& trainer) {
-  if (trainer.phase == Phase::WAIT_BATCH)
-    return by_name(layout::process_name(StageKind::DATA_LOADER, 0));
-  if (trainer.phase == Phase::SNAPSHOT)
-    return by_name(layout::process_name(StageKind::CHECKPOINTER, 0));
-  return nullptr;
+  const auto stage = policy::waited_on(trainer.phase);
+  return stage ? by_name(layout::process_name(*stage, 0)) : nullptr;
 }
 
 // A restartable stage is judged by its working thread's progress stamp, never by its
@@ -895,23 +816,19 @@ void Run::check_liveness() {
   const int64_t now = mono_ns();
   for (auto& c : children_) {
     if (c.dying_pid != 0 &&
-        static_cast<double>(now - c.dying_since_ns) / 1e9 > kRestartReapBoundSeconds) {
+        policy::restart_reap_overdue(static_cast<double>(now - c.dying_since_ns) / 1e9)) {
       record(c, Event{schema::FailureKind::UNKILLABLE,
                       fmt::format("{} (pid {}) did not exit within {:.0f}s of SIGKILL; its restart "
                                   "is abandoned (two generations would share its resources)",
-                                  c.name, c.dying_pid, kRestartReapBoundSeconds),
+                                  c.name, c.dying_pid, policy::kRestartReapBoundSeconds),
                       c.dying_since_ns, now, c.phase, c.step});
-      give_up_on(c, kRestartReapBoundSeconds);
+      give_up_on(c, policy::kRestartReapBoundSeconds);
       continue;
     }
     if (!c.alive || c.stop_sent) continue;
     const double budget = phase_budget(c);
     const double silent = static_cast<double>(now - c.heartbeat_ns) / 1e9;
-    // Until a process has said hello it is starting (loading libraries, attaching shm): the
-    // start-up budget applies, not the heartbeat timeout.
-    const double silence_limit =
-        c.seen ? std::min(opt_.heartbeat_timeout_s, budget) : opt_.startup_budget_s;
-    if (silent > silence_limit) {
+    if (silent > policy::silence_limit(budgets_, c.seen, budget)) {
       restart_or_fail(
           c, fmt::format("stalled: no heartbeat for {:.1f}s", silent),
           Event{schema::FailureKind::HEARTBEAT_LOST,
@@ -920,27 +837,22 @@ void Run::check_liveness() {
                 c.heartbeat_ns, now, c.phase, c.step});
       continue;
     }
-    if (restartable(c.stage)) {
+    if (policy::restartable(c.stage)) {
       check_stage_progress(c, now);
       continue;
     }
     if (c.stage != StageKind::TRAINER) continue;
-    // A rank waiting on the loader or the checkpointer is not judged before that stage has
-    // had its own budget (and a restart) to act: its clock starts no earlier than the stage's
-    // latest launch, and its budget covers the stage's stall budget.
-    int64_t since = std::max(c.phase_started_ns, c.progress_ns);
-    double rank_budget = budget;
-    if (const Child* dep = waited_on(c)) {
-      since = std::max(since, dep->started_ns);
-      rank_budget = std::max(budget, stall_budget(dep->stage) + opt_.heartbeat_timeout_s);
-    }
+    const Child* dep = waited_on(c);
+    const auto clock = policy::rank_clock(budgets_, c.phase_started_ns, c.progress_ns, budget,
+                                          dep ? std::optional(dep->stage) : std::nullopt,
+                                          dep ? dep->started_ns : 0);
+    const int64_t since = clock.since_ns;
+    const double rank_budget = clock.budget_s;
     const double in_phase = static_cast<double>(now - since) / 1e9;
-    // A rank starved of batches while its ring is empty points at the loader, which is
-    // restartable: act on the loader before the rank's own budget runs out.
-    if (c.phase == Phase::WAIT_BATCH && c.rank < ring_views_.size() &&
-        ring_views_[c.rank]->depth() == 0 && in_phase > opt_.heartbeat_timeout_s) {
-      if (Child* loader = by_name(layout::process_name(StageKind::DATA_LOADER, 0));
-          loader && loader->alive) {
+    if (c.rank < ring_views_.size()) {
+      Child* loader = by_name(layout::process_name(StageKind::DATA_LOADER, 0));
+      if (policy::loader_starves_rank(budgets_, c.phase, ring_views_[c.rank]->depth(), in_phase,
+                                      loader != nullptr && loader->alive)) {
         loader->heartbeat_ns = now;  // one restart per stall, not one per starving rank
         c.phase_started_ns = now;
         restart_or_fail(
@@ -962,15 +874,12 @@ void Run::check_liveness() {
               since, now, c.phase, c.step});
     }
   }
-  // A rank hung in a collective is usually waiting on a peer that went silent a moment
-  // later than it entered the collective, so the peer may not have crossed its own silence
-  // limit yet. Record every process already silent for three heartbeat intervals: the
-  // priority rule then names the silent one, not the rank waiting on it.
+  // The hang sweep (policy::swept_as_silent).
   if (detected_ns_ != 0) {
-    const double quiet = 3.0 * opt_.heartbeat_interval_ms / 1000.0;
     for (auto& c : children_) {
       const double silent = static_cast<double>(now - c.heartbeat_ns) / 1e9;
-      if (c.alive && c.seen && !c.stop_sent && silent > quiet && !events_.contains(c.name)) {
+      if (policy::swept_as_silent(budgets_, detected_ns_ != 0, c.alive, c.seen, c.stop_sent,
+                                  events_.contains(c.name), silent)) {
         record(c, Event{schema::FailureKind::HEARTBEAT_LOST,
                         fmt::format("{} (pid {}) sent no heartbeat for {:.1f}s (phase {}, step {}) "
                                     "while a peer hung",
@@ -1155,7 +1064,7 @@ void Run::teardown() {
     // delays the teardown.
     auto ev = events_.find(c.name);
     bool silent = ev != events_.end() && ev->second.kind == schema::FailureKind::HEARTBEAT_LOST;
-    kill_child(c, silent || detail::process_state(c.pid) == 'T' ? SIGKILL : SIGTERM);
+    kill_child(c, policy::teardown_signal(silent, detail::process_state(c.pid)));
   }
   auto none_alive = [&] {
     for (const auto& c : children_) {
@@ -1201,17 +1110,15 @@ std::vector<std::string> tail_lines(const fs::path& path, size_t n) {
 }
 
 void Run::classify() {
-  // Exactly one first failure: the process whose own evidence (death, exception, silence) is
-  // the earliest; hangs only when nothing died or went silent; a victim's claim last.
-  const Event* first = nullptr;
-  std::string first_name;
-  for (const auto& [name, ev] : events_) {
-    if (first == nullptr || more_telling(ev, *first)) {
-      first = &ev;
-      first_name = name;
-    }
+  // Exactly one first failure (policy::assign_roles).
+  std::vector<std::string> abnormal;
+  for (const auto& c : children_) {
+    if (c.exit_code != 0 || c.signal != 0) abnormal.push_back(c.name);
   }
-  if (first == nullptr) return;
+  const policy::Roles roles = policy::assign_roles(events_, abnormal);
+  if (roles.first_failure.empty()) return;
+  const std::string& first_name = roles.first_failure;
+  const Event* first = &events_.at(first_name);
   auto stage_rank = [&](const std::string& name) -> std::pair<StageKind, uint32_t> {
     if (name == "supervisor-0") return {StageKind::SUPERVISOR, 0};
     Child* c = by_name(name);
@@ -1254,19 +1161,16 @@ void Run::classify() {
     });
   };
   journal_event(first_name, *first, schema::FailureRole::FIRST_FAILURE);
-  for (const auto& [name, ev] : events_) {
-    if (name != first_name) journal_event(name, ev, schema::FailureRole::VICTIM);
+  for (const auto& name : roles.victims) {
+    journal_event(name, events_.at(name), schema::FailureRole::VICTIM);
   }
-  for (const auto& c : children_) {
-    if (events_.contains(c.name)) continue;
-    bool torn = c.exit_code != 0 || c.signal != 0;
-    if (torn) {
-      journal_event(c.name,
-                    Event{schema::FailureKind::TORN_DOWN,
-                          fmt::format("{} was stopped by the teardown", c.name),
-                          teardown_started_ns_, teardown_started_ns_, c.phase, c.step},
-                    schema::FailureRole::TORN_DOWN);
-    }
+  for (const auto& name : roles.torn_down) {
+    const Child& c = *by_name(name);
+    journal_event(
+        c.name,
+        Event{schema::FailureKind::TORN_DOWN, fmt::format("{} was stopped by the teardown", c.name),
+              teardown_started_ns_, teardown_started_ns_, c.phase, c.step},
+        schema::FailureRole::TORN_DOWN);
   }
 }
 

@@ -193,9 +193,9 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       child.see_pid(mono, ev.getPid());
       Process::latest(child.started_mono, mono);
       // A journal written before ChildReason carries the reason as text in `note`.
-      const bool restart = ev.getChildReason() == schema::ChildReason::RESTART ||
-                           (ev.getChildReason() == schema::ChildReason::NONE &&
-                            ev.getNote() == "restart");
+      const bool restart =
+          ev.getChildReason() == schema::ChildReason::RESTART ||
+          (ev.getChildReason() == schema::ChildReason::NONE && ev.getNote() == "restart");
       if (restart) {
         ++child.restarts;
         child.restart_causes.emplace_back(ev.hasCause() ? ev.getCause().cStr() : "");
