@@ -149,8 +149,7 @@ RankClock rank_clock(const Budgets& b, int64_t phase_started_ns, int64_t progres
   RankClock clock{std::max(phase_started_ns, progress_ns), phase_budget_s};
   if (dependency) {
     clock.since_ns = std::max(clock.since_ns, dependency_started_ns);
-    clock.budget_s =
-        std::max(phase_budget_s, stall_budget(b, *dependency) + b.heartbeat_timeout_s);
+    clock.budget_s = std::max(phase_budget_s, stall_budget(b, *dependency) + b.heartbeat_timeout_s);
   }
   return clock;
 }

@@ -74,9 +74,9 @@ Roles assign_roles(const std::map<std::string, Event>& events,
 bool restartable(schema::StageKind stage);
 
 enum class Restart : uint8_t {
-  kRestart,     // kill (if alive) and relaunch the stage as its next generation
-  kFail,        // record the event: the run fails
-  kExhausted,   // record the event, noting the restarts already spent
+  kRestart,    // kill (if alive) and relaunch the stage as its next generation
+  kFail,       // record the event: the run fails
+  kExhausted,  // record the event, noting the restarts already spent
 };
 // Restarts happen only while the run is healthy (no failure detected) and not finishing.
 Restart decide_restart(schema::StageKind stage, uint32_t restarts, uint32_t max_restarts,
@@ -101,8 +101,8 @@ struct Budgets {
 // The budget of a process's current phase: the start-up budget for a process that is not a
 // trainer past its first step; for a trainer, max(hang_s, hang_multiple × median step time)
 // over `step_seconds` (empty: hang_s).
-double phase_budget(const Budgets& b, schema::StageKind stage, uint32_t step,
-                    schema::Phase phase, std::span<const double> step_seconds);
+double phase_budget(const Budgets& b, schema::StageKind stage, uint32_t step, schema::Phase phase,
+                    std::span<const double> step_seconds);
 
 // How long a restartable stage may go without progress (start-up budget for the others).
 double stall_budget(const Budgets& b, schema::StageKind stage);

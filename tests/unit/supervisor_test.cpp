@@ -147,30 +147,30 @@ TEST_P(Evidence_, ClassifiesTheEvent) {
 
 INSTANTIATE_TEST_SUITE_P(
     FailurePolicy, Evidence_,
-    ::testing::Values(
-        EvidenceCase{"a death by exit is the process's own", ev(FailureKind::EXITED, 0),
-                     Evidence::kOwn},
-        EvidenceCase{"a death by signal is the process's own", ev(FailureKind::SIGNALED, 0),
-                     Evidence::kOwn},
-        EvidenceCase{"silence is the process's own", ev(FailureKind::HEARTBEAT_LOST, 0),
-                     Evidence::kOwn},
-        EvidenceCase{"a stage that starved its consumers is its own", ev(FailureKind::STALLED, 0),
-                     Evidence::kOwn},
-        EvidenceCase{"outliving SIGKILL is the process's own", ev(FailureKind::UNKILLABLE, 0),
-                     Evidence::kOwn},
-        EvidenceCase{"a hang in a phase may be waiting on another", ev(FailureKind::HUNG, 0),
-                     Evidence::kHang},
-        EvidenceCase{"a timeout thrown by a collective is a victim's claim",
-                     ev(FailureKind::EXCEPTION, 0, ErrorKind::TIMEOUT), Evidence::kVictimClaim},
-        EvidenceCase{"a peer failure thrown by a collective is a victim's claim",
-                     ev(FailureKind::EXCEPTION, 0, ErrorKind::PEER_FAILURE),
-                     Evidence::kVictimClaim},
-        EvidenceCase{"a foreign exception is the process's own",
-                     ev(FailureKind::EXCEPTION, 0, ErrorKind::C10), Evidence::kOwn},
-        EvidenceCase{"a failure reported without an error kind is the process's own",
-                     ev(FailureKind::EXCEPTION, 0, ErrorKind::NONE), Evidence::kOwn},
-        EvidenceCase{"being torn down is a consequence", ev(FailureKind::TORN_DOWN, 0),
-                     Evidence::kTeardown}));
+    ::testing::Values(EvidenceCase{"a death by exit is the process's own",
+                                   ev(FailureKind::EXITED, 0), Evidence::kOwn},
+                      EvidenceCase{"a death by signal is the process's own",
+                                   ev(FailureKind::SIGNALED, 0), Evidence::kOwn},
+                      EvidenceCase{"silence is the process's own",
+                                   ev(FailureKind::HEARTBEAT_LOST, 0), Evidence::kOwn},
+                      EvidenceCase{"a stage that starved its consumers is its own",
+                                   ev(FailureKind::STALLED, 0), Evidence::kOwn},
+                      EvidenceCase{"outliving SIGKILL is the process's own",
+                                   ev(FailureKind::UNKILLABLE, 0), Evidence::kOwn},
+                      EvidenceCase{"a hang in a phase may be waiting on another",
+                                   ev(FailureKind::HUNG, 0), Evidence::kHang},
+                      EvidenceCase{"a timeout thrown by a collective is a victim's claim",
+                                   ev(FailureKind::EXCEPTION, 0, ErrorKind::TIMEOUT),
+                                   Evidence::kVictimClaim},
+                      EvidenceCase{"a peer failure thrown by a collective is a victim's claim",
+                                   ev(FailureKind::EXCEPTION, 0, ErrorKind::PEER_FAILURE),
+                                   Evidence::kVictimClaim},
+                      EvidenceCase{"a foreign exception is the process's own",
+                                   ev(FailureKind::EXCEPTION, 0, ErrorKind::C10), Evidence::kOwn},
+                      EvidenceCase{"a failure reported without an error kind is the process's own",
+                                   ev(FailureKind::EXCEPTION, 0, ErrorKind::NONE), Evidence::kOwn},
+                      EvidenceCase{"being torn down is a consequence",
+                                   ev(FailureKind::TORN_DOWN, 0), Evidence::kTeardown}));
 
 TEST(FailurePolicy, MoreTellingThenEarlier) {
   // Same class: the earlier evidence wins.
@@ -178,8 +178,8 @@ TEST(FailurePolicy, MoreTellingThenEarlier) {
   EXPECT_FALSE(more_telling(ev(FailureKind::EXITED, 2), ev(FailureKind::SIGNALED, 1)));
   // Class before time.
   EXPECT_TRUE(more_telling(ev(FailureKind::EXITED, 9), ev(FailureKind::HUNG, 1)));
-  EXPECT_TRUE(more_telling(ev(FailureKind::HUNG, 9),
-                           ev(FailureKind::EXCEPTION, 1, ErrorKind::TIMEOUT)));
+  EXPECT_TRUE(
+      more_telling(ev(FailureKind::HUNG, 9), ev(FailureKind::EXCEPTION, 1, ErrorKind::TIMEOUT)));
 }
 
 TEST(FailurePolicy, EventsAfterTheTeardownBeganAreItsConsequences) {
@@ -212,21 +212,21 @@ TEST_P(Restart_, Decides) {
 
 INSTANTIATE_TEST_SUITE_P(
     FailurePolicy, Restart_,
-    ::testing::Values(
-        RestartCase{"a failed collector is restarted", StageKind::COLLECTOR, 0, false, false,
-                    Restart::kRestart},
-        RestartCase{"a failed data loader is restarted", StageKind::DATA_LOADER, 2, false, false,
-                    Restart::kRestart},
-        RestartCase{"a failed checkpointer is restarted", StageKind::CHECKPOINTER, 0, false,
-                    false, Restart::kRestart},
-        RestartCase{"a trainer rank is never restarted", StageKind::TRAINER, 0, false, false,
-                    Restart::kFail},
-        RestartCase{"the restart budget spent, the run fails naming the restarts",
-                    StageKind::COLLECTOR, 3, false, false, Restart::kExhausted},
-        RestartCase{"no restart once a failure was detected (the run is being torn down)",
-                    StageKind::DATA_LOADER, 0, true, false, Restart::kFail},
-        RestartCase{"no restart while the run is finishing", StageKind::CHECKPOINTER, 0, false,
-                    true, Restart::kFail}));
+    ::testing::Values(RestartCase{"a failed collector is restarted", StageKind::COLLECTOR, 0, false,
+                                  false, Restart::kRestart},
+                      RestartCase{"a failed data loader is restarted", StageKind::DATA_LOADER, 2,
+                                  false, false, Restart::kRestart},
+                      RestartCase{"a failed checkpointer is restarted", StageKind::CHECKPOINTER, 0,
+                                  false, false, Restart::kRestart},
+                      RestartCase{"a trainer rank is never restarted", StageKind::TRAINER, 0, false,
+                                  false, Restart::kFail},
+                      RestartCase{"the restart budget spent, the run fails naming the restarts",
+                                  StageKind::COLLECTOR, 3, false, false, Restart::kExhausted},
+                      RestartCase{
+                          "no restart once a failure was detected (the run is being torn down)",
+                          StageKind::DATA_LOADER, 0, true, false, Restart::kFail},
+                      RestartCase{"no restart while the run is finishing", StageKind::CHECKPOINTER,
+                                  0, false, true, Restart::kFail}));
 
 TEST(FailurePolicy, RestartableStages) {
   EXPECT_TRUE(restartable(StageKind::COLLECTOR));
@@ -338,10 +338,10 @@ INSTANTIATE_TEST_SUITE_P(
         SweepCase{"not a process that already has an event", true, true, true, false, true, 5,
                   false},
         SweepCase{"not a process asked to stop", true, true, true, true, false, 5, false},
-        SweepCase{"not a process that never said hello (still starting)", true, true, false,
-                  false, false, 5, false},
-        SweepCase{"not a dead process (its death is its event)", true, false, true, false, false,
-                  5, false}));
+        SweepCase{"not a process that never said hello (still starting)", true, true, false, false,
+                  false, 5, false},
+        SweepCase{"not a dead process (its death is its event)", true, false, true, false, false, 5,
+                  false}));
 
 TEST(FailurePolicy, TeardownSignal) {
   EXPECT_EQ(teardown_signal(false, 'S'), SIGTERM) << "a live process gets its grace period";

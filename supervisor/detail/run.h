@@ -1,0 +1,188 @@
+// The supervisor's run of one job, shared by the files that implement it (not a public
+// header: supervisor.h is). One Run per `megacpp run`; its members are split by what they
+// do: run_dir.cpp (validation, run directory, launch contract), children.cpp (spawn, reap,
+// signals), watch.cpp (the watch loop and the run's lifecycle), teardown.cpp (teardown and
+// cleanup), report.cpp (roles, the final journal records, the report, `megacpp status`),
+// reconcile.cpp (orphaned runs). The rules the watch loop applies are failure_policy.h's.
+//
+// Blocking: the watch loop blocks only in its poll with a 100 ms timeout over the control
+// ROUTER and a signalfd (SIGCHLD, SIGINT, SIGTERM). Every wait for a child is bounded.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/knobs.h"
+#include "ipc/ipc.h"
+#include "recipes/recipe.h"
+#include "schemas/common.capnp.h"
+#include "supervisor/console.h"
+#include "supervisor/failure_policy.h"
+#include "supervisor/metrics.h"
+#include "supervisor/rendezvous.h"
+#include "supervisor/supervisor.h"
+
+namespace megacpp::supervisor {
+
+namespace fs = std::filesystem;
+using schema::Phase;
+using schema::StageKind;
+
+namespace detail {
+
+struct Child {
+  StageKind stage;
+  uint32_t rank;
+  std::string name;
+  pid_t pid = -1;
+  uint32_t generation = 0;
+  uint32_t restarts = 0;
+  bool alive = false;
+  bool seen = false;  // a Hello or heartbeat of this generation arrived
+  bool stop_sent = false;
+  int exit_code = 0;
+  int signal = 0;
+  int64_t started_ns = 0;
+  int64_t heartbeat_ns = 0;      // last heartbeat or hello (supervisor's receive time)
+  int64_t phase_started_ns = 0;  // from the heartbeat (CLOCK_MONOTONIC is shared by the host)
+  int64_t progress_ns = 0;       // last time the step advanced
+  double last_step_wall = 0;
+  uint32_t step = 0;
+  Phase phase = Phase::STARTUP;
+  double tokens = 0;
+  float loss = NAN;
+  double step_seconds = 0;
+  double lag_seconds = 0;
+  // As the working thread reported it (CLOCK_MONOTONIC of the stage; 0: not reported yet).
+  int64_t work_ns = 0;
+  uint64_t work_done = 0;
+  int64_t pending_since_ns = 0;
+  // A restart in progress: the previous generation was sent SIGKILL at dying_since_ns and
+  // the next one is launched only once dying_pid is reaped, so two generations never share
+  // a ring, a socket or the manifest.
+  pid_t dying_pid = 0;
+  int64_t dying_since_ns = 0;
+  std::string restart_cause{};
+};
+
+using policy::Event;
+
+struct Failure {
+  schema::FailureKind kind = schema::FailureKind::NONE;
+  StageKind stage = StageKind::SUPERVISOR;
+  uint32_t rank = 0;
+  std::string message;
+};
+
+// How long a SIGKILLed child may take to be reaped before the supervisor gives up on it: a
+// process in uninterruptible sleep (stuck I/O) outlives SIGKILL until the I/O completes,
+// which may be never. It is then named unkillable and not waited for.
+constexpr double kKillWaitS = 1.0;
+
+class Run {
+ public:
+  explicit Run(RunOptions o) : opt_(std::move(o)), budgets_(budgets_of(opt_)) {}
+  ~Run() { cleanup(); }
+  Run(const Run&) = delete;
+  Run& operator=(const Run&) = delete;
+
+  int execute();
+
+ private:
+  void prepare();
+  void write_launch_contract();
+  void launch(StageKind stage, uint32_t rank, uint32_t generation, schema::ChildReason reason,
+              const std::string& cause = {});
+  void watch();
+  void pump(int timeout_ms);
+  void on_message(ipc::Received& m);
+  void on_signals();
+  void reap();
+  void journal_child_exited(const Child& c, schema::ChildReason reason);
+  void check_liveness();
+  void restart_or_fail(Child& c, const std::string& why, Event ev);
+  void record(Child& c, Event ev);
+  void finish_ok();
+  void teardown();
+  void classify();
+  void journal_graph(const std::string& reason);
+  bool wait_for(const std::function<bool()>& done, double seconds);
+  void stop_child(Child& c);
+  void kill_child(const Child& c, int sig);
+  void give_up_on(const Child& c, double waited_s = kKillWaitS);
+  void journal_run_finished();
+  void update_metrics();
+  void release_ipc();
+  int report();
+  void cleanup();
+  Child* by_name(const std::string& n);
+  Child* by_pid(pid_t pid);
+  Child* by_dying_pid(pid_t pid);
+  // A generation killed for a restart was reaped: journal it and launch the next one
+  // (unless the run is ending). reap_dying() is the bounded, non-blocking form for cleanup.
+  void reaped_dying(Child& dying, int status);
+  void reap_dying();
+  bool all_trainers_done() const;
+  double phase_budget(const Child& c) const;
+  double stall_budget(StageKind s) const;
+  const Child* waited_on(const Child& trainer);
+  void check_stage_progress(Child& c, int64_t now);
+
+  static policy::Budgets budgets_of(const RunOptions& o) {
+    return policy::Budgets{o.startup_budget_s,
+                           o.hang_budget_s,
+                           o.hang_multiple,
+                           o.heartbeat_timeout_s,
+                           o.heartbeat_interval_ms / 1000.0,
+                           o.collector_stall_s,
+                           o.loader_stall_s,
+                           o.checkpointer_stall_s};
+  }
+
+  RunOptions opt_;
+  policy::Budgets budgets_;
+  recipe::Recipe recipe_;
+  fs::path run_;
+  fs::path sock_dir_;
+  bool sock_dir_private_ = false;
+  std::string run_id_, shm_prefix_, control_ep_, checkpoint_ep_;
+  std::string fs_type_, fs_device_;
+  bool fs_root_ = false;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<MetricsServer> metrics_server_;
+  std::string metrics_endpoint_;
+  std::unique_ptr<StoreServer> store_;
+  std::unique_ptr<ipc::ZmqContext> zmq_;
+  std::unique_ptr<ipc::Channel> router_;
+  std::unique_ptr<ipc::JournalWriter> journal_;
+  std::unique_ptr<ipc::JournalReader> checkpoint_journal_;
+  std::vector<std::unique_ptr<ipc::ShmRegion>> rings_;
+  std::vector<std::unique_ptr<ipc::SlotRing>> ring_views_;
+  std::vector<Child> children_;
+  std::set<pid_t> unkillable_;  // outlived SIGKILL and kKillWaitS: never waited for again
+  int sigfd_ = -1;
+  std::map<std::string, Event> events_;  // by process name: the most telling event of each
+  int64_t detected_ns_ = 0;              // first event; 0 while the run is healthy
+  int64_t teardown_started_ns_ = 0;
+  std::optional<Failure> failure_;    // the first failure, once classified
+  std::vector<double> step_samples_;  // trainer step seconds (for the median)
+  bool done_ = false;
+  bool released_ = false;
+  bool cleaned_ = false;
+  std::unique_ptr<Console> console_;
+  // MEGACPP_TEST_UNKILLABLE: the process name whose teardown signals are not sent.
+  const std::string unkillable_for_test_ = knob_string(Knob::kTestUnkillable);
+};
+
+}  // namespace detail
+}  // namespace megacpp::supervisor

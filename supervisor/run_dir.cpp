@@ -1,0 +1,328 @@
+// The run directory and the launch contract: options validated, the directory, rings and
+// rendezvous prepared, launch.json written.
+#include "supervisor/detail/run.h"
+
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <random>
+
+#include <capnp/message.h>
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "core/util.h"
+#include "ipc/ipc.h"
+#include "recipes/recipe.h"
+#include "schemas/enums.h"
+#include "schemas/json.h"
+#include "schemas/launch.capnp.h"
+#include "schemas/run_layout.h"
+#include "supervisor/metrics.h"
+#include "supervisor/process.h"
+#include "supervisor/rendezvous.h"
+#include "supervisor/supervisor.h"
+
+namespace megacpp::supervisor {
+
+void RunOptions::validate() const {
+  auto bad = [](std::string msg) {
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{}", std::move(msg));
+  };
+  if (ranks < 1 || ranks > layout::kMaxRanks)
+    bad(fmt::format("--ranks {}: must be in [1, {}]", ranks, layout::kMaxRanks));
+  if (steps < 1) bad("--steps must be >= 1");
+  if (run_dir.empty()) bad("--run-dir is required");
+  if (heartbeat_interval_ms < 10 || heartbeat_interval_ms > 10000)
+    bad("--heartbeat-ms must be in [10, 10000]");
+  if (ring_slots < 2 || ring_slots > 1024) bad("--ring-slots must be in [2, 1024]");
+  if (!(startup_budget_s > 0) || !(hang_budget_s > 0) || !(heartbeat_timeout_s > 0)) {
+    bad("--startup-budget-s, --hang-budget-s and --heartbeat-timeout-s must be > 0");
+  }
+  if (!(hang_multiple >= 1)) bad("--hang-multiple must be >= 1");
+  for (auto [flag, v] : {std::pair{"--collector-stall-s", collector_stall_s},
+                         std::pair{"--loader-stall-s", loader_stall_s},
+                         std::pair{"--checkpointer-stall-s", checkpointer_stall_s}}) {
+    if (!(v > 0) || v > 86400) bad(fmt::format("{} must be in (0, 86400]", flag));
+  }
+  if (!(teardown_grace_s >= 0) || teardown_grace_s > 30)
+    bad("--teardown-grace-s must be in [0, 30]");
+  if (max_restarts > 100) bad("--max-restarts must be <= 100");
+  if (!(metrics_linger_s >= 0) || metrics_linger_s > 3600)
+    bad("--metrics-linger-s must be in [0, 3600]");
+  if (metrics_addr.rfind(':') == std::string::npos) bad("--metrics-addr must be HOST:PORT");
+  if (progress != "auto" && progress != "tty" && progress != "plain" && progress != "none") {
+    bad("--progress must be auto, tty, plain or none");
+  }
+}
+
+namespace detail {
+
+namespace {
+
+std::string fs_type_name(long type) {
+  switch (static_cast<unsigned long>(type)) {
+    case 0xEF53:
+      return "ext4";
+    case 0x58465342:
+      return "xfs";
+    case 0x01021994:
+      return "tmpfs";
+    case 0x794c7630:
+      return "overlay";
+    case 0x9123683E:
+      return "btrfs";
+    case 0x6969:
+      return "nfs";
+    case 0x2fc12fc1:
+      return "zfs";
+    case 0x65735546:
+      return "fuse";
+    default:
+      return fmt::format("0x{:x}", static_cast<unsigned long>(type));
+  }
+}
+
+fs::path nearest_existing(fs::path p) {
+  while (!p.empty() && !fs::exists(p)) p = p.parent_path();
+  return p.empty() ? fs::path("/") : p;
+}
+
+std::string random_hex(size_t n) {
+  std::random_device rd;
+  std::string out;
+  while (out.size() < n) out += fmt::format("{:08x}", rd());
+  return out.substr(0, n);
+}
+
+// Bounded like every wait for a child: a git stuck on a lock or a slow filesystem costs at
+// most kGitTimeoutS per call and leaves the revision "unknown".
+constexpr double kGitTimeoutS = 5.0;
+
+std::string git_revision(bool& dirty) {
+  std::string rev =
+      detail::capture_output({"git", "-C", MEGACPP_SOURCE_DIR, "rev-parse", "HEAD"}, kGitTimeoutS)
+          .value_or("");
+  while (!rev.empty() && (rev.back() == '\n' || rev.back() == '\r')) rev.pop_back();
+  auto status = detail::capture_output(
+      {"git", "-C", MEGACPP_SOURCE_DIR, "status", "--porcelain", "--untracked-files=no"},
+      kGitTimeoutS);
+  dirty = status && !status->empty();
+  return rev.empty() ? "unknown" : rev;
+}
+
+}  // namespace
+
+void Run::prepare() {
+  // Before any thread exists (TCPStore, ZeroMQ): threads inherit the mask, so SIGCHLD can
+  // reach nothing but the signalfd. A thread that left it unblocked would swallow exits.
+  sigfd_ = detail::block_signals_to_fd();
+  opt_.validate();
+  auto recipe_path = recipe::resolve(opt_.recipe, MEGACPP_RECIPE_DIR);
+  recipe_ = recipe::load(recipe_path);
+
+  run_ = fs::absolute(opt_.run_dir).lexically_normal();
+  if (fs::exists(run_)) {
+    if (!fs::is_directory(run_)) {
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument, "run directory {} exists and is not a directory",
+                   run_.string());
+    }
+    if (fs::exists(layout::launch_path(run_))) {
+      MEGACPP_FAIL(
+          ErrorKind::kInvalidArgument,
+          "run directory {} already holds a run (launch.json exists): choose a fresh --run-dir "
+          "(resuming a run is not supported yet)",
+          run_.string());
+    }
+    if (!fs::is_empty(run_)) {
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "run directory {} is not empty: choose a fresh --run-dir", run_.string());
+    }
+  }
+  auto anchor = nearest_existing(run_);
+  if (!fs::is_directory(anchor) || ::access(anchor.c_str(), W_OK) != 0) {
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "run directory {} is not writable ({} is {})",
+                 run_.string(), anchor.string(),
+                 fs::is_directory(anchor) ? "not writable" : "not a directory");
+  }
+  struct statfs sfs {};
+  struct stat st {
+  }, root_st{};
+  SYSCALL_CHECK(::statfs(anchor.c_str(), &sfs));
+  SYSCALL_CHECK(::stat(anchor.c_str(), &st));
+  SYSCALL_CHECK(::stat("/", &root_st));
+  fs_type_ = fs_type_name(sfs.f_type);
+  fs_device_ = fmt::format("{}:{}", major(st.st_dev), minor(st.st_dev));
+  fs_root_ = st.st_dev == root_st.st_dev;
+  if (fs_root_) {
+    if (opt_.require_data_volume) {
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "rule data-volume: run directory {} is on the root volume (device "
+                   "{}, {}); put it on a "
+                   "data volume or drop --require-data-volume",
+                   run_.string(), fs_device_, fs_type_);
+    }
+    log_warn(
+        "run directory {} is on the root volume ({}); production launches pass "
+        "--require-data-volume",
+        run_.string(), fs_type_);
+  }
+
+  // /metrics binds before anything is written: a port that cannot be bound is a start-up
+  // error that leaves no half-made run directory behind.
+  {
+    auto colon = opt_.metrics_addr.rfind(':');
+    std::string host = opt_.metrics_addr.substr(0, colon);
+    int port = -1;
+    try {
+      port = std::stoi(opt_.metrics_addr.substr(colon + 1));
+    } catch (const std::exception&) {
+    }
+    if (port < 0 || port > 65535) {
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument, "--metrics-addr {}: the port must be in [0, 65535]",
+                   opt_.metrics_addr);
+    }
+    bool dirty = false;
+    metrics_ = std::make_unique<Metrics>(MEGACPP_VERSION, git_revision(dirty), torch_version());
+    metrics_server_ = std::make_unique<MetricsServer>(*metrics_, host, static_cast<uint16_t>(port));
+    metrics_endpoint_ = fmt::format("http://{}:{}/metrics", host, metrics_server_->port());
+  }
+
+  std::error_code ec;
+  fs::create_directories(run_, ec);
+  if (ec) {
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "run directory {} is not writable: {}", run_.string(),
+                 ec.message());
+  }
+  for (const auto& d :
+       {layout::journal_dir(run_), layout::receipts_dir(run_), layout::failures_dir(run_),
+        layout::checkpoints_dir(run_), layout::logs_dir(run_)}) {
+    fs::create_directories(d);
+  }
+  run_id_ = fmt::format("{}-{}", rfc3339(wall_ns()).substr(0, 19), random_hex(6));
+  for (auto& ch : run_id_) {
+    if (ch == ':') ch = '-';
+  }
+  shm_prefix_ = layout::shm_prefix(run_id_, 0);
+  ipc::unlink_shm(shm_prefix_);
+
+  // A Unix socket path holds ~107 bytes; a deep run directory falls back to a short private dir.
+  sock_dir_ = run_ / "sock";
+  if (sock_dir_.string().size() + 16 > 100) {
+    char tmpl[] = "/tmp/megacpp-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr)
+      ::megacpp::detail::throw_syscall("mkdtemp", errno, __FILE__, __LINE__);
+    sock_dir_ = tmpl;
+    write_file_atomic(sock_dir_ / layout::kSockOwnerFile, run_id_);
+  } else {
+    fs::create_directory(sock_dir_);
+  }
+  sock_dir_private_ = true;
+  ::chmod(sock_dir_.c_str(), 0700);
+  control_ep_ = "ipc://" + (sock_dir_ / "control").string();
+  checkpoint_ep_ = "ipc://" + (sock_dir_ / "checkpoint").string();
+
+  if (opt_.data_dir.empty()) opt_.data_dir = run_.parent_path() / "data";
+  opt_.data_dir = fs::absolute(opt_.data_dir).lexically_normal();
+  fs::create_directories(opt_.data_dir);
+
+  store_ = std::make_unique<StoreServer>("127.0.0.1", 0, opt_.ranks);
+
+  static_assert(recipe::kMaxBatchSlotBytes <= ipc::SlotRing::kMaxSlotBytes);
+  const uint64_t slot_bytes = recipe::batch_slot_bytes(recipe_);
+  for (uint32_t r = 0; r < opt_.ranks; ++r) {
+    auto name = layout::ring_shm_name(shm_prefix_, r);
+    rings_.push_back(std::make_unique<ipc::ShmRegion>(
+        ipc::ShmRegion::Create{}, name, ipc::SlotRing::region_bytes(opt_.ring_slots, slot_bytes)));
+    ipc::SlotRing::format(*rings_.back(), opt_.ring_slots, slot_bytes);
+    ring_views_.push_back(std::make_unique<ipc::SlotRing>(*rings_.back()));
+  }
+  write_launch_contract();
+
+  zmq_ = std::make_unique<ipc::ZmqContext>();
+  router_ = std::make_unique<ipc::Channel>(*zmq_, ipc::Channel::Kind::kRouter, control_ep_);
+  journal_ =
+      std::make_unique<ipc::JournalWriter>(layout::journal_path(run_, StageKind::SUPERVISOR, 0));
+  journal_->set_identity(StageKind::SUPERVISOR, 0);
+  journal_->append([](schema::JournalRecord::Builder r) { r.setProcessStarted(); });
+  checkpoint_journal_ =
+      std::make_unique<ipc::JournalReader>(layout::journal_path(run_, StageKind::CHECKPOINTER, 0));
+}
+
+void Run::write_launch_contract() {
+  capnp::MallocMessageBuilder msg;
+  auto l = msg.initRoot<schema::LaunchContract>();
+  l.setSchemaVersion(schema::SCHEMA_VERSION);
+  l.setRunId(run_id_);
+  l.setGeneration(0);
+  l.setCreatedAt(rfc3339(wall_ns()));
+  l.setRunDir(run_.string());
+  l.setDataDir(opt_.data_dir.string());
+  l.setSockDir(sock_dir_.string());
+  l.setShmPrefix(shm_prefix_);
+  l.setControlEndpoint(control_ep_);
+  l.setCheckpointEndpoint(checkpoint_ep_);
+  l.setStoreHost("127.0.0.1");
+  l.setStorePort(store_->port());
+  l.setWorld(opt_.ranks);
+  l.setSteps(opt_.steps);
+  l.setRingSlots(opt_.ring_slots);
+  // The recipe rules keep it within kMaxBatchSlotBytes, which fits 32 bits.
+  l.setRingSlotBytes(static_cast<uint32_t>(recipe::batch_slot_bytes(recipe_)));
+  l.setHeartbeatIntervalMs(opt_.heartbeat_interval_ms);
+  recipe::to_spec(recipe_, l.initRecipe());
+  auto f = l.initFilesystem();
+  f.setPath(run_.string());
+  f.setType(fs_type_);
+  f.setDevice(fs_device_);
+  f.setIsRootVolume(fs_root_);
+  auto argv = l.initArgv(static_cast<unsigned>(opt_.argv.size()));
+  for (size_t i = 0; i < opt_.argv.size(); ++i) argv.set(static_cast<unsigned>(i), opt_.argv[i]);
+  // The environment overlay: only the families that change numerics or transport, and never
+  // anything whose name suggests a secret.
+  std::vector<std::pair<std::string, std::string>> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string kv = *e;
+    auto eq = kv.find('=');
+    if (eq == std::string::npos) continue;
+    std::string k = kv.substr(0, eq);
+    bool family = k.starts_with("TORCH") || k.starts_with("NCCL") || k.starts_with("CUDA") ||
+                  k.starts_with("OMP_") || k.starts_with("MEGACPP_") || k.starts_with("GLOO");
+    bool secret = k.find("TOKEN") != std::string::npos || k.find("SECRET") != std::string::npos ||
+                  k.find("KEY") != std::string::npos || k.find("PASSWORD") != std::string::npos;
+    if (family && !secret) env.emplace_back(k, kv.substr(eq + 1));
+  }
+  std::sort(env.begin(), env.end());
+  auto ev = l.initEnv(static_cast<unsigned>(env.size()));
+  for (size_t i = 0; i < env.size(); ++i) {
+    ev[static_cast<unsigned>(i)].setName(env[i].first);
+    ev[static_cast<unsigned>(i)].setValue(env[i].second);
+  }
+  auto p = l.initProvenance();
+  p.setVersion(MEGACPP_VERSION);
+  bool dirty = false;
+  p.setGitRevision(git_revision(dirty));
+  p.setGitDirty(dirty);
+  p.setBuildType(MEGACPP_BUILD_TYPE);
+  p.setCompiler(fmt::format("gcc {}.{}.{}", __GNUC__, __GNUC_MINOR__, __GNUC_PATCHLEVEL__));
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  p.setHostname(host);
+  p.setTorchVersion(torch_version());
+  l.setSupervisorPid(::getpid());
+  l.setSupervisorStartTicks(detail::process_start_ticks(::getpid()));
+  l.setMetricsEndpoint(metrics_endpoint_);
+  l.setCollectorStallSeconds(opt_.collector_stall_s);
+  l.setLoaderStallSeconds(opt_.loader_stall_s);
+  l.setCheckpointerStallSeconds(opt_.checkpointer_stall_s);
+  write_file_atomic(layout::launch_path(run_), schemas::to_json(l.asReader()));
+}
+
+}  // namespace detail
+
+}  // namespace megacpp::supervisor

@@ -1,0 +1,417 @@
+// The watch loop and the lifecycle of a run: launch, watch (control messages, liveness and
+// progress judged by failure_policy.h), finish or tear down, fold, report.
+#include "supervisor/detail/run.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+
+#include <optional>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "core/util.h"
+#include "ipc/ipc.h"
+#include "schemas/enums.h"
+#include "schemas/run_layout.h"
+#include "stages/collector/collector.h"
+#include "supervisor/console.h"
+#include "supervisor/failure_policy.h"
+#include "supervisor/supervisor.h"
+
+namespace megacpp::supervisor {
+
+namespace detail {
+
+double Run::phase_budget(const Child& c) const {
+  return policy::phase_budget(budgets_, c.stage, c.step, c.phase, step_samples_);
+}
+
+void Run::on_message(ipc::Received& m) {
+  Child* c = by_name(m.peer());
+  auto root = m.root();
+  if (c == nullptr) {
+    log_warn("control message from unknown peer '{}' ignored", m.peer());
+    return;
+  }
+  const int64_t now = mono_ns();
+  switch (root.which()) {
+    case schema::ControlMessage::HELLO:
+      if (root.getHello().getPid() == c->pid) {
+        c->heartbeat_ns = now;
+        c->seen = true;
+      }
+      break;
+    case schema::ControlMessage::HEARTBEAT: {
+      auto h = root.getHeartbeat();
+      // A heartbeat queued by a previous generation (killed for a restart) proves nothing.
+      if (!policy::heartbeat_counts(h.getGeneration(), c->generation)) break;
+      c->heartbeat_ns = now;
+      c->seen = true;
+      if (h.getPhaseStartedMonoNs() > 0) c->phase_started_ns = h.getPhaseStartedMonoNs();
+      if (h.getStep() != c->step) {
+        c->progress_ns = now;
+        c->last_step_wall = static_cast<double>(wall_ns()) / 1e9;
+        if (c->stage == StageKind::TRAINER && h.getStep() > c->step && h.getStepSeconds() > 0) {
+          step_samples_.push_back(h.getStepSeconds());
+          if (step_samples_.size() > 512) step_samples_.erase(step_samples_.begin());
+          metrics_->observe_step_seconds(c->rank, h.getStepSeconds());
+        }
+      }
+      c->step = h.getStep();
+      c->phase = h.getPhase();
+      c->tokens = h.getTokens();
+      c->loss = h.getLoss();
+      c->step_seconds = h.getStepSeconds();
+      c->lag_seconds = h.getLagSeconds();
+      c->work_ns = h.getProgressMonoNs();
+      c->work_done = h.getWorkDone();
+      c->pending_since_ns = h.getPendingSinceMonoNs();
+      break;
+    }
+    case schema::ControlMessage::FAILURE: {
+      auto f = root.getFailure();
+      const schema::ErrorKind error_kind = f.getErrorKind();
+      const std::string said = error_kind == schema::ErrorKind::NONE
+                                   ? std::string(f.getKind().cStr())
+                                   : std::string(schemas::name(error_kind));
+      log_warn("{} reports {} ({}): {}", c->name, f.getKind().cStr(), said, f.getMessage().cStr());
+      // A restartable stage's failure is acted on when it exits (restart or fail).
+      if (policy::restartable(c->stage)) break;
+      // A rank that failed because a peer or a collective did is a victim, not a cause
+      // (policy::evidence_of): the Failure names its error kind.
+      Event ev{schema::FailureKind::EXCEPTION,
+               fmt::format("{}: {}", said, f.getMessage().cStr()),
+               f.getMonoNs() > 0 ? f.getMonoNs() : now,
+               now,
+               f.getPhase(),
+               f.getStep()};
+      ev.error_kind = error_kind;
+      record(*c, std::move(ev));
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+void Run::record(Child& c, Event ev) {
+  if (detected_ns_ == 0) {
+    detected_ns_ = ev.detected_ns;
+    log_error("failure detected: {} {}: {}", c.name, schemas::name(ev.kind), ev.message);
+  }
+  // Keep the most telling event per process (policy::more_telling).
+  if (!policy::admitted(ev, teardown_started_ns_)) return;
+  auto it = events_.find(c.name);
+  if (it == events_.end() || policy::more_telling(ev, it->second)) {
+    events_[c.name] = std::move(ev);
+  }
+}
+
+void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
+  const policy::Restart decision =
+      policy::decide_restart(c.stage, c.restarts, opt_.max_restarts, detected_ns_ != 0, done_);
+  if (decision == policy::Restart::kRestart) {
+    ++c.restarts;
+    log_warn("{}: {}; restarting it ({} of at most {})", c.name, why, c.restarts,
+             opt_.max_restarts);
+    metrics_->add_restart(c.stage, c.rank);
+    c.restart_cause = fmt::format("generation {}: {}", c.generation, why);
+    if (c.alive) {
+      // Relaunched from reap() once this pid is gone (bounded in check_liveness).
+      ::kill(c.pid, SIGKILL);
+      c.alive = false;
+      c.dying_pid = c.pid;
+      c.dying_since_ns = mono_ns();
+      return;
+    }
+    journal_child_exited(c, schema::ChildReason::RESTART);
+    launch(c.stage, c.rank, c.generation + 1, schema::ChildReason::RESTART, c.restart_cause);
+    return;
+  }
+  if (decision == policy::Restart::kExhausted) {
+    ev.message += fmt::format(" (after {} restarts)", c.restarts);
+  }
+  record(c, std::move(ev));
+}
+
+double Run::stall_budget(StageKind s) const {
+  return policy::stall_budget(budgets_, s);
+}
+
+const Child* Run::waited_on(const Child& trainer) {
+  const auto stage = policy::waited_on(trainer.phase);
+  return stage ? by_name(layout::process_name(*stage, 0)) : nullptr;
+}
+
+// A restartable stage is judged by its working thread's progress stamp, never by its
+// heartbeats alone (they come from the control client's thread and go on while the work is
+// wedged). Until its first report the start-up budget applies (libraries, shm, a built-in
+// corpus written on first use).
+void Run::check_stage_progress(Child& c, int64_t now) {
+  const bool reported = c.work_ns > 0;
+  const int64_t since = reported ? c.work_ns : c.started_ns;
+  const double limit = reported ? stall_budget(c.stage) : opt_.startup_budget_s;
+  const double idle = static_cast<double>(now - since) / 1e9;
+  if (idle <= limit) return;
+  const char* unit = c.stage == StageKind::COLLECTOR     ? "folds"
+                     : c.stage == StageKind::DATA_LOADER ? "batches"
+                                                         : "commits";
+  std::string what = fmt::format("made no progress for {:.1f}s in phase {} ({} {} done", idle,
+                                 layout::phase_name(c.phase), c.work_done, unit);
+  if (c.pending_since_ns > 0) {
+    what += fmt::format("; oldest pending snapshot {:.1f}s old",
+                        static_cast<double>(now - c.pending_since_ns) / 1e9);
+  }
+  what += fmt::format("; budget {:.0f}s{})", limit, reported ? "" : ", before its first report");
+  Event ev{schema::FailureKind::HUNG,
+           fmt::format("{} (pid {}) {}", c.name, c.pid, what),
+           since,
+           now,
+           c.phase,
+           c.step};
+  ev.own_progress = true;
+  restart_or_fail(c, "hung: " + what, std::move(ev));
+}
+
+void Run::check_liveness() {
+  const int64_t now = mono_ns();
+  for (auto& c : children_) {
+    if (c.dying_pid != 0 &&
+        policy::restart_reap_overdue(static_cast<double>(now - c.dying_since_ns) / 1e9)) {
+      record(c, Event{schema::FailureKind::UNKILLABLE,
+                      fmt::format("{} (pid {}) did not exit within {:.0f}s of SIGKILL; its restart "
+                                  "is abandoned (two generations would share its resources)",
+                                  c.name, c.dying_pid, policy::kRestartReapBoundSeconds),
+                      c.dying_since_ns, now, c.phase, c.step});
+      give_up_on(c, policy::kRestartReapBoundSeconds);
+      continue;
+    }
+    if (!c.alive || c.stop_sent) continue;
+    const double budget = phase_budget(c);
+    const double silent = static_cast<double>(now - c.heartbeat_ns) / 1e9;
+    if (silent > policy::silence_limit(budgets_, c.seen, budget)) {
+      restart_or_fail(
+          c, fmt::format("stalled: no heartbeat for {:.1f}s", silent),
+          Event{schema::FailureKind::HEARTBEAT_LOST,
+                fmt::format("{} (pid {}) sent no heartbeat for {:.1f}s (phase {}, step {})", c.name,
+                            c.pid, silent, layout::phase_name(c.phase), c.step),
+                c.heartbeat_ns, now, c.phase, c.step});
+      continue;
+    }
+    if (policy::restartable(c.stage)) {
+      check_stage_progress(c, now);
+      continue;
+    }
+    if (c.stage != StageKind::TRAINER) continue;
+    const Child* dep = waited_on(c);
+    const auto clock = policy::rank_clock(budgets_, c.phase_started_ns, c.progress_ns, budget,
+                                          dep ? std::optional(dep->stage) : std::nullopt,
+                                          dep ? dep->started_ns : 0);
+    const int64_t since = clock.since_ns;
+    const double rank_budget = clock.budget_s;
+    const double in_phase = static_cast<double>(now - since) / 1e9;
+    if (c.rank < ring_views_.size()) {
+      Child* loader = by_name(layout::process_name(StageKind::DATA_LOADER, 0));
+      if (policy::loader_starves_rank(budgets_, c.phase, ring_views_[c.rank]->depth(), in_phase,
+                                      loader != nullptr && loader->alive)) {
+        loader->heartbeat_ns = now;  // one restart per stall, not one per starving rank
+        c.phase_started_ns = now;
+        restart_or_fail(
+            *loader, fmt::format("stalled: {} waited {:.1f}s on an empty ring", c.name, in_phase),
+            Event{schema::FailureKind::STALLED,
+                  fmt::format("{} waited {:.1f}s on an empty ring", c.name, in_phase), now, now,
+                  loader->phase, loader->step});
+        continue;
+      }
+    }
+    if (in_phase > rank_budget) {
+      record(
+          c,
+          Event{
+              schema::FailureKind::HUNG,
+              fmt::format(
+                  "{} (pid {}) made no progress for {:.1f}s in phase {} (step {}; budget {:.1f}s)",
+                  c.name, c.pid, in_phase, layout::phase_name(c.phase), c.step, rank_budget),
+              since, now, c.phase, c.step});
+    }
+  }
+  // The hang sweep (policy::swept_as_silent).
+  if (detected_ns_ != 0) {
+    for (auto& c : children_) {
+      const double silent = static_cast<double>(now - c.heartbeat_ns) / 1e9;
+      if (policy::swept_as_silent(budgets_, detected_ns_ != 0, c.alive, c.seen, c.stop_sent,
+                                  events_.contains(c.name), silent)) {
+        record(c, Event{schema::FailureKind::HEARTBEAT_LOST,
+                        fmt::format("{} (pid {}) sent no heartbeat for {:.1f}s (phase {}, step {}) "
+                                    "while a peer hung",
+                                    c.name, c.pid, silent, layout::phase_name(c.phase), c.step),
+                        c.heartbeat_ns, now, c.phase, c.step});
+      }
+    }
+  }
+}
+
+bool Run::all_trainers_done() const {
+  for (const auto& c : children_) {
+    if (c.stage == StageKind::TRAINER && (c.alive || c.exit_code != 0 || c.signal != 0))
+      return false;
+  }
+  return true;
+}
+
+void Run::pump(int timeout_ms) {
+  zmq_pollitem_t items[2] = {router_->pollitem(), zmq_pollitem_t{nullptr, sigfd_, ZMQ_POLLIN, 0}};
+  int n = zmq_poll(items, 2, timeout_ms);
+  if (n < 0 && zmq_errno() != EINTR) ZMQ_CHECK(n);
+  if (n <= 0) return;
+  if (items[1].revents & ZMQ_POLLIN) on_signals();
+  if (items[0].revents & ZMQ_POLLIN) {
+    while (auto m = router_->receive(ipc::Millis(0))) on_message(*m);
+  }
+}
+
+void Run::watch() {
+  for (;;) {
+    pump(100);
+    if (detected_ns_ != 0) return;
+    check_liveness();
+    if (detected_ns_ != 0) return;
+    update_metrics();
+    if (console_) {
+      std::vector<ConsoleRank> ranks;
+      uint32_t up = 0;
+      for (const auto& c : children_) {
+        if (c.alive) ++up;
+        if (c.stage == StageKind::TRAINER) ranks.push_back({c.step, c.tokens, c.loss});
+      }
+      console_->update(ranks, up, static_cast<uint32_t>(children_.size()));
+    }
+    if (all_trainers_done()) return;
+  }
+}
+
+void Run::update_metrics() {
+  const double now_wall = static_cast<double>(wall_ns()) / 1e9;
+  const int64_t now = mono_ns();
+  for (const auto& c : children_) {
+    metrics_->set_up(c.stage, c.rank, c.alive);
+    metrics_->set_heartbeat(c.stage, c.rank,
+                            now_wall - static_cast<double>(now - c.heartbeat_ns) / 1e9);
+    if (c.work_ns > 0) {
+      metrics_->set_progress(c.stage, c.rank,
+                             now_wall - static_cast<double>(now - c.work_ns) / 1e9);
+    }
+    if (c.stage == StageKind::TRAINER) {
+      if (c.last_step_wall > 0) metrics_->set_last_step(c.stage, c.rank, c.step, c.last_step_wall);
+      metrics_->set_trainer_progress(c.rank, c.step, c.tokens);
+    }
+    if (c.stage == StageKind::COLLECTOR) metrics_->set_collector_lag(c.lag_seconds);
+  }
+  for (uint32_t r = 0; r < ring_views_.size(); ++r) {
+    metrics_->set_queue(fmt::format("data_loader->trainer-{}", r), ring_views_[r]->depth(),
+                        ring_views_[r]->slots());
+  }
+  checkpoint_journal_->poll([&](schema::JournalRecord::Reader rec) {
+    if (rec.isCheckpointCommitted()) {
+      auto c = rec.getCheckpointCommitted();
+      metrics_->set_checkpoint(c.getStep(), c.getSeconds(),
+                               static_cast<double>(rec.getWallNs()) / 1e9);
+    }
+  });
+}
+
+void Run::finish_ok() {
+  // Training is over; the loader and the checkpointer drain and exit, then the collector
+  // folds the final state. A stage that does not stop within its bound is a failure.
+  for (auto& c : children_) {
+    if (c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) stop_child(c);
+  }
+  const double drain_s = static_cast<double>(knob_int(Knob::kDrainTimeoutS));
+  bool drained = wait_for(
+      [&] {
+        if (detected_ns_ != 0) return true;
+        for (const auto& c : children_) {
+          if ((c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) && c.alive)
+            return false;
+        }
+        return true;
+      },
+      drain_s);
+  if (!drained) {
+    for (auto& c : children_) {
+      if ((c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) && c.alive) {
+        const int64_t now = mono_ns();
+        record(c, Event{schema::FailureKind::HUNG,
+                        fmt::format("{} did not stop within {:.0f}s of the end of training", c.name,
+                                    drain_s),
+                        now, now, c.phase, c.step});
+      }
+    }
+  }
+}
+
+int Run::execute() {
+  prepare();
+  console_ = make_console(opt_.progress, opt_.steps, recipe_.name, run_.string());
+  if (console_ && !metrics_endpoint_.empty())
+    fmt::print("megacpp: metrics at {}\n", metrics_endpoint_);
+  launch(StageKind::COLLECTOR, 0, 0, schema::ChildReason::LAUNCH);
+  launch(StageKind::CHECKPOINTER, 0, 0, schema::ChildReason::LAUNCH);
+  launch(StageKind::DATA_LOADER, 0, 0, schema::ChildReason::LAUNCH);
+  for (uint32_t r = 0; r < opt_.ranks; ++r) {
+    launch(StageKind::TRAINER, r, 0, schema::ChildReason::LAUNCH);
+  }
+  journal_->append([&](schema::JournalRecord::Builder r) {
+    auto s = r.initRunStarted();
+    s.setWorld(opt_.ranks);
+    s.setStepsPlanned(opt_.steps);
+  });
+  watch();
+  if (detected_ns_ == 0) finish_ok();
+  if (console_) console_->finish();
+  if (detected_ns_ != 0) {
+    journal_graph("failure detected");
+    teardown();
+    classify();
+  }
+  if (!failure_) {
+    // The live collector folds the final state; the in-process fold below is the same pure
+    // function, so it changes nothing when the collector finished.
+    if (Child* col = by_name(layout::process_name(StageKind::COLLECTOR, 0)); col && col->alive) {
+      stop_child(*col);
+      if (!wait_for([&] { return !col->alive; }, 10.0)) {
+        kill_child(*col, SIGKILL);
+        if (!wait_for([&] { return !col->alive; }, kKillWaitS)) give_up_on(*col);
+      }
+    }
+  }
+  release_ipc();
+  journal_run_finished();
+  done_ = true;
+  // Always fold in-process as well: when the collector was the failing process this is
+  // what guarantees the manifest never stays `running`.
+  collector::collect_run(run_);
+  for (const auto& c : children_) metrics_->set_up(c.stage, c.rank, c.alive);
+  int rc = report();
+  if (opt_.metrics_linger_s > 0) {
+    fmt::print("megacpp: serving {} for {:.0f}s more (--metrics-linger-s)\n", metrics_endpoint_,
+               opt_.metrics_linger_s);
+    std::fflush(stdout);
+    // Interruptible: SIGINT/SIGTERM (blocked into the signalfd) end the linger early.
+    pollfd pfd{sigfd_, POLLIN, 0};
+    ::poll(&pfd, 1, static_cast<int>(opt_.metrics_linger_s * 1000));
+  }
+  cleanup();
+  return rc;
+}
+
+}  // namespace detail
+
+int run(RunOptions options) {
+  detail::Run r(std::move(options));
+  return r.execute();
+}
+
+}  // namespace megacpp::supervisor
