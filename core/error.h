@@ -88,6 +88,10 @@ namespace detail {
     megacpp_r_;                                                                               \
   })
 
+// For an OS call whose failure is not "-1 and errno" (a null or MAP_FAILED result, an error
+// code returned or saved): throws the same Error{kSystem} naming `call` and `err`.
+#define SYSCALL_FAIL(call, err) ::megacpp::detail::throw_syscall((call), (err), __FILE__, __LINE__)
+
 // Same for libzmq's C API (which reports through zmq_errno and returns -1).
 #define ZMQ_CHECK(expr)                                                                         \
   ({                                                                                            \
@@ -106,6 +110,11 @@ namespace detail {
 #define MEGACPP_FAIL_SYS(err, ...)                                                         \
   ::megacpp::detail::throw_fail(::megacpp::ErrorKind::kSystem, ::fmt::format(__VA_ARGS__), \
                                 __FILE__, __LINE__, (err))
+
+// Re-raises a caught Error's kind and errno under a new message (context known only here).
+#define MEGACPP_FAIL_LIKE(error, ...)                                                           \
+  ::megacpp::detail::throw_fail((error).kind(), ::fmt::format(__VA_ARGS__), __FILE__, __LINE__, \
+                                (error).sys_errno())
 
 // An invariant: throws Error{kind} with the expression text and message when false.
 #define MEGACPP_CHECK(cond, kind, msg)                                                     \

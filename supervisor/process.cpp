@@ -27,7 +27,7 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& l
   if (pid < 0) {
     int err = errno;
     ::close(log_fd);
-    ::megacpp::detail::throw_syscall("fork", err, __FILE__, __LINE__);
+    SYSCALL_FAIL("fork", err);
   }
   if (pid == 0) {
     // Child: only async-signal-safe calls until exec.

@@ -215,8 +215,7 @@ void Run::prepare() {
   sock_dir_ = run_ / "sock";
   if (sock_dir_.string().size() + 16 > 100) {
     char tmpl[] = "/tmp/megacpp-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr)
-      ::megacpp::detail::throw_syscall("mkdtemp", errno, __FILE__, __LINE__);
+    if (::mkdtemp(tmpl) == nullptr) SYSCALL_FAIL("mkdtemp", errno);
     sock_dir_ = tmpl;
     write_file_atomic(sock_dir_ / layout::kSockOwnerFile, run_id_);
   } else {

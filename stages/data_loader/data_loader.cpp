@@ -113,7 +113,7 @@ Shard::Shard(const std::filesystem::path& path) : path_(path) {
   if (::fstat(fd, &st) != 0) {
     int err = errno;
     ::close(fd);
-    detail::throw_syscall("fstat", err, __FILE__, __LINE__);
+    SYSCALL_FAIL("fstat", err);
   }
   map_bytes_ = static_cast<size_t>(st.st_size);
   auto corrupt = [&](std::string_view what) {
@@ -128,7 +128,7 @@ Shard::Shard(const std::filesystem::path& path) : path_(path) {
   ::close(fd);
   if (map_ == MAP_FAILED) {
     map_ = nullptr;
-    detail::throw_syscall("mmap", err, __FILE__, __LINE__);
+    SYSCALL_FAIL("mmap", err);
   }
   const auto* header = static_cast<const int32_t*>(map_);
   try {

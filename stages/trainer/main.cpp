@@ -110,8 +110,7 @@ std::optional<Ring> attach_ring(stage::StageContext& ctx, const std::string& nam
       const bool absent = e.kind() == ErrorKind::kSystem && e.sys_errno() == ENOENT;
       const bool unformatted = e.kind() == ErrorKind::kCorruption;
       if (!(absent || unformatted) || Clock::now() >= deadline) {
-        throw Error(e.kind(), fmt::format("batch ring {}: {}", name, e.what()), __FILE__, __LINE__,
-                    e.sys_errno());
+        MEGACPP_FAIL_LIKE(e, "batch ring {}: {}", name, e.what());
       }
     }
     if (ctx.stop_requested()) return std::nullopt;
