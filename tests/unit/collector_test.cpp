@@ -443,6 +443,42 @@ TEST(Collector, UnkillableChildIsNamed) {
   EXPECT_EQ(states["trainer-1"], "signaled");
 }
 
+// A restart is a childStarted whose reason is restart: counted, with its cause, on the
+// stage. A journal written before ChildReason existed says so in the text field `note`.
+TEST(Collector, RestartsAreCountedByTheirReason) {
+  for (bool old_journal : {false, true}) {
+    FakeRun run;
+    run.whole_run(3);
+    run.rec(StageKind::SUPERVISOR, 0, 5500, [&](auto r) {
+      auto c = r.initChildStarted();
+      c.setStage(StageKind::COLLECTOR);
+      c.setRank(0);
+      c.setPid(FakeRun::pid(StageKind::COLLECTOR, 0) + 1);
+      c.setGeneration(1);
+      c.setCause("generation 0: hung");
+      if (old_journal) {
+        c.setNote("restart");
+      } else {
+        c.setChildReason(schema::ChildReason::RESTART);
+      }
+    });
+    collect_run(run.run());
+    schemas::JsonFile<schema::Manifest> doc(layout::manifest_path(run.run()));
+    bool seen = false;
+    for (auto st : doc.get().getStages()) {
+      if (st.getStage() != StageKind::COLLECTOR) {
+        EXPECT_EQ(st.getRestarts(), 0u);
+        continue;
+      }
+      seen = true;
+      EXPECT_EQ(st.getRestarts(), 1u) << (old_journal ? "note" : "childReason");
+      ASSERT_EQ(st.getRestartCauses().size(), 1u);
+      EXPECT_EQ(s(st.getRestartCauses()[0]), "generation 0: hung");
+    }
+    EXPECT_TRUE(seen);
+  }
+}
+
 // detectionSeconds is a measurement only when the evidence time is the cause's: for a death
 // the supervisor knows only the reap time, and the manifest says the delay is not measured.
 TEST(Collector, DetectionOfADeathIsMarkedNotMeasured) {
