@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <cctype>
 #include <map>
 #include <string>
 #include <vector>
@@ -29,6 +30,31 @@ Event ev(FailureKind kind, double evidence_s, ErrorKind error = ErrorKind::NONE,
   e.error_kind = error;
   e.own_progress = own_progress;
   return e;
+}
+
+// A test name from a rule's words: "a rank blocked on ..." -> "ARankBlockedOn..." (ctest shows
+// the rule, not an index).
+std::string rule_name(const char* rule) {
+  std::string out;
+  bool upper = true;
+  for (const char* c = rule; *c != '\0' && out.size() < 72; ++c) {
+    if (std::isalnum(static_cast<unsigned char>(*c))) {
+      out += upper ? static_cast<char>(std::toupper(static_cast<unsigned char>(*c))) : *c;
+      upper = false;
+    } else if (*c == '\'') {
+      continue;  // "process's" -> "Processs", not "ProcessS"
+    } else if (*c == ':') {
+      break;
+    } else {
+      upper = true;
+    }
+  }
+  return out;
+}
+
+template <typename Case>
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return rule_name(info.param.rule);
 }
 
 Budgets budgets() {
@@ -57,6 +83,9 @@ struct RolesCase {
   std::vector<std::string> victims;
   std::vector<std::string> torn_down;
 };
+void PrintTo(const RolesCase& c, std::ostream* os) {
+  *os << c.rule;
+}
 
 class Roles_ : public ::testing::TestWithParam<RolesCase> {};
 
@@ -128,7 +157,8 @@ INSTANTIATE_TEST_SUITE_P(
                   {"data_loader-0"},
                   "",
                   {},
-                  {}}));
+                  {}}),
+    case_name<RolesCase>);
 
 // ---------------------------------------------------------------------------------------
 // Evidence classes and ordering.
@@ -138,6 +168,9 @@ struct EvidenceCase {
   Event event;
   Evidence evidence;
 };
+void PrintTo(const EvidenceCase& c, std::ostream* os) {
+  *os << c.rule;
+}
 
 class Evidence_ : public ::testing::TestWithParam<EvidenceCase> {};
 
@@ -170,7 +203,8 @@ INSTANTIATE_TEST_SUITE_P(
                       EvidenceCase{"a failure reported without an error kind is the process's own",
                                    ev(FailureKind::EXCEPTION, 0, ErrorKind::NONE), Evidence::kOwn},
                       EvidenceCase{"being torn down is a consequence",
-                                   ev(FailureKind::TORN_DOWN, 0), Evidence::kTeardown}));
+                                   ev(FailureKind::TORN_DOWN, 0), Evidence::kTeardown}),
+    case_name<EvidenceCase>);
 
 TEST(FailurePolicy, MoreTellingThenEarlier) {
   // Same class: the earlier evidence wins.
@@ -202,6 +236,9 @@ struct RestartCase {
   bool done;
   Restart want;
 };
+void PrintTo(const RestartCase& c, std::ostream* os) {
+  *os << c.rule;
+}
 
 class Restart_ : public ::testing::TestWithParam<RestartCase> {};
 
@@ -226,7 +263,8 @@ INSTANTIATE_TEST_SUITE_P(
                           "no restart once a failure was detected (the run is being torn down)",
                           StageKind::DATA_LOADER, 0, true, false, Restart::kFail},
                       RestartCase{"no restart while the run is finishing", StageKind::CHECKPOINTER,
-                                  0, false, true, Restart::kFail}));
+                                  0, false, true, Restart::kFail}),
+    case_name<RestartCase>);
 
 TEST(FailurePolicy, RestartableStages) {
   EXPECT_TRUE(restartable(StageKind::COLLECTOR));
@@ -315,6 +353,9 @@ struct SweepCase {
   double silent_s;
   bool swept;
 };
+void PrintTo(const SweepCase& c, std::ostream* os) {
+  *os << c.rule;
+}
 
 class Sweep_ : public ::testing::TestWithParam<SweepCase> {};
 
@@ -341,7 +382,8 @@ INSTANTIATE_TEST_SUITE_P(
         SweepCase{"not a process that never said hello (still starting)", true, true, false, false,
                   false, 5, false},
         SweepCase{"not a dead process (its death is its event)", true, false, true, false, false, 5,
-                  false}));
+                  false}),
+    case_name<SweepCase>);
 
 TEST(FailurePolicy, TeardownSignal) {
   EXPECT_EQ(teardown_signal(false, 'S'), SIGTERM) << "a live process gets its grace period";
