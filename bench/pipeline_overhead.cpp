@@ -21,7 +21,7 @@
 #include <CLI/CLI.hpp>
 
 #include "core/util.h"
-#include "ipc/ipc.h"
+#include "ipc/journal.h"
 #include "recipes/recipe.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"

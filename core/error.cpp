@@ -2,7 +2,6 @@
 
 #include <cxxabi.h>
 #include <execinfo.h>
-#include <zmq.h>
 
 #include <array>
 #include <cstdlib>
@@ -133,12 +132,6 @@ void throw_syscall(const char* expr, int err, const char* file, int line) {
   throw Error(ErrorKind::kSystem,
               fmt::format("{} failed: {} ({}:{})", expr, std::strerror(err), file, line), file,
               line, err);
-}
-
-void throw_zmq(const char* expr, int err, const char* file, int line) {
-  throw Error(ErrorKind::kZmq,
-              fmt::format("{} failed: {} ({}:{})", expr, zmq_strerror(err), file, line), file, line,
-              err);
 }
 
 void throw_check(ErrorKind kind, const char* expr, const std::string& msg, const char* file,

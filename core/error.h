@@ -69,7 +69,6 @@ std::vector<std::string> symbolize_frames(void* const* frames, int count);
 
 namespace detail {
 [[noreturn]] void throw_syscall(const char* expr, int err, const char* file, int line);
-[[noreturn]] void throw_zmq(const char* expr, int err, const char* file, int line);
 [[noreturn]] void throw_check(ErrorKind kind, const char* expr, const std::string& msg,
                               const char* file, int line);
 [[noreturn]] void throw_fail(ErrorKind kind, std::string msg, const char* file, int line,
@@ -91,15 +90,6 @@ namespace detail {
 // For an OS call whose failure is not "-1 and errno" (a null or MAP_FAILED result, an error
 // code returned or saved): throws the same Error{kSystem} naming `call` and `err`.
 #define SYSCALL_FAIL(call, err) ::megacpp::detail::throw_syscall((call), (err), __FILE__, __LINE__)
-
-// Same for libzmq's C API (which reports through zmq_errno and returns -1).
-#define ZMQ_CHECK(expr)                                                                         \
-  ({                                                                                            \
-    auto megacpp_r_ = (expr);                                                                   \
-    while (megacpp_r_ == -1 && zmq_errno() == EINTR) megacpp_r_ = (expr);                       \
-    if (megacpp_r_ == -1) ::megacpp::detail::throw_zmq(#expr, zmq_errno(), __FILE__, __LINE__); \
-    megacpp_r_;                                                                                 \
-  })
 
 // Raises Error{kind} with a fmt-formatted message (the user-facing line: what, which file or
 // key, what to do), recording file and line for the failure dump. The one way megacpp throws.

@@ -14,8 +14,9 @@
 
 #include "core/error.h"
 #include "core/util.h"
-#include "ipc/ipc.h"
-#include "ipc/ipc_internal.h"
+#include "ipc/channel.h"
+#include "ipc/detail/internal.h"
+#include "ipc/detail/zmq.h"
 #include "schemas/common.capnp.h"
 #include "schemas/run_layout.h"
 
@@ -49,7 +50,7 @@ bool transient(int err) {
 // ---------------------------------------------------------------------------------------
 
 ZmqContext::ZmqContext() : ctx_(zmq_ctx_new()) {
-  if (ctx_ == nullptr) megacpp::detail::throw_zmq("zmq_ctx_new", zmq_errno(), __FILE__, __LINE__);
+  if (ctx_ == nullptr) detail::throw_zmq("zmq_ctx_new", zmq_errno(), __FILE__, __LINE__);
   // Terminating the context must never wait on sockets a caller forgot to close.
   zmq_ctx_set(ctx_, ZMQ_BLOCKY, 0);
 }
@@ -68,8 +69,10 @@ Received::Received(std::string peer, kj::Array<capnp::word> words)
 
 Channel::Channel(ZmqContext& ctx, Kind kind, const std::string& endpoint,
                  const std::string& identity)
-    : socket_(zmq_socket(ctx.get(), kind == Kind::kRouter ? ZMQ_ROUTER : ZMQ_DEALER)), kind_(kind) {
-  if (socket_ == nullptr) megacpp::detail::throw_zmq("zmq_socket", zmq_errno(), __FILE__, __LINE__);
+    : socket_(zmq_socket(detail::ZmqAccess::context(ctx),
+                         kind == Kind::kRouter ? ZMQ_ROUTER : ZMQ_DEALER)),
+      kind_(kind) {
+  if (socket_ == nullptr) detail::throw_zmq("zmq_socket", zmq_errno(), __FILE__, __LINE__);
   try {
     set_int(socket_, ZMQ_LINGER, 0);
     ZMQ_CHECK(zmq_setsockopt(socket_, ZMQ_MAXMSGSIZE, &kMaxMessageBytes, sizeof kMaxMessageBytes));
@@ -143,7 +146,7 @@ bool send_words(void* socket, bool router, std::string_view peer, capnp::Message
     }
     int err = zmq_errno();
     if (err == EHOSTUNREACH) return false;  // ROUTER: no such peer connected
-    if (!transient(err)) megacpp::detail::throw_zmq("zmq_send", err, __FILE__, __LINE__);
+    if (!transient(err)) detail::throw_zmq("zmq_send", err, __FILE__, __LINE__);
     long left = detail::remaining_ms(deadline);
     if (left == 0) return false;
     if (router) {
@@ -181,7 +184,7 @@ std::unique_ptr<Received> Channel::receive(Millis timeout) {
     if (zmq_msg_recv(&part.m, socket_, ZMQ_DONTWAIT) == -1) {
       int err = zmq_errno();
       if (transient(err)) continue;
-      megacpp::detail::throw_zmq("zmq_msg_recv", err, __FILE__, __LINE__);
+      detail::throw_zmq("zmq_msg_recv", err, __FILE__, __LINE__);
     }
     // ROUTER: [identity, payload]; DEALER: [payload]. Anything else is malformed, and every
     // part of a multipart message is drained so the next receive starts on a boundary.
@@ -252,215 +255,53 @@ ControlMessageBuilder::ControlMessageBuilder()
 
 // ---------------------------------------------------------------------------------------
 
-struct ControlClient::State {
-  State(const std::string& endpoint, schema::StageKind stage_, uint32_t rank_, uint32_t generation_,
-        Millis interval_)
-      : channel(ctx, Channel::Kind::kDealer, endpoint, layout::process_name(stage_, rank_)),
-        wake_fd(SYSCALL_CHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK))),
-        stage(stage_),
-        rank(rank_),
-        generation(generation_),
-        interval(interval_) {}
-
-  ZmqContext ctx;
-  Channel channel;  // used by the constructor for Hello, then only by `thread`
-  detail::Fd wake_fd;
-  const schema::StageKind stage;
-  const uint32_t rank;
-  const uint32_t generation;
-  std::atomic<double> lag_seconds{0};
-  const Millis interval;
-
-  std::atomic<uint16_t> phase{static_cast<uint16_t>(schema::Phase::STARTUP)};
-  std::atomic<int64_t> phase_started_ns{mono_ns()};
-  std::atomic<uint32_t> step{0};
-  std::atomic<double> tokens{0.0};
-  std::atomic<uint32_t> loss_bits{std::bit_cast<uint32_t>(std::numeric_limits<float>::quiet_NaN())};
-  std::atomic<double> step_seconds{0.0};
-  std::atomic<int64_t> progress_ns{0};
-  std::atomic<uint64_t> work_done{0};
-  std::atomic<int64_t> pending_since_ns{0};
-  std::atomic<bool> quit{false};
-
-  struct PendingFailure {
-    std::string kind;
-    std::string message;
-    schema::ErrorKind error_kind;
-    int64_t met_ns;  // CLOCK_MONOTONIC
-  };
-  std::mutex mu;  // guards stop_reason and failures
-  std::string stop_reason;
-  std::vector<PendingFailure> failures;  // to send
-  bool lingering = false;
-
-  std::thread thread;  // last: joined before anything above is destroyed
-
-  // Never throws: losing a wake-up only delays the thread until its next heartbeat.
-  void wake() noexcept {
-    uint64_t one = 1;
-    if (::write(wake_fd.get(), &one, sizeof one) < 0) {
-    }
-  }
-
-  void send_hello() {
-    ControlMessageBuilder m;
-    auto hello = m.root().initHello();
-    hello.setStage(stage);
-    hello.setRank(rank);
-    hello.setPid(::getpid());
-    hello.setGeneration(generation);
-    // The DEALER queues it even before the supervisor's ROUTER exists (bounded by the HWM).
-    channel.send(m.message(), Millis(0));
-  }
-
-  void send_heartbeat() {
-    ControlMessageBuilder m;
-    auto hb = m.root().initHeartbeat();
-    hb.setStage(stage);
-    hb.setRank(rank);
-    hb.setStep(step.load(std::memory_order_acquire));
-    hb.setPhase(static_cast<schema::Phase>(phase.load(std::memory_order_relaxed)));
-    hb.setPhaseStartedMonoNs(phase_started_ns.load(std::memory_order_relaxed));
-    hb.setMonoNs(mono_ns());
-    hb.setTokens(tokens.load(std::memory_order_relaxed));
-    hb.setLoss(std::bit_cast<float>(loss_bits.load(std::memory_order_relaxed)));
-    hb.setStepSeconds(step_seconds.load(std::memory_order_relaxed));
-    hb.setLagSeconds(lag_seconds.load(std::memory_order_relaxed));
-    hb.setGeneration(generation);
-    hb.setProgressMonoNs(progress_ns.load(std::memory_order_relaxed));
-    hb.setWorkDone(work_done.load(std::memory_order_relaxed));
-    hb.setPendingSinceMonoNs(pending_since_ns.load(std::memory_order_relaxed));
-    // Never waits: with no supervisor the queue fills to the HWM and heartbeats are dropped.
-    channel.send(m.message(), Millis(0));
-  }
-
-  void flush_failures() {
-    std::vector<PendingFailure> batch;
-    {
-      std::lock_guard lock(mu);
-      batch.swap(failures);
-    }
-    for (const auto& failure : batch) {
-      ControlMessageBuilder m;
-      auto f = m.root().initFailure();
-      f.setStage(stage);
-      f.setRank(rank);
-      f.setKind(failure.kind);
-      f.setMessage(failure.message);
-      f.setPhase(static_cast<schema::Phase>(phase.load(std::memory_order_relaxed)));
-      f.setStep(step.load(std::memory_order_acquire));
-      f.setMonoNs(failure.met_ns);
-      f.setErrorKind(failure.error_kind);
-      if (!channel.send(m.message(), Millis(0))) {
-        log_warn("control client: could not queue failure report '{}'", failure.kind);
-      }
-      // The process is probably on its way down: give closing a bounded chance to deliver
-      // the report instead of discarding it (linger 0).
-      if (!lingering) {
-        channel.set_linger(std::min(interval, Millis(1000)));
-        lingering = true;
-      }
-    }
-  }
-
-  void handle(Received& r, std::atomic<bool>& stop) {
-    auto root = r.root();
-    if (root.which() == schema::ControlMessage::STOP) {
-      {
-        std::lock_guard lock(mu);
-        stop_reason = root.getStop().getReason().cStr();
-      }
-      stop.store(true, std::memory_order_release);
-    }
-  }
-
-  void run(std::atomic<bool>& stop) noexcept {
-    try {
-      auto next = detail::Clock::now() + interval;
-      for (;;) {
-        bool quitting = quit.load(std::memory_order_acquire);
-        flush_failures();
-        if (quitting) return;
-        auto now = detail::Clock::now();
-        if (now >= next) {
-          send_heartbeat();
-          next += interval;
-          if (next <= now) next = now + interval;
-        }
-        zmq_pollitem_t items[2] = {channel.pollitem(), {nullptr, wake_fd.get(), ZMQ_POLLIN, 0}};
-        ZMQ_CHECK(zmq_poll(items, 2, detail::remaining_ms(next)));
-        if (items[1].revents & ZMQ_POLLIN) {
-          uint64_t count;
-          if (::read(wake_fd.get(), &count, sizeof count) < 0) {
-          }
-        }
-        if (items[0].revents & ZMQ_POLLIN) {
-          while (auto r = channel.receive(Millis(0))) handle(*r, stop);
-        }
-      }
-    } catch (const std::exception& e) {
-      // No heartbeats from here on: the supervisor reports this process as heartbeat_lost.
-      log_error("control client thread stopped: {}", e.what());
-    }
-  }
+struct Poller::Items {
+  std::vector<zmq_pollitem_t> items;
 };
 
-ControlClient::ControlClient(const std::string& endpoint, schema::StageKind stage, uint32_t rank,
-                             uint32_t generation, Millis interval) {
-  MEGACPP_CHECK(interval > Millis::zero(), ErrorKind::kInvalidArgument,
-                "heartbeat interval must be positive");
-  state_ = std::make_unique<State>(endpoint, stage, rank, generation, interval);
-  state_->send_hello();
-  // Thread creation is the memory barrier that hands the socket over to the thread.
-  state_->thread = std::thread([this] { state_->run(stop_); });
+Poller::Poller() : items_(std::make_unique<Items>()) {}
+
+Poller::~Poller() = default;
+
+size_t Poller::add(const Channel& channel) {
+  items_->items.push_back(zmq_pollitem_t{detail::ZmqAccess::socket(channel), 0, ZMQ_POLLIN, 0});
+  return items_->items.size() - 1;
 }
 
-ControlClient::~ControlClient() {
-  state_->quit.store(true, std::memory_order_release);
-  state_->wake();
-  if (state_->thread.joinable()) state_->thread.join();
+size_t Poller::add(int fd) {
+  items_->items.push_back(zmq_pollitem_t{nullptr, fd, ZMQ_POLLIN, 0});
+  return items_->items.size() - 1;
 }
 
-void ControlClient::set_phase(schema::Phase phase) {
-  state_->phase_started_ns.store(mono_ns(), std::memory_order_relaxed);
-  state_->phase.store(static_cast<uint16_t>(phase), std::memory_order_relaxed);
-}
-
-void ControlClient::set_step(uint32_t step) {
-  state_->step.store(step, std::memory_order_release);
-}
-
-void ControlClient::set_progress(uint32_t step, double tokens, float loss, double step_seconds) {
-  state_->tokens.store(tokens, std::memory_order_relaxed);
-  state_->loss_bits.store(std::bit_cast<uint32_t>(loss), std::memory_order_relaxed);
-  state_->step_seconds.store(step_seconds, std::memory_order_relaxed);
-  state_->step.store(step, std::memory_order_release);  // last: publishes the fields above
-}
-
-std::string ControlClient::stop_reason() const {
-  std::lock_guard lock(state_->mu);
-  return state_->stop_reason;
-}
-
-void ControlClient::report_failure(const std::string& kind, const std::string& message,
-                                   schema::ErrorKind error_kind, int64_t met_ns) {
-  {
-    std::lock_guard lock(state_->mu);
-    state_->failures.push_back({kind, message, error_kind, met_ns != 0 ? met_ns : mono_ns()});
+size_t Poller::wait(Millis timeout) {
+  auto& items = items_->items;
+  for (auto& item : items) item.revents = 0;
+  int n =
+      zmq_poll(items.data(), static_cast<int>(items.size()), static_cast<long>(timeout.count()));
+  if (n < 0) {
+    int err = zmq_errno();
+    if (err == EINTR) return 0;
+    detail::throw_zmq("zmq_poll", err, __FILE__, __LINE__);
   }
-  state_->wake();
+  return static_cast<size_t>(n);
 }
 
-}  // namespace megacpp::ipc
-
-namespace megacpp::ipc {
-void ControlClient::report_progress(uint64_t work_done, int64_t pending_since_ns) {
-  state_->work_done.store(work_done, std::memory_order_relaxed);
-  state_->pending_since_ns.store(pending_since_ns, std::memory_order_relaxed);
-  state_->progress_ns.store(mono_ns(), std::memory_order_relaxed);
+bool Poller::readable(size_t index) const {
+  MEGACPP_CHECK(index < items_->items.size(), ErrorKind::kInvalidArgument,
+                fmt::format("poller has no source #{}", index));
+  return (items_->items[index].revents & ZMQ_POLLIN) != 0;
 }
 
-void ControlClient::set_lag(double seconds) {
-  state_->lag_seconds.store(seconds, std::memory_order_relaxed);
+// ---------------------------------------------------------------------------------------
+
+namespace detail {
+
+void throw_zmq(const char* expr, int err, const char* file, int line) {
+  throw Error(ErrorKind::kZmq,
+              fmt::format("{} failed: {} ({}:{})", expr, zmq_strerror(err), file, line), file, line,
+              err);
 }
+
+}  // namespace detail
+
 }  // namespace megacpp::ipc

@@ -13,8 +13,8 @@
 
 #include "core/error.h"
 #include "core/util.h"
-#include "ipc/ipc.h"
-#include "ipc/ipc_internal.h"
+#include "ipc/detail/internal.h"
+#include "ipc/journal.h"
 #include "schemas/common.capnp.h"
 
 namespace megacpp::ipc {

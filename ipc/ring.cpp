@@ -6,8 +6,8 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
-#include "ipc/ipc.h"
-#include "ipc/ipc_internal.h"
+#include "ipc/detail/internal.h"
+#include "ipc/slot_ring.h"
 
 namespace megacpp::ipc {
 

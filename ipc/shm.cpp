@@ -6,13 +6,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <filesystem>
 #include <system_error>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
-#include "ipc/ipc.h"
-#include "ipc/ipc_internal.h"
+#include "ipc/detail/internal.h"
+#include "ipc/shm.h"
 
 namespace megacpp::ipc {
 

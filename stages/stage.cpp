@@ -56,9 +56,9 @@ StageContext::StageContext(schema::StageKind kind, const StageArgs& args)
   }
   journal_.set_identity(kind, args.rank);
   auto l = launch_.get();
-  control_ =
-      std::make_unique<ipc::ControlClient>(l.getControlEndpoint(), kind, args.rank, args.generation,
-                                           ipc::Millis(l.getHeartbeatIntervalMs()));
+  control_ = std::make_unique<ipc::ControlClient>(l.getControlEndpoint(),
+                                                  ipc::Identity{kind, args.rank, args.generation},
+                                                  ipc::Millis(l.getHeartbeatIntervalMs()));
   detail::publish_context(this);
 }
 

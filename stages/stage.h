@@ -27,7 +27,9 @@
 #include <string_view>
 #include <vector>
 
-#include "ipc/ipc.h"
+#include "ipc/channel.h"
+#include "ipc/control_client.h"
+#include "ipc/journal.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"

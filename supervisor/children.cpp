@@ -13,7 +13,7 @@
 
 #include "core/error.h"
 #include "core/util.h"
-#include "ipc/ipc.h"
+#include "ipc/channel.h"
 #include "schemas/run_layout.h"
 #include "supervisor/process.h"
 

@@ -14,7 +14,7 @@
 
 #include "core/error.h"
 #include "core/util.h"
-#include "ipc/ipc.h"
+#include "ipc/journal.h"
 #include "schemas/enums.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"

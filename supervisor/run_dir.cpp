@@ -17,7 +17,10 @@
 
 #include "core/error.h"
 #include "core/util.h"
-#include "ipc/ipc.h"
+#include "ipc/channel.h"
+#include "ipc/journal.h"
+#include "ipc/shm.h"
+#include "ipc/slot_ring.h"
 #include "recipes/recipe.h"
 #include "schemas/enums.h"
 #include "schemas/json.h"

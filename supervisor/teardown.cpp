@@ -11,7 +11,7 @@
 #include <fmt/format.h>
 
 #include "core/util.h"
-#include "ipc/ipc.h"
+#include "ipc/shm.h"
 #include "schemas/enums.h"
 #include "supervisor/failure_policy.h"
 #include "supervisor/process.h"

@@ -12,7 +12,7 @@
 
 #include "core/error.h"
 #include "core/util.h"
-#include "ipc/ipc.h"
+#include "ipc/channel.h"
 #include "schemas/enums.h"
 #include "schemas/run_layout.h"
 #include "stages/collector/collector.h"
@@ -262,12 +262,12 @@ bool Run::all_trainers_done() const {
 }
 
 void Run::pump(int timeout_ms) {
-  zmq_pollitem_t items[2] = {router_->pollitem(), zmq_pollitem_t{nullptr, sigfd_, ZMQ_POLLIN, 0}};
-  int n = zmq_poll(items, 2, timeout_ms);
-  if (n < 0 && zmq_errno() != EINTR) ZMQ_CHECK(n);
-  if (n <= 0) return;
-  if (items[1].revents & ZMQ_POLLIN) on_signals();
-  if (items[0].revents & ZMQ_POLLIN) {
+  ipc::Poller poller;
+  const size_t router = poller.add(*router_);
+  const size_t signals = poller.add(sigfd_);
+  if (poller.wait(ipc::Millis(timeout_ms)) == 0) return;
+  if (poller.readable(signals)) on_signals();
+  if (poller.readable(router)) {
     while (auto m = router_->receive(ipc::Millis(0))) on_message(*m);
   }
 }

@@ -29,7 +29,8 @@
 #include <string_view>
 #include <vector>
 
-#include "ipc/ipc.h"
+#include "ipc/channel.h"
+#include "ipc/journal.h"
 #include "schemas/common.capnp.h"
 
 namespace megacpp::checkpointer {

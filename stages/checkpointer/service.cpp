@@ -3,6 +3,7 @@
 
 #include "core/error.h"
 #include "core/util.h"
+#include "ipc/shm.h"
 #include "schemas/run_layout.h"
 #include "stages/checkpointer/checkpointer.h"
 

@@ -16,7 +16,7 @@
 
 #include "core/error.h"
 #include "core/util.h"
-#include "ipc/ipc.h"
+#include "ipc/journal.h"
 #include "schemas/common.capnp.h"
 #include "schemas/enums.h"
 #include "schemas/journal.capnp.h"

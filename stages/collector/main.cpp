@@ -21,8 +21,10 @@ void run(megacpp::stage::StageContext& ctx) {
     const int64_t before = collector.newest_record_wall_ns();
     if (collector.poll([&] { ctx.control().report_progress(polls - 1); })) collector.write();
     const int64_t newest = collector.newest_record_wall_ns();
-    ctx.control().set_lag(newest > before ? static_cast<double>(megacpp::wall_ns() - newest) / 1e9
-                                          : 0.0);
+    ctx.control().publish(
+        {.step = polls,
+         .lag_seconds =
+             newest > before ? static_cast<double>(megacpp::wall_ns() - newest) / 1e9 : 0.0});
     // Stamped only by the fold itself (after each journal, and here once it is written): a
     // fold that never returns stops the stamps while the heartbeats go on, and the
     // supervisor restarts the collector on its stall budget.

@@ -10,6 +10,8 @@
 
 #include "core/error.h"
 #include "core/util.h"
+#include "ipc/shm.h"
+#include "ipc/slot_ring.h"
 #include "stages/data_loader/data_loader.h"
 #include "stages/stage.h"
 

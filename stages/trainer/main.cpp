@@ -17,7 +17,8 @@
 
 #include "core/error.h"
 #include "core/util.h"
-#include "ipc/ipc.h"
+#include "ipc/shm.h"
+#include "ipc/slot_ring.h"
 #include "schemas/run_layout.h"
 #include "stages/stage.h"
 #include "stages/trainer/collective.h"
@@ -261,7 +262,8 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       s.setOptimizerSeconds(timing.optimizer_seconds);
     });
     ctx.set_step(step);
-    ctx.control().set_progress(step, tokens_total, timing.loss, step_seconds);
+    ctx.control().publish(
+        {.step = step, .tokens = tokens_total, .loss = timing.loss, .step_seconds = step_seconds});
 
     snapshots.poll();
     const bool final = step == steps;

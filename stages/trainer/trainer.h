@@ -23,7 +23,8 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "ipc/ipc.h"
+#include "ipc/channel.h"
+#include "ipc/shm.h"
 #include "recipes/recipe.h"
 #include "schemas/common.capnp.h"
 #include "schemas/control.capnp.h"

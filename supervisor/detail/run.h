@@ -5,8 +5,8 @@
 // cleanup), report.cpp (roles, the final journal records, the report, `megacpp status`),
 // reconcile.cpp (orphaned runs). The rules the watch loop applies are failure_policy.h's.
 //
-// Blocking: the watch loop blocks only in its poll with a 100 ms timeout over the control
-// ROUTER and a signalfd (SIGCHLD, SIGINT, SIGTERM). Every wait for a child is bounded.
+// Blocking: the watch loop blocks only in its ipc::Poller wait with a 100 ms timeout over the
+// control ROUTER and a signalfd (SIGCHLD, SIGINT, SIGTERM). Every wait for a child is bounded.
 #pragma once
 
 #include <sys/types.h>
@@ -23,7 +23,10 @@
 #include <vector>
 
 #include "core/knobs.h"
-#include "ipc/ipc.h"
+#include "ipc/channel.h"
+#include "ipc/journal.h"
+#include "ipc/shm.h"
+#include "ipc/slot_ring.h"
 #include "recipes/recipe.h"
 #include "schemas/common.capnp.h"
 #include "supervisor/console.h"

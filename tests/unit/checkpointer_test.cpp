@@ -17,7 +17,9 @@
 
 #include "core/error.h"
 #include "core/util.h"
-#include "ipc/ipc.h"
+#include "ipc/channel.h"
+#include "ipc/journal.h"
+#include "ipc/shm.h"
 #include "schemas/checkpoint.capnp.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"

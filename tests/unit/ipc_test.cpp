@@ -19,7 +19,12 @@
 #include <xxhash.h>
 
 #include "core/error.h"
-#include "ipc/ipc.h"
+#include "ipc/channel.h"
+#include "ipc/control_client.h"
+#include "ipc/detail/zmq.h"
+#include "ipc/journal.h"
+#include "ipc/shm.h"
+#include "ipc/slot_ring.h"
 #include "tests/unit/test_support.h"
 
 namespace megacpp::ipc {
@@ -276,7 +281,7 @@ TEST_F(RingTest, ProducerInChildProcessConsumerInParent) {
 class RawDealer {
  public:
   RawDealer(ZmqContext& ctx, const std::string& endpoint, const std::string& identity)
-      : socket_(zmq_socket(ctx.get(), ZMQ_DEALER)) {
+      : socket_(zmq_socket(detail::ZmqAccess::context(ctx), ZMQ_DEALER)) {
     int zero = 0;
     zmq_setsockopt(socket_, ZMQ_LINGER, &zero, sizeof zero);
     zmq_setsockopt(socket_, ZMQ_ROUTING_ID, identity.data(), identity.size());
@@ -349,6 +354,46 @@ TEST(ChannelTest, RoundTripOverIpc) {
 
 TEST(ChannelTest, RoundTripOverTcp) {
   round_trip("tcp://127.0.0.1:*");
+}
+
+// A Poller numbers its sources in the order they were added and reports each one readable
+// only while it has input; a wait with nothing to read ends at its timeout with 0.
+TEST(PollerTest, ChannelAndDescriptorTogether) {
+  TempDir dir;
+  ZmqContext ctx;
+  Channel router(ctx, Channel::Kind::kRouter, "ipc://" + (dir.path() / "control").string());
+  Channel dealer(ctx, Channel::Kind::kDealer, router.endpoint(), "trainer-0");
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+
+  Poller poller;
+  const size_t channel = poller.add(router);
+  const size_t pipe = poller.add(fds[0]);
+  EXPECT_EQ(channel, 0u);
+  EXPECT_EQ(pipe, 1u);
+  EXPECT_EQ(poller.wait(Millis(20)), 0u);
+  EXPECT_FALSE(poller.readable(channel));
+  EXPECT_FALSE(poller.readable(pipe));
+  EXPECT_THROW(poller.readable(2), Error);
+
+  ASSERT_EQ(::write(fds[1], "x", 1), 1);
+  EXPECT_EQ(poller.wait(Millis(10000)), 1u);
+  EXPECT_FALSE(poller.readable(channel));
+  EXPECT_TRUE(poller.readable(pipe));
+  char byte;
+  ASSERT_EQ(::read(fds[0], &byte, 1), 1);
+
+  ControlMessageBuilder h;
+  fill_hello(h, 0);
+  ASSERT_TRUE(dealer.send(h.message()));
+  EXPECT_EQ(poller.wait(Millis(10000)), 1u);
+  EXPECT_TRUE(poller.readable(channel));
+  EXPECT_FALSE(poller.readable(pipe));
+  auto got = router.receive(Millis(0));
+  ASSERT_NE(got, nullptr);
+  EXPECT_TRUE(got->root().isHello());
+  ::close(fds[0]);
+  ::close(fds[1]);
 }
 
 TEST(ChannelTest, MalformedFramesAreCountedAndSkipped) {
@@ -424,7 +469,7 @@ TEST(ControlClientTest, HelloHeartbeatsStopAndFailure) {
   ZmqContext ctx;
   Channel router(ctx, Channel::Kind::kRouter, endpoint);
 
-  ControlClient client(endpoint, schema::StageKind::TRAINER, 1, 3, Millis(20));
+  ControlClient client(endpoint, {schema::StageKind::TRAINER, 1, 3}, Millis(20));
   auto first = router.receive(Millis(10000));
   ASSERT_NE(first, nullptr);
   EXPECT_EQ(first->peer(), "trainer-1");
@@ -439,7 +484,7 @@ TEST(ControlClientTest, HelloHeartbeatsStopAndFailure) {
   EXPECT_TRUE(std::isnan(hb0->root().getHeartbeat().getLoss()));
 
   client.set_phase(schema::Phase::FORWARD);
-  client.set_progress(5, 1000.0, 2.5f, 0.25);
+  client.publish({.step = 5, .tokens = 1000.0, .loss = 2.5f, .step_seconds = 0.25});
   auto hb = receive_until(router, [](Received& r) {
     return r.root().isHeartbeat() && r.root().getHeartbeat().getStep() == 5 &&
            r.root().getHeartbeat().getPhase() == schema::Phase::FORWARD;
@@ -486,7 +531,7 @@ TEST(ControlClientTest, ProgressIsStampedOnlyByTheWorkingThread) {
   const std::string endpoint = "ipc://" + (dir.path() / "control").string();
   ZmqContext ctx;
   Channel router(ctx, Channel::Kind::kRouter, endpoint);
-  ControlClient client(endpoint, schema::StageKind::CHECKPOINTER, 0, 0, Millis(20));
+  ControlClient client(endpoint, {schema::StageKind::CHECKPOINTER, 0, 0}, Millis(20));
 
   auto hb0 = receive_until(router, [](Received& r) { return r.root().isHeartbeat(); });
   ASSERT_NE(hb0, nullptr);
@@ -518,7 +563,7 @@ TEST(ControlClientTest, PendingFailureIsFlushedByDestructor) {
   Channel router(ctx, Channel::Kind::kRouter, endpoint);
   {
     // A long interval: only the destructor's flush can deliver the report in time.
-    ControlClient client(endpoint, schema::StageKind::DATA_LOADER, 0, 1, Millis(60000));
+    ControlClient client(endpoint, {schema::StageKind::DATA_LOADER, 0, 1}, Millis(60000));
     client.report_failure("signal", "SIGSEGV");
   }
   auto failure = receive_until(router, [](Received& r) { return r.root().isFailure(); });
@@ -530,10 +575,11 @@ TEST(ControlClientTest, PendingFailureIsFlushedByDestructor) {
 TEST(ControlClientTest, AbsentSupervisorNeverBlocks) {
   TempDir dir;
   {
-    ControlClient client("ipc://" + (dir.path() / "control").string(), schema::StageKind::COLLECTOR,
-                         0, 1, Millis(5));
+    ControlClient client("ipc://" + (dir.path() / "control").string(),
+                         {schema::StageKind::COLLECTOR, 0, 1}, Millis(5));
     client.set_phase(schema::Phase::WRITE);
-    for (uint32_t i = 0; i < 50; ++i) client.set_progress(i, i, 0.0f, 0.0);
+    for (uint32_t i = 0; i < 50; ++i)
+      client.publish({.step = i, .tokens = static_cast<double>(i), .loss = 0.0f});
     std::this_thread::sleep_for(Millis(50));
     client.report_failure("exception", "nobody listens");
     EXPECT_FALSE(client.stop_requested());

@@ -23,7 +23,8 @@
 
 #include "core/error.h"
 #include "core/util.h"
-#include "ipc/ipc.h"
+#include "ipc/channel.h"
+#include "ipc/journal.h"
 #include "schemas/journal.capnp.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"

@@ -24,7 +24,8 @@
 
 #include "core/error.h"
 #include "core/util.h"
-#include "ipc/ipc.h"
+#include "ipc/channel.h"
+#include "ipc/shm.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"

@@ -1,0 +1,228 @@
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <limits>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "core/util.h"
+#include "ipc/channel.h"
+#include "ipc/control_client.h"
+#include "ipc/detail/internal.h"
+#include "schemas/run_layout.h"
+
+namespace megacpp::ipc {
+
+struct ControlClient::State {
+  State(const std::string& endpoint, const Identity& identity_, Millis interval_)
+      : channel(ctx, Channel::Kind::kDealer, endpoint,
+                layout::process_name(identity_.stage, identity_.rank)),
+        wake_fd(SYSCALL_CHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK))),
+        identity(identity_),
+        interval(interval_) {}
+
+  ZmqContext ctx;
+  Channel channel;  // used by the constructor for Hello, then only by `thread`
+  detail::Fd wake_fd;
+  const Identity identity;
+  const Millis interval;
+
+  std::atomic<uint16_t> phase{static_cast<uint16_t>(schema::Phase::STARTUP)};
+  std::atomic<int64_t> phase_started_ns{mono_ns()};
+  std::atomic<uint32_t> step{0};
+  std::atomic<double> tokens{0.0};
+  std::atomic<uint32_t> loss_bits{std::bit_cast<uint32_t>(std::numeric_limits<float>::quiet_NaN())};
+  std::atomic<double> step_seconds{0.0};
+  std::atomic<double> lag_seconds{0.0};
+  std::atomic<int64_t> progress_ns{0};
+  std::atomic<uint64_t> work_done{0};
+  std::atomic<int64_t> pending_since_ns{0};
+  std::atomic<bool> quit{false};
+
+  struct PendingFailure {
+    std::string kind;
+    std::string message;
+    schema::ErrorKind error_kind;
+    int64_t met_ns;  // CLOCK_MONOTONIC
+  };
+  std::mutex mu;  // guards stop_reason and failures
+  std::string stop_reason;
+  std::vector<PendingFailure> failures;  // to send
+  bool lingering = false;
+
+  std::thread thread;  // last: joined before anything above is destroyed
+
+  // Never throws: losing a wake-up only delays the thread until its next heartbeat.
+  void wake() noexcept {
+    uint64_t one = 1;
+    if (::write(wake_fd.get(), &one, sizeof one) < 0) {
+    }
+  }
+
+  void send_hello() {
+    ControlMessageBuilder m;
+    auto hello = m.root().initHello();
+    hello.setStage(identity.stage);
+    hello.setRank(identity.rank);
+    hello.setPid(::getpid());
+    hello.setGeneration(identity.generation);
+    // The DEALER queues it even before the supervisor's ROUTER exists (bounded by the HWM).
+    channel.send(m.message(), Millis(0));
+  }
+
+  void send_heartbeat() {
+    ControlMessageBuilder m;
+    auto hb = m.root().initHeartbeat();
+    hb.setStage(identity.stage);
+    hb.setRank(identity.rank);
+    hb.setStep(step.load(std::memory_order_acquire));
+    hb.setPhase(static_cast<schema::Phase>(phase.load(std::memory_order_relaxed)));
+    hb.setPhaseStartedMonoNs(phase_started_ns.load(std::memory_order_relaxed));
+    hb.setMonoNs(mono_ns());
+    hb.setTokens(tokens.load(std::memory_order_relaxed));
+    hb.setLoss(std::bit_cast<float>(loss_bits.load(std::memory_order_relaxed)));
+    hb.setStepSeconds(step_seconds.load(std::memory_order_relaxed));
+    hb.setLagSeconds(lag_seconds.load(std::memory_order_relaxed));
+    hb.setGeneration(identity.generation);
+    hb.setProgressMonoNs(progress_ns.load(std::memory_order_relaxed));
+    hb.setWorkDone(work_done.load(std::memory_order_relaxed));
+    hb.setPendingSinceMonoNs(pending_since_ns.load(std::memory_order_relaxed));
+    // Never waits: with no supervisor the queue fills to the HWM and heartbeats are dropped.
+    channel.send(m.message(), Millis(0));
+  }
+
+  void flush_failures() {
+    std::vector<PendingFailure> batch;
+    {
+      std::lock_guard lock(mu);
+      batch.swap(failures);
+    }
+    for (const auto& failure : batch) {
+      ControlMessageBuilder m;
+      auto f = m.root().initFailure();
+      f.setStage(identity.stage);
+      f.setRank(identity.rank);
+      f.setKind(failure.kind);
+      f.setMessage(failure.message);
+      f.setPhase(static_cast<schema::Phase>(phase.load(std::memory_order_relaxed)));
+      f.setStep(step.load(std::memory_order_acquire));
+      f.setMonoNs(failure.met_ns);
+      f.setErrorKind(failure.error_kind);
+      if (!channel.send(m.message(), Millis(0))) {
+        log_warn("control client: could not queue failure report '{}'", failure.kind);
+      }
+      // The process is probably on its way down: give closing a bounded chance to deliver
+      // the report instead of discarding it (linger 0).
+      if (!lingering) {
+        channel.set_linger(std::min(interval, Millis(1000)));
+        lingering = true;
+      }
+    }
+  }
+
+  void handle(Received& r, std::atomic<bool>& stop) {
+    auto root = r.root();
+    if (root.which() == schema::ControlMessage::STOP) {
+      {
+        std::lock_guard lock(mu);
+        stop_reason = root.getStop().getReason().cStr();
+      }
+      stop.store(true, std::memory_order_release);
+    }
+  }
+
+  void run(std::atomic<bool>& stop) noexcept {
+    try {
+      Poller poller;
+      const size_t kChannel = poller.add(channel);
+      const size_t kWake = poller.add(wake_fd.get());
+      auto next = detail::Clock::now() + interval;
+      for (;;) {
+        bool quitting = quit.load(std::memory_order_acquire);
+        flush_failures();
+        if (quitting) return;
+        auto now = detail::Clock::now();
+        if (now >= next) {
+          send_heartbeat();
+          next += interval;
+          if (next <= now) next = now + interval;
+        }
+        poller.wait(Millis(detail::remaining_ms(next)));
+        if (poller.readable(kWake)) {
+          uint64_t count;
+          if (::read(wake_fd.get(), &count, sizeof count) < 0) {
+          }
+        }
+        if (poller.readable(kChannel)) {
+          while (auto r = channel.receive(Millis(0))) handle(*r, stop);
+        }
+      }
+    } catch (const std::exception& e) {
+      // No heartbeats from here on: the supervisor reports this process as heartbeat_lost.
+      log_error("control client thread stopped: {}", e.what());
+    }
+  }
+};
+
+ControlClient::ControlClient(const std::string& endpoint, const Identity& identity,
+                             Millis interval) {
+  MEGACPP_CHECK(interval > Millis::zero(), ErrorKind::kInvalidArgument,
+                "heartbeat interval must be positive");
+  state_ = std::make_unique<State>(endpoint, identity, interval);
+  state_->send_hello();
+  // Thread creation is the memory barrier that hands the socket over to the thread.
+  state_->thread = std::thread([this] { state_->run(stop_); });
+}
+
+ControlClient::~ControlClient() {
+  state_->quit.store(true, std::memory_order_release);
+  state_->wake();
+  if (state_->thread.joinable()) state_->thread.join();
+}
+
+void ControlClient::set_phase(schema::Phase phase) {
+  state_->phase_started_ns.store(mono_ns(), std::memory_order_relaxed);
+  state_->phase.store(static_cast<uint16_t>(phase), std::memory_order_relaxed);
+}
+
+void ControlClient::set_step(uint32_t step) {
+  state_->step.store(step, std::memory_order_release);
+}
+
+const Identity& ControlClient::identity() const noexcept {
+  return state_->identity;
+}
+
+void ControlClient::publish(const ProgressRecord& record) {
+  state_->tokens.store(record.tokens, std::memory_order_relaxed);
+  state_->loss_bits.store(std::bit_cast<uint32_t>(record.loss), std::memory_order_relaxed);
+  state_->step_seconds.store(record.step_seconds, std::memory_order_relaxed);
+  state_->lag_seconds.store(record.lag_seconds, std::memory_order_relaxed);
+  state_->step.store(record.step, std::memory_order_release);  // last: publishes the above
+}
+
+std::string ControlClient::stop_reason() const {
+  std::lock_guard lock(state_->mu);
+  return state_->stop_reason;
+}
+
+void ControlClient::report_failure(const std::string& kind, const std::string& message,
+                                   schema::ErrorKind error_kind, int64_t met_ns) {
+  {
+    std::lock_guard lock(state_->mu);
+    state_->failures.push_back({kind, message, error_kind, met_ns != 0 ? met_ns : mono_ns()});
+  }
+  state_->wake();
+}
+
+void ControlClient::report_progress(uint64_t work_done, int64_t pending_since_ns) {
+  state_->work_done.store(work_done, std::memory_order_relaxed);
+  state_->pending_since_ns.store(pending_since_ns, std::memory_order_relaxed);
+  state_->progress_ns.store(mono_ns(), std::memory_order_relaxed);
+}
+
+}  // namespace megacpp::ipc

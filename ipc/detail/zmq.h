@@ -1,0 +1,33 @@
+// ZeroMQ next to the code that calls it: the error check for libzmq's C API and access to
+// the raw handles behind ZmqContext and Channel. Internal to ipc (and ipc's tests); never
+// included from a public header.
+#pragma once
+
+#include <zmq.h>
+
+#include <cerrno>
+
+#include "ipc/channel.h"
+
+namespace megacpp::ipc::detail {
+
+// Throws Error{kZmq} "<expr> failed: <zmq_strerror(err)> (<file>:<line>)".
+[[noreturn]] void throw_zmq(const char* expr, int err, const char* file, int line);
+
+struct ZmqAccess {
+  static void* context(ZmqContext& ctx) noexcept { return ctx.ctx_; }
+  static void* socket(const Channel& channel) noexcept { return channel.socket_; }
+};
+
+}  // namespace megacpp::ipc::detail
+
+// Evaluates `expr` (retrying on EINTR) and throws Error{kZmq} naming the expression, file
+// and line if it returned -1 (libzmq reports through zmq_errno). Yields the expression's value.
+#define ZMQ_CHECK(expr)                                                          \
+  ({                                                                             \
+    auto megacpp_r_ = (expr);                                                    \
+    while (megacpp_r_ == -1 && zmq_errno() == EINTR) megacpp_r_ = (expr);        \
+    if (megacpp_r_ == -1)                                                        \
+      ::megacpp::ipc::detail::throw_zmq(#expr, zmq_errno(), __FILE__, __LINE__); \
+    megacpp_r_;                                                                  \
+  })
