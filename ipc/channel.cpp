@@ -50,7 +50,7 @@ bool transient(int err) {
 // ---------------------------------------------------------------------------------------
 
 ZmqContext::ZmqContext() : ctx_(zmq_ctx_new()) {
-  if (ctx_ == nullptr) detail::throw_zmq("zmq_ctx_new", zmq_errno(), __FILE__, __LINE__);
+  if (ctx_ == nullptr) ZMQ_FAIL("zmq_ctx_new", zmq_errno());
   // Terminating the context must never wait on sockets a caller forgot to close.
   zmq_ctx_set(ctx_, ZMQ_BLOCKY, 0);
 }
@@ -72,7 +72,7 @@ Channel::Channel(ZmqContext& ctx, Kind kind, const std::string& endpoint,
     : socket_(zmq_socket(detail::ZmqAccess::context(ctx),
                          kind == Kind::kRouter ? ZMQ_ROUTER : ZMQ_DEALER)),
       kind_(kind) {
-  if (socket_ == nullptr) detail::throw_zmq("zmq_socket", zmq_errno(), __FILE__, __LINE__);
+  if (socket_ == nullptr) ZMQ_FAIL("zmq_socket", zmq_errno());
   try {
     set_int(socket_, ZMQ_LINGER, 0);
     ZMQ_CHECK(zmq_setsockopt(socket_, ZMQ_MAXMSGSIZE, &kMaxMessageBytes, sizeof kMaxMessageBytes));
@@ -146,7 +146,7 @@ bool send_words(void* socket, bool router, std::string_view peer, capnp::Message
     }
     int err = zmq_errno();
     if (err == EHOSTUNREACH) return false;  // ROUTER: no such peer connected
-    if (!transient(err)) detail::throw_zmq("zmq_send", err, __FILE__, __LINE__);
+    if (!transient(err)) ZMQ_FAIL("zmq_send", err);
     long left = detail::remaining_ms(deadline);
     if (left == 0) return false;
     if (router) {
@@ -184,7 +184,7 @@ std::unique_ptr<Received> Channel::receive(Millis timeout) {
     if (zmq_msg_recv(&part.m, socket_, ZMQ_DONTWAIT) == -1) {
       int err = zmq_errno();
       if (transient(err)) continue;
-      detail::throw_zmq("zmq_msg_recv", err, __FILE__, __LINE__);
+      ZMQ_FAIL("zmq_msg_recv", err);
     }
     // ROUTER: [identity, payload]; DEALER: [payload]. Anything else is malformed, and every
     // part of a multipart message is drained so the next receive starts on a boundary.
@@ -281,7 +281,7 @@ size_t Poller::wait(Millis timeout) {
   if (n < 0) {
     int err = zmq_errno();
     if (err == EINTR) return 0;
-    detail::throw_zmq("zmq_poll", err, __FILE__, __LINE__);
+    ZMQ_FAIL("zmq_poll", err);
   }
   return static_cast<size_t>(n);
 }

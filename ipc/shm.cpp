@@ -31,7 +31,7 @@ void check_name(const std::string& name) {
 
 std::byte* map_fd(int fd, size_t bytes) {
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) megacpp::detail::throw_syscall("mmap", errno, __FILE__, __LINE__);
+  if (p == MAP_FAILED) SYSCALL_FAIL("mmap", errno);
   return static_cast<std::byte*>(p);
 }
 
@@ -44,7 +44,7 @@ ShmRegion::ShmRegion(Create, std::string name, size_t bytes) : name_(std::move(n
   // A segment left by a crashed run of the same name is replaced, never reused: its
   // contents (ring counters, staged tensors) belong to a dead generation.
   if (::shm_unlink(name_.c_str()) != 0 && errno != ENOENT) {
-    megacpp::detail::throw_syscall("shm_unlink(stale)", errno, __FILE__, __LINE__);
+    SYSCALL_FAIL("shm_unlink(stale)", errno);
   }
   detail::Fd fd(SYSCALL_CHECK(::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)));
   try {
@@ -53,7 +53,7 @@ ShmRegion::ShmRegion(Create, std::string name, size_t bytes) : name_(std::move(n
     // delivering SIGBUS on first touch in some other process.
     int rc = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes));
     if (rc != 0 && rc != EOPNOTSUPP && rc != ENOSYS && rc != EINVAL) {
-      megacpp::detail::throw_syscall("posix_fallocate", rc, __FILE__, __LINE__);
+      SYSCALL_FAIL("posix_fallocate", rc);
     }
     data_ = map_fd(fd.get(), bytes);
   } catch (...) {
@@ -104,7 +104,7 @@ size_t unlink_shm(std::string_view prefix) {
     if (::shm_unlink(name.c_str()) == 0) {
       ++removed;
     } else if (errno != ENOENT) {  // ENOENT: its owner unlinked it concurrently
-      megacpp::detail::throw_syscall("shm_unlink", errno, __FILE__, __LINE__);
+      SYSCALL_FAIL("shm_unlink", errno);
     }
   }
   return removed;

@@ -31,3 +31,7 @@ struct ZmqAccess {
       ::megacpp::ipc::detail::throw_zmq(#expr, zmq_errno(), __FILE__, __LINE__); \
     megacpp_r_;                                                                  \
   })
+
+// For a libzmq call whose failure is not "-1" (a null handle, an errno already read): throws
+// the same Error{kZmq} naming `call` and `err`.
+#define ZMQ_FAIL(call, err) ::megacpp::ipc::detail::throw_zmq((call), (err), __FILE__, __LINE__)
