@@ -726,10 +726,8 @@ json share_rank(const Config& c, const mc::recipe::Recipe& r, uint32_t steps, co
   auto gen = at::make_generator<at::CPUGeneratorImpl>(4242 + rank);
   std::vector<double> fwd, bwd, opt;
   for (uint32_t s = 1; s <= total; ++s) {
-    const at::Tensor tokens =
-        at::randint(r.model.vocab_size,
-                    {static_cast<int64_t>(r.train.batch_size), int64_t{r.model.seq_len} + 1}, gen,
-                    at::TensorOptions().dtype(at::kLong));
+    const at::Tensor tokens = at::randint(r.model.vocab_size, mc::recipe::batch_spec(r).shape(),
+                                          gen, at::TensorOptions().dtype(at::kLong));
     const tr::StepTiming t = ts.step(tokens, s);
     if (s <= c.warmup) continue;
     fwd.push_back(t.forward_seconds * 1e3);

@@ -48,7 +48,7 @@ double in_process_ms(const mc::recipe::Recipe& r, uint32_t warmup, uint32_t step
   mc::data_loader::Sampler sampler(shards, r.model.seq_len, r.train.batch_size, 1, r.train.seed);
   std::vector<at::Tensor> batches;
   for (uint32_t s = 1; s <= warmup + steps; ++s) {
-    auto t = torch::empty({r.train.batch_size, r.model.seq_len + 1}, torch::kInt64);
+    auto t = torch::empty(sampler.spec().shape(), torch::kInt64);
     sampler.fill(s, 0, t.data_ptr<int64_t>());
     batches.push_back(t);
   }

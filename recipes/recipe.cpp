@@ -123,10 +123,11 @@ void Recipe::validate() const {
   rule(model.mlp_mult >= 1, "model.mlp_mult", "must be >= 1");
   rule(train.batch_size >= 1, "train.batch_size",
        "must be >= 1 (a rank with zero-length work is refused)");
-  rule(batch_slot_bytes(*this) <= kMaxBatchSlotBytes, "train.batch_size, model.seq_len",
+  const BatchSpec batch = batch_spec(*this);
+  rule(batch.fits_slot(), "train.batch_size, model.seq_len",
        fmt::format("a batch of batch_size x (seq_len + 1) int64 tokens is {} bytes; a batch ring "
                    "slot holds at most {}",
-                   batch_slot_bytes(*this), kMaxBatchSlotBytes));
+                   batch.slot_bytes(), kMaxBatchSlotBytes));
   rule(train.min_lr_ratio >= 0 && train.min_lr_ratio <= 1, "train.min_lr_ratio",
        "must be in [0, 1]");
   const OptimConfig& o = train.optim;
@@ -152,12 +153,8 @@ void Recipe::validate() const {
   rule(model.vocab_size >= 128, "model.vocab_size",
        "the built-in corpus is 7-bit text: needs vocab_size >= 128");
   rule(data.shards >= 1, "data.shards", "must be >= 1");
-  rule(uint64_t{data.shard_tokens} > uint64_t{model.seq_len} + 1, "data.shard_tokens",
+  rule(uint64_t{data.shard_tokens} > batch.row_tokens(), "data.shard_tokens",
        "must exceed model.seq_len + 1");
-}
-
-uint64_t batch_slot_bytes(const Recipe& r) {
-  return uint64_t{r.train.batch_size} * (uint64_t{r.model.seq_len} + 1) * sizeof(int64_t);
 }
 
 std::filesystem::path resolve(const std::string& name_or_path,

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "recipes/batch_spec.h"
 #include "schemas/launch.capnp.h"
 
 namespace megacpp::recipe {
@@ -84,11 +85,13 @@ struct Recipe {
 
 // The most layers a recipe may declare (the pattern is expanded to one entry per layer).
 inline constexpr uint32_t kMaxLayers = 4096;
-// The largest batch a rank's ring slot holds: the ring's slot size and the launch contract's
-// ringSlotBytes are 32-bit (ipc::SlotRing::kMaxSlotBytes).
-inline constexpr uint64_t kMaxBatchSlotBytes = UINT32_MAX;
-// Bytes of one rank's batch: batch_size x (seq_len + 1) int64 tokens, in 64 bits.
-uint64_t batch_slot_bytes(const Recipe& r);
+// The batch slot geometry (recipes/batch_spec.h) of a model and its training, or of a recipe.
+constexpr BatchSpec batch_spec(const ModelConfig& model, const TrainConfig& train) noexcept {
+  return BatchSpec{.batch = train.batch_size, .seq_len = model.seq_len};
+}
+constexpr BatchSpec batch_spec(const Recipe& r) noexcept {
+  return batch_spec(r.model, r.train);
+}
 
 // `name_or_path`: a path to a .toml file, or the name of a recipe in `recipe_dir`.
 std::filesystem::path resolve(const std::string& name_or_path,

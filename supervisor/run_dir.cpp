@@ -236,7 +236,7 @@ void Run::prepare() {
   store_ = std::make_unique<StoreServer>("127.0.0.1", 0, opt_.ranks);
 
   static_assert(recipe::kMaxBatchSlotBytes <= ipc::SlotRing::kMaxSlotBytes);
-  const uint64_t slot_bytes = recipe::batch_slot_bytes(recipe_);
+  const uint64_t slot_bytes = recipe::batch_spec(recipe_).slot_bytes();
   for (uint32_t r = 0; r < opt_.ranks; ++r) {
     auto name = layout::ring_shm_name(shm_prefix_, r);
     rings_.push_back(std::make_unique<ipc::ShmRegion>(
@@ -275,7 +275,7 @@ void Run::write_launch_contract() {
   l.setSteps(opt_.steps);
   l.setRingSlots(opt_.ring_slots);
   // The recipe rules keep it within kMaxBatchSlotBytes, which fits 32 bits.
-  l.setRingSlotBytes(static_cast<uint32_t>(recipe::batch_slot_bytes(recipe_)));
+  l.setRingSlotBytes(static_cast<uint32_t>(recipe::batch_spec(recipe_).slot_bytes()));
   l.setHeartbeatIntervalMs(opt_.heartbeat_interval_ms);
   recipe::to_spec(recipe_, l.initRecipe());
   auto f = l.initFilesystem();

@@ -155,12 +155,15 @@ Shard::~Shard() {
 
 Sampler::Sampler(std::vector<std::span<const uint16_t>> shards, uint32_t seq_len, uint32_t batch,
                  uint32_t world, uint64_t seed)
-    : shards_(std::move(shards)), seq_len_(seq_len), batch_(batch), world_(world), seed_(seed) {
-  MEGACPP_CHECK(seq_len_ >= 1 && batch_ >= 1 && world_ >= 1, ErrorKind::kInvalidArgument,
+    : shards_(std::move(shards)),
+      spec_{.batch = batch, .seq_len = seq_len},
+      world_(world),
+      seed_(seed) {
+  MEGACPP_CHECK(seq_len >= 1 && batch >= 1 && world_ >= 1, ErrorKind::kInvalidArgument,
                 "sampler needs seq_len, batch and world >= 1");
   for (const auto& s : shards_) {
     windows_before_.push_back(windows_);
-    windows_ += s.size() > seq_len_ ? (s.size() - 1) / seq_len_ : 0;
+    windows_ += s.size() > seq_len ? (s.size() - 1) / seq_len : 0;
   }
   MEGACPP_CHECK(windows_ > 0, ErrorKind::kInvalidArgument,
                 "the shards hold no full (seq_len + 1)-token window");
@@ -170,8 +173,8 @@ void Sampler::fill(uint32_t step, uint32_t rank, int64_t* out) const {
   MEGACPP_CHECK(step >= 1 && rank < world_, ErrorKind::kInvalidArgument,
                 "step is 1-based and rank < world");
   const uint64_t n = windows_;
-  for (uint32_t row = 0; row < batch_; ++row) {
-    uint64_t g = ((uint64_t{step} - 1) * world_ + rank) * batch_ + row;
+  for (uint32_t row = 0; row < spec_.batch; ++row) {
+    uint64_t g = ((uint64_t{step} - 1) * world_ + rank) * spec_.batch + row;
     uint64_t epoch = g / n;
     uint64_t s = seed_ ^ (epoch * 0xd1b54a32d192ed03ULL);
     uint64_t a = (splitmix64(s) % n) | 1;
@@ -181,10 +184,11 @@ void Sampler::fill(uint32_t step, uint32_t rank, int64_t* out) const {
     size_t shard =
         static_cast<size_t>(std::upper_bound(windows_before_.begin(), windows_before_.end(), w) -
                             windows_before_.begin() - 1);
-    uint64_t start = (w - windows_before_[shard]) * seq_len_;
+    // Windows start every seq_len tokens; a row is the seq_len + 1 tokens from its start.
+    uint64_t start = (w - windows_before_[shard]) * spec_.seq_len;
     const uint16_t* src = shards_[shard].data() + start;
-    int64_t* dst = out + size_t{row} * (seq_len_ + 1);
-    for (uint32_t i = 0; i <= seq_len_; ++i) dst[i] = src[i];
+    int64_t* dst = out + size_t{row} * spec_.row_tokens();
+    for (uint64_t i = 0; i < spec_.row_tokens(); ++i) dst[i] = src[i];
   }
 }
 

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "recipes/batch_spec.h"
+
 namespace megacpp::data_loader {
 
 inline constexpr int32_t kShardMagic = 20240520;
@@ -55,15 +57,18 @@ class Sampler {
  public:
   Sampler(std::vector<std::span<const uint16_t>> shards, uint32_t seq_len, uint32_t batch,
           uint32_t world, uint64_t seed);
-  // Writes batch * (seq_len + 1) int64 tokens for `step` (1-based) and `rank` into `out`.
+  // Writes one batch slot (spec(): batch x (seq_len + 1) int64 tokens) for `step` (1-based)
+  // and `rank` into `out`.
   void fill(uint32_t step, uint32_t rank, int64_t* out) const;
   uint64_t windows() const noexcept { return windows_; }
-  size_t batch_bytes() const noexcept { return size_t{batch_} * (seq_len_ + 1) * sizeof(int64_t); }
+  const recipe::BatchSpec& spec() const noexcept { return spec_; }
+  size_t batch_bytes() const noexcept { return spec_.slot_bytes(); }
 
  private:
   std::vector<std::span<const uint16_t>> shards_;
   std::vector<uint64_t> windows_before_;  // prefix sums of windows per shard
-  uint32_t seq_len_, batch_, world_;
+  recipe::BatchSpec spec_;
+  uint32_t world_;
   uint64_t seed_;
   uint64_t windows_ = 0;
 };

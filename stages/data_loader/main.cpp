@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
                         mc::ErrorKind::kProtocol, "ring slots are smaller than one batch");
         }
         mc::log_info("{} shards, {} windows of {} tokens; {} ranks x {} steps", paths.size(),
-                     sampler.windows(), model.getSeqLen() + 1, world, steps);
+                     sampler.windows(), sampler.spec().row_tokens(), world, steps);
 
         // A ring's produced() count is the cursor: the next step to produce is produced() + 1.
         // A restarted loader therefore resumes exactly where the ranks' rings say it stopped.

@@ -19,6 +19,7 @@
 #include "core/util.h"
 #include "ipc/shm.h"
 #include "ipc/slot_ring.h"
+#include "recipes/recipe.h"
 #include "schemas/run_layout.h"
 #include "stages/stage.h"
 #include "stages/trainer/collective.h"
@@ -197,12 +198,13 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   const std::string ring_name = layout::ring_shm_name(std::string(launch.getShmPrefix()), rank);
   auto ring = attach_ring(ctx, ring_name, store_timeout);
   if (!ring) return false;
-  const int64_t B = train.batch_size;
-  const int64_t T = model.seq_len;
-  const uint64_t batch_bytes = static_cast<uint64_t>(B * (T + 1)) * sizeof(int64_t);
+  const recipe::BatchSpec batch = recipe::batch_spec(model, train);
+  const int64_t B = batch.batch;
+  const int64_t T = batch.seq_len;  // tokens trained on per row
+  const uint64_t batch_bytes = batch.slot_bytes();
   MEGACPP_CHECK(ring->ring->slot_bytes() >= batch_bytes, ErrorKind::kInvalidArgument,
                 fmt::format("ring slots of {} bytes cannot hold a [{}, {}] int64 batch",
-                            ring->ring->slot_bytes(), B, T + 1));
+                            ring->ring->slot_bytes(), batch.shape()[0], batch.shape()[1]));
 
   SnapshotPlane snapshots(ctx.zmq(), *ts, snapshot_options(ctx));
   bool first_forward_done = false;
@@ -228,7 +230,7 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
                   fmt::format("ring {}: batch of step {} has {} bytes, expected {}", ring_name,
                               step, slot->data.size(), batch_bytes));
     // Zero copy: the tensor aliases the slot, which stays ours until release().
-    const at::Tensor tokens = torch::from_blob(slot->data.data(), {B, T + 1}, torch::kInt64);
+    const at::Tensor tokens = torch::from_blob(slot->data.data(), batch.shape(), torch::kInt64);
 
     StepHooks hooks;
     hooks.on_phase = [&](Phase p) {

@@ -122,11 +122,11 @@ TEST(Recipe, BatchSlotLargerThanTheRingCanHoldIsRefused) {
   EXPECT_NE(msg.find("model.seq_len"), std::string::npos) << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
   auto ok = mc::recipe::parse(kBase, "x.toml");
-  EXPECT_EQ(mc::recipe::batch_slot_bytes(ok), uint64_t{2} * 33 * 8);
+  EXPECT_EQ(mc::recipe::batch_spec(ok).slot_bytes(), uint64_t{2} * 33 * 8);
   mc::recipe::Recipe r = ok;
   r.train.batch_size = 65536;
   r.model.seq_len = 65536;
-  EXPECT_EQ(mc::recipe::batch_slot_bytes(r), uint64_t{65536} * 65537 * 8);
+  EXPECT_EQ(mc::recipe::batch_spec(r).slot_bytes(), uint64_t{65536} * 65537 * 8);
 }
 
 TEST(Recipe, ResolveByNameAndPath) {
