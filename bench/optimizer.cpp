@@ -45,7 +45,9 @@
 #include "recipes/recipe.h"
 #include "schemas/launch.capnp.h"
 #include "stages/trainer/optim.h"
-#include "stages/trainer/trainer.h"
+#include "stages/trainer/rendezvous.h"
+#include "stages/trainer/train_step.h"
+#include "tools/forked_world/forked_world.h"
 
 namespace {
 
@@ -195,87 +197,81 @@ std::unique_ptr<Optimizers> build_optimizers(const ShapeSet& s, const Pg& pg) {
 
 using RankBody = std::function<json(const Pg&, uint32_t rank)>;
 
-// Waits for `pids` until all exited, or one failed (the others are then SIGKILLed), or the
-// deadline passed (everyone left is SIGKILLed). `poll_once`, when set, runs between checks
-// (it must not block for long). Throws std::runtime_error naming `what` unless all exited 0.
-void supervise(std::vector<pid_t> pids, Clock::time_point deadline, const std::string& what,
-               const std::function<void()>& poll_once = {}) {
-  std::vector<int> status(pids.size(), -1);
-  size_t done = 0;
-  std::string failure;
-  while (done < pids.size()) {
-    if (poll_once) poll_once();
-    for (size_t r = 0; r < pids.size(); ++r) {
-      int st = 0;
-      if (status[r] != -1 || ::waitpid(pids[r], &st, WNOHANG) != pids[r]) continue;
-      status[r] = st;
-      ++done;
-      if ((!WIFEXITED(st) || WEXITSTATUS(st) != 0) && failure.empty()) {
-        failure = fmt::format("{} rank {} {} {}", what, r,
-                              WIFEXITED(st) ? "exited" : "was killed by signal",
-                              WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
-      }
-    }
-    const bool late = Clock::now() > deadline;
-    if (done < pids.size() && (late || !failure.empty())) {
-      if (failure.empty()) failure = fmt::format("{} still running at the deadline", what);
-      for (size_t r = 0; r < pids.size(); ++r) {
-        if (status[r] != -1) continue;
-        ::kill(pids[r], SIGKILL);
-        ::waitpid(pids[r], &status[r], 0);
-        ++done;
-      }
-    }
-    if (!poll_once) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+// Bounds for a group of processes that stands or falls together: once one failed, the others
+// are SIGKILLed, and so is everyone left at the deadline. `poll_once`, when set, runs between
+// checks (it must not block for long). The first failure is described, naming `what`, in
+// `failure`.
+mc::forked_world::ReapOptions all_or_nothing(Clock::time_point deadline, const std::string& what,
+                                             std::string& failure,
+                                             const std::function<void()>& poll_once = {}) {
+  return {.deadline = deadline,
+          .grace_after_failure = Clock::duration::zero(),
+          .poll_once = poll_once,
+          .on_first_failure = [&failure, what](size_t r, int st) {
+            failure = fmt::format("{} rank {} {} {}", what, r,
+                                  WIFEXITED(st) ? "exited" : "was killed by signal",
+                                  WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
+          }};
+}
+
+// Throws std::runtime_error naming `what` unless all exited 0.
+void check_all_exited_0(const mc::forked_world::ReapResult& reaped, const std::string& what,
+                        std::string failure) {
+  if (failure.empty() && reaped.any_killed())
+    failure = fmt::format("{} still running at the deadline", what);
   if (!failure.empty()) throw std::runtime_error(failure);
 }
 
-// Forks c.world ranks joined by Gloo (keys under "bench/<tag>/" of the store this process
-// hosts on `port`); each runs body(pg, rank) with one intra-op thread. Returns rank 0's value.
-json run_ranks(const Config& c, uint16_t port, c10d::Store& store, const std::string& tag,
+// Waits for `pids` until all exited, or one failed, or the deadline passed (all_or_nothing).
+// Throws std::runtime_error naming `what` unless all exited 0.
+void supervise(std::vector<pid_t> pids, Clock::time_point deadline, const std::string& what,
+               const std::function<void()>& poll_once = {}) {
+  std::string failure;
+  const auto reaped =
+      mc::forked_world::reap(pids, all_or_nothing(deadline, what, failure, poll_once));
+  check_all_exited_0(reaped, what, failure);
+}
+
+// Runs the world's ranks joined by Gloo (keys under "bench/<tag>/" of the store it hosts); each
+// runs body(pg, rank) with one intra-op thread. Returns rank 0's value.
+json run_ranks(const Config& c, const mc::forked_world::ForkedWorld& world, const std::string& tag,
                const RankBody& body) {
   const std::string result_key = fmt::format("bench/{}/result", tag);
-  std::vector<pid_t> pids;
-  for (uint32_t r = 0; r < c.world; ++r) {
-    std::fflush(stdout);
-    const pid_t pid = ::fork();
-    if (pid < 0) throw std::runtime_error(fmt::format("fork: {}", std::strerror(errno)));
-    if (pid == 0) {
-      int rc = 0;
-      try {
-        torch::set_num_threads(1);
-        tr::GlooOptions go;
-        go.store_port = port;
-        go.rank = r;
-        go.world = c.world;
-        go.store_timeout = std::chrono::seconds(60);
-        go.collective_timeout = std::chrono::seconds(120);
-        go.store_prefix = fmt::format("bench/{}/gloo/", tag);
-        const Pg pg = tr::connect_gloo(go);
-        const json result = body(pg, r);
-        pg->barrier()->wait();
-        if (r == 0) {
-          c10d::TCPStoreOptions so;
-          so.port = port;
-          so.isServer = false;
-          so.timeout = std::chrono::seconds(60);
-          auto client = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-          const std::string text = result.dump();
-          client->set(result_key, std::vector<uint8_t>(text.begin(), text.end()));
-        }
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "bench_optimizer: %s, rank %u: %s\n", tag.c_str(), r, e.what());
-        rc = 3;
+  const uint16_t port = world.store_port();
+  const auto rank_body = [&](uint32_t r) {
+    int rc = 0;
+    try {
+      torch::set_num_threads(1);
+      tr::GlooOptions go;
+      go.store_port = port;
+      go.rank = r;
+      go.world = c.world;
+      go.store_timeout = std::chrono::seconds(60);
+      go.collective_timeout = std::chrono::seconds(120);
+      go.store_prefix = fmt::format("bench/{}/gloo/", tag);
+      const Pg pg = tr::connect_gloo(go);
+      const json result = body(pg, r);
+      pg->barrier()->wait();
+      if (r == 0) {
+        c10d::TCPStoreOptions so;
+        so.port = port;
+        so.isServer = false;
+        so.timeout = std::chrono::seconds(60);
+        auto client = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+        const std::string text = result.dump();
+        client->set(result_key, std::vector<uint8_t>(text.begin(), text.end()));
       }
-      std::fflush(stdout);
-      std::fflush(stderr);
-      ::_exit(rc);  // no destructors: the parent's TCPStore server lives in this image too
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "bench_optimizer: %s, rank %u: %s\n", tag.c_str(), r, e.what());
+      rc = 3;
     }
-    pids.push_back(pid);
-  }
-  supervise(pids, Clock::now() + std::chrono::seconds(c.deadline_s), tag);
-  const auto bytes = store.get(result_key);
+    return rc;
+  };
+  std::string failure;
+  const auto reaped = world.run(
+      rank_body, all_or_nothing(Clock::now() + std::chrono::seconds(c.deadline_s), tag, failure));
+  check_all_exited_0(reaped, tag, failure);
+  const auto bytes = world.store().get(result_key);
   return json::parse(std::string(bytes.begin(), bytes.end()));
 }
 
@@ -371,13 +367,12 @@ json step_rank(const Config& c, const std::vector<ShapeSet>& sets, const Pg& pg,
   return out;
 }
 
-void section_step(const Config& c, uint16_t port, c10d::Store& store,
+void section_step(const Config& c, const mc::forked_world::ForkedWorld& world,
                   const std::vector<ShapeSet>& sets) {
   fmt::print("\n== 1. Optimizer step time, world {} over Gloo, 1 torch thread per rank ==\n",
              c.world);
-  const json ours = run_ranks(c, port, store, "step", [&](const Pg& pg, uint32_t rank) {
-    return step_rank(c, sets, pg, rank);
-  });
+  const json ours = run_ranks(
+      c, world, "step", [&](const Pg& pg, uint32_t rank) { return step_rank(c, sets, pg, rank); });
   json spec = {{"sets", json::array()}};
   for (const ShapeSet& s : sets) {
     spec["sets"].push_back({{"name", s.name},
@@ -389,7 +384,7 @@ void section_step(const Config& c, uint16_t port, c10d::Store& store,
   json peer;
   std::string peer_error;
   try {
-    peer = run_peer(c, port, spec);
+    peer = run_peer(c, world.store_port(), spec);
   } catch (const std::exception& e) {
     peer_error = e.what();
   }
@@ -579,7 +574,7 @@ json probe_rank(const Pg& pg, uint32_t rank, uint32_t world) {
   return out;
 }
 
-void section_bytes(const Config& c, uint16_t port, c10d::Store& store,
+void section_bytes(const Config& c, const mc::forked_world::ForkedWorld& world,
                    const std::vector<ShapeSet>& sets) {
   fmt::print(
       "\n== 2. Bytes sent per rank per step (ring model: all-reduce 2(W-1)/W*n, "
@@ -589,7 +584,7 @@ void section_bytes(const Config& c, uint16_t port, c10d::Store& store,
   fmt::print(
       "On Gloo our reduce-scatter is issued as an all-reduce of the whole buffer followed by a\n"
       "narrow (stages/trainer/optim.cpp, reduce_scatter_sum), hence the Gloo column.\n");
-  const json probe = run_ranks(c, port, store, "probe", [&](const Pg& pg, uint32_t rank) {
+  const json probe = run_ranks(c, world, "probe", [&](const Pg& pg, uint32_t rank) {
     return probe_rank(pg, rank, c.world);
   });
   fmt::print("Probe of ProcessGroupGloo::_reduce_scatter_base (torch {}):\n", TORCH_VERSION);
@@ -670,12 +665,12 @@ json crossover_rank(const Config& c, const Pg& pg, uint32_t rank) {
   return out;
 }
 
-void section_crossover(const Config& c, uint16_t port, c10d::Store& store) {
+void section_crossover(const Config& c, const mc::forked_world::ForkedWorld& world) {
   fmt::print(
       "\n== 3. DistAdamW crossover: one parameter, forced sharded (crossover_numel 1) vs "
       "forced replicated, world {} over Gloo, median of {} steps ({} up to 65536) ==\n",
       c.world, c.steps, crossover_steps(c, 1));
-  const json rows = run_ranks(c, port, store, "crossover", [&](const Pg& pg, uint32_t rank) {
+  const json rows = run_ranks(c, world, "crossover", [&](const Pg& pg, uint32_t rank) {
     return crossover_rank(c, pg, rank);
   });
   fmt::print("{:>9} {:>12} {:>15} {:>12} {:>17} {:>21}\n", "numel", "shape", "replicated ms",
@@ -764,7 +759,7 @@ json share_rank(const Config& c, const mc::recipe::Recipe& r, uint32_t steps, co
 // matrix, whatever the batch) while forward + backward grow with the tokens of the step: the
 // share is measured at the recipe's batch and at larger ones, to show where the <= 3% of the
 // published distributed-Muon range is reached on this machine.
-void section_share(const Config& c, uint16_t port, c10d::Store& store,
+void section_share(const Config& c, const mc::forked_world::ForkedWorld& world,
                    const mc::recipe::Recipe& r) {
   fmt::print(
       "\n== 4. Optimizer share of a TrainStep, recipe {} ({}), world {} over Gloo, "
@@ -778,7 +773,7 @@ void section_share(const Config& c, uint16_t port, c10d::Store& store,
     rb.train.batch_size *= mult;
     const uint32_t steps = std::max(3u, c.steps / mult);
     const json t =
-        run_ranks(c, port, store, fmt::format("share{}", mult),
+        run_ranks(c, world, fmt::format("share{}", mult),
                   [&](const Pg& pg, uint32_t rank) { return share_rank(c, rb, steps, pg, rank); });
     const auto f = t["forward"].get<std::vector<double>>();
     const auto b = t["backward"].get<std::vector<double>>();
@@ -840,18 +835,17 @@ int main(int argc, char** argv) {
                                                      r.model.n_layers, r.model.mlp_mult, c.steps),
                                         model_shapes("large", 4096, 512, 4, 4, c.large_steps)};
 
-    auto server = tr::host_local_store(std::chrono::seconds(60));
-    const uint16_t port = server->getPort();
+    const mc::forked_world::ForkedWorld world(c.world, std::chrono::seconds(60));
 
     fmt::print(
         "bench_optimizer: world {}, {} measured steps ({} for the large set) after {} "
         "warm-up, recipe {}\n",
         c.world, c.steps, c.large_steps, c.warmup, r.path.string());
     const auto t0 = Clock::now();
-    if (wants(c, "step")) section_step(c, port, *server, sets);
-    if (wants(c, "bytes")) section_bytes(c, port, *server, sets);
-    if (wants(c, "crossover")) section_crossover(c, port, *server);
-    if (wants(c, "share")) section_share(c, port, *server, r);
+    if (wants(c, "step")) section_step(c, world, sets);
+    if (wants(c, "bytes")) section_bytes(c, world, sets);
+    if (wants(c, "crossover")) section_crossover(c, world);
+    if (wants(c, "share")) section_share(c, world, r);
     fmt::print("\ntotal {:.1f} s\n", ms_since(t0) / 1e3);
     return 0;
   } catch (const std::exception& e) {

@@ -26,7 +26,7 @@
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
 #include "stages/data_loader/data_loader.h"
-#include "stages/trainer/trainer.h"
+#include "stages/trainer/train_step.h"
 
 namespace mc = megacpp;
 namespace fs = std::filesystem;

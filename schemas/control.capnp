@@ -61,7 +61,7 @@ struct SnapshotReady {
   regionBytes @4 :UInt64;
   tensors @5 :List(TensorEntry);
   final @6 :Bool;               # the end-of-training snapshot
-  layout @7 :Text;              # JSON: how to reassemble sharded entries (trainer.h
+  layout @7 :Text;              # JSON: how to reassemble sharded entries (train_step.h
                                 # snapshot_metadata); stored as "megacpp.layout" in the file
 }
 

@@ -23,7 +23,9 @@
 #include "schemas/run_layout.h"
 #include "stages/stage.h"
 #include "stages/trainer/collective.h"
-#include "stages/trainer/trainer.h"
+#include "stages/trainer/rendezvous.h"
+#include "stages/trainer/snapshot_plane.h"
+#include "stages/trainer/train_step.h"
 
 namespace megacpp::trainer {
 namespace {

@@ -1,13 +1,12 @@
-// The transformer, configuration from the launch spec and the LR schedule.
+// The transformer and its configuration from the launch spec.
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
-#include <numbers>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
-#include "stages/trainer/trainer.h"
+#include "stages/trainer/model.h"
 
 namespace megacpp::trainer {
 
@@ -22,37 +21,6 @@ ModelConfig model_config(schema::ModelSpec::Reader spec) {
   };
 }
 
-TrainConfig train_config(schema::TrainSpec::Reader spec) {
-  const auto o = spec.getOptim();
-  return TrainConfig{
-      .batch_size = spec.getBatchSize(),
-      .min_lr_ratio = spec.getMinLrRatio(),
-      .warmup_steps = spec.getWarmupSteps(),
-      .grad_clip = spec.getGradClip(),
-      .seed = spec.getSeed(),
-      .checkpoint_every = spec.getCheckpointEvery(),
-      .optim =
-          OptimConfig{
-              .embed_lr = o.getEmbedLr(),
-              .head_lr = o.getHeadLr(),
-              .adam_lr = o.getAdamLr(),
-              .adam_beta1 = o.getAdamBeta1(),
-              .adam_beta2 = o.getAdamBeta2(),
-              .adam_eps = o.getAdamEps(),
-              .adam_weight_decay = o.getAdamWeightDecay(),
-              .adamw_crossover = o.getAdamwCrossover(),
-              .muon_lr = o.getMuonLr(),
-              .muon_momentum = o.getMuonMomentum(),
-              .muon_beta2 = o.getMuonBeta2(),
-              .muon_weight_decay = o.getMuonWeightDecay(),
-              .muon_orthogonalizer = o.getMuonOrthogonalizer(),
-              .muon_ns_steps = o.getMuonNsSteps(),
-              .muon_bf16 = o.getMuonBf16(),
-              .qkv_split = o.getQkvSplit(),
-          },
-  };
-}
-
 void validate(const ModelConfig& m) {
   MEGACPP_CHECK(m.vocab_size > 0 && m.seq_len > 0 && m.d_model > 0 && m.n_layers > 0 &&
                     m.n_heads > 0 && m.mlp_mult > 0,
@@ -63,20 +31,6 @@ void validate(const ModelConfig& m) {
       fmt::format("model: dModel {} must be a multiple of nHeads {}", m.d_model, m.n_heads));
   MEGACPP_CHECK((m.d_model / m.n_heads) % 2 == 0, ErrorKind::kInvalidArgument,
                 fmt::format("model: head dimension {} must be even (RoPE)", m.d_model / m.n_heads));
-}
-
-double lr_scale(const TrainConfig& t, uint32_t step, uint32_t total_steps) {
-  if (t.warmup_steps > 0 && step <= t.warmup_steps) {
-    return static_cast<double>(step) / static_cast<double>(t.warmup_steps);
-  }
-  double progress = 1.0;
-  if (total_steps > t.warmup_steps) {
-    progress = static_cast<double>(step - std::min(step, t.warmup_steps)) /
-               static_cast<double>(total_steps - t.warmup_steps);
-  }
-  progress = std::clamp(progress, 0.0, 1.0);
-  const double cosine = 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
-  return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine;
 }
 
 namespace {

@@ -99,12 +99,12 @@ void load_entries(const std::string& kind, uint32_t rank, uint32_t world, const 
   for (size_t i = 0; i < live.size(); ++i) {
     const auto& in = state.entries[i];
     const auto& to = live[i];
-    MEGACPP_CHECK(in.name == to.name && in.value.defined() &&
-                      in.value.sizes() == to.value.sizes() && in.offset == to.offset &&
-                      in.full_shape == to.full_shape && in.replicated == to.replicated,
+    MEGACPP_CHECK(in.key == to.key && in.value.defined() && in.value.sizes() == to.value.sizes() &&
+                      in.offset == to.offset && in.full_shape == to.full_shape &&
+                      in.replicated == to.replicated,
                   ErrorKind::kInvalidArgument,
                   fmt::format("state entry {} ('{}') does not match the optimizer's '{}'", i,
-                              in.name, to.name));
+                              entry_name(in.key), entry_name(to.key)));
   }
   at::NoGradGuard ng;
   for (size_t i = 0; i < live.size(); ++i) {
@@ -113,9 +113,19 @@ void load_entries(const std::string& kind, uint32_t rank, uint32_t world, const 
   }
 }
 
-void add_scalar_entry(Entries& out, std::string name, const at::Tensor& t) {
+void add_scalar_entry(Entries& out, StateKey key, const at::Tensor& t) {
   out.push_back(OptimizerStateEntry{
-      .name = std::move(name), .value = t, .full_shape = {}, .offset = 0, .replicated = true});
+      .key = key, .value = t, .full_shape = {}, .offset = 0, .replicated = true});
+}
+
+StateKey param_key(size_t param, StateField field) {
+  return StateKey::of_param(static_cast<uint32_t>(param), field);
+}
+StateKey group_key(size_t group, StateField field) {
+  return StateKey::of_group(static_cast<uint32_t>(group), field);
+}
+StateKey stack_key(size_t group, size_t stack, StateField field) {
+  return StateKey::of_stack(static_cast<uint32_t>(group), static_cast<uint32_t>(stack), field);
 }
 
 void rank_and_world(const Pg& pg, uint32_t& rank, uint32_t& world) {
@@ -124,6 +134,45 @@ void rank_and_world(const Pg& pg, uint32_t& rank, uint32_t& world) {
 }
 
 }  // namespace
+
+std::string_view field_name(StateField field) {
+  switch (field) {
+    case StateField::kExpAvg:
+      return "exp_avg";
+    case StateField::kExpAvgSq:
+      return "exp_avg_sq";
+    case StateField::kStep:
+      return "step";
+    case StateField::kMomentum:
+      return "momentum";
+    case StateField::kSecondMomentum:
+      return "second_momentum";
+    case StateField::kLr:
+      return "lr";
+    case StateField::kBeta1:
+      return "beta1";
+    case StateField::kBeta2:
+      return "beta2";
+    case StateField::kEps:
+      return "eps";
+    case StateField::kWeightDecay:
+      return "weight_decay";
+  }
+  MEGACPP_FAIL(ErrorKind::kInternal, "unknown optimizer state field {}", static_cast<int>(field));
+}
+
+std::string entry_name(const StateKey& key) {
+  switch (key.scope) {
+    case StateScope::kParam:
+      return fmt::format("p{}.{}", key.param, field_name(key.field));
+    case StateScope::kGroup:
+      return fmt::format("g{}.{}", key.group, field_name(key.field));
+    case StateScope::kStack:
+      return fmt::format("g{}.s{}.{}", key.group, key.stack, field_name(key.field));
+  }
+  MEGACPP_FAIL(ErrorKind::kInternal, "unknown optimizer state scope {}",
+               static_cast<int>(key.scope));
+}
 
 namespace detail {
 
@@ -299,24 +348,24 @@ OptimizerState DistAdamW::state_view() const {
     const Param& q = params_[i];
     const std::vector<int64_t> full = q.p.sizes().vec();
     const int64_t off = q.sharded ? rank_ * q.rows : 0;
-    const std::array<std::pair<const char*, at::Tensor>, 2> moments{
-        {{"exp_avg", q.exp_avg}, {"exp_avg_sq", q.exp_avg_sq}}};
-    for (const auto& [name, t] : moments) {
-      live.push_back(OptimizerStateEntry{.name = fmt::format("p{}.{}", i, name),
+    const std::array<std::pair<StateField, at::Tensor>, 2> moments{
+        {{StateField::kExpAvg, q.exp_avg}, {StateField::kExpAvgSq, q.exp_avg_sq}}};
+    for (const auto& [field, t] : moments) {
+      live.push_back(OptimizerStateEntry{.key = param_key(i, field),
                                          .value = t,
                                          .full_shape = full,
                                          .offset = off,
                                          .replicated = !q.sharded});
     }
-    add_scalar_entry(live, fmt::format("p{}.step", i), q.step);
+    add_scalar_entry(live, param_key(i, StateField::kStep), q.step);
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
     const auto& s = groups_[g].s;
-    add_scalar_entry(live, fmt::format("g{}.lr", g), s.lr);
-    add_scalar_entry(live, fmt::format("g{}.beta1", g), s.beta1);
-    add_scalar_entry(live, fmt::format("g{}.beta2", g), s.beta2);
-    add_scalar_entry(live, fmt::format("g{}.eps", g), s.eps);
-    add_scalar_entry(live, fmt::format("g{}.weight_decay", g), s.weight_decay);
+    add_scalar_entry(live, group_key(g, StateField::kLr), s.lr);
+    add_scalar_entry(live, group_key(g, StateField::kBeta1), s.beta1);
+    add_scalar_entry(live, group_key(g, StateField::kBeta2), s.beta2);
+    add_scalar_entry(live, group_key(g, StateField::kEps), s.eps);
+    add_scalar_entry(live, group_key(g, StateField::kWeightDecay), s.weight_decay);
   }
   return OptimizerState{.kind = "dist_adamw", .rank = rank_, .world = world_, .entries = live};
 }
@@ -630,23 +679,23 @@ OptimizerState DistMuon::state_view() const {
       const Stack& s = g.stacks[si];
       const int64_t padded = options_.replicated ? s.chunk : s.chunk * world_;
       const int64_t off = options_.replicated ? 0 : rank_ * s.chunk;
-      live.push_back(OptimizerStateEntry{.name = fmt::format("g{}.s{}.momentum", gi, si),
+      live.push_back(OptimizerStateEntry{.key = stack_key(gi, si, StateField::kMomentum),
                                          .value = s.momentum,
                                          .full_shape = {padded, s.rows, s.cols},
                                          .offset = off,
                                          .replicated = options_.replicated});
       std::vector<int64_t> second_full = s.second.sizes().vec();
       second_full[0] = padded;
-      live.push_back(OptimizerStateEntry{.name = fmt::format("g{}.s{}.second_momentum", gi, si),
+      live.push_back(OptimizerStateEntry{.key = stack_key(gi, si, StateField::kSecondMomentum),
                                          .value = s.second,
                                          .full_shape = second_full,
                                          .offset = off,
                                          .replicated = options_.replicated});
     }
-    add_scalar_entry(live, fmt::format("g{}.lr", gi), g.s.lr);
-    add_scalar_entry(live, fmt::format("g{}.momentum", gi), g.s.momentum);
-    add_scalar_entry(live, fmt::format("g{}.beta2", gi), g.s.beta2);
-    add_scalar_entry(live, fmt::format("g{}.weight_decay", gi), g.s.weight_decay);
+    add_scalar_entry(live, group_key(gi, StateField::kLr), g.s.lr);
+    add_scalar_entry(live, group_key(gi, StateField::kMomentum), g.s.momentum);
+    add_scalar_entry(live, group_key(gi, StateField::kBeta2), g.s.beta2);
+    add_scalar_entry(live, group_key(gi, StateField::kWeightDecay), g.s.weight_decay);
   }
   return OptimizerState{.kind = "dist_muon", .rank = rank_, .world = world_, .entries = live};
 }

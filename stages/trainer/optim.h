@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <torch/torch.h>
@@ -30,15 +31,59 @@
 
 namespace megacpp::trainer {
 
+// What a state entry holds, as a type: {parameter, group, stack, field}. DistAdamW keeps
+// per-parameter moments and step counts (scope kParam; `param` is the parameter's index
+// flattened over the groups) and per-group scalars (kGroup); DistMuon keeps per-stack moments
+// (kStack: stack `stack` of group `group`) and per-group scalars (kGroup). Indices the scope
+// does not use are 0. Code compares keys, never names: a name is derived from a key
+// (entry_name) and never parsed back into one.
+enum class StateScope : uint8_t { kParam, kGroup, kStack };
+enum class StateField : uint8_t {
+  kExpAvg,          // DistAdamW, per parameter
+  kExpAvgSq,        // DistAdamW, per parameter
+  kStep,            // DistAdamW, per parameter: steps in which some rank had a gradient
+  kMomentum,        // DistMuon: per stack (the buffer) and per group (the coefficient)
+  kSecondMomentum,  // DistMuon, per stack
+  kLr,
+  kBeta1,
+  kBeta2,
+  kEps,
+  kWeightDecay,
+};
+struct StateKey {
+  StateScope scope = StateScope::kGroup;
+  uint32_t param = 0;
+  uint32_t group = 0;
+  uint32_t stack = 0;
+  StateField field = StateField::kLr;
+
+  static constexpr StateKey of_param(uint32_t param, StateField field) {
+    return {.scope = StateScope::kParam, .param = param, .field = field};
+  }
+  static constexpr StateKey of_group(uint32_t group, StateField field) {
+    return {.scope = StateScope::kGroup, .group = group, .field = field};
+  }
+  static constexpr StateKey of_stack(uint32_t group, uint32_t stack, StateField field) {
+    return {.scope = StateScope::kStack, .group = group, .stack = stack, .field = field};
+  }
+  bool operator==(const StateKey&) const = default;
+};
+// "exp_avg", "exp_avg_sq", "step", "momentum", "second_momentum", "lr", "beta1", "beta2",
+// "eps", "weight_decay": the last component of entry names and of the snapshot's logical
+// names (TrainStep::snapshot_share).
+std::string_view field_name(StateField field);
+// The entry's name: "p<param>.<field>", "g<group>.<field>" or "g<group>.s<stack>.<field>".
+std::string entry_name(const StateKey& key);
+
 // One rank's share of an optimizer's state. Each entry is a tensor this rank owns (a slice
 // along dim 0 of a logical tensor of full_shape, starting at row `offset`) or holds
 // replicated (offset 0, full_shape == value's shape, replicated true). Loading it into an
 // optimizer built over the same parameters, groups, world and rank reproduces the next step
 // bit-exactly. Ranks' dicts together reassemble every logical tensor (concatenate the
-// non-replicated entries of a name in offset order; a Muon stack's trailing padding rows,
+// non-replicated entries of a key in offset order; a Muon stack's trailing padding rows,
 // beyond full_shape[0], belong to no parameter).
 struct OptimizerStateEntry {
-  std::string name;
+  StateKey key;
   at::Tensor value;
   std::vector<int64_t> full_shape;
   int64_t offset = 0;

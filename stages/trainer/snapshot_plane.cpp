@@ -5,7 +5,8 @@
 
 #include "core/error.h"
 #include "core/util.h"
-#include "stages/trainer/trainer.h"
+#include "stages/trainer/snapshot_plane.h"
+#include "stages/trainer/train_step.h"
 
 namespace megacpp::trainer {
 

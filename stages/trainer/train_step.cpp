@@ -1,12 +1,12 @@
-// TrainStep (step, clipping, DistAdamW + DistMuon), snapshot shares and the Gloo rendezvous.
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
+// TrainStep (step, clipping, DistAdamW + DistMuon), its configuration from the launch spec,
+// the LR schedule, and snapshot shares.
+#include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <map>
+#include <numbers>
 #include <string_view>
 
 #include <fmt/format.h>
@@ -15,7 +15,7 @@
 #include "core/error.h"
 #include "stages/trainer/collective.h"
 #include "stages/trainer/optim.h"
-#include "stages/trainer/trainer.h"
+#include "stages/trainer/train_step.h"
 
 namespace megacpp::trainer {
 
@@ -27,71 +27,51 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-uint64_t align_up(uint64_t n) {
-  return (n + kSnapshotAlignment - 1) / kSnapshotAlignment * kSnapshotAlignment;
-}
-
 }  // namespace
 
-std::string safetensors_dtype(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat:
-      return "F32";
-    case at::kDouble:
-      return "F64";
-    case at::kHalf:
-      return "F16";
-    case at::kBFloat16:
-      return "BF16";
-    case at::kLong:
-      return "I64";
-    case at::kInt:
-      return "I32";
-    case at::kShort:
-      return "I16";
-    case at::kChar:
-      return "I8";
-    case at::kByte:
-      return "U8";
-    case at::kBool:
-      return "BOOL";
-    default:
-      MEGACPP_FAIL(ErrorKind::kInvalidArgument, "no safetensors dtype for {}", c10::toString(type));
-  }
+TrainConfig train_config(schema::TrainSpec::Reader spec) {
+  const auto o = spec.getOptim();
+  return TrainConfig{
+      .batch_size = spec.getBatchSize(),
+      .min_lr_ratio = spec.getMinLrRatio(),
+      .warmup_steps = spec.getWarmupSteps(),
+      .grad_clip = spec.getGradClip(),
+      .seed = spec.getSeed(),
+      .checkpoint_every = spec.getCheckpointEvery(),
+      .optim =
+          OptimConfig{
+              .embed_lr = o.getEmbedLr(),
+              .head_lr = o.getHeadLr(),
+              .adam_lr = o.getAdamLr(),
+              .adam_beta1 = o.getAdamBeta1(),
+              .adam_beta2 = o.getAdamBeta2(),
+              .adam_eps = o.getAdamEps(),
+              .adam_weight_decay = o.getAdamWeightDecay(),
+              .adamw_crossover = o.getAdamwCrossover(),
+              .muon_lr = o.getMuonLr(),
+              .muon_momentum = o.getMuonMomentum(),
+              .muon_beta2 = o.getMuonBeta2(),
+              .muon_weight_decay = o.getMuonWeightDecay(),
+              .muon_orthogonalizer = o.getMuonOrthogonalizer(),
+              .muon_ns_steps = o.getMuonNsSteps(),
+              .muon_bf16 = o.getMuonBf16(),
+              .qkv_split = o.getQkvSplit(),
+          },
+  };
 }
 
-SnapshotLayout layout_of(const std::vector<NamedTensor>& tensors) {
-  SnapshotLayout layout;
-  uint64_t offset = 0;
-  for (const auto& [name, t] : tensors) {
-    SnapshotEntry e;
-    e.name = name;
-    e.dtype = safetensors_dtype(t.scalar_type());
-    for (int64_t d : t.sizes()) e.shape.push_back(static_cast<uint64_t>(d));
-    e.offset = offset;
-    e.bytes = static_cast<uint64_t>(t.numel()) * t.element_size();
-    offset = align_up(offset + e.bytes);
-    layout.entries.push_back(std::move(e));
+double lr_scale(const TrainConfig& t, uint32_t step, uint32_t total_steps) {
+  if (t.warmup_steps > 0 && step <= t.warmup_steps) {
+    return static_cast<double>(step) / static_cast<double>(t.warmup_steps);
   }
-  layout.total_bytes = offset;
-  return layout;
-}
-
-void fill_tensor_entries(const SnapshotLayout& layout,
-                         capnp::List<schema::TensorEntry>::Builder out) {
-  MEGACPP_CHECK(out.size() == layout.entries.size(), ErrorKind::kInternal,
-                fmt::format("TensorEntry list has {} elements, layout {}", out.size(),
-                            layout.entries.size()));
-  for (uint32_t i = 0; i < out.size(); ++i) {
-    const SnapshotEntry& e = layout.entries[i];
-    auto b = out[i];
-    b.setName(e.name);
-    b.setDtype(e.dtype);
-    auto shape = b.initShape(static_cast<uint32_t>(e.shape.size()));
-    for (uint32_t d = 0; d < e.shape.size(); ++d) shape.set(d, e.shape[d]);
-    b.setOffset(e.offset);
-    b.setBytes(e.bytes);
+  double progress = 1.0;
+  if (total_steps > t.warmup_steps) {
+    progress = static_cast<double>(step - std::min(step, t.warmup_steps)) /
+               static_cast<double>(total_steps - t.warmup_steps);
   }
+  progress = std::clamp(progress, 0.0, 1.0);
+  const double cosine = 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
+  return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine;
 }
 
 struct TrainStep::Impl {
@@ -251,23 +231,21 @@ struct TrainStep::Impl {
     MEGACPP_FAIL(ErrorKind::kInternal, "muon stack member not found: {}", first);
   }
 
-  // Maps an optimizer state entry name to the snapshot's logical name. The entry names are
-  // optim.cpp's: DistAdamW "p<i>.<field>" (flattened parameter i) and "g<g>.<scalar>";
-  // DistMuon "g<g>.s<s>.<field>" (stack s of group g) and "g<g>.<scalar>".
-  std::string logical_name(bool is_adam, const std::string& entry) const {
-    const size_t dot = entry.find('.');
-    const std::string head = entry.substr(0, dot), rest = entry.substr(dot + 1);
+  // Maps an optimizer state entry to the snapshot's logical name: DistAdamW's per-parameter
+  // entries to "optim.adamw.<param>.<field>", its group scalars to
+  // "optim.adamw.<group>.<field>"; DistMuon's stack entries to
+  // "optim.muon.<group>.<rows>x<cols>.<field>", its group scalars to
+  // "optim.muon.<group>.<field>".
+  std::string logical_name(bool is_adam, const StateKey& key) const {
+    const std::string_view field = field_name(key.field);
     if (is_adam) {
-      if (head[0] == 'p')
-        return "optim.adamw." + adam_names[std::stoul(head.substr(1))] + "." + rest;
-      return "optim.adamw." + adam_group_labels[std::stoul(head.substr(1))] + "." + rest;
+      if (key.scope == StateScope::kParam)
+        return fmt::format("optim.adamw.{}.{}", adam_names.at(key.param), field);
+      return fmt::format("optim.adamw.{}.{}", adam_group_labels.at(key.group), field);
     }
-    const size_t g = std::stoul(head.substr(1));
-    if (rest[0] == 's' && rest.find('.') != std::string::npos) {
-      const size_t dot2 = rest.find('.');
-      return muon_stack_name(g, std::stoul(rest.substr(1, dot2 - 1))) + rest.substr(dot2);
-    }
-    return "optim.muon." + muon_group_labels[g] + "." + rest;
+    if (key.scope == StateScope::kStack)
+      return fmt::format("{}.{}", muon_stack_name(key.group, key.stack), field);
+    return fmt::format("optim.muon.{}.{}", muon_group_labels.at(key.group), field);
   }
 
   struct ShareEntry {
@@ -289,7 +267,7 @@ struct TrainStep::Impl {
     views[1] = muon->state_view();
     for (int k = 0; k < 2; ++k) {
       for (const auto& e : views[k].entries) {
-        const std::string logical = logical_name(k == 0, e.name);
+        const std::string logical = logical_name(k == 0, e.key);
         if (e.replicated) {
           if (rank == 0) out.push_back({logical, e.value, &e, logical});
         } else {
@@ -434,32 +412,6 @@ SnapshotLayout TrainStep::copy_snapshot(std::span<std::byte> region) const {
     dst.copy_(src);
   }
   return layout;
-}
-
-c10::intrusive_ptr<c10d::TCPStore> host_local_store(std::chrono::milliseconds timeout) {
-  c10d::TCPStoreOptions so;
-  so.port = 0;
-  so.isServer = true;
-  so.waitWorkers = false;
-  so.timeout = timeout;
-  return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
-}
-
-c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooOptions& o) {
-  MEGACPP_CHECK(o.world > 0 && o.rank < o.world, ErrorKind::kInvalidArgument,
-                fmt::format("rank {} outside world {}", o.rank, o.world));
-  c10d::TCPStoreOptions so;
-  so.port = o.store_port;
-  so.isServer = false;
-  so.waitWorkers = false;
-  so.timeout = o.store_timeout;
-  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::TCPStore>(o.store_host, so);
-  if (!o.store_prefix.empty())
-    store = c10::make_intrusive<c10d::PrefixStore>(o.store_prefix, store);
-  auto opts = c10d::ProcessGroupGloo::Options::create(o.collective_timeout);
-  opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(o.device_hostname));
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(o.rank),
-                                                     static_cast<int>(o.world), opts);
 }
 
 }  // namespace megacpp::trainer

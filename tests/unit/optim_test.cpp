@@ -23,7 +23,7 @@
 
 #include "core/error.h"
 #include "stages/trainer/optim.h"
-#include "stages/trainer/trainer.h"
+#include "stages/trainer/rendezvous.h"
 #include "tests/unit/test_support.h"
 
 namespace megacpp::trainer {
@@ -85,35 +85,32 @@ bool bit_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& 
 // the child's exit status. Returns the scratch directory (the caller removes it).
 using Body = std::function<int(const Pg&, uint32_t, const fs::path&)>;
 fs::path run_world2(const Body& body) {
-  auto server = host_local_store(std::chrono::seconds(20));
-  const uint16_t port = server->getPort();
+  const forked_world::ForkedWorld world(2, std::chrono::seconds(20));
+  const uint16_t port = world.store_port();
   char tmpl[] = "/tmp/megacpp-optim-test-XXXXXX";
   if (mkdtemp(tmpl) == nullptr) {
     ADD_FAILURE() << "mkdtemp";
     return {};
   }
   const fs::path dir(tmpl);
-  pid_t pids[2];
-  for (uint32_t rank = 0; rank < 2; ++rank) {
-    pids[rank] = fork();
-    if (pids[rank] == 0) {
-      int rc = 2;
-      try {
-        GlooOptions go;
-        go.store_port = port;
-        go.rank = rank;
-        go.world = 2;
-        go.store_timeout = std::chrono::seconds(20);
-        go.collective_timeout = std::chrono::seconds(20);
-        go.store_prefix = "optim_test/";
-        rc = body(connect_gloo(go), rank, dir);
-      } catch (const std::exception& e) {
-        fprintf(stderr, "rank %u: %s\n", rank, e.what());
-      }
-      _exit(rc);
+  const auto rank_body = [&](uint32_t rank) {
+    int rc = 2;
+    try {
+      GlooOptions go;
+      go.store_port = port;
+      go.rank = rank;
+      go.world = 2;
+      go.store_timeout = std::chrono::seconds(20);
+      go.collective_timeout = std::chrono::seconds(20);
+      go.store_prefix = "optim_test/";
+      rc = body(connect_gloo(go), rank, dir);
+    } catch (const std::exception& e) {
+      fprintf(stderr, "rank %u: %s\n", rank, e.what());
     }
-  }
-  const std::vector<int> status = test_support::reap_within(pids, std::chrono::seconds(60));
+    return rc;
+  };
+  const std::vector<int> status =
+      test_support::run_ranks_within(world, rank_body, std::chrono::seconds(60));
   for (int r = 0; r < 2; ++r) {
     EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
         << "rank " << r << " exit status " << WEXITSTATUS(status[r]);
@@ -338,9 +335,12 @@ TEST_F(OptimTest, ParameterWithoutAnyGradientIsUntouched) {
     if (flat({mp[1]}) != m_before) return 6;
     if (flat({mp[0]}) == m_other) return 7;
     const OptimizerState s = adam.state_dict();
+    const auto step_of = [](uint32_t param) {
+      return StateKey::of_param(param, StateField::kStep);
+    };
     for (const auto& e : s.entries) {
-      if ((e.name == "p0.step" || e.name == "p2.step") && e.value.item<float>() != 0.0f) return 8;
-      if (e.name == "p1.step" && e.value.item<float>() != 4.0f) return 9;
+      if ((e.key == step_of(0) || e.key == step_of(2)) && e.value.item<float>() != 0.0f) return 8;
+      if (e.key == step_of(1) && e.value.item<float>() != 4.0f) return 9;
     }
     return 0;
   });

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <limits>
 #include <span>
@@ -26,6 +27,7 @@
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
+#include "tools/forked_world/forked_world.h"
 
 namespace megacpp::test_support {
 
@@ -49,32 +51,17 @@ class TempDir {
   std::filesystem::path path_;
 };
 
-// Waits for forked children, bounded: those still running after `timeout` are SIGKILLed
-// and the test fails (a hung rank must not hang the test). Returns each child's wait
-// status, in the order of `pids`.
-inline std::vector<int> reap_within(std::span<const pid_t> pids, std::chrono::seconds timeout) {
-  std::vector<int> status(pids.size(), -1);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  for (size_t done = 0; done < pids.size();) {
-    for (size_t r = 0; r < pids.size(); ++r) {
-      int st = 0;
-      if (status[r] == -1 && ::waitpid(pids[r], &st, WNOHANG) == pids[r]) {
-        status[r] = st;
-        ++done;
-      }
-    }
-    if (done < pids.size() && std::chrono::steady_clock::now() > deadline) {
-      for (size_t r = 0; r < pids.size(); ++r) {
-        if (status[r] != -1) continue;
-        ::kill(pids[r], SIGKILL);
-        ::waitpid(pids[r], &status[r], 0);
-        ++done;
-      }
-      ADD_FAILURE() << "a child did not finish within " << timeout.count() << " s";
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return status;
+// Runs the world's ranks, rank r running body(r) in a forked child (its return value is the
+// child's exit status), bounded: ranks still running after `timeout` are SIGKILLed and the
+// test fails (a hung rank must not hang the test). Returns each rank's wait status, in rank
+// order. Needs megacpp::forked_world.
+inline std::vector<int> run_ranks_within(const forked_world::ForkedWorld& world,
+                                         const std::function<int(uint32_t rank)>& body,
+                                         std::chrono::seconds timeout) {
+  const forked_world::ReapResult r =
+      world.run(body, forked_world::ReapOptions{.deadline = forked_world::Clock::now() + timeout});
+  if (r.any_killed()) ADD_FAILURE() << "a child did not finish within " << timeout.count() << " s";
+  return r.status;
 }
 
 // Distances between value vectors. A NaN or Inf operand (or a difference that overflows), or

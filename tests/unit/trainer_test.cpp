@@ -29,7 +29,9 @@
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
-#include "stages/trainer/trainer.h"
+#include "stages/trainer/rendezvous.h"
+#include "stages/trainer/snapshot_plane.h"
+#include "stages/trainer/train_step.h"
 #include "tests/unit/test_support.h"
 
 namespace megacpp::trainer {
@@ -643,21 +645,20 @@ int run_rank_child(uint16_t port, uint32_t rank, const fs::path& out) {
 }
 
 TEST_F(TrainerTest, TwoRanksOverGlooStayBitIdentical) {
-  auto server = host_local_store(std::chrono::seconds(20));
-  const uint16_t port = server->getPort();
+  const forked_world::ForkedWorld world(2, std::chrono::seconds(20));
+  const uint16_t port = world.store_port();
   ASSERT_NE(port, 0);
 
   char tmpl[] = "/tmp/megacpp-trainer-test-XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr);
   const fs::path dir(tmpl);
 
-  pid_t pids[2];
-  for (uint32_t rank = 0; rank < 2; ++rank) {
-    pids[rank] = fork();
-    ASSERT_GE(pids[rank], 0);
-    if (pids[rank] == 0) _exit(run_rank_child(port, rank, dir / fmt::format("rank{}.bin", rank)));
-  }
-  const std::vector<int> status = test_support::reap_within(pids, std::chrono::seconds(60));
+  const std::vector<int> status = test_support::run_ranks_within(
+      world,
+      [&](uint32_t rank) {
+        return run_rank_child(port, rank, dir / fmt::format("rank{}.bin", rank));
+      },
+      std::chrono::seconds(60));
   for (int r = 0; r < 2; ++r) {
     EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
         << "rank " << r << " status " << status[r];

@@ -41,6 +41,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -53,6 +54,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <thread>
 #include <tuple>
 #include <utility>
@@ -66,7 +68,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "stages/trainer/optim.h"
-#include "stages/trainer/trainer.h"
+#include "stages/trainer/rendezvous.h"
+#include "tools/forked_world/forked_world.h"
 
 namespace megacpp::trainer {
 namespace {
@@ -178,12 +181,26 @@ std::string key(uint32_t sample, uint32_t rank, const char* what) {
   return fmt::format("stress/sample{}/rank{}/{}", sample, rank, what);
 }
 
+// What a published value is, for the cross-rank maxima: a parameter (either pair), AdamW state,
+// Muon momentum buffers and group scalars (mu_a), Muon second-moment buffers (mu_b).
+enum class Kind { kParam, kAdam, kMuA, kMuB };
+NLOHMANN_JSON_SERIALIZE_ENUM(Kind, {{Kind::kParam, "param"},
+                                    {Kind::kAdam, "adam"},
+                                    {Kind::kMuA, "mu_a"},
+                                    {Kind::kMuB, "mu_b"}})
+
+Kind kind_of(bool adam, const StateKey& key) {
+  if (adam) return Kind::kAdam;
+  return key.field == StateField::kSecondMomentum ? Kind::kMuB : Kind::kMuA;
+}
+
 // Appends a tensor's values (as float64) to data and its description to meta.
-void publish_entry(json& meta, std::vector<double>& data, const std::string& name,
+void publish_entry(json& meta, std::vector<double>& data, const std::string& name, Kind kind,
                    const at::Tensor& t, const std::vector<int64_t>& full_shape, int64_t offset,
                    bool replicated) {
   const at::Tensor d = t.detach().to(at::kDouble).contiguous().reshape({-1});
   meta.push_back({{"name", name},
+                  {"kind", kind},
                   {"shape", t.sizes().vec()},
                   {"full_shape", full_shape},
                   {"offset", offset},
@@ -300,7 +317,7 @@ int run_rank(const Config& c, uint16_t port, uint32_t rank) {
       }
       if (c.inject_nan && c.inject_nan->first == rank && c.inject_nan->second == step) {
         for (auto& e : adam.state_view().entries)
-          if (e.name == "p2.exp_avg") e.value.view({-1})[5].fill_(NAN);
+          if (e.key == StateKey::of_param(2, StateField::kExpAvg)) e.value.view({-1})[5].fill_(NAN);
       }
       where = "DistMuon::step";
       if (!c.break_mask || any_muon) {
@@ -314,17 +331,19 @@ int run_rank(const Config& c, uint16_t port, uint32_t rank) {
         json meta = json::array();
         std::vector<double> data;
         for (size_t i = 0; i < p.size(); ++i) {
-          publish_entry(meta, data, fmt::format("param.{}", kParams[i].name), p[i],
+          publish_entry(meta, data, fmt::format("param.{}", kParams[i].name), Kind::kParam, p[i],
                         p[i].sizes().vec(), 0, true);
-          publish_entry(meta, data, fmt::format("mirror.{}", kParams[i].name), q[i],
+          publish_entry(meta, data, fmt::format("mirror.{}", kParams[i].name), Kind::kParam, q[i],
                         q[i].sizes().vec(), 0, true);
         }
-        for (const auto& [prefix, st] :
-             {std::pair{"adam.", adam.state_view()}, std::pair{"muon.", muon.state_view()},
-              std::pair{"adam_r.", adam_r.state_view()}, std::pair{"muon_r.", muon_r.state_view()}})
+        for (const auto& [prefix, is_adam, st] :
+             {std::tuple{"adam.", true, adam.state_view()},
+              std::tuple{"muon.", false, muon.state_view()},
+              std::tuple{"adam_r.", true, adam_r.state_view()},
+              std::tuple{"muon_r.", false, muon_r.state_view()}})
           for (const auto& e : st.entries)
-            publish_entry(meta, data, prefix + e.name, e.value, e.full_shape, e.offset,
-                          e.replicated);
+            publish_entry(meta, data, prefix + entry_name(e.key), kind_of(is_adam, e.key), e.value,
+                          e.full_shape, e.offset, e.replicated);
         const std::string m = meta.dump();
         std::vector<uint8_t> mb(m.begin(), m.end());
         std::vector<uint8_t> db(data.size() * sizeof(double));
@@ -513,13 +532,11 @@ Sample assemble(const Config& c, c10d::Store& store, uint32_t k) {
         for (size_t i = 0; r > 0 && i < numel; ++i) d = worse(d, distance(v[i], out[i]));
         if (r == 0) std::copy(v, v + numel, out.begin());
         if (r > 0) s.compared_values += numel;
-        const bool param = name.starts_with("param.") || name.starts_with("mirror.");
-        const bool adam = name.starts_with("adam");
-        const bool mu_b = name.ends_with(".second_momentum");
-        double& acc = param  ? s.max_param_diff
-                      : adam ? s.max_adam_diff
-                      : mu_b ? s.max_mu_b_diff
-                             : s.max_mu_a_diff;
+        const Kind kind = m0["kind"];
+        double& acc = kind == Kind::kParam  ? s.max_param_diff
+                      : kind == Kind::kAdam ? s.max_adam_diff
+                      : kind == Kind::kMuB  ? s.max_mu_b_diff
+                                            : s.max_mu_a_diff;
         acc = worse(acc, d);
       } else {
         const size_t at = static_cast<size_t>(m["offset"].get<int64_t>() * row);
@@ -545,18 +562,24 @@ Sample assemble(const Config& c, c10d::Store& store, uint32_t k) {
     s.logical[kParams[i].name] = raw.at(fmt::format("param.{}", kParams[i].name));
     s.shapes[kParams[i].name] = kParams[i].shape;
   }
-  for (size_t i = 0; i < 3; ++i) {
+  // The reference's names of the AdamW state of a parameter, and the entries that hold it.
+  const std::array<std::pair<const char*, StateField>, 3> adam_state = {
+      {{"exp_avg", StateField::kExpAvg},
+       {"exp_avg_sq", StateField::kExpAvgSq},
+       {"step", StateField::kStep}}};
+  for (uint32_t i = 0; i < 3; ++i) {
     const std::string n = kParams[i].name;
-    s.logical[n + ".exp_avg"] = raw.at(fmt::format("adam.p{}.exp_avg", i));
-    s.logical[n + ".exp_avg_sq"] = raw.at(fmt::format("adam.p{}.exp_avg_sq", i));
-    s.logical[n + ".step"] = raw.at(fmt::format("adam.p{}.step", i));
+    for (const auto& [suffix, field] : adam_state)
+      s.logical[n + "." + suffix] = raw.at("adam." + entry_name(StateKey::of_param(i, field)));
     s.shapes[n + ".exp_avg"] = s.shapes[n + ".exp_avg_sq"] = kParams[i].shape;
   }
-  const std::vector<std::pair<std::string, std::vector<size_t>>> stacks = {{"g0.s0", {3, 4}},
-                                                                           {"g1.s0", {5}}};
-  for (const auto& [st, members] : stacks) {
-    const auto& mom = raw.at("muon." + st + ".momentum");
-    const auto& sec = raw.at("muon." + st + ".second_momentum");
+  // The Muon stacks, (group, members) of stack 0: each group holds one stack.
+  const std::vector<std::pair<uint32_t, std::vector<size_t>>> stacks = {{0, {3, 4}}, {1, {5}}};
+  for (const auto& [group, members] : stacks) {
+    const auto& mom =
+        raw.at("muon." + entry_name(StateKey::of_stack(group, 0, StateField::kMomentum)));
+    const auto& sec =
+        raw.at("muon." + entry_name(StateKey::of_stack(group, 0, StateField::kSecondMomentum)));
     for (size_t j = 0; j < members.size(); ++j) {
       const auto& shp = kParams[members[j]].shape;
       const size_t mn = static_cast<size_t>(shp[0] * shp[1]);
@@ -669,60 +692,43 @@ std::string signal_name(int sig) {
 
 int run(const Config& c) {
   torch::set_num_threads(1);  // forked ranks must not inherit a live OpenMP pool
-  auto server = host_local_store(std::chrono::seconds(30));
-  const uint16_t port = server->getPort();
+  const forked_world::ForkedWorld world(c.world, std::chrono::seconds(30));
+  c10d::Store& server = world.store();
+  const uint16_t port = world.store_port();
   const auto t0 = Clock::now();
 
-  std::vector<pid_t> pids(c.world, -1);
-  for (uint32_t r = 0; r < c.world; ++r) {
-    pids[r] = fork();
-    if (pids[r] < 0) {
-      fprintf(stderr, "fork failed\n");
-      return 2;
-    }
-    if (pids[r] == 0) _exit(run_rank(c, port, r));
-  }
-  std::vector<int> status(c.world, -1);
-  std::vector<bool> killed(c.world, false);
-  const auto deadline = t0 + std::chrono::seconds(c.deadline_s);
-  std::optional<Clock::time_point> first_failure;
   const auto grace = std::chrono::seconds(c.collective_timeout_s + 5);
-  for (uint32_t done = 0; done < c.world;) {
-    for (uint32_t r = 0; r < c.world; ++r) {
-      int st = 0;
-      if (status[r] == -1 && waitpid(pids[r], &st, WNOHANG) == pids[r]) {
-        status[r] = st;
-        ++done;
-        if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0) && !first_failure) {
-          first_failure = Clock::now();
-          fprintf(stderr, "rank %u failed first (status %d); others get %llds to finish\n", r,
-                  WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st),
-                  static_cast<long long>(grace.count()));
-        }
-      }
-    }
-    const auto now = Clock::now();
-    if (done < c.world && (now > deadline || (first_failure && now > *first_failure + grace))) {
-      for (uint32_t r = 0; r < c.world; ++r) {
-        if (status[r] != -1) continue;
-        kill(pids[r], SIGKILL);
-        waitpid(pids[r], &status[r], 0);
-        killed[r] = true;
-        ++done;
-        fprintf(stderr, "rank %u: still running %s; killed\n", r,
-                now > deadline ? fmt::format("at the {}s deadline", c.deadline_s).c_str()
-                               : "after another rank failed");
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const forked_world::ReapOptions bounds{
+      .deadline = t0 + std::chrono::seconds(c.deadline_s),
+      .grace_after_failure = grace,
+      .on_first_failure =
+          [&](size_t r, int st) {
+            fprintf(stderr, "rank %zu failed first (status %d); others get %llds to finish\n", r,
+                    WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st),
+                    static_cast<long long>(grace.count()));
+          },
+      .on_kill =
+          [&](size_t r, bool at_deadline) {
+            fprintf(stderr, "rank %zu: still running %s; killed\n", r,
+                    at_deadline ? fmt::format("at the {}s deadline", c.deadline_s).c_str()
+                                : "after another rank failed");
+          }};
+  forked_world::ReapResult reaped;
+  try {
+    reaped = world.run([&](uint32_t r) { return run_rank(c, port, r); }, bounds);
+  } catch (const std::system_error& e) {
+    fprintf(stderr, "fork failed: %s\n", e.what());
+    return 2;
   }
+  const std::vector<int>& status = reaped.status;
+  const std::vector<bool>& killed = reaped.killed;
   const double train_s = std::chrono::duration<double>(Clock::now() - t0).count();
   std::vector<Outcome> outcome(c.world);
   std::vector<std::vector<Call>> logs(c.world);
   bool ok = true;
   for (uint32_t r = 0; r < c.world; ++r) {
     outcome[r] = {status[r], killed[r]};
-    logs[r] = read_calls(*server, r);
+    logs[r] = read_calls(server, r);
     ok &= outcome[r].ok();
   }
   // A call a rank entered and never returned from: where a killed rank was blocked.
@@ -777,7 +783,7 @@ int run(const Config& c) {
       "%.1fs\n",
       c.world, c.steps, c.scenario.c_str(), c.break_mask ? " (break-mask)" : "",
       c.bf16 ? "bfloat16" : "float32", train_s);
-  const auto sb = server->get("stress/adam_sharded");
+  const auto sb = server.get("stress/adam_sharded");
   const std::string sharded(sb.begin(), sb.end());
   const int n_sharded =
       sharded.empty() ? 0 : 1 + static_cast<int>(std::count(sharded.begin(), sharded.end(), ','));
@@ -793,7 +799,7 @@ int run(const Config& c) {
   for (uint32_t k = c.sample_every; k <= c.steps; k += c.sample_every) ks.push_back(k);
   std::vector<Sample> samples;
   for (uint32_t k : ks) {
-    samples.push_back(assemble(c, *server, k));
+    samples.push_back(assemble(c, server, k));
     const Sample& s = samples.back();
     printf(
         "sample %u across ranks: max_adam_abs_diff=%s max_mu_a_abs_diff=%s max_mu_b_abs_diff=%s "

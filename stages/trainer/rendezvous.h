@@ -1,0 +1,36 @@
+// megacpp::trainer rendezvous — the rank's side of joining the c10d store and its Gloo process
+// group. The store itself is hosted elsewhere: by the supervisor for a run
+// (supervisor/rendezvous.h), by forked_world::ForkedWorld for a process that forks its own
+// ranks (tests, the stress harness, benchmarks).
+//
+// Contract: connect_gloo blocks until every rank joined or store_timeout passed (then
+// c10::Error / c10d exceptions propagate; trainer::with_peers types them). The returned group
+// is shared (intrusive_ptr) and lives as long as its last holder; collectives on it time out
+// after collective_timeout.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+namespace megacpp::trainer {
+
+// Rendezvous: a TCPStore client at host:port and a ProcessGroupGloo over it. Throws
+// Error{kInvalidArgument} for a rank outside the world.
+struct GlooOptions {
+  std::string store_host = "127.0.0.1";
+  uint16_t store_port = 0;
+  uint32_t rank = 0;
+  uint32_t world = 1;
+  std::chrono::milliseconds store_timeout{60'000};
+  std::chrono::milliseconds collective_timeout{300'000};
+  std::string device_hostname = "127.0.0.1";  // the interface Gloo's TCP transport binds
+  // Keys of this group live under this prefix in the store (e.g. one per run generation),
+  // so a store shared by several groups or generations never mixes their rendezvous.
+  std::string store_prefix;
+};
+c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooOptions& options);
+
+}  // namespace megacpp::trainer

@@ -1,0 +1,140 @@
+// megacpp::trainer train step — model, optimizers and one training step (forward, loss,
+// backward, clipping, the hybrid DistMuon + DistAdamW optimizer of optim.h) for one rank, and
+// that rank's share of a checkpoint snapshot.
+//
+// Used by the rank process (megacpp-trainer) and, unchanged, by an in-process benchmark
+// loop: TrainStep knows nothing about rings, control sockets or journals. Everything runs on
+// CPU in float32. Collectives go through a c10d Backend (ProcessGroupGloo on CPU); without
+// one the step is single-process and issues no collective.
+//
+// Contract: construction and step() are collectives when a process group is given (they block
+// until every rank takes part; a peer's failure or a transport timeout surfaces as
+// Error{kPeerFailure} / Error{kTimeout} or a c10::Error). Invalid input throws
+// Error{kInvalidArgument}. One owner thread; the object lives as long as the rank's loop.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "recipes/recipe.h"
+#include "schemas/common.capnp.h"
+#include "schemas/launch.capnp.h"
+#include "stages/trainer/model.h"
+#include "stages/trainer/snapshot_layout.h"
+
+namespace megacpp::trainer {
+
+// The recipe's own types (recipes/recipe.h), so a recipe, a launch spec and a test all build
+// the same TrainStep.
+using TrainConfig = recipe::TrainConfig;
+using OptimConfig = recipe::OptimConfig;
+
+TrainConfig train_config(schema::TrainSpec::Reader spec);
+
+// The LR schedule's factor for 1-based `step` of `total_steps` (every [optim] learning rate is
+// multiplied by it): linear warmup from 0 to 1 over warmup_steps, then cosine from 1 down to
+// min_lr_ratio at total_steps.
+double lr_scale(const TrainConfig& train, uint32_t step, uint32_t total_steps);
+
+// ---------------------------------------------------------------------------------------
+// One training step.
+
+struct StepTiming {
+  float loss = 0;              // mean cross-entropy of this rank's batch, before the update
+  double grad_norm = 0;        // L2 norm of this rank's own gradient, before clipping
+  double lr_scale = 0;         // the schedule's factor applied to every learning rate this step
+  double forward_seconds = 0;  // forward + loss
+  double backward_seconds = 0;
+  // Clipping + DistAdamW::step + DistMuon::step, their collectives (has-grad masks,
+  // all-reduce / reduce-scatter / all-gather of gradients and parameters) included.
+  double optimizer_seconds = 0;
+};
+
+// Optional callbacks into the caller, invoked on the calling thread.
+struct StepHooks {
+  // Called with FORWARD, BACKWARD and OPTIMIZER as each part begins.
+  std::function<void(schema::Phase)> on_phase;
+  // Called once backward is done: from then on the step holds no reference to `tokens`,
+  // so the caller may recycle the memory behind it (e.g. release a ring slot).
+  std::function<void()> after_backward;
+};
+
+// Which optimizer steps a parameter, and in which group.
+struct ParamAssignment {
+  std::string name;       // model parameter name
+  std::string optimizer;  // "muon" or "adamw"
+  std::string group;      // muon: "qkv" | "matrices"; adamw: "embed" | "head" | "other"
+  bool sharded = false;   // adamw: reduce-scatter + all-gather (else all-reduce); muon: true
+};
+
+// Model, optimizers and the step, for one rank. Not thread-safe; not copyable or movable.
+//
+// Construction initialises the model from train.seed (identical on every rank), then, with
+// a process group, broadcasts rank 0's parameters (a collective: every rank must construct
+// its TrainStep). `pg` is kept for the object's lifetime; nullptr means one process.
+// Optimizers (train.optim): DistMuon takes the blocks' 2-D matrices, the fused qkv
+// projections in their own group (split into q, k, v when optim.qkv_split); DistAdamW takes
+// the embedding, the head and every other parameter, one group each. The gradients are not
+// all-reduced by the step itself: each optimizer reduces (or reduce-scatters) what it owns.
+// Clipping (train.grad_clip) scales this rank's gradient by its own norm before that
+// reduction, so it needs no extra collective.
+class TrainStep {
+ public:
+  TrainStep(const ModelConfig& model, const TrainConfig& train, uint32_t total_steps,
+            c10::intrusive_ptr<c10d::Backend> pg = {});
+  ~TrainStep();
+  TrainStep(const TrainStep&) = delete;
+  TrainStep& operator=(const TrainStep&) = delete;
+
+  // tokens: int64 [batch, T + 1] (T <= seq_len), any strides; inputs are tokens[:, :T] and
+  // targets tokens[:, 1:]. `step_index` is 1-based and drives the LR schedule. With a
+  // process group this is a collective: all ranks call it with the same step_index.
+  // Throws Error{kInvalidArgument} on a wrong dtype/shape; c10::Error from torch/Gloo
+  // (e.g. a collective timeout) propagates.
+  StepTiming step(const at::Tensor& tokens, uint32_t step_index, const StepHooks& hooks = {});
+
+  uint32_t rank() const noexcept;
+  uint32_t world() const noexcept;
+  uint32_t total_steps() const noexcept;
+  const ModelConfig& model_config() const noexcept;
+  const TrainConfig& train_config() const noexcept;
+  Transformer& model() noexcept;
+  // (name, tensor) in registration order; the tensors alias the live parameters.
+  std::vector<NamedTensor> parameters() const;
+
+  std::vector<ParamAssignment> assignment() const;  // in parameter order
+
+  // This rank's share of state, in a fixed order. Rank 0: "model.<name>" for every
+  // parameter, then every optimizer entry held replicated (the same on every rank):
+  // "optim.adamw.<param>.{exp_avg,exp_avg_sq,step}" of all-reduced parameters and the
+  // groups' scalars "optim.{adamw,muon}.<group>.{lr,...}". Every rank: the slices it owns,
+  // suffixed ".shard<rank>": "optim.adamw.<param>.{exp_avg,exp_avg_sq}.shard<r>" (rows
+  // [offset, offset + rows) of the parameter's state) and
+  // "optim.muon.<group>.<rows>x<cols>.{momentum,second_momentum}.shard<r>" (entries of a
+  // stack of same-shape matrices; rows past the stack length are padding).
+  // snapshot_metadata() says how to reassemble them. Names are unique across the ranks of a
+  // world, and names, shapes and sizes never change over a run (state exists, zero, from
+  // construction). The tensors alias live parameters and optimizer state.
+  std::vector<NamedTensor> snapshot_share() const;
+  SnapshotLayout snapshot_layout() const;
+  // JSON, the same on every rank but for "rank": {"format": "megacpp.snapshot.v1", "rank",
+  // "world", "shards": {<entry>: {"logical": <name without .shard<r>>, "full_shape": [...],
+  // "offset": <first row>}}, "muon_stacks": {"optim.muon.<group>.<r>x<c>": [<param>, ...]}}.
+  std::string snapshot_metadata() const;
+  // Copies this rank's share into `region` per snapshot_layout() and returns that layout.
+  // Throws Error{kInvalidArgument} if the region is smaller than layout.total_bytes.
+  SnapshotLayout copy_snapshot(std::span<std::byte> region) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace megacpp::trainer
