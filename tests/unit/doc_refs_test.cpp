@@ -4,11 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <fstream>
 #include <regex>
 #include <set>
 #include <sstream>
 #include <string>
+
+#include "core/util.h"
 
 namespace fs = std::filesystem;
 
@@ -16,16 +17,9 @@ namespace {
 
 const fs::path kSource{MEGACPP_SOURCE_DIR};
 
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 std::set<std::string> headings(const fs::path& doc) {
   std::set<std::string> out;
-  std::istringstream in(slurp(doc));
+  std::istringstream in(megacpp::read_file(doc));
   std::string line;
   static const std::regex heading(R"(^#+ (.*)$)");
   std::smatch m;
@@ -60,7 +54,7 @@ TEST(DocReferences, CitedSectionsExist) {
     if (rel == "tests/unit/doc_refs_test.cpp") continue;
     // A citation may wrap across comment lines: join them (newline, indent, comment marker).
     static const std::regex wrap(R"(\n[ \t]*(//+|#)?[ \t]*)");
-    const std::string text = std::regex_replace(slurp(e.path()), wrap, " ");
+    const std::string text = std::regex_replace(megacpp::read_file(e.path()), wrap, " ");
     EXPECT_FALSE(std::regex_search(text, numbered))
         << rel << " cites \"DESIGN §n\"; cite a heading of DESIGN.md as DESIGN.md \"Heading\"";
     for (std::sregex_iterator c(text.begin(), text.end(), cite), end; c != end; ++c) {

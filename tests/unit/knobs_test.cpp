@@ -6,7 +6,6 @@
 #include <stdlib.h>
 
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <regex>
 #include <set>
@@ -24,13 +23,6 @@ namespace {
 
 const fs::path kSource{MEGACPP_SOURCE_DIR};
 
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 std::set<std::string> declared() {
   std::set<std::string> out;
   for (const auto& k : kKnobs) out.emplace(k.name);
@@ -39,7 +31,7 @@ std::set<std::string> declared() {
 
 // The rows `| `MEGACPP_X` | default | meaning |` of README.md's section `heading`.
 std::map<std::string, std::string> readme_table(const std::string& heading) {
-  const std::string readme = slurp(kSource / "README.md");
+  const std::string readme = megacpp::read_file(kSource / "README.md");
   const auto start = readme.find("\n## " + heading + "\n");
   EXPECT_NE(start, std::string::npos) << "README.md has no section " << heading;
   if (start == std::string::npos) return {};
@@ -112,7 +104,7 @@ TEST(Knobs, EveryKnobReadInTheTreeIsDeclared) {
       const auto ext = e.path().extension();
       if (!e.is_regular_file() || (ext != ".cpp" && ext != ".h" && ext != ".cu")) continue;
       ++files;
-      const std::string text = slurp(e.path());
+      const std::string text = megacpp::read_file(e.path());
       const std::string rel = fs::relative(e.path(), kSource).string();
       for (std::sregex_iterator it(text.begin(), text.end(), literal), end; it != end; ++it) {
         EXPECT_TRUE(known.contains((*it)[1]))
@@ -150,7 +142,7 @@ TEST(Knobs, ScriptVariablesAreListedApartFromKnobs) {
   static const std::regex token(R"((-D)?\b(MEGACPP_[A-Z0-9_]+))");
   std::set<std::string> used;
   auto scan = [&](const fs::path& p) {
-    const std::string text = slurp(p);
+    const std::string text = megacpp::read_file(p);
     for (std::sregex_iterator it(text.begin(), text.end(), token), end; it != end; ++it) {
       if ((*it)[1].matched) continue;
       if (!knobs.contains((*it)[2])) used.insert((*it)[2]);
