@@ -62,9 +62,6 @@ std::optional<schema::FailureRole> failure_role_named(std::string_view name) {
 std::optional<schema::ChildReason> child_reason_named(std::string_view name) {
   return named<schema::ChildReason>(name);
 }
-std::optional<schema::ErrorKind> error_kind_named(std::string_view name) {
-  return named<schema::ErrorKind>(name);
-}
 
 schema::ErrorKind to_schema(ErrorKind kind) {
   switch (kind) {

@@ -19,12 +19,11 @@ std::string_view name(schema::ProcessState state);
 std::string_view name(schema::ErrorKind kind);
 std::string_view name(schema::ChildReason reason);
 
-// The reverse, for the obsolete Text fields of old journals and for Failure messages that
-// still carry the error kind as text; nullopt for a name that is no enumerant's.
+// The reverse, for the obsolete Text fields of journals written before the enums; nullopt
+// for a name that is no enumerant's.
 std::optional<schema::FailureKind> failure_kind_named(std::string_view name);
 std::optional<schema::FailureRole> failure_role_named(std::string_view name);
 std::optional<schema::ChildReason> child_reason_named(std::string_view name);
-std::optional<schema::ErrorKind> error_kind_named(std::string_view name);
 
 // megacpp::ErrorKind <-> schema::ErrorKind, one to one over the core kinds; a foreign kind
 // (capnp, c10, std, unknown) has no core counterpart.

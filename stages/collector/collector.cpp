@@ -193,9 +193,11 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       child.see_pid(mono, ev.getPid());
       Process::latest(child.started_mono, mono);
       // A journal written before ChildReason carries the reason as text in `note`.
-      const bool restart =
-          ev.getChildReason() == schema::ChildReason::RESTART ||
-          (ev.getChildReason() == schema::ChildReason::NONE && ev.getNote() == "restart");
+      const schema::ChildReason reason = ev.getChildReason() != schema::ChildReason::NONE
+                                             ? ev.getChildReason()
+                                             : schemas::child_reason_named(ev.getNote().cStr())
+                                                   .value_or(schema::ChildReason::NONE);
+      const bool restart = reason == schema::ChildReason::RESTART;
       if (restart) {
         ++child.restarts;
         child.restart_causes.emplace_back(ev.hasCause() ? ev.getCause().cStr() : "");
