@@ -21,11 +21,11 @@
 #include <CLI/CLI.hpp>
 
 #include "core/util.h"
+#include "data/sampler.h"
 #include "ipc/journal.h"
 #include "recipes/recipe.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
-#include "stages/data_loader/data_loader.h"
 #include "stages/trainer/train_step.h"
 
 namespace mc = megacpp;
@@ -33,24 +33,31 @@ namespace fs = std::filesystem;
 
 namespace {
 
-double in_process_ms(const mc::recipe::Recipe& r, uint32_t warmup, uint32_t steps) {
+double in_process_ms(const mc::recipe::Recipe& r, uint32_t warmup, uint32_t steps,
+                     const fs::path& work) {
   capnp::MallocMessageBuilder msg;
   auto spec = msg.initRoot<mc::schema::RecipeSpec>();
   mc::recipe::to_spec(r, spec);
   mc::trainer::TrainStep ts(mc::trainer::model_config(spec.getModel()),
                             mc::trainer::train_config(spec.getTrain()), warmup + steps);
-  std::vector<std::vector<uint16_t>> shard_tokens;
-  std::vector<std::span<const uint16_t>> shards;
-  for (uint32_t i = 0; i < r.data.shards; ++i) {
-    shard_tokens.push_back(mc::data_loader::builtin_corpus_tokens(i, r.data.shard_tokens));
+  std::vector<std::unique_ptr<mc::data::Shard>> shards;
+  std::vector<const mc::data::Shard*> views;
+  for (const auto& p :
+       mc::data::ensure_builtin_corpus(work / "data", r.data.shards, r.data.shard_tokens)) {
+    shards.push_back(std::make_unique<mc::data::Shard>(p, mc::data::ShardFormat::kLlmc));
+    views.push_back(shards.back().get());
   }
-  for (const auto& s : shard_tokens) shards.emplace_back(s);
-  mc::data_loader::Sampler sampler(shards, r.model.seq_len, r.train.batch_size, 1, r.train.seed);
+  const auto batch = mc::recipe::batch_spec(r);
+  mc::data::Sampler sampler(views, {.seq_len = r.model.seq_len,
+                                    .batch = r.train.batch_size,
+                                    .world = 1,
+                                    .token_bytes = batch.token_bytes,
+                                    .seed = r.train.seed});
   std::vector<at::Tensor> batches;
+  std::vector<std::byte> slot(batch.slot_bytes());
   for (uint32_t s = 1; s <= warmup + steps; ++s) {
-    auto t = torch::empty(sampler.spec().shape(), torch::kInt64);
-    sampler.fill(s, 0, t.data_ptr<int64_t>());
-    batches.push_back(t);
+    sampler.fill(s, 0, slot);
+    batches.push_back(mc::trainer::widen_batch(slot, batch, s));
   }
   for (uint32_t s = 1; s <= warmup; ++s) ts.step(batches[s - 1], s);
   auto t0 = std::chrono::steady_clock::now();
@@ -133,7 +140,7 @@ int main(int argc, char** argv) {
   fs::create_directories(work);
   double best_in = 1e300, best_pipe = 1e300;
   for (uint32_t i = 0; i < repeats; ++i) {
-    double a = in_process_ms(r, warmup, steps);
+    double a = in_process_ms(r, warmup, steps, work);
     double b = pipeline_ms(megacpp, recipe, warmup, steps, work, threads);
     fmt::print("repeat {}: in-process {:.3f} ms/step, pipeline {:.3f} ms/step\n", i + 1, a, b);
     best_in = std::min(best_in, a);

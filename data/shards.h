@@ -61,4 +61,80 @@ constexpr uint64_t llmc_file_bytes(uint64_t tokens, TokenWidth width) noexcept {
   return kLlmcHeaderBytes + tokens * bytes_of(width);
 }
 
+// What opening a shard checks beyond its own structure.
+struct ShardCheck {
+  uint64_t vocab_size = 0;  // every token must be below it; 0 = do not scan the tokens
+  bool checksum = false;    // compute the XXH3 of the token file while scanning
+};
+
+// One validated, read-only mapped shard: an llm.c file, or a Megatron prefix (its .bin
+// mapped, its .idx read into document starts). The tokens are one contiguous array (a
+// Megatron index whose sequences are not back to back in the .bin is refused).
+class Shard {
+ public:
+  // `path` is the llm.c .bin, or for kMegatron the .idx, the .bin or the prefix.
+  Shard(const std::filesystem::path& path, ShardFormat format, const ShardCheck& check = {});
+  ~Shard();
+  Shard(const Shard&) = delete;
+  Shard& operator=(const Shard&) = delete;
+
+  ShardFormat format() const noexcept { return format_; }
+  TokenWidth width() const noexcept { return width_; }
+  // The file that holds the tokens (the llm.c file, or the Megatron .bin).
+  const std::filesystem::path& path() const noexcept { return path_; }
+  uint64_t tokens() const noexcept { return count_; }
+  // Token i, widened; i < tokens().
+  uint32_t token(uint64_t i) const noexcept {
+    return width_ == TokenWidth::kU16 ? reinterpret_cast<const uint16_t*>(base_)[i]
+                                      : reinterpret_cast<const uint32_t*>(base_)[i];
+  }
+  const std::byte* token_bytes() const noexcept { return base_; }
+  // Token offsets where documents start, ascending, first 0: from the Megatron document
+  // index; for llm.c shards empty until find_documents() splits them at an EOS id.
+  std::span<const uint64_t> document_starts() const noexcept { return doc_starts_; }
+  // llm.c shards: documents start at every `eos_id` (the llm.c writers put the end-of-text id
+  // first in every document), and at 0. A no-op for Megatron shards.
+  void find_documents(uint32_t eos_id);
+  // Set when opened with a vocabulary bound / a checksum; 0 / empty otherwise.
+  uint32_t max_token() const noexcept { return max_token_; }
+  const std::string& xxh3() const noexcept { return xxh3_; }
+  uint64_t file_bytes() const noexcept { return map_bytes_; }
+
+ private:
+  void open_llmc(const ShardCheck& check);
+  void open_megatron(const std::filesystem::path& prefix, const ShardCheck& check);
+  void map(const std::filesystem::path& file);
+  void scan(const ShardCheck& check);
+
+  ShardFormat format_;
+  std::filesystem::path path_;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  const std::byte* base_ = nullptr;
+  uint64_t header_bytes_ = 0;  // bytes before the first token
+  uint64_t count_ = 0;
+  TokenWidth width_ = TokenWidth::kU16;
+  std::vector<uint64_t> doc_starts_;
+  uint32_t max_token_ = 0;
+  std::string xxh3_;
+};
+
+// The shard files a recipe's [data] names. `pattern` is a directory (every *.bin in it, for
+// Megatron every *.idx, whose name contains `split` when split is not empty) or a glob
+// (POSIX glob(3); "{split}" in it is replaced by `split`); a relative pattern is taken
+// relative to `data_dir`. Sorted by path. Throws Error{kInvalidArgument} with a one-line
+// message when nothing matches (an empty data folder is an error, never a silent fallback).
+std::vector<std::filesystem::path> find_shards(const std::filesystem::path& data_dir,
+                                               ShardFormat format, const std::string& pattern,
+                                               const std::string& split);
+
+// The built-in corpus: generated text with learnable structure (templated sentences and
+// arithmetic), byte-level, deterministic for a given shard size.
+std::vector<uint16_t> builtin_corpus_tokens(uint32_t index, uint32_t tokens);
+// Ensures `shards` built-in uint16 llm.c shards of `shard_tokens` exist under `data_dir`
+// (data_dir/builtin-v1-<shard_tokens>/shard_NNNNNN.bin); existing valid shards are reused, so
+// concurrent or repeated runs write them once. Returns their paths in order.
+std::vector<std::filesystem::path> ensure_builtin_corpus(const std::filesystem::path& data_dir,
+                                                         uint32_t shards, uint32_t shard_tokens);
+
 }  // namespace megacpp::data

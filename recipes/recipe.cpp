@@ -110,8 +110,8 @@ void Recipe::validate() const {
     rule(c == 'A', "pattern",
          "this build implements block family A only (E, M, R are declared, not built)");
   }
-  rule(model.vocab_size >= 2 && model.vocab_size <= 65536, "model.vocab_size",
-       "must be in [2, 65536] (token shards store uint16)");
+  rule(model.vocab_size >= 2 && model.vocab_size <= kMaxVocab, "model.vocab_size",
+       fmt::format("must be in [2, {}]", kMaxVocab));
   rule(model.seq_len >= 2, "model.seq_len", "must be >= 2");
   rule(model.n_layers >= 1 && model.n_layers <= kMaxLayers, "model.n_layers",
        fmt::format("must be in [1, {}]", kMaxLayers));
@@ -125,7 +125,7 @@ void Recipe::validate() const {
        "must be >= 1 (a rank with zero-length work is refused)");
   const BatchSpec batch = batch_spec(*this);
   rule(batch.fits_slot(), "train.batch_size, model.seq_len",
-       fmt::format("a batch of batch_size x (seq_len + 1) int64 tokens is {} bytes; a batch ring "
+       fmt::format("a batch of batch_size x (seq_len + 1) tokens is {} bytes; a batch ring "
                    "slot holds at most {}",
                    batch.slot_bytes(), kMaxBatchSlotBytes));
   rule(train.min_lr_ratio >= 0 && train.min_lr_ratio <= 1, "train.min_lr_ratio",
@@ -149,12 +149,23 @@ void Recipe::validate() const {
        "optim.muon_ns_steps", "must be in [1, 5] for polar_express, [1, 20] for newton_schulz");
   rule(train.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)");
   rule(train.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1");
-  rule(data.corpus == "builtin", "data.corpus", "only the built-in corpus exists in this build");
-  rule(model.vocab_size >= 128, "model.vocab_size",
-       "the built-in corpus is 7-bit text: needs vocab_size >= 128");
-  rule(data.shards >= 1, "data.shards", "must be >= 1");
-  rule(uint64_t{data.shard_tokens} > batch.row_tokens(), "data.shard_tokens",
-       "must exceed model.seq_len + 1");
+  const bool builtin = data.source == "builtin";
+  rule(builtin || data.source == "llmc" || data.source == "megatron", "data.source",
+       "must be \"builtin\", \"llmc\" (llm.c .bin shards) or \"megatron\" (Megatron .idx/.bin)");
+  rule(data.split == "train" || data.split == "val", "data.split", "must be \"train\" or \"val\"");
+  rule(data.eos_id >= -1 && data.eos_id < int64_t{model.vocab_size}, "data.eos_id",
+       "must be below model.vocab_size (or absent)");
+  if (builtin) {
+    rule(model.vocab_size >= 128, "model.vocab_size",
+         "the built-in corpus is 7-bit text: needs vocab_size >= 128");
+    rule(data.path.empty(), "data.path", "names shards; the built-in corpus is generated");
+    rule(data.pack, "data.pack", "the built-in corpus has no documents: pack must be true");
+    rule(data.shards >= 1, "data.shards", "must be >= 1");
+    rule(uint64_t{data.shard_tokens} > batch.row_tokens(), "data.shard_tokens",
+         "must exceed model.seq_len + 1");
+  }
+  rule(builtin || data.pack || data.source == "megatron" || data.eos_id >= 0, "data.eos_id",
+       "pack = false on llm.c shards needs the end-of-text id that starts each document");
 }
 
 std::filesystem::path resolve(const std::string& name_or_path,
@@ -208,7 +219,9 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
          "muon_weight_decay", "muon_orthogonalizer", "muon_ns_steps", "muon_bf16", "qkv_split"},
         origin, "optim");
   }
-  if (d) check_keys(*d, {"corpus", "shard_tokens", "shards"}, origin, "data");
+  if (d)
+    check_keys(*d, {"source", "path", "split", "pack", "eos_id", "shard_tokens", "shards"}, origin,
+               "data");
   get_uint(m, "model", "vocab_size", r.model.vocab_size, origin);
   get_uint(m, "model", "seq_len", r.model.seq_len, origin);
   get_uint(m, "model", "d_model", r.model.d_model, origin);
@@ -238,12 +251,26 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
   get_uint(o, "optim", "muon_ns_steps", op.muon_ns_steps, origin);
   get_bool(o, "optim", "muon_bf16", op.muon_bf16, origin);
   get_bool(o, "optim", "qkv_split", op.qkv_split, origin);
-  get_string(d, "data", "corpus", r.data.corpus, origin);
+  get_string(d, "data", "source", r.data.source, origin);
+  get_string(d, "data", "path", r.data.path, origin);
+  get_string(d, "data", "split", r.data.split, origin);
+  get_bool(d, "data", "pack", r.data.pack, origin);
+  if (d != nullptr && d->get("eos_id") != nullptr) {
+    uint32_t eos = 0;
+    get_uint(d, "data", "eos_id", eos, origin);
+    r.data.eos_id = eos;
+  }
   get_uint(d, "data", "shard_tokens", r.data.shard_tokens, origin);
   get_uint(d, "data", "shards", r.data.shards, origin);
   r.validate();
   for (uint32_t i = 0; i < r.model.n_layers; ++i)
     r.layers.emplace_back(1, r.pattern[i % r.pattern.size()]);
+  r.hash = xxh3_hex(canonical(r));
+  return r;
+}
+
+Recipe rehash(Recipe r) {
+  r.validate();
   r.hash = xxh3_hex(canonical(r));
   return r;
 }
@@ -299,7 +326,11 @@ void to_spec(const Recipe& r, schema::RecipeSpec::Builder s) {
   os.setMuonBf16(o.muon_bf16);
   os.setQkvSplit(o.qkv_split);
   auto d = s.initData();
-  d.setCorpus(r.data.corpus);
+  d.setSource(r.data.source);
+  d.setPath(r.data.path);
+  d.setSplit(r.data.split);
+  d.setPack(r.data.pack);
+  d.setEosId(r.data.eos_id);
   d.setShardTokens(r.data.shard_tokens);
   d.setShards(r.data.shards);
 }
@@ -315,7 +346,7 @@ std::string describe(const Recipe& r) {
       "  optim     DistMuon (hidden matrices): lr {} momentum {} beta2 {} wd {} {} x{}{}{}\n"
       "            DistAdamW: embed lr {}, head lr {}, other lr {}, betas ({}, {}) eps {} wd {}, "
       "sharded from {} elements\n"
-      "  checkpoint every {} steps\n  data      {} corpus, {} shards x {} tokens\n",
+      "  checkpoint every {} steps\n  data      {}\n",
       r.name, r.path.string(), r.hash, r.pattern, r.layers.size(), layers, r.model.vocab_size,
       r.model.seq_len, r.model.d_model, r.model.n_heads, r.model.mlp_mult, r.train.batch_size,
       r.train.warmup_steps, r.train.min_lr_ratio, r.train.grad_clip, r.train.seed,
@@ -325,7 +356,14 @@ std::string describe(const Recipe& r) {
       r.train.optim.qkv_split ? ", qkv split" : "", r.train.optim.embed_lr, r.train.optim.head_lr,
       r.train.optim.adam_lr, r.train.optim.adam_beta1, r.train.optim.adam_beta2,
       r.train.optim.adam_eps, r.train.optim.adam_weight_decay, r.train.optim.adamw_crossover,
-      r.train.checkpoint_every, r.data.corpus, r.data.shards, r.data.shard_tokens);
+      r.train.checkpoint_every,
+      r.data.source == "builtin"
+          ? fmt::format("built-in corpus, {} shards x {} tokens", r.data.shards,
+                        r.data.shard_tokens)
+          : fmt::format("{} shards at {} (split {}, {}{})", r.data.source,
+                        r.data.path.empty() ? "--data-dir" : r.data.path, r.data.split,
+                        r.data.pack ? "packed" : "inside documents",
+                        r.data.eos_id >= 0 ? fmt::format(", eos {}", r.data.eos_id) : ""));
 }
 
 }  // namespace megacpp::recipe

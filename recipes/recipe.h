@@ -63,11 +63,19 @@ struct TrainConfig {
   OptimConfig optim;
 };
 
+// The recipe's [data]: where the token shards come from and how windows are cut from them
+// (data/shards.h, data/sampler.h). A window is model.seq_len + 1 tokens.
 struct DataConfig {
-  std::string corpus = "builtin";
-  uint32_t shard_tokens = 1 << 20;
-  uint32_t shards = 2;
+  std::string source = "builtin";   // "builtin" | "llmc" | "megatron"
+  std::string path;                 // llmc/megatron: directory or glob, relative to --data-dir
+  std::string split = "train";      // "train" | "val": file names containing it ("{split}" in path)
+  bool pack = true;                 // windows may cross document boundaries
+  int64_t eos_id = -1;              // the end-of-text id that starts a document; -1 = none
+  uint32_t shard_tokens = 1 << 20;  // builtin: tokens per generated shard
+  uint32_t shards = 2;              // builtin: generated shards
 };
+// The largest vocabulary a recipe may declare (token ids travel as uint32).
+inline constexpr uint32_t kMaxVocab = 1u << 24;
 
 struct Recipe {
   std::string name;
@@ -87,7 +95,9 @@ struct Recipe {
 inline constexpr uint32_t kMaxLayers = 4096;
 // The batch slot geometry (recipes/batch_spec.h) of a model and its training, or of a recipe.
 constexpr BatchSpec batch_spec(const ModelConfig& model, const TrainConfig& train) noexcept {
-  return BatchSpec{.batch = train.batch_size, .seq_len = model.seq_len};
+  return BatchSpec{.batch = train.batch_size,
+                   .seq_len = model.seq_len,
+                   .token_bytes = slot_token_bytes(model.vocab_size)};
 }
 constexpr BatchSpec batch_spec(const Recipe& r) noexcept {
   return batch_spec(r.model, r.train);
@@ -98,6 +108,8 @@ std::filesystem::path resolve(const std::string& name_or_path,
                               const std::filesystem::path& recipe_dir);
 Recipe load(const std::filesystem::path& path);
 Recipe parse(const std::string& toml_text, const std::filesystem::path& origin);
+// A recipe changed after parsing (the CLI's overrides): validated again, hash recomputed.
+Recipe rehash(Recipe recipe);
 
 void to_spec(const Recipe& r, schema::RecipeSpec::Builder spec);
 // A human-readable expansion (what `megacpp plan` prints).

@@ -19,6 +19,11 @@ struct StepRecord {
   forwardSeconds @5 :Float64;
   backwardSeconds @6 :Float64;
   optimizerSeconds @7 :Float64; # all-reduce + update
+  # The sampler state once every rank has taken this step (data/sampler.h): the window
+  # sequence resumes at (seed, epoch, cursor). Float64: exact below 2^53 windows.
+  dataSeed @8 :UInt32;
+  dataEpoch @9 :Float64;
+  dataCursor @10 :Float64;
 }
 
 struct CheckpointRecord {

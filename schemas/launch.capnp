@@ -41,10 +41,41 @@ struct TrainSpec {
   optim @6 :OptimSpec;
 }
 
-struct DataSpec {
-  corpus @0 :Text;              # "builtin" or a shard directory
-  shardTokens @1 :UInt32;
-  shards @2 :UInt32;
+struct DataSpec {                # recipe [data]; see recipes/recipe.h DataConfig
+  source @0 :Text;              # "builtin" | "llmc" | "megatron"
+  shardTokens @1 :UInt32;       # builtin
+  shards @2 :UInt32;            # builtin
+  path @3 :Text;
+  split @4 :Text;
+  pack @5 :Bool;
+  eosId @6 :Int64;              # -1: none
+}
+
+# One token file the run reads, as the supervisor validated it before any stage started.
+struct DataFile {
+  path @0 :Text;                # absolute; the file holding the tokens (.bin)
+  tokens @1 :Float64;           # exact below 2^53
+  bytes @2 :Float64;
+  documents @3 :Float64;        # documents the index or EOS ids delimit (0: not split)
+  maxToken @4 :UInt32;
+  xxh3 @5 :Text;                # of the whole file
+}
+
+# The data a run trains on, resolved from the recipe's [data] and --data-dir.
+struct Dataset {
+  format @0 :Text;              # "llmc" | "megatron"
+  tokenBytes @1 :UInt32;        # shard token width: 2 or 4 (every file alike)
+  slotTokenBytes @2 :UInt32;    # batch slot token width (recipes/batch_spec.h)
+  windows @3 :Float64;          # windows per epoch
+  documentsWithoutWindow @4 :Float64;  # pack = false: documents shorter than one window
+  files @5 :List(DataFile);
+  stagedFrom @6 :Text;          # --stage-data: the volume the files were copied from
+}
+
+# Where each kind of durable output of the run lives (seed 004's storage policy).
+struct VolumeUse {
+  role @0 :Text;                # "data" | "checkpoints" | "logs"
+  filesystem @1 :FilesystemInfo;
 }
 
 struct RecipeSpec {
@@ -112,4 +143,6 @@ struct LaunchContract {
   collectorStallSeconds @25 :Float64;
   loaderStallSeconds @26 :Float64;
   checkpointerStallSeconds @27 :Float64;
+  dataset @28 :Dataset;
+  volumes @29 :List(VolumeUse);
 }

@@ -82,6 +82,11 @@ int main(int argc, char** argv) {
       ->required();
   run->add_option("--data-dir", ro_data_dir,
                   "Data volume directory for token shards (default: <run-dir>/../data)");
+  run->add_option("--data-source", ro.data_source,
+                  "Override the recipe's [data] source: builtin, llmc or megatron");
+  run->add_option("--data-path", ro.data_path,
+                  "Override the recipe's [data] path: shard directory or glob, relative to "
+                  "--data-dir");
   run->add_flag("--require-data-volume", ro.require_data_volume,
                 "Refuse a run directory on the root volume (rule data-volume)");
   run->add_option("--heartbeat-ms", ro.heartbeat_interval_ms, "Heartbeat interval of every stage")

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <random>
+#include <thread>
 
 #include <capnp/message.h>
 #include <fmt/format.h>
@@ -119,6 +120,22 @@ std::string git_revision(bool& dirty) {
   return rev.empty() ? "unknown" : rev;
 }
 
+// The filesystem `path` lives on: type, device and whether it is the root volume's.
+void describe_volume(const fs::path& path, schema::FilesystemInfo::Builder out) {
+  struct statfs sfs {};
+  struct stat st {
+  }, root_st{};
+  out.setPath(path.string());
+  if (::statfs(path.c_str(), &sfs) != 0 || ::stat(path.c_str(), &st) != 0 ||
+      ::stat("/", &root_st) != 0) {
+    out.setType("unknown");
+    return;
+  }
+  out.setType(fs_type_name(sfs.f_type));
+  out.setDevice(fmt::format("{}:{}", major(st.st_dev), minor(st.st_dev)));
+  out.setIsRootVolume(st.st_dev == root_st.st_dev);
+}
+
 }  // namespace
 
 void Run::prepare() {
@@ -128,6 +145,13 @@ void Run::prepare() {
   opt_.validate();
   auto recipe_path = recipe::resolve(opt_.recipe, MEGACPP_RECIPE_DIR);
   recipe_ = recipe::load(recipe_path);
+  if (!opt_.data_source.empty() || !opt_.data_path.empty()) {
+    // The CLI composes over the recipe: the overrides pass the same rules, and the recipe's
+    // hash covers what actually runs.
+    if (!opt_.data_source.empty()) recipe_.data.source = opt_.data_source;
+    if (!opt_.data_path.empty()) recipe_.data.path = opt_.data_path;
+    recipe_ = recipe::rehash(std::move(recipe_));
+  }
 
   run_ = fs::absolute(opt_.run_dir).lexically_normal();
   if (fs::exists(run_)) {
@@ -175,6 +199,26 @@ void Run::prepare() {
         "--require-data-volume",
         run_.string(), fs_type_);
   }
+
+  // The data pre-flight: every file the run will read is found and validated now, so a bad
+  // shard or an empty data folder ends the command before a run directory exists.
+  if (opt_.data_dir.empty()) opt_.data_dir = run_.parent_path() / "data";
+  opt_.data_dir = fs::absolute(opt_.data_dir).lexically_normal();
+  if (recipe_.data.source == "builtin") {
+    fs::create_directories(opt_.data_dir);
+  } else if (!fs::is_directory(opt_.data_dir)) {
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "--data-dir {} is not a directory: pass the folder that holds the {} shards",
+                 opt_.data_dir.string(), recipe_.data.source);
+  }
+  dataset_ = data::resolve_dataset(recipe_, opt_.data_dir, opt_.ranks,
+                                   std::max(1u, std::thread::hardware_concurrency()));
+  log_info("data: {} {} files, {} windows of {} tokens per epoch{}", dataset_.files.size(),
+           data::format_name(dataset_.format), dataset_.windows, recipe_.model.seq_len + 1,
+           dataset_.documents_without_window
+               ? fmt::format(" ({} documents shorter than one window)",
+                             dataset_.documents_without_window)
+               : "");
 
   // /metrics binds before anything is written: a port that cannot be bound is a start-up
   // error that leaves no half-made run directory behind.
@@ -229,10 +273,6 @@ void Run::prepare() {
   control_ep_ = "ipc://" + (sock_dir_ / "control").string();
   checkpoint_ep_ = "ipc://" + (sock_dir_ / "checkpoint").string();
 
-  if (opt_.data_dir.empty()) opt_.data_dir = run_.parent_path() / "data";
-  opt_.data_dir = fs::absolute(opt_.data_dir).lexically_normal();
-  fs::create_directories(opt_.data_dir);
-
   store_ = std::make_unique<StoreServer>("127.0.0.1", 0, opt_.ranks);
 
   static_assert(recipe::kMaxBatchSlotBytes <= ipc::SlotRing::kMaxSlotBytes);
@@ -283,6 +323,16 @@ void Run::write_launch_contract() {
   f.setType(fs_type_);
   f.setDevice(fs_device_);
   f.setIsRootVolume(fs_root_);
+  data::to_spec(dataset_, l.initDataset());
+  const std::pair<const char*, fs::path> volumes[] = {
+      {"data", dataset_.files.front().path.parent_path()},
+      {"checkpoints", layout::checkpoints_dir(run_)},
+      {"logs", layout::logs_dir(run_)}};
+  auto vols = l.initVolumes(3);
+  for (unsigned i = 0; i < 3; ++i) {
+    vols[i].setRole(volumes[i].first);
+    describe_volume(volumes[i].second, vols[i].initFilesystem());
+  }
   auto argv = l.initArgv(static_cast<unsigned>(opt_.argv.size()));
   for (size_t i = 0; i < opt_.argv.size(); ++i) argv.set(static_cast<unsigned>(i), opt_.argv[i]);
   // The environment overlay: only the families that change numerics or transport, and never

@@ -17,6 +17,8 @@ struct RunOptions {
   uint32_t steps = 60;
   std::filesystem::path run_dir;     // must not exist yet, or be an empty directory
   std::filesystem::path data_dir;    // default: <run_dir>/../data
+  std::string data_source;           // overrides the recipe's [data] source when set
+  std::string data_path;             // overrides the recipe's [data] path when set
   bool require_data_volume = false;  // refuse a run directory on the root volume
   uint32_t heartbeat_interval_ms = 200;
   uint32_t ring_slots = 4;

@@ -1,5 +1,10 @@
 // megacpp-data-loader: reads token shards and keeps one batch ring per rank full.
 //
+// The files are the launch contract's `dataset`, which the supervisor resolved and validated
+// before any stage started; the loader maps them again (structure checked, tokens not
+// rescanned) and cuts every rank's batches from the one global window sequence
+// (data/sampler.h). Slots carry uint16 or uint32 tokens (recipes/batch_spec.h).
+//
 // Blocking: never blocks on one rank's full ring while another rank's ring has room; waits
 // are short sleeps that re-check for a stop. It produces exactly `steps` batches per rank
 // (slot tag = step), then idles until the supervisor stops it.
@@ -10,9 +15,10 @@
 
 #include "core/error.h"
 #include "core/util.h"
+#include "data/dataset.h"
+#include "data/sampler.h"
 #include "ipc/shm.h"
 #include "ipc/slot_ring.h"
-#include "stages/data_loader/data_loader.h"
 #include "stages/stage.h"
 
 namespace mc = megacpp;
@@ -30,16 +36,21 @@ int main(int argc, char** argv) {
         const uint32_t world = launch.getWorld();
         const uint32_t steps = launch.getSteps();
 
-        auto paths = mc::data_loader::ensure_builtin_corpus(
-            launch.getDataDir().cStr(), data.getShards(), data.getShardTokens());
-        std::vector<std::unique_ptr<mc::data_loader::Shard>> shards;
-        std::vector<std::span<const uint16_t>> spans;
-        for (const auto& p : paths) {
-          shards.push_back(std::make_unique<mc::data_loader::Shard>(p));
-          spans.push_back(shards.back()->tokens());
-        }
-        mc::data_loader::Sampler sampler(spans, model.getSeqLen(), train.getBatchSize(), world,
-                                         train.getSeed());
+        mc::recipe::DataConfig config;
+        config.source = data.getSource().cStr();
+        config.pack = data.getPack();
+        config.eos_id = data.getEosId();
+        const auto dataset = mc::data::from_spec(launch.getDataset());
+        const auto shards = mc::data::open_dataset(dataset, config);
+        std::vector<const mc::data::Shard*> views;
+        for (const auto& s : shards) views.push_back(s.get());
+        mc::data::Sampler sampler(views, {.seq_len = model.getSeqLen(),
+                                          .batch = train.getBatchSize(),
+                                          .world = world,
+                                          .token_bytes = dataset.slot_token_bytes,
+                                          .seed = train.getSeed(),
+                                          .pack = config.pack});
+        const uint64_t slot_bytes = sampler.spec().slot_bytes();
 
         std::vector<std::unique_ptr<mc::ipc::ShmRegion>> regions;
         std::vector<std::unique_ptr<mc::ipc::SlotRing>> rings;
@@ -48,11 +59,13 @@ int main(int argc, char** argv) {
               mc::ipc::ShmRegion::Attach{},
               mc::layout::ring_shm_name(launch.getShmPrefix().cStr(), r)));
           rings.push_back(std::make_unique<mc::ipc::SlotRing>(*regions.back()));
-          MEGACPP_CHECK(rings.back()->slot_bytes() >= sampler.batch_bytes(),
-                        mc::ErrorKind::kProtocol, "ring slots are smaller than one batch");
+          MEGACPP_CHECK(rings.back()->slot_bytes() >= slot_bytes, mc::ErrorKind::kProtocol,
+                        "ring slots are smaller than one batch");
         }
-        mc::log_info("{} shards, {} windows of {} tokens; {} ranks x {} steps", paths.size(),
-                     sampler.windows(), sampler.spec().row_tokens(), world, steps);
+        mc::log_info("{} {} files, {} windows of {} tokens per epoch; {} ranks x {} steps",
+                     shards.size(), mc::data::format_name(dataset.format), sampler.windows(),
+                     sampler.spec().row_tokens(), world, steps);
+        uint64_t logged_epoch = 0;
 
         // A ring's produced() count is the cursor: the next step to produce is produced() + 1.
         // A restarted loader therefore resumes exactly where the ranks' rings say it stopped.
@@ -76,8 +89,14 @@ int main(int argc, char** argv) {
             auto slot = rings[r]->try_acquire();
             if (!slot) continue;
             mc::stage::fault_point(ctx, "produce", step);
-            sampler.fill(step, r, reinterpret_cast<int64_t*>(slot->data()));
-            rings[r]->publish(static_cast<uint32_t>(sampler.batch_bytes()), step);
+            const auto bytes = sampler.fill(step, r, *slot);
+            rings[r]->publish(static_cast<uint32_t>(bytes), step);
+            const uint64_t epoch = sampler.state_at(sampler.position(step, r)).epoch;
+            if (epoch > logged_epoch) {
+              logged_epoch = epoch;
+              mc::log_info("epoch {} begins at step {} (rank {}): windows reshuffled", epoch, step,
+                           r);
+            }
             produced = true;
             ++batches;
           }

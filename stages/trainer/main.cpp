@@ -203,10 +203,10 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   const recipe::BatchSpec batch = recipe::batch_spec(model, train);
   const int64_t B = batch.batch;
   const int64_t T = batch.seq_len;  // tokens trained on per row
-  const uint64_t batch_bytes = batch.slot_bytes();
-  MEGACPP_CHECK(ring->ring->slot_bytes() >= batch_bytes, ErrorKind::kInvalidArgument,
-                fmt::format("ring slots of {} bytes cannot hold a [{}, {}] int64 batch",
-                            ring->ring->slot_bytes(), batch.shape()[0], batch.shape()[1]));
+  MEGACPP_CHECK(
+      ring->ring->slot_bytes() >= batch.slot_bytes(), ErrorKind::kInvalidArgument,
+      fmt::format("ring slots of {} bytes cannot hold a [{}, {}] batch of {}-byte tokens",
+                  ring->ring->slot_bytes(), batch.shape()[0], batch.shape()[1], batch.token_bytes));
 
   SnapshotPlane snapshots(ctx.zmq(), *ts, snapshot_options(ctx));
   bool first_forward_done = false;
@@ -228,11 +228,11 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     MEGACPP_CHECK(slot->tag == step, ErrorKind::kProtocol,
                   fmt::format("ring {}: expected the batch of step {}, got tag {} (seq {})",
                               ring_name, step, slot->tag, slot->seq));
-    MEGACPP_CHECK(slot->data.size() == batch_bytes, ErrorKind::kProtocol,
-                  fmt::format("ring {}: batch of step {} has {} bytes, expected {}", ring_name,
-                              step, slot->data.size(), batch_bytes));
-    // Zero copy: the tensor aliases the slot, which stays ours until release().
-    const at::Tensor tokens = torch::from_blob(slot->data.data(), batch.shape(), torch::kInt64);
+    // The slot's narrow tokens are widened into a tensor of our own, so the slot goes back to
+    // the loader at once (it refills while this step computes).
+    recipe::BatchHeader header;
+    const at::Tensor tokens = widen_batch(slot->data, batch, step, &header);
+    ring->ring->release();
 
     StepHooks hooks;
     hooks.on_phase = [&](Phase p) {
@@ -245,7 +245,6 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
             [&](schema::JournalRecord::Builder r) { r.initFirstForward().setSeconds(s); });
       }
     };
-    hooks.after_backward = [&] { ring->ring->release(); };
     const StepTiming timing =
         typed_errors(fmt::format("step {}", step), [&] { return ts->step(tokens, step, hooks); });
     // Wall time since the previous step ended (so it includes the previous snapshot copy):
@@ -264,6 +263,9 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       s.setForwardSeconds(timing.forward_seconds);
       s.setBackwardSeconds(timing.backward_seconds);
       s.setOptimizerSeconds(timing.optimizer_seconds);
+      s.setDataSeed(static_cast<uint32_t>(header.seed));
+      s.setDataEpoch(static_cast<double>(header.next_position / header.windows));
+      s.setDataCursor(static_cast<double>(header.next_position % header.windows));
     });
     ctx.set_step(step);
     ctx.control().publish(

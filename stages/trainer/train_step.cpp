@@ -414,4 +414,39 @@ SnapshotLayout TrainStep::copy_snapshot(std::span<std::byte> region) const {
   return layout;
 }
 
+at::Tensor widen_batch(std::span<const std::byte> slot, const recipe::BatchSpec& spec,
+                       uint64_t step, recipe::BatchHeader* header) {
+  recipe::BatchHeader h;
+  MEGACPP_CHECK(slot.size() == spec.slot_bytes(), ErrorKind::kProtocol,
+                fmt::format("batch of step {} has {} bytes, expected {}", step, slot.size(),
+                            spec.slot_bytes()));
+  std::memcpy(&h, slot.data(), sizeof h);
+  MEGACPP_CHECK(h.magic == recipe::kBatchMagic && h.token_bytes == spec.token_bytes &&
+                    h.batch == spec.batch && h.row_tokens == spec.row_tokens() && h.step == step,
+                ErrorKind::kProtocol,
+                fmt::format("batch header of step {} says magic {:#x}, {}-byte tokens, [{}, {}], "
+                            "step {}; expected {}-byte tokens, [{}, {}]",
+                            step, h.magic, h.token_bytes, h.batch, h.row_tokens, h.step,
+                            spec.token_bytes, spec.batch, spec.row_tokens()));
+  at::Tensor out = torch::empty(spec.shape(), torch::kInt64);
+  int64_t* dst = out.data_ptr<int64_t>();
+  const std::byte* src = slot.data() + sizeof h;
+  const uint64_t n = spec.slot_tokens();
+  if (spec.token_bytes == 2) {
+    for (uint64_t i = 0; i < n; ++i) {
+      uint16_t t;
+      std::memcpy(&t, src + i * 2, 2);
+      dst[i] = t;
+    }
+  } else {
+    for (uint64_t i = 0; i < n; ++i) {
+      uint32_t t;
+      std::memcpy(&t, src + i * 4, 4);
+      dst[i] = t;
+    }
+  }
+  if (header != nullptr) *header = h;
+  return out;
+}
+
 }  // namespace megacpp::trainer

@@ -38,6 +38,13 @@ using OptimConfig = recipe::OptimConfig;
 
 TrainConfig train_config(schema::TrainSpec::Reader spec);
 
+// Widens one batch slot (recipes/batch_spec.h: header, then uint16 or uint32 tokens) into a
+// fresh [batch, seq_len + 1] int64 tensor, after checking the header against `spec` and
+// `step`. The tensor owns its memory: the slot may be released as soon as this returns.
+// Throws Error{kProtocol} naming the field that does not match.
+at::Tensor widen_batch(std::span<const std::byte> slot, const recipe::BatchSpec& spec,
+                       uint64_t step, recipe::BatchHeader* header = nullptr);
+
 // The LR schedule's factor for 1-based `step` of `total_steps` (every [optim] learning rate is
 // multiplied by it): linear warmup from 0 to 1 over warmup_steps, then cosine from 1 down to
 // min_lr_ratio at total_steps.

@@ -27,6 +27,7 @@
 #include "ipc/journal.h"
 #include "ipc/shm.h"
 #include "ipc/slot_ring.h"
+#include "data/dataset.h"
 #include "recipes/recipe.h"
 #include "schemas/common.capnp.h"
 #include "supervisor/console.h"
@@ -155,6 +156,7 @@ class Run {
   RunOptions opt_;
   policy::Budgets budgets_;
   recipe::Recipe recipe_;
+  data::ResolvedDataset dataset_;
   fs::path run_;
   fs::path sock_dir_;
   bool sock_dir_private_ = false;

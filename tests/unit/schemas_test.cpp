@@ -60,7 +60,7 @@ void fill_launch(schema::LaunchContract::Builder c) {
   t.setSeed(1234);
   t.setCheckpointEvery(20);
   auto d = r.initData();
-  d.setCorpus("builtin");
+  d.setSource("builtin");
   d.setShardTokens(65536);
   d.setShards(4);
   auto fsinfo = c.initFilesystem();
@@ -121,7 +121,7 @@ TEST(SchemasJsonTest, LaunchContractRoundTrip) {
   EXPECT_EQ(std::string(c.getRecipe().getLayers()[1].cStr()), "A");
   EXPECT_EQ(c.getRecipe().getModel().getDModel(), 128u);
   EXPECT_DOUBLE_EQ(c.getRecipe().getTrain().getOptim().getMuonLr(), 3e-4);
-  EXPECT_EQ(std::string(c.getRecipe().getData().getCorpus().cStr()), "builtin");
+  EXPECT_EQ(std::string(c.getRecipe().getData().getSource().cStr()), "builtin");
   EXPECT_EQ(std::string(c.getArgv()[2].cStr()), "--recipe=tiny \"quoted\"");
   EXPECT_EQ(std::string(c.getEnv()[0].getName().cStr()), "MEGACPP_HEARTBEAT_MS");
   EXPECT_TRUE(c.getProvenance().getGitDirty());

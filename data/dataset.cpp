@@ -1,0 +1,140 @@
+#include "data/dataset.h"
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <string_view>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "data/sampler.h"
+
+namespace megacpp::data {
+
+namespace {
+
+ShardFormat format_of(const std::string& source) {
+  return source == "megatron" ? ShardFormat::kMegatron : ShardFormat::kLlmc;
+}
+
+}  // namespace
+
+ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesystem::path& data_dir,
+                                uint32_t world, unsigned threads) {
+  const auto& d = recipe.data;
+  ResolvedDataset out;
+  out.format = format_of(d.source);
+  out.slot_token_bytes = recipe::slot_token_bytes(recipe.model.vocab_size);
+  std::vector<std::filesystem::path> paths =
+      d.source == "builtin" ? ensure_builtin_corpus(data_dir, d.shards, d.shard_tokens)
+                            : find_shards(data_dir, out.format, d.path, d.split);
+
+  // Every file is opened and scanned once, in parallel; the first error in path order wins so
+  // the message does not depend on thread timing.
+  std::vector<std::unique_ptr<Shard>> shards(paths.size());
+  std::vector<std::exception_ptr> errors(paths.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < paths.size();) {
+      try {
+        shards[i] = std::make_unique<Shard>(
+            paths[i], out.format,
+            ShardCheck{.vocab_size = recipe.model.vocab_size, .checksum = true});
+        if (!d.pack && d.eos_id >= 0) shards[i]->find_documents(static_cast<uint32_t>(d.eos_id));
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    }
+  };
+  const unsigned n = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(paths.size())));
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < n; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+
+  out.width = shards.front()->width();
+  std::vector<const Shard*> views;
+  for (const auto& s : shards) {
+    if (s->width() != out.width)
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "{} holds {}-byte tokens but {} holds {}-byte tokens: one dataset has one "
+                   "token width",
+                   s->path().string(), bytes_of(s->width()), shards.front()->path().string(),
+                   bytes_of(out.width));
+    views.push_back(s.get());
+    out.files.push_back({.path = std::filesystem::absolute(s->path()).lexically_normal(),
+                         .tokens = s->tokens(),
+                         .bytes = s->file_bytes(),
+                         .documents = s->document_starts().size(),
+                         .max_token = s->max_token(),
+                         .xxh3 = s->xxh3()});
+  }
+  Sampler sampler(views, SamplerConfig{.seq_len = recipe.model.seq_len,
+                                       .batch = recipe.train.batch_size,
+                                       .world = world,
+                                       .token_bytes = out.slot_token_bytes,
+                                       .seed = recipe.train.seed,
+                                       .pack = d.pack});
+  out.windows = sampler.windows();
+  out.documents_without_window = sampler.documents_without_window();
+  return out;
+}
+
+void to_spec(const ResolvedDataset& d, schema::Dataset::Builder out) {
+  out.setFormat(format_name(d.format));
+  out.setTokenBytes(static_cast<uint32_t>(bytes_of(d.width)));
+  out.setSlotTokenBytes(d.slot_token_bytes);
+  out.setWindows(static_cast<double>(d.windows));
+  out.setDocumentsWithoutWindow(static_cast<double>(d.documents_without_window));
+  auto files = out.initFiles(static_cast<unsigned>(d.files.size()));
+  for (unsigned i = 0; i < files.size(); ++i) {
+    const auto& f = d.files[i];
+    files[i].setPath(f.path.string());
+    files[i].setTokens(static_cast<double>(f.tokens));
+    files[i].setBytes(static_cast<double>(f.bytes));
+    files[i].setDocuments(static_cast<double>(f.documents));
+    files[i].setMaxToken(f.max_token);
+    files[i].setXxh3(f.xxh3);
+  }
+}
+
+ResolvedDataset from_spec(schema::Dataset::Reader in) {
+  ResolvedDataset d;
+  d.format = std::string_view(in.getFormat().cStr()) == "megatron" ? ShardFormat::kMegatron
+                                                                   : ShardFormat::kLlmc;
+  d.width = in.getTokenBytes() == 4 ? TokenWidth::kU32 : TokenWidth::kU16;
+  d.slot_token_bytes = in.getSlotTokenBytes();
+  d.windows = static_cast<uint64_t>(in.getWindows());
+  d.documents_without_window = static_cast<uint64_t>(in.getDocumentsWithoutWindow());
+  for (auto f : in.getFiles()) {
+    d.files.push_back({.path = f.getPath().cStr(),
+                       .tokens = static_cast<uint64_t>(f.getTokens()),
+                       .bytes = static_cast<uint64_t>(f.getBytes()),
+                       .documents = static_cast<uint64_t>(f.getDocuments()),
+                       .max_token = f.getMaxToken(),
+                       .xxh3 = f.getXxh3().cStr()});
+  }
+  return d;
+}
+
+std::vector<std::unique_ptr<Shard>> open_dataset(const ResolvedDataset& dataset,
+                                                 const recipe::DataConfig& data) {
+  std::vector<std::unique_ptr<Shard>> out;
+  for (const auto& f : dataset.files) {
+    out.push_back(std::make_unique<Shard>(f.path, dataset.format));
+    if (out.back()->tokens() != f.tokens)
+      MEGACPP_FAIL(ErrorKind::kCorruption,
+                   "shard {} changed since the run started: {} tokens, the launch contract "
+                   "recorded {}",
+                   f.path.string(), out.back()->tokens(), f.tokens);
+    if (!data.pack && data.eos_id >= 0)
+      out.back()->find_documents(static_cast<uint32_t>(data.eos_id));
+  }
+  return out;
+}
+
+}  // namespace megacpp::data

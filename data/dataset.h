@@ -1,0 +1,54 @@
+// megacpp::data::resolve_dataset — the pre-flight of a run's data: which files a recipe's
+// [data] names under --data-dir, each opened and validated completely (format, size, every
+// token below the vocabulary) with its XXH3, and the window rule checked at the run's world
+// size. The supervisor runs it before it creates the run directory, so a bad shard or an
+// empty data folder ends the command with one line and nothing written.
+//
+// Blocking: reads every byte of every file once (threads across files).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "data/shards.h"
+#include "recipes/recipe.h"
+#include "schemas/launch.capnp.h"
+
+namespace megacpp::data {
+
+struct DatasetFile {
+  std::filesystem::path path;  // absolute; the token file
+  uint64_t tokens = 0;
+  uint64_t bytes = 0;
+  uint64_t documents = 0;
+  uint32_t max_token = 0;
+  std::string xxh3;
+};
+
+struct ResolvedDataset {
+  ShardFormat format = ShardFormat::kLlmc;
+  TokenWidth width = TokenWidth::kU16;  // of the files
+  uint32_t slot_token_bytes = 2;        // of the batch slots
+  uint64_t windows = 0;
+  uint64_t documents_without_window = 0;
+  std::vector<DatasetFile> files;
+};
+
+// Throws Error{kInvalidArgument} (no files, mixed token widths, the window rule) or
+// Error{kCorruption} (a bad file), one line each.
+ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesystem::path& data_dir,
+                                uint32_t world, unsigned threads);
+
+// The launch contract's form of a resolved dataset, and back.
+void to_spec(const ResolvedDataset& dataset, schema::Dataset::Builder out);
+ResolvedDataset from_spec(schema::Dataset::Reader in);
+
+// Opens the files of a resolved dataset again (the data loader: structure checked, tokens not
+// rescanned) and checks each still has the token count the pre-flight saw. For pack = false
+// llm.c files, splits them into documents at eos_id.
+std::vector<std::unique_ptr<Shard>> open_dataset(const ResolvedDataset& dataset,
+                                                 const recipe::DataConfig& data);
+
+}  // namespace megacpp::data

@@ -1,0 +1,150 @@
+#include "data/sampler.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace megacpp::data {
+
+namespace {
+
+uint64_t splitmix64(uint64_t& s) {
+  uint64_t z = (s += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Epoch e's bijection of [0, n): x -> (a x + c) mod n with a odd and coprime to n, both drawn
+// from (seed, e). Cheap, stateless and exact; it is the order the built-in corpus's golden
+// losses were recorded with.
+uint64_t permute(uint64_t seed, uint64_t epoch, uint64_t x, uint64_t n) {
+  uint64_t s = seed ^ (epoch * 0xd1b54a32d192ed03ULL);
+  uint64_t a = (splitmix64(s) % n) | 1;
+  while (std::gcd(a, n) != 1) a += 2;
+  uint64_t c = splitmix64(s) % n;
+  return static_cast<uint64_t>((static_cast<unsigned __int128>(a) * x + c) % n);
+}
+
+template <typename Dst, typename Src>
+void copy_row(Dst* dst, const Src* src, uint64_t n) {
+  if constexpr (sizeof(Dst) == sizeof(Src)) {
+    std::memcpy(dst, src, n * sizeof(Dst));
+  } else {
+    for (uint64_t i = 0; i < n; ++i) dst[i] = static_cast<Dst>(src[i]);
+  }
+}
+
+}  // namespace
+
+Sampler::Sampler(std::span<const Shard* const> shards, const SamplerConfig& config)
+    : shards_(shards.begin(), shards.end()),
+      config_(config),
+      spec_{.batch = config.batch, .seq_len = config.seq_len, .token_bytes = config.token_bytes} {
+  MEGACPP_CHECK(config.seq_len >= 1 && config.batch >= 1 && config.world >= 1,
+                ErrorKind::kInvalidArgument, "sampler needs seq_len, batch and world >= 1");
+  MEGACPP_CHECK(config.token_bytes == 2 || config.token_bytes == 4, ErrorKind::kInvalidArgument,
+                "slot tokens are 2 or 4 bytes");
+  const uint64_t T = config.seq_len;
+  auto add = [&](uint32_t shard, uint64_t begin, uint64_t end) {
+    const uint64_t w = end - begin > T ? (end - begin - 1) / T : 0;
+    if (w == 0) {
+      ++short_docs_;
+      return;
+    }
+    runs_.push_back({shard, begin, w});
+    before_.push_back(windows_);
+    windows_ += w;
+  };
+  for (uint32_t i = 0; i < shards_.size(); ++i) {
+    const Shard& s = *shards_[i];
+    if (config.pack || s.document_starts().empty()) {
+      MEGACPP_CHECK(config.pack || s.tokens() == 0, ErrorKind::kInvalidArgument,
+                    fmt::format("data.pack: {} has no document boundaries (set data.eos_id for "
+                                "llm.c shards, or pack = true)",
+                                s.path().string()));
+      const uint64_t w = s.tokens() > T ? (s.tokens() - 1) / T : 0;
+      if (w > 0) {
+        runs_.push_back({i, 0, w});
+        before_.push_back(windows_);
+        windows_ += w;
+      }
+      continue;
+    }
+    const auto starts = s.document_starts();
+    for (size_t d = 0; d < starts.size(); ++d)
+      add(i, starts[d], d + 1 < starts.size() ? starts[d + 1] : s.tokens());
+  }
+  const uint64_t global = uint64_t{config.world} * config.batch;
+  if (windows_ < global)
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "rule data.windows: the data holds {} windows of {} tokens{}, fewer than one "
+                 "global batch ({} ranks x {} rows): add data, or lower seq_len, batch_size or "
+                 "--ranks",
+                 windows_, spec_.row_tokens(),
+                 config.pack ? "" : " inside documents (pack = false)", config.world, config.batch);
+}
+
+uint64_t Sampler::position(uint32_t step, uint32_t rank) const noexcept {
+  return config_.start + ((uint64_t{step} - 1) * config_.world + rank) * uint64_t{config_.batch};
+}
+
+SamplerState Sampler::state_at(uint64_t p) const noexcept {
+  return {config_.seed, p / windows_, p % windows_};
+}
+
+SamplerState Sampler::state_after(uint32_t step) const noexcept {
+  return state_at(config_.start + uint64_t{step} * config_.world * config_.batch);
+}
+
+Sampler::Window Sampler::window_at(uint64_t p) const noexcept {
+  const uint64_t w = permute(config_.seed, p / windows_, p % windows_, windows_);
+  const size_t run = static_cast<size_t>(std::upper_bound(before_.begin(), before_.end(), w) -
+                                         before_.begin() - 1);
+  return {runs_[run].shard, runs_[run].start + (w - before_[run]) * config_.seq_len};
+}
+
+size_t Sampler::fill(uint32_t step, uint32_t rank, std::span<std::byte> slot) const {
+  MEGACPP_CHECK(step >= 1 && rank < config_.world, ErrorKind::kInvalidArgument,
+                "step is 1-based and rank < world");
+  MEGACPP_CHECK(
+      slot.size() >= spec_.slot_bytes(), ErrorKind::kInvalidArgument,
+      fmt::format("a slot of {} bytes cannot hold a batch of {}", slot.size(), spec_.slot_bytes()));
+  recipe::BatchHeader h;
+  h.token_bytes = spec_.token_bytes;
+  h.batch = spec_.batch;
+  h.row_tokens = static_cast<uint32_t>(spec_.row_tokens());
+  h.step = step;
+  h.seed = config_.seed;
+  h.windows = windows_;
+  h.position = position(step, rank);
+  h.next_position = config_.start + uint64_t{step} * config_.world * config_.batch;
+  std::memcpy(slot.data(), &h, sizeof h);
+  std::byte* out = slot.data() + sizeof h;
+  const uint64_t n = spec_.row_tokens();
+  for (uint32_t row = 0; row < spec_.batch; ++row) {
+    const Window w = window_at(h.position + row);
+    const Shard& s = *shards_[w.shard];
+    const std::byte* src = s.token_bytes() + w.start * bytes_of(s.width());
+    std::byte* dst = out + uint64_t{row} * n * spec_.token_bytes;
+    const bool src16 = s.width() == TokenWidth::kU16;
+    if (spec_.token_bytes == 2) {
+      if (src16)
+        copy_row(reinterpret_cast<uint16_t*>(dst), reinterpret_cast<const uint16_t*>(src), n);
+      else
+        copy_row(reinterpret_cast<uint16_t*>(dst), reinterpret_cast<const uint32_t*>(src), n);
+    } else {
+      if (src16)
+        copy_row(reinterpret_cast<uint32_t*>(dst), reinterpret_cast<const uint16_t*>(src), n);
+      else
+        copy_row(reinterpret_cast<uint32_t*>(dst), reinterpret_cast<const uint32_t*>(src), n);
+    }
+  }
+  return spec_.slot_bytes();
+}
+
+}  // namespace megacpp::data

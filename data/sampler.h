@@ -1,0 +1,89 @@
+// megacpp::data::Sampler — the one global sequence of training windows, and the batch slots
+// cut from it.
+//
+// A window is seq_len + 1 consecutive tokens of one shard; windows start every seq_len tokens
+// (the last target of one window is the first input of the next). With pack = true windows
+// run across document boundaries (one run per shard); with pack = false every window lies
+// inside one document, and a document shorter than one window gives none (counted).
+//
+// Order: epoch e is a seeded bijection of [0, windows) chosen by (seed, e); position p of the
+// global sequence is window perm_{p / windows}(p % windows). The global batch g takes the
+// `batch` positions from start + g * batch, and rank r of W takes the global batches
+// g = (step - 1) * W + r. So the sequence depends on the seed, the epoch and the position
+// only — not on the world size — and a run may resume at another world size where the
+// previous one stopped (state = (seed, epoch, cursor) = (seed, p / windows, p % windows)).
+//
+// Contract: immutable after construction, so fill() may run on several threads at once; the
+// shards must outlive the sampler. Construction throws Error{kInvalidArgument} naming the rule
+// "data.windows" when the shards hold fewer windows than one global batch.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "data/shards.h"
+#include "recipes/batch_spec.h"
+
+namespace megacpp::data {
+
+struct SamplerConfig {
+  uint32_t seq_len = 0;
+  uint32_t batch = 0;  // rows per rank and step
+  uint32_t world = 1;
+  uint32_t token_bytes = 2;  // slot token width (recipe::slot_token_bytes)
+  uint64_t seed = 0;
+  bool pack = true;
+  uint64_t start = 0;  // global position where step 1 begins (a resumed run's cursor)
+};
+
+struct SamplerState {
+  uint64_t seed = 0;
+  uint64_t epoch = 0;
+  uint64_t cursor = 0;  // windows of the epoch already taken
+};
+
+class Sampler {
+ public:
+  // For pack = false on llm.c shards, call Shard::find_documents first.
+  Sampler(std::span<const Shard* const> shards, const SamplerConfig& config);
+  Sampler(const Sampler&) = delete;
+  Sampler& operator=(const Sampler&) = delete;
+
+  uint64_t windows() const noexcept { return windows_; }  // per epoch
+  uint64_t documents_without_window() const noexcept { return short_docs_; }
+  const recipe::BatchSpec& spec() const noexcept { return spec_; }
+  const SamplerConfig& config() const noexcept { return config_; }
+
+  // Global position of row 0 of (step, rank); step is 1-based.
+  uint64_t position(uint32_t step, uint32_t rank) const noexcept;
+  // The state once every rank has taken `step` (step 0: before the first).
+  SamplerState state_after(uint32_t step) const noexcept;
+  SamplerState state_at(uint64_t position) const noexcept;
+  // The window at a global position: shard index and first token.
+  struct Window {
+    uint32_t shard;
+    uint64_t start;
+  };
+  Window window_at(uint64_t position) const noexcept;
+
+  // Writes the slot of (step, rank): a BatchHeader, then batch x (seq_len + 1) tokens of
+  // spec().token_bytes. `slot` must hold spec().slot_bytes(); returns the bytes written.
+  size_t fill(uint32_t step, uint32_t rank, std::span<std::byte> slot) const;
+
+ private:
+  struct Run {
+    uint32_t shard;
+    uint64_t start;    // first token of the run's first window
+    uint64_t windows;  // windows in the run
+  };
+  std::vector<const Shard*> shards_;
+  SamplerConfig config_;
+  recipe::BatchSpec spec_;
+  std::vector<Run> runs_;
+  std::vector<uint64_t> before_;  // prefix sums of runs_[i].windows
+  uint64_t windows_ = 0;
+  uint64_t short_docs_ = 0;
+};
+
+}  // namespace megacpp::data

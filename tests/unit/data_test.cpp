@@ -1,0 +1,405 @@
+// data/: the shard formats (llm.c uint16/uint32, Megatron indexed), their validation, the
+// built-in corpus, the sampler's one global window sequence, and the dataset pre-flight.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <capnp/message.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "core/error.h"
+#include "core/util.h"
+#include "data/dataset.h"
+#include "data/sampler.h"
+#include "data/shards.h"
+
+namespace mc = megacpp;
+namespace md = megacpp::data;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    path = fs::temp_directory_path() /
+           fmt::format("megacpp-data-test-{}-{}", ::getpid(), mc::mono_ns());
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+std::string bytes_of(const fs::path& p) {
+  return mc::read_file(p);
+}
+
+void patch(const fs::path& p, uint64_t offset, const void* bytes, size_t n) {
+  std::fstream f(p, std::ios::binary | std::ios::in | std::ios::out);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(static_cast<const char*>(bytes), static_cast<std::streamsize>(n));
+}
+
+// A Megatron indexed dataset (text, one sequence per document), as Megatron's writer lays it
+// out: "MMIDIDX\0\0", version, dtype code, counts, lengths, byte pointers, document indices.
+void write_megatron(const fs::path& prefix, const std::vector<std::vector<uint32_t>>& docs,
+                    uint8_t code) {
+  const size_t w = code == md::kMegatronDtypeUint16 ? 2 : 4;
+  std::string bin;
+  std::vector<int32_t> lens;
+  std::vector<int64_t> ptrs;
+  for (const auto& d : docs) {
+    ptrs.push_back(static_cast<int64_t>(bin.size()));
+    lens.push_back(static_cast<int32_t>(d.size()));
+    for (uint32_t t : d) bin.append(reinterpret_cast<const char*>(&t), w);
+  }
+  std::string idx(md::kMegatronMagic, 9);
+  auto put = [&](const auto& v) { idx.append(reinterpret_cast<const char*>(&v), sizeof v); };
+  put(uint64_t{1});
+  put(code);
+  put(uint64_t{docs.size()});
+  put(uint64_t{docs.size() + 1});
+  for (auto l : lens) put(l);
+  for (auto p : ptrs) put(p);
+  for (uint64_t i = 0; i <= docs.size(); ++i) put(static_cast<int64_t>(i));
+  mc::write_file_atomic(fs::path(prefix.string() + ".bin"), bin);
+  mc::write_file_atomic(fs::path(prefix.string() + ".idx"), idx);
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const mc::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(Corpus, DeterministicTextWithStructure) {
+  auto a = md::builtin_corpus_tokens(0, 4096);
+  auto b = md::builtin_corpus_tokens(0, 4096);
+  auto c = md::builtin_corpus_tokens(1, 4096);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+  std::set<uint16_t> distinct(a.begin(), a.end());
+  EXPECT_LT(distinct.size(), 64u);
+  for (auto t : a) EXPECT_LT(t, 128);
+}
+
+TEST(Corpus, EnsureWritesOnceAndReuses) {
+  TempDir dir;
+  auto paths = md::ensure_builtin_corpus(dir.path, 2, 10000);
+  ASSERT_EQ(paths.size(), 2u);
+  auto mtime = fs::last_write_time(paths[0]);
+  EXPECT_EQ(paths, md::ensure_builtin_corpus(dir.path, 2, 10000));
+  EXPECT_EQ(mtime, fs::last_write_time(paths[0]));
+  fs::resize_file(paths[1], 1024 + 10);  // a torn shard is rewritten
+  md::ensure_builtin_corpus(dir.path, 2, 10000);
+  EXPECT_EQ(md::Shard(paths[1], md::ShardFormat::kLlmc).tokens(), 10000u);
+}
+
+TEST(Llmc, BothVersionsRoundTripWithTheLlmcHeader) {
+  TempDir dir;
+  std::vector<uint32_t> small = {1, 2, 3, 65535, 7}, wide = {1, 70000, 3, 1u << 20};
+  md::write_llmc_shard(dir.path / "a.bin", small, md::TokenWidth::kU16);
+  md::write_llmc_shard(dir.path / "b.bin", wide, md::TokenWidth::kU32);
+  auto a = bytes_of(dir.path / "a.bin"), b = bytes_of(dir.path / "b.bin");
+  ASSERT_EQ(a.size(), 1024u + 10);
+  ASSERT_EQ(b.size(), 1024u + 16);
+  int32_t h[3];
+  std::memcpy(h, a.data(), sizeof h);
+  EXPECT_EQ(h[0], 20240520);
+  EXPECT_EQ(h[1], 1);
+  EXPECT_EQ(h[2], 5);
+  std::memcpy(h, b.data(), sizeof h);
+  EXPECT_EQ(h[0], 20240801);
+  EXPECT_EQ(h[1], 7);
+  EXPECT_EQ(h[2], 4);
+  md::Shard sa(dir.path / "a.bin", md::ShardFormat::kLlmc, {.vocab_size = 65536});
+  md::Shard sb(dir.path / "b.bin", md::ShardFormat::kLlmc, {.vocab_size = 1u << 21});
+  EXPECT_EQ(sa.width(), md::TokenWidth::kU16);
+  EXPECT_EQ(sb.width(), md::TokenWidth::kU32);
+  for (size_t i = 0; i < small.size(); ++i) EXPECT_EQ(sa.token(i), small[i]);
+  for (size_t i = 0; i < wide.size(); ++i) EXPECT_EQ(sb.token(i), wide[i]);
+  EXPECT_EQ(sa.max_token(), 65535u);
+  EXPECT_EQ(sb.max_token(), 1u << 20);
+  EXPECT_THROW(md::write_llmc_shard(dir.path / "c.bin", wide, md::TokenWidth::kU16), mc::Error);
+  EXPECT_FALSE(fs::exists(dir.path / "c.bin"));
+}
+
+TEST(Llmc, EveryBrokenRuleIsOneLineNamingFileOffsetAndRule) {
+  TempDir dir;
+  auto make = [&](const char* name) {
+    auto p = dir.path / name;
+    md::write_llmc_shard(p, std::vector<uint32_t>(100, 3), md::TokenWidth::kU16);
+    return p;
+  };
+  auto open = [&](const fs::path& p, uint64_t vocab = 0) {
+    return error_of([&] { md::Shard s(p, md::ShardFormat::kLlmc, {.vocab_size = vocab}); });
+  };
+  auto expect = [&](const std::string& msg, const fs::path& p, const char* offset,
+                    const char* rule) {
+    EXPECT_NE(msg.find(p.string()), std::string::npos) << msg;
+    EXPECT_NE(msg.find(offset), std::string::npos) << msg;
+    EXPECT_NE(msg.find(rule), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  };
+  auto magic = make("magic.bin");
+  int32_t v = 1234;
+  patch(magic, 0, &v, 4);
+  expect(open(magic), magic, "at byte 0", "magic 1234");
+  auto version = make("version.bin");
+  v = 2;
+  patch(version, 4, &v, 4);
+  expect(open(version), version, "at byte 4", "version 2");
+  auto negative = make("negative.bin");
+  v = -5;
+  patch(negative, 8, &v, 4);
+  expect(open(negative), negative, "at byte 8", "negative token count");
+  auto torn = make("torn.bin");
+  fs::resize_file(torn, 1024 + 50);
+  expect(open(torn), torn, "at byte 1074", "says 100 tokens");
+  auto longer = make("long.bin");
+  fs::resize_file(longer, 1024 + 202);
+  expect(open(longer), longer, "at byte 1224", "file has 1226 bytes");
+  std::ofstream(dir.path / "short.bin") << "short";
+  expect(open(dir.path / "short.bin"), dir.path / "short.bin", "at byte 5", "header");
+  auto vocab = dir.path / "vocab.bin";
+  md::write_llmc_shard(vocab, std::vector<uint32_t>{1, 2, 300, 4}, md::TokenWidth::kU16);
+  expect(open(vocab, 256), vocab, "at byte 1028", "token 300 at index 2");
+  EXPECT_EQ(open(vocab, 301), "");
+}
+
+TEST(Megatron, ReadsTheIndexedDatasetWithItsDocuments) {
+  TempDir dir;
+  write_megatron(dir.path / "corpus_text_document", {{5, 6, 7}, {8, 9}, {10, 11, 12, 13}},
+                 md::kMegatronDtypeUint16);
+  md::Shard s(dir.path / "corpus_text_document.idx", md::ShardFormat::kMegatron,
+              {.vocab_size = 100, .checksum = true});
+  EXPECT_EQ(s.path(), dir.path / "corpus_text_document.bin");
+  EXPECT_EQ(s.width(), md::TokenWidth::kU16);
+  ASSERT_EQ(s.tokens(), 9u);
+  EXPECT_EQ(s.token(0), 5u);
+  EXPECT_EQ(s.token(8), 13u);
+  EXPECT_EQ(std::vector<uint64_t>(s.document_starts().begin(), s.document_starts().end()),
+            (std::vector<uint64_t>{0, 3, 5}));
+  EXPECT_EQ(s.xxh3().size(), 16u);
+  write_megatron(dir.path / "wide", {{70000, 1}}, md::kMegatronDtypeInt32);
+  md::Shard w(dir.path / "wide", md::ShardFormat::kMegatron, {.vocab_size = 70001});
+  EXPECT_EQ(w.width(), md::TokenWidth::kU32);
+  EXPECT_EQ(w.token(0), 70000u);
+}
+
+TEST(Megatron, EveryBrokenRuleIsOneLineNamingFileOffsetAndRule) {
+  TempDir dir;
+  auto make = [&](const std::string& name) {
+    auto p = dir.path / name;
+    write_megatron(p, {{1, 2, 3}, {4, 5}}, md::kMegatronDtypeUint16);
+    return fs::path(p.string() + ".idx");
+  };
+  auto open = [&](const fs::path& p, uint64_t vocab = 0) {
+    return error_of([&] { md::Shard s(p, md::ShardFormat::kMegatron, {.vocab_size = vocab}); });
+  };
+  auto has = [](const std::string& msg, std::initializer_list<const char*> parts) {
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    for (const char* part : parts) EXPECT_NE(msg.find(part), std::string::npos) << msg;
+  };
+  auto magic = make("magic");
+  patch(magic, 0, "XX", 2);
+  has(open(magic), {"magic.idx", "at byte 0", "MMIDIDX"});
+  auto version = make("version");
+  uint64_t v = 2;
+  patch(version, 9, &v, 8);
+  has(open(version), {"version.idx", "at byte 9", "version 2"});
+  auto dtype = make("dtype");
+  uint8_t code = 6;
+  patch(dtype, 17, &code, 1);
+  has(open(dtype), {"dtype.idx", "at byte 17", "dtype code 6 (float64)"});
+  auto count = make("count");
+  v = uint64_t{1} << 62;  // a count that would wrap a multiplication
+  patch(count, 18, &v, 8);
+  has(open(count), {"count.idx", "at byte 18", "sequences"});
+  auto length = make("length");
+  int32_t len = -1;
+  patch(length, 34, &len, 4);
+  has(open(length), {"length.idx", "at byte 34", "length -1"});
+  auto pointer = make("pointer");
+  int64_t ptr = 2;
+  patch(pointer, 34 + 8 + 8, &ptr, 8);
+  has(open(pointer), {"pointer.idx", "at byte 50", "back-to-back"});
+  auto docs = make("docs");
+  int64_t d = 5;
+  patch(docs, 34 + 8 + 16 + 8, &d, 8);
+  has(open(docs), {"docs.idx", "at byte 66", "document index 1 is 5"});
+  auto bin = make("bin");
+  fs::resize_file(dir.path / "bin.bin", 6);
+  has(open(bin), {"bin.bin", "at byte 6", "describes 10"});
+  auto vocab = make("vocab");
+  has(open(vocab, 5), {"vocab.bin", "at byte 8", "token 5 at index 4"});
+  has(open(dir.path / "missing.idx"), {"missing.idx"});
+}
+
+TEST(FindShards, DirectoriesGlobsSplitsAndEmptyFolders) {
+  TempDir dir;
+  for (const char* n : {"fw_train_000001.bin", "fw_train_000000.bin", "fw_val_000000.bin"})
+    md::write_llmc_shard(dir.path / n, std::vector<uint32_t>{1, 2, 3}, md::TokenWidth::kU16);
+  auto train = md::find_shards(dir.path, md::ShardFormat::kLlmc, "", "train");
+  ASSERT_EQ(train.size(), 2u);
+  EXPECT_EQ(train[0].filename(), "fw_train_000000.bin");
+  auto val = md::find_shards(dir.path, md::ShardFormat::kLlmc, "fw_{split}_*.bin", "val");
+  ASSERT_EQ(val.size(), 1u);
+  fs::create_directories(dir.path / "empty");
+  auto msg = error_of([&] { md::find_shards(dir.path, md::ShardFormat::kLlmc, "empty", "train"); });
+  EXPECT_NE(msg.find("no llmc shards"), std::string::npos) << msg;
+  EXPECT_NE(msg.find((dir.path / "empty").string()), std::string::npos) << msg;
+  msg = error_of([&] { md::find_shards(dir.path, md::ShardFormat::kMegatron, "", "train"); });
+  EXPECT_NE(msg.find(".idx"), std::string::npos) << msg;
+}
+
+TEST(Sampler, OneGlobalSequenceWhateverTheWorldSize) {
+  TempDir dir;
+  auto paths = md::ensure_builtin_corpus(dir.path, 2, 20000);
+  md::Shard a(paths[0], md::ShardFormat::kLlmc), b(paths[1], md::ShardFormat::kLlmc);
+  const md::Shard* views[] = {&a, &b};
+  const uint32_t seq = 16, batch = 4;
+  md::Sampler w1(views, {.seq_len = seq, .batch = batch, .world = 1, .seed = 7});
+  md::Sampler w2(views, {.seq_len = seq, .batch = batch, .world = 2, .seed = 7});
+  md::Sampler w4(views, {.seq_len = seq, .batch = batch, .world = 4, .seed = 7});
+  const size_t bytes = w1.spec().slot_bytes();
+  EXPECT_EQ(bytes, 64 + size_t{batch} * (seq + 1) * 2);
+  auto slot = [&](const md::Sampler& s, uint32_t step, uint32_t rank) {
+    std::vector<std::byte> out(bytes);
+    s.fill(step, rank, out);
+    return std::vector<std::byte>(out.begin() + 64, out.end());
+  };
+  // Global batch g: world 1 step g+1; world 2 step g/2+1 rank g%2; world 4 likewise.
+  for (uint32_t g = 0; g < 12; ++g) {
+    auto ref = slot(w1, g + 1, 0);
+    EXPECT_EQ(ref, slot(w2, g / 2 + 1, g % 2)) << g;
+    EXPECT_EQ(ref, slot(w4, g / 4 + 1, g % 4)) << g;
+  }
+  EXPECT_NE(slot(w2, 1, 0), slot(w2, 1, 1));
+  // Within one epoch every window is used exactly once; the next epoch reshuffles.
+  std::set<uint64_t> seen;
+  const uint64_t n = w1.windows();
+  for (uint64_t p = 0; p < n; ++p) {
+    auto w = w1.window_at(p);
+    seen.insert(uint64_t{w.shard} << 40 | w.start);
+  }
+  EXPECT_EQ(seen.size(), n);
+  EXPECT_NE(w1.window_at(0).start + w1.window_at(1).start,
+            w1.window_at(n).start + w1.window_at(n + 1).start);
+  auto st = w2.state_after(10);
+  EXPECT_EQ(st.epoch * n + st.cursor, 10u * 2 * batch);
+  // A resumed sampler at another world size continues the same sequence.
+  md::Sampler resumed(views,
+                      {.seq_len = seq, .batch = batch, .world = 4, .seed = 7, .start = 8 * batch});
+  EXPECT_EQ(slot(resumed, 1, 3), slot(w1, 12, 0));
+  std::vector<std::byte> out(bytes);
+  EXPECT_THROW(w2.fill(0, 0, out), mc::Error);
+  EXPECT_THROW(w2.fill(1, 2, out), mc::Error);
+}
+
+TEST(Sampler, HeaderCarriesTheStateAndTokensTheWindows) {
+  TempDir dir;
+  std::vector<uint32_t> tokens(1000);
+  for (uint32_t i = 0; i < tokens.size(); ++i) tokens[i] = 70000 + i;
+  md::write_llmc_shard(dir.path / "w.bin", tokens, md::TokenWidth::kU32);
+  md::Shard s(dir.path / "w.bin", md::ShardFormat::kLlmc);
+  const md::Shard* views[] = {&s};
+  md::Sampler sm(views, {.seq_len = 9, .batch = 3, .world = 2, .token_bytes = 4, .seed = 1});
+  std::vector<std::byte> out(sm.spec().slot_bytes());
+  sm.fill(5, 1, out);
+  mc::recipe::BatchHeader h;
+  std::memcpy(&h, out.data(), sizeof h);
+  EXPECT_EQ(h.magic, mc::recipe::kBatchMagic);
+  EXPECT_EQ(h.token_bytes, 4u);
+  EXPECT_EQ(h.step, 5u);
+  EXPECT_EQ(h.windows, sm.windows());
+  EXPECT_EQ(h.position, (4u * 2 + 1) * 3);
+  EXPECT_EQ(h.next_position, 5u * 2 * 3);
+  for (uint32_t row = 0; row < 3; ++row) {
+    const auto w = sm.window_at(h.position + row);
+    for (uint32_t i = 0; i < 10; ++i) {
+      uint32_t t;
+      std::memcpy(&t, out.data() + 64 + (row * 10 + i) * 4, 4);
+      EXPECT_EQ(t, tokens[w.start + i]);
+    }
+  }
+}
+
+TEST(Sampler, UnpackedWindowsStayInsideDocuments) {
+  TempDir dir;
+  // Documents led by EOS 0: lengths 25, 5 (too short for a window of 11), 31.
+  std::vector<uint32_t> tokens;
+  uint32_t next = 1;
+  for (uint32_t len : {25u, 5u, 31u}) {
+    tokens.push_back(0);
+    for (uint32_t i = 1; i < len; ++i) tokens.push_back(next++ % 200 + 1);
+  }
+  md::write_llmc_shard(dir.path / "d.bin", tokens, md::TokenWidth::kU16);
+  md::Shard s(dir.path / "d.bin", md::ShardFormat::kLlmc);
+  s.find_documents(0);
+  ASSERT_EQ(s.document_starts().size(), 3u);
+  const md::Shard* views[] = {&s};
+  md::Sampler sm(views, {.seq_len = 10, .batch = 1, .world = 1, .seed = 3, .pack = false});
+  EXPECT_EQ(sm.windows(), 2u + 3u);  // (25-1)/10 + (31-1)/10
+  EXPECT_EQ(sm.documents_without_window(), 1u);
+  for (uint64_t p = 0; p < sm.windows(); ++p) {
+    const auto w = sm.window_at(p);
+    for (uint64_t i = 1; i <= 10; ++i) EXPECT_NE(s.token(w.start + i), 0u) << p;
+  }
+  auto msg = error_of(
+      [&] { md::Sampler too_big(views, {.seq_len = 10, .batch = 3, .world = 2, .pack = false}); });
+  EXPECT_NE(msg.find("rule data.windows"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("fewer than one global batch (2 ranks x 3 rows)"), std::string::npos) << msg;
+}
+
+TEST(Dataset, PreflightValidatesEveryFileAndRoundTripsTheContract) {
+  TempDir dir;
+  fs::create_directories(dir.path / "shards");
+  for (int i = 0; i < 3; ++i) {
+    std::vector<uint32_t> t(500);
+    for (uint32_t j = 0; j < t.size(); ++j) t[j] = (j * 7 + i) % 300;
+    md::write_llmc_shard(dir.path / "shards" / fmt::format("x_train_{}.bin", i), t,
+                         md::TokenWidth::kU16);
+  }
+  mc::recipe::Recipe r;
+  r.name = "t";
+  r.model.vocab_size = 300;
+  r.model.seq_len = 16;
+  r.train.batch_size = 2;
+  r.data.source = "llmc";
+  r.data.path = "shards";
+  auto d = md::resolve_dataset(r, dir.path, 2, 2);
+  ASSERT_EQ(d.files.size(), 3u);
+  EXPECT_EQ(d.windows, 3u * (499 / 16));
+  EXPECT_EQ(d.files[1].max_token, 299u);
+  EXPECT_EQ(d.files[1].xxh3.size(), 16u);
+  capnp::MallocMessageBuilder msg;
+  auto spec = msg.initRoot<mc::schema::Dataset>();
+  md::to_spec(d, spec);
+  auto back = md::from_spec(spec.asReader());
+  EXPECT_EQ(back.files.size(), 3u);
+  EXPECT_EQ(back.files[2].path, d.files[2].path);
+  EXPECT_EQ(back.windows, d.windows);
+  EXPECT_EQ(md::open_dataset(back, r.data).size(), 3u);
+  // A vocabulary smaller than the data's, an empty folder, too little data: one line each.
+  r.model.vocab_size = 299;
+  auto e = error_of([&] { md::resolve_dataset(r, dir.path, 2, 2); });
+  EXPECT_NE(e.find("token 299"), std::string::npos) << e;
+  EXPECT_NE(e.find("vocab_size 299"), std::string::npos) << e;
+  r.model.vocab_size = 300;
+  r.data.path = "nothing";
+  fs::create_directories(dir.path / "nothing");
+  e = error_of([&] { md::resolve_dataset(r, dir.path, 2, 2); });
+  EXPECT_NE(e.find("no llmc shards"), std::string::npos) << e;
+  r.data.path = "shards";
+  r.train.batch_size = 50;
+  e = error_of([&] { md::resolve_dataset(r, dir.path, 2, 2); });
+  EXPECT_NE(e.find("rule data.windows"), std::string::npos) << e;
+}
