@@ -26,6 +26,7 @@ enum class Knob : uint8_t {
   kDrainTimeoutS,
   kSnapshotResendS,
   kGlooHostname,
+  kTraceBatches,
   kTestUnkillable,
   kFault,
 };
@@ -67,6 +68,8 @@ inline constexpr std::array kKnobs{
            "a rank re-sends a pending SnapshotReady this often while it waits (survives a checkpointer restart)"},
   KnobSpec{Knob::kGlooHostname, "MEGACPP_GLOO_HOSTNAME", KnobType::kString, "127.0.0.1", false,
            "the interface Gloo's TCP transport binds"},
+  KnobSpec{Knob::kTraceBatches, "MEGACPP_TRACE_BATCHES", KnobType::kInt, "0", false,
+           "trainer ranks append their first N batches, as trained (int64 tokens, row-major), to RUN/logs/batches-<rank>.bin"},
   KnobSpec{Knob::kTestUnkillable, "MEGACPP_TEST_UNKILLABLE", KnobType::kString, "—", false,
            "test hook: the supervisor's teardown signals to this process are not sent"},
   KnobSpec{Knob::kFault, "MEGACPP_FAULT", KnobType::kString, "—", false,

@@ -205,7 +205,13 @@ void Run::prepare() {
   if (opt_.data_dir.empty()) opt_.data_dir = run_.parent_path() / "data";
   opt_.data_dir = fs::absolute(opt_.data_dir).lexically_normal();
   if (recipe_.data.source == "builtin") {
-    fs::create_directories(opt_.data_dir);
+    std::error_code ec;
+    fs::create_directories(opt_.data_dir, ec);
+    if (ec || ::access(opt_.data_dir.c_str(), W_OK) != 0)
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "data directory {} is not writable (the built-in corpus is written there): "
+                   "pass a writable --data-dir",
+                   opt_.data_dir.string());
   } else if (!fs::is_directory(opt_.data_dir)) {
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                  "--data-dir {} is not a directory: pass the folder that holds the {} shards",

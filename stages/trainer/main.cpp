@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -208,6 +209,14 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       fmt::format("ring slots of {} bytes cannot hold a [{}, {}] batch of {}-byte tokens",
                   ring->ring->slot_bytes(), batch.shape()[0], batch.shape()[1], batch.token_bytes));
 
+  // MEGACPP_TRACE_BATCHES: what this rank trained on, for tests and for a person asking
+  // which tokens a step saw.
+  const auto trace_batches = static_cast<uint64_t>(std::max<int64_t>(0, knob_int(Knob::kTraceBatches)));
+  std::ofstream trace;
+  if (trace_batches > 0)
+    trace.open(layout::logs_dir(launch.getRunDir().cStr()) / fmt::format("batches-{}.bin", rank),
+               std::ios::binary | std::ios::app);
+
   SnapshotPlane snapshots(ctx.zmq(), *ts, snapshot_options(ctx));
   bool first_forward_done = false;
   double tokens_total = 0;
@@ -233,6 +242,11 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     recipe::BatchHeader header;
     const at::Tensor tokens = widen_batch(slot->data, batch, step, &header);
     ring->ring->release();
+    if (step <= trace_batches) {
+      const auto* p = static_cast<const char*>(tokens.data_ptr());
+      trace.write(p, static_cast<std::streamsize>(tokens.nbytes()));
+      trace.flush();
+    }
 
     StepHooks hooks;
     hooks.on_phase = [&](Phase p) {

@@ -209,7 +209,11 @@ class Refusals(unittest.TestCase):
         blocker = os.path.join(self.tmp, "a-file")
         open(blocker, "w").close()
         self.refused(["run", "--run-dir", os.path.join(blocker, "run")], "not writable")
-        self.refused(["run", "--run-dir", "/proc/megacpp-run"], "not writable")
+        self.refused(["run", "--run-dir", "/proc/megacpp-run", "--data-dir", os.path.join(self.tmp, "data")],
+                     "not writable")
+        # The built-in corpus is written to --data-dir (default: beside the run directory).
+        self.refused(["run", "--run-dir", os.path.join(self.tmp, "run"), "--data-dir", "/proc/megacpp-data"],
+                     "not writable")
 
     def test_data_volume_rule(self):
         p = subprocess.run(["stat", "-c", "%d", self.tmp, "/"], capture_output=True, text=True).stdout.split()
