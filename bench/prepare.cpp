@@ -10,6 +10,7 @@
 #include <chrono>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -46,6 +47,26 @@ struct Scratch {
   fs::path path;
 };
 
+// What 2 threads of pure compute get on this machine now, against 1 (a shared machine can give
+// less than 2x): the ceiling for the scaling figures below.
+double compute_scaling() {
+  auto spin = [](unsigned threads) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; ++t) {
+      pool.emplace_back([] {
+        volatile uint64_t x = 0;
+        for (uint64_t i = 0; i < 400'000'000; ++i) x = x + i;
+      });
+    }
+    for (auto& t : pool) t.join();
+    return threads / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  const double one = spin(1);
+  const double two = spin(2);
+  return two / one;
+}
+
 pp::PrepareResult run(const pp::PrepareConfig& base, unsigned threads, const fs::path& out) {
   pp::PrepareConfig c = base;
   c.threads = threads;
@@ -68,6 +89,8 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "bench_prepare: no input tree (pass --input DIR)\n");
     return 2;
   }
+  fmt::print("machine: 2 threads of pure compute run {:.2f}x the work of 1 (the scaling ceiling)\n",
+             compute_scaling());
   Scratch scratch;
   pp::PrepareConfig base;
   base.inputs = {input};
