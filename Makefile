@@ -52,6 +52,7 @@ format-check:
 bench: build
 	@$(BUILD)/bin/bench_pipeline_overhead
 	@$(BUILD)/bin/bench_optimizer
+	@$(BUILD)/bin/bench_prepare
 
 bench-failure: build
 	@.venv/bin/python bench/failure_detection.py

@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "core/util.h"
+#include "prepare/prepare.h"
 #include "recipes/recipe.h"
 #include "schemas/run_layout.h"
 #include "stages/checkpointer/checkpointer.h"
@@ -147,6 +148,38 @@ int main(int argc, char** argv) {
       app.add_subcommand("verify", "Verify a checkpoint directory (or a run's LATEST checkpoint)");
   verify_cmd->add_option("path", verify_path, "Checkpoint directory or run directory")->required();
 
+  mc::prepare::PrepareConfig pc;
+  std::string pc_tokenizer, pc_model_type = "bpe", pc_progress = "auto";
+  fs::path pc_stage_to;
+  bool pc_byte_level = false;
+  auto* prep = app.add_subcommand(
+      "prepare", "Tokenize files or folders of UTF-8 text into llm.c shards and dataset.json");
+  prep->add_option("inputs", pc.inputs, "Files or folders of UTF-8 text (folders are recursed)")
+      ->required();
+  prep->add_option("--out", pc.out_dir, "Dataset directory to write (new or empty)")->required();
+  auto* prep_tok = prep->add_option("--tokenizer", pc_tokenizer,
+                                    "Tokenize with this SentencePiece .model (EOS = its eos_id)");
+  auto* prep_vocab = prep->add_option("--vocab-size", pc.vocab_size,
+                                      "Train a SentencePiece tokenizer of this vocabulary size");
+  prep->add_option("--model-type", pc_model_type, "SentencePiece model to train: bpe | unigram")
+      ->check(CLI::IsMember({"bpe", "unigram"}))
+      ->needs(prep_vocab)
+      ->capture_default_str();
+  auto* prep_byte = prep->add_flag("--byte-level", pc_byte_level,
+                                   "Byte-level tokens: ids 0..255, EOS 256 (the default)");
+  prep_tok->excludes(prep_vocab)->excludes(prep_byte);
+  prep_vocab->excludes(prep_byte);
+  prep->add_option("--threads", pc.threads, "Tokenizing threads (default: hardware threads)");
+  prep->add_option("--shard-tokens", pc.shard_tokens, "Tokens per shard")->capture_default_str();
+  prep->add_option("--val-every", pc.val_every,
+                   "Every K-th document goes to the val split (0: no val split)")
+      ->capture_default_str();
+  prep->add_option("--stage-to", pc_stage_to,
+                   "Then copy the dataset to this (hot) directory, verifying every file");
+  prep->add_option("--progress", pc_progress, "Progress on stderr: auto | tty | plain | none")
+      ->check(CLI::IsMember({"auto", "tty", "plain", "none"}))
+      ->capture_default_str();
+
   auto* stress = app.add_subcommand("stress-optimizer",
                                     "Run the distributed-optimizer stress harness "
                                     "(megacpp-stress-optimizer; its --help lists the options)");
@@ -157,7 +190,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version exit 0; every usage error is 2, as README.md promises.
+    return app.exit(e) == 0 ? 0 : 2;
   }
 
   try {
@@ -182,6 +216,24 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*verify_cmd) return verify(verify_path);
+    if (*prep) {
+      namespace pp = mc::prepare;
+      if (*prep_tok) {
+        pc.tokenizer = pp::TokenizerMode::kLoad;
+        pc.tokenizer_model = pc_tokenizer;
+      } else if (*prep_vocab) {
+        pc.tokenizer = pp::TokenizerMode::kTrain;
+        pc.model_type = pc_model_type == "unigram" ? pp::ModelType::kUnigram : pp::ModelType::kBpe;
+      }
+      if (!pc_stage_to.empty()) pc.stage_to = pc_stage_to;
+      pc.progress = pc_progress == "tty"     ? pp::ProgressMode::kTty
+                    : pc_progress == "plain" ? pp::ProgressMode::kPlain
+                    : pc_progress == "none"  ? pp::ProgressMode::kNone
+                                             : pp::ProgressMode::kAuto;
+      mc::set_log_prefix("prepare");
+      fmt::print("{}\n", pp::summary_line(pp::prepare(pc)));
+      return 0;
+    }
     if (*stress) {
       // The harness links torch and forks Gloo ranks: it is its own executable next to this one.
       auto exe = fs::read_symlink("/proc/self/exe").parent_path() / "megacpp-stress-optimizer";
