@@ -9,7 +9,7 @@ STEPS      ?= 60
 RANKS      ?= 2
 CTEST_ARGS ?=
 
-.PHONY: all setup configure build run test test-unit test-sanitize chaos format format-check bench bench-failure clean
+.PHONY: all setup configure build run run-cpp test test-unit test-sanitize chaos format format-check bench bench-failure clean
 
 all: build
 
@@ -25,6 +25,12 @@ build: configure
 
 run: build
 	@$(BUILD)/bin/megacpp run tiny --ranks $(RANKS) --steps $(STEPS) --run-dir $(RUN_DIR)
+
+# cpp-tiny on real text: the C++ standard library headers, tokenized once by `megacpp prepare`
+# into runs/data/cpp (reused while its dataset.json exists), then trained on.
+run-cpp: build
+	@test -f runs/data/cpp/dataset.json || $(BUILD)/bin/megacpp prepare /usr/include/c++ --out runs/data/cpp
+	@$(BUILD)/bin/megacpp run cpp-tiny --ranks $(RANKS) --steps $(STEPS) --run-dir $(RUN_DIR) --data-dir runs/data
 
 # Every test: format check, the full build's ctest (unit, integration, e2e, the bounded chaos
 # sample), and an ASan+UBSan build of the torch-free libraries with their unit tests.

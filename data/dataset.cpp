@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <optional>
 #include <string_view>
 #include <thread>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "data/dataset_manifest.h"
 #include "data/sampler.h"
 
 namespace megacpp::data {
@@ -30,6 +32,25 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesys
   std::vector<std::filesystem::path> paths =
       d.source == "builtin" ? ensure_builtin_corpus(data_dir, d.shards, d.shard_tokens)
                             : find_shards(data_dir, out.format, d.path, d.split);
+  out.eos_id = d.eos_id;
+  std::optional<DatasetManifest> manifest;
+  const auto dir = paths.front().parent_path();
+  if (d.source == "llmc" && std::filesystem::exists(dir / kDatasetManifestName)) {
+    manifest = read_dataset_manifest(dir);
+    out.manifest = (dir / kDatasetManifestName).string();
+    out.tokenizer = manifest->tokenizer.kind;
+    if (manifest->vocab_size > recipe.model.vocab_size)
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "recipe {} has model.vocab_size {} but the dataset's tokenizer ({}) has {} ids "
+                   "({}): raise vocab_size to at least {}",
+                   recipe.name, recipe.model.vocab_size, manifest->tokenizer.kind,
+                   manifest->vocab_size, out.manifest, manifest->vocab_size);
+    if (out.eos_id < 0) out.eos_id = manifest->eos_id;
+  }
+  if (!d.pack && out.eos_id < 0 && out.format == ShardFormat::kLlmc)
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "data.eos_id: pack = false on llm.c shards needs the end-of-text id that starts "
+                 "each document");
 
   // Every file is opened and scanned once, in parallel; the first error in path order wins so
   // the message does not depend on thread timing.
@@ -42,7 +63,8 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesys
         shards[i] = std::make_unique<Shard>(
             paths[i], out.format,
             ShardCheck{.vocab_size = recipe.model.vocab_size, .checksum = true});
-        if (!d.pack && d.eos_id >= 0) shards[i]->find_documents(static_cast<uint32_t>(d.eos_id));
+        if (!d.pack && out.eos_id >= 0)
+          shards[i]->find_documents(static_cast<uint32_t>(out.eos_id));
       } catch (...) {
         errors[i] = std::current_exception();
       }
@@ -55,6 +77,20 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesys
   for (auto& t : pool) t.join();
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
+  if (manifest) {
+    for (const auto& s : shards) {
+      const auto name = s->path().filename().string();
+      for (const auto& entry : manifest->shards) {
+        if (entry.file != name) continue;
+        if (entry.bytes != s->file_bytes() || entry.xxh3 != s->xxh3())
+          MEGACPP_FAIL(ErrorKind::kCorruption,
+                       "shard {} does not match {} ({} bytes, XXH3 {}; the manifest records {} "
+                       "bytes, XXH3 {}): it changed after `megacpp prepare`; prepare it again",
+                       s->path().string(), out.manifest, s->file_bytes(), s->xxh3(), entry.bytes,
+                       entry.xxh3);
+      }
+    }
+  }
 
   out.width = shards.front()->width();
   std::vector<const Shard*> views;
@@ -90,6 +126,10 @@ void to_spec(const ResolvedDataset& d, schema::Dataset::Builder out) {
   out.setSlotTokenBytes(d.slot_token_bytes);
   out.setWindows(static_cast<double>(d.windows));
   out.setDocumentsWithoutWindow(static_cast<double>(d.documents_without_window));
+  out.setEosId(d.eos_id);
+  out.setManifest(d.manifest);
+  out.setTokenizer(d.tokenizer);
+  out.setStagedFrom(d.staged_from);
   auto files = out.initFiles(static_cast<unsigned>(d.files.size()));
   for (unsigned i = 0; i < files.size(); ++i) {
     const auto& f = d.files[i];
@@ -110,6 +150,10 @@ ResolvedDataset from_spec(schema::Dataset::Reader in) {
   d.slot_token_bytes = in.getSlotTokenBytes();
   d.windows = static_cast<uint64_t>(in.getWindows());
   d.documents_without_window = static_cast<uint64_t>(in.getDocumentsWithoutWindow());
+  d.eos_id = in.getEosId();
+  d.manifest = in.getManifest().cStr();
+  d.tokenizer = in.getTokenizer().cStr();
+  d.staged_from = in.getStagedFrom().cStr();
   for (auto f : in.getFiles()) {
     d.files.push_back({.path = f.getPath().cStr(),
                        .tokens = static_cast<uint64_t>(f.getTokens()),
@@ -121,8 +165,7 @@ ResolvedDataset from_spec(schema::Dataset::Reader in) {
   return d;
 }
 
-std::vector<std::unique_ptr<Shard>> open_dataset(const ResolvedDataset& dataset,
-                                                 const recipe::DataConfig& data) {
+std::vector<std::unique_ptr<Shard>> open_dataset(const ResolvedDataset& dataset, bool pack) {
   std::vector<std::unique_ptr<Shard>> out;
   for (const auto& f : dataset.files) {
     out.push_back(std::make_unique<Shard>(f.path, dataset.format));
@@ -131,8 +174,8 @@ std::vector<std::unique_ptr<Shard>> open_dataset(const ResolvedDataset& dataset,
                    "shard {} changed since the run started: {} tokens, the launch contract "
                    "recorded {}",
                    f.path.string(), out.back()->tokens(), f.tokens);
-    if (!data.pack && data.eos_id >= 0)
-      out.back()->find_documents(static_cast<uint32_t>(data.eos_id));
+    if (!pack && dataset.eos_id >= 0)
+      out.back()->find_documents(static_cast<uint32_t>(dataset.eos_id));
   }
   return out;
 }

@@ -33,11 +33,18 @@ struct ResolvedDataset {
   uint32_t slot_token_bytes = 2;        // of the batch slots
   uint64_t windows = 0;
   uint64_t documents_without_window = 0;
+  int64_t eos_id = -1;      // the recipe's, else the dataset manifest's; -1 = none
+  std::string manifest;     // the dataset.json beside the files (`megacpp prepare`), if any
+  std::string tokenizer;    // its tokenizer kind
+  std::string staged_from;  // --stage-data: the directory the files were copied from
   std::vector<DatasetFile> files;
 };
 
-// Throws Error{kInvalidArgument} (no files, mixed token widths, the window rule) or
-// Error{kCorruption} (a bad file), one line each.
+// When the files' directory holds a dataset.json (data/dataset_manifest.h), it is read and
+// held to: the recipe's vocab_size must cover the tokenizer's, every listed file must have
+// the size and XXH3 the manifest records, and its EOS id is used when the recipe sets none.
+// Throws Error{kInvalidArgument} (no files, mixed token widths, the window rule, a vocabulary
+// smaller than the data's) or Error{kCorruption} (a bad file), one line each.
 ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesystem::path& data_dir,
                                 uint32_t world, unsigned threads);
 
@@ -47,8 +54,7 @@ ResolvedDataset from_spec(schema::Dataset::Reader in);
 
 // Opens the files of a resolved dataset again (the data loader: structure checked, tokens not
 // rescanned) and checks each still has the token count the pre-flight saw. For pack = false
-// llm.c files, splits them into documents at eos_id.
-std::vector<std::unique_ptr<Shard>> open_dataset(const ResolvedDataset& dataset,
-                                                 const recipe::DataConfig& data);
+// llm.c files, splits them into documents at the dataset's eos_id.
+std::vector<std::unique_ptr<Shard>> open_dataset(const ResolvedDataset& dataset, bool pack);
 
 }  // namespace megacpp::data

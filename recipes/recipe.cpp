@@ -164,8 +164,6 @@ void Recipe::validate() const {
     rule(uint64_t{data.shard_tokens} > batch.row_tokens(), "data.shard_tokens",
          "must exceed model.seq_len + 1");
   }
-  rule(builtin || data.pack || data.source == "megatron" || data.eos_id >= 0, "data.eos_id",
-       "pack = false on llm.c shards needs the end-of-text id that starts each document");
 }
 
 std::filesystem::path resolve(const std::string& name_or_path,

@@ -70,6 +70,9 @@ struct Dataset {
   documentsWithoutWindow @4 :Float64;  # pack = false: documents shorter than one window
   files @5 :List(DataFile);
   stagedFrom @6 :Text;          # --stage-data: the volume the files were copied from
+  eosId @7 :Int64;              # the recipe's, else the dataset manifest's; -1: none
+  manifest @8 :Text;            # the dataset.json beside the files, if any
+  tokenizer @9 :Text;           # its tokenizer kind
 }
 
 # Where each kind of durable output of the run lives (seed 004's storage policy).

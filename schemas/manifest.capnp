@@ -108,6 +108,10 @@ struct StepPoint {
   loss @1 :Float64;             # mean over ranks
   stepSeconds @2 :Float64;      # max over ranks
   waitSeconds @3 :Float64;      # max over ranks
+  # The sampler state after the step (data/sampler.h): the global window sequence resumes at
+  # epoch x windows + cursor. An epoch boundary shows as dataEpoch rising.
+  dataEpoch @4 :Float64;
+  dataCursor @5 :Float64;
 }
 
 struct BenchTelemetry {

@@ -88,6 +88,9 @@ int main(int argc, char** argv) {
   run->add_option("--data-path", ro.data_path,
                   "Override the recipe's [data] path: shard directory or glob, relative to "
                   "--data-dir");
+  run->add_option("--stage-data", ro.stage_data,
+                  "Copy the dataset (a `megacpp prepare` directory) to this local directory, "
+                  "verifying checksums and reusing unchanged files, and train from there");
   run->add_flag("--require-data-volume", ro.require_data_volume,
                 "Refuse a run directory on the root volume (rule data-volume)");
   run->add_option("--heartbeat-ms", ro.heartbeat_interval_ms, "Heartbeat interval of every stage")

@@ -18,6 +18,7 @@
 
 #include "core/error.h"
 #include "core/util.h"
+#include "data/dataset_manifest.h"
 #include "ipc/channel.h"
 #include "ipc/journal.h"
 #include "ipc/shm.h"
@@ -217,14 +218,27 @@ void Run::prepare() {
                  "--data-dir {} is not a directory: pass the folder that holds the {} shards",
                  opt_.data_dir.string(), recipe_.data.source);
   }
-  dataset_ = data::resolve_dataset(recipe_, opt_.data_dir, opt_.ranks,
-                                   std::max(1u, std::thread::hardware_concurrency()));
-  log_info("data: {} {} files, {} windows of {} tokens per epoch{}", dataset_.files.size(),
-           data::format_name(dataset_.format), dataset_.windows, recipe_.model.seq_len + 1,
-           dataset_.documents_without_window
-               ? fmt::format(" ({} documents shorter than one window)",
-                             dataset_.documents_without_window)
-               : "");
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  if (opt_.stage_data.empty()) {
+    dataset_ = data::resolve_dataset(recipe_, opt_.data_dir, opt_.ranks, threads);
+  } else {
+    fs::path src = recipe_.data.path.empty() ? opt_.data_dir : fs::path(recipe_.data.path);
+    if (src.is_relative()) src = opt_.data_dir / src;
+    src = fs::absolute(src).lexically_normal();
+    if (recipe_.data.source != "llmc" || !fs::exists(src / data::kDatasetManifestName))
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "--stage-data copies a `megacpp prepare` dataset (a directory with {}); {} "
+                   "({} shards) has none: drop --stage-data or prepare the data",
+                   data::kDatasetManifestName, src.string(), recipe_.data.source);
+    const fs::path hot = fs::absolute(opt_.stage_data).lexically_normal();
+    const auto report = data::stage_dataset(src, hot);
+    log_info("staged {} to {}: {} files copied ({:.1f} MB), {} unchanged files reused",
+             src.string(), hot.string(), report.copied, report.bytes_copied / 1e6, report.reused);
+    recipe::Recipe local = recipe_;
+    local.data.path.clear();
+    dataset_ = data::resolve_dataset(local, hot, opt_.ranks, threads);
+    dataset_.staged_from = src.string();
+  }
 
   // /metrics binds before anything is written: a port that cannot be bound is a start-up
   // error that leaves no half-made run directory behind.
@@ -252,6 +266,12 @@ void Run::prepare() {
     MEGACPP_FAIL(ErrorKind::kInvalidArgument, "run directory {} is not writable: {}", run_.string(),
                  ec.message());
   }
+  log_info("data: {} {} files, {} windows of {} tokens per epoch{}", dataset_.files.size(),
+           data::format_name(dataset_.format), dataset_.windows, recipe_.model.seq_len + 1,
+           dataset_.documents_without_window
+               ? fmt::format(" ({} documents shorter than one window)",
+                             dataset_.documents_without_window)
+               : "");
   for (const auto& d :
        {layout::journal_dir(run_), layout::receipts_dir(run_), layout::failures_dir(run_),
         layout::checkpoints_dir(run_), layout::logs_dir(run_)}) {

@@ -15,10 +15,13 @@ struct RunOptions {
   std::string recipe = "tiny";  // a name in recipes/ or a path to a .toml
   uint32_t ranks = 2;
   uint32_t steps = 60;
-  std::filesystem::path run_dir;     // must not exist yet, or be an empty directory
-  std::filesystem::path data_dir;    // default: <run_dir>/../data
-  std::string data_source;           // overrides the recipe's [data] source when set
-  std::string data_path;             // overrides the recipe's [data] path when set
+  std::filesystem::path run_dir;   // must not exist yet, or be an empty directory
+  std::filesystem::path data_dir;  // default: <run_dir>/../data
+  std::string data_source;         // overrides the recipe's [data] source when set
+  std::string data_path;           // overrides the recipe's [data] path when set
+  // A local hot directory: the dataset (`megacpp prepare` output on a slow or network volume)
+  // is copied there, verified against its dataset.json, and read from there.
+  std::filesystem::path stage_data;
   bool require_data_volume = false;  // refuse a run directory on the root volume
   uint32_t heartbeat_interval_ms = 200;
   uint32_t ring_slots = 4;

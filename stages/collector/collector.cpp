@@ -88,6 +88,8 @@ struct StepData {
   double step_seconds = 0;
   double wait_seconds = 0;
   int64_t wall_ns = 0;
+  double data_epoch = 0;  // the sampler state after the step (schema StepRecord)
+  double data_cursor = 0;
 };
 
 struct JournalFile {
@@ -176,7 +178,8 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       self.last_step = std::max(self.last_step, s.getStep());
       if (stage == StageKind::TRAINER) {
         steps[rank][s.getStep()] =
-            StepData{s.getLoss(), s.getTokens(), s.getStepSeconds(), s.getWaitSeconds(), wall};
+            StepData{s.getLoss(), s.getTokens(),    s.getStepSeconds(), s.getWaitSeconds(),
+                     wall,        s.getDataEpoch(), s.getDataCursor()};
       }
       break;
     }
@@ -507,6 +510,7 @@ void Collector::render() {
       uint32_t ranks = 0;
       double step_max = 0;
       double wait_max = 0;
+      double data_epoch = 0, data_cursor = 0;  // every rank reports the same global state
     };
     std::map<uint32_t, Point> points;
     double tokens = 0;
@@ -518,6 +522,8 @@ void Collector::render() {
         p.ranks += 1;
         p.step_max = std::max(p.step_max, d.step_seconds);
         p.wait_max = std::max(p.wait_max, d.wait_seconds);
+        p.data_epoch = d.data_epoch;
+        p.data_cursor = d.data_cursor;
         tokens += d.tokens;
         const int64_t start = d.wall_ns - static_cast<int64_t>(std::llround(d.step_seconds * 1e9));
         if (!first_start || start < *first_start) first_start = start;
@@ -569,6 +575,8 @@ void Collector::render() {
       sp.setLoss(p.loss_sum / p.ranks);
       sp.setStepSeconds(p.step_max);
       sp.setWaitSeconds(p.wait_max);
+      sp.setDataEpoch(p.data_epoch);
+      sp.setDataCursor(p.data_cursor);
     }
     auto ff = t.initFirstForwardSeconds(s.world);
     for (uint32_t rank = 0; rank < s.world; ++rank) {

@@ -36,12 +36,9 @@ int main(int argc, char** argv) {
         const uint32_t world = launch.getWorld();
         const uint32_t steps = launch.getSteps();
 
-        mc::recipe::DataConfig config;
-        config.source = data.getSource().cStr();
-        config.pack = data.getPack();
-        config.eos_id = data.getEosId();
+        const bool pack = data.getPack();
         const auto dataset = mc::data::from_spec(launch.getDataset());
-        const auto shards = mc::data::open_dataset(dataset, config);
+        const auto shards = mc::data::open_dataset(dataset, pack);
         std::vector<const mc::data::Shard*> views;
         for (const auto& s : shards) views.push_back(s.get());
         mc::data::Sampler sampler(views, {.seq_len = model.getSeqLen(),
@@ -49,7 +46,7 @@ int main(int argc, char** argv) {
                                           .world = world,
                                           .token_bytes = dataset.slot_token_bytes,
                                           .seed = train.getSeed(),
-                                          .pack = config.pack});
+                                          .pack = pack});
         const uint64_t slot_bytes = sampler.spec().slot_bytes();
 
         std::vector<std::unique_ptr<mc::ipc::ShmRegion>> regions;

@@ -231,7 +231,7 @@ class Refusals(unittest.TestCase):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def refuse(self, recipe_path, *needles, ranks=2):
-        before = tree(self.data)
+        before = tree(self.data)  # [] for a directory that does not exist
         run_dir = os.path.join(self.tmp, "run")
         p = run(["run", recipe_path, "--ranks", str(ranks), "--steps", "2", "--run-dir", run_dir,
                  "--data-dir", self.data])
@@ -291,6 +291,11 @@ class Refusals(unittest.TestCase):
     def test_unknown_data_key(self):
         write_llmc(os.path.join(self.data, "a_train.bin"), np.arange(2000) % 500)
         self.refuse(self.llmc_recipe(extra="shuffle = true"), "data.shuffle", "unknown key")
+
+    def test_unwritable_data_dir_for_the_builtin_corpus(self):
+        self.data = "/proc/megacpp-data"  # the built-in corpus is written to --data-dir
+        self.refuse(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes",
+                                 "tiny.toml"), "/proc/megacpp-data", "not writable")
 
     def test_unpacked_llmc_without_eos(self):
         write_llmc(os.path.join(self.data, "a_train.bin"), np.arange(2000) % 500)

@@ -387,7 +387,7 @@ TEST(Dataset, PreflightValidatesEveryFileAndRoundTripsTheContract) {
   EXPECT_EQ(back.files.size(), 3u);
   EXPECT_EQ(back.files[2].path, d.files[2].path);
   EXPECT_EQ(back.windows, d.windows);
-  EXPECT_EQ(md::open_dataset(back, r.data).size(), 3u);
+  EXPECT_EQ(md::open_dataset(back, r.data.pack).size(), 3u);
   // A vocabulary smaller than the data's, an empty folder, too little data: one line each.
   r.model.vocab_size = 299;
   auto e = error_of([&] { md::resolve_dataset(r, dir.path, 2, 2); });
