@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -211,7 +211,8 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
 
   // MEGACPP_TRACE_BATCHES: what this rank trained on, for tests and for a person asking
   // which tokens a step saw.
-  const auto trace_batches = static_cast<uint64_t>(std::max<int64_t>(0, knob_int(Knob::kTraceBatches)));
+  const auto trace_batches =
+      static_cast<uint64_t>(std::max<int64_t>(0, knob_int(Knob::kTraceBatches)));
   std::ofstream trace;
   if (trace_batches > 0)
     trace.open(layout::logs_dir(launch.getRunDir().cStr()) / fmt::format("batches-{}.bin", rank),

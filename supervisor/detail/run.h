@@ -23,11 +23,11 @@
 #include <vector>
 
 #include "core/knobs.h"
+#include "data/dataset.h"
 #include "ipc/channel.h"
 #include "ipc/journal.h"
 #include "ipc/shm.h"
 #include "ipc/slot_ring.h"
-#include "data/dataset.h"
 #include "recipes/recipe.h"
 #include "schemas/common.capnp.h"
 #include "supervisor/console.h"
