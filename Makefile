@@ -35,7 +35,7 @@ test: build format-check
 	@$(MAKE) --no-print-directory test-sanitize
 
 # The sanitizer build is clang's: ASan+UBSan on the torch-free libraries, and the libFuzzer
-# targets of tests/fuzz (MEGACPP_FUZZ).
+# targets of tests/fuzz.
 build-sanitize: setup
 	@if [ -f $(BUILD_SAN)/CMakeCache.txt ] && \
 	  ! grep -q '^CMAKE_CXX_COMPILER:[A-Z]*=.*clang++$$' $(BUILD_SAN)/CMakeCache.txt; then \
