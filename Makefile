@@ -8,8 +8,9 @@ RUN_DIR    ?= runs/run-$(shell date +%Y%m%d-%H%M%S)
 STEPS      ?= 60
 RANKS      ?= 2
 CTEST_ARGS ?=
+MEGACPP_FUZZ_SECONDS ?= 300
 
-.PHONY: all setup configure build run run-cpp test test-unit test-sanitize chaos format format-check bench bench-failure clean
+.PHONY: all setup configure build run run-cpp test test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-failure clean
 
 all: build
 
@@ -33,17 +34,34 @@ run-cpp: build
 	@$(BUILD)/bin/megacpp run cpp-tiny --ranks $(RANKS) --steps $(STEPS) --run-dir $(RUN_DIR) --data-dir runs/data
 
 # Every test: format check, the full build's ctest (unit, integration, e2e, the bounded chaos
-# sample), and an ASan+UBSan build of the torch-free libraries with their unit tests.
+# sample), and an ASan+UBSan build of the torch-free libraries with their unit tests and a
+# 10 s run of each fuzz target.
 test: build format-check
 	@ctest --test-dir $(BUILD) --output-on-failure -j 2 -LE full $(CTEST_ARGS)
 	@$(MAKE) --no-print-directory test-sanitize
 
-test-sanitize: setup
+# The sanitizer build is clang's: ASan+UBSan on the torch-free libraries, and the libFuzzer
+# targets of tests/fuzz.
+build-sanitize: setup
+	@if [ -f $(BUILD_SAN)/CMakeCache.txt ] && \
+	  ! grep -q '^CMAKE_CXX_COMPILER:[A-Z]*=.*clang++$$' $(BUILD_SAN)/CMakeCache.txt; then \
+	  echo "$(BUILD_SAN) was built by another compiler: removing it for the clang build"; \
+	  rm -rf $(BUILD_SAN); fi
 	@cmake -S . -B $(BUILD_SAN) -G Ninja -DMEGACPP_WERROR=$(WERROR) -DMEGACPP_WITH_TORCH=OFF \
 	  -DMEGACPP_BUILD_BENCH=OFF -DMEGACPP_SANITIZE=address,undefined -DCMAKE_BUILD_TYPE=Debug \
+	  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DMEGACPP_FUZZ=ON \
+	  -DMEGACPP_FUZZ_SECONDS=$(MEGACPP_FUZZ_SECONDS) \
 	  > $(BUILD_SAN).configure.log 2>&1 || (cat $(BUILD_SAN).configure.log; exit 1)
 	@cmake --build $(BUILD_SAN) -j $(JOBS)
+
+test-sanitize: build-sanitize
 	@ASAN_OPTIONS=detect_leaks=1 ctest --test-dir $(BUILD_SAN) --output-on-failure -j 2 -L unit
+
+# Each fuzz target for MEGACPP_FUZZ_SECONDS (300) from the committed seeds plus what earlier
+# runs found (kept under $(BUILD_SAN)); a crash leaves its input in
+# $(BUILD_SAN)/tests/fuzz/artifacts/.
+fuzz: build-sanitize
+	@ctest --test-dir $(BUILD_SAN) --output-on-failure -V -j 2 -L '^fuzz$$'
 
 # Every chaos case (kill -9 of each stage kind, SIGSTOP, exceptions, a killed supervisor).
 chaos: build

@@ -84,7 +84,7 @@ class FakeRun {
   void supervisor_start() {
     rec(StageKind::SUPERVISOR, 0, 0, [](auto r) { r.setProcessStarted(); });
     for (auto [stage, rank] : children()) {
-      rec(StageKind::SUPERVISOR, 0, 1, [&](auto r) {
+      rec(StageKind::SUPERVISOR, 0, 1, [&, stage = stage, rank = rank](auto r) {
         auto c = r.initChildStarted();
         c.setStage(stage);
         c.setRank(rank);

@@ -111,8 +111,9 @@ TEST(Recipe, ZeroAndOverflowingDimensionsAreRefused) {
             std::string::npos);
 }
 
-// A batch slot is batch_size * (seq_len + 1) int64 tokens. 65536 x 65537 wraps in 32 bits to
-// 65536 tokens (a 512 KiB slot for a 32 GiB batch); the ring's slot size is 32-bit.
+// A batch slot is a 64-byte header, then batch_size * (seq_len + 1) tokens of 2 bytes (this
+// vocabulary fits uint16). 65536 x 65537 wraps in 32 bits to 65536 tokens (a 128 KiB slot for
+// an 8 GiB batch); the ring's slot size is 32-bit.
 TEST(Recipe, BatchSlotLargerThanTheRingCanHoldIsRefused) {
   std::string big =
       with(with(kBase, "seq_len = 32", "seq_len = 65536"), "batch_size = 2", "batch_size = 65536");
@@ -122,11 +123,11 @@ TEST(Recipe, BatchSlotLargerThanTheRingCanHoldIsRefused) {
   EXPECT_NE(msg.find("model.seq_len"), std::string::npos) << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
   auto ok = mc::recipe::parse(kBase, "x.toml");
-  EXPECT_EQ(mc::recipe::batch_spec(ok).slot_bytes(), uint64_t{2} * 33 * 8);
+  EXPECT_EQ(mc::recipe::batch_spec(ok).slot_bytes(), 64 + uint64_t{2} * 33 * 2);
   mc::recipe::Recipe r = ok;
   r.train.batch_size = 65536;
   r.model.seq_len = 65536;
-  EXPECT_EQ(mc::recipe::batch_spec(r).slot_bytes(), uint64_t{65536} * 65537 * 8);
+  EXPECT_EQ(mc::recipe::batch_spec(r).slot_bytes(), 64 + uint64_t{65536} * 65537 * 2);
 }
 
 TEST(Recipe, ResolveByNameAndPath) {

@@ -86,6 +86,20 @@ void fill_launch(schema::LaunchContract::Builder c) {
   c.setSupervisorPid(4242);
   c.setSupervisorStartTicks(123456);
   c.setMetricsEndpoint("http://127.0.0.1:9464/metrics");
+  auto ds = c.initDataset();
+  ds.setFormat("llmc");
+  ds.setTokenBytes(2);
+  ds.setSlotTokenBytes(2);
+  ds.setWindows(1000);
+  auto file = ds.initFiles(1)[0];
+  file.setPath("/data/shards/train_000000.bin");
+  file.setTokens(65536);
+  file.setBytes(132096);
+  file.setMaxToken(255);
+  file.setXxh3("0123456789abcdef");
+  auto volume = c.initVolumes(1)[0];
+  volume.setRole("data");
+  volume.initFilesystem().setPath("/data");
 }
 
 // Offsets of `"name":` for each top-level field, in schema order; -1 when absent. Top-level
