@@ -9,7 +9,8 @@
 //   2. sampler fill alone: the same N slots filled by data::Sampler::fill into the same slot
 //      memory, one thread, no ring protocol (what the loader's own CPU time buys);
 //   3. loader -> rings: the data loader's loop (stages/data_loader/main.cpp: round-robin over
-//      the ranks' rings, try_acquire, fill, publish, a 200 us nap when no ring has room) into
+//      the ranks' rings, try_acquire, fill, publish, its IdleNap when no ring has room, its
+//      timer slack of 1 us; --legacy-wait: the fixed 200 us nap it had before) into
 //      real ipc::SlotRings in real ipc::ShmRegions, one per rank, drained by one forked
 //      consumer process per rank that attaches the region by name as a trainer does, peeks
 //      (the trainer's wait: SlotRing::peek), widens the slot to int64 (widen_batch's loop,
@@ -34,6 +35,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -65,6 +67,7 @@
 #include "ipc/slot_ring.h"
 #include "recipes/batch_spec.h"
 #include "recipes/recipe.h"
+#include "stages/data_loader/idle_nap.h"
 
 namespace mc = megacpp;
 namespace md = megacpp::data;
@@ -92,6 +95,7 @@ struct Options {
   std::string peer_script = (kSourceRoot / "bench/peers/dataloader_peer.py").string();
   std::string recipe = "tiny";
   uint64_t seed = 1234;
+  bool legacy_wait = false;
 };
 
 int64_t mono() {
@@ -263,15 +267,17 @@ struct LoopResult {
   uint64_t naps = 0;
 };
 
-// stages/data_loader/main.cpp's produce loop, until `seconds` have passed, with the publish
-// time stamped into the header; then every ring gets an end marker (tag 0).
-LoopResult loader_loop(const md::Sampler& sampler, Rings& r, double seconds) {
+// stages/data_loader/main.cpp's produce loop (without its control-plane calls), until `seconds`
+// have passed, with the publish time stamped into the header; then every ring gets an end marker
+// (tag 0).
+LoopResult loader_loop(const md::Sampler& sampler, Rings& r, double seconds, bool legacy_wait) {
   LoopResult out;
   const uint32_t world = static_cast<uint32_t>(r.rings.size());
   const int64_t t0 = mono();
   const int64_t deadline = t0 + static_cast<int64_t>(seconds * 1e9);
   int64_t fill_ns = 0, nap_ns = 0;
   uint64_t logged_epoch = 0;
+  megacpp::data_loader::IdleNap idle;
   for (;;) {
     if (mono() >= deadline) break;
     bool produced = false;
@@ -291,9 +297,14 @@ LoopResult loader_loop(const md::Sampler& sampler, Rings& r, double seconds) {
       produced = true;
       ++out.batches;
     }
-    if (!produced) {
+    if (produced) {
+      idle.reset();
+    } else {
       const int64_t a = mono();
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      if (legacy_wait)
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      else
+        idle.wait();
       nap_ns += mono() - a;
       ++out.naps;
     }
@@ -317,7 +328,8 @@ struct PipelineResult {
 };
 
 PipelineResult run_pipeline(const md::Sampler& sampler, uint32_t ranks, uint32_t depth,
-                            double seconds, uint32_t slow_rank_nap_us, const std::string& tag) {
+                            double seconds, uint32_t slow_rank_nap_us, bool legacy_wait,
+                            const std::string& tag) {
   const auto& spec = sampler.spec();
   Rings r = make_rings(ranks, depth, spec.slot_bytes(), tag);
   const size_t stats_bytes = sizeof(RankStats) * ranks;
@@ -335,7 +347,11 @@ PipelineResult run_pipeline(const md::Sampler& sampler, uint32_t ranks, uint32_t
     pids.push_back(pid);
   }
   PipelineResult out;
-  out.loop = loader_loop(sampler, r, seconds);
+  // The loader lowers its timer slack (stages/data_loader/main.cpp); the consumers, forked
+  // before, keep the default, as trainers do.
+  if (!legacy_wait) ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  out.loop = loader_loop(sampler, r, seconds, legacy_wait);
+  ::prctl(PR_SET_TIMERSLACK, 0UL, 0, 0, 0);  // back to the default
   for (pid_t pid : pids) {
     int status = 0;
     ::waitpid(pid, &status, 0);
@@ -583,6 +599,8 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->capture_default_str();
   app.add_flag("!--no-peer", o.peer, "skip the torch DataLoader peer");
+  app.add_flag("--legacy-wait", o.legacy_wait,
+               "the loader's wait before IdleNap: a fixed 200 us nap, default timer slack");
   app.add_option("--peer-python", o.peer_python, "python with torch and numpy")
       ->capture_default_str();
   app.add_option("--peer-script", o.peer_script, "the peer")->capture_default_str();
@@ -629,8 +647,9 @@ int main(int argc, char** argv) {
                                   .token_bytes = 2,
                                   .seed = o.seed});
       s.bound = fill_and_memcpy(sampler, views, o.ranks, o.depth, o.alone_seconds);
-      s.pipe = run_pipeline(sampler, o.ranks, o.depth, o.seconds, 0, "pipe");
-      s.slow = run_pipeline(sampler, o.ranks, o.depth, o.throttle_seconds, o.throttle_us, "slow");
+      s.pipe = run_pipeline(sampler, o.ranks, o.depth, o.seconds, 0, o.legacy_wait, "pipe");
+      s.slow = run_pipeline(sampler, o.ranks, o.depth, o.throttle_seconds, o.throttle_us,
+                            o.legacy_wait, "slow");
     }
     json peer;
     bool have_peer = false;
