@@ -77,6 +77,7 @@ bench: build
 	@$(BUILD)/bin/bench_pipeline_overhead
 	@$(BUILD)/bin/bench_optimizer
 	@$(BUILD)/bin/bench_prepare
+	@$(BUILD)/bin/bench_data_loader
 
 bench-failure: build
 	@.venv/bin/python bench/failure_detection.py

@@ -22,12 +22,66 @@ uint64_t splitmix64(uint64_t& s) {
 // Epoch e's bijection of [0, n): x -> (a x + c) mod n with a odd and coprime to n, both drawn
 // from (seed, e). Cheap, stateless and exact; it is the order the built-in corpus's golden
 // losses were recorded with.
-uint64_t permute(uint64_t seed, uint64_t epoch, uint64_t x, uint64_t n) {
+struct Affine {
+  uint64_t a;
+  uint64_t c;
+};
+Affine epoch_affine(uint64_t seed, uint64_t epoch, uint64_t n) {
   uint64_t s = seed ^ (epoch * 0xd1b54a32d192ed03ULL);
   uint64_t a = (splitmix64(s) % n) | 1;
   while (std::gcd(a, n) != 1) a += 2;
   uint64_t c = splitmix64(s) % n;
+  return {a, c};
+}
+uint64_t permute(uint64_t seed, uint64_t epoch, uint64_t x, uint64_t n) {
+  const auto [a, c] = epoch_affine(seed, epoch, n);
   return static_cast<uint64_t>((static_cast<unsigned __int128>(a) * x + c) % n);
+}
+
+// Consecutive positions through the global sequence: within an epoch perm(x + 1) = perm(x) +
+// a (mod n), so stepping costs an add and a compare; the epoch's (a, c) is drawn once per
+// epoch instead of once per row. Gives exactly permute()'s windows.
+class Walk {
+ public:
+  Walk(uint64_t seed, uint64_t n, uint64_t position)
+      : seed_(seed), n_(n), epoch_(position / n), x_(position % n) {
+    start_epoch();
+  }
+  uint64_t window() const noexcept { return w_; }
+  void next() {
+    if (++x_ == n_) {
+      ++epoch_;
+      x_ = 0;
+      start_epoch();
+      return;
+    }
+    w_ += step_;
+    if (w_ >= n_) w_ -= n_;
+  }
+
+ private:
+  void start_epoch() {
+    const auto [a, c] = epoch_affine(seed_, epoch_, n_);
+    step_ = a % n_;
+    w_ = static_cast<uint64_t>((static_cast<unsigned __int128>(a) * x_ + c) % n_);
+  }
+  uint64_t seed_, n_, epoch_, x_;
+  uint64_t step_ = 0, w_ = 0;
+};
+
+// Rows are read from random places of the shards: each row's first touch misses the caches
+// and often the TLB. Touching rows kAhead rows before they are copied lets those misses
+// overlap instead of following one another. At most kPrefetchLines of a row's head are
+// touched, and its last line (so a row that crosses a page gets its second page walked early);
+// the hardware prefetcher streams the rest of a long row.
+constexpr uint32_t kAhead = 8;
+constexpr uint64_t kPrefetchLines = 4;
+inline void prefetch_row(const std::byte* p, uint64_t bytes) {
+  const auto first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+  const auto last = (reinterpret_cast<uintptr_t>(p) + bytes - 1) & ~uintptr_t{63};
+  for (uint64_t i = 0; i < kPrefetchLines && first + i * 64 <= last; ++i)
+    __builtin_prefetch(reinterpret_cast<const void*>(first + i * 64));
+  __builtin_prefetch(reinterpret_cast<const void*>(last));
 }
 
 template <typename Dst, typename Src>
@@ -126,22 +180,40 @@ size_t Sampler::fill(uint32_t step, uint32_t rank, std::span<std::byte> slot) co
   std::memcpy(slot.data(), &h, sizeof h);
   std::byte* out = slot.data() + sizeof h;
   const uint64_t n = spec_.row_tokens();
-  for (uint32_t row = 0; row < spec_.batch; ++row) {
-    const Window w = window_at(h.position + row);
-    const Shard& s = *shards_[w.shard];
-    const std::byte* src = s.token_bytes() + w.start * bytes_of(s.width());
+  // Sources of the next kAhead rows, located (and prefetched) ahead of their copy.
+  struct Source {
+    const std::byte* p;
+    bool src16;
+  };
+  Source ahead[kAhead];
+  Walk walk(config_.seed, windows_, h.position);
+  auto locate = [&]() -> Source {
+    const uint64_t w = walk.window();
+    walk.next();
+    const size_t run = static_cast<size_t>(std::upper_bound(before_.begin(), before_.end(), w) -
+                                           before_.begin() - 1);
+    const Shard& s = *shards_[runs_[run].shard];
+    const uint64_t start = runs_[run].start + (w - before_[run]) * config_.seq_len;
+    const Source src{s.token_bytes() + start * bytes_of(s.width()), s.width() == TokenWidth::kU16};
+    prefetch_row(src.p, n * bytes_of(s.width()));
+    return src;
+  };
+  const uint32_t batch = spec_.batch;
+  for (uint32_t row = 0; row < std::min(batch, kAhead); ++row) ahead[row] = locate();
+  for (uint32_t row = 0; row < batch; ++row) {
+    const Source src = ahead[row % kAhead];
+    if (row + kAhead < batch) ahead[row % kAhead] = locate();
     std::byte* dst = out + uint64_t{row} * n * spec_.token_bytes;
-    const bool src16 = s.width() == TokenWidth::kU16;
     if (spec_.token_bytes == 2) {
-      if (src16)
-        copy_row(reinterpret_cast<uint16_t*>(dst), reinterpret_cast<const uint16_t*>(src), n);
+      if (src.src16)
+        copy_row(reinterpret_cast<uint16_t*>(dst), reinterpret_cast<const uint16_t*>(src.p), n);
       else
-        copy_row(reinterpret_cast<uint16_t*>(dst), reinterpret_cast<const uint32_t*>(src), n);
+        copy_row(reinterpret_cast<uint16_t*>(dst), reinterpret_cast<const uint32_t*>(src.p), n);
     } else {
-      if (src16)
-        copy_row(reinterpret_cast<uint32_t*>(dst), reinterpret_cast<const uint16_t*>(src), n);
+      if (src.src16)
+        copy_row(reinterpret_cast<uint32_t*>(dst), reinterpret_cast<const uint16_t*>(src.p), n);
       else
-        copy_row(reinterpret_cast<uint32_t*>(dst), reinterpret_cast<const uint32_t*>(src), n);
+        copy_row(reinterpret_cast<uint32_t*>(dst), reinterpret_cast<const uint32_t*>(src.p), n);
     }
   }
   return spec_.slot_bytes();

@@ -6,8 +6,13 @@
 // (data/sampler.h). Slots carry uint16 or uint32 tokens (recipes/batch_spec.h).
 //
 // Blocking: never blocks on one rank's full ring while another rank's ring has room; waits
-// are short sleeps that re-check for a stop. It produces exactly `steps` batches per rank
-// (slot tag = step), then idles until the supervisor stops it.
+// are short sleeps that re-check for a stop (IdleNap: 10 us doubling to 200 us while no ring
+// has room, so a fast trainer's freed slot is refilled soon and busy trainers cost almost no
+// CPU; the loader's timer slack is lowered to 1 us so those naps last what they ask). It
+// produces exactly `steps` batches per rank (slot tag = step), then idles until the
+// supervisor stops it.
+#include <sys/prctl.h>
+
 #include <chrono>
 #include <memory>
 #include <thread>
@@ -19,6 +24,7 @@
 #include "data/sampler.h"
 #include "ipc/shm.h"
 #include "ipc/slot_ring.h"
+#include "stages/data_loader/idle_nap.h"
 #include "stages/stage.h"
 
 namespace mc = megacpp;
@@ -73,6 +79,8 @@ int main(int argc, char** argv) {
         // none had room (nothing owed). A fill that never returns leaves the stamp to age, and
         // the supervisor restarts the loader on its stall budget.
         uint64_t batches = 0;
+        mc::data_loader::IdleNap idle;
+        ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // best effort: naps of 10 us, not 60
         ctx.set_phase(mc::schema::Phase::PRODUCE);
         for (;;) {
           if (ctx.stop_requested()) return;
@@ -100,7 +108,10 @@ int main(int argc, char** argv) {
           ctx.set_step(min_next - 1);
           ctx.control().report_progress(batches);
           if (done) break;
-          if (!produced) std::this_thread::sleep_for(std::chrono::microseconds(200));
+          if (produced)
+            idle.reset();
+          else
+            idle.wait();
         }
         ctx.set_phase(mc::schema::Phase::IDLE);
         while (!ctx.stop_requested()) {

@@ -359,6 +359,76 @@ TEST(Sampler, UnpackedWindowsStayInsideDocuments) {
   EXPECT_NE(msg.find("fewer than one global batch (2 ranks x 3 rows)"), std::string::npos) << msg;
 }
 
+// fill() is the window order's contract (the golden losses were recorded with it): every row of
+// every slot is the window window_at() names, across epoch boundaries, both slot widths, mixed
+// shard widths, packed and unpacked; and the bytes are pinned by digests of what fill wrote when
+// this test was added, so a faster fill must write the very same slots.
+TEST(Sampler, FillIsTheWindowSequenceBitForBit) {
+  TempDir dir;
+  std::vector<uint32_t> a(1500), b(1100);
+  uint32_t x = 12345;
+  for (auto* v : {&a, &b})
+    for (size_t i = 0; i < v->size(); ++i) {
+      x = x * 1103515245u + 12345u;
+      (*v)[i] = i % 37 == 0 ? 0 : (x >> 8) % 60000 + 1;  // EOS 0 every 37 tokens
+    }
+  md::write_llmc_shard(dir.path / "a.bin", a, md::TokenWidth::kU16);
+  md::write_llmc_shard(dir.path / "b.bin", b, md::TokenWidth::kU32);
+  md::Shard sa(dir.path / "a.bin", md::ShardFormat::kLlmc);
+  md::Shard sb(dir.path / "b.bin", md::ShardFormat::kLlmc);
+  const md::Shard* views[] = {&sa, &sb};
+  struct Case {
+    md::SamplerConfig config;
+    uint32_t steps;
+    const char* digest;
+  };
+  const Case cases[] = {
+      {{.seq_len = 7, .batch = 5, .world = 3, .token_bytes = 2, .seed = 11},
+       80,
+       "4c785df3b0e4fa08"},
+      {{.seq_len = 13, .batch = 4, .world = 2, .token_bytes = 4, .seed = 5, .start = 37},
+       60,
+       "5c78bd4aba41a02c"},
+      {{.seq_len = 5, .batch = 3, .world = 2, .token_bytes = 2, .seed = 9, .pack = false},
+       90,
+       "29f1b07b7ec055ea"},
+      {{.seq_len = 64, .batch = 16, .world = 2, .token_bytes = 2, .seed = 1234},
+       30,
+       "23da8177dccb3db1"},
+  };
+  for (size_t k = 0; k < std::size(cases); ++k) {
+    const Case& c = cases[k];
+    if (!c.config.pack) {
+      sa.find_documents(0);
+      sb.find_documents(0);
+    }
+    md::Sampler sm(views, c.config);
+    const uint64_t row = sm.spec().row_tokens();
+    std::string all;
+    std::vector<std::byte> slot(sm.spec().slot_bytes());
+    uint64_t epochs = 0;
+    for (uint32_t step = 1; step <= c.steps; ++step)
+      for (uint32_t rank = 0; rank < c.config.world; ++rank) {
+        sm.fill(step, rank, slot);
+        const uint64_t pos = sm.position(step, rank);
+        epochs = std::max(epochs, (pos + c.config.batch) / sm.windows());
+        for (uint32_t r = 0; r < c.config.batch; ++r) {
+          const auto w = sm.window_at(pos + r);
+          const md::Shard& s = *views[w.shard];
+          for (uint64_t i = 0; i < row; ++i) {
+            uint32_t t = 0;
+            std::memcpy(&t, slot.data() + 64 + (r * row + i) * c.config.token_bytes,
+                        c.config.token_bytes);
+            ASSERT_EQ(t, s.token(w.start + i)) << k << " step " << step << " rank " << rank;
+          }
+        }
+        all.append(reinterpret_cast<const char*>(slot.data()), slot.size());
+      }
+    EXPECT_GE(epochs, 1u) << k << ": the case must cross an epoch boundary";
+    EXPECT_EQ(mc::xxh3_hex(all), c.digest) << k;
+  }
+}
+
 TEST(Dataset, PreflightValidatesEveryFileAndRoundTripsTheContract) {
   TempDir dir;
   fs::create_directories(dir.path / "shards");
