@@ -212,6 +212,7 @@ Rings make_rings(uint32_t ranks, uint32_t depth, uint64_t slot_bytes, const std:
 [[noreturn]] void consume(const std::string& name, const mc::recipe::BatchSpec& spec,
                           uint32_t nap_us, RankStats* st) {
   try {
+    ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // as a trainer rank does (its wait_batch)
     mc::ipc::ShmRegion region(mc::ipc::ShmRegion::Attach{}, name);
     mc::ipc::SlotRing ring(region);
     std::vector<int64_t> wide(spec.slot_tokens());
@@ -347,8 +348,8 @@ PipelineResult run_pipeline(const md::Sampler& sampler, uint32_t ranks, uint32_t
     pids.push_back(pid);
   }
   PipelineResult out;
-  // The loader lowers its timer slack (stages/data_loader/main.cpp); the consumers, forked
-  // before, keep the default, as trainers do.
+  // The loader lowers its timer slack (stages/data_loader/main.cpp), and so do the consumers,
+  // as trainer ranks do.
   if (!legacy_wait) ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   out.loop = loader_loop(sampler, r, seconds, legacy_wait);
   ::prctl(PR_SET_TIMERSLACK, 0UL, 0, 0, 0);  // back to the default

@@ -67,8 +67,11 @@ inline void cpu_relax() {
 #endif
 }
 
-// Spin briefly (the peer is usually mid-operation), then sleep 20us doubling to 500us so an
-// idle wait costs almost no CPU; returns the last attempt's result once `timeout` expires.
+// Spin briefly (the peer is usually mid-operation), then sleep 20us doubling to 50us: an idle
+// wait costs a few percent of a core, and a consumer waiting on its producer holds the slot
+// within ~50us of publication (the batch plane's handoff bound; bench_data_loader measures it;
+// the waiting process should lower its timer slack, or Linux adds 50us to every nap). Returns
+// the last attempt's result once `timeout` expires.
 template <typename F>
 auto wait_for(F&& attempt, Millis timeout) -> decltype(attempt()) {
   if (auto r = attempt()) return r;
@@ -85,7 +88,7 @@ auto wait_for(F&& attempt, Millis timeout) -> decltype(attempt()) {
     auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now);
     std::this_thread::sleep_for(std::min(nap, left + std::chrono::microseconds(1)));
     if (auto r = attempt()) return r;
-    nap = std::min(nap * 2, std::chrono::microseconds(500));
+    nap = std::min(nap * 2, std::chrono::microseconds(50));
   }
 }
 

@@ -1,6 +1,7 @@
 // megacpp-trainer: one trainer rank. Joins the Gloo group, trains on the batches its data
 // loader publishes into the rank's shm ring, journals every step, and hands snapshots to
 // the checkpointer through a leased staging region (DESIGN.md "Decisions": snapshot ownership).
+#include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -217,6 +218,10 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   if (trace_batches > 0)
     trace.open(layout::logs_dir(launch.getRunDir().cStr()) / fmt::format("batches-{}.bin", rank),
                std::ios::binary | std::ios::app);
+
+  // The ring's wait naps 20-50 us; Linux's default timer slack would add 50 us to each, and
+  // the batch's handoff is the time this rank is idle. Best effort.
+  ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
 
   SnapshotPlane snapshots(ctx.zmq(), *ts, snapshot_options(ctx));
   bool first_forward_done = false;
