@@ -1,8 +1,12 @@
 #include "data/dataset.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <fstream>
+#include <map>
 #include <optional>
 #include <string_view>
 #include <thread>
@@ -10,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/util.h"
 #include "data/dataset_manifest.h"
 #include "data/sampler.h"
 
@@ -19,6 +24,45 @@ namespace {
 
 ShardFormat format_of(const std::string& source) {
   return source == "megatron" ? ShardFormat::kMegatron : ShardFormat::kLlmc;
+}
+
+// The check cache: one line per file that passed a full scan, "<identity> <xxh3> <max token>",
+// where the identity is the file's name, size, mtime (ns) and inode. A file whose identity
+// is unchanged is not rescanned: its checksum and largest token are taken from the line.
+// The cache is a convenience, never an authority for bytes: the loader still checks each
+// file's structure and token count, and `--stage-data` copies are verified by XXH3.
+std::string identity_of(const std::filesystem::path& p) {
+  struct stat st {};
+  if (::stat(p.c_str(), &st) != 0) return {};
+  return fmt::format("{}/{}/{}/{}", p.filename().string(), st.st_size,
+                     int64_t{st.st_mtim.tv_sec} * 1'000'000'000 + st.st_mtim.tv_nsec, st.st_ino);
+}
+
+struct CachedCheck {
+  std::string xxh3;
+  uint32_t max_token = 0;
+};
+
+std::map<std::string, CachedCheck> read_check_cache(const std::filesystem::path& dir) {
+  std::map<std::string, CachedCheck> out;
+  std::ifstream in(dir / kCheckCacheName);
+  std::string id, hash;
+  uint32_t max = 0;
+  while (in >> id >> hash >> max) {
+    if (hash.size() == 16) out[id] = {hash, max};
+  }
+  return out;
+}
+
+// Best effort: a read-only data volume keeps no cache.
+void write_check_cache(const std::filesystem::path& dir, const std::string& text,
+                       const std::string& before) {
+  if (text == before) return;
+  try {
+    write_file_atomic(dir / kCheckCacheName, text);
+  } catch (const Error& e) {
+    log_info("no shard check cache in {}: {}", dir.string(), e.what());
+  }
 }
 
 }  // namespace
@@ -56,13 +100,32 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesys
   // the message does not depend on thread timing.
   std::vector<std::unique_ptr<Shard>> shards(paths.size());
   std::vector<std::exception_ptr> errors(paths.size());
-  std::atomic<size_t> next{0};
+  std::vector<CachedCheck> checks(paths.size());
+  std::vector<std::string> ids(paths.size());
+  const auto cache = read_check_cache(dir);
+  std::string cache_before;
+  for (const auto& [id, c] : cache)
+    cache_before += fmt::format("{} {} {}\n", id, c.xxh3, c.max_token);
+  std::atomic<size_t> next{0}, scanned{0};
   auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < paths.size();) {
       try {
-        shards[i] = std::make_unique<Shard>(
-            paths[i], out.format,
-            ShardCheck{.vocab_size = recipe.model.vocab_size, .checksum = true});
+        // Megatron's tokens are in the .bin; its identity covers the .idx too (both names).
+        auto token_file = paths[i];
+        if (out.format == ShardFormat::kMegatron) token_file.replace_extension(".bin");
+        ids[i] = identity_of(token_file);
+        if (out.format == ShardFormat::kMegatron) ids[i] += "+" + identity_of(paths[i]);
+        auto hit = cache.find(ids[i]);
+        if (hit != cache.end() && hit->second.max_token < recipe.model.vocab_size) {
+          shards[i] = std::make_unique<Shard>(paths[i], out.format);
+          checks[i] = hit->second;
+        } else {
+          shards[i] = std::make_unique<Shard>(
+              paths[i], out.format,
+              ShardCheck{.vocab_size = recipe.model.vocab_size, .checksum = true});
+          checks[i] = {shards[i]->xxh3(), shards[i]->max_token()};
+          scanned.fetch_add(1);
+        }
         if (!d.pack && out.eos_id >= 0)
           shards[i]->find_documents(static_cast<uint32_t>(out.eos_id));
       } catch (...) {
@@ -82,11 +145,12 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesys
       const auto name = s->path().filename().string();
       for (const auto& entry : manifest->shards) {
         if (entry.file != name) continue;
-        if (entry.bytes != s->file_bytes() || entry.xxh3 != s->xxh3())
+        const auto& hash = checks[static_cast<size_t>(&s - shards.data())].xxh3;
+        if (entry.bytes != s->file_bytes() || entry.xxh3 != hash)
           MEGACPP_FAIL(ErrorKind::kCorruption,
                        "shard {} does not match {} ({} bytes, XXH3 {}; the manifest records {} "
                        "bytes, XXH3 {}): it changed after `megacpp prepare`; prepare it again",
-                       s->path().string(), out.manifest, s->file_bytes(), s->xxh3(), entry.bytes,
+                       s->path().string(), out.manifest, s->file_bytes(), hash, entry.bytes,
                        entry.xxh3);
       }
     }
@@ -94,7 +158,8 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesys
 
   out.width = shards.front()->width();
   std::vector<const Shard*> views;
-  for (const auto& s : shards) {
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& s = shards[i];
     if (s->width() != out.width)
       MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                    "{} holds {}-byte tokens but {} holds {}-byte tokens: one dataset has one "
@@ -106,8 +171,8 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesys
                          .tokens = s->tokens(),
                          .bytes = s->file_bytes(),
                          .documents = s->document_starts().size(),
-                         .max_token = s->max_token(),
-                         .xxh3 = s->xxh3()});
+                         .max_token = checks[i].max_token,
+                         .xxh3 = checks[i].xxh3});
   }
   Sampler sampler(views, SamplerConfig{.seq_len = recipe.model.seq_len,
                                        .batch = recipe.train.batch_size,
@@ -117,6 +182,16 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesys
                                        .pack = d.pack});
   out.windows = sampler.windows();
   out.documents_without_window = sampler.documents_without_window();
+  out.files_scanned = scanned.load();
+  // Written only now, when every rule has passed: a refused run leaves the data untouched.
+  if (d.source != "builtin") {
+    auto merged = cache;
+    for (size_t i = 0; i < ids.size(); ++i)
+      if (!ids[i].empty()) merged[ids[i]] = checks[i];
+    std::string text;
+    for (const auto& [id, c] : merged) text += fmt::format("{} {} {}\n", id, c.xxh3, c.max_token);
+    write_check_cache(dir, text, cache_before);
+  }
   return out;
 }
 

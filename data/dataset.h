@@ -4,7 +4,9 @@
 // size. The supervisor runs it before it creates the run directory, so a bad shard or an
 // empty data folder ends the command with one line and nothing written.
 //
-// Blocking: reads every byte of every file once (threads across files).
+// Blocking: reads every byte of every file once (threads across files), except files whose
+// name, size, mtime and inode match a line of the check cache beside them
+// (kCheckCacheName, written after a pre-flight that passed; skipped on a read-only volume).
 #pragma once
 
 #include <cstdint>
@@ -17,6 +19,10 @@
 #include "schemas/launch.capnp.h"
 
 namespace megacpp::data {
+
+// The check cache beside the files (dataset.cpp): a file whose name, size, mtime and inode are
+// unchanged since it last passed is not rescanned.
+inline constexpr const char* kCheckCacheName = ".megacpp-shard-checks";
 
 struct DatasetFile {
   std::filesystem::path path;  // absolute; the token file
@@ -33,10 +39,11 @@ struct ResolvedDataset {
   uint32_t slot_token_bytes = 2;        // of the batch slots
   uint64_t windows = 0;
   uint64_t documents_without_window = 0;
-  int64_t eos_id = -1;      // the recipe's, else the dataset manifest's; -1 = none
-  std::string manifest;     // the dataset.json beside the files (`megacpp prepare`), if any
-  std::string tokenizer;    // its tokenizer kind
-  std::string staged_from;  // --stage-data: the directory the files were copied from
+  int64_t eos_id = -1;         // the recipe's, else the dataset manifest's; -1 = none
+  std::string manifest;        // the dataset.json beside the files (`megacpp prepare`), if any
+  std::string tokenizer;       // its tokenizer kind
+  std::string staged_from;     // --stage-data: the directory the files were copied from
+  uint64_t files_scanned = 0;  // files read in full this time (the others: the check cache)
   std::vector<DatasetFile> files;
 };
 

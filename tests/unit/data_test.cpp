@@ -473,3 +473,38 @@ TEST(Dataset, PreflightValidatesEveryFileAndRoundTripsTheContract) {
   e = error_of([&] { md::resolve_dataset(r, dir.path, 2, 2); });
   EXPECT_NE(e.find("rule data.windows"), std::string::npos) << e;
 }
+
+TEST(Dataset, ChecksAreCachedUntilAFileChanges) {
+  TempDir dir;
+  fs::create_directories(dir.path / "s");
+  for (int i = 0; i < 2; ++i)
+    md::write_llmc_shard(dir.path / "s" / fmt::format("a_train_{}.bin", i),
+                         std::vector<uint32_t>(400, 7 + i), md::TokenWidth::kU16);
+  mc::recipe::Recipe r;
+  r.name = "t";
+  r.model.vocab_size = 300;
+  r.model.seq_len = 16;
+  r.train.batch_size = 2;
+  r.data.source = "llmc";
+  r.data.path = "s";
+  auto first = md::resolve_dataset(r, dir.path, 1, 1);
+  EXPECT_EQ(first.files_scanned, 2u);
+  ASSERT_TRUE(fs::exists(dir.path / "s" / md::kCheckCacheName));
+  auto second = md::resolve_dataset(r, dir.path, 1, 1);
+  EXPECT_EQ(second.files_scanned, 0u);
+  EXPECT_EQ(second.files[1].xxh3, first.files[1].xxh3);
+  EXPECT_EQ(second.files[1].max_token, 8u);
+  // A rewritten file (new inode, new mtime) is scanned again, and a bad one is still refused.
+  std::vector<uint32_t> bad(400, 7);
+  bad[10] = 400;
+  md::write_llmc_shard(dir.path / "s" / "a_train_1.bin", bad, md::TokenWidth::kU16);
+  auto e = error_of([&] { md::resolve_dataset(r, dir.path, 1, 1); });
+  EXPECT_NE(e.find("token 400 at index 10"), std::string::npos) << e;
+  // A smaller vocabulary than a cached largest token rescans (and names the offset).
+  md::write_llmc_shard(dir.path / "s" / "a_train_1.bin", std::vector<uint32_t>(400, 8),
+                       md::TokenWidth::kU16);
+  EXPECT_EQ(md::resolve_dataset(r, dir.path, 1, 1).files_scanned, 1u);
+  r.model.vocab_size = 8;
+  e = error_of([&] { md::resolve_dataset(r, dir.path, 1, 1); });
+  EXPECT_NE(e.find("token 8 at index 0"), std::string::npos) << e;
+}
