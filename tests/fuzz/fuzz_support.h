@@ -1,6 +1,6 @@
 // Shared by the libFuzzer targets: one scratch directory per process (created on first use
-// under /dev/shm, else $TMPDIR or /tmp; removed at exit) whose fixed file names every input
-// reuses, and a plain write of the input's bytes to one of them.
+// under /dev/shm, else the system temporary directory; removed at exit) whose fixed file names
+// every input reuses, and a plain write of the input's bytes to one of them.
 #pragma once
 
 #include <fcntl.h>
@@ -15,27 +15,36 @@
 
 namespace megacpp::fuzz {
 
-inline const std::filesystem::path& scratch_dir() {
-  // Never destroyed: the exit handler below runs after the destructors of statics made later.
-  static const std::filesystem::path* dir = [] {
-    std::string base = "/dev/shm";
-    if (::access(base.c_str(), W_OK) != 0) {
-      const char* tmp = std::getenv("TMPDIR");
-      base = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
-    }
-    std::string templ = base + "/megacpp-fuzz-XXXXXX";
+// The process's scratch directory: made on first use, removed when the process exits
+// normally (libFuzzer's runs end with exit(); a crash leaves it behind with the crash input).
+class ScratchDir {
+ public:
+  ScratchDir() {
+    std::error_code ec;
+    std::filesystem::path base = "/dev/shm";
+    if (::access(base.c_str(), W_OK) != 0) base = std::filesystem::temp_directory_path(ec);
+    std::string templ = (base / "megacpp-fuzz-XXXXXX").string();
     if (::mkdtemp(templ.data()) == nullptr) {
       std::perror("megacpp fuzz: mkdtemp");
       std::abort();
     }
-    auto* path = new std::filesystem::path(templ);
-    std::atexit([] {
-      std::error_code ec;
-      std::filesystem::remove_all(*dir, ec);
-    });
-    return path;
-  }();
-  return *dir;
+    path_ = templ;
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  const std::filesystem::path& path() const noexcept { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+inline const std::filesystem::path& scratch_dir() {
+  static const ScratchDir dir;
+  return dir.path();
 }
 
 // Replaces `path` with exactly `n` bytes of `data`; aborts on an I/O error (not a finding in
