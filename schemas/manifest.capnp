@@ -6,6 +6,7 @@
 # and RunError.kind changed type in place, Text -> enum, keeping name and ordinal: the JSON
 # is byte-identical because each enumerant's $Json.name is the word the Text used to hold.
 using Cxx = import "/capnp/c++.capnp";
+using Launch = import "launch.capnp";
 $Cxx.namespace("megacpp::schema");
 using Common = import "common.capnp";
 using Journal = import "journal.capnp";
@@ -101,6 +102,11 @@ struct BenchResult {
   wallSeconds @9 :Float64;      # first step start (rank 0) -> last step end
   tokensPerSecond @10 :Float64;
   meanStepSeconds @11 :Float64;
+  # What the numbers were measured on, from launch.json: the data files with their token
+  # counts and XXH3 (and where a staged copy came from), and the filesystem that data,
+  # checkpoints and logs lived on.
+  dataset @12 :Launch.Dataset;
+  volumes @13 :List(Launch.VolumeUse);
 }
 
 struct StepPoint {

@@ -108,6 +108,9 @@ struct Collector::State {
   std::string run_id, recipe, recipe_hash, created_at;
   uint32_t world = 0;
   uint32_t steps_planned = 0;
+  // The dataset and volumes, copied into the bench receipt. Written once, in the constructor;
+  // mutable only because a message builder hands out its root through a non-const accessor.
+  mutable capnp::MallocMessageBuilder launch_copy;
 
   std::map<std::string, JournalFile> journals;  // by file name: the fold order
 
@@ -343,6 +346,7 @@ Collector::Collector(fs::path run_dir)
   state_->created_at = l.getCreatedAt();
   state_->world = l.getWorld();
   state_->steps_planned = l.getSteps();
+  state_->launch_copy.setRoot(l);
 }
 
 Collector::~Collector() = default;
@@ -561,6 +565,9 @@ void Collector::render() {
     r.setWallSeconds(wall_seconds);
     r.setTokensPerSecond(wall_seconds > 0 ? tokens / wall_seconds : 0.0);
     r.setMeanStepSeconds(completed > 0 ? step_seconds_sum / completed : 0.0);
+    const auto launch = s.launch_copy.getRoot<schema::LaunchContract>().asReader();
+    r.setDataset(launch.getDataset());
+    r.setVolumes(launch.getVolumes());
     out["receipts/" + std::string(kBenchResult)] = schemas::to_json(r.asReader());
 
     capnp::MallocMessageBuilder telemetry_message;

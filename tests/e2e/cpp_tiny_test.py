@@ -67,6 +67,10 @@ class CppTiny(unittest.TestCase):
         self.assertEqual(d["tokenizer"], "byte")
         self.assertEqual(int(d["eosId"]), 256)
         self.assertTrue(all(f["path"].startswith(self.hot) for f in d["files"]), d["files"])
+        with open(os.path.join(run_dir, "receipts", "bench_result.json")) as f:
+            receipt = json.load(f)
+        self.assertEqual(receipt["dataset"], d)  # the receipt names the data it measured
+        self.assertEqual({v["role"] for v in receipt["volumes"]}, {"data", "checkpoints", "logs"})
         with open(os.path.join(run_dir, "receipts", "bench_telemetry.json")) as f:
             steps = json.load(f)["steps"]
         last = [s["loss"] for s in steps[-5:]]
