@@ -6,18 +6,14 @@
 
 #include "core/error.h"
 #include "core/util.h"
+#include "data/detail/splitmix64.h"
 #include "data/shards.h"
 
 namespace megacpp::data {
 
 namespace {
 
-uint64_t splitmix64(uint64_t& s) {
-  uint64_t z = (s += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
+using detail::splitmix64;
 
 template <size_t N>
 std::string_view pick(uint64_t& s, const std::array<std::string_view, N>& words) {

@@ -7,17 +7,13 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "data/detail/splitmix64.h"
 
 namespace megacpp::data {
 
 namespace {
 
-uint64_t splitmix64(uint64_t& s) {
-  uint64_t z = (s += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
+using detail::splitmix64;
 
 // Epoch e's bijection of [0, n): x -> (a x + c) mod n with a odd and coprime to n, both drawn
 // from (seed, e). Cheap, stateless and exact; it is the order the built-in corpus's golden
