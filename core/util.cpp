@@ -135,4 +135,14 @@ void log_line(std::string_view level, std::string_view text) {
   std::fflush(stderr);
 }
 
+Fd::~Fd() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void Fd::close_checked() {
+  int fd = fd_;
+  fd_ = -1;
+  SYSCALL_CHECK(::close(fd));
+}
+
 }  // namespace megacpp

@@ -26,6 +26,22 @@ std::optional<std::string> env_knob(std::string_view name);
 int64_t env_knob_int(std::string_view name, int64_t fallback);
 double env_knob_double(std::string_view name, double fallback);
 
+// An open file descriptor, closed on destruction. Neither copyable nor movable.
+class Fd {
+ public:
+  explicit Fd(int fd) noexcept : fd_(fd) {}
+  ~Fd();
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const noexcept { return fd_; }
+  // Closes now and throws Error{kSystem} for a failed close (a deferred write error on some
+  // filesystems: the last chance to see it).
+  void close_checked();
+
+ private:
+  int fd_;
+};
+
 // Durable writes. write_file_atomic: write `path.tmp.<pid>`, fsync, rename over `path`,
 // fsync the parent directory. A crash leaves either the old file or the new one.
 void write_file_atomic(const std::filesystem::path& path, std::string_view bytes);

@@ -33,27 +33,6 @@ bool is_hex16(std::string_view s) {
   return true;
 }
 
-// An open file descriptor, closed on destruction.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  // Closes now, reporting a failed close (the last chance to see a write error).
-  void close_checked() {
-    int fd = fd_;
-    fd_ = -1;
-    SYSCALL_CHECK(::close(fd));
-  }
-
- private:
-  int fd_;
-};
-
 struct XxhState {
   XxhState() : state(XXH3_createState()) {
     MEGACPP_CHECK(state != nullptr, ErrorKind::kSystem, "XXH3_createState");

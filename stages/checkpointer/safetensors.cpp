@@ -25,26 +25,6 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 // Largest single write(2): keeps each call well under the kernel's per-call limit.
 constexpr size_t kMaxWriteChunk = 64ull << 20;
 
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const noexcept { return fd_; }
-  // Closes now and reports a failed close (a deferred write error on some filesystems).
-  void close_checked() {
-    int fd = fd_;
-    fd_ = -1;
-    SYSCALL_CHECK(::close(fd));
-  }
-
- private:
-  int fd_;
-};
-
 struct Xxh3StateDeleter {
   void operator()(XXH3_state_t* s) const noexcept { XXH3_freeState(s); }
 };
