@@ -15,6 +15,7 @@
 #include "data/dataset.h"
 #include "data/sampler.h"
 #include "data/shards.h"
+#include "tests/unit/temp_dir.h"
 
 namespace mc = megacpp;
 namespace md = megacpp::data;
@@ -22,15 +23,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           fmt::format("megacpp-data-test-{}-{}", ::getpid(), mc::mono_ns());
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using megacpp::test_support::TempDir;
 
 std::string bytes_of(const fs::path& p) {
   return mc::read_file(p);
@@ -92,22 +85,22 @@ TEST(Corpus, DeterministicTextWithStructure) {
 
 TEST(Corpus, EnsureWritesOnceAndReuses) {
   TempDir dir;
-  auto paths = md::ensure_builtin_corpus(dir.path, 2, 10000);
+  auto paths = md::ensure_builtin_corpus(dir.path(), 2, 10000);
   ASSERT_EQ(paths.size(), 2u);
   auto mtime = fs::last_write_time(paths[0]);
-  EXPECT_EQ(paths, md::ensure_builtin_corpus(dir.path, 2, 10000));
+  EXPECT_EQ(paths, md::ensure_builtin_corpus(dir.path(), 2, 10000));
   EXPECT_EQ(mtime, fs::last_write_time(paths[0]));
   fs::resize_file(paths[1], 1024 + 10);  // a torn shard is rewritten
-  md::ensure_builtin_corpus(dir.path, 2, 10000);
+  md::ensure_builtin_corpus(dir.path(), 2, 10000);
   EXPECT_EQ(md::Shard(paths[1], md::ShardFormat::kLlmc).tokens(), 10000u);
 }
 
 TEST(Llmc, BothVersionsRoundTripWithTheLlmcHeader) {
   TempDir dir;
   std::vector<uint32_t> small = {1, 2, 3, 65535, 7}, wide = {1, 70000, 3, 1u << 20};
-  md::write_llmc_shard(dir.path / "a.bin", small, md::TokenWidth::kU16);
-  md::write_llmc_shard(dir.path / "b.bin", wide, md::TokenWidth::kU32);
-  auto a = bytes_of(dir.path / "a.bin"), b = bytes_of(dir.path / "b.bin");
+  md::write_llmc_shard(dir.path() / "a.bin", small, md::TokenWidth::kU16);
+  md::write_llmc_shard(dir.path() / "b.bin", wide, md::TokenWidth::kU32);
+  auto a = bytes_of(dir.path() / "a.bin"), b = bytes_of(dir.path() / "b.bin");
   ASSERT_EQ(a.size(), 1024u + 10);
   ASSERT_EQ(b.size(), 1024u + 16);
   int32_t h[3];
@@ -119,22 +112,22 @@ TEST(Llmc, BothVersionsRoundTripWithTheLlmcHeader) {
   EXPECT_EQ(h[0], 20240801);
   EXPECT_EQ(h[1], 7);
   EXPECT_EQ(h[2], 4);
-  md::Shard sa(dir.path / "a.bin", md::ShardFormat::kLlmc, {.vocab_size = 65536});
-  md::Shard sb(dir.path / "b.bin", md::ShardFormat::kLlmc, {.vocab_size = 1u << 21});
+  md::Shard sa(dir.path() / "a.bin", md::ShardFormat::kLlmc, {.vocab_size = 65536});
+  md::Shard sb(dir.path() / "b.bin", md::ShardFormat::kLlmc, {.vocab_size = 1u << 21});
   EXPECT_EQ(sa.width(), md::TokenWidth::kU16);
   EXPECT_EQ(sb.width(), md::TokenWidth::kU32);
   for (size_t i = 0; i < small.size(); ++i) EXPECT_EQ(sa.token(i), small[i]);
   for (size_t i = 0; i < wide.size(); ++i) EXPECT_EQ(sb.token(i), wide[i]);
   EXPECT_EQ(sa.max_token(), 65535u);
   EXPECT_EQ(sb.max_token(), 1u << 20);
-  EXPECT_THROW(md::write_llmc_shard(dir.path / "c.bin", wide, md::TokenWidth::kU16), mc::Error);
-  EXPECT_FALSE(fs::exists(dir.path / "c.bin"));
+  EXPECT_THROW(md::write_llmc_shard(dir.path() / "c.bin", wide, md::TokenWidth::kU16), mc::Error);
+  EXPECT_FALSE(fs::exists(dir.path() / "c.bin"));
 }
 
 TEST(Llmc, EveryBrokenRuleIsOneLineNamingFileOffsetAndRule) {
   TempDir dir;
   auto make = [&](const char* name) {
-    auto p = dir.path / name;
+    auto p = dir.path() / name;
     md::write_llmc_shard(p, std::vector<uint32_t>(100, 3), md::TokenWidth::kU16);
     return p;
   };
@@ -166,9 +159,9 @@ TEST(Llmc, EveryBrokenRuleIsOneLineNamingFileOffsetAndRule) {
   auto longer = make("long.bin");
   fs::resize_file(longer, 1024 + 202);
   expect(open(longer), longer, "at byte 1224", "file has 1226 bytes");
-  std::ofstream(dir.path / "short.bin") << "short";
-  expect(open(dir.path / "short.bin"), dir.path / "short.bin", "at byte 5", "header");
-  auto vocab = dir.path / "vocab.bin";
+  std::ofstream(dir.path() / "short.bin") << "short";
+  expect(open(dir.path() / "short.bin"), dir.path() / "short.bin", "at byte 5", "header");
+  auto vocab = dir.path() / "vocab.bin";
   md::write_llmc_shard(vocab, std::vector<uint32_t>{1, 2, 300, 4}, md::TokenWidth::kU16);
   expect(open(vocab, 256), vocab, "at byte 1028", "token 300 at index 2");
   EXPECT_EQ(open(vocab, 301), "");
@@ -176,11 +169,11 @@ TEST(Llmc, EveryBrokenRuleIsOneLineNamingFileOffsetAndRule) {
 
 TEST(Megatron, ReadsTheIndexedDatasetWithItsDocuments) {
   TempDir dir;
-  write_megatron(dir.path / "corpus_text_document", {{5, 6, 7}, {8, 9}, {10, 11, 12, 13}},
+  write_megatron(dir.path() / "corpus_text_document", {{5, 6, 7}, {8, 9}, {10, 11, 12, 13}},
                  md::kMegatronDtypeUint16);
-  md::Shard s(dir.path / "corpus_text_document.idx", md::ShardFormat::kMegatron,
+  md::Shard s(dir.path() / "corpus_text_document.idx", md::ShardFormat::kMegatron,
               {.vocab_size = 100, .checksum = true});
-  EXPECT_EQ(s.path(), dir.path / "corpus_text_document.bin");
+  EXPECT_EQ(s.path(), dir.path() / "corpus_text_document.bin");
   EXPECT_EQ(s.width(), md::TokenWidth::kU16);
   ASSERT_EQ(s.tokens(), 9u);
   EXPECT_EQ(s.token(0), 5u);
@@ -188,8 +181,8 @@ TEST(Megatron, ReadsTheIndexedDatasetWithItsDocuments) {
   EXPECT_EQ(std::vector<uint64_t>(s.document_starts().begin(), s.document_starts().end()),
             (std::vector<uint64_t>{0, 3, 5}));
   EXPECT_EQ(s.xxh3().size(), 16u);
-  write_megatron(dir.path / "wide", {{70000, 1}}, md::kMegatronDtypeInt32);
-  md::Shard w(dir.path / "wide", md::ShardFormat::kMegatron, {.vocab_size = 70001});
+  write_megatron(dir.path() / "wide", {{70000, 1}}, md::kMegatronDtypeInt32);
+  md::Shard w(dir.path() / "wide", md::ShardFormat::kMegatron, {.vocab_size = 70001});
   EXPECT_EQ(w.width(), md::TokenWidth::kU32);
   EXPECT_EQ(w.token(0), 70000u);
 }
@@ -197,7 +190,7 @@ TEST(Megatron, ReadsTheIndexedDatasetWithItsDocuments) {
 TEST(Megatron, EveryBrokenRuleIsOneLineNamingFileOffsetAndRule) {
   TempDir dir;
   auto make = [&](const std::string& name) {
-    auto p = dir.path / name;
+    auto p = dir.path() / name;
     write_megatron(p, {{1, 2, 3}, {4, 5}}, md::kMegatronDtypeUint16);
     return fs::path(p.string() + ".idx");
   };
@@ -236,33 +229,34 @@ TEST(Megatron, EveryBrokenRuleIsOneLineNamingFileOffsetAndRule) {
   patch(docs, 34 + 8 + 16 + 8, &d, 8);
   has(open(docs), {"docs.idx", "at byte 66", "document index 1 is 5"});
   auto bin = make("bin");
-  fs::resize_file(dir.path / "bin.bin", 6);
+  fs::resize_file(dir.path() / "bin.bin", 6);
   has(open(bin), {"bin.bin", "at byte 6", "describes 10"});
   auto vocab = make("vocab");
   has(open(vocab, 5), {"vocab.bin", "at byte 8", "token 5 at index 4"});
-  has(open(dir.path / "missing.idx"), {"missing.idx"});
+  has(open(dir.path() / "missing.idx"), {"missing.idx"});
 }
 
 TEST(FindShards, DirectoriesGlobsSplitsAndEmptyFolders) {
   TempDir dir;
   for (const char* n : {"fw_train_000001.bin", "fw_train_000000.bin", "fw_val_000000.bin"})
-    md::write_llmc_shard(dir.path / n, std::vector<uint32_t>{1, 2, 3}, md::TokenWidth::kU16);
-  auto train = md::find_shards(dir.path, md::ShardFormat::kLlmc, "", "train");
+    md::write_llmc_shard(dir.path() / n, std::vector<uint32_t>{1, 2, 3}, md::TokenWidth::kU16);
+  auto train = md::find_shards(dir.path(), md::ShardFormat::kLlmc, "", "train");
   ASSERT_EQ(train.size(), 2u);
   EXPECT_EQ(train[0].filename(), "fw_train_000000.bin");
-  auto val = md::find_shards(dir.path, md::ShardFormat::kLlmc, "fw_{split}_*.bin", "val");
+  auto val = md::find_shards(dir.path(), md::ShardFormat::kLlmc, "fw_{split}_*.bin", "val");
   ASSERT_EQ(val.size(), 1u);
-  fs::create_directories(dir.path / "empty");
-  auto msg = error_of([&] { md::find_shards(dir.path, md::ShardFormat::kLlmc, "empty", "train"); });
+  fs::create_directories(dir.path() / "empty");
+  auto msg =
+      error_of([&] { md::find_shards(dir.path(), md::ShardFormat::kLlmc, "empty", "train"); });
   EXPECT_NE(msg.find("no llmc shards"), std::string::npos) << msg;
-  EXPECT_NE(msg.find((dir.path / "empty").string()), std::string::npos) << msg;
-  msg = error_of([&] { md::find_shards(dir.path, md::ShardFormat::kMegatron, "", "train"); });
+  EXPECT_NE(msg.find((dir.path() / "empty").string()), std::string::npos) << msg;
+  msg = error_of([&] { md::find_shards(dir.path(), md::ShardFormat::kMegatron, "", "train"); });
   EXPECT_NE(msg.find(".idx"), std::string::npos) << msg;
 }
 
 TEST(Sampler, OneGlobalSequenceWhateverTheWorldSize) {
   TempDir dir;
-  auto paths = md::ensure_builtin_corpus(dir.path, 2, 20000);
+  auto paths = md::ensure_builtin_corpus(dir.path(), 2, 20000);
   md::Shard a(paths[0], md::ShardFormat::kLlmc), b(paths[1], md::ShardFormat::kLlmc);
   const md::Shard* views[] = {&a, &b};
   const uint32_t seq = 16, batch = 4;
@@ -308,8 +302,8 @@ TEST(Sampler, HeaderCarriesTheStateAndTokensTheWindows) {
   TempDir dir;
   std::vector<uint32_t> tokens(1000);
   for (uint32_t i = 0; i < tokens.size(); ++i) tokens[i] = 70000 + i;
-  md::write_llmc_shard(dir.path / "w.bin", tokens, md::TokenWidth::kU32);
-  md::Shard s(dir.path / "w.bin", md::ShardFormat::kLlmc);
+  md::write_llmc_shard(dir.path() / "w.bin", tokens, md::TokenWidth::kU32);
+  md::Shard s(dir.path() / "w.bin", md::ShardFormat::kLlmc);
   const md::Shard* views[] = {&s};
   md::Sampler sm(views, {.seq_len = 9, .batch = 3, .world = 2, .token_bytes = 4, .seed = 1});
   std::vector<std::byte> out(sm.spec().slot_bytes());
@@ -341,8 +335,8 @@ TEST(Sampler, UnpackedWindowsStayInsideDocuments) {
     tokens.push_back(0);
     for (uint32_t i = 1; i < len; ++i) tokens.push_back(next++ % 200 + 1);
   }
-  md::write_llmc_shard(dir.path / "d.bin", tokens, md::TokenWidth::kU16);
-  md::Shard s(dir.path / "d.bin", md::ShardFormat::kLlmc);
+  md::write_llmc_shard(dir.path() / "d.bin", tokens, md::TokenWidth::kU16);
+  md::Shard s(dir.path() / "d.bin", md::ShardFormat::kLlmc);
   s.find_documents(0);
   ASSERT_EQ(s.document_starts().size(), 3u);
   const md::Shard* views[] = {&s};
@@ -372,10 +366,10 @@ TEST(Sampler, FillIsTheWindowSequenceBitForBit) {
       x = x * 1103515245u + 12345u;
       (*v)[i] = i % 37 == 0 ? 0 : (x >> 8) % 60000 + 1;  // EOS 0 every 37 tokens
     }
-  md::write_llmc_shard(dir.path / "a.bin", a, md::TokenWidth::kU16);
-  md::write_llmc_shard(dir.path / "b.bin", b, md::TokenWidth::kU32);
-  md::Shard sa(dir.path / "a.bin", md::ShardFormat::kLlmc);
-  md::Shard sb(dir.path / "b.bin", md::ShardFormat::kLlmc);
+  md::write_llmc_shard(dir.path() / "a.bin", a, md::TokenWidth::kU16);
+  md::write_llmc_shard(dir.path() / "b.bin", b, md::TokenWidth::kU32);
+  md::Shard sa(dir.path() / "a.bin", md::ShardFormat::kLlmc);
+  md::Shard sb(dir.path() / "b.bin", md::ShardFormat::kLlmc);
   const md::Shard* views[] = {&sa, &sb};
   struct Case {
     md::SamplerConfig config;
@@ -431,11 +425,11 @@ TEST(Sampler, FillIsTheWindowSequenceBitForBit) {
 
 TEST(Dataset, PreflightValidatesEveryFileAndRoundTripsTheContract) {
   TempDir dir;
-  fs::create_directories(dir.path / "shards");
+  fs::create_directories(dir.path() / "shards");
   for (int i = 0; i < 3; ++i) {
     std::vector<uint32_t> t(500);
     for (uint32_t j = 0; j < t.size(); ++j) t[j] = (j * 7 + i) % 300;
-    md::write_llmc_shard(dir.path / "shards" / fmt::format("x_train_{}.bin", i), t,
+    md::write_llmc_shard(dir.path() / "shards" / fmt::format("x_train_{}.bin", i), t,
                          md::TokenWidth::kU16);
   }
   mc::recipe::Recipe r;
@@ -445,7 +439,7 @@ TEST(Dataset, PreflightValidatesEveryFileAndRoundTripsTheContract) {
   r.train.batch_size = 2;
   r.data.source = "llmc";
   r.data.path = "shards";
-  auto d = md::resolve_dataset(r, dir.path, 2, 2);
+  auto d = md::resolve_dataset(r, dir.path(), 2, 2);
   ASSERT_EQ(d.files.size(), 3u);
   EXPECT_EQ(d.windows, 3u * (499 / 16));
   EXPECT_EQ(d.files[1].max_token, 299u);
@@ -460,25 +454,25 @@ TEST(Dataset, PreflightValidatesEveryFileAndRoundTripsTheContract) {
   EXPECT_EQ(md::open_dataset(back, r.data.pack).size(), 3u);
   // A vocabulary smaller than the data's, an empty folder, too little data: one line each.
   r.model.vocab_size = 299;
-  auto e = error_of([&] { md::resolve_dataset(r, dir.path, 2, 2); });
+  auto e = error_of([&] { md::resolve_dataset(r, dir.path(), 2, 2); });
   EXPECT_NE(e.find("token 299"), std::string::npos) << e;
   EXPECT_NE(e.find("vocab_size 299"), std::string::npos) << e;
   r.model.vocab_size = 300;
   r.data.path = "nothing";
-  fs::create_directories(dir.path / "nothing");
-  e = error_of([&] { md::resolve_dataset(r, dir.path, 2, 2); });
+  fs::create_directories(dir.path() / "nothing");
+  e = error_of([&] { md::resolve_dataset(r, dir.path(), 2, 2); });
   EXPECT_NE(e.find("no llmc shards"), std::string::npos) << e;
   r.data.path = "shards";
   r.train.batch_size = 50;
-  e = error_of([&] { md::resolve_dataset(r, dir.path, 2, 2); });
+  e = error_of([&] { md::resolve_dataset(r, dir.path(), 2, 2); });
   EXPECT_NE(e.find("rule data.windows"), std::string::npos) << e;
 }
 
 TEST(Dataset, ChecksAreCachedUntilAFileChanges) {
   TempDir dir;
-  fs::create_directories(dir.path / "s");
+  fs::create_directories(dir.path() / "s");
   for (int i = 0; i < 2; ++i)
-    md::write_llmc_shard(dir.path / "s" / fmt::format("a_train_{}.bin", i),
+    md::write_llmc_shard(dir.path() / "s" / fmt::format("a_train_{}.bin", i),
                          std::vector<uint32_t>(400, 7 + i), md::TokenWidth::kU16);
   mc::recipe::Recipe r;
   r.name = "t";
@@ -487,24 +481,24 @@ TEST(Dataset, ChecksAreCachedUntilAFileChanges) {
   r.train.batch_size = 2;
   r.data.source = "llmc";
   r.data.path = "s";
-  auto first = md::resolve_dataset(r, dir.path, 1, 1);
+  auto first = md::resolve_dataset(r, dir.path(), 1, 1);
   EXPECT_EQ(first.files_scanned, 2u);
-  ASSERT_TRUE(fs::exists(dir.path / "s" / md::kCheckCacheName));
-  auto second = md::resolve_dataset(r, dir.path, 1, 1);
+  ASSERT_TRUE(fs::exists(dir.path() / "s" / md::kCheckCacheName));
+  auto second = md::resolve_dataset(r, dir.path(), 1, 1);
   EXPECT_EQ(second.files_scanned, 0u);
   EXPECT_EQ(second.files[1].xxh3, first.files[1].xxh3);
   EXPECT_EQ(second.files[1].max_token, 8u);
   // A rewritten file (new inode, new mtime) is scanned again, and a bad one is still refused.
   std::vector<uint32_t> bad(400, 7);
   bad[10] = 400;
-  md::write_llmc_shard(dir.path / "s" / "a_train_1.bin", bad, md::TokenWidth::kU16);
-  auto e = error_of([&] { md::resolve_dataset(r, dir.path, 1, 1); });
+  md::write_llmc_shard(dir.path() / "s" / "a_train_1.bin", bad, md::TokenWidth::kU16);
+  auto e = error_of([&] { md::resolve_dataset(r, dir.path(), 1, 1); });
   EXPECT_NE(e.find("token 400 at index 10"), std::string::npos) << e;
   // A smaller vocabulary than a cached largest token rescans (and names the offset).
-  md::write_llmc_shard(dir.path / "s" / "a_train_1.bin", std::vector<uint32_t>(400, 8),
+  md::write_llmc_shard(dir.path() / "s" / "a_train_1.bin", std::vector<uint32_t>(400, 8),
                        md::TokenWidth::kU16);
-  EXPECT_EQ(md::resolve_dataset(r, dir.path, 1, 1).files_scanned, 1u);
+  EXPECT_EQ(md::resolve_dataset(r, dir.path(), 1, 1).files_scanned, 1u);
   r.model.vocab_size = 8;
-  e = error_of([&] { md::resolve_dataset(r, dir.path, 1, 1); });
+  e = error_of([&] { md::resolve_dataset(r, dir.path(), 1, 1); });
   EXPECT_NE(e.find("token 8 at index 0"), std::string::npos) << e;
 }

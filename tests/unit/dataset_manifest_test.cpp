@@ -13,6 +13,7 @@
 #include "core/util.h"
 #include "data/dataset_manifest.h"
 #include "data/shards.h"
+#include "tests/unit/temp_dir.h"
 
 namespace fs = std::filesystem;
 using namespace megacpp;
@@ -20,24 +21,7 @@ using namespace megacpp::data;
 
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "megacpp-dataset-XXXXXX").string();
-    MEGACPP_CHECK(::mkdtemp(tmpl.data()) != nullptr, ErrorKind::kSystem, "mkdtemp");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using test_support::TempDir;
 
 // A two-shard byte-level dataset in `dir` (train 5 tokens, val 3 tokens) with its manifest.
 DatasetManifest make_dataset(const fs::path& dir) {

@@ -17,6 +17,7 @@
 #include "data/dataset_manifest.h"
 #include "data/shards.h"
 #include "prepare/prepare.h"
+#include "tests/unit/temp_dir.h"
 
 namespace fs = std::filesystem;
 using namespace megacpp;
@@ -24,24 +25,7 @@ using namespace megacpp::prepare;
 
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "megacpp-prepare-XXXXXX").string();
-    MEGACPP_CHECK(::mkdtemp(tmpl.data()) != nullptr, ErrorKind::kSystem, "mkdtemp");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using test_support::TempDir;
 
 void put(const fs::path& p, std::string_view bytes) {
   fs::create_directories(p.parent_path());

@@ -27,29 +27,10 @@
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
+#include "tests/unit/temp_dir.h"
 #include "tools/forked_world/forked_world.h"
 
 namespace megacpp::test_support {
-
-// A private temporary directory (mkdtemp), removed with everything in it on destruction.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "megacpp-test-XXXXXX").string();
-    MEGACPP_CHECK(::mkdtemp(tmpl.data()) != nullptr, ErrorKind::kSystem, "mkdtemp");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 // Runs the world's ranks, rank r running body(r) in a forked child (its return value is the
 // child's exit status), bounded: ranks still running after `timeout` are SIGKILLed and the
