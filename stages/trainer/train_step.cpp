@@ -414,6 +414,44 @@ SnapshotLayout TrainStep::copy_snapshot(std::span<std::byte> region) const {
   return layout;
 }
 
+void TrainStep::restore(const checkpointer::CheckpointReader& ckpt) {
+  Impl& s = *impl_;
+  torch::NoGradGuard no_grad;
+  // Fills `dst` (contiguous, rows [row, row + dst.size(0)) of `logical`, or all of a 0-D one).
+  // A Muon stack is padded to chunk x world rows, so its row count may differ from a
+  // checkpoint of another world size: only its trailing dimensions must match.
+  auto fill = [&](const std::string& logical, at::Tensor dst, std::vector<int64_t> full_shape,
+                  int64_t row, bool padded_rows) {
+    const checkpointer::StoredTensor* t = ckpt.find(logical);
+    MEGACPP_CHECK(t != nullptr, ErrorKind::kInvalidArgument,
+                  fmt::format("checkpoint {} has no tensor {}: it was written by another model "
+                              "or optimizer configuration",
+                              ckpt.dir().string(), logical));
+    const std::vector<uint64_t> want(full_shape.begin(), full_shape.end());
+    const bool shape_fits =
+        padded_rows ? !want.empty() && t->full_shape.size() == want.size() &&
+                          std::equal(want.begin() + 1, want.end(), t->full_shape.begin() + 1)
+                    : t->full_shape == want;
+    MEGACPP_CHECK(
+        t->dtype == safetensors_dtype(dst.scalar_type()) && shape_fits, ErrorKind::kInvalidArgument,
+        fmt::format("checkpoint {}: {} is {} {}, this model needs {} {}", ckpt.dir().string(),
+                    logical, t->dtype, nlohmann::json(t->full_shape).dump(),
+                    safetensors_dtype(dst.scalar_type()), nlohmann::json(want).dump()));
+    MEGACPP_CHECK(dst.is_contiguous(), ErrorKind::kInternal, logical + ": state not contiguous");
+    const uint64_t rows = dst.dim() == 0 ? 1 : static_cast<uint64_t>(dst.size(0));
+    ckpt.read_rows(*t, static_cast<uint64_t>(row), rows,
+                   {static_cast<std::byte*>(dst.data_ptr()), dst.nbytes()});
+  };
+  for (auto& [name, p] : s.params) fill("model." + name, p.detach(), p.sizes().vec(), 0, false);
+  std::array<OptimizerState, 2> views{s.adamw->state_view(), s.muon->state_view()};
+  for (int k = 0; k < 2; ++k) {
+    for (auto& e : views[k].entries) {
+      fill(s.logical_name(k == 0, e.key), e.value, e.full_shape, e.replicated ? 0 : e.offset,
+           e.key.scope == StateScope::kStack);
+    }
+  }
+}
+
 at::Tensor widen_batch(std::span<const std::byte> slot, const recipe::BatchSpec& spec,
                        uint64_t step, recipe::BatchHeader* header) {
   recipe::BatchHeader h;

@@ -26,6 +26,7 @@
 #include "recipes/recipe.h"
 #include "schemas/common.capnp.h"
 #include "schemas/launch.capnp.h"
+#include "stages/checkpointer/checkpointer.h"
 #include "stages/trainer/model.h"
 #include "stages/trainer/snapshot_layout.h"
 
@@ -138,6 +139,16 @@ class TrainStep {
   // Copies this rank's share into `region` per snapshot_layout() and returns that layout.
   // Throws Error{kInvalidArgument} if the region is smaller than layout.total_bytes.
   SnapshotLayout copy_snapshot(std::span<std::byte> region) const;
+
+  // Loads the parameters and this rank's optimizer state (moments, step counts, group
+  // scalars) from a committed checkpoint: afterwards the next step() is bit-identical to
+  // the one the checkpointed run took after the checkpoint's step. The checkpoint may come
+  // from another world size: every entry is cut from the logical tensor the rank files
+  // reassemble, whichever ranks held it (a DistAdamW parameter sharded there and replicated
+  // here, a Muon stack padded differently). Not a collective: every rank reads the files.
+  // Throws Error{kInvalidArgument} naming the tensor when the checkpoint does not fit this
+  // model and optimizer (missing, another shape or dtype), Error{kCorruption} as the reader.
+  void restore(const checkpointer::CheckpointReader& ckpt);
 
  private:
   struct Impl;

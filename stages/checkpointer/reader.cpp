@@ -1,0 +1,211 @@
+// Reading committed checkpoints back: the reader behind resume and export, and the choice of
+// the checkpoint a resume starts from.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/util.h"
+#include "schemas/checkpoint.capnp.h"
+#include "schemas/json.h"
+#include "schemas/run_layout.h"
+#include "stages/checkpointer/checkpointer.h"
+
+namespace megacpp::checkpointer {
+
+// A rank file mapped read-only for the reader's lifetime.
+struct CheckpointReader::Mapping {
+  explicit Mapping(const fs::path& path) {
+    Fd fd(SYSCALL_CHECK(::open(path.c_str(), O_RDONLY | O_CLOEXEC)));
+    struct stat st {};
+    SYSCALL_CHECK(::fstat(fd.get(), &st));
+    size = static_cast<uint64_t>(st.st_size);
+    if (size > 0) {
+      void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd.get(), 0);
+      if (p == MAP_FAILED) MEGACPP_FAIL_SYS(errno, "cannot map {}", path.string());
+      base = static_cast<const std::byte*>(p);
+    }
+  }
+  ~Mapping() {
+    if (base != nullptr) ::munmap(const_cast<std::byte*>(base), size);
+  }
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+
+  const std::byte* base = nullptr;
+  uint64_t size = 0;
+};
+
+namespace {
+
+[[noreturn]] void corrupt(const fs::path& file, const std::string& what) {
+  MEGACPP_FAIL(ErrorKind::kCorruption, "checkpoint file {}: {}", file.string(), what);
+}
+
+uint64_t product(std::span<const uint64_t> dims) {
+  uint64_t n = 1;
+  for (uint64_t d : dims) n *= d;
+  return n;
+}
+
+}  // namespace
+
+CheckpointReader::CheckpointReader(const fs::path& dir) : dir_(dir) {
+  const fs::path manifest_path = dir / "checkpoint.json";
+  schemas::JsonFile<schema::CheckpointManifest> doc(manifest_path);
+  auto manifest = doc.get();
+  step_ = manifest.getStep();
+  world_ = manifest.getWorld();
+  run_id_ = manifest.getRunId();
+  recipe_hash_ = manifest.getRecipeHash();
+  if (world_ == 0 || manifest.getFiles().size() != world_)
+    corrupt(manifest_path,
+            fmt::format("lists {} files for world {}", manifest.getFiles().size(), world_));
+
+  for (uint32_t rank = 0; rank < world_; ++rank) {
+    const fs::path path = dir / fmt::format("rank_{}.safetensors", rank);
+    auto& map = *files_.emplace_back(std::make_unique<Mapping>(path));
+    if (map.size < 8) corrupt(path, "shorter than a safetensors header");
+    uint64_t header_bytes = 0;
+    std::memcpy(&header_bytes, map.base, 8);
+    if (header_bytes > map.size - 8) corrupt(path, "header length past the end of the file");
+    const SafetensorsHeader header = parse_safetensors_header(
+        std::string_view(reinterpret_cast<const char*>(map.base), 8 + header_bytes), map.size);
+    const std::byte* data = map.base + 8 + header.header_bytes;
+
+    // Sharded entries: name -> (logical, full shape, first row), from the rank's layout.
+    struct Shard {
+      std::string logical;
+      std::vector<uint64_t> full_shape;
+      uint64_t offset = 0;
+    };
+    std::map<std::string, Shard> shards;
+    if (auto it = header.metadata.find("megacpp.layout"); it != header.metadata.end()) {
+      const auto layout = nlohmann::json::parse(it->second, nullptr, false);
+      if (!layout.is_object()) corrupt(path, "megacpp.layout is not a JSON object");
+      if (layout.value("world", 0u) != world_ || layout.value("rank", ~0u) != rank)
+        corrupt(path,
+                fmt::format("megacpp.layout names rank {} of world {}, expected {} of {}",
+                            layout.value("rank", ~0u), layout.value("world", 0u), rank, world_));
+      try {
+        for (const auto& [name, s] : layout.at("shards").items()) {
+          shards[name] = Shard{s.at("logical").get<std::string>(),
+                               s.at("full_shape").get<std::vector<uint64_t>>(),
+                               s.at("offset").get<uint64_t>()};
+        }
+      } catch (const nlohmann::json::exception& e) {
+        corrupt(path, fmt::format("megacpp.layout: {}", e.what()));
+      }
+    }
+
+    for (const auto& t : header.tensors) {
+      const uint64_t elem = *dtype_size(t.dtype);
+      StoredTensor::Piece piece;
+      piece.rank = rank;
+      piece.data = {data + t.begin, t.end - t.begin};
+      std::string logical = t.name;
+      std::vector<uint64_t> full_shape = t.shape;
+      if (auto s = shards.find(t.name); s != shards.end()) {
+        logical = s->second.logical;
+        full_shape = s->second.full_shape;
+        piece.row = s->second.offset;
+        if (t.shape.empty() || full_shape.size() != t.shape.size() ||
+            !std::equal(t.shape.begin() + 1, t.shape.end(), full_shape.begin() + 1))
+          corrupt(path, fmt::format("shard {} of shape {} does not fit {} of shape {}", t.name,
+                                    nlohmann::json(t.shape).dump(), logical,
+                                    nlohmann::json(full_shape).dump()));
+      }
+      piece.rows = t.shape.empty() ? 1 : t.shape[0];
+      const uint64_t row_bytes =
+          t.shape.empty() ? elem : elem * product(std::span(t.shape).subspan(1));
+      auto [it, fresh] = tensors_.try_emplace(logical);
+      StoredTensor& st = it->second;
+      if (fresh) {
+        st.name = logical;
+        st.dtype = t.dtype;
+        st.full_shape = full_shape;
+        st.row_bytes = row_bytes;
+      } else if (st.dtype != t.dtype || st.full_shape != full_shape || st.row_bytes != row_bytes) {
+        corrupt(path, fmt::format("{} disagrees with another rank's shard of {}", t.name, logical));
+      }
+      for (const auto& other : st.pieces) {
+        if (piece.row < other.row + other.rows && other.row < piece.row + piece.rows)
+          corrupt(path,
+                  fmt::format("{} overlaps rank {}'s rows of {}", t.name, other.rank, logical));
+      }
+      st.pieces.push_back(piece);
+    }
+  }
+  for (auto& [name, t] : tensors_) {
+    std::sort(t.pieces.begin(), t.pieces.end(),
+              [](const auto& a, const auto& b) { return a.row < b.row; });
+  }
+}
+
+CheckpointReader::~CheckpointReader() = default;
+
+const StoredTensor* CheckpointReader::find(std::string_view logical) const {
+  auto it = tensors_.find(logical);
+  return it == tensors_.end() ? nullptr : &it->second;
+}
+
+void CheckpointReader::read_rows(const StoredTensor& t, uint64_t row, uint64_t rows,
+                                 std::span<std::byte> out) const {
+  MEGACPP_CHECK(out.size() == rows * t.row_bytes, ErrorKind::kInvalidArgument,
+                fmt::format("{}: {} bytes asked for {} rows of {} bytes", t.name, out.size(), rows,
+                            t.row_bytes));
+  const uint64_t real_rows = t.full_shape.empty() ? 1 : t.full_shape[0];
+  uint64_t at = row;
+  const uint64_t end = row + rows;
+  for (const auto& p : t.pieces) {
+    if (p.row + p.rows <= at) continue;
+    if (p.row > at) break;
+    const uint64_t n = std::min(end, p.row + p.rows) - at;
+    std::memcpy(out.data() + (at - row) * t.row_bytes, p.data.data() + (at - p.row) * t.row_bytes,
+                n * t.row_bytes);
+    at += n;
+    if (at == end) return;
+  }
+  if (at < real_rows)
+    MEGACPP_FAIL(ErrorKind::kCorruption, "checkpoint {}: {} has no stored row {} (of {})",
+                 dir_.string(), t.name, at, real_rows);
+  std::memset(out.data() + (at - row) * t.row_bytes, 0, (end - at) * t.row_bytes);
+}
+
+ResumeChoice select_resume_checkpoint(const fs::path& run_dir) {
+  ResumeChoice out;
+  const fs::path dir = layout::checkpoints_dir(run_dir);
+  std::vector<uint32_t> steps;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!it->is_directory() || name.size() != 13 || !name.starts_with("step_")) continue;
+    if (!std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      continue;
+    steps.push_back(static_cast<uint32_t>(std::stoul(name.substr(5))));
+  }
+  std::sort(steps.rbegin(), steps.rend());
+  for (uint32_t step : steps) {
+    const std::string name = layout::checkpoint_dir_name(step);
+    const std::string relative = (fs::path("checkpoints") / name).string();
+    VerifyResult v = verify_checkpoint(dir / name);
+    if (!v.ok) {
+      out.skipped.push_back({step, relative, std::move(v.problems)});
+      continue;
+    }
+    CommittedCheckpoint c{step, dir / name, relative, 0};
+    for (const auto& entry : fs::directory_iterator(dir / name)) {
+      if (entry.is_regular_file()) c.bytes += entry.file_size();
+    }
+    out.chosen = std::move(c);
+    break;
+  }
+  return out;
+}
+
+}  // namespace megacpp::checkpointer
