@@ -96,6 +96,7 @@ void JournalWriter::append(const std::function<void(schema::JournalRecord::Build
   root.setStage(stage_);
   root.setRank(rank_);
   root.setPid(::getpid());
+  root.setAttempt(attempt_);
   fill(root);
   append_raw(message);
 }

@@ -35,11 +35,13 @@ class JournalWriter {
   JournalWriter(const JournalWriter&) = delete;
   JournalWriter& operator=(const JournalWriter&) = delete;
 
-  // Stamps schemaVersion, monoNs, wallNs, stage, rank and pid; `fill` sets the union.
+  // Stamps schemaVersion, monoNs, wallNs, stage, rank, pid and attempt; `fill` sets the union.
   void append(const std::function<void(schema::JournalRecord::Builder)>& fill);
   void append_raw(capnp::MessageBuilder& message);
   void sync();  // fdatasync: records so far survive a machine crash
   void set_identity(schema::StageKind stage, uint32_t rank);
+  // The run attempt stamped on every record from now on (launch.json's attempt).
+  void set_attempt(uint32_t attempt) noexcept { attempt_ = attempt; }
   const std::filesystem::path& path() const noexcept { return path_; }
 
  private:
@@ -47,6 +49,7 @@ class JournalWriter {
   int fd_;
   schema::StageKind stage_ = schema::StageKind::SUPERVISOR;
   uint32_t rank_ = 0;
+  uint32_t attempt_ = 0;
 };
 
 struct JournalStats {

@@ -333,6 +333,59 @@ void to_spec(const Recipe& r, schema::RecipeSpec::Builder s) {
   d.setShards(r.data.shards);
 }
 
+Recipe from_spec(schema::RecipeSpec::Reader s) {
+  Recipe r;
+  r.name = s.getName();
+  r.path = std::string(s.getPath());
+  r.pattern = s.getPattern();
+  for (auto l : s.getLayers()) r.layers.emplace_back(l.cStr());
+  const auto m = s.getModel();
+  r.model = ModelConfig{.vocab_size = m.getVocabSize(),
+                        .seq_len = m.getSeqLen(),
+                        .d_model = m.getDModel(),
+                        .n_layers = m.getNLayers(),
+                        .n_heads = m.getNHeads(),
+                        .mlp_mult = m.getMlpMult()};
+  const auto t = s.getTrain();
+  r.train.batch_size = t.getBatchSize();
+  r.train.min_lr_ratio = t.getMinLrRatio();
+  r.train.warmup_steps = t.getWarmupSteps();
+  r.train.grad_clip = t.getGradClip();
+  r.train.seed = t.getSeed();
+  r.train.checkpoint_every = t.getCheckpointEvery();
+  const auto o = t.getOptim();
+  r.train.optim = OptimConfig{.embed_lr = o.getEmbedLr(),
+                              .head_lr = o.getHeadLr(),
+                              .adam_lr = o.getAdamLr(),
+                              .adam_beta1 = o.getAdamBeta1(),
+                              .adam_beta2 = o.getAdamBeta2(),
+                              .adam_eps = o.getAdamEps(),
+                              .adam_weight_decay = o.getAdamWeightDecay(),
+                              .adamw_crossover = o.getAdamwCrossover(),
+                              .muon_lr = o.getMuonLr(),
+                              .muon_momentum = o.getMuonMomentum(),
+                              .muon_beta2 = o.getMuonBeta2(),
+                              .muon_weight_decay = o.getMuonWeightDecay(),
+                              .muon_orthogonalizer = o.getMuonOrthogonalizer(),
+                              .muon_ns_steps = o.getMuonNsSteps(),
+                              .muon_bf16 = o.getMuonBf16(),
+                              .qkv_split = o.getQkvSplit()};
+  const auto d = s.getData();
+  r.data.source = d.getSource();
+  r.data.path = d.getPath();
+  r.data.split = d.getSplit();
+  r.data.pack = d.getPack();
+  r.data.eos_id = d.getEosId();
+  r.data.shard_tokens = d.getShardTokens();
+  r.data.shards = d.getShards();
+  const std::string recorded = s.getHash();
+  r = rehash(std::move(r));
+  MEGACPP_CHECK(r.hash == recorded, ErrorKind::kCorruption,
+                fmt::format("recipe {} as recorded hashes to {}, not its recorded {}", r.name,
+                            r.hash, recorded));
+  return r;
+}
+
 std::string describe(const Recipe& r) {
   std::string layers;
   for (size_t i = 0; i < r.layers.size(); ++i)

@@ -112,6 +112,11 @@ Recipe parse(const std::string& toml_text, const std::filesystem::path& origin);
 Recipe rehash(Recipe recipe);
 
 void to_spec(const Recipe& r, schema::RecipeSpec::Builder spec);
+// The recipe a launch contract recorded, rebuilt without its file (a resumed run trains on
+// exactly what it started with, whatever happened to the .toml since). Validated and rehashed:
+// throws Error{kInvalidArgument} when it breaks a rule, Error{kCorruption} when it does not
+// hash to the recorded hash.
+Recipe from_spec(schema::RecipeSpec::Reader spec);
 // A human-readable expansion (what `megacpp plan` prints).
 std::string describe(const Recipe& r);
 

@@ -110,6 +110,17 @@ struct RunOrphaned {
   reason @1 :Text;
 }
 
+# The supervisor began an attempt of the run (a resume or an automatic job restart; the first
+# launch journals none): training continues from the checkpoint of fromStep.
+struct AttemptStarted {
+  attempt @0 :UInt32;
+  fromStep @1 :UInt32;
+  checkpoint @2 :Text;          # relative to the run directory
+  reason @3 :Text;              # "resume" | "job_restart"
+  world @4 :UInt32;
+  # Newer checkpoints that did not verify and were set aside: "checkpoints/step_N: problem".
+  skipped @5 :List(Text);
+}
 struct FirstForward {
   seconds @0 :Float64;          # process start -> first forward done
 }
@@ -137,7 +148,11 @@ struct JournalRecord {
     # The supervisor gave up on a child that outlived SIGKILL and its bound (e.g. stuck in
     # uninterruptible I/O); it was not reaped. exitCode and signal are 0.
     childUnkillable @18 :ChildEvent;
+    attemptStarted @20 :AttemptStarted;
   }
+  # The run attempt that wrote the record (launch.json's attempt; 0 in journals written
+  # before attempts existed).
+  attempt @19 :UInt32;
 }
 
 # RUN/failures/<stage>-<rank>.json: written by a process on its way down.

@@ -114,6 +114,25 @@ struct Provenance {
   torchVersion @6 :Text;
 }
 
+# Where training starts when it does not start from scratch (DESIGN.md "Resume and recovery").
+struct ResumePoint {
+  step @0 :UInt32;              # the checkpoint's step: training continues at step + 1 (0: none)
+  checkpoint @1 :Text;          # the checkpoint directory, absolute
+  world @2 :UInt32;             # the world size that wrote it
+  # Sequences per rank and step in this attempt when they differ from the recipe's: a resume
+  # at another world size keeps the global batch (recipe batch x the run's first world), so
+  # every step trains on the same windows. 0: the recipe's.
+  rankBatch @3 :UInt32;
+}
+
+# A run started from another run's checkpoint (`megacpp run --from CKPT`).
+struct ParentRun {
+  runDir @0 :Text;              # absolute
+  runId @1 :Text;
+  step @2 :UInt32;
+  checkpoint @3 :Text;          # absolute
+}
+
 struct LaunchContract {
   schemaVersion @0 :UInt32;
   runId @1 :Text;
@@ -148,4 +167,10 @@ struct LaunchContract {
   checkpointerStallSeconds @27 :Float64;
   dataset @28 :Dataset;
   volumes @29 :List(VolumeUse);
+  # Attempts: 0 for a run's first launch, then one more for every `--resume` and every
+  # automatic job restart. launch.json is the current attempt's contract (earlier ones are
+  # kept as RUN/attempts/<n>/launch.json); every journal record carries its attempt.
+  attempt @30 :UInt32;
+  resume @31 :ResumePoint;
+  parent @32 :ParentRun;
 }

@@ -18,6 +18,7 @@ enum RunState {
   error @3;
   detached @4;
   orphaned @5;
+  interrupted @6;               # stopped on request (SIGINT/SIGTERM) after a final checkpoint
 }
 
 struct StageSnapshot {
@@ -66,6 +67,23 @@ struct JournalSummary {
   tornBytes @2 :UInt32;         # bytes skipped as a torn or corrupt tail
 }
 
+# One attempt of the run: its first launch, a `--resume`, an automatic job restart.
+struct AttemptSummary {
+  attempt @0 :UInt32;
+  reason @1 :Text;              # "launch" | "resume" | "job_restart"
+  fromStep @2 :UInt32;          # the checkpoint step it started from (0: from scratch)
+  checkpoint @3 :Text;          # that checkpoint, relative to the run directory
+  world @4 :UInt32;
+  startedAt @5 :Text;
+  endedAt @6 :Text;
+  state @7 :RunState;
+  lastStep @8 :UInt32;          # the newest step every rank of the attempt completed
+  # Steps the attempt completed past the checkpoint the next attempt started from: trained
+  # again, and counted once in the receipts.
+  stepsLost @9 :UInt32;
+  error @10 :RunError;          # its first failure (kind none when it ended ok)
+  skippedCheckpoints @11 :List(Text);  # newer checkpoints that did not verify
+}
 struct Manifest {
   schemaVersion @0 :UInt32;
   runId @1 :Text;
@@ -87,6 +105,9 @@ struct Manifest {
   journals @17 :List(JournalSummary);
   stageGraph @18 :GraphSnapshot;  # at the moment of an error or timeout
   restarts @19 :UInt32;           # restartable-stage restarts over the run
+  attempt @20 :UInt32;            # the current attempt (see attempts)
+  attempts @21 :List(AttemptSummary);  # every attempt, oldest first
+  parent @22 :Launch.ParentRun;   # `--from`: the run and checkpoint this run started from
 }
 
 struct BenchResult {

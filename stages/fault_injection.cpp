@@ -58,7 +58,7 @@ std::string_view action_name(FaultAction action) {
 }
 
 std::vector<Fault> parse_faults(std::string_view spec, schema::StageKind stage, uint32_t rank,
-                                uint32_t generation) {
+                                uint32_t generation, uint32_t attempt) {
   std::vector<Fault> mine;
   if (trim(spec).empty()) return mine;
   size_t begin = 0;
@@ -104,7 +104,8 @@ std::vector<Fault> parse_faults(std::string_view spec, schema::StageKind stage, 
       if (fields[4] == name) action = a;
     }
     if (!action) invalid(fmt::format("unknown action '{}'", fields[4]));
-    std::optional<uint32_t> fault_generation = 0;  // the first launch only, by default
+    // The first launch only, by default: generation 0 of attempt 0.
+    std::optional<uint32_t> fault_generation = 0;
     if (fields.size() == 6) {
       fault_generation = fields[5] == "*" ? std::nullopt : parse_u32(fields[5]);
       if (fields[5] != "*" && !fault_generation) {
@@ -112,7 +113,7 @@ std::vector<Fault> parse_faults(std::string_view spec, schema::StageKind stage, 
       }
     }
     if (fault_stage == stage && *fault_rank == rank &&
-        (!fault_generation || *fault_generation == generation)) {
+        (!fault_generation || (*fault_generation == generation && attempt == 0))) {
       mine.push_back(Fault{std::string(point), *step, *action});
     }
     if (comma == std::string_view::npos) break;

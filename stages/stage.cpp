@@ -47,15 +47,17 @@ void install_signal_handlers() {
 StageContext::StageContext(schema::StageKind kind, const StageArgs& args)
     : kind_(kind),
       args_(args),
-      faults_(detail::parse_faults(knob_string(Knob::kFault), kind, args.rank, args.generation)),
       launch_(layout::launch_path(args.run_dir)),
       journal_(layout::journal_path(args.run_dir, kind, args.rank)) {
+  faults_ = detail::parse_faults(knob_string(Knob::kFault), kind, args.rank, args.generation,
+                                 launch_.get().getAttempt());
   for (const auto& f : faults_) {
     log_warn("fault injection armed: {} at {} step {}", detail::action_name(f.action), f.point,
              f.step);
   }
   journal_.set_identity(kind, args.rank);
   auto l = launch_.get();
+  journal_.set_attempt(l.getAttempt());
   control_ = std::make_unique<ipc::ControlClient>(l.getControlEndpoint(),
                                                   ipc::Identity{kind, args.rank, args.generation},
                                                   ipc::Millis(l.getHeartbeatIntervalMs()));

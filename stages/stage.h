@@ -51,9 +51,12 @@ struct Fault {
 };
 // Parses a MEGACPP_FAULT value (see fault_point) and keeps the entries naming `stage`, `rank`
 // and `generation`. Every entry is validated, also those for other processes, so a typo fails
-// every stage at start-up. Throws Error{kInvalidArgument} quoting the offending entry.
+// every stage at start-up. An entry with a generation number (default 0) fires in the run's
+// first attempt only, so a resumed or restarted job does not fail again at the same point;
+// `*` fires in every generation of every attempt. Throws Error{kInvalidArgument} quoting the
+// offending entry.
 std::vector<Fault> parse_faults(std::string_view spec, schema::StageKind stage, uint32_t rank,
-                                uint32_t generation);
+                                uint32_t generation, uint32_t attempt = 0);
 }  // namespace detail
 
 class StageContext {

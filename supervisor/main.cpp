@@ -79,8 +79,18 @@ int main(int argc, char** argv) {
   run->add_option("--ranks", ro.ranks, "Trainer ranks (processes) on this node")
       ->capture_default_str();
   run->add_option("--steps", ro.steps, "Optimizer steps to train")->capture_default_str();
-  run->add_option("--run-dir", ro_run_dir, "Run directory to create (must not hold a run)")
-      ->required();
+  auto* run_dir_opt =
+      run->add_option("--run-dir", ro_run_dir, "Run directory to create (must not hold a run)");
+  std::string ro_resume, ro_from;
+  auto* resume_opt = run->add_option(
+      "--resume", ro_resume,
+      "Continue the run in this directory from its newest checkpoint that verifies (its recipe, "
+      "steps and data; --ranks may change the world size, keeping the global batch)");
+  auto* from_opt = run->add_option(
+      "--from", ro_from,
+      "Start this new run from a checkpoint (a step_N directory, or a run directory for its "
+      "LATEST): parameters and optimizer state, training from the step after it");
+  resume_opt->excludes(run_dir_opt)->excludes(from_opt);
   run->add_option("--data-dir", ro_data_dir,
                   "Data volume directory for token shards (default: <run-dir>/../data)");
   run->add_option("--data-source", ro.data_source,
@@ -201,6 +211,20 @@ int main(int argc, char** argv) {
     if (*run) {
       ro.run_dir = ro_run_dir;
       ro.data_dir = ro_data_dir;
+      ro.resume = ro_resume;
+      ro.from = ro_from;
+      if (!ro_resume.empty()) {
+        // A resumed run trains what it recorded: these would silently change it.
+        for (const char* name : {"recipe", "--steps", "--data-dir", "--data-source",
+                                 "--data-path", "--stage-data"}) {
+          if (run->count(name) > 0)
+            throw mc::Error(mc::ErrorKind::kInvalidArgument,
+                            fmt::format("--resume continues the run as it was launched: drop {} "
+                                        "(branch with --from to change it)",
+                                        name));
+        }
+        if (run->count("--ranks") == 0) ro.ranks = 0;
+      }
       ro.argv.assign(argv, argv + argc);
       return mc::supervisor::run(ro);
     }

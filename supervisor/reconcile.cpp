@@ -70,9 +70,11 @@ bool reconcile(const fs::path& run_dir) {
   // what the supervisor would have removed. Stages cannot outlive it (PR_SET_PDEATHSIG).
   schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
   auto l = launch.get();
+  // Only the current attempt's end counts: an earlier attempt finished before this one began.
   bool finished = false, orphaned = false;
   ipc::JournalReader::read_all(layout::journal_path(run_dir, StageKind::SUPERVISOR, 0),
                                [&](schema::JournalRecord::Reader r) {
+                                 if (r.getAttempt() != l.getAttempt()) return;
                                  finished = finished || r.isRunFinished();
                                  orphaned = orphaned || r.isRunOrphaned();
                                });
@@ -81,6 +83,7 @@ bool reconcile(const fs::path& run_dir) {
   if (pid > 0 && detail::process_start_ticks(pid) == l.getSupervisorStartTicks()) return false;
   ipc::JournalWriter journal(layout::journal_path(run_dir, StageKind::SUPERVISOR, 0));
   journal.set_identity(StageKind::SUPERVISOR, 0);
+  journal.set_attempt(l.getAttempt());
   journal.append([&](schema::JournalRecord::Builder r) {
     auto o = r.initRunOrphaned();
     o.setSupervisorPid(pid);
@@ -93,7 +96,7 @@ bool reconcile(const fs::path& run_dir) {
   const std::string run_id = l.getRunId();
   size_t segments = 0;
   if (layout::valid_run_id(run_id)) {
-    const std::string prefix = layout::shm_prefix(run_id, 0);
+    const std::string prefix = layout::shm_prefix(run_id, l.getAttempt());
     for (uint32_t r = 0; r < layout::kMaxRanks; ++r) {
       for (const auto& name :
            {layout::ring_shm_name(prefix, r), layout::staging_shm_name(prefix, r)})

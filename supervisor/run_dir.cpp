@@ -28,6 +28,7 @@
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
+#include "stages/checkpointer/checkpointer.h"
 #include "supervisor/metrics.h"
 #include "supervisor/process.h"
 #include "supervisor/rendezvous.h"
@@ -39,10 +40,16 @@ void RunOptions::validate() const {
   auto bad = [](std::string msg) {
     MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{}", std::move(msg));
   };
-  if (ranks < 1 || ranks > layout::kMaxRanks)
+  // With --resume, ranks 0 means "the world the run had".
+  if ((ranks < 1 && resume.empty()) || ranks > layout::kMaxRanks)
     bad(fmt::format("--ranks {}: must be in [1, {}]", ranks, layout::kMaxRanks));
   if (steps < 1) bad("--steps must be >= 1");
-  if (run_dir.empty()) bad("--run-dir is required");
+  if (!resume.empty()) {
+    if (!run_dir.empty() || !from.empty())
+      bad("--resume RUN continues RUN: it takes no --run-dir or --from");
+  } else if (run_dir.empty()) {
+    bad("--run-dir is required (or --resume RUN to continue a run)");
+  }
   if (heartbeat_interval_ms < 10 || heartbeat_interval_ms > 10000)
     bad("--heartbeat-ms must be in [10, 10000]");
   if (ring_slots < 2 || ring_slots > 1024) bad("--ring-slots must be in [2, 1024]");
@@ -139,23 +146,144 @@ void describe_volume(const fs::path& path, schema::FilesystemInfo::Builder out) 
 
 }  // namespace
 
+void Run::adopt_previous_attempt() {
+  run_ = fs::absolute(opt_.resume).lexically_normal();
+  const fs::path launch_file = layout::launch_path(run_);
+  if (!fs::exists(launch_file))
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "--resume {}: no run there (no launch.json): pass the run directory of an "
+                 "earlier `megacpp run`",
+                 run_.string());
+  // A previous attempt whose supervisor vanished is recorded as orphaned (and its shm and
+  // sockets removed) before anything is decided.
+  reconcile(run_);
+  schemas::JsonFile<schema::LaunchContract> prev(launch_file);
+  const auto l = prev.get();
+  bool ended = false;
+  ipc::JournalReader::read_all(layout::journal_path(run_, StageKind::SUPERVISOR, 0),
+                               [&](schema::JournalRecord::Reader r) {
+                                 if (r.getAttempt() == l.getAttempt() &&
+                                     (r.isRunFinished() || r.isRunOrphaned()))
+                                   ended = true;
+                               });
+  if (!ended)
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "--resume {}: the run is still running (supervisor pid {}): let it end or stop "
+                 "it (SIGINT) first",
+                 run_.string(), l.getSupervisorPid());
+  try {
+    recipe_ = recipe::from_spec(l.getRecipe());
+  } catch (const Error& e) {
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "--resume {}: launch.json's recipe: {}",
+                 run_.string(), e.what());
+  }
+  run_id_ = l.getRunId();
+  created_at_ = l.getCreatedAt();
+  previous_attempt_ = l.getAttempt();
+  attempt_ = previous_attempt_ + 1;
+  // The global batch stays the run's whatever the world size (every attempt trains a step
+  // on the same windows): the previous attempt's world times its batch per rank.
+  const uint32_t prev_rank_batch = l.getResume().getRankBatch() != 0
+                                       ? l.getResume().getRankBatch()
+                                       : recipe_.train.batch_size;
+  global_batch_ = static_cast<uint64_t>(l.getWorld()) * prev_rank_batch;
+  opt_.steps = l.getSteps();
+  if (opt_.ranks == 0) opt_.ranks = l.getWorld();
+  opt_.data_dir = std::string(l.getDataDir());
+  previous_dataset_ = data::from_spec(l.getDataset());
+  parent_ = l.hasParent() && l.getParent().hasRunId()
+                ? std::optional<ParentInfo>(ParentInfo{l.getParent().getRunDir(),
+                                                       l.getParent().getRunId(),
+                                                       l.getParent().getStep(),
+                                                       l.getParent().getCheckpoint()})
+                : std::nullopt;
+
+  auto choice = checkpointer::select_resume_checkpoint(run_);
+  for (const auto& sk : choice.skipped) {
+    std::string problems;
+    for (const auto& p : sk.problems) problems += (problems.empty() ? "" : "; ") + p;
+    log_warn("--resume: skipping {}: it does not verify ({})", sk.relative_path, problems);
+    skipped_.push_back(fmt::format("{}: {}", sk.relative_path, problems));
+    skipped_steps_.push_back(sk.step);
+  }
+  if (!choice.chosen)
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "--resume {}: no checkpoint in {} verifies{}: nothing to resume from; start a "
+                 "new run",
+                 run_.string(), layout::checkpoints_dir(run_).string(),
+                 skipped_.empty() ? "" : fmt::format(" ({} skipped)", skipped_.size()));
+  if (choice.chosen->step >= opt_.steps)
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "--resume {}: its checkpoint of step {} is the last of the {} planned steps: "
+                 "nothing to resume (branch from it with `megacpp run RECIPE --from {} --run-dir "
+                 "NEW`)",
+                 run_.string(), choice.chosen->step, opt_.steps, choice.chosen->dir.string());
+  resume_ = ResumeInfo{choice.chosen->step, choice.chosen->dir, choice.chosen->relative_path, 0};
+  checkpointer::CheckpointReader ckpt(choice.chosen->dir);
+  resume_->world = ckpt.world();
+  if (global_batch_ % opt_.ranks != 0)
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "--resume {} --ranks {}: rule resume.global_batch: the run's global batch of {} "
+                 "sequences per step cannot be split evenly over {} ranks; pick a world size "
+                 "that divides it",
+                 run_.string(), opt_.ranks, global_batch_, opt_.ranks);
+  const auto rank_batch = static_cast<uint32_t>(global_batch_ / opt_.ranks);
+  if (rank_batch != recipe_.train.batch_size) rank_batch_ = rank_batch;
+}
+
+void Run::adopt_parent_checkpoint() {
+  fs::path dir = fs::absolute(opt_.from).lexically_normal();
+  // A run directory or its LATEST stands for the checkpoint LATEST names.
+  if (fs::is_directory(dir) && fs::exists(layout::checkpoints_dir(dir) / "LATEST"))
+    dir = layout::checkpoints_dir(dir) / "LATEST";
+  if (dir.filename() == "LATEST" && fs::is_regular_file(dir)) {
+    std::string name = read_file(dir);
+    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    dir = dir.parent_path() / name;
+  }
+  const auto verdict = checkpointer::verify_checkpoint(dir);
+  if (!verdict.ok)
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "--from {}: the checkpoint does not verify ({}): pick another checkpoint",
+                 opt_.from.string(), verdict.problems.front());
+  checkpointer::CheckpointReader ckpt(dir);
+  if (ckpt.step() >= opt_.steps)
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "--from {}: the checkpoint is of step {}, and --steps {} leaves nothing to "
+                 "train: steps continue from the checkpoint's, so pass --steps above {}",
+                 opt_.from.string(), ckpt.step(), opt_.steps, ckpt.step());
+  resume_ = ResumeInfo{ckpt.step(), dir, dir.string(), ckpt.world()};
+  const fs::path parent_run = dir.parent_path().parent_path();
+  parent_ = ParentInfo{parent_run.string(), ckpt.run_id(), ckpt.step(), dir.string()};
+}
+
 void Run::prepare() {
   // Before any thread exists (TCPStore, ZeroMQ): threads inherit the mask, so SIGCHLD can
   // reach nothing but the signalfd. A thread that left it unblocked would swallow exits.
   sigfd_ = detail::block_signals_to_fd();
   opt_.validate();
-  auto recipe_path = recipe::resolve(opt_.recipe, MEGACPP_RECIPE_DIR);
-  recipe_ = recipe::load(recipe_path);
-  if (!opt_.data_source.empty() || !opt_.data_path.empty()) {
-    // The CLI composes over the recipe: the overrides pass the same rules, and the recipe's
-    // hash covers what actually runs.
-    if (!opt_.data_source.empty()) recipe_.data.source = opt_.data_source;
-    if (!opt_.data_path.empty()) recipe_.data.path = opt_.data_path;
-    recipe_ = recipe::rehash(std::move(recipe_));
+  const bool resuming = !opt_.resume.empty();
+  if (resuming) {
+    adopt_previous_attempt();
+  } else {
+    auto recipe_path = recipe::resolve(opt_.recipe, MEGACPP_RECIPE_DIR);
+    recipe_ = recipe::load(recipe_path);
+    if (!opt_.data_source.empty() || !opt_.data_path.empty()) {
+      // The CLI composes over the recipe: the overrides pass the same rules, and the recipe's
+      // hash covers what actually runs.
+      if (!opt_.data_source.empty()) recipe_.data.source = opt_.data_source;
+      if (!opt_.data_path.empty()) recipe_.data.path = opt_.data_path;
+      recipe_ = recipe::rehash(std::move(recipe_));
+    }
+    run_ = fs::absolute(opt_.run_dir).lexically_normal();
+    if (!opt_.from.empty()) adopt_parent_checkpoint();
   }
+  // What this attempt's ranks train on: the recipe, with the per-rank batch a resume at
+  // another world size needs.
+  recipe::Recipe planned = recipe_;
+  if (rank_batch_) planned.train.batch_size = rank_batch_;
 
-  run_ = fs::absolute(opt_.run_dir).lexically_normal();
-  if (fs::exists(run_)) {
+  if (!resuming && fs::exists(run_)) {
     if (!fs::is_directory(run_)) {
       MEGACPP_FAIL(ErrorKind::kInvalidArgument, "run directory {} exists and is not a directory",
                    run_.string());
@@ -163,9 +291,9 @@ void Run::prepare() {
     if (fs::exists(layout::launch_path(run_))) {
       MEGACPP_FAIL(
           ErrorKind::kInvalidArgument,
-          "run directory {} already holds a run (launch.json exists): choose a fresh --run-dir "
-          "(resuming a run is not supported yet)",
-          run_.string());
+          "run directory {} already holds a run (launch.json exists): choose a fresh --run-dir, "
+          "or continue it with `megacpp run --resume {}`",
+          run_.string(), run_.string());
     }
     if (!fs::is_empty(run_)) {
       MEGACPP_FAIL(ErrorKind::kInvalidArgument,
@@ -219,8 +347,35 @@ void Run::prepare() {
                  opt_.data_dir.string(), recipe_.data.source);
   }
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
-  if (opt_.stage_data.empty()) {
-    dataset_ = data::resolve_dataset(recipe_, opt_.data_dir, opt_.ranks, threads);
+  if (resuming) {
+    // The same files as before, checked again: a file that changed since is refused.
+    const auto& prev = previous_dataset_;
+    recipe::Recipe local = planned;
+    fs::path dir = opt_.data_dir;
+    if (!prev.staged_from.empty() && !prev.files.empty()) {
+      local.data.path.clear();
+      dir = prev.files.front().path.parent_path();
+    }
+    dataset_ = data::resolve_dataset(local, dir, opt_.ranks, threads);
+    dataset_.staged_from = prev.staged_from;
+    bool same = dataset_.files.size() == prev.files.size();
+    for (size_t i = 0; same && i < prev.files.size(); ++i) {
+      if (dataset_.files[i].path != prev.files[i].path ||
+          dataset_.files[i].xxh3 != prev.files[i].xxh3) {
+        MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                     "--resume {}: the data changed since the run started ({}: xxh3 {}, recorded "
+                     "{}): restore the files or start a new run",
+                     run_.string(), prev.files[i].path.string(), dataset_.files[i].xxh3,
+                     prev.files[i].xxh3);
+      }
+    }
+    if (!same)
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "--resume {}: the data changed since the run started ({} files, recorded {}): "
+                   "restore the files or start a new run",
+                   run_.string(), dataset_.files.size(), prev.files.size());
+  } else if (opt_.stage_data.empty()) {
+    dataset_ = data::resolve_dataset(planned, opt_.data_dir, opt_.ranks, threads);
   } else {
     fs::path src = recipe_.data.path.empty() ? opt_.data_dir : fs::path(recipe_.data.path);
     if (src.is_relative()) src = opt_.data_dir / src;
@@ -234,7 +389,7 @@ void Run::prepare() {
     const auto report = data::stage_dataset(src, hot);
     log_info("staged {} to {}: {} files copied ({:.1f} MB), {} unchanged files reused",
              src.string(), hot.string(), report.copied, report.bytes_copied / 1e6, report.reused);
-    recipe::Recipe local = recipe_;
+    recipe::Recipe local = planned;
     local.data.path.clear();
     dataset_ = data::resolve_dataset(local, hot, opt_.ranks, threads);
     dataset_.staged_from = src.string();
@@ -277,15 +432,21 @@ void Run::prepare() {
         layout::checkpoints_dir(run_), layout::logs_dir(run_)}) {
     fs::create_directories(d);
   }
-  run_id_ = fmt::format("{}-{}", rfc3339(wall_ns()).substr(0, 19), random_hex(6));
-  for (auto& ch : run_id_) {
-    if (ch == ':') ch = '-';
+  if (resuming) {
+    begin_attempt();
+  } else {
+    run_id_ = fmt::format("{}-{}", rfc3339(wall_ns()).substr(0, 19), random_hex(6));
+    for (auto& ch : run_id_) {
+      if (ch == ':') ch = '-';
+    }
+    created_at_ = rfc3339(wall_ns());
   }
-  shm_prefix_ = layout::shm_prefix(run_id_, 0);
+  shm_prefix_ = layout::shm_prefix(run_id_, attempt_);
   ipc::unlink_shm(shm_prefix_);
 
   // A Unix socket path holds ~107 bytes; a deep run directory falls back to a short private dir.
   sock_dir_ = run_ / "sock";
+  if (resuming) fs::remove_all(sock_dir_);  // an earlier attempt's, its supervisor gone
   if (sock_dir_.string().size() + 16 > 100) {
     char tmpl[] = "/tmp/megacpp-XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) SYSCALL_FAIL("mkdtemp", errno);
@@ -302,7 +463,7 @@ void Run::prepare() {
   store_ = std::make_unique<StoreServer>("127.0.0.1", 0, opt_.ranks);
 
   static_assert(recipe::kMaxBatchSlotBytes <= ipc::SlotRing::kMaxSlotBytes);
-  const uint64_t slot_bytes = recipe::batch_spec(recipe_).slot_bytes();
+  const uint64_t slot_bytes = recipe::batch_spec(planned).slot_bytes();
   for (uint32_t r = 0; r < opt_.ranks; ++r) {
     auto name = layout::ring_shm_name(shm_prefix_, r);
     rings_.push_back(std::make_unique<ipc::ShmRegion>(
@@ -310,25 +471,71 @@ void Run::prepare() {
     ipc::SlotRing::format(*rings_.back(), opt_.ring_slots, slot_bytes);
     ring_views_.push_back(std::make_unique<ipc::SlotRing>(*rings_.back()));
   }
-  write_launch_contract();
+  write_launch_contract(planned);
 
   zmq_ = std::make_unique<ipc::ZmqContext>();
   router_ = std::make_unique<ipc::Channel>(*zmq_, ipc::Channel::Kind::kRouter, control_ep_);
   journal_ =
       std::make_unique<ipc::JournalWriter>(layout::journal_path(run_, StageKind::SUPERVISOR, 0));
   journal_->set_identity(StageKind::SUPERVISOR, 0);
+  journal_->set_attempt(attempt_);
   journal_->append([](schema::JournalRecord::Builder r) { r.setProcessStarted(); });
+  if (resuming) {
+    journal_->append([&](schema::JournalRecord::Builder r) {
+      auto a = r.initAttemptStarted();
+      a.setAttempt(attempt_);
+      a.setFromStep(resume_->step);
+      a.setCheckpoint(resume_->relative_path);
+      a.setReason("resume");
+      a.setWorld(opt_.ranks);
+      auto sk = a.initSkipped(static_cast<unsigned>(skipped_.size()));
+      for (size_t i = 0; i < skipped_.size(); ++i) sk.set(static_cast<unsigned>(i), skipped_[i]);
+    });
+    journal_->sync();
+  }
   checkpoint_journal_ =
       std::make_unique<ipc::JournalReader>(layout::journal_path(run_, StageKind::CHECKPOINTER, 0));
 }
 
-void Run::write_launch_contract() {
+void Run::begin_attempt() {
+  // The previous attempt's contract and failure dumps move to RUN/attempts/<n>/; journals
+  // and logs stay where they are (every record carries its attempt; logs are appended).
+  const fs::path keep = run_ / "attempts" / std::to_string(previous_attempt_);
+  fs::create_directories(keep / "failures");
+  fs::copy_file(layout::launch_path(run_), keep / "launch.json",
+                fs::copy_options::overwrite_existing);
+  fsync_path(keep / "launch.json");
+  for (const auto& entry : fs::directory_iterator(layout::failures_dir(run_))) {
+    fs::rename(entry.path(), keep / "failures" / entry.path().filename());
+  }
+  fsync_path(keep / "failures");
+  fsync_path(layout::failures_dir(run_));
+  // Checkpoints newer than the chosen one that do not verify are set aside (kept for a
+  // person to inspect, never loaded, never taken for a committed step by the checkpointer),
+  // and LATEST names the chosen one.
+  const fs::path ckdir = layout::checkpoints_dir(run_);
+  for (uint32_t step : skipped_steps_) {
+    const std::string name = layout::checkpoint_dir_name(step);
+    const fs::path aside = ckdir / fmt::format("{}.rejected-attempt{}", name, attempt_);
+    fs::rename(ckdir / name, aside);
+    log_warn("set {} aside as {}", name, aside.filename().string());
+  }
+  fsync_path(ckdir);
+  write_file_atomic(ckdir / "LATEST", layout::checkpoint_dir_name(resume_->step) + "\n");
+  log_info("resuming run {} as attempt {} from {} (step {} of {}) on {} ranks{}", run_id_,
+           attempt_, resume_->relative_path, resume_->step, opt_.steps, opt_.ranks,
+           rank_batch_ ? fmt::format(", {} sequences per rank (global batch {})", rank_batch_,
+                                     global_batch_)
+                       : "");
+}
+
+void Run::write_launch_contract(const recipe::Recipe& planned) {
   capnp::MallocMessageBuilder msg;
   auto l = msg.initRoot<schema::LaunchContract>();
   l.setSchemaVersion(schema::SCHEMA_VERSION);
   l.setRunId(run_id_);
   l.setGeneration(0);
-  l.setCreatedAt(rfc3339(wall_ns()));
+  l.setCreatedAt(created_at_);
   l.setRunDir(run_.string());
   l.setDataDir(opt_.data_dir.string());
   l.setSockDir(sock_dir_.string());
@@ -341,7 +548,7 @@ void Run::write_launch_contract() {
   l.setSteps(opt_.steps);
   l.setRingSlots(opt_.ring_slots);
   // The recipe rules keep it within kMaxBatchSlotBytes, which fits 32 bits.
-  l.setRingSlotBytes(static_cast<uint32_t>(recipe::batch_spec(recipe_).slot_bytes()));
+  l.setRingSlotBytes(static_cast<uint32_t>(recipe::batch_spec(planned).slot_bytes()));
   l.setHeartbeatIntervalMs(opt_.heartbeat_interval_ms);
   recipe::to_spec(recipe_, l.initRecipe());
   auto f = l.initFilesystem();
@@ -398,6 +605,21 @@ void Run::write_launch_contract() {
   l.setCollectorStallSeconds(opt_.collector_stall_s);
   l.setLoaderStallSeconds(opt_.loader_stall_s);
   l.setCheckpointerStallSeconds(opt_.checkpointer_stall_s);
+  l.setAttempt(attempt_);
+  if (resume_) {
+    auto r = l.initResume();
+    r.setStep(resume_->step);
+    r.setCheckpoint(resume_->dir.string());
+    r.setWorld(resume_->world);
+    r.setRankBatch(rank_batch_);
+  }
+  if (parent_) {
+    auto p = l.initParent();
+    p.setRunDir(parent_->run_dir);
+    p.setRunId(parent_->run_id);
+    p.setStep(parent_->step);
+    p.setCheckpoint(parent_->checkpoint);
+  }
   write_file_atomic(layout::launch_path(run_), schemas::to_json(l.asReader()));
 }
 

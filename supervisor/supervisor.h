@@ -16,6 +16,12 @@ struct RunOptions {
   uint32_t ranks = 2;
   uint32_t steps = 60;
   std::filesystem::path run_dir;   // must not exist yet, or be an empty directory
+  // --resume RUN: continue the run in RUN (recipe, steps, world and data as it recorded them)
+  // from its newest checkpoint that verifies, as its next attempt. Excludes run_dir.
+  std::filesystem::path resume;
+  // --from CKPT: a new run (run_dir) whose training starts from that checkpoint's parameters
+  // and optimizer state, at the step after it; its manifest names the parent run and step.
+  std::filesystem::path from;
   std::filesystem::path data_dir;  // default: <run_dir>/../data
   std::string data_source;         // overrides the recipe's [data] source when set
   std::string data_path;           // overrides the recipe's [data] path when set

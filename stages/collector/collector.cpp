@@ -83,6 +83,7 @@ struct Process {
 };
 
 struct StepData {
+  uint32_t attempt = 0;  // the run attempt that trained it (a later attempt's record wins)
   double loss = 0;
   uint32_t tokens = 0;
   double step_seconds = 0;
@@ -114,6 +115,41 @@ struct Collector::State {
 
   std::map<std::string, JournalFile> journals;  // by file name: the fold order
 
+  // Attempts. Records of the current attempt (launch.json's) feed every field below; records
+  // of other attempts feed only their attempt's summary, the step series and the checkpoints.
+  uint32_t attempt = 0;
+  uint32_t resume_step = 0;  // launch.json's: where the current attempt began
+  struct Attempt {
+    std::optional<int64_t> started_wall;  // attemptStarted, else runStarted
+    std::optional<int64_t> ended_wall;    // runFinished or runOrphaned
+    std::optional<uint32_t> from_step;    // attemptStarted
+    std::string checkpoint, reason;
+    uint32_t world = 0;
+    std::vector<std::string> skipped;
+    std::optional<bool> ok;  // runFinished
+    schema::FailureKind finished_kind = schema::FailureKind::NONE;
+    std::string finished_reason;
+    StageKind finished_stage = StageKind::SUPERVISOR;
+    uint32_t finished_rank = 0;
+    bool orphaned = false;
+    // The first failure, as journaled (kind, stage, rank, phase, step, message).
+    struct Failed {
+      schema::FailureKind kind = schema::FailureKind::NONE;
+      StageKind stage = StageKind::SUPERVISOR;
+      uint32_t rank = 0;
+      schema::Phase phase = schema::Phase::STARTUP;
+      uint32_t step = 0;
+      int32_t pid = 0;
+      std::string message;
+      int64_t wall = 0;
+    };
+    std::optional<Failed> first_failure;
+    std::map<uint32_t, uint32_t> last_step;  // trainer rank -> newest step it journaled
+  };
+  std::map<uint32_t, Attempt> attempts;
+  // Committed checkpoints: (attempt, step) -> path.
+  std::map<std::pair<uint32_t, uint32_t>, std::string> commits;
+
   std::optional<int64_t> run_started_wall;
   struct Finished {
     bool ok = false;
@@ -128,7 +164,6 @@ struct Collector::State {
   std::map<std::pair<StageKind, uint32_t>, Process> processes;
   std::map<uint32_t, std::map<uint32_t, StepData>> steps;      // trainer rank -> step -> data
   std::map<uint32_t, double> first_forward;                    // trainer rank -> seconds
-  std::optional<std::pair<uint32_t, std::string>> checkpoint;  // newest committed step, path
   struct FirstFailure {
     schema::FailureKind kind = schema::FailureKind::NONE;
     std::string message;
@@ -153,9 +188,173 @@ struct Collector::State {
   std::optional<std::pair<int64_t, std::string>> orphaned;  // wall, reason
 
   void fold(schema::JournalRecord::Reader rec);
-  uint32_t steps_completed() const;
-  bool truncated() const;
+  void fold_attempt(schema::JournalRecord::Reader rec);
+  // Where attempt `a` began (0 for the first), from its attemptStarted or launch.json.
+  std::optional<uint32_t> from_step(uint32_t a) const;
+  // A record of attempt `a` about step `step` still stands unless a later attempt began from
+  // an earlier checkpoint (the state it describes was rolled back and trained again).
+  bool stands(uint32_t a, uint32_t step) const;
+  using Series = std::map<uint32_t, std::map<uint32_t, StepData>>;  // rank -> step -> data
+  Series effective_steps() const;
+  uint32_t steps_completed(const Series& eff) const;
+  bool truncated(const Series& eff) const;
+  void render_attempts(capnp::List<schema::AttemptSummary>::Builder out,
+                       const fs::path& run_dir) const;
 };
+
+void Collector::State::render_attempts(capnp::List<schema::AttemptSummary>::Builder out,
+                                       const fs::path& run_dir) const {
+  for (uint32_t a = 0; a <= attempt; ++a) {
+    auto sum = out[a];
+    sum.setAttempt(a);
+    auto it = attempts.find(a);
+    const Attempt none;
+    const Attempt& at = it == attempts.end() ? none : it->second;
+    sum.setReason(a == 0 ? "launch" : at.reason);
+    sum.setFromStep(from_step(a).value_or(0));
+    sum.setCheckpoint(at.checkpoint);
+    sum.setWorld(a == attempt && at.world == 0 ? world : at.world);
+    if (at.started_wall) sum.setStartedAt(rfc3339(*at.started_wall));
+    if (at.ended_wall) sum.setEndedAt(rfc3339(*at.ended_wall));
+    const bool ok = at.ok && *at.ok;
+    sum.setState(at.ok ? (ok ? schema::RunState::OK : schema::RunState::ERROR)
+                 : at.orphaned ? schema::RunState::ORPHANED
+                 : at.started_wall ? schema::RunState::RUNNING
+                                   : schema::RunState::LAUNCHED);
+    uint32_t last_all = 0, last_any = 0;
+    if (!at.last_step.empty()) {
+      last_all = std::numeric_limits<uint32_t>::max();
+      for (const auto& [rank, step] : at.last_step) {
+        last_all = std::min(last_all, step);
+        last_any = std::max(last_any, step);
+      }
+    }
+    sum.setLastStep(last_all);
+    if (a < attempt) {
+      if (auto next = from_step(a + 1); next && last_any > *next) sum.setStepsLost(last_any - *next);
+    }
+    if (at.ok && !ok) {
+      auto e = sum.initError();
+      e.setKind(at.finished_kind);
+      e.setStage(at.finished_stage);
+      e.setRank(at.finished_rank);
+      e.setMessage(at.finished_reason);
+      if (at.first_failure) {
+        const auto& f = *at.first_failure;
+        e.setKind(f.kind);
+        e.setStage(f.stage);
+        e.setRank(f.rank);
+        e.setMessage(f.message);
+        e.setPhase(f.phase);
+        e.setStep(f.step);
+        e.setPid(f.pid);
+        e.setAt(rfc3339(f.wall));
+        // An earlier attempt's failure dumps were moved aside when the next one began.
+        const fs::path dump =
+            a == attempt ? layout::failure_path(run_dir, f.stage, f.rank)
+                         : run_dir / "attempts" / std::to_string(a) /
+                               fs::relative(layout::failure_path(run_dir, f.stage, f.rank),
+                                            run_dir);
+        if (fs::exists(dump)) e.setFailureDump(fs::relative(dump, run_dir).string());
+      }
+    } else if (at.orphaned && !at.ok) {
+      auto e = sum.initError();
+      e.setKind(schema::FailureKind::ORPHANED);
+      e.setMessage("the supervisor vanished before the attempt ended");
+    }
+    auto sk = sum.initSkippedCheckpoints(static_cast<unsigned>(at.skipped.size()));
+    for (size_t i = 0; i < at.skipped.size(); ++i) sk.set(static_cast<unsigned>(i), at.skipped[i]);
+  }
+}
+
+std::optional<uint32_t> Collector::State::from_step(uint32_t a) const {
+  if (a == 0) return 0;
+  if (a == attempt) return resume_step;
+  auto it = attempts.find(a);
+  if (it == attempts.end()) return std::nullopt;
+  return it->second.from_step;
+}
+
+bool Collector::State::stands(uint32_t a, uint32_t step) const {
+  for (const auto& [k, info] : attempts) {
+    if (k <= a) continue;
+    if (auto from = from_step(k); from && *from < step) return false;
+  }
+  if (attempt > a && resume_step < step) return false;
+  return true;
+}
+
+Collector::State::Series Collector::State::effective_steps() const {
+  Series out;
+  for (const auto& [rank, series] : steps) {
+    for (const auto& [step, d] : series) {
+      if (stands(d.attempt, step)) out[rank][step] = d;
+    }
+  }
+  return out;
+}
+
+void Collector::State::fold_attempt(schema::JournalRecord::Reader rec) {
+  const uint32_t a = rec.getAttempt();
+  const int64_t wall = rec.getWallNs();
+  const bool from_supervisor = rec.getStage() == StageKind::SUPERVISOR && rec.getRank() == 0;
+  Attempt& at = attempts[a];
+  switch (rec.which()) {
+    case schema::JournalRecord::ATTEMPT_STARTED:
+      if (from_supervisor && !at.from_step) {
+        auto s = rec.getAttemptStarted();
+        at.from_step = s.getFromStep();
+        at.checkpoint = s.getCheckpoint();
+        at.reason = s.getReason();
+        at.world = s.getWorld();
+        for (auto t : s.getSkipped()) at.skipped.emplace_back(t.cStr());
+        at.started_wall = wall;
+      }
+      break;
+    case schema::JournalRecord::RUN_STARTED:
+      if (from_supervisor) {
+        if (!at.started_wall) at.started_wall = wall;
+        if (at.world == 0) at.world = rec.getRunStarted().getWorld();
+      }
+      break;
+    case schema::JournalRecord::RUN_FINISHED:
+      if (from_supervisor && !at.ok) {
+        auto f = rec.getRunFinished();
+        at.ok = f.getOk();
+        at.finished_kind = failure_kind(f);
+        at.finished_reason = f.getReason();
+        at.finished_stage = f.getStage();
+        at.finished_rank = f.getRank();
+        at.ended_wall = wall;
+      }
+      break;
+    case schema::JournalRecord::RUN_ORPHANED:
+      if (!at.ok && !at.orphaned) {
+        at.orphaned = true;
+        at.ended_wall = wall;
+      }
+      break;
+    case schema::JournalRecord::FAILURE_OBSERVED:
+      if (from_supervisor && !at.first_failure) {
+        auto f = rec.getFailureObserved();
+        if (failure_role(f) == schema::FailureRole::FIRST_FAILURE) {
+          at.first_failure = Attempt::Failed{failure_kind(f), f.getStage(), f.getRank(),
+                                             f.getPhase(),    f.getStep(),  f.getPid(),
+                                             f.getMessage(),  wall - (rec.getMonoNs() -
+                                                                      f.getEvidenceMonoNs())};
+        }
+      }
+      break;
+    case schema::JournalRecord::STEP:
+      if (rec.getStage() == StageKind::TRAINER) {
+        uint32_t& last = at.last_step[rec.getRank()];
+        last = std::max(last, rec.getStep().getStep());
+      }
+      break;
+    default:
+      break;
+  }
+}
 
 void Collector::State::fold(schema::JournalRecord::Reader rec) {
   const int64_t mono = rec.getMonoNs();
@@ -164,6 +363,24 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
   const uint32_t rank = rec.getRank();
   if (!newest_wall || wall > *newest_wall) newest_wall = wall;
 
+  fold_attempt(rec);
+  const uint32_t rec_attempt = rec.getAttempt();
+  if (rec_attempt != attempt) {
+    // Another attempt: its steps and commits join the run's history; the rest was summarised.
+    if (rec.isStep() && stage == StageKind::TRAINER) {
+      auto s = rec.getStep();
+      StepData& d = steps[rank][s.getStep()];
+      if (rec_attempt >= d.attempt) {
+        d = StepData{rec_attempt,       s.getLoss(),      s.getTokens(),
+                     s.getStepSeconds(), s.getWaitSeconds(), wall,
+                     s.getDataEpoch(),   s.getDataCursor()};
+      }
+    } else if (rec.isCheckpointCommitted()) {
+      auto c = rec.getCheckpointCommitted();
+      commits[{rec_attempt, c.getStep()}] = c.getPath();
+    }
+    return;
+  }
   Process& self = processes[{stage, rank}];
   self.see_pid(mono, rec.getPid());
   if (!self.last_wall || wall > *self.last_wall) self.last_wall = wall;
@@ -181,16 +398,14 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       self.last_step = std::max(self.last_step, s.getStep());
       if (stage == StageKind::TRAINER) {
         steps[rank][s.getStep()] =
-            StepData{s.getLoss(), s.getTokens(),    s.getStepSeconds(), s.getWaitSeconds(),
-                     wall,        s.getDataEpoch(), s.getDataCursor()};
+            StepData{attempt, s.getLoss(),      s.getTokens(),    s.getStepSeconds(),
+                     s.getWaitSeconds(), wall, s.getDataEpoch(), s.getDataCursor()};
       }
       break;
     }
     case schema::JournalRecord::CHECKPOINT_COMMITTED: {
       auto c = rec.getCheckpointCommitted();
-      if (!checkpoint || c.getStep() >= checkpoint->first) {
-        checkpoint = std::make_pair(c.getStep(), std::string(c.getPath().cStr()));
-      }
+      commits[{attempt, c.getStep()}] = c.getPath();
       break;
     }
     case schema::JournalRecord::CHILD_STARTED: {
@@ -287,27 +502,27 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
   }
 }
 
-uint32_t Collector::State::steps_completed() const {
+uint32_t Collector::State::steps_completed(const Series& eff) const {
   if (world == 0) return 0;
   uint32_t out = std::numeric_limits<uint32_t>::max();
   for (uint32_t r = 0; r < world; ++r) {
-    auto it = steps.find(r);
-    out = std::min(out, it == steps.end() || it->second.empty() ? 0 : it->second.rbegin()->first);
+    auto it = eff.find(r);
+    out = std::min(out, it == eff.end() || it->second.empty() ? 0 : it->second.rbegin()->first);
   }
   return out;
 }
 
-bool Collector::State::truncated() const {
+bool Collector::State::truncated(const Series& eff) const {
   for (const auto& [name, j] : journals) {
     if (j.trainer && j.reader->stats().torn_bytes > 0) return true;
   }
   uint32_t most = 0;
-  for (const auto& [r, s] : steps) {
+  for (const auto& [r, s] : eff) {
     if (!s.empty()) most = std::max(most, s.rbegin()->first);
   }
   for (uint32_t r = 0; r < world; ++r) {
-    auto it = steps.find(r);
-    const uint32_t last = it == steps.end() || it->second.empty() ? 0 : it->second.rbegin()->first;
+    auto it = eff.find(r);
+    const uint32_t last = it == eff.end() || it->second.empty() ? 0 : it->second.rbegin()->first;
     if (last < most) return true;
   }
   return false;
@@ -346,6 +561,8 @@ Collector::Collector(fs::path run_dir)
   state_->created_at = l.getCreatedAt();
   state_->world = l.getWorld();
   state_->steps_planned = l.getSteps();
+  state_->attempt = l.getAttempt();
+  state_->resume_step = l.getResume().getStep();
   state_->launch_copy.setRoot(l);
 }
 
@@ -394,7 +611,8 @@ void Collector::finish() {
 void Collector::render() {
   const State& s = *state_;
   std::map<std::string, std::string> out;
-  const uint32_t completed = s.steps_completed();
+  const State::Series eff = s.effective_steps();
+  const uint32_t completed = s.steps_completed(eff);
   const bool terminal = s.finished.has_value() || s.orphaned.has_value();
   // `ok` is earned, not reported: a run that finished without error but short of its
   // planned steps (a rank that left early and still exited 0) is an error.
@@ -487,9 +705,21 @@ void Collector::render() {
       g.setAt(rfc3339(s.graph->wall));
       g.setEntries(s.graph->message.getRoot<schema::StageGraph>().getEntries());
     }
-    if (s.checkpoint) {
-      m.setLatestCheckpoint(s.checkpoint->second);
-      m.setLatestCheckpointStep(s.checkpoint->first);
+    // The newest commit that still stands (a later attempt may have set a newer one aside).
+    std::optional<std::pair<uint32_t, std::string>> latest;
+    for (const auto& [key, path] : s.commits) {
+      const auto [a, step] = key;
+      if (s.stands(a, step) && (!latest || step >= latest->first)) latest = {step, path};
+    }
+    if (latest) {
+      m.setLatestCheckpoint(latest->second);
+      m.setLatestCheckpointStep(latest->first);
+    }
+    m.setAttempt(s.attempt);
+    s.render_attempts(m.initAttempts(s.attempt + 1), run_dir_);
+    if (const auto launch = s.launch_copy.getRoot<schema::LaunchContract>().asReader();
+        launch.hasParent() && launch.getParent().hasRunId()) {
+      m.setParent(launch.getParent());
     }
     if (terminal) {
       auto receipts = m.initReceipts(2);
@@ -519,7 +749,7 @@ void Collector::render() {
     std::map<uint32_t, Point> points;
     double tokens = 0;
     std::optional<int64_t> first_start, rank0_start, last_end;
-    for (const auto& [rank, series] : s.steps) {
+    for (const auto& [rank, series] : eff) {
       for (const auto& [step, d] : series) {
         Point& p = points[step];
         p.loss_sum += d.loss;
@@ -590,7 +820,7 @@ void Collector::render() {
       auto it = s.first_forward.find(rank);
       ff.set(rank, it == s.first_forward.end() ? 0.0 : it->second);
     }
-    t.setTelemetryTruncated(s.truncated());
+    t.setTelemetryTruncated(s.truncated(eff));
     out["receipts/" + std::string(kBenchTelemetry)] = schemas::to_json(t.asReader());
   }
   outputs_ = std::move(out);

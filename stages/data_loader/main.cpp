@@ -47,8 +47,13 @@ int main(int argc, char** argv) {
         const auto shards = mc::data::open_dataset(dataset, pack);
         std::vector<const mc::data::Shard*> views;
         for (const auto& s : shards) views.push_back(s.get());
+        // A resumed attempt starts after its checkpoint's step, and a resume at another world
+        // size keeps the global batch with its own batch per rank: the same windows per step.
+        const auto resume = launch.getResume();
+        const uint32_t rank_batch =
+            resume.getRankBatch() != 0 ? resume.getRankBatch() : train.getBatchSize();
         mc::data::Sampler sampler(views, {.seq_len = model.getSeqLen(),
-                                          .batch = train.getBatchSize(),
+                                          .batch = rank_batch,
                                           .world = world,
                                           .token_bytes = dataset.slot_token_bytes,
                                           .seed = train.getSeed(),
@@ -70,10 +75,12 @@ int main(int argc, char** argv) {
                      sampler.spec().row_tokens(), world, steps);
         uint64_t logged_epoch = 0;
 
-        // A ring's produced() count is the cursor: the next step to produce is produced() + 1.
-        // A restarted loader therefore resumes exactly where the ranks' rings say it stopped.
+        // A ring's produced() count is the cursor: the next step to produce is the attempt's
+        // first step plus produced(). A restarted loader therefore resumes exactly where the
+        // ranks' rings say it stopped.
+        const uint32_t before = resume.getStep();
         auto next_step = [&](uint32_t r) {
-          return static_cast<uint32_t>(rings[r]->produced()) + 1;
+          return before + static_cast<uint32_t>(rings[r]->produced()) + 1;
         };
         // Progress is stamped at the end of each turn: every ring with room got its batch, or
         // none had room (nothing owed). A fill that never returns leaves the stamp to age, and

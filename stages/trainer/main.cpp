@@ -166,7 +166,10 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   const uint32_t world = launch.getWorld();
   const uint32_t steps = launch.getSteps();
   const ModelConfig model = model_config(launch.getRecipe().getModel());
-  const TrainConfig train = train_config(launch.getRecipe().getTrain());
+  TrainConfig train = train_config(launch.getRecipe().getTrain());
+  // A resume at another world size keeps the global batch with its own batch per rank.
+  const auto resume = launch.getResume();
+  if (resume.getRankBatch() != 0) train.batch_size = resume.getRankBatch();
   validate(model);
   MEGACPP_CHECK(world > 0 && rank < world, ErrorKind::kInvalidArgument,
                 fmt::format("rank {} outside world {}", rank, world));
@@ -189,7 +192,8 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     go.collective_timeout = knob_millis(Knob::kCollectiveTimeoutS);
     go.device_hostname = knob_string(Knob::kGlooHostname);
     go.store_prefix =
-        fmt::format("megacpp/{}/g{}/", launch.getRunId().cStr(), launch.getGeneration());
+        fmt::format("megacpp/{}/a{}/g{}/", launch.getRunId().cStr(), launch.getAttempt(),
+                    launch.getGeneration());
     with_peers(fmt::format("rendezvous at {}:{}", go.store_host, go.store_port),
                std::min(go.store_timeout, go.collective_timeout), [&] { pg = connect_gloo(go); });
     log_info("joined the Gloo group as rank {} of {}", rank, world);
@@ -198,6 +202,20 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   const auto ts = typed_errors("model set-up and parameter broadcast", [&] {
     return std::make_unique<TrainStep>(model, train, steps, pg);
   });
+  // Resume: parameters and optimizer state from the checkpoint (every rank reads the files
+  // itself; the data sequence and the LR schedule are functions of the step).
+  const uint32_t first_step = resume.getStep() + 1;
+  if (resume.getStep() > 0) {
+    const std::string dir = resume.getCheckpoint();
+    typed_errors(fmt::format("restoring checkpoint {}", dir), [&] {
+      const checkpointer::CheckpointReader ckpt(dir);
+      MEGACPP_CHECK(ckpt.step() == resume.getStep(), ErrorKind::kCorruption,
+                    fmt::format("checkpoint {} holds step {}, the launch contract says {}", dir,
+                                ckpt.step(), resume.getStep()));
+      ts->restore(ckpt);
+      log_info("restored step {} from {} (written by {} ranks)", ckpt.step(), dir, ckpt.world());
+    });
+  }
 
   const std::string ring_name = layout::ring_shm_name(std::string(launch.getShmPrefix()), rank);
   auto ring = attach_ring(ctx, ring_name, store_timeout);
@@ -227,7 +245,7 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   bool first_forward_done = false;
   double tokens_total = 0;
   auto step_start = Clock::now();
-  for (uint32_t step = 1; step <= steps; ++step) {
+  for (uint32_t step = first_step; step <= steps; ++step) {
     // WAIT_BATCH: short peeks so a stop request is seen promptly.
     ctx.set_phase(Phase::WAIT_BATCH);
     const auto wait_start = Clock::now();

@@ -104,7 +104,10 @@ class Run {
 
  private:
   void prepare();
-  void write_launch_contract();
+  void adopt_previous_attempt();
+  void adopt_parent_checkpoint();
+  void begin_attempt();
+  void write_launch_contract(const recipe::Recipe& planned);
   void launch(StageKind stage, uint32_t rank, uint32_t generation, schema::ChildReason reason,
               const std::string& cause = {});
   void watch();
@@ -156,6 +159,28 @@ class Run {
   RunOptions opt_;
   policy::Budgets budgets_;
   recipe::Recipe recipe_;
+  // Attempts (DESIGN.md "Resume and recovery"): 0 for a run's first launch.
+  struct ResumeInfo {
+    uint32_t step = 0;
+    fs::path dir;               // the checkpoint directory, absolute
+    std::string relative_path;  // as the manifest names it
+    uint32_t world = 0;         // the world that wrote it
+  };
+  struct ParentInfo {
+    std::string run_dir, run_id;
+    uint32_t step = 0;
+    std::string checkpoint;
+  };
+  uint32_t attempt_ = 0;
+  uint32_t previous_attempt_ = 0;
+  std::optional<ResumeInfo> resume_;
+  std::optional<ParentInfo> parent_;
+  uint64_t global_batch_ = 0;
+  uint32_t rank_batch_ = 0;  // 0: the recipe's batch per rank
+  std::vector<std::string> skipped_;  // "checkpoints/step_N: problems"
+  std::vector<uint32_t> skipped_steps_;
+  data::ResolvedDataset previous_dataset_;
+  std::string created_at_;
   data::ResolvedDataset dataset_;
   fs::path run_;
   fs::path sock_dir_;
