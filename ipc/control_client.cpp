@@ -124,18 +124,18 @@ struct ControlClient::State {
     }
   }
 
-  void handle(Received& r, std::atomic<bool>& stop) {
+  void handle(Received& r, std::atomic<bool>& stop, std::atomic<bool>& drain) {
     auto root = r.root();
     if (root.which() == schema::ControlMessage::STOP) {
       {
         std::lock_guard lock(mu);
         stop_reason = root.getStop().getReason().cStr();
       }
-      stop.store(true, std::memory_order_release);
+      (root.getStop().getAfterCheckpoint() ? drain : stop).store(true, std::memory_order_release);
     }
   }
 
-  void run(std::atomic<bool>& stop) noexcept {
+  void run(std::atomic<bool>& stop, std::atomic<bool>& drain) noexcept {
     try {
       Poller poller;
       const size_t kChannel = poller.add(channel);
@@ -158,7 +158,7 @@ struct ControlClient::State {
           }
         }
         if (poller.readable(kChannel)) {
-          while (auto r = channel.receive(Millis(0))) handle(*r, stop);
+          while (auto r = channel.receive(Millis(0))) handle(*r, stop, drain);
         }
       }
     } catch (const std::exception& e) {
@@ -175,7 +175,7 @@ ControlClient::ControlClient(const std::string& endpoint, const Identity& identi
   state_ = std::make_unique<State>(endpoint, identity, interval);
   state_->send_hello();
   // Thread creation is the memory barrier that hands the socket over to the thread.
-  state_->thread = std::thread([this] { state_->run(stop_); });
+  state_->thread = std::thread([this] { state_->run(stop_, drain_); });
 }
 
 ControlClient::~ControlClient() {

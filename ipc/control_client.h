@@ -66,6 +66,8 @@ class ControlClient {
   // is when the oldest piece of work still owed arrived (CLOCK_MONOTONIC; 0: none owed).
   void report_progress(uint64_t work_done, int64_t pending_since_ns = 0);
   bool stop_requested() const noexcept { return stop_.load(std::memory_order_acquire); }
+  // A Stop{afterCheckpoint}: finish the work in flight, make it durable, then exit 0.
+  bool graceful_stop_requested() const noexcept { return drain_.load(std::memory_order_acquire); }
   std::string stop_reason() const;
   // Sends a Failure message now (best effort, from the calling thread's point of view it
   // is queued to the heartbeat thread and flushed before the destructor returns).
@@ -79,6 +81,7 @@ class ControlClient {
   struct State;
   std::unique_ptr<State> state_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> drain_{false};
 };
 
 }  // namespace megacpp::ipc

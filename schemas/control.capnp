@@ -32,6 +32,9 @@ struct Heartbeat {
 
 struct Stop {
   reason @0 :Text;
+  # A graceful stop (SIGINT/SIGTERM to `megacpp run`): a trainer finishes the step in flight,
+  # every rank agrees on that step, commits a checkpoint of it and exits 0. False: leave now.
+  afterCheckpoint @1 :Bool;
 }
 
 struct Failure {

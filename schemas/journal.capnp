@@ -58,6 +58,10 @@ struct RunFinished {
   rank @4 :UInt32;
   teardownSeconds @5 :Float64;  # failure detected -> every process gone and shm/sockets removed
   failureKind @6 :Common.FailureKind;  # typed reason when not ok
+  # A graceful stop: the signal `megacpp run` got (SIGINT 2, SIGTERM 15); every rank committed
+  # a checkpoint of the agreed step and exited. ok is false, failureKind interrupted, and no
+  # process is a first failure.
+  stoppedBySignal @7 :Int32;
 }
 
 # A failure the supervisor observed, with the role it assigned once teardown was over.

@@ -108,6 +108,7 @@ struct Manifest {
   attempt @20 :UInt32;            # the current attempt (see attempts)
   attempts @21 :List(AttemptSummary);  # every attempt, oldest first
   parent @22 :Launch.ParentRun;   # `--from`: the run and checkpoint this run started from
+  stopReason @23 :Text;           # state interrupted: why and where it stopped
 }
 
 struct BenchResult {

@@ -78,6 +78,10 @@ void StageContext::set_step(uint32_t step) {
   control_->set_step(step);
 }
 
+bool StageContext::graceful_stop_requested() const {
+  return control_->graceful_stop_requested();
+}
+
 bool StageContext::stop_requested() const {
   return g_stop_signal != 0 || control_->stop_requested();
 }

@@ -82,6 +82,9 @@ class StageContext {
   uint32_t step() const noexcept { return step_.load(); }
   // True once the supervisor sent Stop or the process got SIGTERM/SIGINT.
   bool stop_requested() const;
+  // The supervisor asked for a graceful stop (a Stop{afterCheckpoint}): finish the work in
+  // flight, make it durable, exit 0. stop_requested() stays false for it.
+  bool graceful_stop_requested() const;
 
  private:
   friend void fault_point(StageContext& ctx, std::string_view point, uint32_t step);

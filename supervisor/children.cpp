@@ -186,12 +186,15 @@ void Run::on_signals() {
   while (::read(sigfd_, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
     if (si.ssi_signo == SIGCHLD) {
       reap();
+    } else if (detected_ns_ == 0 && stop_signal_ == 0) {
+      begin_graceful_stop(static_cast<int>(si.ssi_signo));
     } else if (detected_ns_ == 0) {
       int64_t now = mono_ns();
       detected_ns_ = now;
       events_["supervisor-0"] = Event{
           schema::FailureKind::INTERRUPTED,
-          fmt::format("the supervisor received {}", strsignal(static_cast<int>(si.ssi_signo))),
+          fmt::format("the supervisor received {} during a graceful stop",
+                      strsignal(static_cast<int>(si.ssi_signo))),
           now,
           now,
           Phase::SHUTDOWN,
@@ -200,6 +203,25 @@ void Run::on_signals() {
     }
   }
   reap();
+}
+
+void Run::begin_graceful_stop(int signo) {
+  stop_signal_ = signo;
+  stop_deadline_ns_ = mono_ns() + static_cast<int64_t>(opt_.stop_grace_s * 1e9);
+  log_warn("{}: the ranks finish the step in flight and commit its checkpoint, then stop "
+           "(again to stop at once; at most {:.0f}s)",
+           strsignal(signo), opt_.stop_grace_s);
+  for (auto& c : children_) {
+    if (c.stage != StageKind::TRAINER || !c.alive) continue;
+    ipc::ControlMessageBuilder b;
+    auto stop = b.root().initStop();
+    stop.setReason(fmt::format("graceful stop on {}", strsignal(signo)));
+    stop.setAfterCheckpoint(true);
+    // A rank that cannot be told is stopped by the agreement of the others: every rank
+    // checks after each step whether any was asked.
+    if (!router_->send_to(c.name, b.message(), ipc::Millis(200)))
+      log_warn("could not ask {} to stop; the other ranks' agreement stops it", c.name);
+  }
 }
 
 bool Run::wait_for(const std::function<bool()>& done, double seconds) {

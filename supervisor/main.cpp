@@ -137,6 +137,10 @@ int main(int argc, char** argv) {
   run->add_option("--metrics-linger-s", ro.metrics_linger_s,
                   "Keep serving /metrics this long after the run ends (for a last scrape)")
       ->capture_default_str();
+  run->add_option("--stop-grace-s", ro.stop_grace_s,
+                  "On SIGINT/SIGTERM: time to finish the step in flight and commit its "
+                  "checkpoint before tearing down (a second signal tears down at once)")
+      ->capture_default_str();
   run->add_option("--teardown-grace-s", ro.teardown_grace_s, "SIGTERM -> SIGKILL grace")
       ->capture_default_str();
   run->add_option("--progress", ro.progress, "Console progress: auto | tty | plain | none")

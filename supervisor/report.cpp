@@ -119,8 +119,16 @@ void Run::journal_run_finished() {
       detected_ns_ != 0 ? static_cast<double>(mono_ns() - detected_ns_) / 1e9 : 0.0;
   journal_->append([&](schema::JournalRecord::Builder r) {
     auto f = r.initRunFinished();
-    f.setOk(!failure_);
-    if (failure_) {
+    f.setOk(!failure_ && stop_signal_ == 0);
+    if (!failure_ && stop_signal_ != 0) {
+      poll_commits();
+      f.setFailureKind(schema::FailureKind::INTERRUPTED);
+      f.setStoppedBySignal(stop_signal_);
+      const char* abbrev = sigabbrev_np(stop_signal_);
+      f.setReason(fmt::format("stopped by {} after step {}, its checkpoint committed",
+                              abbrev ? fmt::format("SIG{}", abbrev) : std::to_string(stop_signal_),
+                              committed_step_));
+    } else if (failure_) {
       f.setFailureKind(failure_->kind);
       f.setStage(failure_->stage);
       f.setRank(failure_->rank);
@@ -138,8 +146,12 @@ int Run::report() {
   schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_));
   auto m = manifest.get();
   bool ok = m.getState() == schema::RunState::OK;
+  const bool interrupted = m.getState() == schema::RunState::INTERRUPTED;
   std::string out;
-  if (ok) {
+  if (interrupted) {
+    out += fmt::format("run interrupted: {}; continue it with `megacpp run --resume {}`\n",
+                       m.getStopReason().cStr(), run_.string());
+  } else if (ok) {
     double first = NAN, last = NAN, tps = NAN;
     auto br = layout::receipts_dir(run_) / "bench_result.json";
     if (fs::exists(br)) {
@@ -174,9 +186,11 @@ int Run::report() {
     out += fmt::format("  checkpoint  {}\n", (run_ / m.getLatestCheckpoint().cStr()).string());
   }
   out += fmt::format("  logs        {}/\n", layout::logs_dir(run_).string());
-  if (!ok) out += fmt::format("  details     megacpp status {}\n", run_.string());
+  if (!ok && !interrupted) out += fmt::format("  details     megacpp status {}\n", run_.string());
   fmt::print("{}", out);
   std::fflush(stdout);
+  // A graceful stop exits as a shell reports death by that signal (130, 143).
+  if (interrupted && stop_signal_ != 0) return 128 + stop_signal_;
   return ok ? 0 : 1;
 }
 
@@ -190,7 +204,8 @@ int status(const fs::path& run_dir) {
     collector::collect_run(run_dir);
   schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
   auto m = manifest.get();
-  static const char* kStates[] = {"launched", "running", "ok", "error", "detached", "orphaned"};
+  static const char* kStates[] = {"launched", "running",  "ok",         "error",
+                                  "detached", "orphaned", "interrupted"};
   auto phase_name = [](schema::Phase p) { return layout::phase_name(p); };
   fmt::print("run {}  ({})\n", m.getRunId().cStr(), run_dir.string());
   fmt::print("  state      {}\n", kStates[static_cast<int>(m.getState())]);

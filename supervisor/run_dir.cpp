@@ -65,6 +65,7 @@ void RunOptions::validate() const {
   if (!(teardown_grace_s >= 0) || teardown_grace_s > 30)
     bad("--teardown-grace-s must be in [0, 30]");
   if (max_restarts > 100) bad("--max-restarts must be <= 100");
+  if (!(stop_grace_s > 0) || stop_grace_s > 86400) bad("--stop-grace-s must be in (0, 86400]");
   if (!(metrics_linger_s >= 0) || metrics_linger_s > 3600)
     bad("--metrics-linger-s must be in [0, 3600]");
   if (metrics_addr.rfind(':') == std::string::npos) bad("--metrics-addr must be HOST:PORT");

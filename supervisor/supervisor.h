@@ -48,6 +48,10 @@ struct RunOptions {
   double loader_stall_s = 30;
   double checkpointer_stall_s = 60;
   double teardown_grace_s = 1.5;  // SIGTERM -> SIGKILL
+  // SIGINT/SIGTERM to `megacpp run` stop it gracefully: the ranks finish the step in flight,
+  // commit its checkpoint and exit. If that takes longer than this, or a second signal comes,
+  // the job is torn down at once (the newest committed checkpoint stays intact).
+  double stop_grace_s = 120;
   uint32_t max_restarts = 3;      // per restartable stage (collector, loader, checkpointer)
   std::string metrics_addr = "127.0.0.1:0";  // HOST:PORT of /metrics; port 0 = any free port
   double metrics_linger_s = 0;               // keep serving /metrics this long after the run ends

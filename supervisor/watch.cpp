@@ -289,6 +289,16 @@ void Run::watch() {
       console_->update(ranks, up, static_cast<uint32_t>(children_.size()));
     }
     if (all_trainers_done()) return;
+    if (stop_signal_ != 0 && mono_ns() > stop_deadline_ns_) {
+      const int64_t now = mono_ns();
+      detected_ns_ = now;
+      events_["supervisor-0"] = Event{
+          schema::FailureKind::INTERRUPTED,
+          fmt::format("the graceful stop on {} did not finish within --stop-grace-s {:.0f}s",
+                      strsignal(stop_signal_), opt_.stop_grace_s),
+          now, now, Phase::SHUTDOWN, 0};
+      return;
+    }
   }
 }
 
@@ -313,9 +323,14 @@ void Run::update_metrics() {
     metrics_->set_queue(fmt::format("data_loader->trainer-{}", r), ring_views_[r]->depth(),
                         ring_views_[r]->slots());
   }
+  poll_commits();
+}
+
+void Run::poll_commits() {
   checkpoint_journal_->poll([&](schema::JournalRecord::Reader rec) {
     if (rec.isCheckpointCommitted()) {
       auto c = rec.getCheckpointCommitted();
+      if (rec.getAttempt() == attempt_) committed_step_ = std::max(committed_step_, c.getStep());
       metrics_->set_checkpoint(c.getStep(), c.getSeconds(),
                                static_cast<double>(rec.getWallNs()) / 1e9);
     }

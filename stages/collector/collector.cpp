@@ -127,6 +127,7 @@ struct Collector::State {
     uint32_t world = 0;
     std::vector<std::string> skipped;
     std::optional<bool> ok;  // runFinished
+    bool interrupted = false;  // runFinished of a graceful stop
     schema::FailureKind finished_kind = schema::FailureKind::NONE;
     std::string finished_reason;
     StageKind finished_stage = StageKind::SUPERVISOR;
@@ -158,6 +159,7 @@ struct Collector::State {
     StageKind stage = StageKind::SUPERVISOR;
     uint32_t rank = 0;
     int64_t wall_ns = 0;
+    int32_t stopped_by_signal = 0;  // a graceful stop
   };
   std::optional<Finished> finished;
   std::optional<int64_t> newest_wall;
@@ -217,7 +219,8 @@ void Collector::State::render_attempts(capnp::List<schema::AttemptSummary>::Buil
     if (at.started_wall) sum.setStartedAt(rfc3339(*at.started_wall));
     if (at.ended_wall) sum.setEndedAt(rfc3339(*at.ended_wall));
     const bool ok = at.ok && *at.ok;
-    sum.setState(at.ok ? (ok ? schema::RunState::OK : schema::RunState::ERROR)
+    sum.setState(at.interrupted ? schema::RunState::INTERRUPTED
+                 : at.ok        ? (ok ? schema::RunState::OK : schema::RunState::ERROR)
                  : at.orphaned ? schema::RunState::ORPHANED
                  : at.started_wall ? schema::RunState::RUNNING
                                    : schema::RunState::LAUNCHED);
@@ -233,7 +236,7 @@ void Collector::State::render_attempts(capnp::List<schema::AttemptSummary>::Buil
     if (a < attempt) {
       if (auto next = from_step(a + 1); next && last_any > *next) sum.setStepsLost(last_any - *next);
     }
-    if (at.ok && !ok) {
+    if (at.ok && !ok && !at.interrupted) {
       auto e = sum.initError();
       e.setKind(at.finished_kind);
       e.setStage(at.finished_stage);
@@ -321,6 +324,7 @@ void Collector::State::fold_attempt(schema::JournalRecord::Reader rec) {
       if (from_supervisor && !at.ok) {
         auto f = rec.getRunFinished();
         at.ok = f.getOk();
+        at.interrupted = f.getStoppedBySignal() != 0;
         at.finished_kind = failure_kind(f);
         at.finished_reason = f.getReason();
         at.finished_stage = f.getStage();
@@ -487,8 +491,9 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
     case schema::JournalRecord::RUN_FINISHED:
       if (from_supervisor && !finished) {
         auto f = rec.getRunFinished();
-        finished =
-            Finished{f.getOk(), f.getReason(), failure_kind(f), f.getStage(), f.getRank(), wall};
+        finished = Finished{f.getOk(),   f.getReason(), failure_kind(f),
+                            f.getStage(), f.getRank(),   wall,
+                            f.getStoppedBySignal()};
         teardown_seconds = f.getTeardownSeconds();
       }
       break;
@@ -628,7 +633,10 @@ void Collector::render() {
     m.setWorld(s.world);
     m.setStepsPlanned(s.steps_planned);
     m.setStepsCompleted(completed);
-    if (s.finished) {
+    if (s.finished && s.finished->stopped_by_signal != 0) {
+      m.setState(schema::RunState::INTERRUPTED);
+      m.setStopReason(s.finished->reason);
+    } else if (s.finished) {
       m.setState(s.finished->ok && !short_of_plan ? schema::RunState::OK : schema::RunState::ERROR);
     } else if (s.orphaned) {
       m.setState(schema::RunState::ORPHANED);
@@ -645,7 +653,7 @@ void Collector::render() {
       e.setStage(StageKind::SUPERVISOR);
       e.setMessage(fmt::format("the run finished with {} of {} planned steps completed", completed,
                                s.steps_planned));
-    } else if (s.finished && !s.finished->ok) {
+    } else if (s.finished && !s.finished->ok && s.finished->stopped_by_signal == 0) {
       auto e = m.initError();
       e.setKind(s.finished->kind);
       e.setStage(s.finished->stage);

@@ -158,9 +158,14 @@ const char* fault_point_of(Phase phase) {
   }
 }
 
-// Trains every planned step and waits for the final commit; returns false when a stop
-// request (SIGTERM/SIGINT, a Stop) ended it early.
-bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
+enum class Outcome {
+  kTrained,  // every planned step, the final checkpoint committed
+  kStopped,  // a graceful stop: the agreed step's checkpoint committed
+  kLeft,     // a stop request (SIGTERM/SIGINT, a Stop) ended it early
+};
+
+// Trains every planned step (or up to a graceful stop) and waits for the final commit.
+Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   auto launch = ctx.launch();
   const uint32_t rank = ctx.rank();
   const uint32_t world = launch.getWorld();
@@ -219,7 +224,7 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
 
   const std::string ring_name = layout::ring_shm_name(std::string(launch.getShmPrefix()), rank);
   auto ring = attach_ring(ctx, ring_name, store_timeout);
-  if (!ring) return false;
+  if (!ring) return Outcome::kLeft;
   const recipe::BatchSpec batch = recipe::batch_spec(model, train);
   const int64_t B = batch.batch;
   const int64_t T = batch.seq_len;  // tokens trained on per row
@@ -253,7 +258,7 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     while (!(slot = ring->ring->peek(kPoll))) {
       if (ctx.stop_requested()) {
         log_info("stop requested while waiting for batch {}; leaving", step);
-        return false;
+        return Outcome::kLeft;
       }
       snapshots.poll();
     }
@@ -310,24 +315,34 @@ bool run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
         {.step = step, .tokens = tokens_total, .loss = timing.loss, .step_seconds = step_seconds});
 
     snapshots.poll();
-    const bool final = step == steps;
+    // Graceful stop: after every step the ranks agree whether any of them was asked to stop;
+    // if so this step is the last, and its checkpoint is committed before they exit.
+    const bool stopping = ts->any_rank(ctx.graceful_stop_requested());
+    const bool final = step == steps || stopping;
     if (final || (train.checkpoint_every > 0 && step % train.checkpoint_every == 0)) {
       if (ctx.stop_requested()) {
         log_info("stop requested after step {}; leaving without a snapshot", step);
-        return false;
+        return Outcome::kLeft;
       }
       // Waiting for the lease is waiting on the checkpointer.
       ctx.set_phase(Phase::SNAPSHOT);
-      if (!snapshots.take(step, final)) return false;
+      if (!snapshots.take(step, final)) return Outcome::kLeft;
+    }
+    if (stopping) {
+      ctx.set_phase(Phase::SNAPSHOT);
+      if (!snapshots.wait_committed(step)) return Outcome::kLeft;
+      log_info("stopped on request after step {} of {}; its checkpoint is committed", step,
+               steps);
+      return Outcome::kStopped;
     }
   }
   ctx.set_phase(Phase::SNAPSHOT);
   if (!snapshots.wait_committed(steps)) {
     log_info("stop requested while waiting for the final commit; leaving");
-    return false;
+    return Outcome::kLeft;
   }
   log_info("trained {} steps; final checkpoint committed", steps);
-  return true;
+  return Outcome::kTrained;
 }
 
 }  // namespace
@@ -341,7 +356,8 @@ int main(int argc, char** argv) {
       [main_entry](megacpp::stage::StageContext& ctx) {
         // A rank that leaves early does not exit 0: only a finished rank is a clean exit, so a
         // stray SIGTERM is reported (kind "interrupted") instead of ending the run `ok`.
-        if (!megacpp::trainer::run_rank(ctx, main_entry)) {
+        // A graceful stop exits 0 too: its step is committed, which is all it owes.
+        if (megacpp::trainer::run_rank(ctx, main_entry) == megacpp::trainer::Outcome::kLeft) {
           MEGACPP_FAIL(megacpp::ErrorKind::kInterrupted,
                        "asked to stop after step {} of {}, before training finished", ctx.step(),
                        ctx.launch().getSteps());

@@ -310,6 +310,16 @@ std::vector<ParamAssignment> TrainStep::assignment() const {
   return impl_->assignment;
 }
 
+bool TrainStep::any_rank(bool local) {
+  Impl& s = *impl_;
+  if (!s.pg || s.world == 1) return local;
+  std::vector<at::Tensor> flag{torch::full({1}, local ? 1 : 0, torch::kInt32)};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  run_collective("stop agreement", s.pg, [&] { return s.pg->allreduce(flag, options); });
+  return flag[0].item<int32_t>() != 0;
+}
+
 StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const StepHooks& hooks) {
   Impl& s = *impl_;
   MEGACPP_CHECK(

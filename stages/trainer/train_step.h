@@ -119,6 +119,11 @@ class TrainStep {
 
   std::vector<ParamAssignment> assignment() const;  // in parameter order
 
+  // True when `local` is true on any rank: a collective of one int32 (MAX all-reduce) that
+  // every rank calls at the same point of the same step; without a process group, `local`.
+  // A graceful stop is agreed this way, so every rank checkpoints the same step.
+  bool any_rank(bool local);
+
   // This rank's share of state, in a fixed order. Rank 0: "model.<name>" for every
   // parameter, then every optimizer entry held replicated (the same on every rank):
   // "optim.adamw.<param>.{exp_avg,exp_avg_sq,step}" of all-reduced parameters and the

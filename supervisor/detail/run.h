@@ -114,6 +114,7 @@ class Run {
   void pump(int timeout_ms);
   void on_message(ipc::Received& m);
   void on_signals();
+  void begin_graceful_stop(int signo);
   void reap();
   void journal_child_exited(const Child& c, schema::ChildReason reason);
   void check_liveness();
@@ -129,6 +130,7 @@ class Run {
   void give_up_on(const Child& c, double waited_s = kKillWaitS);
   void journal_run_finished();
   void update_metrics();
+  void poll_commits();  // the checkpointer's journal: /metrics and committed_step_
   void release_ipc();
   int report();
   void cleanup();
@@ -204,6 +206,9 @@ class Run {
   std::map<std::string, Event> events_;  // by process name: the most telling event of each
   int64_t detected_ns_ = 0;              // first event; 0 while the run is healthy
   int64_t teardown_started_ns_ = 0;
+  int stop_signal_ = 0;          // the graceful stop under way (SIGINT/SIGTERM), 0: none
+  int64_t stop_deadline_ns_ = 0;  // --stop-grace-s after it began
+  uint32_t committed_step_ = 0;   // newest checkpoint this attempt committed
   std::optional<Failure> failure_;    // the first failure, once classified
   std::vector<double> step_samples_;  // trainer step seconds (for the median)
   bool done_ = false;
