@@ -114,6 +114,15 @@ struct Provenance {
   torchVersion @6 :Text;
 }
 
+# Which committed checkpoints the checkpointer keeps (`megacpp run --keep-checkpoints`,
+# `--keep-every`): the newest `keep` plus every step that is a multiple of `keepEvery` (0: none
+# pinned). The supervisor writes keep >= 1; keep 0, like a contract without this struct, keeps
+# every checkpoint.
+struct CheckpointPolicy {
+  keep @0 :UInt32;
+  keepEvery @1 :UInt32;
+}
+
 struct LaunchContract {
   schemaVersion @0 :UInt32;
   runId @1 :Text;
@@ -148,4 +157,10 @@ struct LaunchContract {
   checkpointerStallSeconds @27 :Float64;
   dataset @28 :Dataset;
   volumes @29 :List(VolumeUse);
+  # @30..@32 are held for another change, which replaces these placeholders when it merges:
+  # Cap'n Proto refuses a hole in the ordinals. Void is never written.
+  heldForAnotherChange30 @30 :Void;
+  heldForAnotherChange31 @31 :Void;
+  heldForAnotherChange32 @32 :Void;
+  checkpointPolicy @33 :CheckpointPolicy;
 }

@@ -58,6 +58,10 @@ void RunOptions::validate() const {
   if (!(teardown_grace_s >= 0) || teardown_grace_s > 30)
     bad("--teardown-grace-s must be in [0, 30]");
   if (max_restarts > 100) bad("--max-restarts must be <= 100");
+  if (keep_checkpoints < 1) {
+    bad(fmt::format("--keep-checkpoints {}: must be >= 1 (the newest checkpoint is always kept)",
+                    keep_checkpoints));
+  }
   if (!(metrics_linger_s >= 0) || metrics_linger_s > 3600)
     bad("--metrics-linger-s must be in [0, 3600]");
   if (metrics_addr.rfind(':') == std::string::npos) bad("--metrics-addr must be HOST:PORT");
@@ -398,6 +402,9 @@ void Run::write_launch_contract() {
   l.setCollectorStallSeconds(opt_.collector_stall_s);
   l.setLoaderStallSeconds(opt_.loader_stall_s);
   l.setCheckpointerStallSeconds(opt_.checkpointer_stall_s);
+  auto policy = l.initCheckpointPolicy();
+  policy.setKeep(opt_.keep_checkpoints);
+  policy.setKeepEvery(opt_.keep_every);
   write_file_atomic(layout::launch_path(run_), schemas::to_json(l.asReader()));
 }
 

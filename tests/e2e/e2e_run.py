@@ -205,6 +205,11 @@ class Refusals(unittest.TestCase):
         self.refused(["run", "--ranks", "0", "--run-dir", rd], "--ranks 0")
         self.assertFalse(os.path.exists(rd))
 
+    def test_keep_checkpoints_zero(self):
+        rd = os.path.join(self.tmp, "run")
+        self.refused(["run", "--keep-checkpoints", "0", "--run-dir", rd], "--keep-checkpoints 0")
+        self.assertFalse(os.path.exists(rd))
+
     def test_unwritable_run_dir(self):
         blocker = os.path.join(self.tmp, "a-file")
         open(blocker, "w").close()
@@ -229,7 +234,8 @@ class Refusals(unittest.TestCase):
     def test_help_describes_every_subcommand(self):
         top = run(["--help"])
         self.assertEqual(top.returncode, 0)
-        for sub, opts in {"run": ["--ranks", "--steps", "--run-dir", "--require-data-volume"],
+        for sub, opts in {"run": ["--ranks", "--steps", "--run-dir", "--require-data-volume",
+                                  "--keep-checkpoints", "--keep-every"],
                           "status": ["run-dir"], "collect": ["run-dirs"], "plan": ["recipe"],
                           "verify": ["path"]}.items():
             self.assertIn(sub, top.stdout)
