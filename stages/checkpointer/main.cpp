@@ -12,7 +12,22 @@ using megacpp::schema::Phase;
 void run(megacpp::stage::StageContext& ctx) {
   namespace ck = megacpp::checkpointer;
   auto launch = ctx.launch();
-  ck::CheckpointStore store(ctx.run_dir(), launch.getRunId(), launch.getRecipe().getHash());
+  // A launch contract without a policy keeps every checkpoint (RetentionPolicy's default).
+  ck::RetentionPolicy retention;
+  if (launch.hasCheckpointPolicy()) {
+    retention.keep = launch.getCheckpointPolicy().getKeep();
+    retention.keep_every = launch.getCheckpointPolicy().getKeepEvery();
+  }
+  if (retention.keep == 0) {
+    megacpp::log_info("retention: keeping every checkpoint");
+  } else {
+    megacpp::log_info("retention: keeping the newest {} checkpoint(s){}", retention.keep,
+                      retention.keep_every
+                          ? fmt::format(" and every multiple of step {}", retention.keep_every)
+                          : std::string());
+  }
+  ck::CheckpointStore store(ctx.run_dir(), launch.getRunId(), launch.getRecipe().getHash(),
+                            retention);
   megacpp::ipc::Channel router(ctx.zmq(), megacpp::ipc::Channel::Kind::kRouter,
                                launch.getCheckpointEndpoint());
   // A relaunched checkpointer binds the same endpoint under the same identity; the ranks

@@ -1,7 +1,10 @@
 // The commit protocol under RUN/checkpoints and the checkpoint verifier.
 #include <capnp/message.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <system_error>
 
 #include "core/error.h"
@@ -17,6 +20,9 @@ namespace megacpp::checkpointer {
 namespace {
 
 constexpr std::string_view kTmpSuffix = ".tmp";
+// A committed checkpoint being pruned: renamed to this first, so a crash mid-removal leaves a
+// name the next store removes, never a damaged step_NNNNNNNN.
+constexpr std::string_view kDeletingSuffix = ".deleting";
 constexpr std::string_view kManifestName = "checkpoint.json";
 
 // "step_NNNNNNNN" -> NNNNNNNN; nullopt for anything else (tmp directories included).
@@ -53,17 +59,23 @@ void make_dirs(const fs::path& p) {
 
 }  // namespace
 
-CheckpointStore::CheckpointStore(fs::path run_dir, std::string run_id, std::string recipe_hash)
+CheckpointStore::CheckpointStore(fs::path run_dir, std::string run_id, std::string recipe_hash,
+                                 RetentionPolicy retention)
     : run_dir_(std::move(run_dir)),
       dir_(layout::checkpoints_dir(run_dir_)),
       run_id_(std::move(run_id)),
-      recipe_hash_(std::move(recipe_hash)) {
+      recipe_hash_(std::move(recipe_hash)),
+      retention_(retention) {
   make_dirs(dir_);
   bool removed = false;
   for (const auto& entry : fs::directory_iterator(dir_)) {
     const std::string name = entry.path().filename().string();
     if (entry.is_directory() && name.ends_with(kTmpSuffix)) {
       log_warn("discarding uncommitted checkpoint {}", entry.path().string());
+      remove_tree(entry.path());
+      removed = true;
+    } else if (entry.is_directory() && name.ends_with(kDeletingSuffix)) {
+      log_info("finishing the deletion of pruned checkpoint {}", entry.path().string());
       remove_tree(entry.path());
       removed = true;
     } else if (name.starts_with("LATEST.tmp.")) {  // write_file_atomic interrupted by a crash
@@ -82,6 +94,7 @@ CheckpointStore::CheckpointStore(fs::path run_dir, std::string run_id, std::stri
       write_file_atomic(latest_file, name + "\n");
     }
   }
+  prune();
 }
 
 const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, uint32_t rank,
@@ -172,6 +185,45 @@ CommittedCheckpoint CheckpointStore::commit(uint32_t step) {
     latest_ = step;
   }
   return out;
+}
+
+std::vector<uint32_t> CheckpointStore::committed_steps() const {
+  std::vector<uint32_t> steps;
+  for (const auto& entry : fs::directory_iterator(dir_)) {
+    if (!entry.is_directory()) continue;
+    if (auto step = parse_step_dir(entry.path().filename().string())) steps.push_back(*step);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+std::vector<uint32_t> CheckpointStore::prune() {
+  std::vector<uint32_t> deleted;
+  if (retention_.keep == 0) return deleted;
+  const std::vector<uint32_t> steps = committed_steps();
+  if (steps.size() <= retention_.keep) return deleted;
+  const size_t newest_kept = steps.size() - retention_.keep;  // steps[newest_kept..] stay
+  for (size_t i = 0; i < newest_kept; ++i) {
+    const uint32_t step = steps[i];
+    if (retention_.keep_every != 0 && step % retention_.keep_every == 0) continue;
+    if (latest_ && step == *latest_) continue;  // LATEST always names a committed checkpoint
+    const std::string name = layout::checkpoint_dir_name(step);
+    const fs::path from = dir_ / name;
+    const fs::path to = dir_ / (name + std::string(kDeletingSuffix));
+    if (fs::exists(to)) remove_tree(to);
+    if (::rename(from.c_str(), to.c_str()) != 0) {
+      const int err = errno;
+      MEGACPP_FAIL_SYS(err, "cannot rename {} to {} to delete it: {}", from.string(), to.string(),
+                       std::strerror(err));
+    }
+    fsync_path(dir_);
+    remove_tree(to);
+    deleted.push_back(step);
+    log_info("deleted checkpoint {} (keeping the newest {}{})", name, retention_.keep,
+             retention_.keep_every ? fmt::format(" and every multiple of {}", retention_.keep_every)
+                                   : std::string());
+  }
+  return deleted;
 }
 
 void CheckpointStore::discard(uint32_t step) {

@@ -8,9 +8,11 @@
 
 #include <fcntl.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <numeric>
 #include <set>
 #include <thread>
@@ -690,6 +692,34 @@ TEST_F(ServiceTest, AThrowingWriteHookFailsTheSnapshot) {
   EXPECT_FALSE(fs::exists(tmp_dir(run_.path(), 4) / "rank_0.safetensors"));
 }
 
+TEST_F(ServiceTest, ACommitPrunesTheStoreAfterAckingTheRanks) {
+  service_.reset();
+  store_ = std::make_unique<CheckpointStore>(run_.path(), "run-svc", "hash", RetentionPolicy{1, 0});
+  make_service();
+  for (uint32_t step : {5u, 10u}) {
+    for (uint32_t r = 0; r < 2; ++r) {
+      send_snapshot(r, step, 1);
+      serve_one();
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+      EXPECT_TRUE(receive_ack(r).ok);
+      EXPECT_TRUE(receive_ack(r).committed);
+    }
+  }
+  EXPECT_FALSE(fs::exists(step_dir(run_.path(), 5)));
+  EXPECT_TRUE(verify_checkpoint(step_dir(run_.path(), 10)).ok);
+  EXPECT_EQ(read_file(layout::checkpoints_dir(run_.path()) / "LATEST"), "step_00000010\n");
+  EXPECT_EQ(journaled_commits(journal_->path()), (std::vector<uint32_t>{5, 10}));
+  // A late re-send of the pruned step is superseded: acked, never written again.
+  send_snapshot(0, 5, 1);
+  serve_one();
+  Ack late = receive_ack(0);
+  EXPECT_TRUE(late.ok);
+  EXPECT_FALSE(late.committed);
+  EXPECT_FALSE(fs::exists(step_dir(run_.path(), 5)));
+  EXPECT_FALSE(fs::exists(tmp_dir(run_.path(), 5)));
+}
+
 TEST(CheckpointStore, LaggingLatestIsMovedForwardAtStart) {
   TempDir run;
   {
@@ -705,6 +735,130 @@ TEST(CheckpointStore, LaggingLatestIsMovedForwardAtStart) {
   EXPECT_TRUE(store.committed(3));
   EXPECT_FALSE(store.committed(4));
   EXPECT_EQ(read_file(ckpts / "LATEST"), "step_00000006\n");
+}
+
+// ---------------------------------------------------------------------------------------
+// Retention.
+
+// The committed step directories under RUN/checkpoints, ascending.
+std::vector<uint32_t> steps_on_disk(const fs::path& run) {
+  std::vector<uint32_t> steps;
+  for (const auto& e : fs::directory_iterator(layout::checkpoints_dir(run))) {
+    const std::string name = e.path().filename().string();
+    if (e.is_directory() && name.size() == 13 && name.starts_with("step_")) {
+      steps.push_back(static_cast<uint32_t>(std::stoul(name.substr(5))));
+    }
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+// Everything under RUN/checkpoints that is neither a committed step nor LATEST.
+std::vector<std::string> leftovers(const fs::path& run) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(layout::checkpoints_dir(run))) {
+    const std::string name = e.path().filename().string();
+    if (name != "LATEST" && !(name.size() == 13 && name.starts_with("step_"))) out.push_back(name);
+  }
+  return out;
+}
+
+// LATEST names a committed checkpoint that verifies.
+void expect_latest_valid(const fs::path& run, uint32_t step) {
+  const fs::path ckpts = layout::checkpoints_dir(run);
+  EXPECT_EQ(read_file(ckpts / "LATEST"), layout::checkpoint_dir_name(step) + "\n");
+  auto v = verify_checkpoint(ckpts / layout::checkpoint_dir_name(step));
+  EXPECT_TRUE(v.ok) << (v.problems.empty() ? "" : v.problems[0]);
+}
+
+TEST(CheckpointStore, RetentionKeepsTheNewestKPlusMultiplesOfKeepEvery) {
+  TempDir run;
+  CheckpointStore store(run.path(), "r", "h", RetentionPolicy{2, 30});
+  std::vector<uint32_t> committed;
+  for (uint32_t step = 10; step <= 90; step += 10) {
+    const std::vector<uint32_t> before = steps_on_disk(run.path());
+    commit_world2(store, step);
+    // A commit alone deletes nothing: pruning comes after LATEST names the new step.
+    std::vector<uint32_t> with_new = before;
+    with_new.push_back(step);
+    EXPECT_EQ(steps_on_disk(run.path()), with_new);
+    expect_latest_valid(run.path(), step);
+
+    committed.push_back(step);
+    std::vector<uint32_t> expected;
+    for (size_t i = 0; i < committed.size(); ++i) {
+      if (i + 2 >= committed.size() || committed[i] % 30 == 0) expected.push_back(committed[i]);
+    }
+    std::vector<uint32_t> gone;
+    std::set_difference(with_new.begin(), with_new.end(), expected.begin(), expected.end(),
+                        std::back_inserter(gone));
+    EXPECT_EQ(store.prune(), gone) << "after step " << step;
+    EXPECT_EQ(steps_on_disk(run.path()), expected) << "after step " << step;
+    EXPECT_TRUE(leftovers(run.path()).empty());
+    expect_latest_valid(run.path(), step);
+    for (uint32_t s : expected) EXPECT_TRUE(verify_checkpoint(step_dir(run.path(), s)).ok) << s;
+  }
+  EXPECT_EQ(steps_on_disk(run.path()), (std::vector<uint32_t>{30, 60, 80, 90}));
+  // Pruning again is a no-op.
+  EXPECT_TRUE(store.prune().empty());
+}
+
+TEST(CheckpointStore, RetentionOfOneKeepsOnlyTheStepLatestNames) {
+  TempDir run;
+  CheckpointStore store(run.path(), "r", "h", RetentionPolicy{1, 0});
+  for (uint32_t step : {4u, 8u, 12u}) {
+    commit_world2(store, step);
+    store.prune();
+    EXPECT_EQ(steps_on_disk(run.path()), std::vector<uint32_t>{step});
+    expect_latest_valid(run.path(), step);
+  }
+  // A step older than LATEST committed late (a re-sent, superseded step) never moves LATEST,
+  // and is itself the one pruned.
+  commit_world2(store, 6);
+  EXPECT_EQ(store.prune(), std::vector<uint32_t>{6});
+  EXPECT_EQ(steps_on_disk(run.path()), std::vector<uint32_t>{12});
+  expect_latest_valid(run.path(), 12);
+}
+
+TEST(CheckpointStore, NoPolicyKeepsEveryCheckpoint) {
+  TempDir run;
+  CheckpointStore store(run.path(), "r", "h");
+  for (uint32_t step = 1; step <= 5; ++step) commit_world2(store, step);
+  EXPECT_TRUE(store.prune().empty());
+  EXPECT_EQ(steps_on_disk(run.path()), (std::vector<uint32_t>{1, 2, 3, 4, 5}));
+}
+
+TEST(CheckpointStore, PrunesCheckpointsFoundAtStart) {
+  TempDir run;
+  {
+    CheckpointStore store(run.path(), "r", "h");  // an earlier process, keeping everything
+    for (uint32_t step = 1; step <= 5; ++step) commit_world2(store, step);
+  }
+  CheckpointStore store(run.path(), "r", "h", RetentionPolicy{2, 2});
+  EXPECT_EQ(steps_on_disk(run.path()), (std::vector<uint32_t>{2, 4, 5}));
+  EXPECT_TRUE(leftovers(run.path()).empty());
+  EXPECT_EQ(store.latest(), 5u);
+  expect_latest_valid(run.path(), 5);
+}
+
+TEST(CheckpointStore, LeftoverDeletingDirectoryIsRemovedAtStart) {
+  TempDir run;
+  {
+    CheckpointStore store(run.path(), "r", "h");
+    commit_world2(store, 3);
+    commit_world2(store, 6);
+  }
+  // A process killed while pruning step 3: renamed, its tree partly removed.
+  const fs::path ckpts = layout::checkpoints_dir(run.path());
+  fs::rename(ckpts / "step_00000003", ckpts / "step_00000003.deleting");
+  fs::remove(ckpts / "step_00000003.deleting" / "checkpoint.json");
+  CheckpointStore store(run.path(), "r", "h", RetentionPolicy{3, 0});
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000003.deleting"));
+  EXPECT_TRUE(leftovers(run.path()).empty());
+  EXPECT_EQ(steps_on_disk(run.path()), std::vector<uint32_t>{6});
+  EXPECT_FALSE(store.committed(3));
+  EXPECT_EQ(store.latest(), 6u);
+  expect_latest_valid(run.path(), 6);
 }
 
 // ---------------------------------------------------------------------------------------
