@@ -1,5 +1,6 @@
 // megacpp-checkpointer: the snapshot plane's receiver (one per node).
 #include <chrono>
+#include <csignal>
 
 #include "core/util.h"
 #include "stages/checkpointer/checkpointer.h"
@@ -57,6 +58,9 @@ void run(megacpp::stage::StageContext& ctx) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A rank file that outgrows RLIMIT_FSIZE must fail its write with EFBIG (the out-of-space
+  // path: the step is dropped, LATEST stays) rather than kill the process with SIGXFSZ.
+  std::signal(SIGXFSZ, SIG_IGN);
   return megacpp::stage::run_stage_main(
       argc, argv, megacpp::schema::StageKind::CHECKPOINTER,
       "receives rank snapshots and commits checkpoints atomically", run);

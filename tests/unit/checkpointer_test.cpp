@@ -3,15 +3,18 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <fcntl.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <numeric>
 #include <set>
@@ -738,7 +741,7 @@ TEST(CheckpointStore, LaggingLatestIsMovedForwardAtStart) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Retention.
+// Retention and running out of space.
 
 // The committed step directories under RUN/checkpoints, ascending.
 std::vector<uint32_t> steps_on_disk(const fs::path& run) {
@@ -859,6 +862,133 @@ TEST(CheckpointStore, LeftoverDeletingDirectoryIsRemovedAtStart) {
   EXPECT_FALSE(store.committed(3));
   EXPECT_EQ(store.latest(), 6u);
   expect_latest_valid(run.path(), 6);
+}
+
+// Runs `body` in a forked child whose files may not grow past `limit` bytes (RLIMIT_FSIZE,
+// SIGXFSZ ignored so the write fails with EFBIG, as in megacpp-checkpointer). The child
+// writes what `body` returns (empty: passed) to `report`; returns it, or why the child failed.
+std::string in_child_with_file_limit(rlim_t limit, const fs::path& report,
+                                     const std::function<std::string()>& body) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    std::string result;
+    std::signal(SIGXFSZ, SIG_IGN);
+    rlimit before{};
+    ::getrlimit(RLIMIT_FSIZE, &before);
+    const rlimit limited{limit, before.rlim_max};
+    if (::setrlimit(RLIMIT_FSIZE, &limited) != 0) {
+      result = fmt::format("setrlimit: {}", std::strerror(errno));
+    } else {
+      try {
+        result = body();
+      } catch (const std::exception& e) {
+        result = fmt::format("unexpected exception: {}", e.what());
+      }
+    }
+    ::setrlimit(RLIMIT_FSIZE, &before);  // the report may be longer than the limit
+    { std::ofstream(report) << result; }
+    ::_exit(0);
+  }
+  if (pid < 0) return "fork failed";
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return fmt::format("child status {}", status);
+  return fs::exists(report) ? read_file(report) : "the child wrote no report";
+}
+
+// What the store must throw when the space runs out while writing step `step`.
+std::string check_out_of_space(const Error& e, uint32_t step, const fs::path& ckpts) {
+  const std::string what = e.what();
+  if (e.kind() != ErrorKind::kSystem) return "kind " + std::string(to_string(e.kind()));
+  if (e.sys_errno() != EFBIG) return fmt::format("errno {}", e.sys_errno());
+  const std::string head =
+      fmt::format("checkpoint step {}: no space left on {} (", step, ckpts.string());
+  if (!what.starts_with(head)) return "message: " + what;
+  if (what.find("lower --keep-checkpoints") == std::string::npos) return "message: " + what;
+  if (what.find('\n') != std::string::npos) return "not one line: " + what;
+  return {};
+}
+
+TEST(CheckpointStore, ARankFileBeyondTheFileSizeLimitFailsCleanly) {
+  TempDir run;
+  const fs::path ckpts = layout::checkpoints_dir(run.path());
+  {
+    CheckpointStore store(run.path(), "r", "h", RetentionPolicy{1, 0});
+    commit_world2(store, 3);
+  }
+  const std::string latest_before = read_file(ckpts / "LATEST");
+  const std::string result =
+      in_child_with_file_limit(64 << 10, run.path() / "report", [&]() -> std::string {
+        CheckpointStore store(run.path(), "r", "h", RetentionPolicy{1, 0});
+        store.write_rank(6, 2, 1, {});  // a small rank file of the step is in
+        FakeRegion big;
+        big.add<float>("big", "F32", {256, 1024}, std::vector<float>(256 * 1024, 1.0f));
+        try {
+          store.write_rank(6, 2, 0, big.finish());
+          return "a 1 MiB rank file was written under a 64 KiB limit";
+        } catch (const Error& e) {
+          if (auto bad = check_out_of_space(e, 6, ckpts); !bad.empty()) return bad;
+          // The file got exactly as far as the limit; its full size is the header plus 1 MiB.
+          const std::string what = e.what();
+          unsigned long long wrote = 0, of = 0;
+          const size_t at = what.find("(wrote ");
+          if (at == std::string::npos ||
+              std::sscanf(what.c_str() + at,
+                          "(wrote %llu of %llu bytes of rank_0.safetensors: ", &wrote, &of) != 2 ||
+              wrote != 64 << 10 || of <= 1 << 20) {
+            return "message: " + what;
+          }
+        }
+        if (!store.pending().empty()) return "step 6 is still pending";
+        return {};
+      });
+  EXPECT_EQ(result, "");
+  EXPECT_EQ(read_file(ckpts / "LATEST"), latest_before);
+  expect_latest_valid(run.path(), 3);
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000006.tmp"));
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000006"));
+  EXPECT_EQ(steps_on_disk(run.path()), std::vector<uint32_t>{3});
+  EXPECT_TRUE(leftovers(run.path()).empty());
+}
+
+TEST(CheckpointStore, AManifestBeyondTheFileSizeLimitFailsTheCommitCleanly) {
+  TempDir run;
+  const fs::path ckpts = layout::checkpoints_dir(run.path());
+  {
+    CheckpointStore store(run.path(), "r", "h", RetentionPolicy{1, 0});
+    store.write_rank(3, 2, 0, {});
+    store.write_rank(3, 2, 1, {});
+    store.commit(3);
+  }
+  // Rank files without tensors fit under the limit, checkpoint.json does not.
+  const auto rank_bytes = fs::file_size(ckpts / "step_00000003" / "rank_0.safetensors");
+  const auto manifest_bytes = fs::file_size(ckpts / "step_00000003" / "checkpoint.json");
+  ASSERT_LT(rank_bytes + 16, manifest_bytes);
+  const std::string latest_before = read_file(ckpts / "LATEST");
+  const std::string result = in_child_with_file_limit(
+      static_cast<rlim_t>(rank_bytes + 16), run.path() / "report", [&]() -> std::string {
+        CheckpointStore store(run.path(), "r", "h", RetentionPolicy{1, 0});
+        store.write_rank(6, 2, 0, {});
+        store.write_rank(6, 2, 1, {});
+        try {
+          store.commit(6);
+          return "checkpoint.json was written past the limit";
+        } catch (const Error& e) {
+          if (auto bad = check_out_of_space(e, 6, ckpts); !bad.empty()) return bad;
+          if (std::string(e.what()).find("checkpoint.json failed") == std::string::npos) {
+            return fmt::format("message: {}", e.what());
+          }
+        }
+        if (!store.pending().empty()) return "step 6 is still pending";
+        if (store.latest() != 3u) return "latest moved";
+        return {};
+      });
+  EXPECT_EQ(result, "");
+  EXPECT_EQ(read_file(ckpts / "LATEST"), latest_before);
+  expect_latest_valid(run.path(), 3);
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000006.tmp"));
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000006"));
+  EXPECT_TRUE(leftovers(run.path()).empty());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1088,6 +1218,23 @@ TEST(CheckpointerProcess, CommitsAndStopsCleanlyDiscardingAPartialStep) {
   EXPECT_FALSE(fs::exists(h.ckpts() / "step_00000008"));
   EXPECT_EQ(h.journal_kinds(),
             (std::vector<std::string>{"started", "checkpoints/step_00000004", "finished"}));
+}
+
+// A rank file past RLIMIT_FSIZE must fail its write with EFBIG (the out-of-space error), so the
+// process ignores SIGXFSZ rather than dying of it.
+TEST(CheckpointerProcess, IgnoresSigxfsz) {
+  const fs::path exe = sibling_executable("megacpp-checkpointer");
+  if (!fs::exists(exe)) GTEST_SKIP() << exe << " is not built";
+  CheckpointerHarness h(exe);
+  const pid_t pid = h.spawn(0);
+  h.send_until(0, 2, false, 300ms);  // the process is up, past its main()
+  ASSERT_EQ(::kill(pid, SIGXFSZ), 0);
+  h.send_until(1, 2, true, 300ms);
+  EXPECT_TRUE(verify_checkpoint(h.ckpts() / "step_00000002").ok);
+  ::kill(pid, SIGTERM);
+  const int status = h.wait(pid, 20000ms);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status << "\n"
+                                                             << read_file(h.log());
 }
 
 // DESIGN.md "Failure model as implemented" (restartable stages): the checkpointer dies -> it is
