@@ -133,6 +133,15 @@ struct ParentRun {
   checkpoint @3 :Text;          # absolute
 }
 
+# Which committed checkpoints the checkpointer keeps (`megacpp run --keep-checkpoints`,
+# `--keep-every`): the newest `keep` plus every step that is a multiple of `keepEvery` (0: none
+# pinned). The supervisor writes keep >= 1; keep 0, like a contract without this struct, keeps
+# every checkpoint.
+struct CheckpointPolicy {
+  keep @0 :UInt32;
+  keepEvery @1 :UInt32;
+}
+
 struct LaunchContract {
   schemaVersion @0 :UInt32;
   runId @1 :Text;
@@ -173,4 +182,5 @@ struct LaunchContract {
   attempt @30 :UInt32;
   resume @31 :ResumePoint;
   parent @32 :ParentRun;
+  checkpointPolicy @33 :CheckpointPolicy;
 }

@@ -131,6 +131,13 @@ int main(int argc, char** argv) {
   run->add_option("--max-restarts", ro.max_restarts,
                   "Restarts allowed per restartable stage (collector, data loader, checkpointer)")
       ->capture_default_str();
+  run->add_option("--keep-checkpoints", ro.keep_checkpoints,
+                  "Committed checkpoints to keep: older ones are deleted once a newer one is "
+                  "committed (>= 1)")
+      ->capture_default_str();
+  run->add_option("--keep-every", ro.keep_every,
+                  "Also keep every checkpoint whose step is a multiple of this (0: none)")
+      ->capture_default_str();
   run->add_option("--metrics-addr", ro.metrics_addr,
                   "HOST:PORT for /metrics (port 0 = any free port)")
       ->capture_default_str();

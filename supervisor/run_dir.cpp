@@ -66,6 +66,10 @@ void RunOptions::validate() const {
     bad("--teardown-grace-s must be in [0, 30]");
   if (max_restarts > 100) bad("--max-restarts must be <= 100");
   if (!(stop_grace_s > 0) || stop_grace_s > 86400) bad("--stop-grace-s must be in (0, 86400]");
+  if (keep_checkpoints < 1) {
+    bad(fmt::format("--keep-checkpoints {}: must be >= 1 (the newest checkpoint is always kept)",
+                    keep_checkpoints));
+  }
   if (!(metrics_linger_s >= 0) || metrics_linger_s > 3600)
     bad("--metrics-linger-s must be in [0, 3600]");
   if (metrics_addr.rfind(':') == std::string::npos) bad("--metrics-addr must be HOST:PORT");
@@ -621,6 +625,9 @@ void Run::write_launch_contract(const recipe::Recipe& planned) {
     p.setStep(parent_->step);
     p.setCheckpoint(parent_->checkpoint);
   }
+  auto policy = l.initCheckpointPolicy();
+  policy.setKeep(opt_.keep_checkpoints);
+  policy.setKeepEvery(opt_.keep_every);
   write_file_atomic(layout::launch_path(run_), schemas::to_json(l.asReader()));
 }
 

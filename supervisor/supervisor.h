@@ -53,6 +53,10 @@ struct RunOptions {
   // the job is torn down at once (the newest committed checkpoint stays intact).
   double stop_grace_s = 120;
   uint32_t max_restarts = 3;      // per restartable stage (collector, loader, checkpointer)
+  // Checkpoint retention (launch contract `checkpointPolicy`): the newest keep_checkpoints
+  // committed checkpoints stay, plus every step that is a multiple of keep_every (0: none).
+  uint32_t keep_checkpoints = 3;
+  uint32_t keep_every = 0;
   std::string metrics_addr = "127.0.0.1:0";  // HOST:PORT of /metrics; port 0 = any free port
   double metrics_linger_s = 0;               // keep serving /metrics this long after the run ends
   std::string progress = "auto";             // auto | tty | plain | none

@@ -7,7 +7,8 @@
 //  * CheckpointStore: the commit protocol under RUN/checkpoints. Rank files are written
 //    into step_NNNNNNNN.tmp/; when every rank of a step is in, checkpoint.json is written,
 //    the directory is renamed to step_NNNNNNNN and LATEST is replaced atomically. A crash at
-//    any point leaves either no checkpoint of that step or a complete, verified one.
+//    any point leaves either no checkpoint of that step or a complete, verified one. Older
+//    checkpoints are pruned by a RetentionPolicy, only once a newer one is named by LATEST.
 //  * Service: the message loop of the megacpp-checkpointer process — SnapshotReady in,
 //    SnapshotAck out (ok=true releases the rank's staging lease; committed=true tells every
 //    rank of the step that its checkpoint is durable). SnapshotReady is idempotent, so a
@@ -29,6 +30,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/error.h"
 #include "ipc/channel.h"
 #include "ipc/journal.h"
 #include "schemas/common.capnp.h"
@@ -60,16 +62,18 @@ struct WrittenFile {
   uint32_t tensors = 0;
 };
 
-// Called after every chunk (at most 64 MiB) that reached the file and after the fsync: a
-// slow write keeps calling it, a write blocked in the kernel does not (the checkpointer's
-// progress stamp, judged by the supervisor).
-using ProgressFn = std::function<void()>;
+// Called with the bytes of the file written so far and the file's full size: once (0, total)
+// before the file is created, then after every write(2) that reached the file (at most
+// 64 MiB) and after the fsync. A slow write keeps calling it, a write blocked in the kernel
+// does not (the checkpointer's progress stamp, judged by the supervisor). When a write fails,
+// the last `written` reported is what reached the file.
+using ProgressFn = std::function<void(uint64_t written, uint64_t total)>;
 
 // Writes a safetensors file at `path` (created or truncated, mode 0644) and fsyncs it.
 // Data is laid out in the order given. `metadata` lands in "__metadata__" after
 // "format": "pt". Throws Error{kInvalidArgument} for an unknown dtype, a byte count that does
-// not match the shape, or a duplicate/reserved name; Error{kSystem} on an I/O failure (the
-// partial file is removed).
+// not match the shape, or a duplicate/reserved name; Error{kSystem} with the errno kept on an
+// I/O failure (the partial file is removed).
 WrittenFile write_safetensors(const fs::path& path, std::span<const TensorView> tensors,
                               const std::map<std::string, std::string>& metadata = {},
                               const ProgressFn& on_chunk = {});
@@ -112,6 +116,18 @@ struct VerifyResult {
 // its tensor count matches. Never throws for a damaged checkpoint; problems are listed.
 VerifyResult verify_checkpoint(const fs::path& dir);
 
+// The errnos of a write that failed for lack of space: the filesystem is full (ENOSPC), a
+// quota is (EDQUOT), or the file outgrew the process's RLIMIT_FSIZE (EFBIG).
+bool is_out_of_space(int err) noexcept;
+
+// Which committed checkpoints a CheckpointStore keeps: the newest `keep` steps (0: every one)
+// plus every step that is a multiple of `keep_every` (0: none pinned). The step LATEST names is
+// always kept.
+struct RetentionPolicy {
+  uint32_t keep = 0;
+  uint32_t keep_every = 0;
+};
+
 struct CommittedCheckpoint {
   uint32_t step = 0;
   fs::path dir;               // absolute: RUN/checkpoints/step_NNNNNNNN
@@ -120,20 +136,28 @@ struct CommittedCheckpoint {
 };
 
 // Owns RUN/checkpoints. Not thread-safe (one owner: the checkpointer's loop).
+//
+// Running out of space (is_out_of_space) while a step is written or committed throws
+// Error{kSystem} (errno kept) naming the step, RUN/checkpoints, how far the write got and what
+// to do; the step's tmp directory is removed first (best effort), so the earlier checkpoints
+// and LATEST are as they were.
 class CheckpointStore {
  public:
-  // Creates RUN/checkpoints if absent and removes every leftover "*.tmp" directory in it:
-  // an uncommitted checkpoint of an earlier process is discarded; committed ones stay. A
-  // LATEST that lags the newest committed directory (a process killed between the rename
-  // and LATEST) is moved forward to it.
-  CheckpointStore(fs::path run_dir, std::string run_id, std::string recipe_hash);
+  // Creates RUN/checkpoints if absent and removes every leftover "*.tmp" and "*.deleting"
+  // directory in it: an uncommitted checkpoint of an earlier process is discarded, a pruning
+  // it had begun is finished; committed ones stay. A LATEST that lags the newest committed
+  // directory (a process killed between the rename and LATEST) is moved forward to it. Then
+  // prunes (see prune()).
+  CheckpointStore(fs::path run_dir, std::string run_id, std::string recipe_hash,
+                  RetentionPolicy retention = {});
   CheckpointStore(const CheckpointStore&) = delete;
   CheckpointStore& operator=(const CheckpointStore&) = delete;
 
   // Writes (or rewrites) rank_<rank>.safetensors of `step` into the step's tmp directory and
   // fsyncs it. `layout` (the rank's reassembly JSON, may be empty) is stored verbatim as the
   // "megacpp.layout" metadata entry. Throws Error{kProtocol} if `world` disagrees with an
-  // earlier rank of the same step or rank >= world; write errors as write_safetensors.
+  // earlier rank of the same step or rank >= world; write errors as write_safetensors, and
+  // running out of space as the class comment says (the step is then no longer pending).
   const WrittenFile& write_rank(uint32_t step, uint32_t world, uint32_t rank,
                                 std::span<const TensorView> tensors, std::string_view layout = {});
   bool complete(uint32_t step) const;  // every rank of the step written
@@ -142,28 +166,41 @@ class CheckpointStore {
   // Commits a complete step: checkpoint.json, fsyncs, rename, fsync of RUN/checkpoints, and
   // LATEST (only moved forward: an older step never replaces a newer LATEST). If the
   // committed directory already exists (a step re-sent after a restart), the tmp copy is
-  // discarded and the existing one stands.
+  // discarded and the existing one stands. Never deletes a committed checkpoint: prune() does.
   CommittedCheckpoint commit(uint32_t step);
+  // Deletes every committed checkpoint the retention policy does not keep, oldest first: each
+  // is renamed to "step_NNNNNNNN.deleting", RUN/checkpoints is fsynced, then the tree is
+  // removed, so a crash leaves a whole checkpoint or a ".deleting" leftover, never a damaged
+  // step_NNNNNNNN. Returns the steps deleted. Throws Error{kSystem} if a rename or removal
+  // fails (what was deleted before stays deleted).
+  std::vector<uint32_t> prune();
   void discard(uint32_t step);  // removes the step's tmp directory; no-op if unknown
   void discard_all();
   std::vector<uint32_t> pending() const;  // steps with a tmp directory, ascending
   std::optional<uint32_t> latest() const { return latest_; }  // newest committed step
   const fs::path& dir() const noexcept { return dir_; }
-  // Called while rank files are written (see ProgressFn).
-  void set_progress(ProgressFn on_chunk) { on_chunk_ = std::move(on_chunk); }
+  const RetentionPolicy& retention() const noexcept { return retention_; }
+  // Called while rank files are written: after every write(2) and fsync (see ProgressFn).
+  void set_progress(std::function<void()> on_chunk) { on_chunk_ = std::move(on_chunk); }
 
  private:
   struct Pending {
     uint32_t world = 0;
     std::map<uint32_t, WrittenFile> files;  // by rank
   };
+  fs::path tmp_dir(uint32_t step) const;
+  std::vector<uint32_t> committed_steps() const;  // ascending
+  // Removes the step's tmp directory (best effort), forgets the step and throws the
+  // out-of-space error for `e`; `detail` says how far the write got.
+  [[noreturn]] void fail_out_of_space(uint32_t step, const Error& e, std::string_view detail);
   fs::path run_dir_;
   fs::path dir_;
   std::string run_id_;
   std::string recipe_hash_;
+  RetentionPolicy retention_;
   std::map<uint32_t, Pending> pending_;
   std::optional<uint32_t> latest_;
-  ProgressFn on_chunk_;
+  std::function<void()> on_chunk_;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -172,8 +209,8 @@ class CheckpointStore {
 // Handles the snapshot plane over a bound ROUTER: for each SnapshotReady from a trainer
 // rank, attaches the rank's staging region (once per name/size, cached), writes the rank's
 // file, acks ok (the lease is released), and when a step is complete commits it, acks
-// committed to every rank of the step and journals checkpointCommitted. A commit discards
-// older steps still partially received (no rank will send them again).
+// committed to every rank of the step, journals checkpointCommitted and prunes the store. A
+// commit discards older steps still partially received (no rank will send them again).
 // SnapshotReady is idempotent (ranks re-send it while they wait, and after a restart of this
 // process): for a step already committed it acks ok+committed; for a rank already written in
 // this process and a step not yet committed it re-acks ok without rewriting; for a step older

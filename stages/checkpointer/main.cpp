@@ -1,5 +1,6 @@
 // megacpp-checkpointer: the snapshot plane's receiver (one per node).
 #include <chrono>
+#include <csignal>
 
 #include "core/util.h"
 #include "stages/checkpointer/checkpointer.h"
@@ -12,7 +13,22 @@ using megacpp::schema::Phase;
 void run(megacpp::stage::StageContext& ctx) {
   namespace ck = megacpp::checkpointer;
   auto launch = ctx.launch();
-  ck::CheckpointStore store(ctx.run_dir(), launch.getRunId(), launch.getRecipe().getHash());
+  // A launch contract without a policy keeps every checkpoint (RetentionPolicy's default).
+  ck::RetentionPolicy retention;
+  if (launch.hasCheckpointPolicy()) {
+    retention.keep = launch.getCheckpointPolicy().getKeep();
+    retention.keep_every = launch.getCheckpointPolicy().getKeepEvery();
+  }
+  if (retention.keep == 0) {
+    megacpp::log_info("retention: keeping every checkpoint");
+  } else {
+    megacpp::log_info("retention: keeping the newest {} checkpoint(s){}", retention.keep,
+                      retention.keep_every
+                          ? fmt::format(" and every multiple of step {}", retention.keep_every)
+                          : std::string());
+  }
+  ck::CheckpointStore store(ctx.run_dir(), launch.getRunId(), launch.getRecipe().getHash(),
+                            retention);
   megacpp::ipc::Channel router(ctx.zmq(), megacpp::ipc::Channel::Kind::kRouter,
                                launch.getCheckpointEndpoint());
   // A relaunched checkpointer binds the same endpoint under the same identity; the ranks
@@ -42,6 +58,9 @@ void run(megacpp::stage::StageContext& ctx) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A rank file that outgrows RLIMIT_FSIZE must fail its write with EFBIG (the out-of-space
+  // path: the step is dropped, LATEST stays) rather than kill the process with SIGXFSZ.
+  std::signal(SIGXFSZ, SIG_IGN);
   return megacpp::stage::run_stage_main(
       argc, argv, megacpp::schema::StageKind::CHECKPOINTER,
       "receives rank snapshots and commits checkpoints atomically", run);

@@ -41,17 +41,28 @@ std::string xxh3_digest_hex(XXH3_state_t* state) {
   return fmt::format("{:016x}", XXH3_64bits_digest(state));
 }
 
-void write_all(int fd, const std::byte* data, uint64_t bytes, XXH3_state_t* hash,
-               const ProgressFn& on_chunk) {
-  if (bytes > 0) XXH3_64bits_update(hash, data, bytes);
-  while (bytes > 0) {
-    size_t chunk = static_cast<size_t>(std::min<uint64_t>(bytes, kMaxWriteChunk));
-    ssize_t n = SYSCALL_CHECK(::write(fd, data, chunk));
-    data += n;
-    bytes -= static_cast<uint64_t>(n);
-    if (on_chunk) on_chunk();
+// The open file of write_safetensors: every byte that reaches it is hashed and counted.
+struct Output {
+  Output(int fd_in, uint64_t total_in, const ProgressFn& on_chunk_in)
+      : fd(fd_in), total(total_in), on_chunk(on_chunk_in) {}
+  int fd;
+  uint64_t total;
+  const ProgressFn& on_chunk;
+  Xxh3State hash = new_xxh3();
+  uint64_t written = 0;
+
+  void write_all(const std::byte* data, uint64_t bytes) {
+    if (bytes > 0) XXH3_64bits_update(hash.get(), data, bytes);
+    while (bytes > 0) {
+      size_t chunk = static_cast<size_t>(std::min<uint64_t>(bytes, kMaxWriteChunk));
+      ssize_t n = SYSCALL_CHECK(::write(fd, data, chunk));
+      data += n;
+      bytes -= static_cast<uint64_t>(n);
+      written += static_cast<uint64_t>(n);
+      if (on_chunk) on_chunk(written, total);
+    }
   }
-}
+};
 
 [[noreturn]] void corrupt(const std::string& what) {
   MEGACPP_FAIL(ErrorKind::kCorruption, "{}", what);
@@ -143,22 +154,22 @@ WrittenFile write_safetensors(const fs::path& path, std::span<const TensorView> 
   for (size_t i = 0; i < 8; ++i)
     length[i] = static_cast<std::byte>((text.size() >> (8 * i)) & 0xff);
 
+  const uint64_t total = 8 + text.size() + offset;
+  if (on_chunk) on_chunk(0, total);
   Fd fd(SYSCALL_CHECK(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)));
-  auto hash = new_xxh3();
+  Output out(fd.get(), total, on_chunk);
   try {
-    write_all(fd.get(), length.data(), length.size(), hash.get(), on_chunk);
-    write_all(fd.get(), reinterpret_cast<const std::byte*>(text.data()), text.size(), hash.get(),
-              on_chunk);
-    for (const TensorView& t : tensors) write_all(fd.get(), t.data, t.bytes, hash.get(), on_chunk);
+    out.write_all(length.data(), length.size());
+    out.write_all(reinterpret_cast<const std::byte*>(text.data()), text.size());
+    for (const TensorView& t : tensors) out.write_all(t.data, t.bytes);
     SYSCALL_CHECK(::fsync(fd.get()));
-    if (on_chunk) on_chunk();
+    if (on_chunk) on_chunk(out.written, total);
     fd.close_checked();
   } catch (...) {
     ::unlink(path.c_str());
     throw;
   }
-  return WrittenFile{8 + text.size() + offset, xxh3_digest_hex(hash.get()),
-                     static_cast<uint32_t>(tensors.size())};
+  return WrittenFile{total, xxh3_digest_hex(out.hash.get()), static_cast<uint32_t>(tensors.size())};
 }
 
 SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t file_size) {

@@ -207,6 +207,8 @@ void Service::commit(uint32_t step, bool final) {
     store_.discard(it->first);
     it = steps_.erase(it);
   }
+  // After the acks: a failed deletion fails this stage, never the commit just made.
+  store_.prune();
 }
 
 void Service::discard_pending() {

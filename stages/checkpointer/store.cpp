@@ -1,7 +1,10 @@
 // The commit protocol under RUN/checkpoints and the checkpoint verifier.
 #include <capnp/message.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <system_error>
 
 #include "core/error.h"
@@ -17,6 +20,9 @@ namespace megacpp::checkpointer {
 namespace {
 
 constexpr std::string_view kTmpSuffix = ".tmp";
+// A committed checkpoint being pruned: renamed to this first, so a crash mid-removal leaves a
+// name the next store removes, never a damaged step_NNNNNNNN.
+constexpr std::string_view kDeletingSuffix = ".deleting";
 constexpr std::string_view kManifestName = "checkpoint.json";
 
 // "step_NNNNNNNN" -> NNNNNNNN; nullopt for anything else (tmp directories included).
@@ -53,17 +59,33 @@ void make_dirs(const fs::path& p) {
 
 }  // namespace
 
-CheckpointStore::CheckpointStore(fs::path run_dir, std::string run_id, std::string recipe_hash)
+bool is_out_of_space(int err) noexcept {
+  return err == ENOSPC || err == EDQUOT || err == EFBIG;
+}
+
+namespace {
+bool out_of_space(const Error& e) {
+  return e.kind() == ErrorKind::kSystem && is_out_of_space(e.sys_errno());
+}
+}  // namespace
+
+CheckpointStore::CheckpointStore(fs::path run_dir, std::string run_id, std::string recipe_hash,
+                                 RetentionPolicy retention)
     : run_dir_(std::move(run_dir)),
       dir_(layout::checkpoints_dir(run_dir_)),
       run_id_(std::move(run_id)),
-      recipe_hash_(std::move(recipe_hash)) {
+      recipe_hash_(std::move(recipe_hash)),
+      retention_(retention) {
   make_dirs(dir_);
   bool removed = false;
   for (const auto& entry : fs::directory_iterator(dir_)) {
     const std::string name = entry.path().filename().string();
     if (entry.is_directory() && name.ends_with(kTmpSuffix)) {
       log_warn("discarding uncommitted checkpoint {}", entry.path().string());
+      remove_tree(entry.path());
+      removed = true;
+    } else if (entry.is_directory() && name.ends_with(kDeletingSuffix)) {
+      log_info("finishing the deletion of pruned checkpoint {}", entry.path().string());
       remove_tree(entry.path());
       removed = true;
     } else if (name.starts_with("LATEST.tmp.")) {  // write_file_atomic interrupted by a crash
@@ -82,6 +104,24 @@ CheckpointStore::CheckpointStore(fs::path run_dir, std::string run_id, std::stri
       write_file_atomic(latest_file, name + "\n");
     }
   }
+  prune();
+}
+
+fs::path CheckpointStore::tmp_dir(uint32_t step) const {
+  return dir_ / (layout::checkpoint_dir_name(step) + std::string(kTmpSuffix));
+}
+
+void CheckpointStore::fail_out_of_space(uint32_t step, const Error& e, std::string_view detail) {
+  // Best effort: what is missing is space, not the right to remove; a leftover tmp directory
+  // is discarded by the next store anyway.
+  std::error_code ec;
+  fs::remove_all(tmp_dir(step), ec);
+  if (ec) log_warn("could not remove {}: {}", tmp_dir(step).string(), ec.message());
+  pending_.erase(step);
+  MEGACPP_FAIL_LIKE(e,
+                    "checkpoint step {}: no space left on {} ({}: {}); free space there or lower "
+                    "--keep-checkpoints",
+                    step, dir_.string(), detail, std::strerror(e.sys_errno()));
 }
 
 const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, uint32_t rank,
@@ -89,11 +129,16 @@ const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, ui
                                                std::string_view layout) {
   MEGACPP_CHECK(world > 0 && rank < world, ErrorKind::kProtocol,
                 fmt::format("snapshot of step {} from rank {} of world {}", step, rank, world));
-  const fs::path tmp = dir_ / (layout::checkpoint_dir_name(step) + std::string(kTmpSuffix));
+  const fs::path tmp = tmp_dir(step);
   auto it = pending_.find(step);
   if (it == pending_.end()) {
     if (fs::exists(tmp)) remove_tree(tmp);
-    make_dirs(tmp);
+    try {
+      make_dirs(tmp);
+    } catch (const Error& e) {
+      if (!out_of_space(e)) throw;
+      fail_out_of_space(step, e, fmt::format("creating {}", tmp.filename().string()));
+    }
     it = pending_.emplace(step, Pending{world, {}}).first;
   }
   Pending& p = it->second;
@@ -109,8 +154,21 @@ const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, ui
   };
   if (!layout.empty()) metadata.emplace("megacpp.layout", std::string(layout));
   p.files.erase(rank);
-  WrittenFile written = write_safetensors(tmp / rank_file_name(rank), tensors, metadata, on_chunk_);
-  return p.files[rank] = std::move(written);
+  const std::string file = rank_file_name(rank);
+  uint64_t done = 0;
+  uint64_t total = 0;
+  auto progress = [&](uint64_t written, uint64_t size) {
+    done = written;
+    total = size;
+    if (on_chunk_) on_chunk_();
+  };
+  try {
+    WrittenFile written = write_safetensors(tmp / file, tensors, metadata, progress);
+    return p.files[rank] = std::move(written);
+  } catch (const Error& e) {
+    if (!out_of_space(e)) throw;
+    fail_out_of_space(step, e, fmt::format("wrote {} of {} bytes of {}", done, total, file));
+  }
 }
 
 bool CheckpointStore::complete(uint32_t step) const {
@@ -127,7 +185,7 @@ CommittedCheckpoint CheckpointStore::commit(uint32_t step) {
                 fmt::format("commit of step {} before every rank was written", step));
   const Pending& p = pending_.at(step);
   const std::string name = layout::checkpoint_dir_name(step);
-  const fs::path tmp = dir_ / (name + std::string(kTmpSuffix));
+  const fs::path tmp = tmp_dir(step);
   const fs::path final_dir = dir_ / name;
 
   capnp::MallocMessageBuilder message;
@@ -150,32 +208,93 @@ CommittedCheckpoint CheckpointStore::commit(uint32_t step) {
     bytes += written.bytes;
   }
   const std::string json = schemas::to_json(manifest.asReader());
+  const uint64_t rank_bytes = bytes;
   bytes += json.size();
-  // write_file_atomic fsyncs the file and the tmp directory that holds it.
-  write_file_atomic(tmp / kManifestName, json);
 
   CommittedCheckpoint out{step, final_dir, (fs::path("checkpoints") / name).string(), bytes};
-  if (fs::exists(final_dir)) {
+  const bool exists = fs::exists(final_dir);
+  std::string_view doing = kManifestName;
+  try {
+    // write_file_atomic fsyncs the file and the tmp directory that holds it.
+    write_file_atomic(tmp / kManifestName, json);
+    if (!exists) {
+      doing = "the rename into place";
+      SYSCALL_CHECK(::rename(tmp.c_str(), final_dir.c_str()));
+    }
+  } catch (const Error& e) {
+    if (!out_of_space(e)) throw;
+    fail_out_of_space(step, e,
+                      fmt::format("wrote {} of {} bytes; {} failed", rank_bytes, bytes, doing));
+  }
+  if (exists) {
     log_warn("checkpoint {} is already committed; keeping it and discarding the new copy", name);
     remove_tree(tmp);
     out.bytes = 0;
     for (const auto& entry : fs::directory_iterator(final_dir)) {
       if (entry.is_regular_file()) out.bytes += entry.file_size();
     }
-  } else {
-    SYSCALL_CHECK(::rename(tmp.c_str(), final_dir.c_str()));
   }
   fsync_path(dir_);
   pending_.erase(step);
   if (!latest_ || step >= *latest_) {
-    write_file_atomic(dir_ / "LATEST", name + "\n");
+    try {
+      write_file_atomic(dir_ / "LATEST", name + "\n");
+    } catch (const Error& e) {
+      if (!out_of_space(e)) throw;
+      // The step is committed; LATEST still names the previous one (a restarted store moves
+      // it forward, as after a crash between the rename and LATEST).
+      MEGACPP_FAIL_LIKE(e,
+                        "checkpoint step {}: no space left on {} (LATEST could not be replaced: "
+                        "{}; it still names {}); free space there or lower --keep-checkpoints",
+                        step, dir_.string(), std::strerror(e.sys_errno()),
+                        latest_ ? layout::checkpoint_dir_name(*latest_) : "nothing");
+    }
     latest_ = step;
   }
   return out;
 }
 
+std::vector<uint32_t> CheckpointStore::committed_steps() const {
+  std::vector<uint32_t> steps;
+  for (const auto& entry : fs::directory_iterator(dir_)) {
+    if (!entry.is_directory()) continue;
+    if (auto step = parse_step_dir(entry.path().filename().string())) steps.push_back(*step);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+std::vector<uint32_t> CheckpointStore::prune() {
+  std::vector<uint32_t> deleted;
+  if (retention_.keep == 0) return deleted;
+  const std::vector<uint32_t> steps = committed_steps();
+  if (steps.size() <= retention_.keep) return deleted;
+  const size_t newest_kept = steps.size() - retention_.keep;  // steps[newest_kept..] stay
+  for (size_t i = 0; i < newest_kept; ++i) {
+    const uint32_t step = steps[i];
+    if (retention_.keep_every != 0 && step % retention_.keep_every == 0) continue;
+    if (latest_ && step == *latest_) continue;  // LATEST always names a committed checkpoint
+    const std::string name = layout::checkpoint_dir_name(step);
+    const fs::path from = dir_ / name;
+    const fs::path to = dir_ / (name + std::string(kDeletingSuffix));
+    if (fs::exists(to)) remove_tree(to);
+    if (::rename(from.c_str(), to.c_str()) != 0) {
+      const int err = errno;
+      MEGACPP_FAIL_SYS(err, "cannot rename {} to {} to delete it: {}", from.string(), to.string(),
+                       std::strerror(err));
+    }
+    fsync_path(dir_);
+    remove_tree(to);
+    deleted.push_back(step);
+    log_info("deleted checkpoint {} (keeping the newest {}{})", name, retention_.keep,
+             retention_.keep_every ? fmt::format(" and every multiple of {}", retention_.keep_every)
+                                   : std::string());
+  }
+  return deleted;
+}
+
 void CheckpointStore::discard(uint32_t step) {
-  remove_tree(dir_ / (layout::checkpoint_dir_name(step) + std::string(kTmpSuffix)));
+  remove_tree(tmp_dir(step));
   pending_.erase(step);
 }
 

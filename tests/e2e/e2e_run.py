@@ -135,6 +135,17 @@ class DefaultRun(unittest.TestCase):
         v = run(["verify", self.run_dir])
         self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
 
+    def test_retention_keeps_the_newest_three(self):
+        # The default policy reaches the checkpointer through the launch contract: of the
+        # checkpoints a run commits (every checkpoint_every steps, and the last step), the
+        # newest 3 stay.
+        self.assertEqual(self.launch["checkpointPolicy"], {"keep": 3, "keepEvery": 0})
+        every = self.launch["recipe"]["train"]["checkpointEvery"]
+        committed = sorted(set(range(every, STEPS + 1, every)) | {STEPS})
+        ckdir = os.path.join(self.run_dir, "checkpoints")
+        self.assertEqual(sorted(os.listdir(ckdir)),
+                         ["LATEST"] + ["step_%08d" % s for s in committed[-3:]])
+
     def test_verify_accepts_the_latest_file(self):
         # RUN/checkpoints/LATEST is followed to the checkpoint it names.
         v = run(["verify", os.path.join(self.run_dir, "checkpoints", "LATEST")])
@@ -205,6 +216,11 @@ class Refusals(unittest.TestCase):
         self.refused(["run", "--ranks", "0", "--run-dir", rd], "--ranks 0")
         self.assertFalse(os.path.exists(rd))
 
+    def test_keep_checkpoints_zero(self):
+        rd = os.path.join(self.tmp, "run")
+        self.refused(["run", "--keep-checkpoints", "0", "--run-dir", rd], "--keep-checkpoints 0")
+        self.assertFalse(os.path.exists(rd))
+
     def test_unwritable_run_dir(self):
         blocker = os.path.join(self.tmp, "a-file")
         open(blocker, "w").close()
@@ -229,7 +245,8 @@ class Refusals(unittest.TestCase):
     def test_help_describes_every_subcommand(self):
         top = run(["--help"])
         self.assertEqual(top.returncode, 0)
-        for sub, opts in {"run": ["--ranks", "--steps", "--run-dir", "--require-data-volume"],
+        for sub, opts in {"run": ["--ranks", "--steps", "--run-dir", "--require-data-volume",
+                                  "--keep-checkpoints", "--keep-every"],
                           "status": ["run-dir"], "collect": ["run-dirs"], "plan": ["recipe"],
                           "verify": ["path"]}.items():
             self.assertIn(sub, top.stdout)

@@ -3,14 +3,19 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <fcntl.h>
 
+#include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <iterator>
 #include <numeric>
 #include <set>
 #include <thread>
@@ -690,6 +695,34 @@ TEST_F(ServiceTest, AThrowingWriteHookFailsTheSnapshot) {
   EXPECT_FALSE(fs::exists(tmp_dir(run_.path(), 4) / "rank_0.safetensors"));
 }
 
+TEST_F(ServiceTest, ACommitPrunesTheStoreAfterAckingTheRanks) {
+  service_.reset();
+  store_ = std::make_unique<CheckpointStore>(run_.path(), "run-svc", "hash", RetentionPolicy{1, 0});
+  make_service();
+  for (uint32_t step : {5u, 10u}) {
+    for (uint32_t r = 0; r < 2; ++r) {
+      send_snapshot(r, step, 1);
+      serve_one();
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+      EXPECT_TRUE(receive_ack(r).ok);
+      EXPECT_TRUE(receive_ack(r).committed);
+    }
+  }
+  EXPECT_FALSE(fs::exists(step_dir(run_.path(), 5)));
+  EXPECT_TRUE(verify_checkpoint(step_dir(run_.path(), 10)).ok);
+  EXPECT_EQ(read_file(layout::checkpoints_dir(run_.path()) / "LATEST"), "step_00000010\n");
+  EXPECT_EQ(journaled_commits(journal_->path()), (std::vector<uint32_t>{5, 10}));
+  // A late re-send of the pruned step is superseded: acked, never written again.
+  send_snapshot(0, 5, 1);
+  serve_one();
+  Ack late = receive_ack(0);
+  EXPECT_TRUE(late.ok);
+  EXPECT_FALSE(late.committed);
+  EXPECT_FALSE(fs::exists(step_dir(run_.path(), 5)));
+  EXPECT_FALSE(fs::exists(tmp_dir(run_.path(), 5)));
+}
+
 TEST(CheckpointStore, LaggingLatestIsMovedForwardAtStart) {
   TempDir run;
   {
@@ -705,6 +738,257 @@ TEST(CheckpointStore, LaggingLatestIsMovedForwardAtStart) {
   EXPECT_TRUE(store.committed(3));
   EXPECT_FALSE(store.committed(4));
   EXPECT_EQ(read_file(ckpts / "LATEST"), "step_00000006\n");
+}
+
+// ---------------------------------------------------------------------------------------
+// Retention and running out of space.
+
+// The committed step directories under RUN/checkpoints, ascending.
+std::vector<uint32_t> steps_on_disk(const fs::path& run) {
+  std::vector<uint32_t> steps;
+  for (const auto& e : fs::directory_iterator(layout::checkpoints_dir(run))) {
+    const std::string name = e.path().filename().string();
+    if (e.is_directory() && name.size() == 13 && name.starts_with("step_")) {
+      steps.push_back(static_cast<uint32_t>(std::stoul(name.substr(5))));
+    }
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+// Everything under RUN/checkpoints that is neither a committed step nor LATEST.
+std::vector<std::string> leftovers(const fs::path& run) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(layout::checkpoints_dir(run))) {
+    const std::string name = e.path().filename().string();
+    if (name != "LATEST" && !(name.size() == 13 && name.starts_with("step_"))) out.push_back(name);
+  }
+  return out;
+}
+
+// LATEST names a committed checkpoint that verifies.
+void expect_latest_valid(const fs::path& run, uint32_t step) {
+  const fs::path ckpts = layout::checkpoints_dir(run);
+  EXPECT_EQ(read_file(ckpts / "LATEST"), layout::checkpoint_dir_name(step) + "\n");
+  auto v = verify_checkpoint(ckpts / layout::checkpoint_dir_name(step));
+  EXPECT_TRUE(v.ok) << (v.problems.empty() ? "" : v.problems[0]);
+}
+
+TEST(CheckpointStore, RetentionKeepsTheNewestKPlusMultiplesOfKeepEvery) {
+  TempDir run;
+  CheckpointStore store(run.path(), "r", "h", RetentionPolicy{2, 30});
+  std::vector<uint32_t> committed;
+  for (uint32_t step = 10; step <= 90; step += 10) {
+    const std::vector<uint32_t> before = steps_on_disk(run.path());
+    commit_world2(store, step);
+    // A commit alone deletes nothing: pruning comes after LATEST names the new step.
+    std::vector<uint32_t> with_new = before;
+    with_new.push_back(step);
+    EXPECT_EQ(steps_on_disk(run.path()), with_new);
+    expect_latest_valid(run.path(), step);
+
+    committed.push_back(step);
+    std::vector<uint32_t> expected;
+    for (size_t i = 0; i < committed.size(); ++i) {
+      if (i + 2 >= committed.size() || committed[i] % 30 == 0) expected.push_back(committed[i]);
+    }
+    std::vector<uint32_t> gone;
+    std::set_difference(with_new.begin(), with_new.end(), expected.begin(), expected.end(),
+                        std::back_inserter(gone));
+    EXPECT_EQ(store.prune(), gone) << "after step " << step;
+    EXPECT_EQ(steps_on_disk(run.path()), expected) << "after step " << step;
+    EXPECT_TRUE(leftovers(run.path()).empty());
+    expect_latest_valid(run.path(), step);
+    for (uint32_t s : expected) EXPECT_TRUE(verify_checkpoint(step_dir(run.path(), s)).ok) << s;
+  }
+  EXPECT_EQ(steps_on_disk(run.path()), (std::vector<uint32_t>{30, 60, 80, 90}));
+  // Pruning again is a no-op.
+  EXPECT_TRUE(store.prune().empty());
+}
+
+TEST(CheckpointStore, RetentionOfOneKeepsOnlyTheStepLatestNames) {
+  TempDir run;
+  CheckpointStore store(run.path(), "r", "h", RetentionPolicy{1, 0});
+  for (uint32_t step : {4u, 8u, 12u}) {
+    commit_world2(store, step);
+    store.prune();
+    EXPECT_EQ(steps_on_disk(run.path()), std::vector<uint32_t>{step});
+    expect_latest_valid(run.path(), step);
+  }
+  // A step older than LATEST committed late (a re-sent, superseded step) never moves LATEST,
+  // and is itself the one pruned.
+  commit_world2(store, 6);
+  EXPECT_EQ(store.prune(), std::vector<uint32_t>{6});
+  EXPECT_EQ(steps_on_disk(run.path()), std::vector<uint32_t>{12});
+  expect_latest_valid(run.path(), 12);
+}
+
+TEST(CheckpointStore, NoPolicyKeepsEveryCheckpoint) {
+  TempDir run;
+  CheckpointStore store(run.path(), "r", "h");
+  for (uint32_t step = 1; step <= 5; ++step) commit_world2(store, step);
+  EXPECT_TRUE(store.prune().empty());
+  EXPECT_EQ(steps_on_disk(run.path()), (std::vector<uint32_t>{1, 2, 3, 4, 5}));
+}
+
+TEST(CheckpointStore, PrunesCheckpointsFoundAtStart) {
+  TempDir run;
+  {
+    CheckpointStore store(run.path(), "r", "h");  // an earlier process, keeping everything
+    for (uint32_t step = 1; step <= 5; ++step) commit_world2(store, step);
+  }
+  CheckpointStore store(run.path(), "r", "h", RetentionPolicy{2, 2});
+  EXPECT_EQ(steps_on_disk(run.path()), (std::vector<uint32_t>{2, 4, 5}));
+  EXPECT_TRUE(leftovers(run.path()).empty());
+  EXPECT_EQ(store.latest(), 5u);
+  expect_latest_valid(run.path(), 5);
+}
+
+TEST(CheckpointStore, LeftoverDeletingDirectoryIsRemovedAtStart) {
+  TempDir run;
+  {
+    CheckpointStore store(run.path(), "r", "h");
+    commit_world2(store, 3);
+    commit_world2(store, 6);
+  }
+  // A process killed while pruning step 3: renamed, its tree partly removed.
+  const fs::path ckpts = layout::checkpoints_dir(run.path());
+  fs::rename(ckpts / "step_00000003", ckpts / "step_00000003.deleting");
+  fs::remove(ckpts / "step_00000003.deleting" / "checkpoint.json");
+  CheckpointStore store(run.path(), "r", "h", RetentionPolicy{3, 0});
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000003.deleting"));
+  EXPECT_TRUE(leftovers(run.path()).empty());
+  EXPECT_EQ(steps_on_disk(run.path()), std::vector<uint32_t>{6});
+  EXPECT_FALSE(store.committed(3));
+  EXPECT_EQ(store.latest(), 6u);
+  expect_latest_valid(run.path(), 6);
+}
+
+// Runs `body` in a forked child whose files may not grow past `limit` bytes (RLIMIT_FSIZE,
+// SIGXFSZ ignored so the write fails with EFBIG, as in megacpp-checkpointer). The child
+// writes what `body` returns (empty: passed) to `report`; returns it, or why the child failed.
+std::string in_child_with_file_limit(rlim_t limit, const fs::path& report,
+                                     const std::function<std::string()>& body) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    std::string result;
+    std::signal(SIGXFSZ, SIG_IGN);
+    rlimit before{};
+    ::getrlimit(RLIMIT_FSIZE, &before);
+    const rlimit limited{limit, before.rlim_max};
+    if (::setrlimit(RLIMIT_FSIZE, &limited) != 0) {
+      result = fmt::format("setrlimit: {}", std::strerror(errno));
+    } else {
+      try {
+        result = body();
+      } catch (const std::exception& e) {
+        result = fmt::format("unexpected exception: {}", e.what());
+      }
+    }
+    ::setrlimit(RLIMIT_FSIZE, &before);  // the report may be longer than the limit
+    { std::ofstream(report) << result; }
+    ::_exit(0);
+  }
+  if (pid < 0) return "fork failed";
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return fmt::format("child status {}", status);
+  return fs::exists(report) ? read_file(report) : "the child wrote no report";
+}
+
+// What the store must throw when the space runs out while writing step `step`.
+std::string check_out_of_space(const Error& e, uint32_t step, const fs::path& ckpts) {
+  const std::string what = e.what();
+  if (e.kind() != ErrorKind::kSystem) return "kind " + std::string(to_string(e.kind()));
+  if (e.sys_errno() != EFBIG) return fmt::format("errno {}", e.sys_errno());
+  const std::string head =
+      fmt::format("checkpoint step {}: no space left on {} (", step, ckpts.string());
+  if (!what.starts_with(head)) return "message: " + what;
+  if (what.find("lower --keep-checkpoints") == std::string::npos) return "message: " + what;
+  if (what.find('\n') != std::string::npos) return "not one line: " + what;
+  return {};
+}
+
+TEST(CheckpointStore, ARankFileBeyondTheFileSizeLimitFailsCleanly) {
+  TempDir run;
+  const fs::path ckpts = layout::checkpoints_dir(run.path());
+  {
+    CheckpointStore store(run.path(), "r", "h", RetentionPolicy{1, 0});
+    commit_world2(store, 3);
+  }
+  const std::string latest_before = read_file(ckpts / "LATEST");
+  const std::string result =
+      in_child_with_file_limit(64 << 10, run.path() / "report", [&]() -> std::string {
+        CheckpointStore store(run.path(), "r", "h", RetentionPolicy{1, 0});
+        store.write_rank(6, 2, 1, {});  // a small rank file of the step is in
+        FakeRegion big;
+        big.add<float>("big", "F32", {256, 1024}, std::vector<float>(256 * 1024, 1.0f));
+        try {
+          store.write_rank(6, 2, 0, big.finish());
+          return "a 1 MiB rank file was written under a 64 KiB limit";
+        } catch (const Error& e) {
+          if (auto bad = check_out_of_space(e, 6, ckpts); !bad.empty()) return bad;
+          // The file got exactly as far as the limit; its full size is the header plus 1 MiB.
+          const std::string what = e.what();
+          unsigned long long wrote = 0, of = 0;
+          const size_t at = what.find("(wrote ");
+          if (at == std::string::npos ||
+              std::sscanf(what.c_str() + at,
+                          "(wrote %llu of %llu bytes of rank_0.safetensors: ", &wrote, &of) != 2 ||
+              wrote != 64 << 10 || of <= 1 << 20) {
+            return "message: " + what;
+          }
+        }
+        if (!store.pending().empty()) return "step 6 is still pending";
+        return {};
+      });
+  EXPECT_EQ(result, "");
+  EXPECT_EQ(read_file(ckpts / "LATEST"), latest_before);
+  expect_latest_valid(run.path(), 3);
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000006.tmp"));
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000006"));
+  EXPECT_EQ(steps_on_disk(run.path()), std::vector<uint32_t>{3});
+  EXPECT_TRUE(leftovers(run.path()).empty());
+}
+
+TEST(CheckpointStore, AManifestBeyondTheFileSizeLimitFailsTheCommitCleanly) {
+  TempDir run;
+  const fs::path ckpts = layout::checkpoints_dir(run.path());
+  {
+    CheckpointStore store(run.path(), "r", "h", RetentionPolicy{1, 0});
+    store.write_rank(3, 2, 0, {});
+    store.write_rank(3, 2, 1, {});
+    store.commit(3);
+  }
+  // Rank files without tensors fit under the limit, checkpoint.json does not.
+  const auto rank_bytes = fs::file_size(ckpts / "step_00000003" / "rank_0.safetensors");
+  const auto manifest_bytes = fs::file_size(ckpts / "step_00000003" / "checkpoint.json");
+  ASSERT_LT(rank_bytes + 16, manifest_bytes);
+  const std::string latest_before = read_file(ckpts / "LATEST");
+  const std::string result = in_child_with_file_limit(
+      static_cast<rlim_t>(rank_bytes + 16), run.path() / "report", [&]() -> std::string {
+        CheckpointStore store(run.path(), "r", "h", RetentionPolicy{1, 0});
+        store.write_rank(6, 2, 0, {});
+        store.write_rank(6, 2, 1, {});
+        try {
+          store.commit(6);
+          return "checkpoint.json was written past the limit";
+        } catch (const Error& e) {
+          if (auto bad = check_out_of_space(e, 6, ckpts); !bad.empty()) return bad;
+          if (std::string(e.what()).find("checkpoint.json failed") == std::string::npos) {
+            return fmt::format("message: {}", e.what());
+          }
+        }
+        if (!store.pending().empty()) return "step 6 is still pending";
+        if (store.latest() != 3u) return "latest moved";
+        return {};
+      });
+  EXPECT_EQ(result, "");
+  EXPECT_EQ(read_file(ckpts / "LATEST"), latest_before);
+  expect_latest_valid(run.path(), 3);
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000006.tmp"));
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000006"));
+  EXPECT_TRUE(leftovers(run.path()).empty());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -934,6 +1218,23 @@ TEST(CheckpointerProcess, CommitsAndStopsCleanlyDiscardingAPartialStep) {
   EXPECT_FALSE(fs::exists(h.ckpts() / "step_00000008"));
   EXPECT_EQ(h.journal_kinds(),
             (std::vector<std::string>{"started", "checkpoints/step_00000004", "finished"}));
+}
+
+// A rank file past RLIMIT_FSIZE must fail its write with EFBIG (the out-of-space error), so the
+// process ignores SIGXFSZ rather than dying of it.
+TEST(CheckpointerProcess, IgnoresSigxfsz) {
+  const fs::path exe = sibling_executable("megacpp-checkpointer");
+  if (!fs::exists(exe)) GTEST_SKIP() << exe << " is not built";
+  CheckpointerHarness h(exe);
+  const pid_t pid = h.spawn(0);
+  h.send_until(0, 2, false, 300ms);  // the process is up, past its main()
+  ASSERT_EQ(::kill(pid, SIGXFSZ), 0);
+  h.send_until(1, 2, true, 300ms);
+  EXPECT_TRUE(verify_checkpoint(h.ckpts() / "step_00000002").ok);
+  ::kill(pid, SIGTERM);
+  const int status = h.wait(pid, 20000ms);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status << "\n"
+                                                             << read_file(h.log());
 }
 
 // DESIGN.md "Failure model as implemented" (restartable stages): the checkpointer dies -> it is

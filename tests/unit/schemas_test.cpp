@@ -100,6 +100,9 @@ void fill_launch(schema::LaunchContract::Builder c) {
   auto volume = c.initVolumes(1)[0];
   volume.setRole("data");
   volume.initFilesystem().setPath("/data");
+  auto policy = c.initCheckpointPolicy();
+  policy.setKeep(3);
+  policy.setKeepEvery(100);
 }
 
 // Offsets of `"name":` for each top-level field, in schema order; -1 when absent. Top-level
@@ -140,6 +143,8 @@ TEST(SchemasJsonTest, LaunchContractRoundTrip) {
   EXPECT_EQ(std::string(c.getEnv()[0].getName().cStr()), "MEGACPP_HEARTBEAT_MS");
   EXPECT_TRUE(c.getProvenance().getGitDirty());
   EXPECT_FALSE(c.getFilesystem().getIsRootVolume());
+  EXPECT_EQ(c.getCheckpointPolicy().getKeep(), 3u);
+  EXPECT_EQ(c.getCheckpointPolicy().getKeepEvery(), 100u);
   // Encoding the decoded document reproduces the text byte for byte.
   EXPECT_EQ(schemas::to_json(c), json);
 }
