@@ -144,6 +144,11 @@ int main(int argc, char** argv) {
   run->add_option("--metrics-linger-s", ro.metrics_linger_s,
                   "Keep serving /metrics this long after the run ends (for a last scrape)")
       ->capture_default_str();
+  run->add_option("--max-job-restarts", ro.max_job_restarts,
+                  "After a failure tears the job down, relaunch every stage from the newest "
+                  "committed checkpoint, at most this many times (a failure repeating at the "
+                  "same step is not retried)")
+      ->capture_default_str();
   run->add_option("--stop-grace-s", ro.stop_grace_s,
                   "On SIGINT/SIGTERM: time to finish the step in flight and commit its "
                   "checkpoint before tearing down (a second signal tears down at once)")
@@ -226,8 +231,8 @@ int main(int argc, char** argv) {
       ro.from = ro_from;
       if (!ro_resume.empty()) {
         // A resumed run trains what it recorded: these would silently change it.
-        for (const char* name : {"recipe", "--steps", "--data-dir", "--data-source",
-                                 "--data-path", "--stage-data"}) {
+        for (const char* name :
+             {"recipe", "--steps", "--data-dir", "--data-source", "--data-path", "--stage-data"}) {
           if (run->count(name) > 0)
             throw mc::Error(mc::ErrorKind::kInvalidArgument,
                             fmt::format("--resume continues the run as it was launched: drop {} "

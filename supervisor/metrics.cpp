@@ -82,6 +82,7 @@ struct MetricsState {
   double checkpoint_duration = 0;
   double checkpoint_ts = 0;
   double collector_lag = 0;
+  uint64_t job_restarts = 0;
 
   // Callers hold mu.
   StageSeries& stage(schema::StageKind kind, uint32_t rank) {
@@ -238,6 +239,11 @@ void Metrics::set_last_step(schema::StageKind stage, uint32_t rank, uint32_t ste
   s.last_step_ts = unix_seconds;
 }
 
+void Metrics::add_job_restart() {
+  std::lock_guard lock(state_->mu);
+  ++state_->job_restarts;
+}
+
 void Metrics::add_restart(schema::StageKind stage, uint32_t rank) {
   std::lock_guard lock(state_->mu);
   ++state_->stage(stage, rank).restarts;
@@ -391,6 +397,10 @@ std::string Metrics::render() const {
     }
   }
 
+  header(out, "megacpp_job_restarts_total", "counter",
+         "Times the supervisor relaunched the whole job from its newest committed checkpoint "
+         "after a failure (--max-job-restarts).");
+  sample(out, "megacpp_job_restarts_total", {}, std::to_string(s.job_restarts));
   header(out, "megacpp_checkpoint_last_committed_step", "gauge",
          "Step of the last committed checkpoint (0 before the first).");
   sample(out, "megacpp_checkpoint_last_committed_step", {}, std::to_string(s.checkpoint_step));

@@ -60,6 +60,9 @@ class Metrics {
   // The last committed checkpoint. Before the first commit the three gauges read 0.
   void set_checkpoint(uint32_t step, double duration_seconds, double unix_seconds);
   void set_collector_lag(double seconds);
+  // One automatic job restart (--max-job-restarts): the whole stage graph relaunched from the
+  // newest committed checkpoint.
+  void add_job_restart();
 
   // Prometheus text exposition format 0.0.4. Deterministic: families in a fixed order, series
   // sorted by their labels (stage by name, rank numerically). Families without a series yet

@@ -65,7 +65,7 @@ void Run::classify() {
     return {c->stage, c->rank};
   };
   auto [fs_stage, fs_rank] = stage_rank(first_name);
-  failure_ = Failure{first->kind, fs_stage, fs_rank, first->message};
+  failure_ = Failure{first->kind, fs_stage, fs_rank, first->message, first->step};
   auto journal_event = [&](const std::string& name, const Event& ev, schema::FailureRole role) {
     auto [stage, rank] = stage_rank(name);
     Child* c = by_name(name);
@@ -114,7 +114,7 @@ void Run::classify() {
   }
 }
 
-void Run::journal_run_finished() {
+void Run::journal_run_finished(bool process_finished) {
   const double teardown_s =
       detected_ns_ != 0 ? static_cast<double>(mono_ns() - detected_ns_) / 1e9 : 0.0;
   journal_->append([&](schema::JournalRecord::Builder r) {
@@ -138,7 +138,8 @@ void Run::journal_run_finished() {
       f.setReason("completed");
     }
   });
-  journal_->append([](schema::JournalRecord::Builder r) { r.setProcessFinished(); });
+  if (process_finished)
+    journal_->append([](schema::JournalRecord::Builder r) { r.setProcessFinished(); });
   journal_->sync();
 }
 

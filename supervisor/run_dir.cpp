@@ -65,6 +65,7 @@ void RunOptions::validate() const {
   if (!(teardown_grace_s >= 0) || teardown_grace_s > 30)
     bad("--teardown-grace-s must be in [0, 30]");
   if (max_restarts > 100) bad("--max-restarts must be <= 100");
+  if (max_job_restarts > 100) bad("--max-job-restarts must be <= 100");
   if (!(stop_grace_s > 0) || stop_grace_s > 86400) bad("--stop-grace-s must be in (0, 86400]");
   if (keep_checkpoints < 1) {
     bad(fmt::format("--keep-checkpoints {}: must be >= 1 (the newest checkpoint is always kept)",
@@ -165,12 +166,11 @@ void Run::adopt_previous_attempt() {
   schemas::JsonFile<schema::LaunchContract> prev(launch_file);
   const auto l = prev.get();
   bool ended = false;
-  ipc::JournalReader::read_all(layout::journal_path(run_, StageKind::SUPERVISOR, 0),
-                               [&](schema::JournalRecord::Reader r) {
-                                 if (r.getAttempt() == l.getAttempt() &&
-                                     (r.isRunFinished() || r.isRunOrphaned()))
-                                   ended = true;
-                               });
+  ipc::JournalReader::read_all(
+      layout::journal_path(run_, StageKind::SUPERVISOR, 0), [&](schema::JournalRecord::Reader r) {
+        if (r.getAttempt() == l.getAttempt() && (r.isRunFinished() || r.isRunOrphaned()))
+          ended = true;
+      });
   if (!ended)
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                  "--resume {}: the run is still running (supervisor pid {}): let it end or stop "
@@ -188,19 +188,17 @@ void Run::adopt_previous_attempt() {
   attempt_ = previous_attempt_ + 1;
   // The global batch stays the run's whatever the world size (every attempt trains a step
   // on the same windows): the previous attempt's world times its batch per rank.
-  const uint32_t prev_rank_batch = l.getResume().getRankBatch() != 0
-                                       ? l.getResume().getRankBatch()
-                                       : recipe_.train.batch_size;
+  const uint32_t prev_rank_batch =
+      l.getResume().getRankBatch() != 0 ? l.getResume().getRankBatch() : recipe_.train.batch_size;
   global_batch_ = static_cast<uint64_t>(l.getWorld()) * prev_rank_batch;
   opt_.steps = l.getSteps();
   if (opt_.ranks == 0) opt_.ranks = l.getWorld();
   opt_.data_dir = std::string(l.getDataDir());
   previous_dataset_ = data::from_spec(l.getDataset());
   parent_ = l.hasParent() && l.getParent().hasRunId()
-                ? std::optional<ParentInfo>(ParentInfo{l.getParent().getRunDir(),
-                                                       l.getParent().getRunId(),
-                                                       l.getParent().getStep(),
-                                                       l.getParent().getCheckpoint()})
+                ? std::optional<ParentInfo>(
+                      ParentInfo{l.getParent().getRunDir(), l.getParent().getRunId(),
+                                 l.getParent().getStep(), l.getParent().getCheckpoint()})
                 : std::nullopt;
 
   auto choice = checkpointer::select_resume_checkpoint(run_);
@@ -476,7 +474,8 @@ void Run::prepare() {
     ipc::SlotRing::format(*rings_.back(), opt_.ring_slots, slot_bytes);
     ring_views_.push_back(std::make_unique<ipc::SlotRing>(*rings_.back()));
   }
-  write_launch_contract(planned);
+  planned_ = planned;
+  write_launch_contract(planned_);
 
   zmq_ = std::make_unique<ipc::ZmqContext>();
   router_ = std::make_unique<ipc::Channel>(*zmq_, ipc::Channel::Kind::kRouter, control_ep_);
@@ -502,7 +501,7 @@ void Run::prepare() {
       std::make_unique<ipc::JournalReader>(layout::journal_path(run_, StageKind::CHECKPOINTER, 0));
 }
 
-void Run::begin_attempt() {
+void Run::archive_attempt() {
   // The previous attempt's contract and failure dumps move to RUN/attempts/<n>/; journals
   // and logs stay where they are (every record carries its attempt; logs are appended).
   const fs::path keep = run_ / "attempts" / std::to_string(previous_attempt_);
@@ -526,9 +525,14 @@ void Run::begin_attempt() {
     log_warn("set {} aside as {}", name, aside.filename().string());
   }
   fsync_path(ckdir);
-  write_file_atomic(ckdir / "LATEST", layout::checkpoint_dir_name(resume_->step) + "\n");
-  log_info("resuming run {} as attempt {} from {} (step {} of {}) on {} ranks{}", run_id_,
-           attempt_, resume_->relative_path, resume_->step, opt_.steps, opt_.ranks,
+  if (resume_)
+    write_file_atomic(ckdir / "LATEST", layout::checkpoint_dir_name(resume_->step) + "\n");
+}
+
+void Run::begin_attempt() {
+  archive_attempt();
+  log_info("resuming run {} as attempt {} from {} (step {} of {}) on {} ranks{}", run_id_, attempt_,
+           resume_->relative_path, resume_->step, opt_.steps, opt_.ranks,
            rank_batch_ ? fmt::format(", {} sequences per rank (global batch {})", rank_batch_,
                                      global_batch_)
                        : "");

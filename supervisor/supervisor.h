@@ -15,7 +15,7 @@ struct RunOptions {
   std::string recipe = "tiny";  // a name in recipes/ or a path to a .toml
   uint32_t ranks = 2;
   uint32_t steps = 60;
-  std::filesystem::path run_dir;   // must not exist yet, or be an empty directory
+  std::filesystem::path run_dir;  // must not exist yet, or be an empty directory
   // --resume RUN: continue the run in RUN (recipe, steps, world and data as it recorded them)
   // from its newest checkpoint that verifies, as its next attempt. Excludes run_dir.
   std::filesystem::path resume;
@@ -52,7 +52,11 @@ struct RunOptions {
   // commit its checkpoint and exit. If that takes longer than this, or a second signal comes,
   // the job is torn down at once (the newest committed checkpoint stays intact).
   double stop_grace_s = 120;
-  uint32_t max_restarts = 3;      // per restartable stage (collector, loader, checkpointer)
+  uint32_t max_restarts = 3;  // per restartable stage (collector, loader, checkpointer)
+  // After a failure tears the job down, relaunch every stage from the newest committed
+  // checkpoint as the run's next attempt, at most this many times. A failure at the same step
+  // as the previous attempt's is not retried (it is repeating).
+  uint32_t max_job_restarts = 0;
   // Checkpoint retention (launch contract `checkpointPolicy`): the newest keep_checkpoints
   // committed checkpoints stay, plus every step that is a multiple of keep_every (0: none).
   uint32_t keep_checkpoints = 3;

@@ -82,6 +82,12 @@ void Run::teardown() {
   }
 }
 
+void Run::release_attempt_ipc() {
+  ring_views_.clear();
+  rings_.clear();
+  if (!shm_prefix_.empty()) ipc::unlink_shm(shm_prefix_);
+}
+
 void Run::release_ipc() {
   if (released_) return;
   released_ = true;

@@ -15,6 +15,7 @@
 #include "ipc/channel.h"
 #include "schemas/enums.h"
 #include "schemas/run_layout.h"
+#include "stages/checkpointer/checkpointer.h"
 #include "stages/collector/collector.h"
 #include "supervisor/console.h"
 #include "supervisor/failure_policy.h"
@@ -292,11 +293,14 @@ void Run::watch() {
     if (stop_signal_ != 0 && mono_ns() > stop_deadline_ns_) {
       const int64_t now = mono_ns();
       detected_ns_ = now;
-      events_["supervisor-0"] = Event{
-          schema::FailureKind::INTERRUPTED,
-          fmt::format("the graceful stop on {} did not finish within --stop-grace-s {:.0f}s",
-                      strsignal(stop_signal_), opt_.stop_grace_s),
-          now, now, Phase::SHUTDOWN, 0};
+      events_["supervisor-0"] =
+          Event{schema::FailureKind::INTERRUPTED,
+                fmt::format("the graceful stop on {} did not finish within --stop-grace-s {:.0f}s",
+                            strsignal(stop_signal_), opt_.stop_grace_s),
+                now,
+                now,
+                Phase::SHUTDOWN,
+                0};
       return;
     }
   }
@@ -367,11 +371,7 @@ void Run::finish_ok() {
   }
 }
 
-int Run::execute() {
-  prepare();
-  console_ = make_console(opt_.progress, opt_.steps, recipe_.name, run_.string());
-  if (console_ && !metrics_endpoint_.empty())
-    fmt::print("megacpp: metrics at {}\n", metrics_endpoint_);
+void Run::launch_attempt() {
   launch(StageKind::COLLECTOR, 0, 0, schema::ChildReason::LAUNCH);
   launch(StageKind::CHECKPOINTER, 0, 0, schema::ChildReason::LAUNCH);
   launch(StageKind::DATA_LOADER, 0, 0, schema::ChildReason::LAUNCH);
@@ -383,14 +383,136 @@ int Run::execute() {
     s.setWorld(opt_.ranks);
     s.setStepsPlanned(opt_.steps);
   });
-  watch();
-  if (detected_ns_ == 0) finish_ok();
-  if (console_) console_->finish();
-  if (detected_ns_ != 0) {
-    journal_graph("failure detected");
-    teardown();
-    classify();
+}
+
+std::optional<std::string> Run::job_restart_refusal() const {
+  if (opt_.max_job_restarts == 0) return "--max-job-restarts is 0";
+  if (stop_signal_ != 0) return "a graceful stop was under way";
+  if (job_restarts_ >= opt_.max_job_restarts)
+    return fmt::format("all {} job restarts (--max-job-restarts) are used", opt_.max_job_restarts);
+  switch (failure_->kind) {
+    case schema::FailureKind::INTERRUPTED:
+      return "the run was interrupted";
+    case schema::FailureKind::UNKILLABLE:
+      return "a process outlived SIGKILL";
+    default:
+      break;
   }
+  if (!unkillable_.empty()) return "a process outlived SIGKILL";
+  if (previous_progress_ && failed_progress_ && *previous_progress_ == *failed_progress_)
+    return fmt::format("repeating: the previous attempt failed after step {} too",
+                       *failed_progress_);
+  return std::nullopt;
+}
+
+uint32_t Run::journaled_progress() const {
+  uint32_t progress = UINT32_MAX;
+  for (uint32_t r = 0; r < opt_.ranks; ++r) {
+    uint32_t last = resume_ ? resume_->step : 0;
+    ipc::JournalReader::read_all(layout::journal_path(run_, StageKind::TRAINER, r),
+                                 [&](schema::JournalRecord::Reader rec) {
+                                   if (rec.getAttempt() == attempt_ && rec.isStep())
+                                     last = std::max(last, rec.getStep().getStep());
+                                 });
+    progress = std::min(progress, last);
+  }
+  return progress == UINT32_MAX ? 0 : progress;
+}
+
+void Run::restart_job() {
+  // The failed attempt ends in the journal as a run would (its first failure is already
+  // there); the next one starts from the newest checkpoint that verifies.
+  journal_run_finished(/*process_finished=*/false);
+  release_attempt_ipc();
+  auto choice = checkpointer::select_resume_checkpoint(run_);
+  skipped_.clear();
+  skipped_steps_.clear();
+  for (const auto& sk : choice.skipped) {
+    std::string problems;
+    for (const auto& p : sk.problems) problems += (problems.empty() ? "" : "; ") + p;
+    log_warn("job restart: skipping {}: it does not verify ({})", sk.relative_path, problems);
+    skipped_.push_back(fmt::format("{}: {}", sk.relative_path, problems));
+    skipped_steps_.push_back(sk.step);
+  }
+  if (choice.chosen) {
+    checkpointer::CheckpointReader ckpt(choice.chosen->dir);
+    resume_ = ResumeInfo{choice.chosen->step, choice.chosen->dir, choice.chosen->relative_path,
+                         ckpt.world()};
+  } else {
+    resume_.reset();  // nothing committed yet: the attempt starts from scratch
+  }
+  previous_progress_ = failed_progress_;
+  previous_attempt_ = attempt_;
+  ++attempt_;
+  ++job_restarts_;
+  archive_attempt();
+  metrics_->add_job_restart();
+  const uint32_t from = resume_ ? resume_->step : 0;
+  log_warn("job restart {} of {}: {} {}-{} after step {}; relaunching every stage from {}",
+           job_restarts_, opt_.max_job_restarts, schemas::name(failure_->kind),
+           layout::stage_name(failure_->stage), failure_->rank, failed_progress_.value_or(0),
+           resume_ ? resume_->relative_path : std::string("scratch (no checkpoint yet)"));
+  journal_->set_attempt(attempt_);
+  journal_->append([&](schema::JournalRecord::Builder r) {
+    auto a = r.initAttemptStarted();
+    a.setAttempt(attempt_);
+    a.setFromStep(from);
+    if (resume_) a.setCheckpoint(resume_->relative_path);
+    a.setReason("job_restart");
+    a.setWorld(opt_.ranks);
+    auto sk = a.initSkipped(static_cast<unsigned>(skipped_.size()));
+    for (size_t i = 0; i < skipped_.size(); ++i) sk.set(static_cast<unsigned>(i), skipped_[i]);
+  });
+  journal_->sync();
+
+  // A fresh batch plane under the next attempt's shm prefix, and its launch contract.
+  shm_prefix_ = layout::shm_prefix(run_id_, attempt_);
+  ipc::unlink_shm(shm_prefix_);
+  const uint64_t slot_bytes = recipe::batch_spec(planned_).slot_bytes();
+  for (uint32_t r = 0; r < opt_.ranks; ++r) {
+    auto name = layout::ring_shm_name(shm_prefix_, r);
+    rings_.push_back(std::make_unique<ipc::ShmRegion>(
+        ipc::ShmRegion::Create{}, name, ipc::SlotRing::region_bytes(opt_.ring_slots, slot_bytes)));
+    ipc::SlotRing::format(*rings_.back(), opt_.ring_slots, slot_bytes);
+    ring_views_.push_back(std::make_unique<ipc::SlotRing>(*rings_.back()));
+  }
+  write_launch_contract(planned_);
+
+  reap_dying();
+  children_.clear();
+  events_.clear();
+  detected_ns_ = 0;
+  teardown_started_ns_ = 0;
+  failure_.reset();
+  step_samples_.clear();
+  committed_step_ = 0;
+  failed_progress_.reset();
+}
+
+int Run::execute() {
+  prepare();
+  console_ = make_console(opt_.progress, opt_.steps, recipe_.name, run_.string());
+  if (console_ && !metrics_endpoint_.empty())
+    fmt::print("megacpp: metrics at {}\n", metrics_endpoint_);
+  for (;;) {
+    launch_attempt();
+    watch();
+    if (detected_ns_ == 0) finish_ok();
+    if (detected_ns_ != 0) {
+      journal_graph("failure detected");
+      teardown();
+      classify();
+    }
+    if (!failure_) break;
+    failed_progress_ = journaled_progress();
+    if (auto refusal = job_restart_refusal()) {
+      if (opt_.max_job_restarts > 0) log_warn("no job restart: {}", *refusal);
+      if (refusal->starts_with("repeating")) failure_->message += " (" + *refusal + ")";
+      break;
+    }
+    restart_job();
+  }
+  if (console_) console_->finish();
   if (!failure_) {
     // The live collector folds the final state; the in-process fold below is the same pure
     // function, so it changes nothing when the collector finished.

@@ -86,6 +86,7 @@ struct Failure {
   StageKind stage = StageKind::SUPERVISOR;
   uint32_t rank = 0;
   std::string message;
+  uint32_t step = 0;  // the failed process's step when it happened
 };
 
 // How long a SIGKILLed child may take to be reaped before the supervisor gives up on it: a
@@ -107,6 +108,18 @@ class Run {
   void adopt_previous_attempt();
   void adopt_parent_checkpoint();
   void begin_attempt();
+  // The earlier attempt's contract and failure dumps to RUN/attempts/<previous_attempt_>/;
+  // checkpoints that did not verify set aside; LATEST names the one resumed from.
+  void archive_attempt();
+  void launch_attempt();
+  // Why the failure just classified is not retried as the next attempt; nullopt: retry it.
+  std::optional<std::string> job_restart_refusal() const;
+  // The newest step every rank of this attempt journaled (the trainers' journals, not their
+  // heartbeats, which a dying rank may not have sent): where the job stood when it failed.
+  uint32_t journaled_progress() const;
+  // Ends the failed attempt in the journal and prepares the next one in this process: new
+  // rings and launch contract, state reset; the stages are launched by launch_attempt().
+  void restart_job();
   void write_launch_contract(const recipe::Recipe& planned);
   void launch(StageKind stage, uint32_t rank, uint32_t generation, schema::ChildReason reason,
               const std::string& cause = {});
@@ -128,10 +141,11 @@ class Run {
   void stop_child(Child& c);
   void kill_child(const Child& c, int sig);
   void give_up_on(const Child& c, double waited_s = kKillWaitS);
-  void journal_run_finished();
+  void journal_run_finished(bool process_finished = true);
   void update_metrics();
   void poll_commits();  // the checkpointer's journal: /metrics and committed_step_
   void release_ipc();
+  void release_attempt_ipc();  // the attempt's rings (and shm segments) only
   int report();
   void cleanup();
   Child* by_name(const std::string& n);
@@ -178,7 +192,7 @@ class Run {
   std::optional<ResumeInfo> resume_;
   std::optional<ParentInfo> parent_;
   uint64_t global_batch_ = 0;
-  uint32_t rank_batch_ = 0;  // 0: the recipe's batch per rank
+  uint32_t rank_batch_ = 0;           // 0: the recipe's batch per rank
   std::vector<std::string> skipped_;  // "checkpoints/step_N: problems"
   std::vector<uint32_t> skipped_steps_;
   data::ResolvedDataset previous_dataset_;
@@ -206,10 +220,14 @@ class Run {
   std::map<std::string, Event> events_;  // by process name: the most telling event of each
   int64_t detected_ns_ = 0;              // first event; 0 while the run is healthy
   int64_t teardown_started_ns_ = 0;
-  int stop_signal_ = 0;          // the graceful stop under way (SIGINT/SIGTERM), 0: none
+  int stop_signal_ = 0;           // the graceful stop under way (SIGINT/SIGTERM), 0: none
   int64_t stop_deadline_ns_ = 0;  // --stop-grace-s after it began
   uint32_t committed_step_ = 0;   // newest checkpoint this attempt committed
-  std::optional<Failure> failure_;    // the first failure, once classified
+  uint32_t job_restarts_ = 0;
+  std::optional<uint32_t> failed_progress_;    // this attempt's, once it failed
+  std::optional<uint32_t> previous_progress_;  // the last attempt's, in this process
+  recipe::Recipe planned_;          // the recipe as this attempt's ranks train it (batch per rank)
+  std::optional<Failure> failure_;  // the first failure, once classified
   std::vector<double> step_samples_;  // trainer step seconds (for the median)
   bool done_ = false;
   bool released_ = false;

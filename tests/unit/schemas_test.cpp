@@ -100,6 +100,17 @@ void fill_launch(schema::LaunchContract::Builder c) {
   auto volume = c.initVolumes(1)[0];
   volume.setRole("data");
   volume.initFilesystem().setPath("/data");
+  c.setAttempt(1);
+  auto resume = c.initResume();
+  resume.setStep(40);
+  resume.setCheckpoint("/data/runs/r1/checkpoints/step_00000040");
+  resume.setWorld(2);
+  resume.setRankBatch(8);
+  auto parent = c.initParent();
+  parent.setRunDir("/data/runs/r0");
+  parent.setRunId("r0");
+  parent.setStep(20);
+  parent.setCheckpoint("/data/runs/r0/checkpoints/step_00000020");
   auto policy = c.initCheckpointPolicy();
   policy.setKeep(3);
   policy.setKeepEvery(100);
@@ -212,6 +223,25 @@ TEST(SchemasJsonTest, ManifestRoundTrip) {
   entries[0].setRank(1);
   entries[0].setState("signaled");
   m.setRestarts(1);
+  m.setAttempt(1);
+  auto attempts = m.initAttempts(2);
+  attempts[0].setAttempt(0);
+  attempts[0].setReason("launch");
+  attempts[0].setState(schema::RunState::ERROR);
+  attempts[0].setLastStep(17);
+  attempts[0].setStepsLost(7);
+  attempts[0].initError().setKind(schema::FailureKind::SIGNALED);
+  attempts[1].setAttempt(1);
+  attempts[1].setReason("resume");
+  attempts[1].setFromStep(10);
+  attempts[1].setCheckpoint("checkpoints/step_00000010");
+  attempts[1].setState(schema::RunState::INTERRUPTED);
+  attempts[1].initSkippedCheckpoints(1).set(0,
+                                            "checkpoints/step_00000015: rank_0.safetensors: xxh3");
+  auto parent = m.initParent();
+  parent.setRunId("r0");
+  parent.setStep(20);
+  m.setStopReason("stopped by SIGINT after step 12, its checkpoint committed");
 
   std::string json = schemas::to_json(m.asReader());
   EXPECT_NE(json.find("\"state\": \"error\""), std::string::npos) << json;
