@@ -66,6 +66,8 @@ struct SnapshotReady {
   final @6 :Bool;               # the end-of-training snapshot
   layout @7 :Text;              # JSON: how to reassemble sharded entries (train_step.h
                                 # snapshot_metadata); stored as "megacpp.layout" in the file
+  # Where the region's step stamp lies (checkpointer.h StagingStamp); 0: the sender has none.
+  stampOffset @8 :UInt64;
 }
 
 struct SnapshotAck {

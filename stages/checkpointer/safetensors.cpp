@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <atomic>
 
 #include <algorithm>
 #include <array>
@@ -273,6 +274,25 @@ SafetensorsHeader read_safetensors_header(const fs::path& path) {
     if (e.kind() != ErrorKind::kCorruption) throw;
     MEGACPP_FAIL(ErrorKind::kCorruption, "{}: {}", path.string(), e.what());
   }
+}
+
+std::optional<uint32_t> read_staging_stamp(const std::byte* p) {
+  auto* stamp = reinterpret_cast<StagingStamp*>(const_cast<std::byte*>(p));
+  if (std::atomic_ref<uint64_t>(stamp->magic).load(std::memory_order_acquire) != kStagingStampMagic)
+    return std::nullopt;
+  return std::atomic_ref<uint32_t>(stamp->step).load(std::memory_order_acquire);
+}
+
+void clear_staging_stamp(std::byte* p) {
+  auto* stamp = reinterpret_cast<StagingStamp*>(p);
+  std::atomic_ref<uint32_t>(stamp->step).store(0, std::memory_order_relaxed);
+  std::atomic_ref<uint64_t>(stamp->magic).store(kStagingStampMagic, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+}
+
+void set_staging_stamp(std::byte* p, uint32_t step) {
+  auto* stamp = reinterpret_cast<StagingStamp*>(p);
+  std::atomic_ref<uint32_t>(stamp->step).store(step, std::memory_order_release);
 }
 
 std::string xxh3_file(const fs::path& path) {

@@ -1,5 +1,6 @@
 // The checkpointer's message loop: SnapshotReady in, SnapshotAck out, commits journaled.
 #include <sys/stat.h>
+#include <atomic>
 
 #include "core/error.h"
 #include "core/util.h"
@@ -136,9 +137,24 @@ void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Re
   }
 
   set_phase(schema::Phase::WRITE);
+  const std::byte* stamp = nullptr;
   try {
     const uint64_t region_bytes = ready.getRegionBytes();
     const std::byte* base = region_for(rank, ready.getRegion(), region_bytes);
+    if (const uint64_t at = ready.getStampOffset(); at != 0) {
+      MEGACPP_CHECK(at <= region_bytes && kStagingStampBytes <= region_bytes - at && at % 8 == 0,
+                    ErrorKind::kProtocol,
+                    fmt::format("step stamp at {} lies outside the {}-byte staging region", at,
+                                region_bytes));
+      stamp = base + at;
+      // A SnapshotReady whose region has moved on (its lease was released to an earlier
+      // incarnation of this process) describes bytes that are no longer its step's.
+      if (const auto held = read_staging_stamp(stamp); held != step) {
+        log_warn("not writing rank {}'s snapshot of step {}: its staging region now holds {}", rank,
+                 step, held ? fmt::format("step {}", *held) : std::string("no stamp"));
+        return;
+      }
+    }
     std::vector<TensorView> views;
     views.reserve(ready.getTensors().size());
     for (auto t : ready.getTensors()) {
@@ -162,6 +178,16 @@ void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Re
       it->second.world = world;
     }
     store_.write_rank(step, world, rank, views, ready.getLayout().cStr());
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (stamp != nullptr && read_staging_stamp(stamp) != step) {
+      // The rank reused the region while the file was written: what was written is a mix.
+      // The step cannot commit (the rank will not send it again), so it is dropped.
+      log_warn("rank {}'s staging region changed while step {} was written; dropping the step",
+               rank, step);
+      store_.discard(step);
+      steps_.erase(step);
+      return;
+    }
     it->second.peers[rank] = peer;
   } catch (const std::exception& e) {
     log_error("snapshot of step {} from rank {} failed: {}", step, rank, e.what());

@@ -6,6 +6,8 @@
 #include "core/error.h"
 #include "core/util.h"
 #include "stages/trainer/snapshot_plane.h"
+
+#include "stages/checkpointer/checkpointer.h"
 #include "stages/trainer/train_step.h"
 
 namespace megacpp::trainer {
@@ -89,12 +91,16 @@ bool SnapshotPlane::take(uint32_t step, bool final) {
                               options_.peer_name, prev, options_.lease_timeout.count() / 1000.0,
                               last_error_note(), step));
   }
+  // The region holds the share, then the step stamp (checkpointer.h StagingStamp).
+  const uint64_t share_bytes = std::max(ts_.snapshot_layout().total_bytes, kSnapshotAlignment);
   if (!region_) {
-    const uint64_t bytes = std::max(ts_.snapshot_layout().total_bytes, kSnapshotAlignment);
-    region_ =
-        std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{}, options_.region_name, bytes);
+    region_ = std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{}, options_.region_name,
+                                               share_bytes + checkpointer::kStagingStampBytes);
   }
-  const SnapshotLayout layout = ts_.copy_snapshot({region_->data(), region_->size()});
+  std::byte* stamp = region_->data() + share_bytes;
+  checkpointer::clear_staging_stamp(stamp);
+  const SnapshotLayout layout = ts_.copy_snapshot({region_->data(), share_bytes});
+  checkpointer::set_staging_stamp(stamp, step);
 
   auto message = std::make_unique<ipc::ControlMessageBuilder>();
   auto ready = message->root().initSnapshotReady();
@@ -106,6 +112,7 @@ bool SnapshotPlane::take(uint32_t step, bool final) {
   fill_tensor_entries(layout, ready.initTensors(static_cast<uint32_t>(layout.entries.size())));
   ready.setFinal(final);
   ready.setLayout(ts_.snapshot_metadata());
+  ready.setStampOffset(share_bytes);
   MEGACPP_CHECK(
       channel_.send(message->message(), kSendTimeout), ErrorKind::kPeerFailure,
       fmt::format("could not queue SnapshotReady of step {} for {}", step, options_.peer_name));

@@ -338,7 +338,10 @@ class ServiceTest : public ::testing::Test {
   void make_service() {
     service_ = std::make_unique<Service>(
         *store_, *router_, journal_.get(), [this](schema::Phase p) { phases_.push_back(p); },
-        [this](uint32_t step) { writes_.push_back(step); });
+        [this](uint32_t step) {
+          writes_.push_back(step);
+          if (on_write_) on_write_();
+        });
   }
   // What a relaunched checkpointer does: a fresh store over the same run directory (which
   // discards uncommitted tmp directories) and a fresh ROUTER bound on the same endpoint. The
@@ -361,7 +364,9 @@ class ServiceTest : public ::testing::Test {
 
   // Fills rank r's staging region with `count` F32 tensors of 4 values (value = step + i)
   // and sends SnapshotReady.
-  void send_snapshot(uint32_t r, uint32_t step, uint32_t count, uint64_t bad_offset = 0) {
+  // With `stamp` != 0 the region's step stamp (its last 64 bytes) is set to it and announced.
+  void send_snapshot(uint32_t r, uint32_t step, uint32_t count, uint64_t bad_offset = 0,
+                     uint32_t stamp = 0) {
     auto& rank = ranks_[r];
     ipc::ControlMessageBuilder b;
     auto ready = b.root().initSnapshotReady();
@@ -384,6 +389,12 @@ class ServiceTest : public ::testing::Test {
       t.setOffset(bad_offset ? bad_offset : 64 * i);
       t.setBytes(sizeof vals);
     }
+    if (stamp != 0) {
+      std::byte* p = stamp_of(r);
+      clear_staging_stamp(p);
+      set_staging_stamp(p, stamp);
+      ready.setStampOffset(rank.region->size() - kStagingStampBytes);
+    }
     ASSERT_TRUE(rank.dealer->send(b.message()));
   }
 
@@ -401,6 +412,9 @@ class ServiceTest : public ::testing::Test {
     return Ack{a.getRank(), a.getStep(), a.getOk(), a.getCommitted(), a.getError().cStr()};
   }
   void serve_one() { ASSERT_TRUE(service_->poll(5000ms)); }
+  std::byte* stamp_of(uint32_t r) {
+    return ranks_[r].region->data() + ranks_[r].region->size() - kStagingStampBytes;
+  }
 
   TempDir run_, sock_;
   std::string prefix_, endpoint_;
@@ -410,7 +424,8 @@ class ServiceTest : public ::testing::Test {
   std::unique_ptr<ipc::JournalWriter> journal_;
   std::unique_ptr<Service> service_;
   std::vector<schema::Phase> phases_;
-  std::vector<uint32_t> writes_;  // steps of the rank files written, in order
+  std::vector<uint32_t> writes_;    // steps of the rank files written, in order
+  std::function<void()> on_write_;  // runs just before a rank file is written
   Rank ranks_[2];
 };
 
@@ -721,6 +736,41 @@ TEST_F(ServiceTest, ACommitPrunesTheStoreAfterAckingTheRanks) {
   EXPECT_FALSE(late.committed);
   EXPECT_FALSE(fs::exists(step_dir(run_.path(), 5)));
   EXPECT_FALSE(fs::exists(tmp_dir(run_.path(), 5)));
+}
+
+// The race a step stamp closes: rank 0 re-sent SnapshotReady(5) while it waited, an ack
+// released the lease, and the rank reused the region for step 7; the queued duplicate reaches
+// a checkpointer that never wrote step 5 (a restarted one). Without the stamp, step 7's bytes
+// would be written as step 5's.
+TEST_F(ServiceTest, AStaleSnapshotReadyOfAReusedRegionIsNotWritten) {
+  send_snapshot(0, 5, 2, 0, /*stamp=*/7);
+  serve_one();
+  EXPECT_TRUE(writes_.empty());
+  EXPECT_FALSE(fs::exists(tmp_dir(run_.path(), 5) / "rank_0.safetensors"));
+  EXPECT_FALSE(ranks_[0].dealer->receive(200ms)) << "a stale snapshot was acknowledged";
+  // The region's own step is written as usual.
+  send_snapshot(0, 7, 2, 0, /*stamp=*/7);
+  serve_one();
+  const Ack a = receive_ack(0);
+  EXPECT_TRUE(a.ok);
+  EXPECT_EQ(a.step, 7u);
+  EXPECT_TRUE(fs::exists(tmp_dir(run_.path(), 7) / "rank_0.safetensors"));
+}
+
+TEST_F(ServiceTest, ARegionReusedDuringTheWriteDropsTheStep) {
+  send_snapshot(1, 5, 2, 0, /*stamp=*/5);
+  serve_one();
+  ASSERT_TRUE(receive_ack(1).ok);
+  // Rank 0's region is taken over by step 9 while its step-5 file is being written.
+  on_write_ = [this] {
+    clear_staging_stamp(stamp_of(0));
+    set_staging_stamp(stamp_of(0), 9);
+  };
+  send_snapshot(0, 5, 2, 0, /*stamp=*/5);
+  serve_one();
+  EXPECT_FALSE(fs::exists(tmp_dir(run_.path(), 5))) << "a mixed rank file was kept";
+  EXPECT_FALSE(store_->committed(5));
+  EXPECT_FALSE(ranks_[0].dealer->receive(200ms));
 }
 
 TEST(CheckpointStore, LaggingLatestIsMovedForwardAtStart) {
