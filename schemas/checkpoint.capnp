@@ -18,4 +18,7 @@ struct CheckpointManifest {
   createdAt @4 :Text;
   recipeHash @5 :Text;
   files @6 :List(CheckpointFile);
+  # XXH3-64 of this file as written with selfXxh3 empty, so one flipped byte of checkpoint.json
+  # itself is caught too (empty in checkpoints written before it: not checked).
+  selfXxh3 @7 :Text;
 }

@@ -207,6 +207,8 @@ CommittedCheckpoint CheckpointStore::commit(uint32_t step) {
     f.setTensors(written.tensors);
     bytes += written.bytes;
   }
+  manifest.setSelfXxh3("");  // hashed as verify_checkpoint renders it
+  manifest.setSelfXxh3(xxh3_hex(schemas::to_json(manifest.asReader())));
   const std::string json = schemas::to_json(manifest.asReader());
   const uint64_t rank_bytes = bytes;
   bytes += json.size();
@@ -312,8 +314,23 @@ VerifyResult verify_checkpoint(const fs::path& dir) {
   VerifyResult result;
   auto problem = [&](std::string text) { result.problems.push_back(std::move(text)); };
   try {
-    schemas::JsonFile<schema::CheckpointManifest> doc(dir / kManifestName);
+    const std::string text = read_file(dir / kManifestName);
+    schemas::JsonDocument<schema::CheckpointManifest> doc(text, (dir / kManifestName).string());
     auto manifest = doc.get();
+    // The file must be exactly what its fields render to (a damaged key or value that still
+    // parses renders differently), and hash, with selfXxh3 empty, to selfXxh3 (absent in
+    // checkpoints written before it).
+    if (schemas::to_json(manifest) != text)
+      problem(fmt::format("{}: not as written (a damaged byte that still parses)", kManifestName));
+    if (manifest.hasSelfXxh3() && manifest.getSelfXxh3().size() > 0) {
+      const std::string recorded = manifest.getSelfXxh3();
+      doc.builder().setSelfXxh3("");
+      const std::string hash = xxh3_hex(schemas::to_json(doc.get()));
+      if (hash != recorded)
+        problem(fmt::format("{}: xxh3 {} expected {}", kManifestName, hash, recorded));
+      doc.builder().setSelfXxh3(recorded);
+      manifest = doc.get();
+    }
     std::string dir_name = dir.filename().string();
     if (dir_name.ends_with(kTmpSuffix)) dir_name.resize(dir_name.size() - kTmpSuffix.size());
     if (parse_step_dir(dir_name) && dir_name != layout::checkpoint_dir_name(manifest.getStep())) {

@@ -246,6 +246,35 @@ TEST(CheckpointStore, CommitProtocolWorld2) {
   EXPECT_TRUE(verify_checkpoint(step_dir(run.path(), 50)).ok);
 }
 
+// One flipped bit anywhere in any file of a checkpoint — checkpoint.json included, at every
+// byte of it, and at every 7th byte of the rank files — fails verify (and so is skipped by a
+// resume, which loads only a checkpoint that verifies).
+TEST(CheckpointStore, EveryFlippedByteOfEveryFileFailsVerify) {
+  TempDir run;
+  CheckpointStore store(run.path(), "r", "h");
+  CommittedCheckpoint c = commit_world2(store, 3);
+  ASSERT_TRUE(verify_checkpoint(c.dir).ok);
+  for (const char* name : {"checkpoint.json", "rank_0.safetensors", "rank_1.safetensors"}) {
+    const fs::path path = c.dir / name;
+    const std::string original = read_file(path);
+    const size_t stride = std::string_view(name) == "checkpoint.json" ? 1 : 7;
+    size_t tried = 0;
+    for (size_t at = 0; at < original.size(); at += stride, ++tried) {
+      std::string damaged = original;
+      damaged[at] = static_cast<char>(damaged[at] ^ 0x01);
+      {
+        std::ofstream f(path, std::ios::binary | std::ios::trunc);
+        f.write(damaged.data(), static_cast<std::streamsize>(damaged.size()));
+      }
+      EXPECT_FALSE(verify_checkpoint(c.dir).ok) << name << " byte " << at << " flipped";
+    }
+    std::ofstream(path, std::ios::binary | std::ios::trunc)
+        .write(original.data(), static_cast<std::streamsize>(original.size()));
+    EXPECT_GT(tried, 10u) << name;
+  }
+  EXPECT_TRUE(verify_checkpoint(c.dir).ok);
+}
+
 TEST(CheckpointStore, VerifyDetectsFlippedByteAndMissingFile) {
   TempDir run;
   CheckpointStore store(run.path(), "r", "h");
