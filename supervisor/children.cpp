@@ -191,14 +191,14 @@ void Run::on_signals() {
     } else if (detected_ns_ == 0) {
       int64_t now = mono_ns();
       detected_ns_ = now;
-      events_["supervisor-0"] = Event{
-          schema::FailureKind::INTERRUPTED,
-          fmt::format("the supervisor received {} during a graceful stop",
-                      strsignal(static_cast<int>(si.ssi_signo))),
-          now,
-          now,
-          Phase::SHUTDOWN,
-          0};
+      events_["supervisor-0"] =
+          Event{schema::FailureKind::INTERRUPTED,
+                fmt::format("the supervisor received {} during a graceful stop",
+                            strsignal(static_cast<int>(si.ssi_signo))),
+                now,
+                now,
+                Phase::SHUTDOWN,
+                0};
       log_error("interrupted by {}", strsignal(static_cast<int>(si.ssi_signo)));
     }
   }
@@ -208,9 +208,10 @@ void Run::on_signals() {
 void Run::begin_graceful_stop(int signo) {
   stop_signal_ = signo;
   stop_deadline_ns_ = mono_ns() + static_cast<int64_t>(opt_.stop_grace_s * 1e9);
-  log_warn("{}: the ranks finish the step in flight and commit its checkpoint, then stop "
-           "(again to stop at once; at most {:.0f}s)",
-           strsignal(signo), opt_.stop_grace_s);
+  log_warn(
+      "{}: the ranks finish the step in flight and commit its checkpoint, then stop "
+      "(again to stop at once; at most {:.0f}s)",
+      strsignal(signo), opt_.stop_grace_s);
   for (auto& c : children_) {
     if (c.stage != StageKind::TRAINER || !c.alive) continue;
     ipc::ControlMessageBuilder b;

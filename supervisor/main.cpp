@@ -26,31 +26,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The checkpoint a LATEST file names, next to it.
-fs::path follow_latest(const fs::path& latest) {
-  std::string name = mc::read_file(latest);
-  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-  return latest.parent_path() / name;
-}
-
 int verify(const fs::path& path) {
-  fs::path dir = path;
-  if (fs::exists(path / "launch.json")) {
-    auto latest = mc::layout::checkpoints_dir(path) / "LATEST";
-    if (!fs::exists(latest))
-      throw mc::Error(mc::ErrorKind::kInvalidArgument,
-                      fmt::format("{}: no committed checkpoint", path.string()));
-    dir = follow_latest(latest);
-  } else if (fs::is_regular_file(path)) {
-    // RUN/checkpoints/LATEST names the checkpoint to verify; any other file is not one.
-    if (path.filename() != "LATEST")
-      throw mc::Error(mc::ErrorKind::kInvalidArgument,
-                      fmt::format("{} is a file; pass a checkpoint directory "
-                                  "(RUN/checkpoints/step_N), a run directory or its "
-                                  "checkpoints/LATEST",
-                                  path.string()));
-    dir = follow_latest(path);
-  }
+  const fs::path dir = mc::checkpointer::resolve_checkpoint_dir(path);
   auto result = mc::checkpointer::verify_checkpoint(dir);
   if (result.ok) {
     fmt::print("checkpoint {} verifies\n", dir.string());
@@ -177,6 +154,16 @@ int main(int argc, char** argv) {
       app.add_subcommand("verify", "Verify a checkpoint directory (or a run's LATEST checkpoint)");
   verify_cmd->add_option("path", verify_path, "Checkpoint directory or run directory")->required();
 
+  fs::path export_path, export_out;
+  bool export_optimizer = false;
+  auto* export_cmd = app.add_subcommand(
+      "export", "Write a checkpoint's model parameters as one safetensors file (PyTorch names)");
+  export_cmd->add_option("checkpoint", export_path, "Checkpoint directory or run directory")
+      ->required();
+  export_cmd->add_option("--out", export_out, "The .safetensors file to write")->required();
+  export_cmd->add_flag("--optimizer", export_optimizer,
+                       "Include the optimizer state, reassembled per parameter");
+
   mc::prepare::PrepareConfig pc;
   std::string pc_tokenizer, pc_model_type = "bpe", pc_progress = "auto";
   fs::path pc_stage_to;
@@ -259,6 +246,20 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*verify_cmd) return verify(verify_path);
+    if (*export_cmd) {
+      const fs::path dir = mc::checkpointer::resolve_checkpoint_dir(export_path);
+      const auto verdict = mc::checkpointer::verify_checkpoint(dir);
+      if (!verdict.ok)
+        throw mc::Error(mc::ErrorKind::kInvalidArgument,
+                        fmt::format("{} does not verify ({}): export another checkpoint",
+                                    dir.string(), verdict.problems.front()));
+      const mc::checkpointer::CheckpointReader ckpt(dir);
+      const auto report = mc::checkpointer::export_checkpoint(ckpt, export_out, export_optimizer);
+      fmt::print("exported step {} of run {} ({} ranks): {} tensors, {:.1f} MB -> {}\n",
+                 ckpt.step(), ckpt.run_id(), ckpt.world(), report.tensors, report.bytes / 1e6,
+                 export_out.string());
+      return 0;
+    }
     if (*prep) {
       namespace pp = mc::prepare;
       if (*prep_tok) {

@@ -235,15 +235,8 @@ void Run::adopt_previous_attempt() {
 }
 
 void Run::adopt_parent_checkpoint() {
-  fs::path dir = fs::absolute(opt_.from).lexically_normal();
-  // A run directory or its LATEST stands for the checkpoint LATEST names.
-  if (fs::is_directory(dir) && fs::exists(layout::checkpoints_dir(dir) / "LATEST"))
-    dir = layout::checkpoints_dir(dir) / "LATEST";
-  if (dir.filename() == "LATEST" && fs::is_regular_file(dir)) {
-    std::string name = read_file(dir);
-    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-    dir = dir.parent_path() / name;
-  }
+  const fs::path dir =
+      fs::absolute(checkpointer::resolve_checkpoint_dir(opt_.from)).lexically_normal();
   const auto verdict = checkpointer::verify_checkpoint(dir);
   if (!verdict.ok)
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,

@@ -333,6 +333,11 @@ class CheckpointReader {
     return tensors_;
   }
   const StoredTensor* find(std::string_view logical) const;
+  // The members of every Muon stack, in stack order: "optim.muon.<group>.<r>x<c>" -> the
+  // parameter names its rows belong to (rows past them are padding).
+  const std::map<std::string, std::vector<std::string>>& muon_stacks() const noexcept {
+    return muon_stacks_;
+  }
 
   // Copies rows [row, row + rows) of a logical tensor into `out` (rows * row_bytes bytes; for
   // a 0-D tensor row 0, rows 1). Rows below full_shape[0] must be stored, else
@@ -350,7 +355,26 @@ class CheckpointReader {
   std::string recipe_hash_;
   std::vector<std::unique_ptr<Mapping>> files_;
   std::map<std::string, StoredTensor, std::less<>> tensors_;
+  std::map<std::string, std::vector<std::string>> muon_stacks_;
 };
+
+// A path a person passes for a checkpoint — a run directory (its LATEST), RUN/checkpoints/LATEST,
+// or a step_N directory — as the checkpoint directory it names. Throws Error{kInvalidArgument}
+// with what to pass instead.
+fs::path resolve_checkpoint_dir(const fs::path& path);
+
+struct ExportReport {
+  uint32_t tensors = 0;
+  uint64_t bytes = 0;  // of the file written
+};
+// `megacpp export`: one consolidated safetensors file of the model's parameters under the names
+// the equivalent PyTorch module uses ("embed.weight", "blocks.0.attn.qkv.weight", ...: the
+// checkpoint's "model." names without the prefix), every shard reassembled. With `optimizer`,
+// the optimizer state too, per parameter: "optim.adamw.<param>.{exp_avg,exp_avg_sq,step}",
+// "optim.muon.<param>.{momentum,second_momentum}" (a row of its stack), and the groups'
+// scalars "optim.{adamw,muon}.<group>.<field>". Metadata: run_id, step, recipe_hash, world.
+// Written to a temporary name, fsynced and renamed. The checkpoint must verify first.
+ExportReport export_checkpoint(const CheckpointReader& ckpt, const fs::path& out, bool optimizer);
 
 // The checkpoints of RUN/checkpoints, newest first, and the first of them that verifies —
 // the one a resume starts from. A newer one that does not verify (torn, corrupt) is listed in

@@ -93,6 +93,10 @@ CheckpointReader::CheckpointReader(const fs::path& dir) : dir_(dir) {
                 fmt::format("megacpp.layout names rank {} of world {}, expected {} of {}",
                             layout.value("rank", ~0u), layout.value("world", 0u), rank, world_));
       try {
+        if (rank == 0 && layout.contains("muon_stacks")) {
+          for (const auto& [stack, members] : layout.at("muon_stacks").items())
+            muon_stacks_[stack] = members.get<std::vector<std::string>>();
+        }
         for (const auto& [name, s] : layout.at("shards").items()) {
           shards[name] = Shard{s.at("logical").get<std::string>(),
                                s.at("full_shape").get<std::vector<uint64_t>>(),
@@ -175,6 +179,32 @@ void CheckpointReader::read_rows(const StoredTensor& t, uint64_t row, uint64_t r
     MEGACPP_FAIL(ErrorKind::kCorruption, "checkpoint {}: {} has no stored row {} (of {})",
                  dir_.string(), t.name, at, real_rows);
   std::memset(out.data() + (at - row) * t.row_bytes, 0, (end - at) * t.row_bytes);
+}
+
+fs::path resolve_checkpoint_dir(const fs::path& path) {
+  auto follow = [](const fs::path& latest) {
+    std::string name = read_file(latest);
+    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    return latest.parent_path() / name;
+  };
+  if (fs::exists(path / "launch.json") || fs::exists(layout::checkpoints_dir(path) / "LATEST")) {
+    const fs::path latest = layout::checkpoints_dir(path) / "LATEST";
+    MEGACPP_CHECK(fs::exists(latest), ErrorKind::kInvalidArgument,
+                  fmt::format("{}: the run has no committed checkpoint", path.string()));
+    return follow(latest);
+  }
+  if (fs::is_regular_file(path)) {
+    MEGACPP_CHECK(path.filename() == "LATEST", ErrorKind::kInvalidArgument,
+                  fmt::format("{} is a file; pass a checkpoint directory (RUN/checkpoints/step_N), "
+                              "a run directory or its checkpoints/LATEST",
+                              path.string()));
+    return follow(path);
+  }
+  MEGACPP_CHECK(fs::is_directory(path), ErrorKind::kInvalidArgument,
+                fmt::format("{}: no such checkpoint; pass a checkpoint directory "
+                            "(RUN/checkpoints/step_N), a run directory or its checkpoints/LATEST",
+                            path.string()));
+  return path;
 }
 
 ResumeChoice select_resume_checkpoint(const fs::path& run_dir) {

@@ -126,7 +126,7 @@ struct Collector::State {
     std::string checkpoint, reason;
     uint32_t world = 0;
     std::vector<std::string> skipped;
-    std::optional<bool> ok;  // runFinished
+    std::optional<bool> ok;    // runFinished
     bool interrupted = false;  // runFinished of a graceful stop
     schema::FailureKind finished_kind = schema::FailureKind::NONE;
     std::string finished_reason;
@@ -164,8 +164,8 @@ struct Collector::State {
   std::optional<Finished> finished;
   std::optional<int64_t> newest_wall;
   std::map<std::pair<StageKind, uint32_t>, Process> processes;
-  std::map<uint32_t, std::map<uint32_t, StepData>> steps;      // trainer rank -> step -> data
-  std::map<uint32_t, double> first_forward;                    // trainer rank -> seconds
+  std::map<uint32_t, std::map<uint32_t, StepData>> steps;  // trainer rank -> step -> data
+  std::map<uint32_t, double> first_forward;                // trainer rank -> seconds
   struct FirstFailure {
     schema::FailureKind kind = schema::FailureKind::NONE;
     std::string message;
@@ -219,9 +219,9 @@ void Collector::State::render_attempts(capnp::List<schema::AttemptSummary>::Buil
     if (at.started_wall) sum.setStartedAt(rfc3339(*at.started_wall));
     if (at.ended_wall) sum.setEndedAt(rfc3339(*at.ended_wall));
     const bool ok = at.ok && *at.ok;
-    sum.setState(at.interrupted ? schema::RunState::INTERRUPTED
-                 : at.ok        ? (ok ? schema::RunState::OK : schema::RunState::ERROR)
-                 : at.orphaned ? schema::RunState::ORPHANED
+    sum.setState(at.interrupted    ? schema::RunState::INTERRUPTED
+                 : at.ok           ? (ok ? schema::RunState::OK : schema::RunState::ERROR)
+                 : at.orphaned     ? schema::RunState::ORPHANED
                  : at.started_wall ? schema::RunState::RUNNING
                                    : schema::RunState::LAUNCHED);
     uint32_t last_all = 0, last_any = 0;
@@ -234,7 +234,8 @@ void Collector::State::render_attempts(capnp::List<schema::AttemptSummary>::Buil
     }
     sum.setLastStep(last_all);
     if (a < attempt) {
-      if (auto next = from_step(a + 1); next && last_any > *next) sum.setStepsLost(last_any - *next);
+      if (auto next = from_step(a + 1); next && last_any > *next)
+        sum.setStepsLost(last_any - *next);
     }
     if (at.ok && !ok && !at.interrupted) {
       auto e = sum.initError();
@@ -254,10 +255,10 @@ void Collector::State::render_attempts(capnp::List<schema::AttemptSummary>::Buil
         e.setAt(rfc3339(f.wall));
         // An earlier attempt's failure dumps were moved aside when the next one began.
         const fs::path dump =
-            a == attempt ? layout::failure_path(run_dir, f.stage, f.rank)
-                         : run_dir / "attempts" / std::to_string(a) /
-                               fs::relative(layout::failure_path(run_dir, f.stage, f.rank),
-                                            run_dir);
+            a == attempt
+                ? layout::failure_path(run_dir, f.stage, f.rank)
+                : run_dir / "attempts" / std::to_string(a) /
+                      fs::relative(layout::failure_path(run_dir, f.stage, f.rank), run_dir);
         if (fs::exists(dump)) e.setFailureDump(fs::relative(dump, run_dir).string());
       }
     } else if (at.orphaned && !at.ok) {
@@ -342,10 +343,11 @@ void Collector::State::fold_attempt(schema::JournalRecord::Reader rec) {
       if (from_supervisor && !at.first_failure) {
         auto f = rec.getFailureObserved();
         if (failure_role(f) == schema::FailureRole::FIRST_FAILURE) {
-          at.first_failure = Attempt::Failed{failure_kind(f), f.getStage(), f.getRank(),
-                                             f.getPhase(),    f.getStep(),  f.getPid(),
-                                             f.getMessage(),  wall - (rec.getMonoNs() -
-                                                                      f.getEvidenceMonoNs())};
+          at.first_failure =
+              Attempt::Failed{failure_kind(f), f.getStage(),
+                              f.getRank(),     f.getPhase(),
+                              f.getStep(),     f.getPid(),
+                              f.getMessage(),  wall - (rec.getMonoNs() - f.getEvidenceMonoNs())};
         }
       }
       break;
@@ -375,9 +377,8 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       auto s = rec.getStep();
       StepData& d = steps[rank][s.getStep()];
       if (rec_attempt >= d.attempt) {
-        d = StepData{rec_attempt,       s.getLoss(),      s.getTokens(),
-                     s.getStepSeconds(), s.getWaitSeconds(), wall,
-                     s.getDataEpoch(),   s.getDataCursor()};
+        d = StepData{rec_attempt,        s.getLoss(), s.getTokens(),    s.getStepSeconds(),
+                     s.getWaitSeconds(), wall,        s.getDataEpoch(), s.getDataCursor()};
       }
     } else if (rec.isCheckpointCommitted()) {
       auto c = rec.getCheckpointCommitted();
@@ -401,9 +402,9 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       auto s = rec.getStep();
       self.last_step = std::max(self.last_step, s.getStep());
       if (stage == StageKind::TRAINER) {
-        steps[rank][s.getStep()] =
-            StepData{attempt, s.getLoss(),      s.getTokens(),    s.getStepSeconds(),
-                     s.getWaitSeconds(), wall, s.getDataEpoch(), s.getDataCursor()};
+        steps[rank][s.getStep()] = StepData{
+            attempt, s.getLoss(),      s.getTokens(),    s.getStepSeconds(), s.getWaitSeconds(),
+            wall,    s.getDataEpoch(), s.getDataCursor()};
       }
       break;
     }
@@ -491,9 +492,8 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
     case schema::JournalRecord::RUN_FINISHED:
       if (from_supervisor && !finished) {
         auto f = rec.getRunFinished();
-        finished = Finished{f.getOk(),   f.getReason(), failure_kind(f),
-                            f.getStage(), f.getRank(),   wall,
-                            f.getStoppedBySignal()};
+        finished = Finished{f.getOk(),   f.getReason(), failure_kind(f),       f.getStage(),
+                            f.getRank(), wall,          f.getStoppedBySignal()};
         teardown_seconds = f.getTeardownSeconds();
       }
       break;

@@ -196,9 +196,8 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     go.store_timeout = store_timeout;
     go.collective_timeout = knob_millis(Knob::kCollectiveTimeoutS);
     go.device_hostname = knob_string(Knob::kGlooHostname);
-    go.store_prefix =
-        fmt::format("megacpp/{}/a{}/g{}/", launch.getRunId().cStr(), launch.getAttempt(),
-                    launch.getGeneration());
+    go.store_prefix = fmt::format("megacpp/{}/a{}/g{}/", launch.getRunId().cStr(),
+                                  launch.getAttempt(), launch.getGeneration());
     with_peers(fmt::format("rendezvous at {}:{}", go.store_host, go.store_port),
                std::min(go.store_timeout, go.collective_timeout), [&] { pg = connect_gloo(go); });
     log_info("joined the Gloo group as rank {} of {}", rank, world);
@@ -331,8 +330,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     if (stopping) {
       ctx.set_phase(Phase::SNAPSHOT);
       if (!snapshots.wait_committed(step)) return Outcome::kLeft;
-      log_info("stopped on request after step {} of {}; its checkpoint is committed", step,
-               steps);
+      log_info("stopped on request after step {} of {}; its checkpoint is committed", step, steps);
       return Outcome::kStopped;
     }
   }
