@@ -10,7 +10,7 @@ RANKS      ?= 2
 CTEST_ARGS ?=
 MEGACPP_FUZZ_SECONDS ?= 300
 
-.PHONY: all setup configure build run run-cpp test test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-failure clean
+.PHONY: all setup configure build run run-cpp test test-full test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-failure clean
 
 all: build
 
@@ -64,8 +64,13 @@ fuzz: build-sanitize
 	@ctest --test-dir $(BUILD_SAN) --output-on-failure -V -j 2 -L '^fuzz$$'
 
 # Every chaos case (kill -9 of each stage kind, SIGSTOP, exceptions, a killed supervisor).
+# Every test labelled full: all chaos cases, 200 checkpoint kill points, resume at world 3 and
+# resharding.
+test-full: build
+	@ctest --test-dir $(BUILD) --output-on-failure -L full
+
 chaos: build
-	@ctest --test-dir $(BUILD) --output-on-failure -R chaos_full
+	@ctest --test-dir $(BUILD) --output-on-failure -R 'chaos_full|checkpoint_kills_full'
 
 format:
 	@git ls-files '*.h' '*.cpp' '*.cu' | xargs clang-format -i
@@ -78,6 +83,7 @@ bench: build
 	@$(BUILD)/bin/bench_optimizer
 	@$(BUILD)/bin/bench_prepare
 	@$(BUILD)/bin/bench_data_loader
+	@$(BUILD)/bin/bench_checkpoint
 
 bench-failure: build
 	@.venv/bin/python bench/failure_detection.py

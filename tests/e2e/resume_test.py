@@ -95,15 +95,20 @@ def final_bytes(run_dir, world):
     return [data_section(os.path.join(step_dir, "rank_%d.safetensors" % r)) for r in range(world)]
 
 
-class Resume(unittest.TestCase):
+class Base(unittest.TestCase):
+    """Straight runs of the recipes the cases compare with (STRAIGHT: name, recipe, world)."""
+
+    @staticmethod
+    def STRAIGHT(cls):
+        return ()
+
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="megacpp-resume-")
         cls.tiny = recipe(cls.tmp, 16)
         cls.b6 = recipe(cls.tmp, 6)
         cls.straight = {}
-        for name, path, world in (("w2", cls.tiny, 2), ("w3", cls.tiny, 3), ("b6w2", cls.b6, 2),
-                                  ("b6w3", cls.b6, 3)):
+        for name, path, world in cls.STRAIGHT(cls):
             d, p = run(cls.tmp, "straight-" + name, path, world)
             assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
             cls.straight[name] = d
@@ -123,6 +128,14 @@ class Resume(unittest.TestCase):
         self.assertEqual(m["state"], "ok")
         self.assertEqual(m["stepsCompleted"], STEPS)
         return m
+
+
+class Resume(Base):
+    """World 2: kill -9, a corrupt checkpoint, refusals, --from (in `make test`)."""
+
+    @staticmethod
+    def STRAIGHT(cls):
+        return (("w2", cls.tiny, 2),)
 
     def test_kill_9_of_a_rank_at_a_random_step_then_resume_is_bit_identical(self):
         seed = int(os.environ.get("MEGACPP_RESUME_SEED", str(int(time.time()))))
@@ -172,15 +185,6 @@ class Resume(unittest.TestCase):
         # The receipts cover every step once.
         self.assertEqual([s for s, _ in losses(run_dir)], list(range(1, STEPS + 1)))
 
-    def test_crash_at_world_3_then_resume_from_a_mid_run_checkpoint_is_bit_identical(self):
-        run_dir, p = run(self.tmp, "crash-w3", self.tiny, 3,
-                         env={"MEGACPP_FAULT": "trainer:2:backward:11:segv"})
-        self.assertEqual(p.returncode, 1, p.stdout[-2000:])
-        p = resume(run_dir)
-        m = self.assert_ok_after_resume(p, run_dir)
-        self.assertEqual(m["attempts"][1]["fromStep"], 8)
-        self.assert_identical(run_dir, self.straight["w3"], 3)
-
     def test_a_corrupt_newest_checkpoint_is_skipped_and_named(self):
         run_dir, p = run(self.tmp, "corrupt", self.tiny, 2,
                          env={"MEGACPP_FAULT": "trainer:0:forward:14:segv"})
@@ -205,38 +209,6 @@ class Resume(unittest.TestCase):
         self.assert_identical(run_dir, self.straight["w2"], 2)
         v = megacpp(["verify", run_dir])
         self.assertEqual(v.returncode, 0, v.stdout)
-
-    def reshard(self, name, world, to, straight):
-        run_dir, p = run(self.tmp, name, self.b6, world, env={"MEGACPP_FAULT": "trainer:1:forward:11:segv"})
-        self.assertEqual(p.returncode, 1, p.stdout[-2000:])
-        p = resume(run_dir, "--ranks", str(to))
-        m = self.assert_ok_after_resume(p, run_dir)
-        self.assertEqual(m["world"], to)
-        self.assertEqual(m["attempts"][1]["world"], to)
-        got, want = losses(run_dir), losses(straight)
-        self.assertEqual([s for s, _ in got], [s for s, _ in want])
-        worst = 0.0
-        for (step, a), (_, b) in zip(got, want):
-            if step <= 8:
-                self.assertEqual(a, b, "step %d was trained before the checkpoint" % step)
-            elif step == 9:
-                self.assertLessEqual(abs(a - b), FIRST_STEP_TOLERANCE, "step 9: %r vs %r" % (a, b))
-            else:
-                worst = max(worst, abs(a - b))
-                self.assertLessEqual(abs(a - b), LATER_TOLERANCE, "step %d: %r vs %r" % (step, a, b))
-        sys.stderr.write("%s: step 9 differs by %.3g, steps 10-%d by at most %.3g\n" %
-                         (name, abs(got[8][1] - want[8][1]), STEPS, worst))
-        with open(os.path.join(run_dir, "receipts", "bench_telemetry.json")) as f:
-            cursors = [s["dataCursor"] for s in json.load(f)["steps"]]
-        with open(os.path.join(straight, "receipts", "bench_telemetry.json")) as f:
-            self.assertEqual(cursors, [s["dataCursor"] for s in json.load(f)["steps"]],
-                             "the resharded run trained on other windows")
-
-    def test_reshard_2_to_3(self):
-        self.reshard("reshard-2-3", 2, 3, self.straight["b6w2"])
-
-    def test_reshard_3_to_2(self):
-        self.reshard("reshard-3-2", 3, 2, self.straight["b6w3"])
 
     def test_a_world_that_does_not_divide_the_global_batch_is_refused(self):
         run_dir, p = run(self.tmp, "indivisible", self.tiny, 2,
@@ -271,6 +243,55 @@ class Resume(unittest.TestCase):
         self.assertEqual(m["parent"]["runId"], manifest(parent)["runId"])
         self.assertEqual(losses(run_dir), [x for x in losses(parent) if x[0] > 8])
         self.assertTrue(final_bytes(run_dir, 2) == final_bytes(parent, 2))
+
+
+class ResumeWorlds(Base):
+    """World 3 and resharding (label `full`: `make test-full`)."""
+
+    @staticmethod
+    def STRAIGHT(cls):
+        return (("w3", cls.tiny, 3), ("b6w2", cls.b6, 2), ("b6w3", cls.b6, 3))
+
+    def test_crash_at_world_3_then_resume_from_a_mid_run_checkpoint_is_bit_identical(self):
+        run_dir, p = run(self.tmp, "crash-w3", self.tiny, 3,
+                         env={"MEGACPP_FAULT": "trainer:2:backward:11:segv"})
+        self.assertEqual(p.returncode, 1, p.stdout[-2000:])
+        p = resume(run_dir)
+        m = self.assert_ok_after_resume(p, run_dir)
+        self.assertEqual(m["attempts"][1]["fromStep"], 8)
+        self.assert_identical(run_dir, self.straight["w3"], 3)
+
+    def reshard(self, name, world, to, straight):
+        run_dir, p = run(self.tmp, name, self.b6, world, env={"MEGACPP_FAULT": "trainer:1:forward:11:segv"})
+        self.assertEqual(p.returncode, 1, p.stdout[-2000:])
+        p = resume(run_dir, "--ranks", str(to))
+        m = self.assert_ok_after_resume(p, run_dir)
+        self.assertEqual(m["world"], to)
+        self.assertEqual(m["attempts"][1]["world"], to)
+        got, want = losses(run_dir), losses(straight)
+        self.assertEqual([s for s, _ in got], [s for s, _ in want])
+        worst = 0.0
+        for (step, a), (_, b) in zip(got, want):
+            if step <= 8:
+                self.assertEqual(a, b, "step %d was trained before the checkpoint" % step)
+            elif step == 9:
+                self.assertLessEqual(abs(a - b), FIRST_STEP_TOLERANCE, "step 9: %r vs %r" % (a, b))
+            else:
+                worst = max(worst, abs(a - b))
+                self.assertLessEqual(abs(a - b), LATER_TOLERANCE, "step %d: %r vs %r" % (step, a, b))
+        sys.stderr.write("%s: step 9 differs by %.3g, steps 10-%d by at most %.3g\n" %
+                         (name, abs(got[8][1] - want[8][1]), STEPS, worst))
+        with open(os.path.join(run_dir, "receipts", "bench_telemetry.json")) as f:
+            cursors = [s["dataCursor"] for s in json.load(f)["steps"]]
+        with open(os.path.join(straight, "receipts", "bench_telemetry.json")) as f:
+            self.assertEqual(cursors, [s["dataCursor"] for s in json.load(f)["steps"]],
+                             "the resharded run trained on other windows")
+
+    def test_reshard_2_to_3(self):
+        self.reshard("reshard-2-3", 2, 3, self.straight["b6w2"])
+
+    def test_reshard_3_to_2(self):
+        self.reshard("reshard-3-2", 3, 2, self.straight["b6w3"])
 
 
 if __name__ == "__main__":

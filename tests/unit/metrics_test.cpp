@@ -193,6 +193,7 @@ TEST(Metrics, RenderContentAndOrder) {
   m.set_queue("data_loader->trainer-1", 3, 4);
   m.set_checkpoint(5, 0.125, 1700000001);
   m.set_collector_lag(0.5);
+  m.add_job_restart();
 
   std::string expected = R"(# TYPE megacpp_stage_up gauge
 megacpp_stage_up{stage="collector",rank="0"} 0
@@ -253,6 +254,8 @@ megacpp_trainer_step_duration_seconds_count{rank="1"} 3
 megacpp_queue_depth{edge="data_loader->trainer-1"} 3
 # TYPE megacpp_queue_capacity gauge
 megacpp_queue_capacity{edge="data_loader->trainer-1"} 4
+# TYPE megacpp_job_restarts_total counter
+megacpp_job_restarts_total 1
 # TYPE megacpp_checkpoint_last_committed_step gauge
 megacpp_checkpoint_last_committed_step 5
 # TYPE megacpp_checkpoint_last_duration_seconds gauge
