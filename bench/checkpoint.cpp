@@ -30,8 +30,8 @@
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -129,7 +129,8 @@ int main(int argc, char** argv) {
   Options o;
   const fs::path venv_python = kSourceRoot / ".venv/bin/python";
   o.peer_python = fs::exists(venv_python) ? venv_python.string() : "python3";
-  CLI::App app{"checkpoint stall and write throughput vs memcpy, dd conv=fsync, torch.save and DCP"};
+  CLI::App app{
+      "checkpoint stall and write throughput vs memcpy, dd conv=fsync, torch.save and DCP"};
   app.add_option("--d-model", o.d_model, "model width")->capture_default_str();
   app.add_option("--layers", o.layers, "blocks")->capture_default_str();
   app.add_option("--vocab", o.vocab, "vocabulary")->capture_default_str();
@@ -155,8 +156,9 @@ int main(int argc, char** argv) {
     ts.step(torch::randint(o.vocab, {1, o.seq + 1}, torch::kInt64), 1);
     const auto layout = ts.snapshot_layout();
     const uint64_t bytes = layout.total_bytes;
-    fmt::print("state: d_model {} x {} layers, vocab {}: {} tensors, {:.1f} MB (params + optimizer)\n",
-               o.d_model, o.layers, o.vocab, layout.entries.size(), bytes / 1e6);
+    fmt::print(
+        "state: d_model {} x {} layers, vocab {}: {} tensors, {:.1f} MB (params + optimizer)\n",
+        o.d_model, o.layers, o.vocab, layout.entries.size(), bytes / 1e6);
 
     const std::string shm = fmt::format("/megacpp-bench-ckpt-{}", ::getpid());
     mc::ipc::ShmRegion staging(mc::ipc::ShmRegion::Create{}, shm,
@@ -204,15 +206,14 @@ int main(int argc, char** argv) {
     if (o.peer) {
       json spec = {{"tensors", json::array()}, {"dir", o.dir}, {"repeats", o.repeats}};
       for (const auto& e : layout.entries) spec["tensors"].push_back({e.name, e.dtype, e.shape});
-      const std::string text =
-          run_capture({o.peer_python, o.peer_script, "--spec", spec.dump()});
+      const std::string text = run_capture({o.peer_python, o.peer_script, "--spec", spec.dump()});
       peer = json::parse(text.substr(text.rfind('{', text.rfind("\"bytes\""))));
     }
 
     const double memcpy_bw = bytes / copy.best;
     fmt::print("\n{:<44} {:>10} {:>10}   {}\n", "", "best s", "median s", "ratio");
-    fmt::print("{:<44} {:>10.4f} {:>10.4f}   {:.2f} GB/s\n", "memcpy of the share (bytes / bandwidth)",
-               copy.best, copy.median, memcpy_bw / 1e9);
+    fmt::print("{:<44} {:>10.4f} {:>10.4f}   {:.2f} GB/s\n",
+               "memcpy of the share (bytes / bandwidth)", copy.best, copy.median, memcpy_bw / 1e9);
     fmt::print("{:<44} {:>10.4f} {:>10.4f}   {:.2f} x memcpy (goal <= 1.2)\n",
                "megacpp stall: copy into staging + stamp", stall.best, stall.median,
                stall.best / copy.best);
@@ -232,8 +233,8 @@ int main(int argc, char** argv) {
     const double write_bw = written / write.best, dd_bw = (count * block) / dd.best;
     fmt::print("\nwrite to {} ({}): {:.1f} MB per checkpoint\n", o.dir, fs_type(o.dir),
                written / 1e6);
-    fmt::print("{:<44} {:>10.4f} {:>10.4f}   {:.2f} GB/s\n",
-               "megacpp write_rank + commit (fsyncs)", write.best, write.median, write_bw / 1e9);
+    fmt::print("{:<44} {:>10.4f} {:>10.4f}   {:.2f} GB/s\n", "megacpp write_rank + commit (fsyncs)",
+               write.best, write.median, write_bw / 1e9);
     fmt::print("{:<44} {:>10.4f} {:>10.4f}   {:.2f} GB/s\n", "dd bs=1M conv=fsync, same bytes",
                dd.best, dd.median, dd_bw / 1e9);
     fmt::print("{:<44} {:>10} {:>10}   {:.0f}% of dd (goal >= 80%)\n", "", "", "",
