@@ -215,6 +215,20 @@ int status(const fs::path& run_dir) {
              m.getWorld());
   fmt::print("  launched   {}\n  completed  {}\n  last seen  {}\n", m.getLaunchedAt().cStr(),
              m.getCompletedAt().cStr(), m.getLastPolledAt().cStr());
+  if (m.getStopReason().size() > 0) fmt::print("  stopped    {}\n", m.getStopReason().cStr());
+  if (m.getAttempts().size() > 1) {
+    fmt::print("  attempts\n");
+    for (auto a : m.getAttempts()) {
+      std::string failure;
+      if (a.hasError() && a.getError().getKind() != schema::FailureKind::NONE)
+        failure = fmt::format(": {} in {}-{}", schemas::name(a.getError().getKind()),
+                              layout::stage_name(a.getError().getStage()), a.getError().getRank());
+      fmt::print("    {} {:<11} from step {:<6} to step {:<6} {}{}{}\n", a.getAttempt(),
+                 a.getReason().cStr(), a.getFromStep(), a.getLastStep(),
+                 kStates[static_cast<int>(a.getState())], failure,
+                 a.getStepsLost() > 0 ? fmt::format(" ({} steps lost)", a.getStepsLost()) : "");
+    }
+  }
   if (m.hasError() && m.getError().getKind() != schema::FailureKind::NONE) {
     auto e = m.getError();
     fmt::print("  first failure\n");
