@@ -201,29 +201,19 @@ void Run::adopt_previous_attempt() {
                                  l.getParent().getStep(), l.getParent().getCheckpoint()})
                 : std::nullopt;
 
-  auto choice = checkpointer::select_resume_checkpoint(run_);
-  for (const auto& sk : choice.skipped) {
-    std::string problems;
-    for (const auto& p : sk.problems) problems += (problems.empty() ? "" : "; ") + p;
-    log_warn("--resume: skipping {}: it does not verify ({})", sk.relative_path, problems);
-    skipped_.push_back(fmt::format("{}: {}", sk.relative_path, problems));
-    skipped_steps_.push_back(sk.step);
-  }
-  if (!choice.chosen)
+  choose_checkpoint("--resume");
+  if (!resume_)
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                  "--resume {}: no checkpoint in {} verifies{}: nothing to resume from; start a "
                  "new run",
                  run_.string(), layout::checkpoints_dir(run_).string(),
                  skipped_.empty() ? "" : fmt::format(" ({} skipped)", skipped_.size()));
-  if (choice.chosen->step >= opt_.steps)
+  if (resume_->step >= opt_.steps)
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                  "--resume {}: its checkpoint of step {} is the last of the {} planned steps: "
                  "nothing to resume (branch from it with `megacpp run RECIPE --from {} --run-dir "
                  "NEW`)",
-                 run_.string(), choice.chosen->step, opt_.steps, choice.chosen->dir.string());
-  resume_ = ResumeInfo{choice.chosen->step, choice.chosen->dir, choice.chosen->relative_path, 0};
-  checkpointer::CheckpointReader ckpt(choice.chosen->dir);
-  resume_->world = ckpt.world();
+                 run_.string(), resume_->step, opt_.steps, resume_->dir.string());
   if (global_batch_ % opt_.ranks != 0)
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                  "--resume {} --ranks {}: rule resume.global_batch: the run's global batch of {} "
@@ -232,6 +222,52 @@ void Run::adopt_previous_attempt() {
                  run_.string(), opt_.ranks, global_batch_, opt_.ranks);
   const auto rank_batch = static_cast<uint32_t>(global_batch_ / opt_.ranks);
   if (rank_batch != recipe_.train.batch_size) rank_batch_ = rank_batch;
+}
+
+void Run::choose_checkpoint(std::string_view why) {
+  auto choice = checkpointer::select_resume_checkpoint(run_);
+  skipped_.clear();
+  skipped_steps_.clear();
+  for (const auto& sk : choice.skipped) {
+    std::string problems;
+    for (const auto& p : sk.problems) problems += (problems.empty() ? "" : "; ") + p;
+    log_warn("{}: skipping {}: it does not verify ({})", why, sk.relative_path, problems);
+    skipped_.push_back(fmt::format("{}: {}", sk.relative_path, problems));
+    skipped_steps_.push_back(sk.step);
+  }
+  resume_.reset();
+  if (choice.chosen) {
+    const checkpointer::CheckpointReader ckpt(choice.chosen->dir);
+    resume_ = ResumeInfo{choice.chosen->step, choice.chosen->dir, choice.chosen->relative_path,
+                         ckpt.world()};
+  }
+}
+
+void Run::journal_attempt_started(std::string_view reason) {
+  journal_->append([&](schema::JournalRecord::Builder r) {
+    auto a = r.initAttemptStarted();
+    a.setAttempt(attempt_);
+    a.setFromStep(resume_ ? resume_->step : 0);
+    if (resume_) a.setCheckpoint(resume_->relative_path);
+    a.setReason(std::string(reason));
+    a.setWorld(opt_.ranks);
+    auto sk = a.initSkipped(static_cast<unsigned>(skipped_.size()));
+    for (size_t i = 0; i < skipped_.size(); ++i) sk.set(static_cast<unsigned>(i), skipped_[i]);
+  });
+  journal_->sync();
+}
+
+void Run::create_rings() {
+  ipc::unlink_shm(shm_prefix_);
+  static_assert(recipe::kMaxBatchSlotBytes <= ipc::SlotRing::kMaxSlotBytes);
+  const uint64_t slot_bytes = recipe::batch_spec(planned_).slot_bytes();
+  for (uint32_t r = 0; r < opt_.ranks; ++r) {
+    auto name = layout::ring_shm_name(shm_prefix_, r);
+    rings_.push_back(std::make_unique<ipc::ShmRegion>(
+        ipc::ShmRegion::Create{}, name, ipc::SlotRing::region_bytes(opt_.ring_slots, slot_bytes)));
+    ipc::SlotRing::format(*rings_.back(), opt_.ring_slots, slot_bytes);
+    ring_views_.push_back(std::make_unique<ipc::SlotRing>(*rings_.back()));
+  }
 }
 
 void Run::adopt_parent_checkpoint() {
@@ -438,7 +474,6 @@ void Run::prepare() {
     created_at_ = rfc3339(wall_ns());
   }
   shm_prefix_ = layout::shm_prefix(run_id_, attempt_);
-  ipc::unlink_shm(shm_prefix_);
 
   // A Unix socket path holds ~107 bytes; a deep run directory falls back to a short private dir.
   sock_dir_ = run_ / "sock";
@@ -458,16 +493,8 @@ void Run::prepare() {
 
   store_ = std::make_unique<StoreServer>("127.0.0.1", 0, opt_.ranks);
 
-  static_assert(recipe::kMaxBatchSlotBytes <= ipc::SlotRing::kMaxSlotBytes);
-  const uint64_t slot_bytes = recipe::batch_spec(planned).slot_bytes();
-  for (uint32_t r = 0; r < opt_.ranks; ++r) {
-    auto name = layout::ring_shm_name(shm_prefix_, r);
-    rings_.push_back(std::make_unique<ipc::ShmRegion>(
-        ipc::ShmRegion::Create{}, name, ipc::SlotRing::region_bytes(opt_.ring_slots, slot_bytes)));
-    ipc::SlotRing::format(*rings_.back(), opt_.ring_slots, slot_bytes);
-    ring_views_.push_back(std::make_unique<ipc::SlotRing>(*rings_.back()));
-  }
   planned_ = planned;
+  create_rings();
   write_launch_contract(planned_);
 
   zmq_ = std::make_unique<ipc::ZmqContext>();
@@ -477,19 +504,7 @@ void Run::prepare() {
   journal_->set_identity(StageKind::SUPERVISOR, 0);
   journal_->set_attempt(attempt_);
   journal_->append([](schema::JournalRecord::Builder r) { r.setProcessStarted(); });
-  if (resuming) {
-    journal_->append([&](schema::JournalRecord::Builder r) {
-      auto a = r.initAttemptStarted();
-      a.setAttempt(attempt_);
-      a.setFromStep(resume_->step);
-      a.setCheckpoint(resume_->relative_path);
-      a.setReason("resume");
-      a.setWorld(opt_.ranks);
-      auto sk = a.initSkipped(static_cast<unsigned>(skipped_.size()));
-      for (size_t i = 0; i < skipped_.size(); ++i) sk.set(static_cast<unsigned>(i), skipped_[i]);
-    });
-    journal_->sync();
-  }
+  if (resuming) journal_attempt_started("resume");
   checkpoint_journal_ =
       std::make_unique<ipc::JournalReader>(layout::journal_path(run_, StageKind::CHECKPOINTER, 0));
 }

@@ -424,58 +424,23 @@ void Run::restart_job() {
   // there); the next one starts from the newest checkpoint that verifies.
   journal_run_finished(/*process_finished=*/false);
   release_attempt_ipc();
-  auto choice = checkpointer::select_resume_checkpoint(run_);
-  skipped_.clear();
-  skipped_steps_.clear();
-  for (const auto& sk : choice.skipped) {
-    std::string problems;
-    for (const auto& p : sk.problems) problems += (problems.empty() ? "" : "; ") + p;
-    log_warn("job restart: skipping {}: it does not verify ({})", sk.relative_path, problems);
-    skipped_.push_back(fmt::format("{}: {}", sk.relative_path, problems));
-    skipped_steps_.push_back(sk.step);
-  }
-  if (choice.chosen) {
-    checkpointer::CheckpointReader ckpt(choice.chosen->dir);
-    resume_ = ResumeInfo{choice.chosen->step, choice.chosen->dir, choice.chosen->relative_path,
-                         ckpt.world()};
-  } else {
-    resume_.reset();  // nothing committed yet: the attempt starts from scratch
-  }
+  choose_checkpoint("job restart");  // none verifies: the attempt starts from scratch
   previous_progress_ = failed_progress_;
   previous_attempt_ = attempt_;
   ++attempt_;
   ++job_restarts_;
   archive_attempt();
   metrics_->add_job_restart();
-  const uint32_t from = resume_ ? resume_->step : 0;
   log_warn("job restart {} of {}: {} {}-{} after step {}; relaunching every stage from {}",
            job_restarts_, opt_.max_job_restarts, schemas::name(failure_->kind),
            layout::stage_name(failure_->stage), failure_->rank, failed_progress_.value_or(0),
            resume_ ? resume_->relative_path : std::string("scratch (no checkpoint yet)"));
   journal_->set_attempt(attempt_);
-  journal_->append([&](schema::JournalRecord::Builder r) {
-    auto a = r.initAttemptStarted();
-    a.setAttempt(attempt_);
-    a.setFromStep(from);
-    if (resume_) a.setCheckpoint(resume_->relative_path);
-    a.setReason("job_restart");
-    a.setWorld(opt_.ranks);
-    auto sk = a.initSkipped(static_cast<unsigned>(skipped_.size()));
-    for (size_t i = 0; i < skipped_.size(); ++i) sk.set(static_cast<unsigned>(i), skipped_[i]);
-  });
-  journal_->sync();
+  journal_attempt_started("job_restart");
 
   // A fresh batch plane under the next attempt's shm prefix, and its launch contract.
   shm_prefix_ = layout::shm_prefix(run_id_, attempt_);
-  ipc::unlink_shm(shm_prefix_);
-  const uint64_t slot_bytes = recipe::batch_spec(planned_).slot_bytes();
-  for (uint32_t r = 0; r < opt_.ranks; ++r) {
-    auto name = layout::ring_shm_name(shm_prefix_, r);
-    rings_.push_back(std::make_unique<ipc::ShmRegion>(
-        ipc::ShmRegion::Create{}, name, ipc::SlotRing::region_bytes(opt_.ring_slots, slot_bytes)));
-    ipc::SlotRing::format(*rings_.back(), opt_.ring_slots, slot_bytes);
-    ring_views_.push_back(std::make_unique<ipc::SlotRing>(*rings_.back()));
-  }
+  create_rings();
   write_launch_contract(planned_);
 
   reap_dying();

@@ -111,6 +111,11 @@ class Run {
   // The earlier attempt's contract and failure dumps to RUN/attempts/<previous_attempt_>/;
   // checkpoints that did not verify set aside; LATEST names the one resumed from.
   void archive_attempt();
+  // resume_ := the newest checkpoint of the run that verifies (none: reset); the newer ones
+  // that do not are logged (prefixed by `why`) into skipped_ / skipped_steps_.
+  void choose_checkpoint(std::string_view why);
+  void journal_attempt_started(std::string_view reason);  // attemptStarted of attempt_, synced
+  void create_rings();  // the batch plane of this attempt: shm_prefix_, planned_'s slots
   void launch_attempt();
   // Why the failure just classified is not retried as the next attempt; nullopt: retry it.
   std::optional<std::string> job_restart_refusal() const;
