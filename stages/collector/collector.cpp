@@ -119,6 +119,21 @@ struct Collector::State {
   // of other attempts feed only their attempt's summary, the step series and the checkpoints.
   uint32_t attempt = 0;
   uint32_t resume_step = 0;  // launch.json's: where the current attempt began
+  struct FirstFailure {
+    schema::FailureKind kind = schema::FailureKind::NONE;
+    std::string message;
+    StageKind stage = StageKind::SUPERVISOR;
+    uint32_t rank = 0;
+    schema::Phase phase = schema::Phase::STARTUP;
+    uint32_t step = 0;
+    int32_t pid = 0;
+    int64_t evidence_wall = 0;
+    double detection_seconds = 0;
+    bool detection_measured = false;
+    std::vector<std::string> backtrace, stderr_tail;
+  };
+  // The failureObserved record of a first failure, as the manifest reports it.
+  static FirstFailure first_failure_of(schema::JournalRecord::Reader rec);
   struct Attempt {
     std::optional<int64_t> started_wall;  // attemptStarted, else runStarted
     std::optional<int64_t> ended_wall;    // runFinished or runOrphaned
@@ -133,19 +148,8 @@ struct Collector::State {
     StageKind finished_stage = StageKind::SUPERVISOR;
     uint32_t finished_rank = 0;
     bool orphaned = false;
-    // The first failure, as journaled (kind, stage, rank, phase, step, message).
-    struct Failed {
-      schema::FailureKind kind = schema::FailureKind::NONE;
-      StageKind stage = StageKind::SUPERVISOR;
-      uint32_t rank = 0;
-      schema::Phase phase = schema::Phase::STARTUP;
-      uint32_t step = 0;
-      int32_t pid = 0;
-      std::string message;
-      int64_t wall = 0;
-    };
-    std::optional<Failed> first_failure;
-    std::map<uint32_t, uint32_t> last_step;  // trainer rank -> newest step it journaled
+    std::optional<FirstFailure> first_failure;  // the current attempt's is the manifest's
+    std::map<uint32_t, uint32_t> last_step;     // trainer rank -> newest step it journaled
   };
   std::map<uint32_t, Attempt> attempts;
   // Committed checkpoints: (attempt, step) -> path.
@@ -166,20 +170,6 @@ struct Collector::State {
   std::map<std::pair<StageKind, uint32_t>, Process> processes;
   std::map<uint32_t, std::map<uint32_t, StepData>> steps;  // trainer rank -> step -> data
   std::map<uint32_t, double> first_forward;                // trainer rank -> seconds
-  struct FirstFailure {
-    schema::FailureKind kind = schema::FailureKind::NONE;
-    std::string message;
-    StageKind stage = StageKind::SUPERVISOR;
-    uint32_t rank = 0;
-    schema::Phase phase = schema::Phase::STARTUP;
-    uint32_t step = 0;
-    int32_t pid = 0;
-    int64_t evidence_wall = 0;
-    double detection_seconds = 0;
-    bool detection_measured = false;
-    std::vector<std::string> backtrace, stderr_tail;
-  };
-  std::optional<FirstFailure> first_failure;
   double teardown_seconds = 0;
   struct Graph {
     std::string reason;
@@ -252,7 +242,7 @@ void Collector::State::render_attempts(capnp::List<schema::AttemptSummary>::Buil
         e.setPhase(f.phase);
         e.setStep(f.step);
         e.setPid(f.pid);
-        e.setAt(rfc3339(f.wall));
+        e.setAt(rfc3339(f.evidence_wall));
         // An earlier attempt's failure dumps were moved aside when the next one began.
         const fs::path dump =
             a == attempt
@@ -269,6 +259,29 @@ void Collector::State::render_attempts(capnp::List<schema::AttemptSummary>::Buil
     auto sk = sum.initSkippedCheckpoints(static_cast<unsigned>(at.skipped.size()));
     for (size_t i = 0; i < at.skipped.size(); ++i) sk.set(static_cast<unsigned>(i), at.skipped[i]);
   }
+}
+
+Collector::State::FirstFailure Collector::State::first_failure_of(
+    schema::JournalRecord::Reader rec) {
+  auto f = rec.getFailureObserved();
+  FirstFailure ff;
+  ff.kind = failure_kind(f);
+  ff.message = f.getMessage();
+  ff.stage = f.getStage();
+  ff.rank = f.getRank();
+  ff.phase = f.getPhase();
+  ff.step = f.getStep();
+  ff.pid = f.getPid();
+  // Wall time of the cause: this record's wall clock minus how long ago, monotonically.
+  ff.evidence_wall = rec.getWallNs() - (rec.getMonoNs() - f.getEvidenceMonoNs());
+  ff.detection_measured = !f.getEvidenceUnmeasured();
+  ff.detection_seconds =
+      ff.detection_measured
+          ? static_cast<double>(f.getDetectedMonoNs() - f.getEvidenceMonoNs()) / 1e9
+          : 0.0;
+  for (auto l : f.getBacktrace()) ff.backtrace.emplace_back(l.cStr());
+  for (auto l : f.getStderrTail()) ff.stderr_tail.emplace_back(l.cStr());
+  return ff;
 }
 
 std::optional<uint32_t> Collector::State::from_step(uint32_t a) const {
@@ -342,13 +355,8 @@ void Collector::State::fold_attempt(schema::JournalRecord::Reader rec) {
     case schema::JournalRecord::FAILURE_OBSERVED:
       if (from_supervisor && !at.first_failure) {
         auto f = rec.getFailureObserved();
-        if (failure_role(f) == schema::FailureRole::FIRST_FAILURE) {
-          at.first_failure =
-              Attempt::Failed{failure_kind(f), f.getStage(),
-                              f.getRank(),     f.getPhase(),
-                              f.getStep(),     f.getPid(),
-                              f.getMessage(),  wall - (rec.getMonoNs() - f.getEvidenceMonoNs())};
-        }
+        if (failure_role(f) == schema::FailureRole::FIRST_FAILURE)
+          at.first_failure = first_failure_of(rec);
       }
       break;
     case schema::JournalRecord::STEP:
@@ -436,26 +444,6 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
         auto f = rec.getFailureObserved();
         Process& p = processes[{f.getStage(), f.getRank()}];
         p.role = failure_role(f);
-        if (p.role == schema::FailureRole::FIRST_FAILURE && !first_failure) {
-          FirstFailure ff;
-          ff.kind = failure_kind(f);
-          ff.message = f.getMessage();
-          ff.stage = f.getStage();
-          ff.rank = f.getRank();
-          ff.phase = f.getPhase();
-          ff.step = f.getStep();
-          ff.pid = f.getPid();
-          // Wall time of the cause: this record's wall clock minus how long ago, monotonically.
-          ff.evidence_wall = wall - (mono - f.getEvidenceMonoNs());
-          ff.detection_measured = !f.getEvidenceUnmeasured();
-          ff.detection_seconds =
-              ff.detection_measured
-                  ? static_cast<double>(f.getDetectedMonoNs() - f.getEvidenceMonoNs()) / 1e9
-                  : 0.0;
-          for (auto l : f.getBacktrace()) ff.backtrace.emplace_back(l.cStr());
-          for (auto l : f.getStderrTail()) ff.stderr_tail.emplace_back(l.cStr());
-          first_failure = std::move(ff);
-        }
       }
       break;
     case schema::JournalRecord::STAGE_GRAPH:
@@ -660,8 +648,9 @@ void Collector::render() {
       e.setRank(s.finished->rank);
       e.setMessage(s.finished->reason);
       e.setTeardownSeconds(s.teardown_seconds);
-      if (s.first_failure) {
-        const auto& f = *s.first_failure;
+      const auto current = s.attempts.find(s.attempt);
+      if (current != s.attempts.end() && current->second.first_failure) {
+        const auto& f = *current->second.first_failure;
         e.setPhase(f.phase);
         e.setStep(f.step);
         e.setPid(f.pid);
