@@ -333,43 +333,51 @@ void to_spec(const Recipe& r, schema::RecipeSpec::Builder s) {
   d.setShards(r.data.shards);
 }
 
+ModelConfig model_config(schema::ModelSpec::Reader m) {
+  return ModelConfig{.vocab_size = m.getVocabSize(),
+                     .seq_len = m.getSeqLen(),
+                     .d_model = m.getDModel(),
+                     .n_layers = m.getNLayers(),
+                     .n_heads = m.getNHeads(),
+                     .mlp_mult = m.getMlpMult()};
+}
+
+TrainConfig train_config(schema::TrainSpec::Reader t) {
+  TrainConfig c;
+  c.batch_size = t.getBatchSize();
+  c.min_lr_ratio = t.getMinLrRatio();
+  c.warmup_steps = t.getWarmupSteps();
+  c.grad_clip = t.getGradClip();
+  c.seed = t.getSeed();
+  c.checkpoint_every = t.getCheckpointEvery();
+  const auto o = t.getOptim();
+  c.optim = OptimConfig{.embed_lr = o.getEmbedLr(),
+                        .head_lr = o.getHeadLr(),
+                        .adam_lr = o.getAdamLr(),
+                        .adam_beta1 = o.getAdamBeta1(),
+                        .adam_beta2 = o.getAdamBeta2(),
+                        .adam_eps = o.getAdamEps(),
+                        .adam_weight_decay = o.getAdamWeightDecay(),
+                        .adamw_crossover = o.getAdamwCrossover(),
+                        .muon_lr = o.getMuonLr(),
+                        .muon_momentum = o.getMuonMomentum(),
+                        .muon_beta2 = o.getMuonBeta2(),
+                        .muon_weight_decay = o.getMuonWeightDecay(),
+                        .muon_orthogonalizer = o.getMuonOrthogonalizer(),
+                        .muon_ns_steps = o.getMuonNsSteps(),
+                        .muon_bf16 = o.getMuonBf16(),
+                        .qkv_split = o.getQkvSplit()};
+  return c;
+}
+
 Recipe from_spec(schema::RecipeSpec::Reader s) {
   Recipe r;
   r.name = s.getName();
   r.path = std::string(s.getPath());
   r.pattern = s.getPattern();
   for (auto l : s.getLayers()) r.layers.emplace_back(l.cStr());
-  const auto m = s.getModel();
-  r.model = ModelConfig{.vocab_size = m.getVocabSize(),
-                        .seq_len = m.getSeqLen(),
-                        .d_model = m.getDModel(),
-                        .n_layers = m.getNLayers(),
-                        .n_heads = m.getNHeads(),
-                        .mlp_mult = m.getMlpMult()};
-  const auto t = s.getTrain();
-  r.train.batch_size = t.getBatchSize();
-  r.train.min_lr_ratio = t.getMinLrRatio();
-  r.train.warmup_steps = t.getWarmupSteps();
-  r.train.grad_clip = t.getGradClip();
-  r.train.seed = t.getSeed();
-  r.train.checkpoint_every = t.getCheckpointEvery();
-  const auto o = t.getOptim();
-  r.train.optim = OptimConfig{.embed_lr = o.getEmbedLr(),
-                              .head_lr = o.getHeadLr(),
-                              .adam_lr = o.getAdamLr(),
-                              .adam_beta1 = o.getAdamBeta1(),
-                              .adam_beta2 = o.getAdamBeta2(),
-                              .adam_eps = o.getAdamEps(),
-                              .adam_weight_decay = o.getAdamWeightDecay(),
-                              .adamw_crossover = o.getAdamwCrossover(),
-                              .muon_lr = o.getMuonLr(),
-                              .muon_momentum = o.getMuonMomentum(),
-                              .muon_beta2 = o.getMuonBeta2(),
-                              .muon_weight_decay = o.getMuonWeightDecay(),
-                              .muon_orthogonalizer = o.getMuonOrthogonalizer(),
-                              .muon_ns_steps = o.getMuonNsSteps(),
-                              .muon_bf16 = o.getMuonBf16(),
-                              .qkv_split = o.getQkvSplit()};
+  r.model = model_config(s.getModel());
+  r.train = train_config(s.getTrain());
   const auto d = s.getData();
   r.data.source = d.getSource();
   r.data.path = d.getPath();

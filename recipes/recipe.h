@@ -117,6 +117,10 @@ void to_spec(const Recipe& r, schema::RecipeSpec::Builder spec);
 // throws Error{kInvalidArgument} when it breaks a rule, Error{kCorruption} when it does not
 // hash to the recorded hash.
 Recipe from_spec(schema::RecipeSpec::Reader spec);
+// The launch contract's model and training sections as the configs the trainer runs (the one
+// mapping from_spec uses too). Not validated: the caller validates.
+ModelConfig model_config(schema::ModelSpec::Reader spec);
+TrainConfig train_config(schema::TrainSpec::Reader spec);
 // A human-readable expansion (what `megacpp plan` prints).
 std::string describe(const Recipe& r);
 

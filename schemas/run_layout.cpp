@@ -74,6 +74,17 @@ std::string checkpoint_dir_name(uint32_t step) {
   return fmt::format("step_{:08d}", step);
 }
 
+std::optional<uint32_t> checkpoint_dir_step(std::string_view name) {
+  if (name.size() != 13 || !name.starts_with("step_")) return std::nullopt;
+  uint64_t v = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+    v = v * 10 + static_cast<uint64_t>(name[i] - '0');
+  }
+  if (v > UINT32_MAX) return std::nullopt;
+  return static_cast<uint32_t>(v);
+}
+
 bool valid_run_id(std::string_view id) {
   if (id.empty() || id.size() > 64) return false;
   for (char c : id) {

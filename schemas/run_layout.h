@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -47,6 +48,8 @@ fs::path log_path(const fs::path& run, schema::StageKind stage,
 fs::path failure_path(const fs::path& run, schema::StageKind stage,
                       uint32_t rank);            // failures/trainer-1.json
 std::string checkpoint_dir_name(uint32_t step);  // step_00000040
+// The step a checkpoint_dir_name names; nullopt for any other name (tmp, .deleting, rejected).
+std::optional<uint32_t> checkpoint_dir_step(std::string_view name);
 
 // The most trainer ranks one run has (`megacpp run --ranks`).
 inline constexpr uint32_t kMaxRanks = 256;

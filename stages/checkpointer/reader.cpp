@@ -213,11 +213,8 @@ ResumeChoice select_resume_checkpoint(const fs::path& run_dir) {
   std::vector<uint32_t> steps;
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (!it->is_directory() || name.size() != 13 || !name.starts_with("step_")) continue;
-    if (!std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      continue;
-    steps.push_back(static_cast<uint32_t>(std::stoul(name.substr(5))));
+    const auto step = layout::checkpoint_dir_step(it->path().filename().string());
+    if (it->is_directory() && step) steps.push_back(*step);
   }
   std::sort(steps.rbegin(), steps.rend());
   for (uint32_t step : steps) {

@@ -25,18 +25,6 @@ constexpr std::string_view kTmpSuffix = ".tmp";
 constexpr std::string_view kDeletingSuffix = ".deleting";
 constexpr std::string_view kManifestName = "checkpoint.json";
 
-// "step_NNNNNNNN" -> NNNNNNNN; nullopt for anything else (tmp directories included).
-std::optional<uint32_t> parse_step_dir(const std::string& name) {
-  if (name.size() != 13 || !name.starts_with("step_")) return std::nullopt;
-  uint64_t v = 0;
-  for (size_t i = 5; i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9') return std::nullopt;
-    v = v * 10 + static_cast<uint64_t>(name[i] - '0');
-  }
-  if (v > UINT32_MAX) return std::nullopt;
-  return static_cast<uint32_t>(v);
-}
-
 std::string rank_file_name(uint32_t rank) {
   return fmt::format("rank_{}.safetensors", rank);
 }
@@ -92,7 +80,8 @@ CheckpointStore::CheckpointStore(fs::path run_dir, std::string run_id, std::stri
       remove_tree(entry.path());
       removed = true;
     } else if (entry.is_directory()) {
-      if (auto step = parse_step_dir(name); step && (!latest_ || *step > *latest_)) latest_ = step;
+      if (auto step = layout::checkpoint_dir_step(name); step && (!latest_ || *step > *latest_))
+        latest_ = step;
     }
   }
   if (removed) fsync_path(dir_);
@@ -260,7 +249,8 @@ std::vector<uint32_t> CheckpointStore::committed_steps() const {
   std::vector<uint32_t> steps;
   for (const auto& entry : fs::directory_iterator(dir_)) {
     if (!entry.is_directory()) continue;
-    if (auto step = parse_step_dir(entry.path().filename().string())) steps.push_back(*step);
+    if (auto step = layout::checkpoint_dir_step(entry.path().filename().string()))
+      steps.push_back(*step);
   }
   std::sort(steps.begin(), steps.end());
   return steps;
@@ -333,7 +323,8 @@ VerifyResult verify_checkpoint(const fs::path& dir) {
     }
     std::string dir_name = dir.filename().string();
     if (dir_name.ends_with(kTmpSuffix)) dir_name.resize(dir_name.size() - kTmpSuffix.size());
-    if (parse_step_dir(dir_name) && dir_name != layout::checkpoint_dir_name(manifest.getStep())) {
+    if (layout::checkpoint_dir_step(dir_name) &&
+        dir_name != layout::checkpoint_dir_name(manifest.getStep())) {
       problem(fmt::format("{} records step {}", dir_name, manifest.getStep()));
     }
     if (manifest.getFiles().size() != manifest.getWorld()) {

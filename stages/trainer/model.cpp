@@ -10,17 +10,6 @@
 
 namespace megacpp::trainer {
 
-ModelConfig model_config(schema::ModelSpec::Reader spec) {
-  return ModelConfig{
-      .vocab_size = spec.getVocabSize(),
-      .seq_len = spec.getSeqLen(),
-      .d_model = spec.getDModel(),
-      .n_layers = spec.getNLayers(),
-      .n_heads = spec.getNHeads(),
-      .mlp_mult = spec.getMlpMult(),
-  };
-}
-
 void validate(const ModelConfig& m) {
   MEGACPP_CHECK(m.vocab_size > 0 && m.seq_len > 0 && m.d_model > 0 && m.n_layers > 0 &&
                     m.n_heads > 0 && m.mlp_mult > 0,

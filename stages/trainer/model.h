@@ -20,7 +20,7 @@ namespace megacpp::trainer {
 // the same model.
 using ModelConfig = recipe::ModelConfig;
 
-ModelConfig model_config(schema::ModelSpec::Reader spec);
+using recipe::model_config;
 // Throws Error{kInvalidArgument} naming the rule: every size > 0, d_model % n_heads == 0,
 // an even head dimension (RoPE rotates pairs).
 void validate(const ModelConfig& model);

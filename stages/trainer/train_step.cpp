@@ -29,37 +29,6 @@ double seconds_since(Clock::time_point t0) {
 
 }  // namespace
 
-TrainConfig train_config(schema::TrainSpec::Reader spec) {
-  const auto o = spec.getOptim();
-  return TrainConfig{
-      .batch_size = spec.getBatchSize(),
-      .min_lr_ratio = spec.getMinLrRatio(),
-      .warmup_steps = spec.getWarmupSteps(),
-      .grad_clip = spec.getGradClip(),
-      .seed = spec.getSeed(),
-      .checkpoint_every = spec.getCheckpointEvery(),
-      .optim =
-          OptimConfig{
-              .embed_lr = o.getEmbedLr(),
-              .head_lr = o.getHeadLr(),
-              .adam_lr = o.getAdamLr(),
-              .adam_beta1 = o.getAdamBeta1(),
-              .adam_beta2 = o.getAdamBeta2(),
-              .adam_eps = o.getAdamEps(),
-              .adam_weight_decay = o.getAdamWeightDecay(),
-              .adamw_crossover = o.getAdamwCrossover(),
-              .muon_lr = o.getMuonLr(),
-              .muon_momentum = o.getMuonMomentum(),
-              .muon_beta2 = o.getMuonBeta2(),
-              .muon_weight_decay = o.getMuonWeightDecay(),
-              .muon_orthogonalizer = o.getMuonOrthogonalizer(),
-              .muon_ns_steps = o.getMuonNsSteps(),
-              .muon_bf16 = o.getMuonBf16(),
-              .qkv_split = o.getQkvSplit(),
-          },
-  };
-}
-
 double lr_scale(const TrainConfig& t, uint32_t step, uint32_t total_steps) {
   if (t.warmup_steps > 0 && step <= t.warmup_steps) {
     return static_cast<double>(step) / static_cast<double>(t.warmup_steps);

@@ -37,7 +37,7 @@ namespace megacpp::trainer {
 using TrainConfig = recipe::TrainConfig;
 using OptimConfig = recipe::OptimConfig;
 
-TrainConfig train_config(schema::TrainSpec::Reader spec);
+using recipe::train_config;
 
 // Widens one batch slot (recipes/batch_spec.h: header, then uint16 or uint32 tokens) into a
 // fresh [batch, seq_len + 1] int64 tensor, after checking the header against `spec` and
