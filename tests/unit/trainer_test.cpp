@@ -8,12 +8,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
+#include <span>
 #include <thread>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -812,6 +815,171 @@ TEST_F(TrainerTest, TwoRanksOverGlooStayBitIdentical) {
   RecordProperty("alone_mean_abs_diff", std::to_string(alone_diff));
   EXPECT_LT(joint_diff, 1e-4);
   EXPECT_GT(alone_diff, 10 * joint_diff);
+}
+
+// A rank's share as the checkpointer receives it (the staging bytes and their layout), saved
+// by a child process for the parent to commit: one CheckpointStore per run directory.
+void save_share(const TrainStep& ts, const fs::path& out) {
+  const SnapshotLayout layout = ts.snapshot_layout();
+  std::vector<uint64_t> storage(layout.total_bytes / sizeof(uint64_t) + 1);
+  std::span<std::byte> region(reinterpret_cast<std::byte*>(storage.data()), layout.total_bytes);
+  ts.copy_snapshot(region);
+  nlohmann::json j = {{"meta", ts.snapshot_metadata()}, {"entries", nlohmann::json::array()}};
+  for (const auto& e : layout.entries)
+    j["entries"].push_back({{"name", e.name},
+                            {"dtype", e.dtype},
+                            {"shape", e.shape},
+                            {"offset", e.offset},
+                            {"bytes", e.bytes}});
+  std::ofstream(out.string() + ".json") << j.dump();
+  std::ofstream(out, std::ios::binary)
+      .write(reinterpret_cast<const char*>(region.data()),
+             static_cast<std::streamsize>(region.size()));
+}
+
+void commit_shares(const fs::path& run_dir, uint32_t step, uint32_t world,
+                   const std::function<fs::path(uint32_t)>& share_of) {
+  checkpointer::CheckpointStore store(run_dir, "run-1", "hash");
+  for (uint32_t r = 0; r < world; ++r) {
+    const fs::path in = share_of(r);
+    const auto j = nlohmann::json::parse(std::ifstream(in.string() + ".json"));
+    std::ifstream f(in, std::ios::binary);
+    const std::vector<char> bytes((std::istreambuf_iterator<char>(f)),
+                                  std::istreambuf_iterator<char>());
+    std::vector<checkpointer::TensorView> views;
+    for (const auto& e : j["entries"]) {
+      views.push_back(
+          {e["name"].get<std::string>(), e["dtype"].get<std::string>(),
+           e["shape"].get<std::vector<uint64_t>>(),
+           reinterpret_cast<const std::byte*>(bytes.data()) + e["offset"].get<uint64_t>(),
+           e["bytes"].get<uint64_t>()});
+    }
+    store.write_rank(step, world, r, views, j["meta"].get<std::string>());
+  }
+  store.commit(step);
+}
+
+// Child body: joins a Gloo world of `world`, either trains kWorldSteps steps (from empty) or
+// restores `from`, and saves its share to `out`. Returns the exit status.
+int reshard_child(uint16_t port, uint32_t world, uint32_t rank, const fs::path& from,
+                  const fs::path& out) {
+  try {
+    torch::set_num_threads(1);
+    GlooOptions go;
+    go.store_port = port;
+    go.rank = rank;
+    go.world = world;
+    go.store_timeout = std::chrono::seconds(20);
+    go.collective_timeout = std::chrono::seconds(20);
+    go.store_prefix = fmt::format("reshard/w{}/", world);
+    auto pg = connect_gloo(go);
+    const ModelConfig m = tiny_model();
+    TrainStep ts(m, world_train(), kWorldSteps, pg);
+    if (from.empty()) {
+      for (uint32_t step = 1; step <= kWorldSteps; ++step)
+        ts.step(make_batch(m, world_train().batch_size, rank_batch_seed(rank, step)), step);
+    } else {
+      const checkpointer::CheckpointReader ckpt(from);
+      ts.restore(ckpt);
+    }
+    save_share(ts, out);
+    return 0;
+  } catch (const std::exception& e) {
+    fprintf(stderr, "rank %u of %u: %s\n", rank, world, e.what());
+    return 2;
+  }
+}
+
+// Two checkpoints hold the same training state: the same logical tensors (names, dtypes,
+// shapes, Muon stack members) with the same bytes in every real row (a Muon stack's padding
+// rows, which depend on the world size, excluded).
+void expect_same_state(const checkpointer::CheckpointReader& x,
+                       const checkpointer::CheckpointReader& y) {
+  std::set<std::string> nx, ny;
+  for (const auto& [name, t] : x.tensors()) nx.insert(name);
+  for (const auto& [name, t] : y.tensors()) ny.insert(name);
+  EXPECT_EQ(nx, ny);
+  EXPECT_EQ(x.muon_stacks(), y.muon_stacks());
+  size_t compared = 0;
+  for (const auto& [name, t] : x.tensors()) {
+    const checkpointer::StoredTensor* u = y.find(name);
+    if (u == nullptr) continue;
+    EXPECT_EQ(t.dtype, u->dtype) << name;
+    // A Muon stack has a row per member, padded to a multiple of the world size.
+    uint64_t rows = t.full_shape.empty() ? 1 : t.full_shape[0];
+    const auto stack = x.muon_stacks().find(name.substr(0, name.rfind('.')));
+    const bool padded = stack != x.muon_stacks().end();
+    if (padded) rows = stack->second.size();
+    const auto trailing = [&](const std::vector<uint64_t>& shape) {
+      return padded ? std::vector<uint64_t>(shape.begin() + 1, shape.end()) : shape;
+    };
+    EXPECT_EQ(trailing(t.full_shape), trailing(u->full_shape)) << name;
+    if (trailing(t.full_shape) != trailing(u->full_shape) || t.row_bytes != u->row_bytes) continue;
+    std::vector<std::byte> bx(rows * t.row_bytes), by(rows * u->row_bytes);
+    x.read_rows(t, 0, rows, bx);
+    y.read_rows(*u, 0, rows, by);
+    EXPECT_TRUE(bx == by) << name << " differs";
+    ++compared;
+  }
+  EXPECT_EQ(compared, nx.size());
+}
+
+// Resharding is exact: world 2 trains and checkpoints; world 3 restores it (the Muon stacks
+// and AdamW shards cut at other rows) and checkpoints again at once; world 1 restores that.
+// All three checkpoints hold the same logical tensors byte for byte. (The e2e reshard test
+// covers what follows: training on at another world changes reduction order, so its losses
+// match within a tolerance.)
+TEST_F(TrainerTest, RestoreReshardsOptimizerStateExactly) {
+  test_support::TempDir tmp;
+  const fs::path w2 = tmp.path() / "w2", w3 = tmp.path() / "w3", w1 = tmp.path() / "w1";
+  const fs::path step_dir = fs::path("checkpoints") / layout::checkpoint_dir_name(kWorldSteps);
+  auto share = [&](uint32_t world) {
+    return [&, world](uint32_t r) { return tmp.path() / fmt::format("share-w{}-r{}", world, r); };
+  };
+  auto run_world = [&](uint32_t world, const fs::path& from) {
+    const forked_world::ForkedWorld fw(world, std::chrono::seconds(20));
+    ASSERT_NE(fw.store_port(), 0);
+    const std::vector<int> status = test_support::run_ranks_within(
+        fw,
+        [&](uint32_t rank) {
+          return reshard_child(fw.store_port(), world, rank, from, share(world)(rank));
+        },
+        std::chrono::seconds(60));
+    for (uint32_t r = 0; r < world; ++r)
+      ASSERT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
+          << "world " << world << " rank " << r << " status " << status[r];
+  };
+
+  run_world(2, {});
+  commit_shares(w2, kWorldSteps, 2, share(2));
+  run_world(3, w2 / step_dir);
+  commit_shares(w3, kWorldSteps, 3, share(3));
+  {
+    TrainStep alone(tiny_model(), world_train(), kWorldSteps);
+    alone.restore(checkpointer::CheckpointReader(w3 / step_dir));
+    checkpointer::CheckpointStore store(w1, "run-1", "hash");
+    write_share(store, alone, kWorldSteps);
+    store.commit(kWorldSteps);
+  }
+
+  const checkpointer::CheckpointReader a(w2 / step_dir), b(w3 / step_dir), c(w1 / step_dir);
+  ASSERT_EQ(a.world(), 2u);
+  ASSERT_EQ(b.world(), 3u);
+  ASSERT_EQ(c.world(), 1u);
+  // The state is not trivial (a restore that loaded nothing would differ from it).
+  const auto* m = a.find("optim.muon.qkv.96x32.momentum");
+  ASSERT_NE(m, nullptr);
+  std::vector<float> mom(m->full_shape[0] * m->row_bytes / sizeof(float));
+  a.read_rows(*m, 0, m->full_shape[0], std::as_writable_bytes(std::span(mom)));
+  EXPECT_GT(std::count_if(mom.begin(), mom.end(), [](float v) { return v != 0.0f; }), 0);
+  {
+    SCOPED_TRACE("world 2 -> 3");
+    expect_same_state(a, b);
+  }
+  {
+    SCOPED_TRACE("world 3 -> 1");
+    expect_same_state(a, c);
+  }
 }
 
 }  // namespace
