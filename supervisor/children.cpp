@@ -168,14 +168,17 @@ void Run::reap() {
         c.signal != 0 ? fmt::format("was killed by signal {} ({})", c.signal, strsignal(c.signal))
                       : fmt::format("exited with code {}", c.exit_code);
     // The evidence of a death is its reap: neither SIGCHLD, waitid nor a pidfd says when the
-    // process exited, so the detection delay of a death is not measured.
+    // process exited, so the detection delay of a death is not measured. Step and phase are
+    // what its last heartbeat said (the step is the last one it completed; before its first
+    // step of an attempt that began from a checkpoint, that checkpoint's step).
+    const uint32_t step = c.step == 0 && resume_ ? resume_->step : c.step;
     Event ev{c.signal != 0 ? schema::FailureKind::SIGNALED : schema::FailureKind::EXITED,
-             fmt::format("{} (pid {}) {} in phase {} at step {}", c.name, c.pid, what,
-                         layout::phase_name(c.phase), c.step),
+             fmt::format("{} (pid {}) {} after step {} (last reported phase {})", c.name, c.pid,
+                         what, step, layout::phase_name(c.phase)),
              now,
              now,
              c.phase,
-             c.step,
+             step,
              false};
     restart_or_fail(c, what, std::move(ev));
   }
