@@ -178,7 +178,12 @@ std::unique_ptr<Received> Channel::receive(Millis timeout) {
   auto deadline = detail::Clock::now() + timeout;
   for (;;) {
     zmq_pollitem_t item{socket_, 0, ZMQ_POLLIN, 0};
-    if (ZMQ_CHECK(zmq_poll(&item, 1, detail::remaining_ms(deadline))) == 0) return nullptr;
+    const int ready = zmq_poll(&item, 1, detail::remaining_ms(deadline));
+    // A signal (SIGTERM: stop) ends the wait early, so the caller's stop check runs now
+    // rather than after the rest of the timeout.
+    if (ready == -1 && zmq_errno() == EINTR) return nullptr;
+    if (ready == -1) ZMQ_FAIL("zmq_poll", zmq_errno());
+    if (ready == 0) return nullptr;
 
     Msg part;
     if (zmq_msg_recv(&part.m, socket_, ZMQ_DONTWAIT) == -1) {

@@ -76,7 +76,8 @@ class Channel {
   bool send_to(std::string_view peer, capnp::MessageBuilder& message,
                Millis timeout = Millis(1000));
 
-  // Waits at most `timeout`; nullptr on timeout. A malformed frame or an unknown schema
+  // Waits at most `timeout`; nullptr on timeout, and at once when a signal interrupts the
+  // wait (a stop request is then seen promptly). A malformed frame or an unknown schema
   // version is counted in malformed() and skipped, never thrown.
   std::unique_ptr<Received> receive(Millis timeout);
   uint64_t malformed() const noexcept { return malformed_; }

@@ -125,6 +125,13 @@ struct AttemptStarted {
   # Newer checkpoints that did not verify and were set aside: "checkpoints/step_N: problem".
   skipped @5 :List(Text);
 }
+# A trainer rank loaded a checkpoint before its first step of the attempt.
+struct CheckpointRestored {
+  step @0 :UInt32;
+  checkpoint @1 :Text;          # as the launch contract names it
+  world @2 :UInt32;             # ranks that wrote the checkpoint
+  seconds @3 :Float64;          # open -> every parameter and optimizer tensor copied in
+}
 struct FirstForward {
   seconds @0 :Float64;          # process start -> first forward done
 }
@@ -153,6 +160,7 @@ struct JournalRecord {
     # uninterruptible I/O); it was not reaped. exitCode and signal are 0.
     childUnkillable @18 :ChildEvent;
     attemptStarted @20 :AttemptStarted;
+    checkpointRestored @21 :CheckpointRestored;
   }
   # The run attempt that wrote the record (launch.json's attempt; 0 in journals written
   # before attempts existed).

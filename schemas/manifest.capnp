@@ -68,6 +68,19 @@ struct JournalSummary {
 }
 
 # One attempt of the run: its first launch, a `--resume`, an automatic job restart.
+# How an attempt that started from a checkpoint became productive again, part by part; the
+# parts follow one another. Seconds between records of the processes' monotonic clocks (one
+# node); -1 where a part was not observed (a resume, a new supervisor, has no teardown or
+# preparation of this run to time; records an old attempt did not write).
+struct Recovery {
+  teardownSeconds @0 :Float64;   # job restart: previous failure detected -> its processes gone
+  prepareSeconds @1 :Float64;    # -> checkpoint chosen and verified, next attempt journaled
+  relaunchSeconds @2 :Float64;   # -> the slowest rank began restoring (spawn, rendezvous)
+  restoreSeconds @3 :Float64;    # -> every rank restored the checkpoint
+  firstStepSeconds @4 :Float64;  # -> every rank completed its first step of the attempt
+  detectedAt @5 :Text;           # job restart: when the previous failure was detected
+  firstStepAt @6 :Text;          # when the last rank completed its first step
+}
 struct AttemptSummary {
   attempt @0 :UInt32;
   reason @1 :Text;              # "launch" | "resume" | "job_restart"
@@ -83,6 +96,7 @@ struct AttemptSummary {
   stepsLost @9 :UInt32;
   error @10 :RunError;          # its first failure (kind none when it ended ok)
   skippedCheckpoints @11 :List(Text);  # newer checkpoints that did not verify
+  recovery @12 :Recovery;       # every attempt after the first (job restart or resume)
 }
 struct Manifest {
   schemaVersion @0 :UInt32;

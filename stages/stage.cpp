@@ -5,6 +5,7 @@
 
 #include <signal.h>
 #include <sys/prctl.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -29,9 +30,14 @@ namespace {
 // reach process-wide state, so this flag and crash_dump.cpp's CrashState are the exceptions
 // to "no globals".
 volatile std::sig_atomic_t g_stop_signal = 0;
+// Set while the process computes a training step (phases forward, backward, optimizer):
+// a stop request then ends the process at once, since a step cut short is thrown away anyway
+// and finishing it only delays a teardown by up to a step time.
+volatile std::sig_atomic_t g_in_step_compute = 0;
 
 void on_stop_signal(int sig) {
   g_stop_signal = sig;
+  if (g_in_step_compute != 0) ::_exit(128 + sig);
 }
 
 void install_signal_handlers() {
@@ -69,6 +75,8 @@ StageContext::~StageContext() {
 }
 
 void StageContext::set_phase(schema::Phase phase) {
+  g_in_step_compute = phase == schema::Phase::FORWARD || phase == schema::Phase::BACKWARD ||
+                      phase == schema::Phase::OPTIMIZER;
   phase_.store(phase);
   control_->set_phase(phase);
 }
@@ -80,6 +88,12 @@ void StageContext::set_step(uint32_t step) {
 
 bool StageContext::graceful_stop_requested() const {
   return control_->graceful_stop_requested();
+}
+
+void StageContext::nap(std::chrono::milliseconds d) {
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
+  timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
+  ::nanosleep(&ts, nullptr);  // EINTR is the point: the caller re-checks for a stop
 }
 
 bool StageContext::stop_requested() const {

@@ -15,10 +15,13 @@
 //     async-signal-safe calls only (frames as backtrace_symbols_fd prints them; symbolised
 //     frames also go to stderr), then the signal is re-raised with its default action, so
 //     the exit status still says "signaled".
-// SIGTERM/SIGINT request a stop (stop_requested()).
+// SIGTERM/SIGINT request a stop (stop_requested()); in a step's compute phases (forward,
+// backward, optimizer) they end the process at once with status 128 + signal and no dump:
+// the step would be thrown away, and a teardown should not wait for it.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -82,6 +85,10 @@ class StageContext {
   uint32_t step() const noexcept { return step_.load(); }
   // True once the supervisor sent Stop or the process got SIGTERM/SIGINT.
   bool stop_requested() const;
+  // Sleeps up to `d` (one nanosleep: a signal to this thread, such as the SIGTERM of a
+  // teardown, ends it early, where std::this_thread::sleep_for would sleep on). For idle
+  // loops that check stop_requested() between naps.
+  static void nap(std::chrono::milliseconds d);
   // The supervisor asked for a graceful stop (a Stop{afterCheckpoint}): finish the work in
   // flight, make it durable, exit 0. stop_requested() stays false for it.
   bool graceful_stop_requested() const;

@@ -115,8 +115,9 @@ void Run::classify() {
 }
 
 void Run::journal_run_finished(bool process_finished) {
+  const int64_t torn_down = teardown_done_ns_ != 0 ? teardown_done_ns_ : mono_ns();
   const double teardown_s =
-      detected_ns_ != 0 ? static_cast<double>(mono_ns() - detected_ns_) / 1e9 : 0.0;
+      detected_ns_ != 0 ? static_cast<double>(torn_down - detected_ns_) / 1e9 : 0.0;
   journal_->append([&](schema::JournalRecord::Builder r) {
     auto f = r.initRunFinished();
     f.setOk(!failure_ && stop_signal_ == 0);
@@ -227,6 +228,17 @@ int status(const fs::path& run_dir) {
                  a.getReason().cStr(), a.getFromStep(), a.getLastStep(),
                  kStates[static_cast<int>(a.getState())], failure,
                  a.getStepsLost() > 0 ? fmt::format(" ({} steps lost)", a.getStepsLost()) : "");
+      if (a.hasRecovery()) {
+        auto r = a.getRecovery();
+        auto part = [](const char* name, double s) {
+          return s < 0 ? std::string() : fmt::format(" {} {:.2f}s", name, s);
+        };
+        const std::string parts =
+            part("teardown", r.getTeardownSeconds()) + part("prepare", r.getPrepareSeconds()) +
+            part("relaunch", r.getRelaunchSeconds()) + part("restore", r.getRestoreSeconds()) +
+            part("first step", r.getFirstStepSeconds());
+        if (!parts.empty()) fmt::print("      recovery:{}\n", parts);
+      }
     }
   }
   if (m.hasError() && m.getError().getKind() != schema::FailureKind::NONE) {

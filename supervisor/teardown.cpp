@@ -67,7 +67,14 @@ void Run::teardown() {
     }
     return true;
   };
-  if (wait_for(none_alive, opt_.teardown_grace_s)) return;
+  // The attempt's batch plane goes with its processes; the end of the teardown is what
+  // teardownSeconds measures (what follows, classification and a job restart's preparation,
+  // is not teardown).
+  auto torn_down = [&] {
+    release_attempt_ipc();
+    teardown_done_ns_ = mono_ns();
+  };
+  if (wait_for(none_alive, opt_.teardown_grace_s)) return torn_down();
   for (auto& c : children_) {
     if (c.alive) {
       log_warn("{} (pid {}) still alive {:.1f}s after SIGTERM: SIGKILL", c.name, c.pid,
@@ -80,6 +87,7 @@ void Run::teardown() {
       if (c.alive) give_up_on(c);
     }
   }
+  torn_down();
 }
 
 void Run::release_attempt_ipc() {

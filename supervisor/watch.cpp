@@ -421,9 +421,9 @@ uint32_t Run::journaled_progress() const {
 
 void Run::restart_job() {
   // The failed attempt ends in the journal as a run would (its first failure is already
-  // there); the next one starts from the newest checkpoint that verifies.
+  // there; its batch plane went with the teardown); the next one starts from the newest
+  // checkpoint that verifies.
   journal_run_finished(/*process_finished=*/false);
-  release_attempt_ipc();
   choose_checkpoint("job restart");  // none verifies: the attempt starts from scratch
   previous_progress_ = failed_progress_;
   previous_attempt_ = attempt_;
@@ -448,6 +448,7 @@ void Run::restart_job() {
   events_.clear();
   detected_ns_ = 0;
   teardown_started_ns_ = 0;
+  teardown_done_ns_ = 0;
   failure_.reset();
   step_samples_.clear();
   committed_step_ = 0;

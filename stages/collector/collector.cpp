@@ -128,6 +128,7 @@ struct Collector::State {
     uint32_t step = 0;
     int32_t pid = 0;
     int64_t evidence_wall = 0;
+    int64_t detected_mono = 0, detected_wall = 0;
     double detection_seconds = 0;
     bool detection_measured = false;
     std::vector<std::string> backtrace, stderr_tail;
@@ -150,6 +151,11 @@ struct Collector::State {
     bool orphaned = false;
     std::optional<FirstFailure> first_failure;  // the current attempt's is the manifest's
     std::map<uint32_t, uint32_t> last_step;     // trainer rank -> newest step it journaled
+    // The recovery's timeline (monotonic ns of one node).
+    std::optional<int64_t> started_mono;                         // attemptStarted
+    std::optional<double> teardown_seconds;                      // runFinished of a failure
+    std::map<uint32_t, std::pair<int64_t, int64_t>> restored;    // rank -> restore begin, end
+    std::map<uint32_t, std::pair<int64_t, int64_t>> first_step;  // rank -> mono, wall
   };
   std::map<uint32_t, Attempt> attempts;
   // Committed checkpoints: (attempt, step) -> path.
@@ -192,7 +198,49 @@ struct Collector::State {
   bool truncated(const Series& eff) const;
   void render_attempts(capnp::List<schema::AttemptSummary>::Builder out,
                        const fs::path& run_dir) const;
+  void render_recovery(uint32_t a, schema::Recovery::Builder out) const;
 };
+
+void Collector::State::render_recovery(uint32_t a, schema::Recovery::Builder out) const {
+  out.setTeardownSeconds(-1);
+  out.setPrepareSeconds(-1);
+  out.setRelaunchSeconds(-1);
+  out.setRestoreSeconds(-1);
+  out.setFirstStepSeconds(-1);
+  auto it = attempts.find(a);
+  if (it == attempts.end() || !it->second.started_mono) return;
+  const Attempt& at = it->second;
+  const int64_t started = *at.started_mono;
+  auto seconds = [](int64_t from, int64_t to) { return static_cast<double>(to - from) / 1e9; };
+  if (auto prev = attempts.find(a - 1); at.reason == "job_restart" && prev != attempts.end() &&
+                                        prev->second.first_failure &&
+                                        prev->second.teardown_seconds) {
+    const FirstFailure& f = *prev->second.first_failure;
+    out.setDetectedAt(rfc3339(f.detected_wall));
+    out.setTeardownSeconds(*prev->second.teardown_seconds);
+    out.setPrepareSeconds(seconds(f.detected_mono, started) - *prev->second.teardown_seconds);
+  }
+  // Every rank of the attempt must have spoken; the slowest one sets each boundary.
+  const uint32_t ranks = at.world;
+  const bool from_checkpoint = from_step(a).value_or(0) > 0;
+  int64_t ready = started;
+  if (from_checkpoint) {
+    if (ranks == 0 || at.restored.size() < ranks) return;
+    int64_t begin = 0, end = 0;
+    for (const auto& [rank, be] : at.restored) {
+      begin = std::max(begin, be.first);
+      end = std::max(end, be.second);
+    }
+    out.setRelaunchSeconds(seconds(started, begin));
+    out.setRestoreSeconds(seconds(begin, end));
+    ready = end;
+  }
+  if (ranks == 0 || at.first_step.size() < ranks) return;
+  std::pair<int64_t, int64_t> last{0, 0};
+  for (const auto& [rank, mw] : at.first_step) last = std::max(last, mw);
+  out.setFirstStepSeconds(seconds(ready, last.first));
+  out.setFirstStepAt(rfc3339(last.second));
+}
 
 void Collector::State::render_attempts(capnp::List<schema::AttemptSummary>::Builder out,
                                        const fs::path& run_dir) const {
@@ -258,6 +306,7 @@ void Collector::State::render_attempts(capnp::List<schema::AttemptSummary>::Buil
     }
     auto sk = sum.initSkippedCheckpoints(static_cast<unsigned>(at.skipped.size()));
     for (size_t i = 0; i < at.skipped.size(); ++i) sk.set(static_cast<unsigned>(i), at.skipped[i]);
+    if (a > 0) render_recovery(a, sum.initRecovery());
   }
 }
 
@@ -274,6 +323,8 @@ Collector::State::FirstFailure Collector::State::first_failure_of(
   ff.pid = f.getPid();
   // Wall time of the cause: this record's wall clock minus how long ago, monotonically.
   ff.evidence_wall = rec.getWallNs() - (rec.getMonoNs() - f.getEvidenceMonoNs());
+  ff.detected_mono = f.getDetectedMonoNs();
+  ff.detected_wall = rec.getWallNs() - (rec.getMonoNs() - f.getDetectedMonoNs());
   ff.detection_measured = !f.getEvidenceUnmeasured();
   ff.detection_seconds =
       ff.detection_measured
@@ -326,6 +377,7 @@ void Collector::State::fold_attempt(schema::JournalRecord::Reader rec) {
         at.world = s.getWorld();
         for (auto t : s.getSkipped()) at.skipped.emplace_back(t.cStr());
         at.started_wall = wall;
+        at.started_mono = rec.getMonoNs();
       }
       break;
     case schema::JournalRecord::RUN_STARTED:
@@ -344,6 +396,7 @@ void Collector::State::fold_attempt(schema::JournalRecord::Reader rec) {
         at.finished_stage = f.getStage();
         at.finished_rank = f.getRank();
         at.ended_wall = wall;
+        if (!f.getOk()) at.teardown_seconds = f.getTeardownSeconds();
       }
       break;
     case schema::JournalRecord::RUN_ORPHANED:
@@ -363,6 +416,16 @@ void Collector::State::fold_attempt(schema::JournalRecord::Reader rec) {
       if (rec.getStage() == StageKind::TRAINER) {
         uint32_t& last = at.last_step[rec.getRank()];
         last = std::max(last, rec.getStep().getStep());
+        auto [first, fresh] =
+            at.first_step.try_emplace(rec.getRank(), rec.getMonoNs(), rec.getWallNs());
+        if (!fresh && rec.getMonoNs() < first->second.first)
+          first->second = {rec.getMonoNs(), rec.getWallNs()};
+      }
+      break;
+    case schema::JournalRecord::CHECKPOINT_RESTORED:
+      if (rec.getStage() == StageKind::TRAINER) {
+        const auto ns = static_cast<int64_t>(rec.getCheckpointRestored().getSeconds() * 1e9);
+        at.restored[rec.getRank()] = {rec.getMonoNs() - ns, rec.getMonoNs()};
       }
       break;
     default:

@@ -1,7 +1,6 @@
 // megacpp-collector: the live fold (one per run). Training never waits on it; if it dies it
 // is restarted and re-folds the journals from the start.
 #include <chrono>
-#include <thread>
 
 #include "core/util.h"
 #include "stages/collector/collector.h"
@@ -32,7 +31,7 @@ void run(megacpp::stage::StageContext& ctx) {
     ctx.set_phase(Phase::IDLE);
     // ~250 ms between polls, in slices so a stop is seen promptly.
     for (int i = 0; i < 10 && !ctx.stop_requested(); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+      megacpp::stage::StageContext::nap(std::chrono::milliseconds(25));
     }
     if (ctx.stop_requested()) break;
   }

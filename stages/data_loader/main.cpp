@@ -15,7 +15,6 @@
 
 #include <chrono>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "core/error.h"
@@ -123,7 +122,7 @@ int main(int argc, char** argv) {
         ctx.set_phase(mc::schema::Phase::IDLE);
         while (!ctx.stop_requested()) {
           ctx.control().report_progress(batches);
-          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          mc::stage::StageContext::nap(std::chrono::milliseconds(20));
         }
       });
 }

@@ -212,12 +212,22 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   if (resume.getStep() > 0) {
     const std::string dir = resume.getCheckpoint();
     typed_errors(fmt::format("restoring checkpoint {}", dir), [&] {
+      const auto begin = Clock::now();
       const checkpointer::CheckpointReader ckpt(dir);
       MEGACPP_CHECK(ckpt.step() == resume.getStep(), ErrorKind::kCorruption,
                     fmt::format("checkpoint {} holds step {}, the launch contract says {}", dir,
                                 ckpt.step(), resume.getStep()));
       ts->restore(ckpt);
-      log_info("restored step {} from {} (written by {} ranks)", ckpt.step(), dir, ckpt.world());
+      const double seconds = seconds_since(begin);
+      ctx.journal().append([&](schema::JournalRecord::Builder r) {
+        auto c = r.initCheckpointRestored();
+        c.setStep(ckpt.step());
+        c.setCheckpoint(dir);
+        c.setWorld(ckpt.world());
+        c.setSeconds(seconds);
+      });
+      log_info("restored step {} from {} (written by {} ranks) in {:.3f}s", ckpt.step(), dir,
+               ckpt.world(), seconds);
     });
   }
 

@@ -225,6 +225,7 @@ class Run {
   std::map<std::string, Event> events_;  // by process name: the most telling event of each
   int64_t detected_ns_ = 0;              // first event; 0 while the run is healthy
   int64_t teardown_started_ns_ = 0;
+  int64_t teardown_done_ns_ = 0;  // every process of the attempt gone (or given up on)
   int stop_signal_ = 0;           // the graceful stop under way (SIGINT/SIGTERM), 0: none
   int64_t stop_deadline_ns_ = 0;  // --stop-grace-s after it began
   uint32_t committed_step_ = 0;   // newest checkpoint this attempt committed

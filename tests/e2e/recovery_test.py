@@ -9,6 +9,7 @@
   checkpoint; exit 130 / 143, manifest `interrupted` with no first failure; `--resume` then
   continues bit-identically. A second signal tears down at once and LATEST still verifies.
 """
+import datetime
 import json
 import os
 import shutil
@@ -55,6 +56,17 @@ def final_bytes(run_dir):
         (n,) = struct.unpack("<Q", raw[:8])
         out.append(raw[8 + n:])
     return out
+
+
+def iso_seconds(text):
+    """A manifest's RFC 3339 stamp (ms, Z) as Unix seconds."""
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def megacpp_cli(args):
+    p = subprocess.run([MEGACPP] + args, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
 
 
 def steps_done(run_dir):
@@ -144,6 +156,18 @@ class Recovery(unittest.TestCase):
         self.assertEqual(second["fromStep"], 4)
         self.assertGreaterEqual(first["stepsLost"], 3)
         self.assertIn("job restart 1 of 2", out)
+        # The recovery's parts, from the run's own records: each observed, none negative, and
+        # they add up to no more than the detection -> first step interval they tile.
+        r = second["recovery"]
+        parts = [r.get(k, 0.0) for k in ("teardownSeconds", "prepareSeconds", "relaunchSeconds",
+                                          "restoreSeconds", "firstStepSeconds")]
+        self.assertTrue(all(p >= 0 for p in parts), r)
+        self.assertGreater(r["restoreSeconds"], 0, r)
+        self.assertGreater(r["firstStepSeconds"], 0, r)
+        span = iso_seconds(r["firstStepAt"]) - iso_seconds(r["detectedAt"])
+        self.assertLess(abs(sum(parts) - span), 0.01, (r, span))
+        status = megacpp_cli(["status", run_dir])
+        self.assertIn("recovery: teardown", status)
         self.assert_identical(run_dir)
 
     def test_a_stopped_rank_is_recovered(self):
