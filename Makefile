@@ -10,7 +10,7 @@ RANKS      ?= 2
 CTEST_ARGS ?=
 MEGACPP_FUZZ_SECONDS ?= 300
 
-.PHONY: all setup configure build run run-cpp test test-full test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-failure clean
+.PHONY: all setup configure build run run-cpp test test-full test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-failure bench-recovery clean
 
 all: build
 
@@ -87,6 +87,9 @@ bench: build
 
 bench-failure: build
 	@.venv/bin/python bench/failure_detection.py
+
+bench-recovery: build
+	@.venv/bin/python bench/recovery.py
 
 clean:
 	rm -rf $(BUILD) $(BUILD_SAN) $(BUILD).configure.log $(BUILD_SAN).configure.log

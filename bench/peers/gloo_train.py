@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The torchrun peer of bench/failure_detection.py: the `tiny` recipe's training loop in
-plain PyTorch, one process per rank, gradients all-reduced over Gloo on CPU.
+"""The torchrun peer of bench/failure_detection.py and bench/recovery.py: the `tiny` recipe's
+training loop in plain PyTorch, one process per rank, gradients all-reduced over Gloo on CPU.
 
 Kept equal to what `megacpp run tiny` trains so that the two runs differ only in who
 supervises them:
@@ -11,8 +11,18 @@ supervises them:
           collective per step, like TrainStep::allreduce_gradients), grad-norm clip 1.0,
           AdamW lr 3e-3 betas (0.9, 0.95) weight decay 0 with the recipe's warmup + cosine
   threads torch.set_num_threads(1) (the trainer's MEGACPP_TRAINER_THREADS default)
-  data    byte-level tokens drawn from a per-rank seeded generator (the data is not what
-          the benchmark measures; it only has to cost nothing)
+  data    byte-level tokens drawn from a generator seeded by (seed, rank, step) (the data
+          is not what the benchmark measures; it only has to cost nothing, and be the same
+          after a restart)
+
+Checkpoints (--ckpt FILE --ckpt-every N), as a torchrun user writes them: after every N-th
+step rank 0 torch.save()s {step, model, optimizer} to FILE.tmp and renames it over FILE; at
+start every rank loads FILE when it exists (the state is replicated) and trains from the step
+after it. With torchrun --max-restarts this is the standard way a job survives a rank failure.
+--events FILE appends one JSON line per milestone of this process (wall-clock seconds): exec
+(the interpreter reached this script, before importing torch), ready (process group joined,
+model built and broadcast), loaded (checkpoint restored; absent without one), first_step,
+saved (a checkpoint written). bench/recovery.py reads them.
 
 Launched by torchrun, it reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the
 environment (env:// rendezvous). It prints one line every --print-every steps, flushed, so
@@ -21,12 +31,15 @@ into the command line so that every process of one trial can be found (and clean
 by it.
 """
 
+import time
+
+T_EXEC = time.time()  # before the imports: a relaunch's interpreter and torch import count
+
 import argparse
+import json
 import math
 import os
 import sys
-import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -128,7 +141,20 @@ def main():
     ap.add_argument("--steps", type=int, default=100000)
     ap.add_argument("--print-every", type=int, default=1)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--ckpt", help="checkpoint file: saved by rank 0, loaded at start")
+    ap.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints")
+    ap.add_argument("--events", help="append this process's milestones here (JSON lines)")
     args = ap.parse_args()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def event(name, t=None, **extra):
+        if args.events:
+            line = json.dumps(dict(event=name, rank=int(os.environ.get("RANK", "0")),
+                                   restart=restart, t=time.time() if t is None else t, **extra))
+            with open(args.events, "a") as f:  # one short O_APPEND write per line
+                f.write(line + "\n")
+
+    event("exec", T_EXEC)
 
     torch.set_num_threads(1)
     # Gloo's own default collective timeout (30 min) is what a stock torchrun job runs with;
@@ -147,10 +173,21 @@ def main():
             p.copy_(flat[off:off + p.numel()].view_as(p))
             off += p.numel()
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
-    data_gen = torch.Generator().manual_seed(SEED + 7919 * (rank + 1))
+    data_gen = torch.Generator()
+    event("ready")
+
+    first = 1
+    if args.ckpt and os.path.exists(args.ckpt):
+        t0 = time.time()
+        state = torch.load(args.ckpt, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        first = state["step"] + 1
+        event("loaded", step=state["step"], seconds=time.time() - t0)
 
     t_start = time.monotonic()
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
+        data_gen.manual_seed(SEED + 7919 * (rank + 1) + 104729 * step)
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=data_gen)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps)
@@ -171,6 +208,13 @@ def main():
                 off += p.numel()
         torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP, foreach=True)
         opt.step()
+        if step == first:
+            event("first_step", step=step)
+        if rank == 0 and args.ckpt and args.ckpt_every > 0 and step % args.ckpt_every == 0:
+            tmp = args.ckpt + ".tmp"
+            torch.save({"step": step, "model": model.state_dict(), "optim": opt.state_dict()}, tmp)
+            os.replace(tmp, args.ckpt)
+            event("saved", step=step)
         if step % args.print_every == 0:
             print(f"rank {rank} step {step} loss {loss.item():.4f} "
                   f"t {time.monotonic() - t_start:.2f}", flush=True)
