@@ -5,12 +5,17 @@
 //   CPU:  rmsnorm_cpu vs std::memcpy, wall clock.
 //   CUDA: rmsnorm_cuda vs cudaMemcpy device-to-device, cudaEvent timing on one stream.
 // Without a CUDA build or device the CUDA half prints why and the exit status stays 0.
+// Then stream_copy (the snapshot copy): --copy-mb of data copied as --copy-pieces separate
+// copies, with stream_copy and with memcpy per piece, against one memcpy of the whole (the
+// bound: a copy that large gets glibc's streaming stores); ratios to that bound.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include <fmt/format.h>
@@ -30,6 +35,8 @@ namespace ops = megacpp::ops;
 namespace {
 
 struct Config {
+  size_t copy_mb = 256;
+  size_t copy_pieces = 58;  // a TrainStep share's tensor count (bench_checkpoint's default)
   int64_t rows = 4096;
   int64_t cols = 4096;
   int iters = 20;
@@ -163,15 +170,49 @@ void bench_cuda(const Config& cfg, const std::vector<float>& x, const std::vecto
 }
 #endif
 
+void bench_stream_copy(const Config& cfg) {
+  const size_t bytes = cfg.copy_mb << 20;
+  const size_t piece = (bytes / cfg.copy_pieces) & ~size_t{63};
+  std::vector<unsigned char> src(bytes, 0x5a), dst(bytes, 0);
+  auto pieces = [&](auto&& copy) {
+    for (size_t at = 0; at < bytes; at += piece)
+      copy(dst.data() + at, src.data() + at, std::min(piece, bytes - at));
+  };
+  Config c = cfg;
+  c.iters = std::max(3, cfg.iters / 4);
+  const double whole_ms = cpu_ms_per_iter(c, [&] { std::memcpy(dst.data(), src.data(), bytes); });
+  const double memcpy_ms = cpu_ms_per_iter(
+      c, [&] { pieces([](void* d, const void* s, size_t n) { std::memcpy(d, s, n); }); });
+  std::fill(dst.begin(), dst.end(), 0);
+  const double stream_ms = cpu_ms_per_iter(c, [&] { pieces(ops::stream_copy); });
+  if (std::memcmp(dst.data(), src.data(), bytes) != 0)
+    throw std::runtime_error("stream_copy produced wrong data");
+  fmt::print("\nops_bench stream_copy {} MB in {} pieces of {:.1f} MB (streaming stores: {})\n",
+             cfg.copy_mb, cfg.copy_pieces, piece / 1e6, ops::stream_copy_streams() ? "yes" : "no");
+  const double b = static_cast<double>(bytes);
+  fmt::print("cpu   one memcpy of the whole    {:9.4f} ms {:8.2f} GB/s   (the bound)\n", whole_ms,
+             gbps(b, whole_ms));
+  fmt::print("cpu   memcpy per piece           {:9.4f} ms {:8.2f} GB/s   {:.2f}x the bound\n",
+             memcpy_ms, gbps(b, memcpy_ms), memcpy_ms / whole_ms);
+  fmt::print("cpu   stream_copy per piece      {:9.4f} ms {:8.2f} GB/s   {:.2f}x the bound\n",
+             stream_ms, gbps(b, stream_ms), stream_ms / whole_ms);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Config cfg;
-  CLI::App app{"RMSNorm forward vs a copy of the same bytes (CPU: memcpy, GPU: cudaMemcpy D2D)"};
+  CLI::App app{
+      "ops kernels vs their physical peer: RMSNorm vs a copy of the same bytes (CPU: memcpy, "
+      "GPU: cudaMemcpy D2D), stream_copy vs memcpy"};
   app.add_option("--rows", cfg.rows, "rows")->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
   app.add_option("--cols", cfg.cols, "columns")->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
   app.add_option("--iters", cfg.iters, "timed iterations per side")->check(CLI::Range(1, 1 << 20));
   app.add_option("--warmup", cfg.warmup, "untimed iterations first")->check(CLI::Range(0, 1 << 20));
+  app.add_option("--copy-mb", cfg.copy_mb, "stream_copy: MB copied per call")
+      ->check(CLI::Range(size_t{1}, size_t{1} << 16));
+  app.add_option("--copy-pieces", cfg.copy_pieces, "stream_copy: separate copies per call")
+      ->check(CLI::Range(size_t{1}, size_t{1} << 16));
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -194,6 +235,7 @@ int main(int argc, char** argv) {
 #else
     fmt::print("cuda: skipped: built without CUDA\n");
 #endif
+    bench_stream_copy(cfg);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ops_bench: %s\n", e.what());
     return 1;

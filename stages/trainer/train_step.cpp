@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "ops/ops.h"
 #include "stages/trainer/collective.h"
 #include "stages/trainer/optim.h"
 #include "stages/trainer/train_step.h"
@@ -386,6 +387,12 @@ SnapshotLayout TrainStep::copy_snapshot(std::span<std::byte> region) const {
   for (size_t i = 0; i < share.size(); ++i) {
     const at::Tensor& src = share[i].second;
     const SnapshotEntry& e = layout.entries[i];
+    // Streaming stores: the share is many multi-MB tensors, each below the size at which
+    // memcpy streams by itself, and the staging region is not read by this process again.
+    if (src.is_contiguous() && src.device().is_cpu() && src.nbytes() == e.bytes) {
+      ops::stream_copy(region.data() + e.offset, src.data_ptr(), e.bytes);
+      continue;
+    }
     at::Tensor dst = torch::from_blob(region.data() + e.offset, src.sizes(),
                                       torch::TensorOptions().dtype(src.scalar_type()));
     dst.copy_(src);

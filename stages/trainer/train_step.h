@@ -141,8 +141,10 @@ class TrainStep {
   // "world", "shards": {<entry>: {"logical": <name without .shard<r>>, "full_shape": [...],
   // "offset": <first row>}}, "muon_stacks": {"optim.muon.<group>.<r>x<c>": [<param>, ...]}}.
   std::string snapshot_metadata() const;
-  // Copies this rank's share into `region` per snapshot_layout() and returns that layout.
-  // Throws Error{kInvalidArgument} if the region is smaller than layout.total_bytes.
+  // Copies this rank's share into `region` per snapshot_layout() and returns that layout,
+  // with streaming stores (ops::stream_copy) that are fenced before it returns, so a stamp
+  // stored after it is seen after the bytes. Throws Error{kInvalidArgument} if the region
+  // is smaller than layout.total_bytes.
   SnapshotLayout copy_snapshot(std::span<std::byte> region) const;
 
   // Loads the parameters and this rank's optimizer state (moments, step counts, group

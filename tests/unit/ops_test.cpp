@@ -5,8 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -144,6 +146,29 @@ TEST(OpsCpu, RmsnormRejectsBadArguments) {
   expect_invalid([&] { ops::rmsnorm_cpu(x.data(), nullptr, nullptr, 1, 8, 1e-6f); });
   // Zero rows is a valid empty batch, pointers unused.
   ops::rmsnorm_cpu(nullptr, nullptr, nullptr, 0, 8, 1e-6f);
+}
+
+// stream_copy against its reference, memcpy: byte-identical for every size (below, at and
+// above the streaming threshold, with a tail) and every misalignment of either end, and it
+// writes nothing outside [dst, dst + n).
+TEST(OpsCpu, StreamCopyEqualsMemcpyAtEveryAlignment) {
+  std::mt19937 gen(7);
+  std::uniform_int_distribution<int> byte(0, 255);
+  constexpr size_t kGuard = 64;
+  for (const size_t n : {size_t{0}, size_t{1}, size_t{63}, size_t{4095}, size_t{4096},
+                         size_t{4096 + 17}, size_t{1} << 16, (size_t{1} << 20) + 37}) {
+    std::vector<unsigned char> src(n + 32), dst(n + 32 + 2 * kGuard), want;
+    for (auto& b : src) b = static_cast<unsigned char>(byte(gen));
+    for (size_t so : {size_t{0}, size_t{3}, size_t{16}}) {
+      for (size_t dof : {size_t{0}, size_t{5}, size_t{8}, size_t{15}}) {
+        std::fill(dst.begin(), dst.end(), 0xA5);
+        want = dst;
+        std::memcpy(want.data() + kGuard + dof, src.data() + so, n);
+        mc::ops::stream_copy(dst.data() + kGuard + dof, src.data() + so, n);
+        EXPECT_TRUE(dst == want) << "n=" << n << " src+" << so << " dst+" << dof;
+      }
+    }
+  }
 }
 
 TEST(OpsCpu, CudaDeviceCountNeverThrows) {
