@@ -20,34 +20,23 @@ import tempfile
 import time
 import unittest
 
-MEGACPP = os.environ["MEGACPP_BIN"]
-RECIPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from run_harness import MEGACPP, pids_of, steps_done, tiny_recipe  # noqa: E402
+
 STEPS = 16
 TARGETS = ("checkpointer", "trainer", "supervisor")
 
 
-def steps_done(run_dir):
-    try:
-        with open(os.path.join(run_dir, "manifest.json")) as f:
-            return json.load(f).get("stepsCompleted", 0)
-    except (OSError, ValueError):
-        return 0
-
-
 def pid_of(pattern):
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-    return int(out[0]) if out else None
+    found = pids_of(pattern)
+    return found[0] if found else None
 
 
 class CheckpointKills(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="megacpp-ckpt-chaos-")
-        cls.recipe = os.path.join(cls.tmp, "ck2.toml")
-        with open(os.path.join(RECIPE_DIR, "tiny.toml")) as f:
-            text = f.read().replace("checkpoint_every = 20", "checkpoint_every = 2")
-        with open(cls.recipe, "w") as f:
-            f.write(text)
+        cls.recipe = tiny_recipe(cls.tmp, 2)
 
     @classmethod
     def tearDownClass(cls):

@@ -26,15 +26,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "bench", "peers"))
 import gloo_train  # noqa: E402  (the peer model; importing it starts nothing)
 
-MEGACPP = os.environ["MEGACPP_BIN"]
-RECIPE_DIR = os.path.join(HERE, "..", "..", "recipes")
+sys.path.insert(0, os.path.join(HERE, ".."))
+import run_harness  # noqa: E402
+from run_harness import MEGACPP  # noqa: E402
+
 STEPS, EVERY, AT = 12, 4, 8
 
 
 def megacpp(args, env=None):
-    e = dict(os.environ)
-    e.update(env or {})
-    p = subprocess.run([MEGACPP] + args, capture_output=True, text=True, timeout=600, env=e)
+    p = run_harness.megacpp(args, env=env)
     if p.returncode != 0:
         raise AssertionError(p.stdout[-2000:] + p.stderr[-2000:])
     return p
@@ -44,11 +44,7 @@ class Export(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="megacpp-export-")
-        cls.recipe = os.path.join(cls.tmp, "ck.toml")
-        with open(os.path.join(RECIPE_DIR, "tiny.toml")) as f:
-            text = f.read().replace("checkpoint_every = 20", "checkpoint_every = %d" % EVERY)
-        with open(cls.recipe, "w") as f:
-            f.write(text)
+        cls.recipe = run_harness.tiny_recipe(cls.tmp, EVERY)
         cls.runs = {}
         for world in (1, 2):
             d = os.path.join(cls.tmp, "w%d" % world)

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -22,40 +21,20 @@ import time
 import unittest
 import urllib.request
 
-MEGACPP = os.environ["MEGACPP_BIN"]
-RECIPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from run_harness import MEGACPP, losses, manifest, steps_done, tiny_recipe  # noqa: E402
+import run_harness  # noqa: E402
+
 STEPS = 16
 EVERY = 4
 
 
 def recipe(tmp):
-    path = os.path.join(tmp, "ck%d.toml" % EVERY)
-    with open(os.path.join(RECIPE_DIR, "tiny.toml")) as f:
-        text = f.read().replace("checkpoint_every = 20", "checkpoint_every = %d" % EVERY)
-    with open(path, "w") as f:
-        f.write(text)
-    return path
-
-
-def losses(run_dir):
-    with open(os.path.join(run_dir, "receipts", "bench_telemetry.json")) as f:
-        return [(s["step"], s["loss"]) for s in json.load(f)["steps"]]
-
-
-def manifest(run_dir):
-    with open(os.path.join(run_dir, "manifest.json")) as f:
-        return json.load(f)
+    return tiny_recipe(tmp, EVERY)
 
 
 def final_bytes(run_dir):
-    out = []
-    for r in range(2):
-        with open(os.path.join(run_dir, "checkpoints", "step_%08d" % STEPS, "rank_%d.safetensors" % r),
-                  "rb") as f:
-            raw = f.read()
-        (n,) = struct.unpack("<Q", raw[:8])
-        out.append(raw[8 + n:])
-    return out
+    return run_harness.final_bytes(run_dir, STEPS, 2)
 
 
 def iso_seconds(text):
@@ -64,23 +43,13 @@ def iso_seconds(text):
 
 
 def megacpp_cli(args):
-    p = subprocess.run([MEGACPP] + args, capture_output=True, text=True, timeout=60)
+    p = run_harness.megacpp(args, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout
 
 
-def steps_done(run_dir):
-    try:
-        with open(os.path.join(run_dir, "manifest.json")) as f:
-            return json.load(f).get("stepsCompleted", 0)
-    except (OSError, ValueError):
-        return 0
-
-
 def rank_pid(run_dir, rank):
-    pids = subprocess.run(["pgrep", "-f", "megacpp-trainer --run-dir %s --rank %d" % (run_dir, rank)],
-                          capture_output=True, text=True).stdout.split()
-    return int(pids[0]) if pids else None
+    return run_harness.trainer_pid(run_dir, rank)
 
 
 class Recovery(unittest.TestCase):

@@ -20,15 +20,17 @@ import os
 import random
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 import unittest
 
-MEGACPP = os.environ["MEGACPP_BIN"]
-RECIPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from run_harness import (MEGACPP, losses, manifest, megacpp,  # noqa: E402,F401
+                         steps_done, tiny_recipe, trainer_pid)
+import run_harness  # noqa: E402
+
 STEPS = 16
 EVERY = 4  # checkpoints at 4, 8, 12 and the final 16
 
@@ -47,20 +49,7 @@ LATER_TOLERANCE = 1e-2
 
 
 def recipe(tmp, batch):
-    path = os.path.join(tmp, "ck%d-b%d.toml" % (EVERY, batch))
-    with open(os.path.join(RECIPE_DIR, "tiny.toml")) as f:
-        text = f.read()
-    text = text.replace("checkpoint_every = 20", "checkpoint_every = %d" % EVERY)
-    text = text.replace("batch_size = 16 ", "batch_size = %d " % batch)
-    with open(path, "w") as f:
-        f.write(text)
-    return path
-
-
-def megacpp(args, env=None, timeout=600):
-    e = dict(os.environ)
-    e.update(env or {})
-    return subprocess.run([MEGACPP] + args, capture_output=True, text=True, timeout=timeout, env=e)
+    return tiny_recipe(tmp, EVERY, batch)
 
 
 def run(tmp, name, recipe_path, ranks, env=None, extra=()):
@@ -74,26 +63,8 @@ def resume(run_dir, *extra):
     return megacpp(["run", "--resume", run_dir, "--progress", "none"] + list(extra))
 
 
-def losses(run_dir):
-    with open(os.path.join(run_dir, "receipts", "bench_telemetry.json")) as f:
-        return [(s["step"], s["loss"]) for s in json.load(f)["steps"]]
-
-
-def manifest(run_dir):
-    with open(os.path.join(run_dir, "manifest.json")) as f:
-        return json.load(f)
-
-
-def data_section(path):
-    with open(path, "rb") as f:
-        raw = f.read()
-    (n,) = struct.unpack("<Q", raw[:8])
-    return raw[8 + n:]
-
-
 def final_bytes(run_dir, world):
-    step_dir = os.path.join(run_dir, "checkpoints", "step_%08d" % STEPS)
-    return [data_section(os.path.join(step_dir, "rank_%d.safetensors" % r)) for r in range(world)]
+    return run_harness.final_bytes(run_dir, STEPS, world)
 
 
 class Base(unittest.TestCase):
@@ -150,16 +121,10 @@ class Resume(Base):
         deadline = time.monotonic() + 120
         killed = False
         while time.monotonic() < deadline and not killed:
-            try:
-                with open(os.path.join(run_dir, "manifest.json")) as f:
-                    done = json.load(f).get("stepsCompleted", 0)
-            except (OSError, ValueError):
-                done = 0
-            if done >= kill_at:
-                pids = subprocess.run(["pgrep", "-f", "megacpp-trainer --run-dir %s --rank 1" % run_dir],
-                                      capture_output=True, text=True).stdout.split()
-                self.assertTrue(pids, "rank 1 not found")
-                os.kill(int(pids[0]), signal.SIGKILL)
+            if steps_done(run_dir) >= kill_at:
+                pid = trainer_pid(run_dir, 1)
+                self.assertTrue(pid, "rank 1 not found")
+                os.kill(pid, signal.SIGKILL)
                 killed = True
             time.sleep(0.02)
         self.assertTrue(killed, "step %d never reached" % kill_at)
