@@ -719,40 +719,52 @@ json share_rank(const Config& c, const mc::recipe::Recipe& r, uint32_t steps, co
   const uint32_t total = c.warmup + steps;
   tr::TrainStep ts(tr::model_config(spec.getModel()), tr::train_config(spec.getTrain()), total, pg);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(4242 + rank);
-  std::vector<double> fwd, bwd, opt;
+  std::vector<double> fwd, bwd, opt, agree;
   for (uint32_t s = 1; s <= total; ++s) {
     const at::Tensor tokens = at::randint(r.model.vocab_size, mc::recipe::batch_spec(r).shape(),
                                           gen, at::TensorOptions().dtype(at::kLong));
     const tr::StepTiming t = ts.step(tokens, s);
+    // The graceful-stop agreement the trainer runs after every step (one int32 MAX
+    // all-reduce, TrainStep::any_rank).
+    const auto a0 = std::chrono::steady_clock::now();
+    ts.any_rank(false);
+    const double agree_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a0).count();
     if (s <= c.warmup) continue;
     fwd.push_back(t.forward_seconds * 1e3);
     bwd.push_back(t.backward_seconds * 1e3);
     opt.push_back(t.optimizer_seconds * 1e3);
+    agree.push_back(agree_ms);
   }
-  if (!pg || pg->getSize() < 2) return {{"forward", fwd}, {"backward", bwd}, {"optimizer", opt}};
+  if (!pg || pg->getSize() < 2)
+    return {{"forward", fwd}, {"backward", bwd}, {"optimizer", opt}, {"agree", agree}};
   // A rank that finishes backward first waits for its peers inside the optimizer's first
   // collective, so its optimizer_seconds includes the skew between ranks. Per step, the
   // rank that finished forward + backward last waited for nobody: its figures are the
   // step's critical path, and those are what is reported.
   const auto n = static_cast<int64_t>(fwd.size());
-  at::Tensor mine = at::empty({n, 3}, at::kDouble);
+  at::Tensor mine = at::empty({n, 4}, at::kDouble);
   for (int64_t i = 0; i < n; ++i) {
     mine[i][0] = fwd[i];
     mine[i][1] = bwd[i];
     mine[i][2] = opt[i];
+    mine[i][3] = agree[i];
   }
-  at::Tensor all = at::empty({pg->getSize() * n, 3}, at::kDouble);
+  at::Tensor all = at::empty({pg->getSize() * n, 4}, at::kDouble);
   pg->_allgather_base(all, mine)->wait();
-  all = all.view({pg->getSize(), n, 3});
-  std::vector<double> f, b, o;
+  all = all.view({pg->getSize(), n, 4});
+  std::vector<double> f, b, o, g;
   for (int64_t i = 0; i < n; ++i) {
-    const at::Tensor per_rank = all.select(1, i);  // [world, 3]
+    const at::Tensor per_rank = all.select(1, i);  // [world, 4]
     const int64_t last = (per_rank.select(1, 0) + per_rank.select(1, 1)).argmax().item<int64_t>();
     f.push_back(per_rank[last][0].item<double>());
     b.push_back(per_rank[last][1].item<double>());
     o.push_back(per_rank[last][2].item<double>());
+    // The rank that entered the agreement last waited for no peer: its time is the
+    // collective's own.
+    g.push_back(per_rank.select(1, 3).min().item<double>());
   }
-  return {{"forward", f}, {"backward", b}, {"optimizer", o}};
+  return {{"forward", f}, {"backward", b}, {"optimizer", o}, {"agree", g}};
 }
 
 // The optimizer's cost per step is fixed by the model (Muon's orthogonalization is O(d^3) per
@@ -768,6 +780,7 @@ void section_share(const Config& c, const mc::forked_world::ForkedWorld& world,
       r.name, r.path.string(), c.world, c.steps, c.warmup);
   fmt::print("{:>8} {:>14} {:>12} {:>12} {:>13} {:>18} {:>10}\n", "batch", "tokens/rank",
              "forward ms", "backward ms", "optimizer ms", "share (median)", "goal 3%");
+  std::vector<double> agree, step_ms;
   for (uint32_t mult : {1u, 4u, 16u, 32u}) {
     mc::recipe::Recipe rb = r;
     rb.train.batch_size *= mult;
@@ -778,6 +791,10 @@ void section_share(const Config& c, const mc::forked_world::ForkedWorld& world,
     const auto f = t["forward"].get<std::vector<double>>();
     const auto b = t["backward"].get<std::vector<double>>();
     const auto o = t["optimizer"].get<std::vector<double>>();
+    if (mult == 1) {
+      agree = t["agree"].get<std::vector<double>>();
+      for (size_t i = 0; i < o.size(); ++i) step_ms.push_back(f[i] + b[i] + o[i]);
+    }
     std::vector<double> share;
     for (size_t i = 0; i < o.size(); ++i) share.push_back(100.0 * o[i] / (f[i] + b[i]));
     const Stats s = stats(share);
@@ -790,6 +807,14 @@ void section_share(const Config& c, const mc::forked_world::ForkedWorld& world,
       "backward last, which waits for no peer); optimizer = TrainStep's optimizer_seconds\n"
       "(clipping, DistAdamW and DistMuon steps with their collectives); share = optimizer /\n"
       "(forward + backward).\n");
+  if (!agree.empty()) {
+    const double a = stats(agree).median, st = stats(step_ms).median;
+    fmt::print(
+        "graceful-stop agreement (TrainStep::any_rank after every step: one int32 MAX "
+        "all-reduce): median {:.3f} ms per step = {:.2f}% of a step at the recipe's batch "
+        "({:.1f} ms; per step the rank that entered last, which waits for no peer)\n",
+        a, 100.0 * a / st, st);
+  }
 }
 
 }  // namespace
