@@ -167,6 +167,10 @@ void Run::reap() {
     std::string what =
         c.signal != 0 ? fmt::format("was killed by signal {} ({})", c.signal, strsignal(c.signal))
                       : fmt::format("exited with code {}", c.exit_code);
+    // 128 + N: a stage that left at once on signal N (a trainer stopped inside a step).
+    if (c.signal == 0 && c.exit_code > 128 && c.exit_code < 128 + NSIG)
+      what += fmt::format(" (128 + {}: it was sent {})", c.exit_code - 128,
+                          strsignal(c.exit_code - 128));
     // The evidence of a death is its reap: neither SIGCHLD, waitid nor a pidfd says when the
     // process exited, so the detection delay of a death is not measured. Step and phase are
     // what its last heartbeat said (the step is the last one it completed; before its first
