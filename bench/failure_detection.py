@@ -170,7 +170,38 @@ def read_json(path):
         return None
 
 
+def wait_for_training(proc, name, startup_s, log_path, ready):
+    """Polls ready() every 50 ms until it returns something truthy, and returns that.
+    RuntimeError when `proc` exits first or startup_s passes (nothing to measure)."""
+    deadline = time.monotonic() + startup_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited ({proc.returncode}) before training was under "
+                               f"way; see {log_path}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} not training after {startup_s} s")
+        got = ready()
+        if got:
+            return got
+        time.sleep(0.05)
+
+
 # ---------------------------------------------------------------- megacpp
+
+
+def megacpp_rank1(proc, run, args, log_path, ready):
+    """Waits until the run's manifest satisfies ready(manifest); returns (trainer-1's pid,
+    that manifest)."""
+    def check():
+        m = read_json(run / "manifest.json") or {}
+        return m if ready(m) else None
+
+    m = wait_for_training(proc, "megacpp", args.startup_s, log_path, check)
+    victims = pids_matching(r"megacpp-trainer --run-dir " + re.escape(str(run))
+                            + r" --rank 1(\s|$)")
+    if len(victims) != 1:
+        raise RuntimeError(f"expected one trainer-1 process, found {victims}")
+    return victims[0], m
 
 def megacpp_defaults(megacpp):
     """Every `--opt TYPE=default` of `megacpp run --help`, as {opt: default string}."""
@@ -217,23 +248,10 @@ class MegacppTrial:
                                         stderr=subprocess.STDOUT, start_new_session=True)
                 manifest = self.run / "manifest.json"
                 journal = self.run / "journal" / "trainer-1.journal"
-                deadline = time.monotonic() + self.args.startup_s
-                while True:
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"megacpp exited ({proc.returncode}) before training "
-                                           f"was under way; see {self.log_path}")
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"megacpp not training after {self.args.startup_s} s")
-                    m = read_json(manifest) or {}
-                    if (m.get("stepsCompleted", 0) >= self.args.warm_steps and journal.exists()
-                            and journal.stat().st_size > 0):
-                        break
-                    time.sleep(0.05)
-                victims = pids_matching(r"megacpp-trainer --run-dir " + re.escape(str(self.run))
-                                        + r" --rank 1(\s|$)")
-                if len(victims) != 1:
-                    raise RuntimeError(f"expected one trainer-1 process, found {victims}")
-                victim = victims[0]
+                victim, m = megacpp_rank1(
+                    proc, self.run, self.args, self.log_path,
+                    lambda m: (m.get("stepsCompleted", 0) >= self.args.warm_steps
+                               and journal.exists() and journal.stat().st_size > 0))
                 res["step_at_injection"] = m.get("stepsCompleted")
 
                 wall0 = time.time()
@@ -312,6 +330,26 @@ class MegacppTrial:
 
 # ---------------------------------------------------------------- torchrun
 
+
+def torchrun_rank1(proc, args, log_path, ready=lambda: True):
+    """Waits until rank 1 logged >= args.warm_steps steps ("rank 1 step N"), both workers are
+    up and ready() holds; returns (the LOCAL_RANK=1 worker's pid, the workers, rank 1's
+    newest step)."""
+    step_rx = re.compile(rb"^rank 1 step (\d+) ", re.M)
+
+    def check():
+        steps = [int(s) for s in step_rx.findall(read_bytes(log_path) or b"")]
+        workers = [p for p in children(proc.pid) if alive(p)]
+        if steps and max(steps) >= args.warm_steps and len(workers) == 2 and ready():
+            return workers, max(steps)
+        return None
+
+    workers, step = wait_for_training(proc, "torchrun", args.startup_s, log_path, check)
+    victim = {environ(p).get("LOCAL_RANK"): p for p in workers}.get("1")
+    if victim is None:
+        raise RuntimeError(f"no worker with LOCAL_RANK=1 among {workers}")
+    return victim, workers, step
+
 class TorchrunTrial:
     def __init__(self, args, tmp, n, sig):
         self.args, self.sig = args, sig
@@ -334,24 +372,8 @@ class TorchrunTrial:
                 proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                                         stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
-                step_rx = re.compile(rb"^rank 1 step (\d+) ", re.M)
-                deadline = time.monotonic() + self.args.startup_s
-                while True:
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"torchrun exited ({proc.returncode}) before training "
-                                           f"was under way; see {self.log_path}")
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"torchrun not training after {self.args.startup_s} s")
-                    steps = [int(s) for s in step_rx.findall(read_bytes(self.log_path) or b"")]
-                    workers = [p for p in children(proc.pid) if alive(p)]
-                    if steps and max(steps) >= self.args.warm_steps and len(workers) == 2:
-                        break
-                    time.sleep(0.05)
-                by_rank = {environ(p).get("LOCAL_RANK"): p for p in workers}
-                victim = by_rank.get("1")
-                if victim is None:
-                    raise RuntimeError(f"no worker with LOCAL_RANK=1 among {workers}")
-                res["step_at_injection"] = max(steps)
+                victim, workers, res["step_at_injection"] = torchrun_rank1(
+                    proc, self.args, self.log_path)
 
                 t0 = time.monotonic()
                 os.kill(victim, self.sig)

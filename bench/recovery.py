@@ -111,23 +111,10 @@ class MegacppRecovery(fd.MegacppTrial):
             try:
                 proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
-                deadline = time.monotonic() + self.args.startup_s
-                while True:
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"megacpp exited ({proc.returncode}) before training "
-                                           f"was under way; see {self.log_path}")
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"megacpp not training after {self.args.startup_s} s")
-                    m = fd.read_json(manifest) or {}
-                    if (m.get("latestCheckpointStep", 0) >= self.args.every
-                            and m.get("stepsCompleted", 0) >= self.args.warm_steps):
-                        break
-                    time.sleep(0.05)
-                victims = fd.pids_matching(r"megacpp-trainer --run-dir " + re.escape(str(self.run))
-                                           + r" --rank 1(\s|$)")
-                if len(victims) != 1:
-                    raise RuntimeError(f"expected one trainer-1 process, found {victims}")
-                victim = victims[0]
+                victim, m = fd.megacpp_rank1(
+                    proc, self.run, self.args, self.log_path,
+                    lambda m: (m.get("latestCheckpointStep", 0) >= self.args.every
+                               and m.get("stepsCompleted", 0) >= self.args.warm_steps))
                 res["step_at_injection"] = m.get("stepsCompleted")
                 t_kill = time.time()
                 os.kill(victim, signal.SIGKILL)
@@ -222,26 +209,10 @@ class TorchrunRecovery:
                 proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                                         stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
-                step_rx = re.compile(rb"^rank 1 step (\d+) ", re.M)
-                deadline = time.monotonic() + self.args.startup_s
-                while True:
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"torchrun exited ({proc.returncode}) before training "
-                                           f"was under way; see {self.log_path}")
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"torchrun not training after {self.args.startup_s} s")
-                    steps = [int(s) for s in step_rx.findall(fd.read_bytes(self.log_path) or b"")]
-                    saved = [e for e in read_events(self.events) if e["event"] == "saved"]
-                    workers = [p for p in fd.children(proc.pid) if fd.alive(p)]
-                    if (saved and steps and max(steps) >= self.args.warm_steps
-                            and len(workers) == 2):
-                        break
-                    time.sleep(0.05)
-                by_rank = {fd.environ(p).get("LOCAL_RANK"): p for p in workers}
-                victim = by_rank.get("1")
-                if victim is None:
-                    raise RuntimeError(f"no worker with LOCAL_RANK=1 among {workers}")
-                res["step_at_injection"] = max(steps)
+                # At least one checkpoint saved before the kill.
+                victim, workers, res["step_at_injection"] = fd.torchrun_rank1(
+                    proc, self.args, self.log_path,
+                    lambda: any(e["event"] == "saved" for e in read_events(self.events)))
                 old = list(workers)
                 log_offset = len(fd.read_bytes(self.log_path) or b"")
                 t_kill = time.time()
