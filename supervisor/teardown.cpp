@@ -101,9 +101,7 @@ void Run::release_ipc() {
   released_ = true;
   router_.reset();
   zmq_.reset();
-  ring_views_.clear();
-  rings_.clear();
-  if (!shm_prefix_.empty()) ipc::unlink_shm(shm_prefix_);
+  release_attempt_ipc();
   if (sock_dir_private_) {
     std::error_code ec;
     fs::remove_all(sock_dir_, ec);
