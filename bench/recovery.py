@@ -68,11 +68,10 @@ NO_GOAL = {"steady_step"}  # the trainer's speed, not recovery: bench_pipeline_o
 
 
 def steady(step_seconds, from_step):
-    """Median time of the steps 2-7 after the first resumed one: a step once warm."""
+    """Median time of the steps 2-7 after the first resumed one: a step once warm. None when
+    fewer than 3 of them were seen (the trial is then reported as failed, not guessed)."""
     xs = [step_seconds[s] for s in range(from_step + 2, from_step + 8) if s in step_seconds]
-    if len(xs) < 3:
-        raise RuntimeError(f"fewer than 3 steady steps after step {from_step}: raise --steps")
-    return statistics.median(xs)
+    return statistics.median(xs) if len(xs) >= 3 else None
 
 
 def iso_wall(text):
@@ -134,6 +133,9 @@ class MegacppRecovery(fd.MegacppTrial):
                 telemetry = fd.read_json(self.run / "receipts" / "bench_telemetry.json") or {}
                 secs = {s["step"]: s["stepSeconds"] for s in telemetry.get("steps", [])}
                 res["steady_step"] = steady(secs, rec.get("fromStep", 0))
+                if res["steady_step"] is None:
+                    res["failed"] = "fewer than 3 steady steps in the telemetry (raise --steps)"
+                    return res
                 r = rec["recovery"]
                 get = lambda k: r.get(k, 0.0)  # noqa: E731  (a 0 the JSON codec left out)
                 res["from_step"] = rec.get("fromStep")
@@ -214,7 +216,6 @@ class TorchrunRecovery:
                     proc, self.args, self.log_path,
                     lambda: any(e["event"] == "saved" for e in read_events(self.events)))
                 old = list(workers)
-                log_offset = len(fd.read_bytes(self.log_path) or b"")
                 t_kill = time.time()
                 os.kill(victim, signal.SIGKILL)
                 t_gone = None
@@ -246,13 +247,13 @@ class TorchrunRecovery:
                 restore_end = max(e["t"] for e in loaded)
                 t_first = max(e["t"] for e in firsts.values())
                 res["from_step"] = loaded[0]["step"]
-                # rank 0's "step S ... t T" lines after the restart: T is seconds since its loop
-                # began, so consecutive differences are step times.
-                after_kill = (fd.read_bytes(self.log_path) or b"")[log_offset:]
-                t_at = {int(a): float(b) for a, b in re.findall(
-                    rb"(?m)^rank 0 step (\d+) loss \S+ t (\S+)$", after_kill)}
+                # rank 0's step events after the restart: consecutive differences are step times.
+                t_at = {e["step"]: e["t"] for e in ev if e["event"] == "step" and e["rank"] == 0}
                 res["steady_step"] = steady(
                     {s: t_at[s] - t_at[s - 1] for s in t_at if s - 1 in t_at}, res["from_step"])
+                if res["steady_step"] is None:
+                    res["failed"] = "fewer than 3 steady steps in rank 0's events (raise --steps)"
+                    return res
                 res["detect"] = t_detect - t_kill
                 res["teardown"] = t_gone - t_detect
                 res["relaunch"] = restore_begin - t_gone

@@ -74,7 +74,10 @@ void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, schema::Ch
                                    std::to_string(rank),
                                    "--generation",
                                    std::to_string(generation)};
-  c->pid = detail::spawn(argv, layout::log_path(run_, stage, rank));
+  c->pid = detail::spawn(argv, layout::log_path(run_, stage, rank),
+                         stage == StageKind::TRAINER && opt_.malloc_hugepages
+                             ? detail::environment_with_tunable("glibc.malloc.hugetlb=1")
+                             : std::vector<std::string>{});
   c->generation = generation;
   c->alive = true;
   c->seen = false;

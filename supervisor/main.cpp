@@ -132,6 +132,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   run->add_option("--teardown-grace-s", ro.teardown_grace_s, "SIGTERM -> SIGKILL grace")
       ->capture_default_str();
+  run->add_flag("--malloc-hugepages,!--no-malloc-hugepages", ro.malloc_hugepages,
+                "Trainers' malloc uses transparent huge pages (GLIBC_TUNABLES "
+                "glibc.malloc.hugetlb=1): a faster first step after a (re)launch and a faster "
+                "teardown")
+      ->capture_default_str();
   run->add_option("--progress", ro.progress, "Console progress: auto | tty | plain | none")
       ->capture_default_str();
 

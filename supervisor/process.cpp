@@ -11,16 +11,22 @@
 #include "core/error.h"
 #include "core/util.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include <fmt/format.h>
 
 namespace megacpp::supervisor::detail {
 
-pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& log) {
+pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& log,
+            const std::vector<std::string>& env) {
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  // Built before the fork: the child may only make async-signal-safe calls.
+  std::vector<char*> envp;
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
   int log_fd = SYSCALL_CHECK(::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
   pid_t parent = ::getpid();
   pid_t pid = ::fork();
@@ -41,11 +47,40 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& l
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
     ::setpgid(0, 0);
-    ::execv(args[0], args.data());
+    if (env.empty()) {
+      ::execv(args[0], args.data());
+    } else {
+      ::execve(args[0], args.data(), envp.data());
+    }
     ::_exit(127);
   }
   ::close(log_fd);
   return pid;
+}
+
+std::vector<std::string> environment_with_tunable(const std::string& tunable) {
+  const std::string name = tunable.substr(0, tunable.find('='));
+  std::vector<std::string> env;
+  bool found = false;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string entry(*e);
+    if (entry.starts_with("GLIBC_TUNABLES=")) {
+      found = true;
+      const std::string value = entry.substr(sizeof("GLIBC_TUNABLES=") - 1);
+      // Tunables are name=value pairs joined by ':'.
+      bool named = false;
+      for (size_t at = 0; at <= value.size();) {
+        const size_t end = std::min(value.find(':', at), value.size());
+        const std::string item = value.substr(at, end - at);
+        if (item.substr(0, item.find('=')) == name) named = true;
+        at = end + 1;
+      }
+      if (!named) entry += (value.empty() ? "" : ":") + tunable;
+    }
+    env.push_back(std::move(entry));
+  }
+  if (!found) env.push_back("GLIBC_TUNABLES=" + tunable);
+  return env;
 }
 
 int block_signals_to_fd() {

@@ -15,9 +15,15 @@
 namespace megacpp::supervisor::detail {
 
 // fork + exec of `argv` with stdout and stderr appended to `log`, the signal mask reset,
-// and PR_SET_PDEATHSIG(SIGKILL) so the child never outlives the supervisor.
+// and PR_SET_PDEATHSIG(SIGKILL) so the child never outlives the supervisor. `env` ("K=V"
+// entries) is the child's whole environment; empty: the supervisor's own.
 // Throws Error{kSystem} if the fork fails; an exec failure shows as exit code 127.
-pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& log);
+pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& log,
+            const std::vector<std::string>& env = {});
+
+// The supervisor's environment with `tunable` ("glibc.malloc.hugetlb=1") added to
+// GLIBC_TUNABLES, unless GLIBC_TUNABLES already sets that tunable (the user's value wins).
+std::vector<std::string> environment_with_tunable(const std::string& tunable);
 
 // Blocks SIGCHLD, SIGINT, SIGTERM in the calling thread and returns a signalfd for them.
 // The caller owns the fd. Children get the original mask back before exec.

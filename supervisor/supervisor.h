@@ -48,6 +48,11 @@ struct RunOptions {
   double loader_stall_s = 30;
   double checkpointer_stall_s = 60;
   double teardown_grace_s = 1.5;  // SIGTERM -> SIGKILL
+  // Trainers get glibc.malloc.hugetlb=1 added to GLIBC_TUNABLES (unless it already names that
+  // tunable): malloc then asks for transparent huge pages, so a rank's first step after a
+  // (re)launch takes a few hundred page faults instead of tens of thousands, and its exit
+  // (the teardown after a failure) frees 2 MiB pages. glibc < 2.35 ignores the tunable.
+  bool malloc_hugepages = true;
   // SIGINT/SIGTERM to `megacpp run` stop it gracefully: the ranks finish the step in flight,
   // commit its checkpoint and exit. If that takes longer than this, or a second signal comes,
   // the job is torn down at once (the newest committed checkpoint stays intact).
