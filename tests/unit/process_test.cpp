@@ -30,9 +30,9 @@ TEST(ChildEnvironment, AddsTheTunableWhenNoneIsSet) {
 
 TEST(ChildEnvironment, AppendsToTheUsersOtherTunables) {
   ::setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2", 1);
-  EXPECT_EQ(tunables(environment_with_tunable("glibc.malloc.hugetlb=1")),
-            std::vector<std::string>{
-                "GLIBC_TUNABLES=glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"});
+  EXPECT_EQ(
+      tunables(environment_with_tunable("glibc.malloc.hugetlb=1")),
+      std::vector<std::string>{"GLIBC_TUNABLES=glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"});
 }
 
 TEST(ChildEnvironment, TheUsersValueForTheSameTunableWins) {
@@ -44,9 +44,9 @@ TEST(ChildEnvironment, TheUsersValueForTheSameTunableWins) {
 
 TEST(ChildEnvironment, APrefixOfTheNameIsAnotherTunable) {
   ::setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlbx=3", 1);
-  EXPECT_EQ(tunables(environment_with_tunable("glibc.malloc.hugetlb=1")),
-            std::vector<std::string>{
-                "GLIBC_TUNABLES=glibc.malloc.hugetlbx=3:glibc.malloc.hugetlb=1"});
+  EXPECT_EQ(
+      tunables(environment_with_tunable("glibc.malloc.hugetlb=1")),
+      std::vector<std::string>{"GLIBC_TUNABLES=glibc.malloc.hugetlbx=3:glibc.malloc.hugetlb=1"});
 }
 
 }  // namespace
