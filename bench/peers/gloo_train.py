@@ -22,7 +22,8 @@ after it. With torchrun --max-restarts this is the standard way a job survives a
 --events FILE appends one JSON line per milestone of this process (wall-clock seconds): exec
 (the interpreter reached this script, before importing torch), ready (process group joined,
 model built and broadcast), loaded (checkpoint restored; absent without one), first_step,
-step (rank 0, after each step's optimizer update), saved (a checkpoint written). bench/recovery.py reads them.
+step (rank 0, after each step's optimizer update), saved (a checkpoint written).
+bench/recovery.py reads them.
 
 Launched by torchrun, it reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the
 environment (env:// rendezvous). It prints one line every --print-every steps, flushed, so
