@@ -10,7 +10,7 @@ RANKS      ?= 2
 CTEST_ARGS ?=
 MEGACPP_FUZZ_SECONDS ?= 300
 
-.PHONY: all setup configure build run run-cpp test test-full test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-failure bench-recovery clean
+.PHONY: all setup configure build run run-cpp test test-full test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-failure bench-recovery device-prep device-test clean
 
 all: build
 
@@ -71,6 +71,15 @@ test-full: build
 
 chaos: build
 	@ctest --test-dir $(BUILD) --output-on-failure -R 'chaos_full|checkpoint_kills_full'
+
+# The GPU machine has torch and nvcc but no package registry: device-prep (here) unpacks the
+# build's Debian packages into build-device/prefix (<= 64 MiB, carried there); device-test (there)
+# builds against its own torch and runs the tests labelled gpu.
+device-prep:
+	@bash scripts/device-prep.sh
+
+device-test:
+	@bash scripts/device-test.sh
 
 format:
 	@git ls-files '*.h' '*.cpp' '*.cu' | xargs clang-format -i

@@ -183,4 +183,7 @@ struct LaunchContract {
   resume @31 :ResumePoint;
   parent @32 :ParentRun;
   checkpointPolicy @33 :CheckpointPolicy;
+  # Where every rank trains: "cpu" (Gloo) or "cuda" (rank r on CUDA device r of those visible,
+  # NCCL). Empty, as in contracts written before the field existed, means "cpu".
+  device @34 :Text;
 }

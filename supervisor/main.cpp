@@ -132,6 +132,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   run->add_option("--teardown-grace-s", ro.teardown_grace_s, "SIGTERM -> SIGKILL grace")
       ->capture_default_str();
+  run->add_option("--device", ro.device,
+                  "cpu (Gloo) or cuda (rank r on CUDA device r, NCCL; needs the CUDA plugin and "
+                  "one visible device per rank)")
+      ->capture_default_str();
   run->add_flag("--malloc-hugepages,!--no-malloc-hugepages", ro.malloc_hugepages,
                 "Trainers' malloc uses transparent huge pages (GLIBC_TUNABLES "
                 "glibc.malloc.hugetlb=1): a faster first step after a (re)launch and a faster "

@@ -23,6 +23,7 @@
 #include "ipc/journal.h"
 #include "ipc/shm.h"
 #include "ipc/slot_ring.h"
+#include "ops/ops.h"
 #include "recipes/recipe.h"
 #include "schemas/enums.h"
 #include "schemas/json.h"
@@ -44,6 +45,8 @@ void RunOptions::validate() const {
   if ((ranks < 1 && resume.empty()) || ranks > layout::kMaxRanks)
     bad(fmt::format("--ranks {}: must be in [1, {}]", ranks, layout::kMaxRanks));
   if (steps < 1) bad("--steps must be >= 1");
+  if (device != "cpu" && device != "cuda")
+    bad(fmt::format("--device {}: must be cpu or cuda", device));
   if (!resume.empty()) {
     if (!run_dir.empty() || !from.empty())
       bad("--resume RUN continues RUN: it takes no --run-dir or --from");
@@ -289,11 +292,28 @@ void Run::adopt_parent_checkpoint() {
   parent_ = ParentInfo{parent_run.string(), ckpt.run_id(), ckpt.step(), dir.string()};
 }
 
+void Run::check_cuda_devices() const {
+  const fs::path plugin = detail::self_exe_dir() / "libmegacpp_trainer_cuda.so";
+  if (!fs::exists(plugin))
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "--device cuda: this build has no CUDA trainer ({} is missing: torch without "
+                 "CUDA, or no CUDA/NCCL headers at configure time); use --device cpu",
+                 plugin.string());
+  // With --resume, ranks 0 means the run's own world: checked once it is known, by the ranks.
+  const int visible = ops::cuda_device_count();
+  if (visible < 1 || static_cast<uint32_t>(visible) < opt_.ranks)
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "--device cuda: {} CUDA device(s) visible (CUDA_VISIBLE_DEVICES applies), {} "
+                 "rank(s) need one each; run on a GPU machine, lower --ranks, or use --device cpu",
+                 visible, std::max<uint32_t>(opt_.ranks, 1));
+}
+
 void Run::prepare() {
   // Before any thread exists (TCPStore, ZeroMQ): threads inherit the mask, so SIGCHLD can
   // reach nothing but the signalfd. A thread that left it unblocked would swallow exits.
   sigfd_ = detail::block_signals_to_fd();
   opt_.validate();
+  if (opt_.device == "cuda") check_cuda_devices();
   const bool resuming = !opt_.resume.empty();
   if (resuming) {
     adopt_previous_attempt();
@@ -563,6 +583,7 @@ void Run::write_launch_contract(const recipe::Recipe& planned) {
   l.setStorePort(store_->port());
   l.setWorld(opt_.ranks);
   l.setSteps(opt_.steps);
+  l.setDevice(opt_.device);
   l.setRingSlots(opt_.ring_slots);
   // The recipe rules keep it within kMaxBatchSlotBytes, which fits 32 bits.
   l.setRingSlotBytes(static_cast<uint32_t>(recipe::batch_spec(planned).slot_bytes()));

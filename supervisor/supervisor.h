@@ -53,6 +53,10 @@ struct RunOptions {
   // (re)launch takes a few hundred page faults instead of tens of thousands, and its exit
   // (the teardown after a failure) frees 2 MiB pages. glibc < 2.35 ignores the tunable.
   bool malloc_hugepages = true;
+  // "cpu" (Gloo) or "cuda": rank r trains on CUDA device r of those visible, over NCCL, through
+  // the trainer's CUDA plugin (refused before anything is written when the plugin or enough
+  // devices are missing).
+  std::string device = "cpu";
   // SIGINT/SIGTERM to `megacpp run` stop it gracefully: the ranks finish the step in flight,
   // commit its checkpoint and exit. If that takes longer than this, or a second signal comes,
   // the job is torn down at once (the newest committed checkpoint stays intact).

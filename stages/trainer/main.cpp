@@ -1,4 +1,5 @@
-// megacpp-trainer: one trainer rank. Joins the Gloo group, trains on the batches its data
+// megacpp-trainer: one trainer rank. Joins the process group (Gloo on CPU, NCCL on CUDA through
+// the CUDA plugin), trains on the batches its data
 // loader publishes into the rank's shm ring, journals every step, and hands snapshots to
 // the checkpointer through a leased staging region (DESIGN.md "Decisions": snapshot ownership).
 #include <sys/prctl.h>
@@ -25,6 +26,7 @@
 #include "schemas/run_layout.h"
 #include "stages/stage.h"
 #include "stages/trainer/collective.h"
+#include "stages/trainer/cuda_plugin.h"
 #include "stages/trainer/rendezvous.h"
 #include "stages/trainer/snapshot_plane.h"
 #include "stages/trainer/train_step.h"
@@ -186,6 +188,22 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   torch::set_num_threads(static_cast<int>(threads));
   const auto store_timeout = knob_millis(Knob::kStoreTimeoutS);
 
+  // --device cuda: rank r on CUDA device r of those visible. The plugin is loaded before any
+  // tensor exists and lives as long as this function's tensors and group.
+  const bool on_cuda = launch.getDevice() == "cuda";
+  std::optional<CudaPlugin> cuda;
+  at::Device device = at::kCPU;
+  if (on_cuda) {
+    cuda.emplace(CudaPlugin::beside_executable());
+    const int visible = cuda->api().device_count();
+    MEGACPP_CHECK(static_cast<int64_t>(rank) < visible, ErrorKind::kInvalidArgument,
+                  fmt::format("--device cuda: rank {} needs CUDA device {}, {} visible", rank, rank,
+                              visible));
+    cuda->api().set_device(static_cast<int>(rank));
+    device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(rank));
+    log_info("training on cuda:{} ({})", rank, cuda->api().versions());
+  }
+
   c10::intrusive_ptr<c10d::Backend> pg;
   if (world > 1) {
     GlooOptions go;
@@ -199,12 +217,14 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     go.store_prefix = fmt::format("megacpp/{}/a{}/g{}/", launch.getRunId().cStr(),
                                   launch.getAttempt(), launch.getGeneration());
     with_peers(fmt::format("rendezvous at {}:{}", go.store_host, go.store_port),
-               std::min(go.store_timeout, go.collective_timeout), [&] { pg = connect_gloo(go); });
-    log_info("joined the Gloo group as rank {} of {}", rank, world);
+               std::min(go.store_timeout, go.collective_timeout), [&] {
+                 pg = on_cuda ? connect_nccl(go, *cuda, static_cast<int>(rank)) : connect_gloo(go);
+               });
+    log_info("joined the {} group as rank {} of {}", on_cuda ? "NCCL" : "Gloo", rank, world);
   }
 
   const auto ts = typed_errors("model set-up and parameter broadcast", [&] {
-    return std::make_unique<TrainStep>(model, train, steps, pg);
+    return std::make_unique<TrainStep>(model, train, steps, pg, device);
   });
   // Resume: parameters and optimizer state from the checkpoint (every rank reads the files
   // itself; the data sequence and the LR schedule are functions of the step).

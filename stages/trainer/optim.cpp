@@ -66,8 +66,9 @@ at::Tensor global_mask(const Pg& pg, const std::vector<at::Tensor>& params,
   at::Tensor mask = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
   auto acc = mask.accessor<int32_t, 1>();
   for (size_t i = 0; i < params.size(); ++i) acc[i] = params[i].grad().defined() ? 1 : 0;
+  mask = mask.to(device);  // NCCL reduces device tensors only; a no-op on CPU
   if (pg) all_reduce(pg, mask, c10d::ReduceOp::MAX);
-  return mask.to(device).gt(0);
+  return mask.gt(0);
 }
 
 constexpr std::array<std::array<double, 3>, 5> kPolarExpress{{

@@ -33,4 +33,10 @@ struct GlooOptions {
 };
 c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooOptions& options);
 
+class CudaPlugin;
+// The same rendezvous with a ProcessGroupNCCL made by the CUDA plugin, bound to CUDA device
+// `device_index` (device_hostname is not used). The plugin must outlive the group.
+c10::intrusive_ptr<c10d::Backend> connect_nccl(const GlooOptions& options, const CudaPlugin& cuda,
+                                               int device_index);
+
 }  // namespace megacpp::trainer

@@ -49,6 +49,7 @@ struct TrainStep::Impl {
   TrainConfig train_cfg;
   uint32_t total_steps;
   c10::intrusive_ptr<c10d::Backend> pg;
+  at::Device device;
   uint32_t rank = 0;
   uint32_t world = 1;
   Transformer model;
@@ -65,14 +66,20 @@ struct TrainStep::Impl {
   std::unique_ptr<DistMuon> muon;
 
   Impl(const ModelConfig& m, const TrainConfig& t, uint32_t steps,
-       c10::intrusive_ptr<c10d::Backend> group)
-      : model_cfg(m), train_cfg(t), total_steps(steps), pg(std::move(group)), model(m, t.seed) {
+       c10::intrusive_ptr<c10d::Backend> group, at::Device dev)
+      : model_cfg(m),
+        train_cfg(t),
+        total_steps(steps),
+        pg(std::move(group)),
+        device(dev),
+        model(m, t.seed) {
     MEGACPP_CHECK(t.batch_size > 0, ErrorKind::kInvalidArgument, "train: batchSize must be > 0");
     MEGACPP_CHECK(steps > 0, ErrorKind::kInvalidArgument, "total steps must be > 0");
     if (pg) {
       rank = static_cast<uint32_t>(pg->getRank());
       world = static_cast<uint32_t>(pg->getSize());
     }
+    if (!device.is_cpu()) model->to(device);
     for (auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
     if (pg && world > 1) broadcast_parameters();
     build_optimizers();
@@ -161,7 +168,7 @@ struct TrainStep::Impl {
     torch::NoGradGuard no_grad;
     int64_t numel = 0;
     for (const auto& [name, p] : params) numel += p.numel();
-    at::Tensor flat = torch::empty({numel}, torch::kFloat32);
+    at::Tensor flat = torch::empty({numel}, torch::dtype(torch::kFloat32).device(device));
     int64_t off = 0;
     for (const auto& [name, p] : params) {
       flat.narrow(0, off, p.numel()).copy_(p.reshape({-1}));
@@ -250,8 +257,8 @@ struct TrainStep::Impl {
 };
 
 TrainStep::TrainStep(const ModelConfig& model, const TrainConfig& train, uint32_t total_steps,
-                     c10::intrusive_ptr<c10d::Backend> pg)
-    : impl_(std::make_unique<Impl>(model, train, total_steps, std::move(pg))) {}
+                     c10::intrusive_ptr<c10d::Backend> pg, at::Device device)
+    : impl_(std::make_unique<Impl>(model, train, total_steps, std::move(pg), device)) {}
 
 TrainStep::~TrainStep() = default;
 
@@ -283,7 +290,8 @@ std::vector<ParamAssignment> TrainStep::assignment() const {
 bool TrainStep::any_rank(bool local) {
   Impl& s = *impl_;
   if (!s.pg || s.world == 1) return local;
-  std::vector<at::Tensor> flag{torch::full({1}, local ? 1 : 0, torch::kInt32)};
+  std::vector<at::Tensor> flag{
+      torch::full({1}, local ? 1 : 0, torch::dtype(torch::kInt32).device(s.device))};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MAX;
   run_collective("stop agreement", s.pg, [&] { return s.pg->allreduce(flag, options); });
@@ -303,16 +311,17 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
   };
   StepTiming out;
   const int64_t T = tokens.size(1) - 1;
+  const at::Tensor on_device = tokens.device() == s.device ? tokens : tokens.to(s.device);
 
   phase(schema::Phase::FORWARD);
   auto t0 = Clock::now();
   for (auto& [name, p] : s.params) p.mutable_grad() = at::Tensor();
   at::Tensor loss;
   {
-    const auto logits = s.model->forward(tokens.narrow(1, 0, T));
+    const auto logits = s.model->forward(on_device.narrow(1, 0, T));
     loss = torch::nn::functional::cross_entropy(
         logits.reshape({-1, static_cast<int64_t>(s.model_cfg.vocab_size)}),
-        tokens.narrow(1, 1, T).reshape({-1}));
+        on_device.narrow(1, 1, T).reshape({-1}));
   }
   out.loss = loss.item<float>();
   out.forward_seconds = seconds_since(t0);
@@ -425,8 +434,11 @@ void TrainStep::restore(const checkpointer::CheckpointReader& ckpt) {
                     safetensors_dtype(dst.scalar_type()), nlohmann::json(want).dump()));
     MEGACPP_CHECK(dst.is_contiguous(), ErrorKind::kInternal, logical + ": state not contiguous");
     const uint64_t rows = dst.dim() == 0 ? 1 : static_cast<uint64_t>(dst.size(0));
+    // The files are read into host memory: a device tensor is filled through a host copy.
+    at::Tensor host = dst.is_cpu() ? dst : at::empty_like(dst, at::TensorOptions(at::kCPU));
     ckpt.read_rows(*t, static_cast<uint64_t>(row), rows,
-                   {static_cast<std::byte*>(dst.data_ptr()), dst.nbytes()});
+                   {static_cast<std::byte*>(host.data_ptr()), host.nbytes()});
+    if (!dst.is_cpu()) dst.copy_(host);
   };
   for (auto& [name, p] : s.params) fill("model." + name, p.detach(), p.sizes().vec(), 0, false);
   std::array<OptimizerState, 2> views{s.adamw->state_view(), s.muon->state_view()};

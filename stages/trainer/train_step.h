@@ -3,9 +3,10 @@
 // that rank's share of a checkpoint snapshot.
 //
 // Used by the rank process (megacpp-trainer) and, unchanged, by an in-process benchmark
-// loop: TrainStep knows nothing about rings, control sockets or journals. Everything runs on
-// CPU in float32. Collectives go through a c10d Backend (ProcessGroupGloo on CPU); without
-// one the step is single-process and issues no collective.
+// loop: TrainStep knows nothing about rings, control sockets or journals. Everything runs in
+// float32 on the CPU or on one CUDA device. Collectives go through a c10d Backend
+// (ProcessGroupGloo on CPU, ProcessGroupNCCL on CUDA); without one the step is single-process
+// and issues no collective. Batches arrive on the CPU and are copied to the device by step().
 //
 // Contract: construction and step() are collectives when a process group is given (they block
 // until every rank takes part; a peer's failure or a transport timeout surfaces as
@@ -95,8 +96,12 @@ struct ParamAssignment {
 // reduction, so it needs no extra collective.
 class TrainStep {
  public:
+  // `device`: where the model, its gradients and the optimizer state live (CPU, or a CUDA
+  // device whose backend is loaded, with `pg` a group on that device). The model is
+  // initialised on the CPU from train.seed and then moved, so every device starts from the
+  // same parameters.
   TrainStep(const ModelConfig& model, const TrainConfig& train, uint32_t total_steps,
-            c10::intrusive_ptr<c10d::Backend> pg = {});
+            c10::intrusive_ptr<c10d::Backend> pg = {}, at::Device device = at::kCPU);
   ~TrainStep();
   TrainStep(const TrainStep&) = delete;
   TrainStep& operator=(const TrainStep&) = delete;

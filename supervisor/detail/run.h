@@ -105,6 +105,9 @@ class Run {
 
  private:
   void prepare();
+  // --device cuda: the trainer's CUDA plugin is built and one device per rank is visible, or a
+  // one-line Error{kInvalidArgument}.
+  void check_cuda_devices() const;
   void adopt_previous_attempt();
   void adopt_parent_checkpoint();
   void begin_attempt();

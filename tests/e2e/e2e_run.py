@@ -236,6 +236,25 @@ class Refusals(unittest.TestCase):
         self.refused(["run", "--require-data-volume", "--run-dir", rd], "rule data-volume")
         self.assertFalse(os.path.exists(rd))
 
+    def test_device_is_cpu_or_cuda(self):
+        rd = os.path.join(self.tmp, "run")
+        self.refused(["run", "--device", "tpu", "--run-dir", rd], "--device tpu: must be cpu or cuda")
+        self.assertFalse(os.path.exists(rd))
+
+    def test_device_cuda_without_a_visible_device(self):
+        # CUDA_VISIBLE_DEVICES="" hides every device, on a GPU machine too: refused in one line
+        # before anything is written (no plugin in this build is refused the same way).
+        rd = os.path.join(self.tmp, "run")
+        p = subprocess.run([MEGACPP, "run", "--device", "cuda", "--run-dir", rd],
+                           capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        lines = p.stderr.strip().splitlines()
+        self.assertEqual(len(lines), 1, p.stderr)
+        self.assertTrue(lines[0].startswith("megacpp: error: --device cuda: "), lines[0])
+        self.assertRegex(lines[0], r"0 CUDA device\(s\) visible|has no CUDA trainer")
+        self.assertFalse(os.path.exists(rd))
+
     def test_invalid_recipe_names_the_rule(self):
         bad = os.path.join(self.tmp, "bad.toml")
         with open(bad, "w") as f:

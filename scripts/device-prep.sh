@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Prepares, on a machine that reaches Debian's package registry, what the GPU machine needs to
+# build megacpp there: it has torch 2.11 (+cu130), Python, nvcc and no registry. The Debian
+# packages of the build's libraries and headers, with their library dependencies, are fetched
+# with `apt-get download` and unpacked into build-device/prefix; build-device/env.sh points
+# CMake and pkg-config at them. `make device-test` on the GPU machine uses that prefix (carry
+# build-device to it). The GPU machine's own libc, libstdc++, CUDA toolkit and torch are used.
+#
+# Contract: idempotent (the .debs stay in build-device/debs); fails if the prefix would exceed
+# the 64 MiB a carried path may hold, naming the biggest packages. Needs only apt-get and dpkg-deb.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="$ROOT/build-device"
+LIMIT_MB=64
+
+# What CMake finds (CMakeLists.txt, cmake/, */CMakeLists.txt) and the tools the build runs.
+WANT=(
+  libzmq3-dev capnproto libcapnp-dev libgtest-dev libgmock-dev
+  nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libfmt-dev libxxhash-dev
+  libgloo-dev libcpp-httplib-dev libsentencepiece-dev ninja-build
+)
+# Not fetched: the base system every machine has; other packages' headers (-dev: only those in
+# WANT are read, and dynamic links need no Requires.private, which is stripped below); gloo's
+# runtime (torch carries its own gloo; only the headers are used) and what it pulls in.
+SKIP='^(libc6|libgcc-s1|libstdc\+\+6|gcc-[0-9]+-base|libcrypt1|zlib1g|debconf|dpkg|perl-base|tzdata|libssl3|adduser|passwd|liblzma5|libgloo0|libibverbs1|ibverbs-providers|libhiredis.*|libnl-.*|libicu.*|icu-devtools|libxml2|libbrotli.*|.*-dev)$'
+
+deps() {
+  apt-cache depends --no-recommends --no-suggests --no-conflicts --no-breaks --no-replaces \
+    --no-enhances "$@" 2>/dev/null | awk '/^  (Pre)?Depends: [^<]/ {print $2}' | sort -u
+}
+
+if ! command -v apt-get >/dev/null || ! command -v dpkg-deb >/dev/null; then
+  echo "device-prep: needs apt-get and dpkg-deb (a Debian machine with its registry)" >&2
+  exit 1
+fi
+mkdir -p "$OUT/debs"
+if [ ! -f "$OUT/debs/.complete" ]; then
+  [ "$(id -u)" = 0 ] && apt-get update -qq || true
+  all=("${WANT[@]}")
+  frontier=("${WANT[@]}")
+  for _ in 1 2 3 4; do
+    mapfile -t next < <(deps "${frontier[@]}" | grep -Ev "$SKIP" || true)
+    frontier=()
+    for p in "${next[@]}"; do
+      if [[ ! " ${all[*]} " == *" $p "* ]]; then all+=("$p"); frontier+=("$p"); fi
+    done
+    ((${#frontier[@]})) || break
+  done
+  echo "device-prep: downloading ${#all[@]} packages"
+  (cd "$OUT/debs" && apt-get download -qq "${all[@]}")
+  touch "$OUT/debs/.complete"
+fi
+
+rm -rf "$OUT/prefix"
+mkdir -p "$OUT/prefix"
+for deb in "$OUT"/debs/*.deb; do dpkg-deb -x "$deb" "$OUT/prefix"; done
+# Nothing the build does not read: documentation, manuals, locales.
+rm -rf "$OUT/prefix/usr/share/doc" "$OUT/prefix/usr/share/man" "$OUT/prefix/usr/share/locale" \
+  "$OUT/prefix/usr/share/lintian" "$OUT/prefix/usr/share/info"
+# Dynamic links only: a .pc file's Requires.private would send pkg-config after headers of
+# packages not fetched.
+find "$OUT/prefix" -name '*.pc' -exec sed -i '/^Requires.private:/d' {} +
+# Static archives are not linked (every dependency is a shared library).
+find "$OUT/prefix" -name '*.a' ! -name 'libgtest*.a' ! -name 'libgmock*.a' -delete
+
+MULTI="$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo x86_64-linux-gnu)"
+cat > "$OUT/env.sh" <<ENV
+# Sourced by scripts/device-test.sh: the unpacked packages of build-device/prefix.
+P="\$(cd "\$(dirname "\${BASH_SOURCE[0]}")" && pwd)/prefix"
+export PATH="\$P/usr/bin:\$PATH"
+export LD_LIBRARY_PATH="\$P/usr/lib/$MULTI\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+export CMAKE_PREFIX_PATH="\$P/usr\${CMAKE_PREFIX_PATH:+:\$CMAKE_PREFIX_PATH}"
+export PKG_CONFIG_SYSROOT_DIR="\$P"
+export PKG_CONFIG_LIBDIR="\$P/usr/lib/$MULTI/pkgconfig:\$P/usr/share/pkgconfig"
+export CPATH="\$P/usr/include\${CPATH:+:\$CPATH}"
+ENV
+
+mb=$(du -sm "$OUT/prefix" | cut -f1)
+echo "device-prep: build-device/prefix holds ${mb} MiB from $(ls "$OUT"/debs/*.deb | wc -l) packages"
+if ((mb > LIMIT_MB)); then
+  echo "device-prep: over the ${LIMIT_MB} MiB a carried path may hold; the biggest:" >&2
+  du -sk "$OUT"/debs/*.deb | sort -rn | head -8 >&2
+  exit 1
+fi

@@ -1,0 +1,64 @@
+// libmegacpp_trainer_cuda.so: the CUDA side of a trainer rank (cuda_plugin.h). Built only where
+// torch has CUDA and NCCL's headers are found; it links libtorch_cuda, so loading it registers
+// torch's CUDA backend in the process.
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/NCCLUtils.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+#include <string>
+
+#include "stages/trainer/cuda_plugin.h"
+
+namespace {
+
+using megacpp::trainer::CudaPluginApi;
+
+int device_count() {
+  return static_cast<int>(c10::cuda::device_count());
+}
+
+void set_device(int index) {
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+}
+
+c10::intrusive_ptr<c10d::Backend> nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                       int world, int index, std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = timeout;
+  auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world, options);
+  // Bound: NCCL communicators are created eagerly for this device rather than at the first
+  // collective, so a peer that never joins fails the rendezvous, not the first step.
+  group->setBoundDeviceId(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index)));
+  group->eagerConnectSingleDevice(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index)));
+  return group;
+}
+
+void abort(const c10::intrusive_ptr<c10d::Backend>& group) {
+  if (group) group->abort();
+}
+
+void synchronize(int index) {
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+  c10::cuda::device_synchronize();
+}
+
+const char* versions() {
+  static const std::string text = "cuda " + std::to_string(CUDA_VERSION / 1000) + "." +
+                                  std::to_string(CUDA_VERSION % 1000 / 10) + " nccl " +
+                                  c10d::getNcclVersion();
+  return text.c_str();
+}
+
+constexpr CudaPluginApi kApi{megacpp::trainer::kCudaPluginAbi,
+                             &device_count,
+                             &set_device,
+                             &nccl,
+                             &abort,
+                             &synchronize,
+                             &versions};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) const CudaPluginApi* megacpp_cuda_plugin() {
+  return &kApi;
+}
