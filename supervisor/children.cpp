@@ -75,8 +75,8 @@ void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, schema::Ch
                                    "--generation",
                                    std::to_string(generation)};
   c->pid = detail::spawn(argv, layout::log_path(run_, stage, rank),
-                         stage == StageKind::TRAINER && opt_.malloc_hugepages
-                             ? detail::environment_with_tunable("glibc.malloc.hugetlb=1")
+                         stage == StageKind::TRAINER && opt_.malloc_tuning
+                             ? detail::environment_with_tunables(kTrainerMallocTunables)
                              : std::vector<std::string>{});
   c->generation = generation;
   c->alive = true;

@@ -136,10 +136,10 @@ int main(int argc, char** argv) {
                   "cpu (Gloo) or cuda (rank r on CUDA device r, NCCL; needs the CUDA plugin and "
                   "one visible device per rank)")
       ->capture_default_str();
-  run->add_flag("--malloc-hugepages,!--no-malloc-hugepages", ro.malloc_hugepages,
-                "Trainers' malloc uses transparent huge pages (GLIBC_TUNABLES "
-                "glibc.malloc.hugetlb=1): a faster first step after a (re)launch and a faster "
-                "teardown")
+  run->add_flag("--malloc-tuning,!--no-malloc-tuning", ro.malloc_tuning,
+                "Trainers' malloc uses transparent huge pages and a fixed mmap threshold "
+                "(GLIBC_TUNABLES; a tunable already set keeps its value): a faster first step "
+                "after a (re)launch and a faster teardown")
       ->capture_default_str();
   run->add_option("--progress", ro.progress, "Console progress: auto | tty | plain | none")
       ->capture_default_str();

@@ -58,28 +58,31 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& l
   return pid;
 }
 
-std::vector<std::string> environment_with_tunable(const std::string& tunable) {
-  const std::string name = tunable.substr(0, tunable.find('='));
+std::vector<std::string> environment_with_tunables(const std::vector<std::string>& tunables) {
+  auto name_of = [](const std::string& item) { return item.substr(0, item.find('=')); };
   std::vector<std::string> env;
-  bool found = false;
+  size_t at_entry = SIZE_MAX;
   for (char** e = environ; *e != nullptr; ++e) {
-    std::string entry(*e);
-    if (entry.starts_with("GLIBC_TUNABLES=")) {
-      found = true;
-      const std::string value = entry.substr(sizeof("GLIBC_TUNABLES=") - 1);
-      // Tunables are name=value pairs joined by ':'.
-      bool named = false;
-      for (size_t at = 0; at <= value.size();) {
-        const size_t end = std::min(value.find(':', at), value.size());
-        const std::string item = value.substr(at, end - at);
-        if (item.substr(0, item.find('=')) == name) named = true;
-        at = end + 1;
-      }
-      if (!named) entry += (value.empty() ? "" : ":") + tunable;
-    }
-    env.push_back(std::move(entry));
+    env.emplace_back(*e);
+    if (env.back().starts_with("GLIBC_TUNABLES=")) at_entry = env.size() - 1;
   }
-  if (!found) env.push_back("GLIBC_TUNABLES=" + tunable);
+  if (at_entry == SIZE_MAX) {
+    env.emplace_back("GLIBC_TUNABLES=");
+    at_entry = env.size() - 1;
+  }
+  std::string* entry = &env[at_entry];  // env does not grow from here on
+  // Tunables are name=value pairs joined by ':'.
+  const std::string value = entry->substr(sizeof("GLIBC_TUNABLES=") - 1);
+  std::vector<std::string> named;
+  for (size_t at = 0; at < value.size();) {
+    const size_t end = std::min(value.find(':', at), value.size());
+    named.push_back(name_of(value.substr(at, end - at)));
+    at = end + 1;
+  }
+  for (const auto& t : tunables) {
+    if (std::ranges::find(named, name_of(t)) != named.end()) continue;
+    *entry += (entry->back() == '=' ? "" : ":") + t;
+  }
   return env;
 }
 

@@ -21,9 +21,9 @@ namespace megacpp::supervisor::detail {
 pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& log,
             const std::vector<std::string>& env = {});
 
-// The supervisor's environment with `tunable` ("glibc.malloc.hugetlb=1") added to
-// GLIBC_TUNABLES, unless GLIBC_TUNABLES already sets that tunable (the user's value wins).
-std::vector<std::string> environment_with_tunable(const std::string& tunable);
+// The supervisor's environment with each of `tunables` ("glibc.malloc.hugetlb=1", ...) added to
+// GLIBC_TUNABLES, except those GLIBC_TUNABLES already sets (the user's value wins).
+std::vector<std::string> environment_with_tunables(const std::vector<std::string>& tunables);
 
 // Blocks SIGCHLD, SIGINT, SIGTERM in the calling thread and returns a signalfd for them.
 // The caller owns the fd. Children get the original mask back before exec.

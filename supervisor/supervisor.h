@@ -11,6 +11,12 @@ namespace megacpp::supervisor {
 
 // Everything `megacpp run` takes. validate() is the one place the rules live; a violation is
 // an Error{kInvalidArgument} whose message names the rule. Nothing is written before it passes.
+// What malloc_tuning adds to a trainer's GLIBC_TUNABLES: 32 MiB is glibc's own ceiling for the
+// dynamic mmap threshold, so later steps behave as they did; 1 GiB of free heap top is kept.
+inline const std::vector<std::string> kTrainerMallocTunables = {
+    "glibc.malloc.hugetlb=1", "glibc.malloc.mmap_threshold=33554432",
+    "glibc.malloc.trim_threshold=1073741824"};
+
 struct RunOptions {
   std::string recipe = "tiny";  // a name in recipes/ or a path to a .toml
   uint32_t ranks = 2;
@@ -48,11 +54,13 @@ struct RunOptions {
   double loader_stall_s = 30;
   double checkpointer_stall_s = 60;
   double teardown_grace_s = 1.5;  // SIGTERM -> SIGKILL
-  // Trainers get glibc.malloc.hugetlb=1 added to GLIBC_TUNABLES (unless it already names that
-  // tunable): malloc then asks for transparent huge pages, so a rank's first step after a
-  // (re)launch takes a few hundred page faults instead of tens of thousands, and its exit
-  // (the teardown after a failure) frees 2 MiB pages. glibc < 2.35 ignores the tunable.
-  bool malloc_hugepages = true;
+  // Trainers' malloc is tuned through GLIBC_TUNABLES (kTrainerMallocTunables; a tunable the
+  // user already set keeps the user's value): transparent huge pages, so a rank's first step
+  // after a (re)launch takes a few hundred page faults instead of tens of thousands and its exit
+  // (the teardown after a failure) frees 2 MiB pages; and a fixed mmap threshold with no
+  // trimming, so the first step's allocations come from a heap that later steps reuse, as the
+  // dynamic threshold only arranges after a step has freed them. glibc < 2.35 ignores hugetlb.
+  bool malloc_tuning = true;
   // "cpu" (Gloo) or "cuda": rank r trains on CUDA device r of those visible, over NCCL, through
   // the trainer's CUDA plugin (refused before anything is written when the plugin or enough
   // devices are missing).
