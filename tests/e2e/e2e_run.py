@@ -196,8 +196,8 @@ class Refusals(unittest.TestCase):
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def refused(self, args, needle):
-        p = run(args)
+    def refused(self, args, needle, **kw):
+        p = run(args, **kw)
         self.assertNotEqual(p.returncode, 0, p.stdout)
         lines = p.stderr.strip().splitlines()
         self.assertEqual(len(lines), 1, p.stderr)
@@ -245,14 +245,10 @@ class Refusals(unittest.TestCase):
         # CUDA_VISIBLE_DEVICES="" hides every device, on a GPU machine too: refused in one line
         # before anything is written (no plugin in this build is refused the same way).
         rd = os.path.join(self.tmp, "run")
-        p = subprocess.run([MEGACPP, "run", "--device", "cuda", "--run-dir", rd],
-                           capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
-        lines = p.stderr.strip().splitlines()
-        self.assertEqual(len(lines), 1, p.stderr)
-        self.assertTrue(lines[0].startswith("megacpp: error: --device cuda: "), lines[0])
-        self.assertRegex(lines[0], r"0 CUDA device\(s\) visible|has no CUDA trainer")
+        p = self.refused(["run", "--device", "cuda", "--run-dir", rd], "--device cuda: ",
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+        self.assertEqual(p.returncode, 2)
+        self.assertRegex(p.stderr, r"0 CUDA device\(s\) visible|has no CUDA trainer")
         self.assertFalse(os.path.exists(rd))
 
     def test_invalid_recipe_names_the_rule(self):
