@@ -114,6 +114,7 @@ void fill_launch(schema::LaunchContract::Builder c) {
   auto policy = c.initCheckpointPolicy();
   policy.setKeep(3);
   policy.setKeepEvery(100);
+  c.setDevice("cuda");
 }
 
 // Offsets of `"name":` for each top-level field, in schema order; -1 when absent. Top-level
@@ -156,6 +157,7 @@ TEST(SchemasJsonTest, LaunchContractRoundTrip) {
   EXPECT_FALSE(c.getFilesystem().getIsRootVolume());
   EXPECT_EQ(c.getCheckpointPolicy().getKeep(), 3u);
   EXPECT_EQ(c.getCheckpointPolicy().getKeepEvery(), 100u);
+  EXPECT_EQ(std::string(c.getDevice().cStr()), "cuda");
   // Encoding the decoded document reproduces the text byte for byte.
   EXPECT_EQ(schemas::to_json(c), json);
 }
