@@ -43,8 +43,6 @@ struct CudaPluginApi {
   // Aborts every communicator of a group made by nccl() (ncclCommAbort): kernels waiting in a
   // collective return, so a teardown leaves no process spinning on the device.
   void (*abort)(const c10::intrusive_ptr<c10d::Backend>& group);
-  // Waits until every kernel queued on device `index` has finished.
-  void (*synchronize)(int index);
   // The torch CUDA and NCCL versions the plugin was built against, e.g. "cuda 13.0 nccl 2.27.7".
   const char* (*versions)();
 };

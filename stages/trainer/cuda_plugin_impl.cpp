@@ -37,11 +37,6 @@ void abort(const c10::intrusive_ptr<c10d::Backend>& group) {
   if (group) group->abort();
 }
 
-void synchronize(int index) {
-  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
-  c10::cuda::device_synchronize();
-}
-
 const char* versions() {
   static const std::string text = "cuda " + std::to_string(CUDA_VERSION / 1000) + "." +
                                   std::to_string(CUDA_VERSION % 1000 / 10) + " nccl " +
@@ -49,13 +44,8 @@ const char* versions() {
   return text.c_str();
 }
 
-constexpr CudaPluginApi kApi{megacpp::trainer::kCudaPluginAbi,
-                             &device_count,
-                             &set_device,
-                             &nccl,
-                             &abort,
-                             &synchronize,
-                             &versions};
+constexpr CudaPluginApi kApi{
+    megacpp::trainer::kCudaPluginAbi, &device_count, &set_device, &nccl, &abort, &versions};
 
 }  // namespace
 
