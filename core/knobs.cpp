@@ -1,5 +1,6 @@
 #include "core/knobs.h"
 
+#include <cstdlib>
 #include <string>
 
 #include "core/error.h"
@@ -17,6 +18,12 @@ const KnobSpec& typed(Knob k, KnobType type, bool computed) {
 }
 
 }  // namespace
+
+std::optional<std::string> foreign_env(std::string_view name) {
+  const char* v = std::getenv(std::string(name).c_str());
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
 
 const KnobSpec* find_knob(std::string_view name) {
   for (const auto& s : kKnobs) {

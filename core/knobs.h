@@ -102,4 +102,8 @@ int64_t knob_int(Knob k);
 double knob_seconds(Knob k);
 double knob_seconds(Knob k, double fallback);
 
+// A variable of a library megacpp configures (TORCH_NCCL_* for ProcessGroupNCCL), read only so
+// that a value the user set is kept and recorded; nullopt when unset or empty.
+std::optional<std::string> foreign_env(std::string_view name);
+
 }  // namespace megacpp

@@ -53,6 +53,9 @@ struct ControlClient::State {
   std::string stop_reason;
   std::vector<PendingFailure> failures;  // to send
   bool lingering = false;
+  // Held while the abort handler runs: set_abort_handler waits for a run in progress.
+  std::mutex abort_mu;
+  std::function<void()> abort_handler;
 
   std::thread thread;  // last: joined before anything above is destroyed
 
@@ -132,7 +135,34 @@ struct ControlClient::State {
         stop_reason = root.getStop().getReason().cStr();
       }
       (root.getStop().getAfterCheckpoint() ? drain : stop).store(true, std::memory_order_release);
+    } else if (root.which() == schema::ControlMessage::ABORT_COLLECTIVES) {
+      abort_collectives(root.getAbortCollectives().getReason().cStr());
     }
+  }
+
+  void abort_collectives(const std::string& reason) {
+    ControlMessageBuilder m;
+    auto reply = m.root().initCollectivesAborted();
+    reply.setRank(identity.rank);
+    {
+      std::lock_guard lock(abort_mu);
+      if (abort_handler) {
+        log_warn("aborting this process's collectives: {}", reason);
+        reply.setHadGroup(true);
+        const int64_t begin = mono_ns();
+        try {
+          abort_handler();
+          reply.setOk(true);
+        } catch (const std::exception& e) {
+          reply.setError(e.what());
+        }
+        reply.setSeconds(static_cast<double>(mono_ns() - begin) / 1e9);
+      } else {
+        reply.setOk(true);
+      }
+    }
+    if (!channel.send(m.message(), Millis(0)))
+      log_warn("control client: could not queue the abort's reply");
   }
 
   void run(std::atomic<bool>& stop, std::atomic<bool>& drain) noexcept {
@@ -203,6 +233,11 @@ void ControlClient::publish(const ProgressRecord& record) {
   state_->step_seconds.store(record.step_seconds, std::memory_order_relaxed);
   state_->lag_seconds.store(record.lag_seconds, std::memory_order_relaxed);
   state_->step.store(record.step, std::memory_order_release);  // last: publishes the above
+}
+
+void ControlClient::set_abort_handler(std::function<void()> abort) {
+  std::lock_guard lock(state_->abort_mu);
+  state_->abort_handler = std::move(abort);
 }
 
 std::string ControlClient::stop_reason() const {

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -69,6 +70,13 @@ class ControlClient {
   // A Stop{afterCheckpoint}: finish the work in flight, make it durable, then exit 0.
   bool graceful_stop_requested() const noexcept { return drain_.load(std::memory_order_acquire); }
   std::string stop_reason() const;
+  // What the supervisor's AbortCollectives does in this process (schemas/control.capnp): the
+  // handler aborts the owner's process group and runs on this client's thread, which then
+  // replies CollectivesAborted (its duration; what it threw, if it did). So a process whose
+  // own thread is stuck in a collective still aborts and answers. Without a handler the reply
+  // says the process has no group. Replacing the handler (an empty one removes it) waits for
+  // a run of the old one in progress; a handler must stay callable until it is replaced.
+  void set_abort_handler(std::function<void()> abort);
   // Sends a Failure message now (best effort, from the calling thread's point of view it
   // is queued to the heartbeat thread and flushed before the destructor returns).
   // `error_kind`: what was thrown (schemas::to_schema of a megacpp::Error's kind, or the

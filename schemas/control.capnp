@@ -78,6 +78,24 @@ struct SnapshotAck {
   error @4 :Text;
 }
 
+# Supervisor -> trainer, in a failed job's teardown before any signal: abort the rank's process
+# group (ProcessGroupNCCL's abort, ncclCommAbort, so no kernel is left spinning in a collective;
+# on Gloo, every wait in a collective ends), then reply CollectivesAborted. Sent to every rank
+# that is alive and not stopped.
+struct AbortCollectives {
+  reason @0 :Text;
+}
+
+# Trainer -> supervisor: what AbortCollectives did, sent from the rank's control thread once
+# the abort returned (so even a rank whose main thread is stuck in a collective answers).
+struct CollectivesAborted {
+  rank @0 :UInt32;
+  hadGroup @1 :Bool;            # false: the rank had no group yet (or a world of 1)
+  ok @2 :Bool;                  # the abort returned without an error
+  error @3 :Text;
+  seconds @4 :Float64;          # the abort call's duration
+}
+
 struct ControlMessage {
   schemaVersion @0 :UInt32;
   union {
@@ -87,5 +105,7 @@ struct ControlMessage {
     failure @4 :Failure;
     snapshotReady @5 :SnapshotReady;
     snapshotAck @6 :SnapshotAck;
+    abortCollectives @7 :AbortCollectives;
+    collectivesAborted @8 :CollectivesAborted;
   }
 }

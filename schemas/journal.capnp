@@ -136,6 +136,18 @@ struct FirstForward {
   seconds @0 :Float64;          # process start -> first forward done
 }
 
+# The supervisor asked a rank to abort its collectives in a failed job's teardown (before any
+# signal): what the rank replied, or that it did not within the wait.
+struct CollectiveAbort {
+  rank @0 :UInt32;
+  answered @1 :Bool;            # false: no reply within abortWaitSeconds (or the rank exited)
+  hadGroup @2 :Bool;
+  ok @3 :Bool;
+  error @4 :Text;
+  abortSeconds @5 :Float64;     # the rank's abort call
+  replySeconds @6 :Float64;     # request sent -> reply received (-1 when not answered)
+}
+
 struct JournalRecord {
   schemaVersion @0 :UInt32;
   monoNs @1 :Int64;
@@ -161,6 +173,7 @@ struct JournalRecord {
     childUnkillable @18 :ChildEvent;
     attemptStarted @20 :AttemptStarted;
     checkpointRestored @21 :CheckpointRestored;
+    collectivesAborted @22 :CollectiveAbort;
   }
   # The run attempt that wrote the record (launch.json's attempt; 0 in journals written
   # before attempts existed).

@@ -142,6 +142,24 @@ struct CheckpointPolicy {
   keepEvery @1 :UInt32;
 }
 
+# How the ranks' collectives fail and are torn down (DESIGN.md "Failure model as implemented").
+struct CollectivePolicy {
+  backend @0 :Text;                     # "gloo" | "nccl"
+  # A collective gives up after this (Gloo's timeout; NCCL's watchdog timeout).
+  timeoutSeconds @1 :Float64;
+  # A failed job's teardown sends AbortCollectives to every live, unstopped rank and waits up to
+  # abortWaitSeconds for their replies before any signal.
+  abortOnTeardown @2 :Bool;
+  abortWaitSeconds @3 :Float64;
+  # NCCL only, as ProcessGroupNCCL reads them from each rank's environment (the supervisor sets
+  # TORCH_NCCL_ASYNC_ERROR_HANDLING, TORCH_NCCL_ENABLE_MONITORING and
+  # TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC; a value the user set is kept and recorded here).
+  ncclAsyncErrorHandling @4 :Int32;     # 2 (CleanUpOnly): a timed-out collective aborts its
+                                        # communicator and the rank's wait throws
+  ncclEnableMonitoring @5 :Bool;
+  ncclHeartbeatTimeoutSeconds @6 :Int32;
+}
+
 struct LaunchContract {
   schemaVersion @0 :UInt32;
   runId @1 :Text;
@@ -186,4 +204,7 @@ struct LaunchContract {
   # Where every rank trains: "cpu" (Gloo) or "cuda" (rank r on CUDA device r of those visible,
   # NCCL). Empty, as in contracts written before the field existed, means "cpu".
   device @34 :Text;
+  # Empty in contracts written before the field existed: Gloo, MEGACPP_COLLECTIVE_TIMEOUT_S, no
+  # abort on teardown.
+  collectives @35 :CollectivePolicy;
 }

@@ -53,6 +53,8 @@ struct RunError {
   # False when the cause's time is unknown, so detectionSeconds is not a measurement: a death
   # (no kernel source gives a process's exit time), or no first failure at all.
   detectionMeasured @13 :Bool;
+  # The teardown's abort of the ranks' collectives (before any signal), one per rank asked.
+  collectivesAborted @14 :List(Journal.CollectiveAbort);
 }
 
 struct GraphSnapshot {
@@ -143,6 +145,10 @@ struct BenchResult {
   # checkpoints and logs lived on.
   dataset @12 :Launch.Dataset;
   volumes @13 :List(Launch.VolumeUse);
+  # Where and over what the ranks trained: "cpu" | "cuda", and how their collectives time out
+  # and are aborted (launch.json's collectives).
+  device @14 :Text;
+  collectives @15 :Launch.CollectivePolicy;
 }
 
 struct StepPoint {

@@ -74,10 +74,13 @@ void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, schema::Ch
                                    std::to_string(rank),
                                    "--generation",
                                    std::to_string(generation)};
-  c->pid = detail::spawn(argv, layout::log_path(run_, stage, rank),
-                         stage == StageKind::TRAINER && opt_.malloc_tuning
-                             ? detail::environment_with_tunables(kTrainerMallocTunables)
-                             : std::vector<std::string>{});
+  std::vector<std::string> env;
+  if (stage == StageKind::TRAINER && (opt_.malloc_tuning || !collectives_.env.empty())) {
+    env = detail::environment_with_tunables(opt_.malloc_tuning ? kTrainerMallocTunables
+                                                               : std::vector<std::string>{});
+    env.insert(env.end(), collectives_.env.begin(), collectives_.env.end());
+  }
+  c->pid = detail::spawn(argv, layout::log_path(run_, stage, rank), env);
   c->generation = generation;
   c->alive = true;
   c->seen = false;

@@ -132,6 +132,13 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   run->add_option("--teardown-grace-s", ro.teardown_grace_s, "SIGTERM -> SIGKILL grace")
       ->capture_default_str();
+  run->add_flag("--abort-collectives,!--no-abort-collectives", ro.abort_collectives,
+                "A failed job's teardown aborts the ranks' process groups (NCCL communicators; "
+                "Gloo waits) before any signal")
+      ->capture_default_str();
+  run->add_option("--abort-wait-s", ro.abort_wait_s,
+                  "How long the teardown waits for the ranks' replies to the abort")
+      ->capture_default_str();
   run->add_option("--device", ro.device,
                   "cpu (Gloo) or cuda (rank r on CUDA device r, NCCL; needs the CUDA plugin and "
                   "one visible device per rank)")

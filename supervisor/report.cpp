@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -172,6 +173,23 @@ int Run::report() {
                        layout::stage_name(e.getStage()), e.getRank(), e.getMessage().cStr());
     out += fmt::format("  {}; every process gone and shm/sockets removed {:.2f}s later\n",
                        detection_text(e), e.getTeardownSeconds());
+    if (e.getCollectivesAborted().size() > 0) {
+      std::string ranks;
+      uint32_t answered = 0;
+      double slowest = 0;
+      for (auto a : e.getCollectivesAborted()) {
+        ranks += fmt::format("{}{}{}", ranks.empty() ? "" : ", ", a.getRank(),
+                             !a.getAnswered() ? " (no reply)"
+                             : !a.getOk()     ? " (failed)"
+                                              : "");
+        if (a.getAnswered()) ++answered;
+        slowest = std::max(slowest, a.getReplySeconds());
+      }
+      out += fmt::format(
+          "  collectives of rank(s) {} aborted before any signal ({} replied, the "
+          "slowest after {:.3f}s)\n",
+          ranks, answered, slowest);
+    }
   }
   for (auto st : m.getStages()) {
     if (st.getState() == schema::ProcessState::UNKILLABLE) {

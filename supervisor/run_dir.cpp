@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/knobs.h"
 #include "core/util.h"
 #include "data/dataset_manifest.h"
 #include "ipc/channel.h"
@@ -67,6 +68,7 @@ void RunOptions::validate() const {
   }
   if (!(teardown_grace_s >= 0) || teardown_grace_s > 30)
     bad("--teardown-grace-s must be in [0, 30]");
+  if (!(abort_wait_s > 0) || abort_wait_s > 60) bad("--abort-wait-s must be in (0, 60]");
   if (max_restarts > 100) bad("--max-restarts must be <= 100");
   if (max_job_restarts > 100) bad("--max-job-restarts must be <= 100");
   if (!(stop_grace_s > 0) || stop_grace_s > 86400) bad("--stop-grace-s must be in (0, 86400]");
@@ -308,12 +310,45 @@ void Run::check_cuda_devices() const {
                  visible, std::max<uint32_t>(opt_.ranks, 1));
 }
 
+void Run::plan_collectives() {
+  CollectivePlan p;
+  p.timeout_s = knob_seconds(Knob::kCollectiveTimeoutS);
+  MEGACPP_CHECK(p.timeout_s > 0, ErrorKind::kInvalidArgument,
+                "MEGACPP_COLLECTIVE_TIMEOUT_S must be > 0");
+  if (opt_.device == "cuda") {
+    p.backend = "nccl";
+    // ProcessGroupNCCL reads these from the rank's environment. A value the user set is kept
+    // (and recorded); otherwise: CleanUpOnly (2), so a collective that outlives the timeout
+    // aborts its communicator and the rank's wait throws, which the rank reports as a typed
+    // timeout, instead of TearDown's std::abort (a signal death with the watchdog's stack);
+    // the watchdog's own monitor on, given past the collective timeout.
+    auto integer = [&](const char* name, int fallback) {
+      const auto v = foreign_env(name);
+      if (!v) {
+        p.env.push_back(fmt::format("{}={}", name, fallback));
+        return fallback;
+      }
+      try {
+        return std::stoi(*v);
+      } catch (const std::exception&) {
+        MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{}={} is not an integer", name, *v);
+      }
+    };
+    p.nccl_async_error_handling = integer("TORCH_NCCL_ASYNC_ERROR_HANDLING", 2);
+    p.nccl_enable_monitoring = integer("TORCH_NCCL_ENABLE_MONITORING", 1) != 0;
+    p.nccl_heartbeat_timeout_s = integer("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+                                         std::max(480, static_cast<int>(p.timeout_s) + 60));
+  }
+  collectives_ = std::move(p);
+}
+
 void Run::prepare() {
   // Before any thread exists (TCPStore, ZeroMQ): threads inherit the mask, so SIGCHLD can
   // reach nothing but the signalfd. A thread that left it unblocked would swallow exits.
   sigfd_ = detail::block_signals_to_fd();
   opt_.validate();
   if (opt_.device == "cuda") check_cuda_devices();
+  plan_collectives();
   const bool resuming = !opt_.resume.empty();
   if (resuming) {
     adopt_previous_attempt();
@@ -658,6 +693,14 @@ void Run::write_launch_contract(const recipe::Recipe& planned) {
     p.setStep(parent_->step);
     p.setCheckpoint(parent_->checkpoint);
   }
+  auto coll = l.initCollectives();
+  coll.setBackend(collectives_.backend);
+  coll.setTimeoutSeconds(collectives_.timeout_s);
+  coll.setAbortOnTeardown(opt_.abort_collectives);
+  coll.setAbortWaitSeconds(opt_.abort_wait_s);
+  coll.setNcclAsyncErrorHandling(collectives_.nccl_async_error_handling);
+  coll.setNcclEnableMonitoring(collectives_.nccl_enable_monitoring);
+  coll.setNcclHeartbeatTimeoutSeconds(collectives_.nccl_heartbeat_timeout_s);
   auto policy = l.initCheckpointPolicy();
   policy.setKeep(opt_.keep_checkpoints);
   policy.setKeepEvery(opt_.keep_every);

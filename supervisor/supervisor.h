@@ -54,6 +54,11 @@ struct RunOptions {
   double loader_stall_s = 30;
   double checkpointer_stall_s = 60;
   double teardown_grace_s = 1.5;  // SIGTERM -> SIGKILL
+  // A failed job's teardown first asks every live, unstopped rank to abort its process group
+  // (NCCL: ncclCommAbort, so no kernel is left spinning in a collective; Gloo: the rank's waits
+  // in collectives end) and waits up to abort_wait_s for the replies; then the signals.
+  bool abort_collectives = true;
+  double abort_wait_s = 2.0;
   // Trainers' malloc is tuned through GLIBC_TUNABLES (kTrainerMallocTunables; a tunable the
   // user already set keeps the user's value): transparent huge pages, so a rank's first step
   // after a (re)launch takes a few hundred page faults instead of tens of thousands and its exit

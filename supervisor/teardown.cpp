@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "core/util.h"
+#include "ipc/channel.h"
 #include "ipc/shm.h"
 #include "schemas/enums.h"
 #include "supervisor/failure_policy.h"
@@ -49,10 +50,61 @@ void Run::journal_graph(const std::string& reason) {
   });
 }
 
+void Run::abort_collectives() {
+  abort_replies_.clear();
+  if (!opt_.abort_collectives) return;
+  // A stopped rank cannot answer (its peers' abort is what frees them); a world of one has no
+  // group. Neither is asked.
+  std::vector<const Child*> asked;
+  const int64_t sent_ns = mono_ns();
+  for (const auto& c : children_) {
+    if (c.stage != StageKind::TRAINER || !c.alive || opt_.ranks <= 1) continue;
+    if (detail::process_state(c.pid) == 'T') continue;
+    ipc::ControlMessageBuilder b;
+    b.root().initAbortCollectives().setReason(fmt::format(
+        "teardown after {}", detected_what_.empty() ? std::string("a stop") : detected_what_));
+    if (router_->send_to(c.name, b.message(), ipc::Millis(0))) asked.push_back(&c);
+  }
+  if (asked.empty()) return;
+  auto settled = [&] {
+    return std::ranges::all_of(
+        asked, [&](const Child* c) { return !c->alive || abort_replies_.contains(c->name); });
+  };
+  wait_for(settled, opt_.abort_wait_s);
+  for (const Child* c : asked) {
+    const auto reply = abort_replies_.find(c->name);
+    const bool answered = reply != abort_replies_.end();
+    if (!answered) {
+      log_warn("{} (pid {}) did not answer the abort of its collectives within {:.1f}s{}", c->name,
+               c->pid, opt_.abort_wait_s, c->alive ? "" : " (it exited)");
+    } else if (!reply->second.ok) {
+      log_warn("{}: aborting its collectives failed: {}", c->name, reply->second.error);
+    }
+    journal_->append([&](schema::JournalRecord::Builder r) {
+      auto a = r.initCollectivesAborted();
+      a.setRank(c->rank);
+      a.setAnswered(answered);
+      if (answered) {
+        a.setHadGroup(reply->second.had_group);
+        a.setOk(reply->second.ok);
+        a.setError(reply->second.error);
+        a.setAbortSeconds(reply->second.abort_s);
+        a.setReplySeconds(static_cast<double>(reply->second.received_ns - sent_ns) / 1e9);
+      } else {
+        a.setReplySeconds(-1);
+        a.setError(c->alive ? fmt::format("no reply within {:.1f}s", opt_.abort_wait_s)
+                            : std::string("exited before replying"));
+      }
+    });
+  }
+}
+
 void Run::teardown() {
-  // Bounded: SIGTERM, a grace period while still listening (a victim's own report of what it
-  // met may yet arrive), SIGKILL, one more second. Nothing here waits without a deadline.
+  // Bounded: the collectives' abort, SIGTERM, a grace period while still listening (a
+  // victim's own report of what it met may yet arrive), SIGKILL, one more second. Nothing here
+  // waits without a deadline.
   teardown_started_ns_ = mono_ns();
+  abort_collectives();
   for (auto& c : children_) {
     if (!c.alive) continue;
     // A stopped or silent process cannot act on SIGTERM: waiting out the grace for it only

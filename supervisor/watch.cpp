@@ -92,6 +92,12 @@ void Run::on_message(ipc::Received& m) {
       record(*c, std::move(ev));
       break;
     }
+    case schema::ControlMessage::COLLECTIVES_ABORTED: {
+      auto a = root.getCollectivesAborted();
+      abort_replies_[c->name] =
+          AbortReply{a.getHadGroup(), a.getOk(), a.getError().cStr(), a.getSeconds(), now};
+      break;
+    }
     default:
       break;
   }
@@ -100,7 +106,8 @@ void Run::on_message(ipc::Received& m) {
 void Run::record(Child& c, Event ev) {
   if (detected_ns_ == 0) {
     detected_ns_ = ev.detected_ns;
-    log_error("failure detected: {} {}: {}", c.name, schemas::name(ev.kind), ev.message);
+    detected_what_ = fmt::format("{} {}: {}", c.name, schemas::name(ev.kind), ev.message);
+    log_error("failure detected: {}", detected_what_);
   }
   // Keep the most telling event per process (policy::more_telling).
   if (!policy::admitted(ev, teardown_started_ns_)) return;

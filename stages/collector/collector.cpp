@@ -184,6 +184,14 @@ struct Collector::State {
   };
   std::unique_ptr<Graph> graph;
   std::optional<std::pair<int64_t, std::string>> orphaned;  // wall, reason
+  // The current attempt's teardown abort of the ranks' collectives, one record per rank asked.
+  struct Abort {
+    uint32_t rank = 0;
+    bool answered = false, had_group = false, ok = false;
+    std::string error;
+    double abort_seconds = 0, reply_seconds = -1;
+  };
+  std::vector<Abort> aborts;
 
   void fold(schema::JournalRecord::Reader rec);
   void fold_attempt(schema::JournalRecord::Reader rec);
@@ -548,6 +556,13 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
         teardown_seconds = f.getTeardownSeconds();
       }
       break;
+    case schema::JournalRecord::COLLECTIVES_ABORTED:
+      if (from_supervisor) {
+        auto a = rec.getCollectivesAborted();
+        aborts.push_back(Abort{a.getRank(), a.getAnswered(), a.getHadGroup(), a.getOk(),
+                               a.getError(), a.getAbortSeconds(), a.getReplySeconds()});
+      }
+      break;
     case schema::JournalRecord::FIRST_FORWARD:
       if (stage == StageKind::TRAINER && !first_forward.contains(rank)) {
         first_forward[rank] = rec.getFirstForward().getSeconds();
@@ -711,6 +726,18 @@ void Collector::render() {
       e.setRank(s.finished->rank);
       e.setMessage(s.finished->reason);
       e.setTeardownSeconds(s.teardown_seconds);
+      auto aborted = e.initCollectivesAborted(static_cast<unsigned>(s.aborts.size()));
+      for (size_t k = 0; k < s.aborts.size(); ++k) {
+        const auto& a = s.aborts[k];
+        auto out = aborted[static_cast<unsigned>(k)];
+        out.setRank(a.rank);
+        out.setAnswered(a.answered);
+        out.setHadGroup(a.had_group);
+        out.setOk(a.ok);
+        out.setError(a.error);
+        out.setAbortSeconds(a.abort_seconds);
+        out.setReplySeconds(a.reply_seconds);
+      }
       const auto current = s.attempts.find(s.attempt);
       if (current != s.attempts.end() && current->second.first_failure) {
         const auto& f = *current->second.first_failure;
@@ -858,6 +885,8 @@ void Collector::render() {
     const auto launch = s.launch_copy.getRoot<schema::LaunchContract>().asReader();
     r.setDataset(launch.getDataset());
     r.setVolumes(launch.getVolumes());
+    r.setDevice(launch.getDevice().size() > 0 ? launch.getDevice() : capnp::Text::Reader("cpu"));
+    r.setCollectives(launch.getCollectives());
     out["receipts/" + std::string(kBenchResult)] = schemas::to_json(r.asReader());
 
     capnp::MallocMessageBuilder telemetry_message;

@@ -37,13 +37,23 @@ namespace {
 void run_collective(std::string_view what, const c10::intrusive_ptr<c10d::Backend>& pg,
                     const std::function<c10::intrusive_ptr<c10d::Work>()>& issue) {
   const int64_t started = mono_ns();
+  bool aborted = false;
   try {
-    issue()->wait();
+    const auto work = issue();
+    if (auto* abortable = dynamic_cast<AbortableWaits*>(pg.get())) {
+      aborted = !abortable->wait_unless_aborted(*work);
+    } else {
+      work->wait();
+    }
   } catch (...) {
     const auto timeout = pg->getBackendOptions()->timeout;
     rethrow_as_peer_failure(what, started,
                             std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count());
   }
+  MEGACPP_CHECK(!aborted, ErrorKind::kPeerFailure,
+                fmt::format("{}: the group's collectives were aborted by the supervisor's "
+                            "teardown of the failed job",
+                            what));
 }
 
 void with_peers(std::string_view what, std::chrono::milliseconds deadline,

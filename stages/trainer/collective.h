@@ -16,10 +16,24 @@
 
 namespace megacpp::trainer {
 
+// A group whose abort() also ends the waits of run_collective: the collective in flight and
+// every later one end in Error{kPeerFailure} naming the abort, instead of waiting out the
+// transport's timeout. The trainer's Gloo group implements it (rendezvous.h): Gloo's own
+// abort() does nothing, while ProcessGroupNCCL's aborts the communicators, which ends their
+// kernels and the host's waits on them by itself.
+class AbortableWaits {
+ public:
+  virtual ~AbortableWaits() = default;
+  // Blocks until `work` completes (true; its error, if any, is rethrown by work.wait()) or
+  // the group is aborted first (false). Thread-safe against abort() from another thread.
+  virtual bool wait_unless_aborted(c10d::Work& work) = 0;
+};
+
 // Issues a collective with `issue` and waits for it. A failure of either is rethrown as
 // Error{kTimeout} when it came once `pg`'s timeout had passed since the collective was issued
 // (the transports' exceptions carry no type for a timeout, but the deadline is ours), else
-// Error{kPeerFailure}, naming `what`. A megacpp::Error passes through unchanged.
+// Error{kPeerFailure}, naming `what`. A megacpp::Error passes through unchanged. On a group
+// that implements AbortableWaits, an abort ends the wait in Error{kPeerFailure}.
 void run_collective(std::string_view what, const c10::intrusive_ptr<c10d::Backend>& pg,
                     const std::function<c10::intrusive_ptr<c10d::Work>()>& issue);
 

@@ -212,7 +212,12 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     go.rank = rank;
     go.world = world;
     go.store_timeout = store_timeout;
-    go.collective_timeout = knob_millis(Knob::kCollectiveTimeoutS);
+    // The contract's timeout (it also configures NCCL's watchdog); a contract written before
+    // it existed leaves it to the knob.
+    const double collective_s = launch.getCollectives().getTimeoutSeconds();
+    go.collective_timeout =
+        collective_s > 0 ? std::chrono::milliseconds(static_cast<int64_t>(collective_s * 1e3))
+                         : knob_millis(Knob::kCollectiveTimeoutS);
     go.device_hostname = knob_string(Knob::kGlooHostname);
     go.store_prefix = fmt::format("megacpp/{}/a{}/g{}/", launch.getRunId().cStr(),
                                   launch.getAttempt(), launch.getGeneration());
@@ -222,6 +227,23 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
                });
     log_info("joined the {} group as rank {} of {}", on_cuda ? "NCCL" : "Gloo", rank, world);
   }
+  // The supervisor's AbortCollectives (a failed job's teardown, before its signals) aborts the
+  // group from the control thread: NCCL's communicators (no kernel left spinning), or every
+  // wait of this thread in a Gloo collective. Removed before the group and plugin go.
+  if (pg) {
+    const CudaPlugin* plugin = cuda ? &*cuda : nullptr;
+    ctx.control().set_abort_handler([pg, plugin] {
+      if (plugin != nullptr) {
+        plugin->api().abort(pg);
+      } else {
+        pg->abort();
+      }
+    });
+  }
+  struct AbortHandlerGuard {
+    ipc::ControlClient& control;
+    ~AbortHandlerGuard() { control.set_abort_handler({}); }
+  } abort_guard{ctx.control()};
 
   const auto ts = typed_errors("model set-up and parameter broadcast", [&] {
     return std::make_unique<TrainStep>(model, train, steps, pg, device);

@@ -1,14 +1,19 @@
-// The rendezvous: a TCPStore client and a ProcessGroupGloo (or, through the CUDA plugin, a
-// ProcessGroupNCCL) over it.
+// The rendezvous: a TCPStore client and a ProcessGroupGloo whose abort() ends the rank's waits
+// (or, through the CUDA plugin, a ProcessGroupNCCL) over it.
 #include "stages/trainer/rendezvous.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "stages/trainer/collective.h"
 #include "stages/trainer/cuda_plugin.h"
 
 namespace megacpp::trainer {
@@ -29,14 +34,56 @@ c10::intrusive_ptr<c10d::Store> connect_store(const GlooOptions& o) {
   return store;
 }
 
+// ProcessGroupGloo whose abort() ends run_collective's waits (Gloo's own abort() is a no-op:
+// a rank stuck in a collective would wait out the transport's timeout). The collective itself
+// is left to Gloo's threads; the rank's thread, released, fails and the process exits.
+class AbortableGloo final : public c10d::ProcessGroupGloo, public AbortableWaits {
+ public:
+  using ProcessGroupGloo::ProcessGroupGloo;
+
+  void abort() override {
+    {
+      std::lock_guard lock(waits_->mu);
+      waits_->aborted = true;
+    }
+    waits_->cv.notify_all();
+  }
+
+  bool wait_unless_aborted(c10d::Work& work) override {
+    const auto future = work.getFuture();
+    // Shared with the callback, which may run after this wait returned (an aborted
+    // collective completes, or fails, whenever Gloo gets to it).
+    std::shared_ptr<Waits> waits = waits_;
+    future->addCallback([waits](c10::ivalue::Future&) {
+      { std::lock_guard lock(waits->mu); }
+      waits->cv.notify_all();
+    });
+    {
+      std::unique_lock lock(waits->mu);
+      waits->cv.wait(lock, [&] { return waits->aborted || future->completed(); });
+      if (!future->completed()) return false;
+    }
+    work.wait();  // completed: returns at once, or rethrows the collective's error
+    return true;
+  }
+
+ private:
+  struct Waits {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool aborted = false;
+  };
+  std::shared_ptr<Waits> waits_ = std::make_shared<Waits>();
+};
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooOptions& o) {
   auto store = connect_store(o);
   auto opts = c10d::ProcessGroupGloo::Options::create(o.collective_timeout);
   opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(o.device_hostname));
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(o.rank),
-                                                     static_cast<int>(o.world), opts);
+  return c10::make_intrusive<AbortableGloo>(store, static_cast<int>(o.rank),
+                                            static_cast<int>(o.world), opts);
 }
 
 c10::intrusive_ptr<c10d::Backend> connect_nccl(const GlooOptions& o, const CudaPlugin& cuda,

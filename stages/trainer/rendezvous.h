@@ -17,7 +17,8 @@
 
 namespace megacpp::trainer {
 
-// Rendezvous: a TCPStore client at host:port and a ProcessGroupGloo over it. Throws
+// Rendezvous: a TCPStore client at host:port and a ProcessGroupGloo over it whose abort() ends
+// every wait of run_collective on it (collective.h AbortableWaits). Throws
 // Error{kInvalidArgument} for a rank outside the world.
 struct GlooOptions {
   std::string store_host = "127.0.0.1";

@@ -94,6 +94,26 @@ struct Failure {
 // which may be never. It is then named unkillable and not waited for.
 constexpr double kKillWaitS = 1.0;
 
+// How the ranks' collectives time out and are torn down: launch.json's collectives
+// (schemas/launch.capnp CollectivePolicy), and what it adds to each trainer's environment.
+struct CollectivePlan {
+  std::string backend = "gloo";
+  double timeout_s = 300;
+  int nccl_async_error_handling = 0;  // NCCL only (0 for Gloo)
+  bool nccl_enable_monitoring = false;
+  int nccl_heartbeat_timeout_s = 0;
+  std::vector<std::string> env;  // "K=V" for each trainer (NCCL's, where the user set none)
+};
+
+// A rank's reply to AbortCollectives, as on_message stored it.
+struct AbortReply {
+  bool had_group = false;
+  bool ok = false;
+  std::string error;
+  double abort_s = 0;
+  int64_t received_ns = 0;
+};
+
 class Run {
  public:
   explicit Run(RunOptions o) : opt_(std::move(o)), budgets_(budgets_of(opt_)) {}
@@ -143,6 +163,10 @@ class Run {
   void record(Child& c, Event ev);
   void finish_ok();
   void teardown();
+  // The first part of teardown(): AbortCollectives to every live, unstopped trainer, a bounded
+  // wait for their replies, one journal record per rank asked (DESIGN.md "Failure model").
+  void abort_collectives();
+  void plan_collectives();  // collectives_ from the options, the knobs and the environment
   void classify();
   void journal_graph(const std::string& reason);
   bool wait_for(const std::function<bool()>& done, double seconds);
@@ -227,8 +251,11 @@ class Run {
   int sigfd_ = -1;
   std::map<std::string, Event> events_;  // by process name: the most telling event of each
   int64_t detected_ns_ = 0;              // first event; 0 while the run is healthy
+  std::string detected_what_;            // that event, as logged
   int64_t teardown_started_ns_ = 0;
   int64_t teardown_done_ns_ = 0;  // every process of the attempt gone (or given up on)
+  CollectivePlan collectives_;
+  std::map<std::string, AbortReply> abort_replies_;  // by process name, this teardown's
   int stop_signal_ = 0;           // the graceful stop under way (SIGINT/SIGTERM), 0: none
   int64_t stop_deadline_ns_ = 0;  // --stop-grace-s after it began
   uint32_t committed_step_ = 0;   // newest checkpoint this attempt committed

@@ -70,6 +70,17 @@ class DefaultRun(unittest.TestCase):
         self.assertGreater(r["tokensPerSecond"], 0)
         self.assertLess(r["lastLoss"], r["firstLoss"] - 1.0, r)
 
+    def test_receipt_names_device_and_collectives(self):
+        with open(os.path.join(self.run_dir, "receipts", "bench_result.json")) as f:
+            r = json.load(f)
+        self.assertEqual(r["device"], "cpu")
+        c = r["collectives"]
+        self.assertEqual(c, self.launch["collectives"])
+        self.assertEqual(c["backend"], "gloo")
+        self.assertGreater(c["timeoutSeconds"], 0)
+        self.assertIs(c["abortOnTeardown"], True)
+        self.assertEqual(c.get("ncclAsyncErrorHandling", 0), 0, "NCCL settings on a Gloo run")
+
     def test_receipts_listed(self):
         m = self.manifest()
         for name in m["receipts"]:

@@ -127,7 +127,8 @@ def deterministic_values(docs):
                 s.get("generation"), s.get("role"), s.get("lastStep")) for s in m.get("stages", [])),
         "manifest.json journals": sorted("%s tornBytes=%s" % (j["name"], j.get("tornBytes"))
                                          for j in m.get("journals", [])),
-        "receipts/bench_result.json": {k: b.get(k) for k in ("recipe", "recipeHash", "world", "steps", "tokens")},
+        "receipts/bench_result.json": {k: b.get(k) for k in (
+            "recipe", "recipeHash", "world", "steps", "tokens", "device", "collectives")},
         "receipts/bench_telemetry.json": {
             "steps[].step": [s.get("step") for s in t.get("steps", [])],
             "telemetryTruncated": t.get("telemetryTruncated"),

@@ -155,7 +155,10 @@ class SupervisorTest(unittest.TestCase):
         s = subprocess.run([MEGACPP, "status", run.dir], capture_output=True, text=True, timeout=60)
         self.assertIn("detection delay not measured", s.stdout)
 
-    def test_detection_of_a_silence_is_measured(self):
+    def test_detection_of_a_silence_is_measured_and_collectives_aborted(self):
+        # Rank 1 stopped, rank 0 waits on it in a collective. Before any signal the teardown
+        # asks rank 0 (not the stopped rank 1, which cannot answer) to abort its group; rank 0
+        # answers from its control thread although its own thread is stuck in the collective.
         run = Run(self.tmp, steps=400, extra=["--heartbeat-timeout-s", "2", "--hang-budget-s", "2"])
         run.wait_steps(2)
         victim = run.pid("trainer", 1)
@@ -171,6 +174,13 @@ class SupervisorTest(unittest.TestCase):
         self.assertEqual((e["kind"], e["stage"], e["rank"]), ("heartbeat_lost", "trainer", 1), e)
         self.assertIs(e["detectionMeasured"], True, e)
         self.assertGreaterEqual(e["detectionSeconds"], 2.0, e)
+        aborted = e.get("collectivesAborted", [])
+        self.assertEqual([a["rank"] for a in aborted], [0], e)
+        self.assertIs(aborted[0]["answered"], True, aborted)
+        self.assertIs(aborted[0]["hadGroup"], True, aborted)
+        self.assertIs(aborted[0].get("ok"), True, aborted)
+        self.assertGreaterEqual(aborted[0]["replySeconds"], 0, aborted)
+        self.assertIn("collectives of rank(s) 0 aborted before any signal", run.out)
 
     # --- orphan reconciliation trusts nothing in launch.json ------------------------------
     RUN_ID = "2026-01-02T03-04-05-a1b2c3"

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -554,6 +555,57 @@ TEST(ControlClientTest, ProgressIsStampedOnlyByTheWorkingThread) {
     EXPECT_EQ(later->root().getHeartbeat().getProgressMonoNs(), stamp);
     EXPECT_GT(later->root().getHeartbeat().getMonoNs(), stamp);
   }
+}
+
+// AbortCollectives runs the owner's abort handler on the client's thread, which replies
+// CollectivesAborted: with no handler (no group), with one, and with one that throws.
+TEST(ControlClientTest, AbortCollectivesRunsTheHandlerAndReplies) {
+  TempDir dir;
+  const std::string endpoint = "ipc://" + (dir.path() / "control").string();
+  ZmqContext ctx;
+  Channel router(ctx, Channel::Kind::kRouter, endpoint);
+  ControlClient client(endpoint, {schema::StageKind::TRAINER, 2, 0}, Millis(20));
+  ASSERT_NE(receive_until(router, [](Received& r) { return r.root().isHello(); }), nullptr);
+
+  auto abort_and_reply = [&] {
+    ControlMessageBuilder abort;
+    abort.root().initAbortCollectives().setReason("teardown: trainer-1 hung");
+    EXPECT_TRUE(router.send_to("trainer-2", abort.message()));
+    return receive_until(router, [](Received& r) { return r.root().isCollectivesAborted(); });
+  };
+
+  auto none = abort_and_reply();
+  ASSERT_NE(none, nullptr);
+  EXPECT_EQ(none->root().getCollectivesAborted().getRank(), 2u);
+  EXPECT_FALSE(none->root().getCollectivesAborted().getHadGroup());
+  EXPECT_TRUE(none->root().getCollectivesAborted().getOk());
+
+  std::atomic<int> calls{0};
+  std::atomic<bool> on_client_thread{false};
+  const auto owner = std::this_thread::get_id();
+  client.set_abort_handler([&] {
+    on_client_thread = std::this_thread::get_id() != owner;
+    std::this_thread::sleep_for(Millis(20));
+    ++calls;
+  });
+  auto done = abort_and_reply();
+  ASSERT_NE(done, nullptr);
+  auto a = done->root().getCollectivesAborted();
+  EXPECT_TRUE(a.getHadGroup());
+  EXPECT_TRUE(a.getOk());
+  EXPECT_GE(a.getSeconds(), 0.015);
+  EXPECT_EQ(calls.load(), 1);
+  EXPECT_TRUE(on_client_thread.load());
+
+  client.set_abort_handler([] { throw std::runtime_error("ncclCommAbort failed"); });
+  auto failed = abort_and_reply();
+  ASSERT_NE(failed, nullptr);
+  EXPECT_TRUE(failed->root().getCollectivesAborted().getHadGroup());
+  EXPECT_FALSE(failed->root().getCollectivesAborted().getOk());
+  EXPECT_EQ(std::string(failed->root().getCollectivesAborted().getError().cStr()),
+            "ncclCommAbort failed");
+  client.set_abort_handler({});
+  EXPECT_EQ(calls.load(), 1);
 }
 
 TEST(ControlClientTest, PendingFailureIsFlushedByDestructor) {

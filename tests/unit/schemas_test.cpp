@@ -115,6 +115,14 @@ void fill_launch(schema::LaunchContract::Builder c) {
   policy.setKeep(3);
   policy.setKeepEvery(100);
   c.setDevice("cuda");
+  auto coll = c.initCollectives();
+  coll.setBackend("nccl");
+  coll.setTimeoutSeconds(300);
+  coll.setAbortOnTeardown(true);
+  coll.setAbortWaitSeconds(2);
+  coll.setNcclAsyncErrorHandling(2);
+  coll.setNcclEnableMonitoring(true);
+  coll.setNcclHeartbeatTimeoutSeconds(480);
 }
 
 // Offsets of `"name":` for each top-level field, in schema order; -1 when absent. Top-level

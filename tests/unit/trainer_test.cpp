@@ -33,6 +33,7 @@
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
 #include "stages/checkpointer/checkpointer.h"
+#include "stages/trainer/collective.h"
 #include "stages/trainer/rendezvous.h"
 #include "stages/trainer/snapshot_plane.h"
 #include "stages/trainer/train_step.h"
@@ -722,6 +723,69 @@ int run_rank_child(uint16_t port, uint32_t rank, const fs::path& out) {
   } catch (const std::exception& e) {
     fprintf(stderr, "rank %u: %s\n", rank, e.what());
     return 2;
+  }
+}
+
+// Child body of AbortEndsAWaitInAGlooCollective: rank 1 joins the group but never the
+// collective; rank 0's all_reduce is ended by abort() from another thread (what the
+// supervisor's AbortCollectives does), as a peer failure naming the abort, and a collective
+// issued after it fails at once. Rank 1 leaves after 4 s: had the abort not ended the wait, its
+// exit would, with Gloo's connection error, which names no abort.
+int abort_child(uint16_t port, uint32_t rank) {
+  try {
+    GlooOptions go;
+    go.store_port = port;
+    go.rank = rank;
+    go.world = 2;
+    go.store_timeout = std::chrono::seconds(20);
+    go.collective_timeout = std::chrono::seconds(60);
+    go.store_prefix = "abort_test/";
+    auto pg = connect_gloo(go);
+    if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(4));
+      return 0;
+    }
+    auto all_reduce = [&] {
+      std::vector<at::Tensor> v{torch::ones({4})};
+      run_collective("all_reduce", pg, [&] { return pg->allreduce(v); });
+    };
+    std::thread aborter([pg] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      pg->abort();
+    });
+    int code = 0;
+    try {
+      all_reduce();
+      code = 10;  // completed, though rank 1 never joined
+    } catch (const Error& e) {
+      const bool named = std::string(e.what()).find("aborted") != std::string::npos;
+      if (e.kind() != ErrorKind::kPeerFailure || !named) {
+        fprintf(stderr, "rank 0: %s\n", e.what());
+        code = 11;
+      }
+    }
+    aborter.join();
+    try {
+      all_reduce();
+      if (code == 0) code = 12;
+    } catch (const Error& e) {
+      if (code == 0 && e.kind() != ErrorKind::kPeerFailure) code = 13;
+    }
+    return code;
+  } catch (const std::exception& e) {
+    fprintf(stderr, "rank %u: %s\n", rank, e.what());
+    return 2;
+  }
+}
+
+TEST_F(TrainerTest, AbortEndsAWaitInAGlooCollective) {
+  const forked_world::ForkedWorld world(2, std::chrono::seconds(20));
+  const std::vector<int> status = test_support::run_ranks_within(
+      world, [&](uint32_t rank) { return abort_child(world.store_port(), rank); },
+      std::chrono::seconds(60));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
+        << "rank " << r << " status " << status[r];
   }
 }
 
