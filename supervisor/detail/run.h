@@ -164,7 +164,8 @@ class Run {
   void finish_ok();
   void teardown();
   // The first part of teardown(): AbortCollectives to every live, unstopped trainer, a bounded
-  // wait for their replies, one journal record per rank asked (DESIGN.md "Failure model").
+  // wait for their replies, one journal record per rank asked (DESIGN.md "GPU lane (first
+  // part)": abort before signals).
   void abort_collectives();
   void plan_collectives();  // collectives_ from the options, the knobs and the environment
   void classify();
