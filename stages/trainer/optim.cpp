@@ -60,13 +60,19 @@ void all_gather(const Pg& pg, at::Tensor& out, at::Tensor& slice) {
   run_collective("all_gather", pg, [&] { return pg->_allgather_base(out, slice); });
 }
 
-// Local has-grad flags -> rank-symmetric flags (MAX over ranks), as bool on `device`.
+// Local has-grad flags -> rank-symmetric flags (MAX over ranks), as bool on `device`. Stacked
+// from a one and a zero made on the device (fills, not copies): a mask built in host memory
+// and copied would be a pageable host-to-device copy inside the step, which waits for the
+// device. NCCL reduces device tensors only.
 at::Tensor global_mask(const Pg& pg, const std::vector<at::Tensor>& params,
                        const at::Device& device) {
-  at::Tensor mask = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
-  auto acc = mask.accessor<int32_t, 1>();
-  for (size_t i = 0; i < params.size(); ++i) acc[i] = params[i].grad().defined() ? 1 : 0;
-  mask = mask.to(device);  // NCCL reduces device tensors only; a no-op on CPU
+  const auto opts = at::TensorOptions().dtype(at::kInt).device(device);
+  const at::Tensor one = at::ones({}, opts);
+  const at::Tensor zero = at::zeros({}, opts);
+  std::vector<at::Tensor> flags;
+  flags.reserve(params.size());
+  for (const auto& p : params) flags.push_back(p.grad().defined() ? one : zero);
+  at::Tensor mask = at::stack(flags);
   if (pg) all_reduce(pg, mask, c10d::ReduceOp::MAX);
   return mask.gt(0);
 }
