@@ -717,7 +717,7 @@ json share_rank(const Config& c, const mc::recipe::Recipe& r, uint32_t steps, co
   auto spec = msg.initRoot<mc::schema::RecipeSpec>();
   mc::recipe::to_spec(r, spec);
   const uint32_t total = c.warmup + steps;
-  tr::TrainStep ts(tr::model_config(spec.getModel()), tr::train_config(spec.getTrain()), total, pg);
+  tr::TrainStep ts(tr::model_config(spec.asReader()), tr::train_config(spec.getTrain()), total, pg);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(4242 + rank);
   std::vector<double> fwd, bwd, opt, agree;
   for (uint32_t s = 1; s <= total; ++s) {

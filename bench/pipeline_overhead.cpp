@@ -38,7 +38,7 @@ double in_process_ms(const mc::recipe::Recipe& r, uint32_t warmup, uint32_t step
   capnp::MallocMessageBuilder msg;
   auto spec = msg.initRoot<mc::schema::RecipeSpec>();
   mc::recipe::to_spec(r, spec);
-  mc::trainer::TrainStep ts(mc::trainer::model_config(spec.getModel()),
+  mc::trainer::TrainStep ts(mc::trainer::model_config(spec.asReader()),
                             mc::trainer::train_config(spec.getTrain()), warmup + steps);
   std::vector<std::unique_ptr<mc::data::Shard>> shards;
   std::vector<const mc::data::Shard*> views;

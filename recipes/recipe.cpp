@@ -107,9 +107,10 @@ void Recipe::validate() const {
   for (char c : pattern) {
     rule(std::string_view("AEMR").find(c) != std::string_view::npos, "pattern",
          "symbols are A (attention), E (experts), M (state space), R (recurrent)");
-    rule(c == 'A', "pattern",
-         "this build implements block family A only (E, M, R are declared, not built)");
   }
+  rule(model.mode == kModeAuthorDp || model.mode == kModeNemoNative, "mode",
+       "must be \"author_dp\" (tensor parallel 1) or \"nemo_native\" (tensor parallel 2 with "
+       "sequence parallelism)");
   rule(model.vocab_size >= 2 && model.vocab_size <= kMaxVocab, "model.vocab_size",
        fmt::format("must be in [2, {}]", kMaxVocab));
   rule(model.seq_len >= 2, "model.seq_len", "must be >= 2");
@@ -121,6 +122,28 @@ void Recipe::validate() const {
   rule(model.n_heads >= 1 && (model.d_model / model.n_heads) % 2 == 0, "model.d_model",
        "head dimension d_model/n_heads must be even (RoPE rotates pairs)");
   rule(model.mlp_mult >= 1, "model.mlp_mult", "must be >= 1");
+  rule(model.n_kv_heads == 0 ||
+           (model.n_kv_heads <= model.n_heads && model.n_heads % model.n_kv_heads == 0),
+       "model.n_kv_heads", "must divide model.n_heads (each key/value head serves a group)");
+  rule(model.rope_theta > 0, "model.rope_theta", "must be > 0");
+  const auto uses = [&](char family) { return pattern.find(family) != std::string::npos; };
+  const MoeConfig& moe = model.moe;
+  if (moe.enabled) {
+    rule(uses('E'), "moe.enabled", "the pattern has no E layer to place the experts in");
+    rule(moe.n_experts >= 1, "moe.n_experts", "must be >= 1 when MoE is enabled");
+    rule(moe.top_k >= 1 && moe.top_k <= moe.n_experts, "moe.top_k",
+         "must be in [1, moe.n_experts]");
+    rule(moe.expert_hidden >= 1, "moe.expert_hidden", "must be >= 1 when MoE is enabled");
+  }
+  rule(moe.aux_loss_coef >= 0, "moe.aux_loss_coef", "must be >= 0");
+  const SsmConfig& ssm = model.ssm;
+  rule(ssm.d_state >= 1, "ssm.d_state", "must be >= 1");
+  rule(ssm.expand >= 1, "ssm.expand", "must be >= 1");
+  rule(ssm.head_dim >= 1 && (uint64_t{ssm.expand} * model.d_model) % ssm.head_dim == 0,
+       "ssm.head_dim", "must divide ssm.expand x model.d_model (the mixer's heads)");
+  rule(ssm.conv_kernel >= 1, "ssm.conv_kernel", "must be >= 1");
+  rule(ssm.chunk >= 1, "ssm.chunk", "must be >= 1");
+  rule(model.rnn.conv_kernel >= 1, "rnn.conv_kernel", "must be >= 1");
   rule(train.batch_size >= 1, "train.batch_size",
        "must be >= 1 (a rank with zero-length work is refused)");
   const BatchSpec batch = batch_spec(*this);
@@ -194,16 +217,45 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
   }
   Recipe r;
   r.path = origin;
-  check_keys(root, {"name", "pattern", "model", "train", "optim", "data"}, origin, "");
+  check_keys(root,
+             {"name", "pattern", "mode", "model", "moe", "ssm", "rnn", "train", "optim", "data"},
+             origin, "");
   get_string(&root, "", "name", r.name, origin);
   get_string(&root, "", "pattern", r.pattern, origin);
+  get_string(&root, "", "mode", r.model.mode, origin);
   const auto* m = section(root, "model", origin);
+  const auto* moe = section(root, "moe", origin);
+  const auto* ssm = section(root, "ssm", origin);
+  const auto* rnn = section(root, "rnn", origin);
+  if (moe) {
+    check_keys(*moe,
+               {"enabled", "n_experts", "top_k", "expert_hidden", "shared_hidden", "aux_loss_coef"},
+               origin, "moe");
+  }
+  if (ssm)
+    check_keys(*ssm, {"d_state", "head_dim", "expand", "conv_kernel", "chunk"}, origin, "ssm");
+  if (rnn) check_keys(*rnn, {"width", "conv_kernel"}, origin, "rnn");
+  get_bool(moe, "moe", "enabled", r.model.moe.enabled, origin);
+  get_uint(moe, "moe", "n_experts", r.model.moe.n_experts, origin);
+  get_uint(moe, "moe", "top_k", r.model.moe.top_k, origin);
+  get_uint(moe, "moe", "expert_hidden", r.model.moe.expert_hidden, origin);
+  get_uint(moe, "moe", "shared_hidden", r.model.moe.shared_hidden, origin);
+  get_double(moe, "moe", "aux_loss_coef", r.model.moe.aux_loss_coef, origin);
+  get_uint(ssm, "ssm", "d_state", r.model.ssm.d_state, origin);
+  get_uint(ssm, "ssm", "head_dim", r.model.ssm.head_dim, origin);
+  get_uint(ssm, "ssm", "expand", r.model.ssm.expand, origin);
+  get_uint(ssm, "ssm", "conv_kernel", r.model.ssm.conv_kernel, origin);
+  get_uint(ssm, "ssm", "chunk", r.model.ssm.chunk, origin);
+  get_uint(rnn, "rnn", "width", r.model.rnn.width, origin);
+  get_uint(rnn, "rnn", "conv_kernel", r.model.rnn.conv_kernel, origin);
   const auto* t = section(root, "train", origin);
   const auto* o = section(root, "optim", origin);
   const auto* d = section(root, "data", origin);
   if (m)
-    check_keys(*m, {"vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_mult"}, origin,
-               "model");
+    check_keys(*m,
+               {"vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_mult", "n_kv_heads",
+                "rope_theta", "ffn_hidden"},
+               origin, "model");
   if (t) {
     check_keys(
         *t, {"batch_size", "min_lr_ratio", "warmup_steps", "grad_clip", "seed", "checkpoint_every"},
@@ -226,6 +278,9 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
   get_uint(m, "model", "n_layers", r.model.n_layers, origin);
   get_uint(m, "model", "n_heads", r.model.n_heads, origin);
   get_uint(m, "model", "mlp_mult", r.model.mlp_mult, origin);
+  get_uint(m, "model", "n_kv_heads", r.model.n_kv_heads, origin);
+  get_double(m, "model", "rope_theta", r.model.rope_theta, origin);
+  get_uint(m, "model", "ffn_hidden", r.model.ffn_hidden, origin);
   get_uint(t, "train", "batch_size", r.train.batch_size, origin);
   get_double(t, "train", "min_lr_ratio", r.train.min_lr_ratio, origin);
   get_uint(t, "train", "warmup_steps", r.train.warmup_steps, origin);
@@ -260,17 +315,70 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
   }
   get_uint(d, "data", "shard_tokens", r.data.shard_tokens, origin);
   get_uint(d, "data", "shards", r.data.shards, origin);
+  return rehash(std::move(r));
+}
+
+// The layers and blocks are derived from the pattern, n_layers and mode here, so a recipe changed
+// after parsing (an override of the mode or the depth) is expanded again before it is hashed.
+Recipe rehash(Recipe r) {
   r.validate();
+  r.layers.clear();
   for (uint32_t i = 0; i < r.model.n_layers; ++i)
     r.layers.emplace_back(1, r.pattern[i % r.pattern.size()]);
+  r.model.blocks = expand_blocks(r.pattern, r.model.n_layers, r.model.mode, r.model.moe.enabled);
   r.hash = xxh3_hex(canonical(r));
   return r;
 }
 
-Recipe rehash(Recipe r) {
-  r.validate();
-  r.hash = xxh3_hex(canonical(r));
-  return r;
+bool ModelConfig::plain_architecture() const {
+  const ModelConfig defaults;
+  return (n_kv_heads == 0 || n_kv_heads == n_heads) && rope_theta == defaults.rope_theta &&
+         ffn_hidden == 0 && mode == defaults.mode && moe == defaults.moe && ssm == defaults.ssm &&
+         rnn == defaults.rnn;
+}
+
+std::string expand_blocks(std::string_view pattern, uint32_t n_layers, std::string_view mode,
+                          bool moe_enabled) {
+  std::string out;
+  if (pattern.empty()) return out;
+  out.reserve(n_layers);
+  for (uint32_t i = 0; i < n_layers; ++i) {
+    switch (pattern[i % pattern.size()]) {
+      case 'A':
+        out.push_back(kBlockAttention);
+        break;
+      case 'E':
+        out.push_back(moe_enabled ? kBlockMoe : kBlockMlp);
+        break;
+      case 'M':
+        out.push_back(kBlockMamba);
+        break;
+      case 'R':
+        out.push_back(mode == kModeNemoNative ? kBlockMamba : kBlockRecurrent);
+        break;
+      default:
+        MEGACPP_FAIL(ErrorKind::kInvalidArgument, "pattern {}: unknown block family '{}'", pattern,
+                     pattern[i % pattern.size()]);
+    }
+  }
+  return out;
+}
+
+std::string_view block_name(char block) {
+  switch (block) {
+    case kBlockAttention:
+      return "attention";
+    case kBlockMoe:
+      return "moe";
+    case kBlockMlp:
+      return "mlp";
+    case kBlockMamba:
+      return "mamba2";
+    case kBlockRecurrent:
+      return "recurrent";
+    default:
+      return "unknown";
+  }
 }
 
 Recipe load(const std::filesystem::path& path) {
@@ -298,6 +406,27 @@ void to_spec(const Recipe& r, schema::RecipeSpec::Builder s) {
   m.setNLayers(r.model.n_layers);
   m.setNHeads(r.model.n_heads);
   m.setMlpMult(r.model.mlp_mult);
+  if (!r.model.plain_architecture()) {
+    const ModelConfig& c = r.model;
+    auto a = m.initArch();
+    a.setMode(c.mode);
+    a.setNKvHeads(c.n_kv_heads);
+    a.setRopeTheta(c.rope_theta);
+    a.setFfnHidden(c.ffn_hidden);
+    a.setMoeEnabled(c.moe.enabled);
+    a.setMoeExperts(c.moe.n_experts);
+    a.setMoeTopK(c.moe.top_k);
+    a.setMoeExpertHidden(c.moe.expert_hidden);
+    a.setMoeSharedHidden(c.moe.shared_hidden);
+    a.setMoeAuxLossCoef(c.moe.aux_loss_coef);
+    a.setSsmDState(c.ssm.d_state);
+    a.setSsmHeadDim(c.ssm.head_dim);
+    a.setSsmExpand(c.ssm.expand);
+    a.setSsmConvKernel(c.ssm.conv_kernel);
+    a.setSsmChunk(c.ssm.chunk);
+    a.setRnnWidth(c.rnn.width);
+    a.setRnnConvKernel(c.rnn.conv_kernel);
+  }
   auto t = s.initTrain();
   t.setBatchSize(r.train.batch_size);
   t.setMinLrRatio(r.train.min_lr_ratio);
@@ -333,13 +462,35 @@ void to_spec(const Recipe& r, schema::RecipeSpec::Builder s) {
   d.setShards(r.data.shards);
 }
 
-ModelConfig model_config(schema::ModelSpec::Reader m) {
-  return ModelConfig{.vocab_size = m.getVocabSize(),
-                     .seq_len = m.getSeqLen(),
-                     .d_model = m.getDModel(),
-                     .n_layers = m.getNLayers(),
-                     .n_heads = m.getNHeads(),
-                     .mlp_mult = m.getMlpMult()};
+ModelConfig model_config(schema::RecipeSpec::Reader spec) {
+  const auto m = spec.getModel();
+  ModelConfig c{.vocab_size = m.getVocabSize(),
+                .seq_len = m.getSeqLen(),
+                .d_model = m.getDModel(),
+                .n_layers = m.getNLayers(),
+                .n_heads = m.getNHeads(),
+                .mlp_mult = m.getMlpMult()};
+  if (m.hasArch()) {
+    const auto a = m.getArch();
+    c.mode = a.getMode();
+    c.n_kv_heads = a.getNKvHeads();
+    c.rope_theta = a.getRopeTheta();
+    c.ffn_hidden = a.getFfnHidden();
+    c.moe = MoeConfig{.enabled = a.getMoeEnabled(),
+                      .n_experts = a.getMoeExperts(),
+                      .top_k = a.getMoeTopK(),
+                      .expert_hidden = a.getMoeExpertHidden(),
+                      .shared_hidden = a.getMoeSharedHidden(),
+                      .aux_loss_coef = a.getMoeAuxLossCoef()};
+    c.ssm = SsmConfig{.d_state = a.getSsmDState(),
+                      .head_dim = a.getSsmHeadDim(),
+                      .expand = a.getSsmExpand(),
+                      .conv_kernel = a.getSsmConvKernel(),
+                      .chunk = a.getSsmChunk()};
+    c.rnn = RnnConfig{.width = a.getRnnWidth(), .conv_kernel = a.getRnnConvKernel()};
+  }
+  c.blocks = expand_blocks(std::string(spec.getPattern()), c.n_layers, c.mode, c.moe.enabled);
+  return c;
 }
 
 TrainConfig train_config(schema::TrainSpec::Reader t) {
@@ -376,7 +527,7 @@ Recipe from_spec(schema::RecipeSpec::Reader s) {
   r.path = std::string(s.getPath());
   r.pattern = s.getPattern();
   for (auto l : s.getLayers()) r.layers.emplace_back(l.cStr());
-  r.model = model_config(s.getModel());
+  r.model = model_config(s);
   r.train = train_config(s.getTrain());
   const auto d = s.getData();
   r.data.source = d.getSource();
@@ -394,10 +545,38 @@ Recipe from_spec(schema::RecipeSpec::Reader s) {
   return r;
 }
 
+std::string describe_base(const Recipe& r, const std::string& layers);
+
 std::string describe(const Recipe& r) {
   std::string layers;
   for (size_t i = 0; i < r.layers.size(); ++i)
     layers += fmt::format("{}{}:{}", i ? " " : "", i, r.layers[i]);
+  std::string arch;
+  if (!r.model.plain_architecture()) {
+    const ModelConfig& m = r.model;
+    arch = fmt::format(
+        "  arch      mode {} (tensor parallel {}), kv heads {}, rope theta {}, ffn {}\n", m.mode,
+        m.tensor_parallel(), m.kv_heads(), m.rope_theta, m.ffn());
+    arch += fmt::format("  blocks    {}\n", m.blocks);
+    if (m.moe.enabled) {
+      arch += fmt::format(
+          "  moe       {} routed experts (hidden {}), top {}, shared expert hidden {}, aux loss "
+          "x{}\n",
+          m.moe.n_experts, m.moe.expert_hidden, m.moe.top_k, m.moe.shared_hidden,
+          m.moe.aux_loss_coef);
+    }
+    if (m.blocks.find(kBlockMamba) != std::string::npos) {
+      arch +=
+          fmt::format("  ssm       state {}, head dim {}, expand {}, conv {}, chunk {}\n",
+                      m.ssm.d_state, m.ssm.head_dim, m.ssm.expand, m.ssm.conv_kernel, m.ssm.chunk);
+    }
+    if (m.blocks.find(kBlockRecurrent) != std::string::npos)
+      arch += fmt::format("  rnn       width {}, conv {}\n", m.rnn_width(), m.rnn.conv_kernel);
+  }
+  return arch.empty() ? describe_base(r, layers) : describe_base(r, layers) + arch;
+}
+
+std::string describe_base(const Recipe& r, const std::string& layers) {
   return fmt::format(
       "recipe {} ({})\n  hash      {}\n  pattern   {} -> {} layers [{}]\n"
       "  model     vocab {} seq {} d_model {} heads {} mlp x{}\n"

@@ -10,12 +10,50 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "recipes/batch_spec.h"
 #include "schemas/launch.capnp.h"
 
 namespace megacpp::recipe {
+
+// A hybrid recipe's mixture of experts ([moe]). Off by default: an E layer is then a dense MLP.
+struct MoeConfig {
+  bool enabled = false;
+  uint32_t n_experts = 0;       // routed experts
+  uint32_t top_k = 0;           // routed experts per token
+  uint32_t expert_hidden = 0;   // a routed expert's hidden size
+  uint32_t shared_hidden = 0;   // the shared expert's hidden size; 0 = no shared expert
+  double aux_loss_coef = 0.01;  // the load-balancing loss's weight in the training loss
+  bool operator==(const MoeConfig&) const = default;
+};
+// The M family's Mamba-2 mixer ([ssm]); d_inner = expand * d_model, heads = d_inner / head_dim.
+struct SsmConfig {
+  uint32_t d_state = 16;
+  uint32_t head_dim = 32;
+  uint32_t expand = 2;
+  uint32_t conv_kernel = 4;
+  uint32_t chunk = 64;  // steps per chunk of the SSD scan
+  bool operator==(const SsmConfig&) const = default;
+};
+// The R family's gated linear recurrence ([rnn]) of the author_dp mode.
+struct RnnConfig {
+  uint32_t width = 0;  // channels of the recurrence; 0 = d_model
+  uint32_t conv_kernel = 4;
+  bool operator==(const RnnConfig&) const = default;
+};
+
+// Block kinds a layer runs, one character per layer (ModelConfig::blocks): what a pattern symbol
+// becomes under a mode (expand_blocks).
+inline constexpr char kBlockAttention = 'A';  // attention + relu^2 MLP
+inline constexpr char kBlockMoe = 'E';        // mixture of experts (E with MoE on)
+inline constexpr char kBlockMlp = 'F';        // dense relu^2 MLP (E with MoE off)
+inline constexpr char kBlockMamba = 'M';      // Mamba-2 mixer (M; R in nemo_native)
+inline constexpr char kBlockRecurrent = 'R';  // gated linear recurrence (R in author_dp)
+
+inline constexpr std::string_view kModeAuthorDp = "author_dp";
+inline constexpr std::string_view kModeNemoNative = "nemo_native";
 
 struct ModelConfig {
   uint32_t vocab_size = 256;
@@ -24,7 +62,39 @@ struct ModelConfig {
   uint32_t n_layers = 2;
   uint32_t n_heads = 4;
   uint32_t mlp_mult = 4;
+  // The hybrid architecture (DESIGN.md "Hybrid recipes"). At these defaults a recipe is the
+  // plain attention decoder, and its launch contract and hash are what they were before these
+  // fields existed.
+  uint32_t n_kv_heads = 0;  // grouped-query attention: key/value heads; 0 = n_heads
+  double rope_theta = 10000.0;
+  uint32_t ffn_hidden =
+      0;  // the A block's and a dense E layer's MLP hidden; 0 = mlp_mult * d_model
+  std::string mode = std::string(kModeAuthorDp);  // "author_dp" (TP 1) | "nemo_native" (TP 2 + SP)
+  MoeConfig moe = {};
+  SsmConfig ssm = {};
+  RnnConfig rnn = {};
+  // Derived, not declared: the block kind of each layer (expand_blocks of the recipe's pattern).
+  // Empty means every layer is kBlockAttention (a config built in code for the plain decoder).
+  std::string blocks = {};
+
+  uint32_t kv_heads() const { return n_kv_heads ? n_kv_heads : n_heads; }
+  uint32_t head_dim() const { return d_model / n_heads; }
+  uint32_t ffn() const { return ffn_hidden ? ffn_hidden : mlp_mult * d_model; }
+  uint32_t rnn_width() const { return rnn.width ? rnn.width : d_model; }
+  char block(uint32_t layer) const { return blocks.empty() ? kBlockAttention : blocks.at(layer); }
+  // The tensor-parallel degree the mode implies (nemo_native: 2, with sequence parallelism).
+  uint32_t tensor_parallel() const { return mode == kModeNemoNative ? 2 : 1; }
+  // True when every hybrid field is at its default (the launch contract then omits them).
+  bool plain_architecture() const;
 };
+
+// The pattern tiled to n_layers, each symbol mapped to its block kind: A -> attention; E -> MoE
+// when `moe_enabled`, else a dense MLP; M -> Mamba-2; R -> the recurrence in author_dp, Mamba-2 in
+// nemo_native (that mode runs both M and R on the Mamba-family block).
+std::string expand_blocks(std::string_view pattern, uint32_t n_layers, std::string_view mode,
+                          bool moe_enabled);
+// "attention", "moe", "mlp", "mamba2", "recurrent".
+std::string_view block_name(char block);
 
 // The [optim] table: the hybrid optimizer of README.md "Distributed optimizer". DistMuon takes
 // every 2-D matrix inside the blocks; DistAdamW takes the embedding (embed_lr), the head (head_lr)
@@ -119,7 +189,8 @@ void to_spec(const Recipe& r, schema::RecipeSpec::Builder spec);
 Recipe from_spec(schema::RecipeSpec::Reader spec);
 // The launch contract's model and training sections as the configs the trainer runs (the one
 // mapping from_spec uses too). Not validated: the caller validates.
-ModelConfig model_config(schema::ModelSpec::Reader spec);
+// The model's blocks are expanded from the recipe's pattern, n_layers and mode.
+ModelConfig model_config(schema::RecipeSpec::Reader spec);
 TrainConfig train_config(schema::TrainSpec::Reader spec);
 // A human-readable expansion (what `megacpp plan` prints).
 std::string describe(const Recipe& r);

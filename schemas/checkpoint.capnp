@@ -21,4 +21,8 @@ struct CheckpointManifest {
   # XXH3-64 of this file as written with selfXxh3 empty, so one flipped byte of checkpoint.json
   # itself is caught too (empty in checkpoints written before it: not checked).
   selfXxh3 @7 :Text;
+  # The model's execution layout (DESIGN.md "Hybrid recipes"): the recipe's mode and its
+  # tensor-parallel degree. Empty / 0 in checkpoints written before them: author_dp, 1.
+  mode @8 :Text;
+  tensorParallel @9 :UInt32;
 }

@@ -24,6 +24,10 @@ struct StepRecord {
   dataSeed @8 :UInt32;
   dataEpoch @9 :Float64;
   dataCursor @10 :Float64;
+  # MoE models: the weighted load-balancing loss of this rank's batch, and this rank's token
+  # assignments per expert (MoE layers in order, n_experts each); 0 / empty otherwise.
+  auxLoss @11 :Float32;
+  expertTokens @12 :List(UInt32);
 }
 
 struct CheckpointRecord {

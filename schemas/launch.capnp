@@ -10,6 +10,27 @@ struct ModelSpec {
   nLayers @3 :UInt32;
   nHeads @4 :UInt32;
   mlpMult @5 :UInt32;
+  arch @6 :ArchSpec;            # absent for the plain attention decoder (every field at its default)
+}
+
+struct ArchSpec {               # recipes/recipe.h ModelConfig's hybrid fields, [moe], [ssm], [rnn]
+  mode @0 :Text;                # "author_dp" | "nemo_native"
+  nKvHeads @1 :UInt32;          # 0 = nHeads
+  ropeTheta @2 :Float64;
+  ffnHidden @3 :UInt32;         # 0 = mlpMult * dModel
+  moeEnabled @4 :Bool;
+  moeExperts @5 :UInt32;
+  moeTopK @6 :UInt32;
+  moeExpertHidden @7 :UInt32;
+  moeSharedHidden @8 :UInt32;
+  moeAuxLossCoef @9 :Float64;
+  ssmDState @10 :UInt32;
+  ssmHeadDim @11 :UInt32;
+  ssmExpand @12 :UInt32;
+  ssmConvKernel @13 :UInt32;
+  ssmChunk @14 :UInt32;
+  rnnWidth @15 :UInt32;         # 0 = dModel
+  rnnConvKernel @16 :UInt32;
 }
 
 struct OptimSpec {               # recipe [optim]; see recipes/recipe.h OptimConfig
@@ -207,4 +228,16 @@ struct LaunchContract {
   # Empty in contracts written before the field existed: Gloo, MEGACPP_COLLECTIVE_TIMEOUT_S, no
   # abort on teardown.
   collectives @35 :CollectivePolicy;
+  # The plan's gates this launch passed (recipes/plan.h; DESIGN.md "Hybrid recipes"), for the
+  # recipe's mode and this world. Empty in contracts written before the field existed.
+  gates @36 :List(GateVerdict);
+}
+
+struct GateVerdict {            # recipes/plan.h Gate
+  rule @0 :Text;
+  passed @1 :Bool;
+  checked @2 :Bool;             # false: not applicable to this recipe, or not asked for
+  detail @3 :Text;
+  reason @4 :Text;
+  retires @5 :Text;
 }

@@ -125,6 +125,11 @@ struct Manifest {
   attempts @21 :List(AttemptSummary);  # every attempt, oldest first
   parent @22 :Launch.ParentRun;   # `--from`: the run and checkpoint this run started from
   stopReason @23 :Text;           # state interrupted: why and where it stopped
+  # The model's execution layout and expanded pattern (DESIGN.md "Hybrid recipes"): the
+  # recipe's mode, and one block kind per layer (A attention, E experts, F dense MLP,
+  # M Mamba-2, R recurrence).
+  mode @24 :Text;
+  blocks @25 :Text;
 }
 
 struct BenchResult {
@@ -149,6 +154,8 @@ struct BenchResult {
   # and are aborted (launch.json's collectives).
   device @14 :Text;
   collectives @15 :Launch.CollectivePolicy;
+  mode @16 :Text;               # as Manifest.mode: the comparison class of these figures
+  blocks @17 :Text;             # as Manifest.blocks
 }
 
 struct StepPoint {
@@ -160,6 +167,13 @@ struct StepPoint {
   # epoch x windows + cursor. An epoch boundary shows as dataEpoch rising.
   dataEpoch @4 :Float64;
   dataCursor @5 :Float64;
+  moe @6 :MoeStepPoint;         # absent for a model without MoE layers
+}
+
+struct MoeStepPoint {
+  auxLoss @0 :Float64;          # the weighted load-balancing loss, mean over ranks
+  # Token assignments per expert summed over ranks: MoE layers in order, n_experts each.
+  expertTokens @1 :List(UInt32);
 }
 
 struct BenchTelemetry {

@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "core/util.h"
 #include "prepare/prepare.h"
+#include "recipes/plan.h"
 #include "recipes/recipe.h"
 #include "schemas/run_layout.h"
 #include "stages/checkpointer/checkpointer.h"
@@ -70,6 +71,11 @@ int main(int argc, char** argv) {
   resume_opt->excludes(run_dir_opt)->excludes(from_opt);
   run->add_option("--data-dir", ro_data_dir,
                   "Data volume directory for token shards (default: <run-dir>/../data)");
+  run->add_option("--mode", ro.mode,
+                  "Override the recipe's mode: author_dp (tensor parallel 1) or nemo_native "
+                  "(tensor parallel 2 with sequence parallelism)");
+  run->add_option("--memory-budget", ro.memory_budget_gib,
+                  "Refuse the launch when the plan needs more than this per rank (GiB)");
   run->add_option("--data-source", ro.data_source,
                   "Override the recipe's [data] source: builtin, llmc or megatron");
   run->add_option("--data-path", ro.data_path,
@@ -161,9 +167,18 @@ int main(int argc, char** argv) {
       "collect", "Re-fold runs' journals into manifest and receipts (idempotent)");
   collect->add_option("run-dirs", collect_dirs, "Run directories")->required();
 
-  std::string plan_recipe = "tiny";
-  auto* plan = app.add_subcommand("plan", "Print a recipe expanded: layers, dimensions, hash");
+  std::string plan_recipe = "tiny", plan_mode;
+  uint32_t plan_ranks = 1;
+  double plan_budget = 0;
+  auto* plan = app.add_subcommand(
+      "plan",
+      "Print a recipe expanded under a mode and a world: every layer's block, parameters per "
+      "family, total and active parameters, per-rank memory, the gates and the hash");
   plan->add_option("recipe", plan_recipe, "Recipe name or path")->capture_default_str();
+  plan->add_option("--mode", plan_mode, "author_dp | nemo_native (default: the recipe's)");
+  plan->add_option("--ranks", plan_ranks, "World size to plan for")->capture_default_str();
+  plan->add_option("--memory-budget", plan_budget,
+                   "Per-rank memory in GiB the memory-budget gate checks (default: unchecked)");
 
   fs::path verify_path;
   auto* verify_cmd =
@@ -234,8 +249,8 @@ int main(int argc, char** argv) {
       ro.from = ro_from;
       if (!ro_resume.empty()) {
         // A resumed run trains what it recorded: these would silently change it.
-        for (const char* name :
-             {"recipe", "--steps", "--data-dir", "--data-source", "--data-path", "--stage-data"}) {
+        for (const char* name : {"recipe", "--steps", "--data-dir", "--data-source", "--data-path",
+                                 "--stage-data", "--mode"}) {
           if (run->count(name) > 0)
             throw mc::Error(mc::ErrorKind::kInvalidArgument,
                             fmt::format("--resume continues the run as it was launched: drop {} "
@@ -258,7 +273,13 @@ int main(int argc, char** argv) {
     }
     if (*plan) {
       auto r = mc::recipe::load(mc::recipe::resolve(plan_recipe, MEGACPP_RECIPE_DIR));
-      fmt::print("{}", mc::recipe::describe(r));
+      if (!plan_mode.empty()) {
+        r.model.mode = plan_mode;
+        r = mc::recipe::rehash(std::move(r));
+      }
+      fmt::print("{}\n", mc::recipe::describe(r));
+      fmt::print("{}", mc::recipe::format_plan(mc::recipe::make_plan(
+                           r, {.ranks = plan_ranks, .memory_budget_gib = plan_budget})));
       return 0;
     }
     if (*verify_cmd) return verify(verify_path);

@@ -289,6 +289,14 @@ void Run::adopt_parent_checkpoint() {
                  "--from {}: the checkpoint is of step {}, and --steps {} leaves nothing to "
                  "train: steps continue from the checkpoint's, so pass --steps above {}",
                  opt_.from.string(), ckpt.step(), opt_.steps, ckpt.step());
+  if (ckpt.mode() != recipe_.model.mode)
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "--from {}: gate mode-matches-checkpoint: the checkpoint was trained in mode {} "
+                 "(tensor parallel {}) and this run's recipe is in mode {}; a checkpoint's tensors "
+                 "are laid out for its mode, so resuming across modes is refused (retires when "
+                 "checkpoints are resharded between layouts): pass --mode {}",
+                 opt_.from.string(), ckpt.mode(), ckpt.tensor_parallel(), recipe_.model.mode,
+                 ckpt.mode());
   resume_ = ResumeInfo{ckpt.step(), dir, dir.string(), ckpt.world()};
   const fs::path parent_run = dir.parent_path().parent_path();
   parent_ = ParentInfo{parent_run.string(), ckpt.run_id(), ckpt.step(), dir.string()};
@@ -355,15 +363,27 @@ void Run::prepare() {
   } else {
     auto recipe_path = recipe::resolve(opt_.recipe, MEGACPP_RECIPE_DIR);
     recipe_ = recipe::load(recipe_path);
-    if (!opt_.data_source.empty() || !opt_.data_path.empty()) {
+    if (!opt_.data_source.empty() || !opt_.data_path.empty() || !opt_.mode.empty()) {
       // The CLI composes over the recipe: the overrides pass the same rules, and the recipe's
       // hash covers what actually runs.
       if (!opt_.data_source.empty()) recipe_.data.source = opt_.data_source;
       if (!opt_.data_path.empty()) recipe_.data.path = opt_.data_path;
+      if (!opt_.mode.empty()) recipe_.model.mode = opt_.mode;
       recipe_ = recipe::rehash(std::move(recipe_));
     }
     run_ = fs::absolute(opt_.run_dir).lexically_normal();
     if (!opt_.from.empty()) adopt_parent_checkpoint();
+  }
+  // The plan's gates, before anything is written: a refusal names its rule, the reason and
+  // when the gate retires.
+  {
+    const recipe::Plan plan = recipe::make_plan(
+        recipe_, {.ranks = opt_.ranks, .memory_budget_gib = opt_.memory_budget_gib});
+    if (const recipe::Gate* g = plan.refusal()) {
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument, "recipe {} refused by gate {}", recipe_.name,
+                   recipe::refusal_line(*g));
+    }
+    gates_ = plan.gates;
   }
   // What this attempt's ranks train on: the recipe, with the per-rank batch a resume at
   // another world size needs.
@@ -624,6 +644,16 @@ void Run::write_launch_contract(const recipe::Recipe& planned) {
   l.setRingSlotBytes(static_cast<uint32_t>(recipe::batch_spec(planned).slot_bytes()));
   l.setHeartbeatIntervalMs(opt_.heartbeat_interval_ms);
   recipe::to_spec(recipe_, l.initRecipe());
+  auto gates = l.initGates(static_cast<unsigned>(gates_.size()));
+  for (unsigned i = 0; i < gates.size(); ++i) {
+    const recipe::Gate& g = gates_[i];
+    gates[i].setRule(g.rule);
+    gates[i].setPassed(g.passed);
+    gates[i].setChecked(g.checked);
+    gates[i].setDetail(g.detail);
+    gates[i].setReason(g.reason);
+    gates[i].setRetires(g.retires);
+  }
   auto f = l.initFilesystem();
   f.setPath(run_.string());
   f.setType(fs_type_);

@@ -31,6 +31,10 @@ struct RunOptions {
   std::filesystem::path data_dir;  // default: <run_dir>/../data
   std::string data_source;         // overrides the recipe's [data] source when set
   std::string data_path;           // overrides the recipe's [data] path when set
+  // Overrides the recipe's mode ("author_dp" | "nemo_native"); the hash covers what runs.
+  std::string mode;
+  // Per-rank memory the plan may need (GiB; 0 = not checked): the memory-budget gate.
+  double memory_budget_gib = 0;
   // A local hot directory: the dataset (`megacpp prepare` output on a slow or network volume)
   // is copied there, verified against its dataset.json, and read from there.
   std::filesystem::path stage_data;

@@ -153,6 +153,13 @@ class CheckpointStore {
   CheckpointStore(const CheckpointStore&) = delete;
   CheckpointStore& operator=(const CheckpointStore&) = delete;
 
+  // The model's execution layout every later commit records (the recipe's mode and
+  // tensor-parallel degree; a checkpoint without them reads as author_dp, 1).
+  void set_layout(std::string mode, uint32_t tensor_parallel) {
+    mode_ = std::move(mode);
+    tensor_parallel_ = tensor_parallel;
+  }
+
   // Writes (or rewrites) rank_<rank>.safetensors of `step` into the step's tmp directory and
   // fsyncs it. `layout` (the rank's reassembly JSON, may be empty) is stored verbatim as the
   // "megacpp.layout" metadata entry. Throws Error{kProtocol} if `world` disagrees with an
@@ -197,6 +204,8 @@ class CheckpointStore {
   fs::path dir_;
   std::string run_id_;
   std::string recipe_hash_;
+  std::string mode_ = "author_dp";
+  uint32_t tensor_parallel_ = 1;
   RetentionPolicy retention_;
   std::map<uint32_t, Pending> pending_;
   std::optional<uint32_t> latest_;
@@ -329,6 +338,9 @@ class CheckpointReader {
   uint32_t world() const noexcept { return world_; }
   const std::string& run_id() const noexcept { return run_id_; }
   const std::string& recipe_hash() const noexcept { return recipe_hash_; }
+  // The model's execution layout: "author_dp", 1 for checkpoints written before it was recorded.
+  const std::string& mode() const noexcept { return mode_; }
+  uint32_t tensor_parallel() const noexcept { return tensor_parallel_; }
   const std::map<std::string, StoredTensor, std::less<>>& tensors() const noexcept {
     return tensors_;
   }
@@ -353,6 +365,8 @@ class CheckpointReader {
   uint32_t world_ = 0;
   std::string run_id_;
   std::string recipe_hash_;
+  std::string mode_;
+  uint32_t tensor_parallel_ = 1;
   std::vector<std::unique_ptr<Mapping>> files_;
   std::map<std::string, StoredTensor, std::less<>> tensors_;
   std::map<std::string, std::vector<std::string>> muon_stacks_;

@@ -3,6 +3,7 @@
 #include <csignal>
 
 #include "core/util.h"
+#include "recipes/recipe.h"
 #include "stages/checkpointer/checkpointer.h"
 #include "stages/stage.h"
 
@@ -29,6 +30,8 @@ void run(megacpp::stage::StageContext& ctx) {
   }
   ck::CheckpointStore store(ctx.run_dir(), launch.getRunId(), launch.getRecipe().getHash(),
                             retention);
+  const auto model = megacpp::recipe::model_config(launch.getRecipe());
+  store.set_layout(model.mode, model.tensor_parallel());
   megacpp::ipc::Channel router(ctx.zmq(), megacpp::ipc::Channel::Kind::kRouter,
                                launch.getCheckpointEndpoint());
   // A relaunched checkpointer binds the same endpoint under the same identity; the ranks

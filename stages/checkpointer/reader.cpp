@@ -63,6 +63,8 @@ CheckpointReader::CheckpointReader(const fs::path& dir) : dir_(dir) {
   world_ = manifest.getWorld();
   run_id_ = manifest.getRunId();
   recipe_hash_ = manifest.getRecipeHash();
+  mode_ = manifest.getMode().size() ? std::string(manifest.getMode()) : std::string("author_dp");
+  tensor_parallel_ = manifest.getTensorParallel() ? manifest.getTensorParallel() : 1;
   if (world_ == 0 || manifest.getFiles().size() != world_)
     corrupt(manifest_path,
             fmt::format("lists {} files for world {}", manifest.getFiles().size(), world_));

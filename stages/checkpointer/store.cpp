@@ -185,6 +185,8 @@ CommittedCheckpoint CheckpointStore::commit(uint32_t step) {
   manifest.setWorld(p.world);
   manifest.setCreatedAt(rfc3339(wall_ns()));
   manifest.setRecipeHash(recipe_hash_);
+  manifest.setMode(mode_);
+  manifest.setTensorParallel(tensor_parallel_);
   auto files = manifest.initFiles(static_cast<unsigned>(p.files.size()));
   uint64_t bytes = 0;
   unsigned i = 0;

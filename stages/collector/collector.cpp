@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "core/util.h"
 #include "ipc/journal.h"
+#include "recipes/recipe.h"
 #include "schemas/common.capnp.h"
 #include "schemas/enums.h"
 #include "schemas/journal.capnp.h"
@@ -91,7 +92,16 @@ struct StepData {
   int64_t wall_ns = 0;
   double data_epoch = 0;  // the sampler state after the step (schema StepRecord)
   double data_cursor = 0;
+  double aux_loss = 0;                  // MoE models (schema StepRecord)
+  std::vector<uint32_t> expert_tokens;  // empty without MoE
 };
+
+StepData step_data(uint32_t attempt, schema::StepRecord::Reader s, int64_t wall) {
+  StepData d{attempt, s.getLoss(),      s.getTokens(),     s.getStepSeconds(), s.getWaitSeconds(),
+             wall,    s.getDataEpoch(), s.getDataCursor(), s.getAuxLoss(),     {}};
+  for (uint32_t n : s.getExpertTokens()) d.expert_tokens.push_back(n);
+  return d;
+}
 
 struct JournalFile {
   std::unique_ptr<ipc::JournalReader> reader;
@@ -107,6 +117,7 @@ uint32_t clamp32(uint64_t v) {
 struct Collector::State {
   // From launch.json.
   std::string run_id, recipe, recipe_hash, created_at;
+  std::string mode, blocks;  // the recipe's mode and expanded pattern (launch contract)
   uint32_t world = 0;
   uint32_t steps_planned = 0;
   // The dataset and volumes, copied into the bench receipt. Written once, in the constructor;
@@ -455,10 +466,7 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
     if (rec.isStep() && stage == StageKind::TRAINER) {
       auto s = rec.getStep();
       StepData& d = steps[rank][s.getStep()];
-      if (rec_attempt >= d.attempt) {
-        d = StepData{rec_attempt,        s.getLoss(), s.getTokens(),    s.getStepSeconds(),
-                     s.getWaitSeconds(), wall,        s.getDataEpoch(), s.getDataCursor()};
-      }
+      if (rec_attempt >= d.attempt) d = step_data(rec_attempt, s, wall);
     } else if (rec.isCheckpointCommitted()) {
       auto c = rec.getCheckpointCommitted();
       commits[{rec_attempt, c.getStep()}] = c.getPath();
@@ -481,9 +489,7 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       auto s = rec.getStep();
       self.last_step = std::max(self.last_step, s.getStep());
       if (stage == StageKind::TRAINER) {
-        steps[rank][s.getStep()] = StepData{
-            attempt, s.getLoss(),      s.getTokens(),    s.getStepSeconds(), s.getWaitSeconds(),
-            wall,    s.getDataEpoch(), s.getDataCursor()};
+        steps[rank][s.getStep()] = step_data(attempt, s, wall);
       }
       break;
     }
@@ -629,6 +635,11 @@ Collector::Collector(fs::path run_dir)
   state_->run_id = l.getRunId();
   state_->recipe = l.getRecipe().getName();
   state_->recipe_hash = l.getRecipe().getHash();
+  {
+    const recipe::ModelConfig model = recipe::model_config(l.getRecipe());
+    state_->mode = model.mode;
+    state_->blocks = model.blocks;
+  }
   state_->created_at = l.getCreatedAt();
   state_->world = l.getWorld();
   state_->steps_planned = l.getSteps();
@@ -697,6 +708,8 @@ void Collector::render() {
     m.setRecipe(s.recipe);
     m.setRecipeHash(s.recipe_hash);
     m.setWorld(s.world);
+    m.setMode(s.mode);
+    m.setBlocks(s.blocks);
     m.setStepsPlanned(s.steps_planned);
     m.setStepsCompleted(completed);
     if (s.finished && s.finished->stopped_by_signal != 0) {
@@ -832,6 +845,8 @@ void Collector::render() {
       double step_max = 0;
       double wait_max = 0;
       double data_epoch = 0, data_cursor = 0;  // every rank reports the same global state
+      double aux_sum = 0;
+      std::vector<uint32_t> expert_tokens;  // summed over ranks
     };
     std::map<uint32_t, Point> points;
     double tokens = 0;
@@ -845,6 +860,11 @@ void Collector::render() {
         p.wait_max = std::max(p.wait_max, d.wait_seconds);
         p.data_epoch = d.data_epoch;
         p.data_cursor = d.data_cursor;
+        p.aux_sum += d.aux_loss;
+        if (p.expert_tokens.size() < d.expert_tokens.size())
+          p.expert_tokens.resize(d.expert_tokens.size());
+        for (size_t e = 0; e < d.expert_tokens.size(); ++e)
+          p.expert_tokens[e] += d.expert_tokens[e];
         tokens += d.tokens;
         const int64_t start = d.wall_ns - static_cast<int64_t>(std::llround(d.step_seconds * 1e9));
         if (!first_start || start < *first_start) first_start = start;
@@ -887,6 +907,8 @@ void Collector::render() {
     r.setVolumes(launch.getVolumes());
     r.setDevice(launch.getDevice().size() > 0 ? launch.getDevice() : capnp::Text::Reader("cpu"));
     r.setCollectives(launch.getCollectives());
+    r.setMode(s.mode);
+    r.setBlocks(s.blocks);
     out["receipts/" + std::string(kBenchResult)] = schemas::to_json(r.asReader());
 
     capnp::MallocMessageBuilder telemetry_message;
@@ -903,6 +925,12 @@ void Collector::render() {
       sp.setWaitSeconds(p.wait_max);
       sp.setDataEpoch(p.data_epoch);
       sp.setDataCursor(p.data_cursor);
+      if (!p.expert_tokens.empty()) {
+        auto moe = sp.initMoe();
+        moe.setAuxLoss(p.aux_sum / p.ranks);
+        auto et = moe.initExpertTokens(static_cast<unsigned>(p.expert_tokens.size()));
+        for (unsigned e = 0; e < et.size(); ++e) et.set(e, p.expert_tokens[e]);
+      }
     }
     auto ff = t.initFirstForwardSeconds(s.world);
     for (uint32_t rank = 0; rank < s.world; ++rank) {

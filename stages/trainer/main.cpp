@@ -172,7 +172,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   const uint32_t rank = ctx.rank();
   const uint32_t world = launch.getWorld();
   const uint32_t steps = launch.getSteps();
-  const ModelConfig model = model_config(launch.getRecipe().getModel());
+  const ModelConfig model = model_config(launch.getRecipe());
   TrainConfig train = train_config(launch.getRecipe().getTrain());
   // A resume at another world size keeps the global batch with its own batch per rank.
   const auto resume = launch.getResume();
@@ -360,6 +360,15 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       s.setDataSeed(static_cast<uint32_t>(header.seed));
       s.setDataEpoch(static_cast<double>(header.next_position / header.windows));
       s.setDataCursor(static_cast<double>(header.next_position % header.windows));
+      if (!timing.tokens_per_expert.empty()) {
+        s.setAuxLoss(timing.aux_loss);
+        size_t n = 0;
+        for (const auto& layer : timing.tokens_per_expert) n += layer.size();
+        auto tokens = s.initExpertTokens(static_cast<unsigned>(n));
+        unsigned i = 0;
+        for (const auto& layer : timing.tokens_per_expert)
+          for (int64_t count : layer) tokens.set(i++, static_cast<uint32_t>(count));
+      }
     });
     ctx.set_step(step);
     ctx.control().publish(

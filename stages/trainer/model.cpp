@@ -20,6 +20,16 @@ void validate(const ModelConfig& m) {
       fmt::format("model: dModel {} must be a multiple of nHeads {}", m.d_model, m.n_heads));
   MEGACPP_CHECK((m.d_model / m.n_heads) % 2 == 0, ErrorKind::kInvalidArgument,
                 fmt::format("model: head dimension {} must be even (RoPE)", m.d_model / m.n_heads));
+  MEGACPP_CHECK(m.kv_heads() <= m.n_heads && m.n_heads % m.kv_heads() == 0,
+                ErrorKind::kInvalidArgument,
+                fmt::format("model: nKvHeads {} must divide nHeads {}", m.kv_heads(), m.n_heads));
+  MEGACPP_CHECK(m.rope_theta > 0, ErrorKind::kInvalidArgument, "model: ropeTheta must be > 0");
+  MEGACPP_CHECK(m.blocks.empty() || m.blocks.size() == m.n_layers, ErrorKind::kInvalidArgument,
+                fmt::format("model: {} blocks for {} layers", m.blocks.size(), m.n_layers));
+  for (char b : m.blocks) {
+    MEGACPP_CHECK(std::string_view("AEFMR").find(b) != std::string_view::npos,
+                  ErrorKind::kInvalidArgument, fmt::format("model: unknown block kind '{}'", b));
+  }
 }
 
 namespace {
@@ -43,76 +53,121 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 }  // namespace
 
 AttentionImpl::AttentionImpl(const ModelConfig& c)
-    : n_heads_(c.n_heads), head_dim_(c.d_model / c.n_heads) {
-  qkv = register_module("qkv", linear(c.d_model, 3 * int64_t{c.d_model}));
-  proj = register_module("proj", linear(c.d_model, c.d_model));
+    : n_heads_(c.n_heads), n_kv_heads_(c.kv_heads()), head_dim_(c.head_dim()) {
+  qkv = register_module("qkv", linear(c.d_model, (n_heads_ + 2 * n_kv_heads_) * head_dim_));
+  proj = register_module("proj", linear(n_heads_ * head_dim_, c.d_model));
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
                                   const at::Tensor& sin) {
-  const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
-  // [B, T, 3, H, hd] -> 3 x [B, H, T, hd]
-  const auto parts = qkv(x).view({B, T, 3, n_heads_, head_dim_}).permute({2, 0, 3, 1, 4}).unbind(0);
-  const auto q = rope(rms_norm(parts[0]), cos, sin);
-  const auto k = rope(rms_norm(parts[1]), cos, sin);
-  const auto y = at::scaled_dot_product_attention(q, k, parts[2], /*attn_mask=*/{},
-                                                  /*dropout_p=*/0.0, /*is_causal=*/true);
-  return proj(y.transpose(1, 2).reshape({B, T, D}));
+  const int64_t B = x.size(0), T = x.size(1);
+  const int64_t q_width = n_heads_ * head_dim_, kv_width = n_kv_heads_ * head_dim_;
+  at::Tensor q, k, v;
+  if (n_kv_heads_ == n_heads_) {
+    // [B, T, 3, H, hd] -> 3 x [B, H, T, hd]
+    const auto parts =
+        qkv(x).view({B, T, 3, n_heads_, head_dim_}).permute({2, 0, 3, 1, 4}).unbind(0);
+    q = parts[0], k = parts[1], v = parts[2];
+  } else {
+    const auto parts = qkv(x).split_with_sizes({q_width, kv_width, kv_width}, -1);
+    q = parts[0].view({B, T, n_heads_, head_dim_}).transpose(1, 2);
+    k = parts[1].view({B, T, n_kv_heads_, head_dim_}).transpose(1, 2);
+    v = parts[2].view({B, T, n_kv_heads_, head_dim_}).transpose(1, 2);
+  }
+  q = rope(rms_norm(q), cos, sin);
+  k = rope(rms_norm(k), cos, sin);
+  const auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                                  /*is_causal=*/true, /*scale=*/{},
+                                                  /*enable_gqa=*/n_kv_heads_ != n_heads_);
+  return proj(y.transpose(1, 2).reshape({B, T, q_width}));
 }
 
-MlpImpl::MlpImpl(const ModelConfig& c) {
-  const int64_t hidden = int64_t{c.mlp_mult} * c.d_model;
-  fc = register_module("fc", linear(c.d_model, hidden));
-  proj = register_module("proj", linear(hidden, c.d_model));
+BlockImpl::BlockImpl(const ModelConfig& c, char kind) : kind_(kind) {
+  switch (kind) {
+    case recipe::kBlockAttention:
+      attn = register_module("attn", Attention(c));
+      mlp = register_module("mlp", Mlp(c.d_model, c.ffn()));
+      break;
+    case recipe::kBlockMoe:
+      moe = register_module("moe", Moe(c.d_model, c.moe));
+      break;
+    case recipe::kBlockMlp:
+      mlp = register_module("mlp", Mlp(c.d_model, c.ffn()));
+      break;
+    case recipe::kBlockMamba:
+      mamba = register_module("mamba", Mamba(MambaConfig{.d_model = c.d_model,
+                                                         .d_state = c.ssm.d_state,
+                                                         .head_dim = c.ssm.head_dim,
+                                                         .expand = c.ssm.expand,
+                                                         .conv_kernel = c.ssm.conv_kernel,
+                                                         .chunk = c.ssm.chunk}));
+      break;
+    case recipe::kBlockRecurrent:
+      rnn = register_module("rnn", Recurrent(RecurrentConfig{.d_model = c.d_model,
+                                                             .width = c.rnn_width(),
+                                                             .conv_kernel = c.rnn.conv_kernel,
+                                                             .chunk = c.ssm.chunk}));
+      break;
+    default:
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument, "model: unknown block kind '{}'", kind);
+  }
 }
 
-at::Tensor MlpImpl::forward(const at::Tensor& x) {
-  return proj(torch::relu(fc(x)).square());
-}
-
-BlockImpl::BlockImpl(const ModelConfig& c) {
-  attn = register_module("attn", Attention(c));
-  mlp = register_module("mlp", Mlp(c));
-}
-
-at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const auto h = x + attn(rms_norm(x), cos, sin);
-  return h + mlp(rms_norm(h));
-}
-
-TransformerImpl::TransformerImpl(const ModelConfig& c, uint32_t seed) : config_(c) {
-  validate(c);
-  embed = register_module("embed", torch::nn::Embedding(c.vocab_size, c.d_model));
-  blocks = register_module("blocks", torch::nn::ModuleList());
-  for (uint32_t i = 0; i < c.n_layers; ++i) blocks->push_back(Block(c));
-  head = register_module("head", linear(c.d_model, c.vocab_size));
-
-  const int64_t half = c.d_model / c.n_heads / 2;
-  const auto inv_freq =
-      torch::pow(10000.0, -torch::arange(half, torch::kFloat64) / static_cast<double>(half));
-  const auto angles = torch::outer(torch::arange(int64_t{c.seq_len}, torch::kFloat64), inv_freq);
-  rope_cos_ = register_buffer("rope_cos", angles.cos().to(torch::kFloat32));
-  rope_sin_ = register_buffer("rope_sin", angles.sin().to(torch::kFloat32));
-
-  // Init: embedding N(0, 1); input projections U(+-sqrt(3 / fan_in)) (unit-variance
-  // outputs); residual output projections zero (each block starts as the identity); head
-  // N(0, 0.001). Drawn in registration order from one private generator.
+void BlockImpl::initialise(at::Generator& gen) {
+  if (mamba) return mamba->initialise(gen, /*zero_out=*/true);
+  if (rnn) return rnn->initialise(gen, /*zero_out=*/true);
+  // Input projections (qkv, fc, the router) U(+-sqrt(3 / fan_in)): unit-variance outputs;
+  // residual output projections zero: the block starts as the identity.
   torch::NoGradGuard no_grad;
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   for (auto& item : named_parameters()) {
-    const std::string& name = item.key();
     at::Tensor& p = item.value();
-    if (name == "embed.weight") {
-      p.normal_(0.0, 1.0, gen);
-    } else if (name == "head.weight") {
-      p.normal_(0.0, 0.001, gen);
-    } else if (name.ends_with(".proj.weight")) {
+    if (item.key().ends_with("proj.weight")) {
       p.zero_();
     } else {
       const double bound = std::sqrt(3.0 / static_cast<double>(p.size(1)));
       p.uniform_(-bound, bound, gen);
     }
   }
+}
+
+at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  switch (kind_) {
+    case recipe::kBlockAttention: {
+      const auto h = x + attn(rms_norm(x), cos, sin);
+      return h + mlp(rms_norm(h));
+    }
+    case recipe::kBlockMoe:
+      return x + moe(rms_norm(x));
+    case recipe::kBlockMlp:
+      return x + mlp(rms_norm(x));
+    case recipe::kBlockMamba:
+      return x + mamba(rms_norm(x));
+    default:
+      return x + rnn(rms_norm(x));
+  }
+}
+
+TransformerImpl::TransformerImpl(const ModelConfig& c, uint32_t seed) : config_(c) {
+  validate(c);
+  embed = register_module("embed", torch::nn::Embedding(c.vocab_size, c.d_model));
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (uint32_t i = 0; i < c.n_layers; ++i) blocks->push_back(Block(c, c.block(i)));
+  head = register_module("head", linear(c.d_model, c.vocab_size));
+
+  const int64_t half = c.head_dim() / 2;
+  const auto inv_freq =
+      torch::pow(c.rope_theta, -torch::arange(half, torch::kFloat64) / static_cast<double>(half));
+  const auto angles = torch::outer(torch::arange(int64_t{c.seq_len}, torch::kFloat64), inv_freq);
+  rope_cos_ = register_buffer("rope_cos", angles.cos().to(torch::kFloat32));
+  rope_sin_ = register_buffer("rope_sin", angles.sin().to(torch::kFloat32));
+
+  // Init, drawn in registration order from one private generator: embedding N(0, 1); each
+  // block as BlockImpl::initialise; head N(0, 0.001).
+  torch::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  embed->weight.normal_(0.0, 1.0, gen);
+  for (const auto& block : *blocks) block->as<Block>()->initialise(gen);
+  head->weight.normal_(0.0, 0.001, gen);
 }
 
 at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
@@ -124,6 +179,26 @@ at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
   auto x = rms_norm(embed(tokens));
   for (const auto& block : *blocks) x = block->as<Block>()->forward(x, cos, sin);
   return head(rms_norm(x));
+}
+
+at::Tensor TransformerImpl::aux_loss() const {
+  at::Tensor total;
+  for (const auto& block : *blocks) {
+    const auto* b = block->as<Block>();
+    if (!b->moe || !b->moe->aux_loss().defined()) continue;
+    const at::Tensor term = b->moe->aux_loss() * config_.moe.aux_loss_coef;
+    total = total.defined() ? total + term : term;
+  }
+  return total;
+}
+
+std::vector<at::Tensor> TransformerImpl::tokens_per_expert() const {
+  std::vector<at::Tensor> out;
+  for (const auto& block : *blocks) {
+    const auto* b = block->as<Block>();
+    if (b->moe && b->moe->tokens_per_expert().defined()) out.push_back(b->moe->tokens_per_expert());
+  }
+  return out;
 }
 
 }  // namespace megacpp::trainer

@@ -1,4 +1,4 @@
-// megacpp::trainer model — the recipe's model configuration and the decoder-only transformer.
+// megacpp::trainer model — the recipe's model configuration and the decoder-only hybrid model.
 //
 // Contract: pure torch modules on CPU in float32. Construction is deterministic from a seed and
 // never touches the global torch RNG; forward() does not block on anything but compute and
@@ -8,11 +8,15 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <torch/torch.h>
 
 #include "recipes/recipe.h"
 #include "schemas/launch.capnp.h"
+#include "stages/trainer/mamba.h"
+#include "stages/trainer/moe.h"
+#include "stages/trainer/recurrent.h"
 
 namespace megacpp::trainer {
 
@@ -22,15 +26,24 @@ using ModelConfig = recipe::ModelConfig;
 
 using recipe::model_config;
 // Throws Error{kInvalidArgument} naming the rule: every size > 0, d_model % n_heads == 0,
-// an even head dimension (RoPE rotates pairs).
+// an even head dimension (RoPE rotates pairs), n_kv_heads dividing n_heads, one block per layer,
+// and a valid configuration for each block kind the layers use.
 void validate(const ModelConfig& model);
 
 // ---------------------------------------------------------------------------------------
-// Model: decoder-only transformer. Embedding -> RMSNorm -> n_layers x [x + attn(norm(x)),
-// x + mlp(norm(x))] -> RMSNorm -> untied head. Attention: fused QKV, QK-norm, RoPE, causal
-// SDPA. MLP: relu(x)^2, hidden = mlp_mult * d_model. RMSNorm carries no weight. No biases.
+// Model: decoder-only. Embedding -> RMSNorm -> n_layers blocks -> RMSNorm -> untied head. A
+// layer's block is config.block(i) (recipes/recipe.h):
+//   A  x + attn(norm(x)), then x + mlp(norm(x))     attention: fused QKV with n_kv_heads key/value
+//                                                   heads (grouped-query), QK-norm, RoPE with
+//                                                   rope_theta, causal SDPA; MLP relu^2, ffn()
+//   E  x + moe(norm(x))                             moe.h
+//   F  x + mlp(norm(x))                             an E layer with MoE off
+//   M  x + mamba(norm(x))                           mamba.h
+//   R  x + rnn(norm(x))                             recurrent.h
+// RMSNorm carries no weight (the Mamba block's inner norm does). No biases outside M and R.
 // Parameter names: embed.weight, blocks.<i>.attn.qkv.weight, blocks.<i>.attn.proj.weight,
-// blocks.<i>.mlp.fc.weight, blocks.<i>.mlp.proj.weight, head.weight.
+// blocks.<i>.mlp.{fc,proj}.weight, blocks.<i>.moe.* (moe.h), blocks.<i>.mamba.* (mamba.h),
+// blocks.<i>.rnn.* (recurrent.h), head.weight.
 
 class AttentionImpl : public torch::nn::Module {
  public:
@@ -38,32 +51,33 @@ class AttentionImpl : public torch::nn::Module {
   // x: [B, T, D]; cos, sin: [T, head_dim / 2].
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
-  torch::nn::Linear qkv{nullptr};
+  torch::nn::Linear qkv{nullptr};  // [(n_heads + 2 n_kv_heads) * head_dim, D]: q, k, v rows
   torch::nn::Linear proj{nullptr};
 
  private:
   int64_t n_heads_;
+  int64_t n_kv_heads_;
   int64_t head_dim_;
 };
 TORCH_MODULE(Attention);
 
-class MlpImpl : public torch::nn::Module {
- public:
-  explicit MlpImpl(const ModelConfig& config);
-  at::Tensor forward(const at::Tensor& x);
-
-  torch::nn::Linear fc{nullptr};
-  torch::nn::Linear proj{nullptr};
-};
-TORCH_MODULE(Mlp);
-
 class BlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const ModelConfig& config);
+  // `kind` is one of recipe::kBlock*.
+  BlockImpl(const ModelConfig& config, char kind);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+  // Draws this block's parameters from `gen` (registration order), residual outputs zero.
+  void initialise(at::Generator& gen);
+  char kind() const noexcept { return kind_; }
 
   Attention attn{nullptr};
   Mlp mlp{nullptr};
+  Moe moe{nullptr};
+  Mamba mamba{nullptr};
+  Recurrent rnn{nullptr};
+
+ private:
+  char kind_;
 };
 TORCH_MODULE(Block);
 
@@ -75,6 +89,11 @@ class TransformerImpl : public torch::nn::Module {
   // tokens: int64 [B, T] with T <= seq_len (any strides); returns float logits [B, T, V].
   at::Tensor forward(const at::Tensor& tokens);
   const ModelConfig& config() const noexcept { return config_; }
+  // The MoE layers' load-balancing losses of the last forward, each times aux_loss_coef, summed
+  // (0-D, differentiable); undefined when the model has no MoE layer.
+  at::Tensor aux_loss() const;
+  // Per MoE layer, in layer order: int64 [n_experts] token assignments of the last forward.
+  std::vector<at::Tensor> tokens_per_expert() const;
 
   torch::nn::Embedding embed{nullptr};
   torch::nn::ModuleList blocks{nullptr};

@@ -100,7 +100,9 @@ struct TrainStep::Impl {
         a.optimizer = "adamw", a.group = "embed";
       } else if (name == "head.weight") {
         a.optimizer = "adamw", a.group = "head";
-      } else if (name.starts_with("blocks.") && p.dim() == 2) {
+      } else if (name.starts_with("blocks.") && p.dim() == 2 && !name.ends_with(".router.weight")) {
+        // Every 2-D matrix of a block, each expert's own included; the router, norms, SSM
+        // scalars (A_log, D, dt_bias), conv weights and biases go to DistAdamW.
         a.optimizer = "muon";
         a.group = o.qkv_split && name.ends_with(".attn.qkv.weight") ? "qkv" : "matrices";
         a.sharded = true;
@@ -134,7 +136,8 @@ struct TrainStep::Impl {
     for (size_t k = 0; k < adam_index.size(); ++k)
       assignment[adam_index[k]].sharded = adamw->is_sharded(k);
 
-    const int64_t d = model_cfg.d_model;
+    const int64_t q_rows = int64_t{model_cfg.n_heads} * model_cfg.head_dim();
+    const int64_t kv_rows = int64_t{model_cfg.kv_heads()} * model_cfg.head_dim();
     std::vector<MuonParamGroup> mg;
     for (const char* label : muon_groups) {
       const auto it = members.find(std::string("muon.") + label);
@@ -143,7 +146,7 @@ struct TrainStep::Impl {
                        .momentum = o.muon_momentum,
                        .beta2 = o.muon_beta2,
                        .weight_decay = o.muon_weight_decay};
-      if (std::string_view(label) == "qkv") g.qkv_split_sizes = {d, d, d};
+      if (std::string_view(label) == "qkv") g.qkv_split_sizes = {q_rows, kv_rows, kv_rows};
       std::vector<std::string> names;
       for (size_t i : it->second) {
         g.params.push_back(params[i].second);
@@ -324,6 +327,15 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
         on_device.narrow(1, 1, T).reshape({-1}));
   }
   out.loss = loss.item<float>();
+  if (const at::Tensor aux = s.model->aux_loss(); aux.defined()) {
+    out.aux_loss = aux.item<float>();
+    loss = loss + aux;
+    for (const at::Tensor& counts : s.model->tokens_per_expert()) {
+      const at::Tensor host = counts.to(at::kCPU);
+      out.tokens_per_expert.emplace_back(host.data_ptr<int64_t>(),
+                                         host.data_ptr<int64_t>() + host.numel());
+    }
+  }
   out.forward_seconds = seconds_since(t0);
 
   phase(schema::Phase::BACKWARD);

@@ -56,7 +56,11 @@ double lr_scale(const TrainConfig& train, uint32_t step, uint32_t total_steps);
 // One training step.
 
 struct StepTiming {
-  float loss = 0;              // mean cross-entropy of this rank's batch, before the update
+  float loss = 0;  // mean cross-entropy of this rank's batch, before the update
+  // MoE models: the weighted load-balancing loss added to the cross-entropy for backward (0
+  // without MoE), and per MoE layer the token assignments each expert received on this rank.
+  float aux_loss = 0;
+  std::vector<std::vector<int64_t>> tokens_per_expert;
   double grad_norm = 0;        // L2 norm of this rank's own gradient, before clipping
   double lr_scale = 0;         // the schedule's factor applied to every learning rate this step
   double forward_seconds = 0;  // forward + loss

@@ -28,6 +28,7 @@
 #include "ipc/journal.h"
 #include "ipc/shm.h"
 #include "ipc/slot_ring.h"
+#include "recipes/plan.h"
 #include "recipes/recipe.h"
 #include "schemas/common.capnp.h"
 #include "supervisor/console.h"
@@ -208,6 +209,7 @@ class Run {
   RunOptions opt_;
   policy::Budgets budgets_;
   recipe::Recipe recipe_;
+  std::vector<recipe::Gate> gates_;  // the plan's verdicts for recipe_ at this world (all passed)
   // Attempts (DESIGN.md "Resume and recovery"): 0 for a run's first launch.
   struct ResumeInfo {
     uint32_t step = 0;

@@ -2,6 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <capnp/message.h>
+
+#include <map>
+#include <stdexcept>
+#include <string>
+
+#include "recipes/plan.h"
+
 #include "core/error.h"
 
 namespace mc = megacpp;
@@ -66,7 +74,7 @@ TEST(Recipe, RulesAreNamed) {
   EXPECT_NE(expect_invalid(zero_batch).find("zero-length work"), std::string::npos);
   std::string moe = kBase;
   moe.replace(moe.find("pattern = \"A\""), 13, "pattern = \"AE\"");
-  EXPECT_NE(expect_invalid(moe).find("block family A only"), std::string::npos);
+  EXPECT_EQ(mc::recipe::parse(moe, "x.toml").model.blocks, "AFA");  // E without MoE: dense MLP
   EXPECT_NE(expect_invalid("name = [").find("x.toml:1"), std::string::npos);
   EXPECT_NE(expect_invalid(std::string(kBase) + "lr = 0.1\n").find("train.lr: unknown key"),
             std::string::npos);
@@ -137,4 +145,218 @@ TEST(Recipe, ResolveByNameAndPath) {
   EXPECT_EQ(r.name, "tiny");
   EXPECT_THROW(mc::recipe::resolve("no-such-recipe", MEGACPP_RECIPE_DIR), mc::Error);
   EXPECT_THROW(mc::recipe::resolve("/no/such/file.toml", MEGACPP_RECIPE_DIR), mc::Error);
+}
+
+// ---- hybrid recipes: expansion, modes, hashes, the plan and its gates ----------------------
+
+namespace {
+mc::recipe::Recipe named(const std::string& name, const std::string& mode = "") {
+  auto r = mc::recipe::load(mc::recipe::resolve(name, MEGACPP_RECIPE_DIR));
+  if (!mode.empty()) {
+    r.model.mode = mode;
+    r = mc::recipe::rehash(std::move(r));
+  }
+  return r;
+}
+const mc::recipe::Gate& gate(const mc::recipe::Plan& p, const std::string& rule) {
+  for (const auto& g : p.gates)
+    if (g.rule == rule) return g;
+  throw std::runtime_error("no gate " + rule);
+}
+}  // namespace
+
+TEST(HybridRecipe, PlainRecipesKeepTheirLaunchContractAndHash) {
+  // At its defaults the hybrid architecture is not written: the canonical form (and so the hash)
+  // of a plain recipe is what it was before the hybrid fields existed.
+  auto r = named("tiny");
+  EXPECT_TRUE(r.model.plain_architecture());
+  capnp::MallocMessageBuilder msg;
+  auto spec = msg.initRoot<mc::schema::RecipeSpec>();
+  mc::recipe::to_spec(r, spec);
+  EXPECT_FALSE(spec.asReader().getModel().hasArch());
+  EXPECT_EQ(r.model.blocks, "AA");
+  EXPECT_EQ(mc::recipe::from_spec(spec.asReader()).hash, r.hash);
+}
+
+TEST(HybridRecipe, GoldenExpansionsOfTheHybridRecipes) {
+  auto th = named("tiny-hybrid");
+  EXPECT_EQ(th.model.mode, "author_dp");
+  EXPECT_EQ(th.model.blocks, "AEMRAEMR");
+  EXPECT_EQ(named("tiny-hybrid", "nemo_native").model.blocks, "AEMMAEMM");
+
+  // nam56r: AEMEAEMEAEMR tiled to 52 layers; E is MoE (enabled); R -> Mamba in nemo_native.
+  auto nam = named("nam56r");
+  ASSERT_EQ(nam.layers.size(), 52u);
+  std::string symbols;
+  for (const auto& l : nam.layers) symbols += l;
+  EXPECT_EQ(symbols,
+            "AEMEAEMEAEMR"
+            "AEMEAEMEAEMR"
+            "AEMEAEMEAEMR"
+            "AEMEAEMEAEMR"
+            "AEME");
+  EXPECT_EQ(nam.model.mode, "nemo_native");
+  EXPECT_EQ(nam.model.blocks,
+            "AEMEAEMEAEMM"
+            "AEMEAEMEAEMM"
+            "AEMEAEMEAEMM"
+            "AEMEAEMEAEMM"
+            "AEME");
+  EXPECT_EQ(named("nam56r", "author_dp").model.blocks,
+            "AEMEAEMEAEMR"
+            "AEMEAEMEAEMR"
+            "AEMEAEMEAEMR"
+            "AEMEAEMEAEMR"
+            "AEME");
+  // With MoE off an E layer is a dense MLP.
+  nam.model.moe.enabled = false;
+  nam = mc::recipe::rehash(std::move(nam));
+  EXPECT_EQ(nam.model.blocks.substr(0, 12), "AFMFAFMFAFMM");
+}
+
+TEST(HybridRecipe, ThePatternTheModeAndTheDimsAreInTheHash) {
+  const auto base = named("tiny-hybrid");
+  EXPECT_NE(named("tiny-hybrid", "nemo_native").hash, base.hash);
+  auto other = base;
+  other.pattern = "AEMM";
+  EXPECT_NE(mc::recipe::rehash(other).hash, base.hash);
+  other = base;
+  other.model.moe.top_k = 1;
+  EXPECT_NE(mc::recipe::rehash(other).hash, base.hash);
+  other = base;
+  other.model.ssm.d_state = 8;
+  EXPECT_NE(mc::recipe::rehash(other).hash, base.hash);
+  other = base;
+  other.model.n_kv_heads = 1;
+  EXPECT_NE(mc::recipe::rehash(other).hash, base.hash);
+  // The launch contract round trip keeps every hybrid field.
+  capnp::MallocMessageBuilder msg;
+  auto spec = msg.initRoot<mc::schema::RecipeSpec>();
+  mc::recipe::to_spec(base, spec);
+  const auto back = mc::recipe::from_spec(spec.asReader());
+  EXPECT_EQ(back.hash, base.hash);
+  EXPECT_EQ(back.model.blocks, base.model.blocks);
+  EXPECT_EQ(back.model.moe, base.model.moe);
+  EXPECT_EQ(back.model.ssm, base.model.ssm);
+}
+
+TEST(HybridRecipe, HybridRulesAreNamed) {
+  const std::string hybrid = std::string(kBase) + "[moe]\nenabled = true\nn_experts = 4\n";
+  auto with_pattern = [](std::string text, const char* p) {
+    text.replace(text.find("pattern = \"A\""), 13, std::string("pattern = \"") + p + "\"");
+    return text;
+  };
+  EXPECT_NE(expect_invalid(hybrid).find("moe.enabled: the pattern has no E layer"),
+            std::string::npos);
+  EXPECT_NE(expect_invalid(with_pattern(hybrid, "AE")).find("moe.top_k"), std::string::npos);
+  EXPECT_NE(expect_invalid(with_pattern(std::string(kBase), "AX")).find("pattern: symbols are"),
+            std::string::npos);
+  EXPECT_NE(expect_invalid("mode = \"tp8\"\n" + std::string(kBase)).find("mode: must be"),
+            std::string::npos);
+  EXPECT_NE(expect_invalid(with(kBase, "n_heads = 4", "n_heads = 4\nn_kv_heads = 3"))
+                .find("model.n_kv_heads"),
+            std::string::npos);
+  EXPECT_NE(expect_invalid(std::string(kBase) + "[ssm]\nhead_dim = 7\n").find("ssm.head_dim"),
+            std::string::npos);
+  EXPECT_NE(
+      expect_invalid(std::string(kBase) + "[rnn]\ndepth = 2\n").find("rnn.depth: unknown key"),
+      std::string::npos);
+}
+
+// nam56r's first two layers recomputed by hand from the note's dims: D 3584, 56 heads and 8 KV
+// heads of 64, FFN 18944; 16 experts of hidden 896, top 4, a shared expert of 1024.
+TEST(Plan, Nam56rTwoLayersByHand) {
+  const auto p = mc::recipe::make_plan(named("nam56r"), {.ranks = 8});
+  ASSERT_EQ(p.layers.size(), 52u);
+  const uint64_t D = 3584, H = 56, KV = 8, hd = 64, F = 18944, E = 16, k = 4, h = 896, s = 1024;
+  const auto& a = p.layers[0];
+  EXPECT_EQ(a.block, 'A');
+  const uint64_t attn = (H + 2 * KV) * hd * D + D * H * hd, mlp = 2 * F * D;
+  EXPECT_EQ(a.params_total, attn + mlp);
+  EXPECT_EQ(a.params_total, 165150720u);
+  EXPECT_EQ(a.params_active, a.params_total);
+  EXPECT_EQ(a.activation_floats, 2 * D + (H + 2 * KV) * hd + 2 * (H + KV) * hd + H * hd + 3 * F);
+  const auto& e = p.layers[1];
+  EXPECT_EQ(e.block, 'E');
+  EXPECT_EQ(e.params_total, E * D + E * 2 * h * D + 2 * s * D);
+  EXPECT_EQ(e.params_total, 110157824u);
+  EXPECT_EQ(e.params_active, E * D + k * 2 * h * D + 2 * s * D);
+  EXPECT_EQ(e.activation_floats, D + 2 * E + k * (D + 3 * h + 1) + 3 * s);
+  // Families: 13 A, 22 E, 17 Mamba (13 M + 4 R in nemo_native).
+  std::map<std::string, uint32_t> layers;
+  for (const auto& f : p.families) layers[f.name] = f.layers;
+  EXPECT_EQ(layers,
+            (std::map<std::string, uint32_t>{{"attention", 13}, {"moe", 22}, {"mamba2", 17}}));
+  const auto author = mc::recipe::make_plan(named("nam56r", "author_dp"), {.ranks = 8});
+  layers.clear();
+  for (const auto& f : author.families) layers[f.name] = f.layers;
+  EXPECT_EQ(layers["recurrent"], 4u);
+  EXPECT_EQ(layers["mamba2"], 13u);
+  // The text names all 52 layers and the hash.
+  const std::string text = mc::recipe::format_plan(p);
+  EXPECT_NE(text.find(p.hash), std::string::npos);
+  EXPECT_NE(text.find("\n     51  E   moe"), std::string::npos) << text;
+}
+
+// A one-layer recipe's whole per-rank memory, by hand (see recipes/plan.h "Memory model").
+TEST(Plan, PerRankMemoryByHand) {
+  std::string text = with(kBase, "n_layers = 3", "n_layers = 1");
+  const auto r = mc::recipe::parse(text, "x.toml");
+  const auto p = mc::recipe::make_plan(r, {.ranks = 2});
+  // embed 256x64, head 256x64, qkv 192x64, attn.proj 64x64, mlp.fc 256x64, mlp.proj 64x256
+  const uint64_t held = 16384 + 16384 + 12288 + 4096 + 16384 + 16384;
+  EXPECT_EQ(p.params_total, held);
+  EXPECT_EQ(p.memory.parameters, 4 * held);
+  EXPECT_EQ(p.memory.gradients, 4 * held);
+  // DistMuon: one entry per stack, ceil(1 / 2) = 1 owned: momentum + second moment (qkv: rows;
+  // rows >= cols: rows; else cols). DistAdamW: embed and head below the crossover, replicated.
+  const uint64_t muon = (12288 + 192) * 4 + (4096 + 64) * 4 + (16384 + 256) * 4 + (16384 + 256) * 4;
+  const uint64_t adam = 8 * 16384 * 2;
+  EXPECT_EQ(p.memory.optimizer, muon + adam);
+  // 2 sequences x 32 tokens x (2 x 256 logits + the A block's 2D + (H+2KV)hd + 2(H+KV)hd +
+  // H hd + 3F with D 64, H = KV = 4, hd 16, F 256) x 4 bytes
+  const uint64_t a = 2 * 64 + 12 * 16 + 2 * 8 * 16 + 4 * 16 + 3 * 256;
+  EXPECT_EQ(p.memory.activations, 2 * 32 * (512 + a) * 4);
+}
+
+TEST(Plan, GatesNameTheirRuleReasonAndRetirement) {
+  // nam56r in its default mode needs tensor parallelism, which this build's trainer lacks.
+  auto nemo = mc::recipe::make_plan(named("nam56r"), {.ranks = 8});
+  ASSERT_NE(nemo.refusal(), nullptr);
+  EXPECT_EQ(nemo.refusal()->rule, "feature-built");
+  for (const auto& g : nemo.gates) {
+    EXPECT_FALSE(g.reason.empty()) << g.rule;
+    EXPECT_FALSE(g.retires.empty()) << g.rule;
+  }
+  EXPECT_TRUE(gate(nemo, "tp-divides-heads").passed);
+  EXPECT_TRUE(gate(nemo, "sp-divides-seq").passed);
+  EXPECT_TRUE(gate(nemo, "experts-divide-tp").passed);
+  EXPECT_FALSE(gate(nemo, "memory-budget").checked);
+  const std::string line = mc::recipe::refusal_line(*nemo.refusal());
+  EXPECT_NE(line.find("feature-built:"), std::string::npos);
+  EXPECT_NE(line.find("retires when"), std::string::npos);
+  EXPECT_EQ(line.find('\n'), std::string::npos);
+  // author_dp passes every gate at 8 ranks; a small memory budget refuses it by name.
+  EXPECT_EQ(mc::recipe::make_plan(named("nam56r", "author_dp"), {.ranks = 8}).refusal(), nullptr);
+  auto tight =
+      mc::recipe::make_plan(named("nam56r", "author_dp"), {.ranks = 8, .memory_budget_gib = 80});
+  ASSERT_NE(tight.refusal(), nullptr);
+  EXPECT_EQ(tight.refusal()->rule, "memory-budget");
+  // Odd worlds, heads, sequences and experts under tensor parallel 2.
+  EXPECT_FALSE(
+      gate(mc::recipe::make_plan(named("nam56r"), {.ranks = 3}), "tp-divides-world").passed);
+  auto r = named("tiny-hybrid", "nemo_native");
+  r.model.n_heads = 1;
+  r.model.n_kv_heads = 1;
+  r.model.d_model = 32;
+  r.model.ssm.head_dim = 16;
+  r.model.rnn.width = 32;
+  r.model.seq_len = 63;
+  r.model.moe.n_experts = 3;
+  r = mc::recipe::rehash(std::move(r));
+  const auto odd = mc::recipe::make_plan(r, {.ranks = 2});
+  EXPECT_FALSE(gate(odd, "tp-divides-heads").passed);
+  EXPECT_FALSE(gate(odd, "sp-divides-seq").passed);
+  EXPECT_FALSE(gate(odd, "experts-divide-tp").passed);
+  EXPECT_TRUE(gate(odd, "tp-divides-world").passed);
 }

@@ -123,6 +123,13 @@ void fill_launch(schema::LaunchContract::Builder c) {
   coll.setNcclAsyncErrorHandling(2);
   coll.setNcclEnableMonitoring(true);
   coll.setNcclHeartbeatTimeoutSeconds(480);
+  auto gate = c.initGates(1)[0];
+  gate.setRule("tp-divides-world");
+  gate.setPassed(true);
+  gate.setChecked(true);
+  gate.setDetail("2 rank(s) into tensor-parallel groups of 1 (author_dp)");
+  gate.setReason("every rank belongs to exactly one whole tensor-parallel group");
+  gate.setRetires("never: a partial tensor-parallel group cannot hold a layer");
 }
 
 // Offsets of `"name":` for each top-level field, in schema order; -1 when absent. Top-level

@@ -1,0 +1,366 @@
+#include "recipes/plan.h"
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "core/error.h"
+
+namespace megacpp::recipe {
+
+namespace {
+
+using Shape = std::vector<int64_t>;
+
+ParamShape matrix(std::string name, int64_t rows, int64_t cols, std::string group = "matrices") {
+  return ParamShape{.name = std::move(name),
+                    .shape = {rows, cols},
+                    .optimizer = "muon",
+                    .group = std::move(group)};
+}
+ParamShape other(std::string name, Shape shape, bool tp_split = true) {
+  return ParamShape{.name = std::move(name),
+                    .shape = std::move(shape),
+                    .optimizer = "adamw",
+                    .group = "other",
+                    .tp_split = tp_split};
+}
+
+uint64_t ceil_div(uint64_t a, uint64_t b) {
+  return (a + b - 1) / b;
+}
+
+std::string gib(uint64_t bytes) {
+  return fmt::format("{:.3f} GiB", static_cast<double>(bytes) / static_cast<double>(1ull << 30));
+}
+
+// 1234567 -> "1.23 M"
+std::string count(uint64_t n) {
+  if (n >= 1'000'000'000) return fmt::format("{:.3f} B", static_cast<double>(n) / 1e9);
+  if (n >= 1'000'000) return fmt::format("{:.2f} M", static_cast<double>(n) / 1e6);
+  if (n >= 1'000) return fmt::format("{:.1f} K", static_cast<double>(n) / 1e3);
+  return fmt::format("{}", n);
+}
+
+}  // namespace
+
+uint64_t ParamShape::numel() const {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+std::vector<ParamShape> layer_params(const ModelConfig& m, char block, bool qkv_split) {
+  const int64_t D = m.d_model, F = m.ffn();
+  std::vector<ParamShape> out;
+  const auto mlp = [&](const std::string& prefix, int64_t hidden) {
+    out.push_back(matrix(prefix + ".fc.weight", hidden, D));
+    out.push_back(matrix(prefix + ".proj.weight", D, hidden));
+  };
+  switch (block) {
+    case kBlockAttention: {
+      const int64_t hd = m.head_dim(), H = m.n_heads, KV = m.kv_heads();
+      out.push_back(
+          matrix("attn.qkv.weight", (H + 2 * KV) * hd, D, qkv_split ? "qkv" : "matrices"));
+      out.push_back(matrix("attn.proj.weight", D, H * hd));
+      mlp("mlp", F);
+      break;
+    }
+    case kBlockMlp:
+      mlp("mlp", F);
+      break;
+    case kBlockMoe: {
+      out.push_back(other("moe.router.weight", {int64_t{m.moe.n_experts}, D}, /*tp_split=*/false));
+      for (uint32_t e = 0; e < m.moe.n_experts; ++e)
+        mlp(fmt::format("moe.experts.{}", e), m.moe.expert_hidden);
+      if (m.moe.shared_hidden > 0) mlp("moe.shared", m.moe.shared_hidden);
+      break;
+    }
+    case kBlockMamba: {
+      const int64_t I = int64_t{m.ssm.expand} * D, N = m.ssm.d_state, H = I / m.ssm.head_dim;
+      const int64_t K = m.ssm.conv_kernel;
+      out.push_back(matrix("mamba.in_proj.weight", 2 * I + 2 * N + H, D));
+      out.push_back(other("mamba.conv.weight", {I + 2 * N, 1, K}));
+      out.push_back(other("mamba.conv.bias", {I + 2 * N}));
+      out.push_back(matrix("mamba.out_proj.weight", D, I));
+      out.push_back(other("mamba.dt_bias", {H}));
+      out.push_back(other("mamba.A_log", {H}));
+      out.push_back(other("mamba.D", {H}));
+      out.push_back(other("mamba.norm_weight", {I}));
+      break;
+    }
+    case kBlockRecurrent: {
+      const int64_t W = m.rnn_width(), K = m.rnn.conv_kernel;
+      out.push_back(matrix("rnn.gate_proj.weight", W, D));
+      out.push_back(matrix("rnn.in_proj.weight", W, D));
+      out.push_back(other("rnn.conv.weight", {W, 1, K}));
+      out.push_back(other("rnn.conv.bias", {W}));
+      out.push_back(matrix("rnn.rec_gate.weight", W, W));
+      out.push_back(other("rnn.rec_gate.bias", {W}));
+      out.push_back(matrix("rnn.in_gate.weight", W, W));
+      out.push_back(other("rnn.in_gate.bias", {W}));
+      out.push_back(other("rnn.lambda", {W}));
+      out.push_back(matrix("rnn.out_proj.weight", D, W));
+      break;
+    }
+    default:
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument, "plan: unknown block kind '{}'", block);
+  }
+  return out;
+}
+
+uint64_t activation_floats(const ModelConfig& m, char block) {
+  const uint64_t D = m.d_model, F = m.ffn();
+  switch (block) {
+    case kBlockAttention: {
+      // two norm outputs; qkv; q and k after QK-norm and after RoPE; the attention output;
+      // the MLP's fc output, relu and square
+      const uint64_t hd = m.head_dim(), H = m.n_heads, KV = m.kv_heads();
+      return 2 * D + (H + 2 * KV) * hd + 2 * (H + KV) * hd + H * hd + 3 * F;
+    }
+    case kBlockMlp:
+      return D + 3 * F;
+    case kBlockMoe: {
+      // norm output, router logits and probabilities, per assignment the gathered token,
+      // the expert's fc/relu/square and its weight; the shared expert's fc/relu/square
+      const uint64_t E = m.moe.n_experts, k = m.moe.top_k, h = m.moe.expert_hidden;
+      return D + 2 * E + k * (D + 3 * h + 1) + 3 * uint64_t{m.moe.shared_hidden};
+    }
+    case kBlockMamba: {
+      // norm output, in_proj output, conv output and its SiLU, dt, the chunk's decay matrix
+      // row per head, the scan output, the gated product and the inner norm's output
+      const uint64_t I = uint64_t{m.ssm.expand} * D, N = m.ssm.d_state, H = I / m.ssm.head_dim;
+      return D + (2 * I + 2 * N + H) + 2 * (I + 2 * N) + H + uint64_t{m.ssm.chunk} * H + 3 * I;
+    }
+    case kBlockRecurrent: {
+      // norm output; gate and its GeLU; in_proj, conv; r, i and their pre-activations; log a,
+      // the scale, the scan input; the chunk's decay row per channel; h and gate * h
+      const uint64_t W = m.rnn_width();
+      return D + 13 * W + uint64_t{m.ssm.chunk} * W;
+    }
+    default:
+      return 0;
+  }
+}
+
+const Gate* Plan::refusal() const {
+  for (const Gate& g : gates)
+    if (!g.passed) return &g;
+  return nullptr;
+}
+
+Plan make_plan(const Recipe& r, const PlanOptions& o) {
+  MEGACPP_CHECK(o.ranks >= 1, ErrorKind::kInvalidArgument, "plan: --ranks must be >= 1");
+  const ModelConfig& m = r.model;
+  Plan p;
+  p.recipe = r.name;
+  p.hash = r.hash;
+  p.pattern = r.pattern;
+  p.mode = m.mode;
+  p.ranks = o.ranks;
+  p.tp = m.tensor_parallel();
+  p.sequence_parallel = p.tp > 1;
+  p.dp = std::max<uint32_t>(1, o.ranks / p.tp);
+  p.memory_budget_gib = o.memory_budget_gib;
+  const bool qkv_split = r.train.optim.qkv_split;
+
+  p.globals.push_back(ParamShape{.name = "embed.weight",
+                                 .shape = {int64_t{m.vocab_size}, int64_t{m.d_model}},
+                                 .optimizer = "adamw",
+                                 .group = "embed"});
+  p.globals.push_back(ParamShape{.name = "head.weight",
+                                 .shape = {int64_t{m.vocab_size}, int64_t{m.d_model}},
+                                 .optimizer = "adamw",
+                                 .group = "head"});
+  for (const ParamShape& g : p.globals) p.params_total += g.numel();
+  p.params_active = p.params_total;
+
+  uint64_t act_per_token = 2ull * m.vocab_size;
+  for (uint32_t i = 0; i < m.n_layers; ++i) {
+    LayerPlan l;
+    l.index = i;
+    l.symbol = r.layers.empty() ? 'A' : r.layers[i][0];
+    l.block = m.block(i);
+    l.params = layer_params(m, l.block, qkv_split);
+    for (const ParamShape& s : l.params) l.params_total += s.numel();
+    l.params_active = l.params_total;
+    if (l.block == kBlockMoe) {
+      const uint64_t per_expert = 2ull * m.moe.expert_hidden * m.d_model;
+      l.params_active -= uint64_t{m.moe.n_experts - m.moe.top_k} * per_expert;
+    }
+    l.activation_floats = activation_floats(m, l.block);
+    act_per_token += l.activation_floats;
+    p.params_total += l.params_total;
+    p.params_active += l.params_active;
+    const std::string name(block_name(l.block));
+    auto fam = std::find_if(p.families.begin(), p.families.end(),
+                            [&](const Plan::Family& f) { return f.name == name; });
+    if (fam == p.families.end()) fam = p.families.insert(p.families.end(), {.name = name});
+    ++fam->layers;
+    fam->params += l.params_total;
+    p.layers.push_back(std::move(l));
+  }
+
+  // Memory per rank.
+  const uint64_t tp = p.tp, dp = p.dp;
+  std::vector<const ParamShape*> all;
+  for (const ParamShape& g : p.globals) all.push_back(&g);
+  for (const LayerPlan& l : p.layers)
+    for (const ParamShape& s : l.params) all.push_back(&s);
+  uint64_t held = 0;
+  std::map<std::tuple<std::string, int64_t, int64_t>, std::pair<uint64_t, bool>> stacks;
+  uint64_t adam_bytes = 0;
+  for (const ParamShape* s : all) {
+    const uint64_t div = s->tp_split ? tp : 1;
+    held += ceil_div(s->numel(), div);
+    if (s->optimizer == "muon") {
+      auto& st = stacks[{s->group, s->shape[0], s->shape[1]}];
+      ++st.first;
+      st.second = s->tp_split;
+    } else {
+      const bool sharded = s->numel() >= r.train.optim.adamw_crossover && !s->shape.empty() &&
+                           s->shape[0] % static_cast<int64_t>(dp) == 0;
+      adam_bytes += ceil_div(8 * s->numel(), (sharded ? dp : 1) * div);
+    }
+  }
+  uint64_t muon_bytes = 0;
+  for (const auto& [key, st] : stacks) {
+    const auto& [group, rows, cols] = key;
+    const uint64_t second = (group == "qkv" || rows >= cols) ? rows : cols;
+    const uint64_t per_entry = (static_cast<uint64_t>(rows * cols) + second) * 4;
+    muon_bytes += ceil_div(ceil_div(st.first, dp) * per_entry, st.second ? tp : 1);
+  }
+  p.memory.parameters = 4 * held;
+  p.memory.gradients = 4 * held;
+  p.memory.optimizer = muon_bytes + adam_bytes;
+  p.memory.activations = ceil_div(uint64_t{r.train.batch_size} * m.seq_len * act_per_token * 4, tp);
+
+  // Gates.
+  const auto gate = [&](std::string rule, bool passed, std::string detail, std::string reason,
+                        std::string retires, bool checked = true) {
+    p.gates.push_back(Gate{.rule = std::move(rule),
+                           .passed = passed,
+                           .checked = checked,
+                           .detail = std::move(detail),
+                           .reason = std::move(reason),
+                           .retires = std::move(retires)});
+  };
+  const auto has = [&](char block) { return m.blocks.find(block) != std::string::npos; };
+  gate("tp-divides-world", o.ranks % p.tp == 0,
+       fmt::format("{} rank(s) into tensor-parallel groups of {} ({})", o.ranks, p.tp, p.mode),
+       "every rank belongs to exactly one whole tensor-parallel group",
+       "never: a partial tensor-parallel group cannot hold a layer");
+  const bool attention = m.blocks.empty() || has(kBlockAttention);
+  gate("tp-divides-heads", !attention || (m.n_heads % p.tp == 0 && m.kv_heads() % p.tp == 0),
+       fmt::format("{} query and {} key/value heads over tensor parallel {}", m.n_heads,
+                   m.kv_heads(), p.tp),
+       "a column-parallel qkv projection gives each tensor-parallel rank whole heads",
+       "never: a head is the unit attention cannot split", attention);
+  if (has(kBlockMamba)) {
+    const uint32_t heads = m.ssm.expand * m.d_model / m.ssm.head_dim;
+    gate("tp-divides-ssm-heads", heads % p.tp == 0,
+         fmt::format("{} Mamba heads over tensor parallel {}", heads, p.tp),
+         "the Mamba mixer's projections are split by whole heads", "never: heads are the unit");
+  }
+  gate("sp-divides-seq", !p.sequence_parallel || m.seq_len % p.tp == 0,
+       fmt::format("seq_len {} into {} sequence-parallel shard(s)", m.seq_len, p.tp),
+       "sequence parallelism gives each tensor-parallel rank seq_len / tp positions of the norms "
+       "and residuals",
+       "when uneven sequence shards are implemented", p.sequence_parallel);
+  if (has(kBlockMoe)) {
+    gate("experts-divide-tp", m.moe.n_experts % p.tp == 0,
+         fmt::format("{} routed experts over tensor parallel {} ({} per rank; replicated over "
+                     "the {} data-parallel group(s))",
+                     m.moe.n_experts, p.tp, m.moe.n_experts / std::max<uint32_t>(p.tp, 1), p.dp),
+         "the routed experts are split whole across the tensor-parallel group",
+         "when experts may be split inside their hidden dimension");
+  }
+  if (o.memory_budget_gib > 0) {
+    const double need = static_cast<double>(p.memory.total()) / static_cast<double>(1ull << 30);
+    gate("memory-budget", need <= o.memory_budget_gib,
+         fmt::format("{:.3f} GiB per rank against a budget of {:.3f} GiB", need,
+                     o.memory_budget_gib),
+         "a rank over its memory fails in its first step, after the whole launch",
+         "never: raise --memory-budget, add ranks or shrink the batch");
+  } else {
+    gate("memory-budget", true, "no --memory-budget given",
+         "a rank over its memory fails in its first step, after the whole launch",
+         "never: raise --memory-budget, add ranks or shrink the batch", false);
+  }
+  gate("feature-built", p.tp == 1,
+       p.tp == 1 ? "tensor parallel 1: every block kind runs data parallel"
+                 : fmt::format("{} needs tensor parallel {} with sequence parallelism, which "
+                               "this build's trainer does not implement",
+                               p.mode, p.tp),
+       "a mode is an execution layout, and running another layout under its name would make "
+       "its receipts lie",
+       "when the trainer runs column- and row-parallel linears with sequence parallelism over "
+       "c10d");
+  return p;
+}
+
+std::string refusal_line(const Gate& g) {
+  return fmt::format("{}: {} ({}; retires {})", g.rule, g.detail, g.reason, g.retires);
+}
+
+std::string format_plan(const Plan& p) {
+  std::string out = fmt::format(
+      "plan {} (hash {})\n  pattern {} over {} layers, mode {}: tensor parallel {}{}, data "
+      "parallel {} ({} rank(s))\n\n",
+      p.recipe, p.hash, p.pattern, p.layers.size(), p.mode, p.tp,
+      p.sequence_parallel ? " + sequence parallel" : "", p.dp, p.ranks);
+  out += fmt::format("  {:>5}  {:<3} {:<10} {:>12} {:>12} {:>14}\n", "layer", "sym", "block",
+                     "params", "active", "act floats/tok");
+  for (const LayerPlan& l : p.layers) {
+    out += fmt::format("  {:>5}  {:<3} {:<10} {:>12} {:>12} {:>14}\n", l.index,
+                       std::string(1, l.symbol), block_name(l.block), l.params_total,
+                       l.params_active, l.activation_floats);
+  }
+  out += "\n  shapes per block kind (first layer of each):\n";
+  std::string seen;
+  for (const LayerPlan& l : p.layers) {
+    if (seen.find(l.block) != std::string::npos) continue;
+    seen.push_back(l.block);
+    std::string shapes;
+    size_t experts = 0;
+    for (const ParamShape& s : l.params) {
+      if (s.name.starts_with("moe.experts.") && !s.name.starts_with("moe.experts.0.")) {
+        ++experts;
+        continue;
+      }
+      shapes += fmt::format(" {}[{}]", s.name, fmt::join(s.shape, "x"));
+    }
+    out += fmt::format(
+        "    {:<10}{}{}\n", block_name(l.block), shapes,
+        experts ? fmt::format(" (and {} more expert matrices of the same shapes)", experts) : "");
+  }
+  out += "\n  parameters per family:\n";
+  for (const Plan::Family& f : p.families)
+    out += fmt::format("    {:<10} {:>3} layer(s) {:>16} ({})\n", f.name, f.layers, f.params,
+                       count(f.params));
+  uint64_t globals = 0;
+  for (const ParamShape& g : p.globals) globals += g.numel();
+  out += fmt::format("    {:<10} {:>13} {:>16} ({})\n", "embed+head", "", globals, count(globals));
+  out += fmt::format("  total {} ({}), active per token {} ({})\n\n", p.params_total,
+                     count(p.params_total), p.params_active, count(p.params_active));
+  out += fmt::format(
+      "  memory per rank (float32; estimate): parameters {}, gradients {}, optimizer {}, "
+      "activations {}: {}\n\n",
+      gib(p.memory.parameters), gib(p.memory.gradients), gib(p.memory.optimizer),
+      gib(p.memory.activations), gib(p.memory.total()));
+  out += "  gates:\n";
+  for (const Gate& g : p.gates) {
+    out += fmt::format("    {:<8} {:<22} {}\n",
+                       !g.checked ? "n/a" : (g.passed ? "pass" : "REFUSED"), g.rule, g.detail);
+    if (!g.passed) out += fmt::format("             reason: {}; retires {}\n", g.reason, g.retires);
+  }
+  const Gate* refused = p.refusal();
+  out += refused ? fmt::format("\n  verdict: refused by {}\n", refused->rule)
+                 : std::string("\n  verdict: runnable by this build\n");
+  return out;
+}
+
+}  // namespace megacpp::recipe

@@ -1,0 +1,118 @@
+// megacpp::recipe plan — what a recipe expands to under a mode and a world, computed without
+// torch: every layer's block and parameter shapes, parameters per family, total and active
+// parameters per token, an estimate of per-rank memory, and the gates (DESIGN.md "Hybrid
+// recipes") that decide whether this build can run it. `megacpp plan` prints it; `megacpp run`
+// refuses a plan with a failed gate and records the verdicts in the launch contract.
+//
+// The parameter shapes are the trainer's own (stages/trainer/model.h names them); a unit test
+// builds the torch model and compares every name and shape.
+//
+// Memory model (bytes per rank, every tensor float32; tp = the mode's tensor-parallel degree,
+// dp = ranks / tp):
+//   parameters and gradients  4 B each per element this rank holds: a tensor split by tensor
+//                             parallelism (every parameter but the MoE router) holds numel / tp
+//   DistMuon state            per stack of same-shape matrices in a group, ceil(n / dp) owned
+//                             entries x (rows x cols momentum + the factored second moment: rows
+//                             when rows >= cols or the group is qkv-split, else cols) x 4 B, / tp
+//   DistAdamW state           8 B per element (two moments), / dp when the tensor is sharded
+//                             (numel >= adamw_crossover and shape[0] % dp == 0), / tp when split
+//   activations               batch_size x seq_len tokens x (sum over layers of the block's
+//                             activation_floats estimate + 2 x vocab for the logits) x 4 B, / tp
+//                             (sequence parallelism shards what tensor parallelism does not)
+// The activation figures are estimates counted by hand from each block's forward (the tensors
+// autograd keeps for backward), not measurements.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "recipes/recipe.h"
+
+namespace megacpp::recipe {
+
+struct ParamShape {
+  std::string name;  // relative to its layer ("attn.qkv.weight") or global ("embed.weight")
+  std::vector<int64_t> shape;
+  std::string optimizer;  // "muon" | "adamw"
+  std::string group;      // DistMuon: "qkv" | "matrices"; DistAdamW: "embed" | "head" | "other"
+  bool tp_split = true;   // split across the tensor-parallel group (all but the MoE router)
+  uint64_t numel() const;
+};
+
+struct LayerPlan {
+  uint32_t index = 0;
+  char symbol = 'A';  // the pattern's symbol
+  char block = 'A';   // the block kind it became (recipes/recipe.h kBlock*)
+  std::vector<ParamShape> params;
+  uint64_t params_total = 0;
+  uint64_t params_active = 0;      // per token: only top_k of the routed experts
+  uint64_t activation_floats = 0;  // per token, estimate (see above)
+};
+
+// One check of the plan. Every refusal names its rule, the reason, and when the gate retires.
+struct Gate {
+  std::string rule;  // e.g. "tp-divides-heads"
+  bool passed = true;
+  bool checked = true;  // false: not applicable or not asked for (passed stays true)
+  std::string detail;   // the figures checked, in the recipe's terms
+  std::string reason;   // why the rule exists
+  std::string retires;  // the condition under which the gate is removed
+};
+
+struct MemoryPlan {  // bytes per rank
+  uint64_t parameters = 0;
+  uint64_t gradients = 0;
+  uint64_t optimizer = 0;
+  uint64_t activations = 0;
+  uint64_t total() const { return parameters + gradients + optimizer + activations; }
+};
+
+struct PlanOptions {
+  uint32_t ranks = 1;
+  double memory_budget_gib = 0;  // per rank; 0 = not checked
+};
+
+struct Plan {
+  std::string recipe;
+  std::string hash;
+  std::string pattern;
+  std::string mode;
+  uint32_t ranks = 1;
+  uint32_t tp = 1;
+  uint32_t dp = 1;
+  bool sequence_parallel = false;
+  std::vector<ParamShape> globals;  // embed.weight, head.weight
+  std::vector<LayerPlan> layers;
+  uint64_t params_total = 0;
+  uint64_t params_active = 0;
+  // Per block kind (block_name), in first-appearance order: parameters and layer count.
+  struct Family {
+    std::string name;
+    uint32_t layers = 0;
+    uint64_t params = 0;
+  };
+  std::vector<Family> families;
+  MemoryPlan memory;
+  std::vector<Gate> gates;
+  double memory_budget_gib = 0;
+
+  // The first failed gate, or nullptr.
+  const Gate* refusal() const;
+};
+
+// The parameters of one layer's block, with the trainer's names and shapes; `qkv_split` is the
+// recipe's optim.qkv_split (the attention's fused projection then forms DistMuon's qkv group).
+std::vector<ParamShape> layer_params(const ModelConfig& model, char block, bool qkv_split);
+// Estimate of the floats a block keeps for backward per token (see the memory model above).
+uint64_t activation_floats(const ModelConfig& model, char block);
+
+// `recipe` as parsed (its mode and blocks already expanded). Throws Error{kInvalidArgument} for
+// ranks == 0; a gate that fails is a verdict in the plan, not an exception.
+Plan make_plan(const Recipe& recipe, const PlanOptions& options);
+// What `megacpp plan` prints: every layer, the families, totals, memory, gates and the hash.
+std::string format_plan(const Plan& plan);
+// "rule: detail (reason; retires when ...)": the one-line refusal of a failed gate.
+std::string refusal_line(const Gate& gate);
+
+}  // namespace megacpp::recipe

@@ -1,0 +1,104 @@
+#include "stages/trainer/moe.h"
+
+#include <optional>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace megacpp::trainer {
+
+namespace {
+
+torch::nn::Linear linear(int64_t in, int64_t out) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+}
+
+struct Routing {
+  at::Tensor probs;    // [N, E]
+  at::Tensor weights;  // [N, k], each row summing to 1
+  at::Tensor experts;  // int64 [N, k]
+};
+
+Routing route(MoeImpl& moe, const at::Tensor& flat) {
+  Routing r;
+  r.probs = at::softmax(moe.router(flat), -1);
+  auto [top_w, top_e] = r.probs.topk(moe.config().top_k, -1);
+  r.weights = top_w / top_w.sum(-1, /*keepdim=*/true);
+  r.experts = top_e;
+  return r;
+}
+
+}  // namespace
+
+MlpImpl::MlpImpl(int64_t d_model, int64_t hidden) {
+  fc = register_module("fc", linear(d_model, hidden));
+  proj = register_module("proj", linear(hidden, d_model));
+}
+
+at::Tensor MlpImpl::forward(const at::Tensor& x) {
+  return proj(torch::relu(fc(x)).square());
+}
+
+MoeImpl::MoeImpl(int64_t d_model, const recipe::MoeConfig& c) : config_(c) {
+  MEGACPP_CHECK(c.n_experts >= 1 && c.top_k >= 1 && c.top_k <= c.n_experts && c.expert_hidden >= 1,
+                ErrorKind::kInvalidArgument,
+                fmt::format("moe: needs n_experts >= 1, top_k in [1, n_experts] and "
+                            "expert_hidden >= 1 (got {}, {}, {})",
+                            c.n_experts, c.top_k, c.expert_hidden));
+  router = register_module("router", linear(d_model, c.n_experts));
+  experts = register_module("experts", torch::nn::ModuleList());
+  for (uint32_t e = 0; e < c.n_experts; ++e) experts->push_back(Mlp(d_model, c.expert_hidden));
+  if (c.shared_hidden > 0) shared = register_module("shared", Mlp(d_model, c.shared_hidden));
+}
+
+at::Tensor MoeImpl::forward(const at::Tensor& x) {
+  const int64_t D = x.size(-1), E = config_.n_experts, k = config_.top_k;
+  const at::Tensor flat = x.reshape({-1, D});
+  const int64_t N = flat.size(0);
+  const Routing r = route(*this, flat);
+
+  // Assignments sorted by expert (stable: within an expert, token order), so each expert's
+  // tokens are one contiguous run of `counts[e]` rows.
+  const at::Tensor assigned = r.experts.reshape({-1});  // [N * k]
+  const at::Tensor counts = at::bincount(assigned, /*weights=*/{}, E);
+  const at::Tensor order =
+      std::get<1>(assigned.sort(std::optional<bool>(true), /*dim=*/0, /*descending=*/false));
+  const at::Tensor token_of = at::floor_divide(order, k);
+  const at::Tensor weight_of = r.weights.reshape({-1}).index_select(0, order);
+  const at::Tensor routed_in = flat.index_select(0, token_of);
+  const at::Tensor counts_host = counts.to(at::kCPU);
+  const auto* count = counts_host.data_ptr<int64_t>();
+  std::vector<at::Tensor> outs;
+  outs.reserve(static_cast<size_t>(E));
+  int64_t offset = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (count[e] == 0) continue;
+    outs.push_back(experts[e]->as<Mlp>()->forward(routed_in.narrow(0, offset, count[e])));
+    offset += count[e];
+  }
+  const at::Tensor routed = at::cat(outs, 0) * weight_of.unsqueeze(1);
+  at::Tensor y = at::zeros_like(flat).index_add(0, token_of, routed);
+  if (shared) y = y + shared(flat);
+
+  const at::Tensor share = counts.to(r.probs.scalar_type()) / static_cast<double>(N * k);
+  aux_loss_ = static_cast<double>(E) * (share * r.probs.mean(0)).sum();
+  tokens_per_expert_ = counts;
+  return y.view(x.sizes());
+}
+
+at::Tensor moe_reference(MoeImpl& moe, const at::Tensor& x) {
+  const int64_t D = x.size(-1), E = moe.config().n_experts;
+  const at::Tensor flat = x.reshape({-1, D});
+  const Routing r = route(moe, flat);
+  const at::Tensor dense_w =
+      at::zeros({flat.size(0), E}, flat.options()).scatter(1, r.experts, r.weights);
+  at::Tensor y = at::zeros_like(flat);
+  for (int64_t e = 0; e < E; ++e)
+    y = y + moe.experts[e]->as<Mlp>()->forward(flat) * dense_w.select(1, e).unsqueeze(1);
+  if (moe.shared) y = y + moe.shared(flat);
+  return y.view(x.sizes());
+}
+
+}  // namespace megacpp::trainer

@@ -1,0 +1,72 @@
+// megacpp::trainer mixture of experts — family E of a hybrid pattern when the recipe enables MoE:
+// a router picks top_k of n_experts routed experts per token, plus an always-on shared expert.
+//
+//   probs = softmax(router(x))                         [N, E] (N = B * T tokens)
+//   (w, e) = top_k(probs); w /= sum(w)                 each token's experts and their weights
+//   y = sum_j w_j * expert_{e_j}(x) + shared(x)        experts: relu^2 MLPs (fc, proj)
+//   aux = E * sum_e f_e * P_e                          f_e: share of the N * k assignments routed
+//                                                      to e; P_e: mean router probability of e
+//
+// Dropless: every assignment is computed (no capacity factor, no token dropped). Tokens are
+// sorted by expert and each expert runs one matrix product over its tokens; an expert that
+// receives no token on this rank is not called, so its parameters get no gradient here — the
+// rank-asymmetric case the distributed optimizers resolve with their has-grad mask.
+//
+// Contract: a torch module (float32 or float64, CPU or device); forward issues no collective and
+// reads one small tensor back to the host (the per-expert token counts, to split the sorted
+// tokens). Each expert is its own pair of 2-D parameters (experts.<e>.fc.weight [h, D],
+// experts.<e>.proj.weight [D, h]), so DistMuon orthogonalizes every expert matrix alone, never an
+// expert stack as one 3-D tensor. Parameter names: router.weight [E, D], experts.<e>.fc.weight,
+// experts.<e>.proj.weight, shared.fc.weight [s, D], shared.proj.weight [D, s] (s > 0 only).
+#pragma once
+
+#include <cstdint>
+
+#include <torch/torch.h>
+
+#include "recipes/recipe.h"
+
+namespace megacpp::trainer {
+
+// A relu^2 MLP: proj(relu(fc(x))^2), no biases. The A block's MLP, a dense E layer, an expert.
+class MlpImpl : public torch::nn::Module {
+ public:
+  MlpImpl(int64_t d_model, int64_t hidden);
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::Linear fc{nullptr};
+  torch::nn::Linear proj{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+class MoeImpl : public torch::nn::Module {
+ public:
+  // Throws Error{kInvalidArgument} unless n_experts >= 1, 1 <= top_k <= n_experts and
+  // expert_hidden >= 1.
+  MoeImpl(int64_t d_model, const recipe::MoeConfig& config);
+  // x: [B, T, D] -> [B, T, D]. Sets aux_loss() and tokens_per_expert() for this call.
+  at::Tensor forward(const at::Tensor& x);
+
+  // The load-balancing loss of the last forward (0-D, differentiable through the router;
+  // unweighted: the caller applies aux_loss_coef). Undefined before the first forward.
+  const at::Tensor& aux_loss() const noexcept { return aux_loss_; }
+  // int64 [E]: how many of the last forward's token assignments each expert received.
+  const at::Tensor& tokens_per_expert() const noexcept { return tokens_per_expert_; }
+  const recipe::MoeConfig& config() const noexcept { return config_; }
+
+  torch::nn::Linear router{nullptr};
+  torch::nn::ModuleList experts{nullptr};
+  Mlp shared{nullptr};
+
+ private:
+  recipe::MoeConfig config_;
+  at::Tensor aux_loss_;
+  at::Tensor tokens_per_expert_;
+};
+TORCH_MODULE(Moe);
+
+// The same mixture computed densely (every expert on every token, weighted by a zero-filled
+// top-k weight matrix): the reference the dropless forward is tested against.
+at::Tensor moe_reference(MoeImpl& moe, const at::Tensor& x);
+
+}  // namespace megacpp::trainer

@@ -1,0 +1,175 @@
+"""End-to-end: the hybrid recipes through the `megacpp` command.
+
+Run      `megacpp run tiny-hybrid` on 2 CPU ranks: the loss falls; the manifest and the receipts
+         name the mode and the expanded pattern; every step's telemetry carries the MoE's
+         auxiliary loss and the tokens each expert received (summed over ranks: every token's
+         top_k assignments are counted); launch.json records the gates it passed; the
+         checkpoint records the mode; `megacpp export` writes a safetensors file that PyTorch
+         loads, holding exactly the model's parameters with the shapes `megacpp plan` prints.
+Refusals `--from` that checkpoint in the other mode is refused by `mode-matches-checkpoint`;
+         nam56r in nemo_native is refused by `feature-built`; a `--memory-budget` below the plan
+         by `memory-budget` — each in one line, before anything is written.
+Plan     `megacpp plan nam56r --ranks 8` prints 52 layers in the pattern's order, in both modes.
+"""
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import unittest
+
+from safetensors.torch import load_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+import run_harness  # noqa: E402
+
+STEPS, EVERY, RANKS = 20, 10, 2
+PATTERN = "AEMEAEMEAEMR"
+
+
+def megacpp(args, env=None):
+    p = run_harness.megacpp(args, env=env)
+    if p.returncode != 0:
+        raise AssertionError("megacpp %s exited %d:\n%s%s" % (" ".join(args), p.returncode,
+                                                             p.stdout[-3000:], p.stderr[-3000:]))
+    return p
+
+
+def plan_shapes(text):
+    """{block kind: {parameter name: shape}} from `megacpp plan`'s shapes section."""
+    shapes = {}
+    for line in text.splitlines():
+        m = re.match(r"^    (attention|moe|mlp|mamba2|recurrent) +(\S.*)$", line)
+        if m and "[" in line:  # not the parameters-per-family lines
+            shapes[m.group(1)] = dict(
+                (name, [int(d) for d in dims.split("x")])
+                for name, dims in re.findall(r"(\S+)\[([0-9x]+)\]", m.group(2)))
+    return shapes
+
+
+class Hybrid(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="megacpp-hybrid-")
+        with open(os.path.join(run_harness.RECIPE_DIR, "tiny-hybrid.toml")) as f:
+            text = f.read().replace("checkpoint_every = 20", "checkpoint_every = %d" % EVERY)
+        cls.recipe = os.path.join(cls.tmp, "tiny-hybrid.toml")
+        with open(cls.recipe, "w") as f:
+            f.write(text)
+        cls.data = os.path.join(cls.tmp, "data")
+        cls.run_dir = os.path.join(cls.tmp, "run")
+        megacpp(["run", cls.recipe, "--ranks", str(RANKS), "--steps", str(STEPS), "--run-dir", cls.run_dir,
+                 "--data-dir", cls.data, "--progress", "none"])
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def read(self, rel):
+        with open(os.path.join(self.run_dir, rel)) as f:
+            return json.load(f)
+
+    def test_the_loss_falls_and_the_records_name_mode_and_pattern(self):
+        m = self.read("manifest.json")
+        self.assertEqual(m["state"], "ok")
+        self.assertEqual(m["stepsCompleted"], STEPS)
+        self.assertEqual(m["mode"], "author_dp")
+        self.assertEqual(m["blocks"], "AEMRAEMR")
+        result = self.read("receipts/bench_result.json")
+        self.assertEqual((result["mode"], result["blocks"]), ("author_dp", "AEMRAEMR"))
+        steps = self.read("receipts/bench_telemetry.json")["steps"]
+        self.assertEqual(len(steps), STEPS)
+        first = sum(s["loss"] for s in steps[:3]) / 3
+        last = sum(s["loss"] for s in steps[-3:]) / 3
+        self.assertLess(last, first - 0.5, "loss %.3f -> %.3f" % (first, last))
+        tokens_per_step = RANKS * 16 * 64  # ranks x batch x seq_len
+        for s in steps:
+            moe = s["moe"]
+            self.assertGreater(moe["auxLoss"], 0)
+            counts = moe["expertTokens"]
+            self.assertEqual(len(counts), 2 * 4)  # 2 MoE layers x 4 experts
+            for layer in (counts[:4], counts[4:]):
+                self.assertEqual(sum(layer), tokens_per_step * 2)  # top_k = 2
+        launch = self.read("launch.json")
+        self.assertEqual(launch["recipe"]["model"]["arch"]["mode"], "author_dp")
+        gates = {g["rule"]: g for g in launch["gates"]}
+        for rule in ("tp-divides-world", "tp-divides-heads", "sp-divides-seq", "experts-divide-tp",
+                     "memory-budget", "feature-built"):
+            self.assertIn(rule, gates)
+            self.assertTrue(gates[rule]["passed"], gates[rule])
+        ck = os.path.join(self.run_dir, "checkpoints", "step_%08d" % STEPS, "checkpoint.json")
+        with open(ck) as f:
+            ckpt = json.load(f)
+        self.assertEqual((ckpt["mode"], ckpt["tensorParallel"]), ("author_dp", 1))
+
+    def test_the_exported_checkpoint_loads_in_pytorch_with_the_planned_shapes(self):
+        out = os.path.join(self.tmp, "export.safetensors")
+        megacpp(["export", self.run_dir, "--out", out])
+        tensors = load_file(out)
+        plan = megacpp(["plan", self.recipe, "--ranks", str(RANKS)]).stdout
+        shapes = plan_shapes(plan)
+        blocks = "AEMRAEMR"
+        kinds = {"A": "attention", "E": "moe", "M": "mamba2", "R": "recurrent"}
+        want = {"embed.weight": [256, 128], "head.weight": [256, 128]}
+        for i, b in enumerate(blocks):
+            for name, shape in shapes[kinds[b]].items():
+                want["blocks.%d.%s" % (i, name)] = shape
+            if b == "E":  # the plan prints expert 0; experts 1..3 have its shapes
+                for e in range(1, 4):
+                    for part in ("fc", "proj"):
+                        want["blocks.%d.moe.experts.%d.%s.weight" % (i, e, part)] = \
+                            shapes["moe"]["moe.experts.0.%s.weight" % part]
+        self.assertEqual({k: list(v.shape) for k, v in tensors.items()}, want)
+        total = int(re.search(r"total (\d+)", plan).group(1))
+        self.assertEqual(sum(t.numel() for t in tensors.values()), total)
+        for k, t in tensors.items():
+            self.assertTrue(bool(t.isfinite().all()), k)
+
+    def test_from_across_modes_is_refused_by_name(self):
+        d = os.path.join(self.tmp, "branch")
+        p = run_harness.megacpp(["run", self.recipe, "--mode", "nemo_native", "--from", self.run_dir,
+                                 "--steps", str(STEPS + 5), "--run-dir", d, "--data-dir", self.data,
+                                 "--progress", "none"])
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        err = p.stderr.strip()
+        self.assertIn("mode-matches-checkpoint", err)
+        self.assertIn("author_dp", err)
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertFalse(os.path.exists(d))
+
+    def test_gates_refuse_in_one_line_before_anything_is_written(self):
+        d = os.path.join(self.tmp, "nam")
+        p = run_harness.megacpp(["run", "nam56r", "--ranks", "2", "--run-dir", d, "--data-dir",
+                                 self.data, "--progress", "none"])
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("feature-built", p.stderr)
+        self.assertIn("retires when", p.stderr)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        self.assertFalse(os.path.exists(d))
+        p = run_harness.megacpp(["run", self.recipe, "--memory-budget", "0.001", "--run-dir", d,
+                                 "--data-dir", self.data, "--progress", "none"])
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("memory-budget", p.stderr)
+        self.assertFalse(os.path.exists(d))
+
+
+class Plan(unittest.TestCase):
+    def test_nam56r_prints_52_layers_in_the_patterns_order_in_both_modes(self):
+        for mode, r_block in (("nemo_native", "mamba2"), ("author_dp", "recurrent")):
+            out = megacpp(["plan", "nam56r", "--ranks", "8", "--mode", mode]).stdout
+            rows = re.findall(r"^ +(\d+)  ([AEMR])   (\w+)", out, re.M)
+            self.assertEqual([int(i) for i, _, _ in rows], list(range(52)), out)
+            self.assertEqual("".join(s for _, s, _ in rows), (PATTERN * 5)[:52])
+            names = {"A": "attention", "E": "moe", "M": "mamba2", "R": r_block}
+            self.assertEqual([b for _, _, b in rows], [names[s] for _, s, _ in rows])
+            self.assertIn("mode %s" % mode, out)
+            self.assertRegex(out, r"total \d+ \(")
+            self.assertIn("gates:", out)
+        self.assertIn("verdict: refused by feature-built",
+                      megacpp(["plan", "nam56r", "--ranks", "8"]).stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,536 @@
+// The chunked SSD scan (stages/trainer/ssd.h), the Mamba-2 block around it (mamba.h) and the
+// gated linear recurrence (recurrent.h) against step-by-step recurrences, forward and backward;
+// the mixture of experts (moe.h) against its dense reference; grouped-query attention against
+// attention over repeated key/value heads; the hybrid model against the plan (recipes/plan.h)
+// and the optimizer assignment. In
+// float64 the two agree to rounding (1e-10 relative: they sum the same terms in another order); in
+// float32 to 2e-4 relative, the rounding of the chunk products over 24-step chunks.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "recipes/plan.h"
+#include "recipes/recipe.h"
+#include "stages/trainer/mamba.h"
+#include "stages/trainer/model.h"
+#include "stages/trainer/moe.h"
+#include "stages/trainer/recurrent.h"
+#include "stages/trainer/rendezvous.h"
+#include "stages/trainer/ssd.h"
+#include "stages/trainer/train_step.h"
+#include "tests/unit/test_support.h"
+
+namespace megacpp::trainer {
+namespace {
+
+struct Inputs {
+  at::Tensor x, a, b, c, state;
+};
+
+Inputs make_inputs(int64_t B, int64_t L, int64_t H, int64_t P, int64_t N, at::ScalarType dtype,
+                   uint64_t seed, bool with_state) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto opts = at::TensorOptions().dtype(dtype);
+  Inputs in;
+  in.x = at::randn({B, L, H, P}, gen, opts);
+  // Log-decays as a Mamba-2 block makes them: -softplus(dt) * exp(A_log), dt and A moderate.
+  in.a = -at::softplus(at::randn({B, L, H}, gen, opts)) * 0.5;
+  in.b = at::randn({B, L, H, N}, gen, opts);
+  in.c = at::randn({B, L, H, N}, gen, opts);
+  if (with_state) in.state = at::randn({B, H, P, N}, gen, opts);
+  for (auto* t : {&in.x, &in.a, &in.b, &in.c, &in.state})
+    if (t->defined()) t->requires_grad_(true);
+  return in;
+}
+
+double rel_err(const at::Tensor& got, const at::Tensor& want) {
+  return (got - want).abs().max().item<double>() / (want.abs().max().item<double>() + 1e-30);
+}
+
+// Forward outputs and the gradients of a fixed random projection of both outputs.
+struct ScanRun {
+  at::Tensor y, final_state;
+  std::vector<at::Tensor> grads;
+};
+
+ScanRun scan_run(const Inputs& in, bool chunked, int64_t chunk) {
+  for (const at::Tensor* t : {&in.x, &in.a, &in.b, &in.c, &in.state})
+    if (t->defined() && t->grad().defined()) t->mutable_grad().reset();
+  const SsdResult r = chunked ? ssd_chunked(in.x, in.a, in.b, in.c, chunk, in.state)
+                              : ssd_sequential(in.x, in.a, in.b, in.c, in.state);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(99);
+  const at::Tensor wy = at::randn(r.y.sizes(), gen, r.y.options().requires_grad(false));
+  const at::Tensor ws =
+      at::randn(r.final_state.sizes(), gen, r.final_state.options().requires_grad(false));
+  ((r.y * wy).sum() + (r.final_state * ws).sum()).backward();
+  ScanRun out{r.y.detach(), r.final_state.detach(), {}};
+  for (const auto* t : {&in.x, &in.a, &in.b, &in.c, &in.state})
+    if (t->defined()) out.grads.push_back(t->grad().clone());
+  return out;
+}
+
+void expect_same(const ScanRun& got, const ScanRun& want, double tol) {
+  EXPECT_LT(rel_err(got.y, want.y), tol);
+  EXPECT_LT(rel_err(got.final_state, want.final_state), tol);
+  ASSERT_EQ(got.grads.size(), want.grads.size());
+  const char* names[] = {"x", "a", "b", "c", "initial state"};
+  for (size_t i = 0; i < got.grads.size(); ++i)
+    EXPECT_LT(rel_err(got.grads[i], want.grads[i]), tol) << "gradient of " << names[i];
+}
+
+TEST(SsdScan, ChunkedMatchesSequentialInFloat64) {
+  // 48 steps in chunks of 16 (exact), and of 20 (a padded tail), with and without a state.
+  for (const int64_t chunk : {16, 20, 48, 64}) {
+    for (const bool with_state : {false, true}) {
+      const Inputs in = make_inputs(2, 48, 3, 4, 5, at::kDouble, 7, with_state);
+      const ScanRun want = scan_run(in, false, 0);
+      const ScanRun got = scan_run(in, true, chunk);
+      SCOPED_TRACE(::testing::Message() << "chunk " << chunk << " state " << with_state);
+      expect_same(got, want, 1e-10);
+    }
+  }
+}
+
+TEST(SsdScan, ChunkedMatchesSequentialInFloat32) {
+  const Inputs in = make_inputs(2, 96, 4, 8, 16, at::kFloat, 11, true);
+  expect_same(scan_run(in, true, 24), scan_run(in, false, 0), 2e-4);
+}
+
+TEST(SsdScan, FinalStateCarriesASplitSequence) {
+  // Two halves, the second starting from the first's final state, equal the whole.
+  const Inputs in = make_inputs(1, 40, 2, 3, 4, at::kDouble, 5, false);
+  at::NoGradGuard no_grad;
+  const SsdResult whole = ssd_chunked(in.x, in.a, in.b, in.c, 8);
+  auto half = [&](const at::Tensor& t, int64_t i) { return t.narrow(1, i * 20, 20); };
+  const SsdResult first =
+      ssd_chunked(half(in.x, 0), half(in.a, 0), half(in.b, 0), half(in.c, 0), 8);
+  const SsdResult second =
+      ssd_chunked(half(in.x, 1), half(in.a, 1), half(in.b, 1), half(in.c, 1), 8, first.final_state);
+  EXPECT_LT(rel_err(at::cat({first.y, second.y}, 1), whole.y), 1e-12);
+  EXPECT_LT(rel_err(second.final_state, whole.final_state), 1e-12);
+}
+
+TEST(SsdScan, ShapeMismatchesAreRefused) {
+  const Inputs in = make_inputs(1, 8, 2, 3, 4, at::kFloat, 1, false);
+  EXPECT_THROW(ssd_chunked(in.x, in.a.narrow(1, 0, 7), in.b, in.c, 4), Error);
+  EXPECT_THROW(ssd_chunked(in.x, in.a, in.b, in.c.narrow(3, 0, 3), 4), Error);
+  EXPECT_THROW(ssd_chunked(in.x, in.a, in.b, in.c, 0), Error);
+  EXPECT_THROW(ssd_sequential(in.x, in.a, in.b, in.c, at::zeros({1, 2, 3, 5})), Error);
+}
+
+// ---- the Mamba-2 block ----------------------------------------------------------------
+
+MambaConfig small_mamba() {
+  MambaConfig c;
+  c.d_model = 16;
+  c.d_state = 8;
+  c.head_dim = 8;
+  c.expand = 2;
+  c.conv_kernel = 4;
+  c.chunk = 8;
+  return c;
+}
+
+Mamba double_mamba(uint64_t seed) {
+  Mamba m(small_mamba());
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  m->initialise(gen, /*zero_out=*/false);
+  m->to(at::kDouble);
+  return m;
+}
+
+// A block's output and the gradients of its input and every parameter.
+template <typename M>
+std::vector<at::Tensor> module_run(M& m, const at::Tensor& x, bool sequential) {
+  m->zero_grad();
+  if (x.grad().defined()) x.mutable_grad().reset();
+  const at::Tensor y = m->forward(x, sequential);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  (y * at::randn(y.sizes(), gen, y.options().requires_grad(false))).sum().backward();
+  std::vector<at::Tensor> out{y.detach(), x.grad().clone()};
+  for (const auto& p : m->parameters()) out.push_back(p.grad().clone());
+  return out;
+}
+
+TEST(MambaBlock, ChunkedMatchesSequentialForwardAndBackward) {
+  Mamba m = double_mamba(17);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(21);
+  // 21 steps: two chunks of 8 and a padded tail.
+  const at::Tensor x = at::randn({2, 21, 16}, gen, at::kDouble).requires_grad_();
+  const auto want = module_run(m, x, true);
+  const auto got = module_run(m, x, false);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(rel_err(got[i], want[i]), 1e-10) << i;
+  EXPECT_GT(want[0].abs().max().item<double>(), 0.0);
+}
+
+TEST(MambaBlock, IsCausal) {
+  Mamba m = double_mamba(5);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(8);
+  at::NoGradGuard no_grad;
+  const at::Tensor x = at::randn({1, 20, 16}, gen, at::kDouble);
+  at::Tensor changed = x.clone();
+  changed.narrow(1, 12, 8).add_(at::randn({1, 8, 16}, gen, at::kDouble));
+  const at::Tensor y = m->forward(x), y2 = m->forward(changed);
+  EXPECT_LT((y.narrow(1, 0, 12) - y2.narrow(1, 0, 12)).abs().max().item<double>(), 1e-12);
+  EXPECT_GT((y.narrow(1, 12, 8) - y2.narrow(1, 12, 8)).abs().max().item<double>(), 1e-6);
+}
+
+TEST(MambaBlock, ParametersAndTheirShapes) {
+  const MambaConfig c = small_mamba();
+  Mamba m(c);
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& item : m->named_parameters()) shapes[item.key()] = item.value().sizes().vec();
+  const int64_t H = c.n_heads(), I = c.d_inner(), N = c.d_state;
+  EXPECT_EQ(H, 4);
+  const std::map<std::string, std::vector<int64_t>> want = {
+      {"in_proj.weight", {2 * I + 2 * N + H, c.d_model}},
+      {"conv.weight", {I + 2 * N, 1, c.conv_kernel}},
+      {"conv.bias", {I + 2 * N}},
+      {"out_proj.weight", {c.d_model, I}},
+      {"dt_bias", {H}},
+      {"A_log", {H}},
+      {"D", {H}},
+      {"norm_weight", {I}}};
+  EXPECT_EQ(shapes, want);
+  MambaConfig bad = c;
+  bad.head_dim = 5;
+  EXPECT_THROW(bad.validate(), Error);
+}
+
+// ---- the recurrent (R) block ------------------------------------------------------------
+
+Recurrent double_recurrent(uint64_t seed) {
+  RecurrentConfig c;
+  c.d_model = 12;
+  c.width = 10;
+  c.conv_kernel = 4;
+  c.chunk = 8;
+  Recurrent m(c);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  m->initialise(gen, /*zero_out=*/false);
+  m->to(at::kDouble);
+  return m;
+}
+
+TEST(RecurrentBlock, ChunkedMatchesTheStepLoopForwardAndBackward) {
+  Recurrent m = double_recurrent(4);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  const at::Tensor x = at::randn({3, 29, 12}, gen, at::kDouble).requires_grad_();
+  const auto want = module_run(m, x, true);
+  const auto got = module_run(m, x, false);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(rel_err(got[i], want[i]), 1e-10) << i;
+}
+
+TEST(RecurrentBlock, IsCausalAndCarriesStateAcrossTheSequence) {
+  Recurrent m = double_recurrent(6);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(10);
+  at::NoGradGuard no_grad;
+  const at::Tensor x = at::randn({1, 24, 12}, gen, at::kDouble);
+  at::Tensor later = x.clone();
+  later.narrow(1, 16, 8).add_(1.0);
+  at::Tensor earlier = x.clone();
+  earlier.narrow(1, 0, 1).add_(1.0);  // the first step only
+  const at::Tensor y = m->forward(x);
+  EXPECT_LT((y.narrow(1, 0, 16) - m->forward(later).narrow(1, 0, 16)).abs().max().item<double>(),
+            1e-12);
+  // Step 0's input still moves the last step's output through the state (and not only through
+  // the convolution's 4-step window).
+  EXPECT_GT((y.narrow(1, 23, 1) - m->forward(earlier).narrow(1, 23, 1)).abs().max().item<double>(),
+            1e-9);
+}
+
+// ---- the mixture of experts (E) ---------------------------------------------------------
+
+recipe::MoeConfig small_moe(uint32_t shared) {
+  return recipe::MoeConfig{.enabled = true,
+                           .n_experts = 5,
+                           .top_k = 2,
+                           .expert_hidden = 6,
+                           .shared_hidden = shared,
+                           .aux_loss_coef = 0.01};
+}
+
+Moe double_moe(uint32_t shared, uint64_t seed) {
+  Moe m(8, small_moe(shared));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  torch::NoGradGuard no_grad;
+  for (auto& p : m->parameters()) p.uniform_(-0.5, 0.5, gen);
+  m->to(at::kDouble);
+  return m;
+}
+
+TEST(MoeBlock, DroplessRoutingMatchesTheDenseReferenceForwardAndBackward) {
+  for (const uint32_t shared : {0u, 4u}) {
+    Moe m = double_moe(shared, 31);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(32);
+    const at::Tensor x = at::randn({3, 7, 8}, gen, at::kDouble).requires_grad_();
+    const at::Tensor w = at::randn({3, 7, 8}, gen, at::kDouble);
+    auto run = [&](bool dense) {
+      m->zero_grad();
+      if (x.grad().defined()) x.mutable_grad().reset();
+      const at::Tensor y = dense ? moe_reference(*m, x) : m->forward(x);
+      (y * w).sum().backward();
+      std::vector<at::Tensor> out{y.detach(), x.grad().clone()};
+      for (const auto& item : m->named_parameters())
+        out.push_back(item.value().grad().defined() ? item.value().grad().clone()
+                                                    : at::zeros_like(item.value()));
+      return out;
+    };
+    const auto want = run(true), got = run(false);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_LT((got[i] - want[i]).abs().max().item<double>(), 1e-12)
+          << "shared " << shared << " #" << i;
+    // 21 tokens x top-2 assignments, all counted.
+    EXPECT_EQ(m->tokens_per_expert().sum().item<int64_t>(), 42);
+  }
+}
+
+TEST(MoeBlock, AnExpertWithoutTokensGetsNoGradientAndTheAuxLossIsSwitchs) {
+  Moe m = double_moe(0, 3);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+  // Feature 0 of every token is 1 and expert 4's router row is -100 there (0 elsewhere): its
+  // logit is -100 for every token, so it never makes the top 2.
+  at::Tensor xc = at::randn({2, 5, 8}, gen, at::kDouble);
+  xc.select(2, 0).fill_(1.0);
+  {
+    torch::NoGradGuard no_grad;
+    m->router->weight.select(0, 4).fill_(0.0);
+    m->router->weight.select(0, 4).select(0, 0).fill_(-100.0);
+  }
+  m->zero_grad();
+  const at::Tensor y = m->forward(xc);
+  (y.sum() + m->aux_loss()).backward();
+  EXPECT_EQ(m->tokens_per_expert()[4].item<int64_t>(), 0);
+  for (const auto& item : m->experts[4]->named_parameters())
+    EXPECT_FALSE(item.value().grad().defined()) << item.key();
+  for (const auto& item : m->experts[0]->named_parameters())
+    EXPECT_TRUE(item.value().grad().defined()) << item.key();
+  // aux = E * sum_e f_e * P_e, recomputed from the routing.
+  torch::NoGradGuard no_grad;
+  const at::Tensor flat = xc.reshape({-1, 8});
+  const at::Tensor probs = at::softmax(m->router(flat), -1);
+  const at::Tensor top = std::get<1>(probs.topk(2, -1)).reshape({-1});
+  const at::Tensor f = at::bincount(top, {}, 5).to(at::kDouble) / 20.0;
+  const double want = 5.0 * (f * probs.mean(0)).sum().item<double>();
+  EXPECT_NEAR(m->aux_loss().item<double>(), want, 1e-12);
+  EXPECT_THROW(
+      Moe(8, recipe::MoeConfig{.enabled = true, .n_experts = 2, .top_k = 3, .expert_hidden = 4}),
+      Error);
+}
+
+// ---- grouped-query attention (A) ---------------------------------------------------------
+
+TEST(AttentionBlock, GroupedQueryHeadsEqualRepeatedKeyValueHeads) {
+  ModelConfig c{
+      .vocab_size = 32, .seq_len = 12, .d_model = 32, .n_layers = 1, .n_heads = 4, .mlp_mult = 2};
+  c.n_kv_heads = 2;
+  Attention attn(c);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(12);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : attn->parameters()) p.uniform_(-0.3, 0.3, gen);
+  }
+  attn->to(at::kDouble);
+  EXPECT_EQ(attn->qkv->weight.size(0), (4 + 2 * 2) * 8);
+  const at::Tensor x = at::randn({2, 12, 32}, gen, at::kDouble);
+  const at::Tensor angles =
+      at::outer(at::arange(12, at::kDouble), at::pow(500000.0, -at::arange(4, at::kDouble) / 4.0));
+  const at::Tensor cos = angles.cos(), sin = angles.sin();
+  at::NoGradGuard no_grad;
+  const at::Tensor got = attn->forward(x, cos, sin);
+  // Reference: split q/k/v, repeat each key/value head for its group, softmax attention by hand.
+  const auto parts = attn->qkv(x).split_with_sizes({32, 16, 16}, -1);
+  auto heads = [](const at::Tensor& t, int64_t h) { return t.view({2, 12, h, 8}).transpose(1, 2); };
+  auto rope = [&](const at::Tensor& t) {
+    const auto a = t.narrow(-1, 0, 4), b = t.narrow(-1, 4, 4);
+    return at::cat({a * cos + b * sin, b * cos - a * sin}, -1);
+  };
+  auto norm = [](const at::Tensor& t) { return at::rms_norm(t, {8}, {}, 1e-6); };
+  const at::Tensor q = rope(norm(heads(parts[0], 4)));
+  const at::Tensor k = rope(norm(heads(parts[1], 2))).repeat_interleave(2, 1);
+  const at::Tensor v = heads(parts[2], 2).repeat_interleave(2, 1);
+  at::Tensor scores = at::matmul(q, k.transpose(-1, -2)) / std::sqrt(8.0);
+  scores = scores.masked_fill(at::ones({12, 12}, at::kBool).triu(1), -INFINITY);
+  const at::Tensor y = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({2, 12, 32});
+  EXPECT_LT((got - attn->proj(y)).abs().max().item<double>(), 1e-12);
+}
+
+// ---- the hybrid model, the plan and the optimizer assignment -------------------------------
+
+recipe::Recipe hybrid_recipe(const std::string& mode) {
+  recipe::Recipe r = recipe::load(recipe::resolve("tiny-hybrid", MEGACPP_RECIPE_DIR));
+  r.model.mode = mode;
+  return recipe::rehash(std::move(r));
+}
+
+TEST(HybridModel, ParametersAreThePlansNamesAndShapes) {
+  for (const std::string mode : {"author_dp", "nemo_native"}) {
+    const recipe::Recipe r = hybrid_recipe(mode);
+    Transformer model(r.model, 1);
+    std::map<std::string, std::vector<int64_t>> got, want;
+    for (const auto& item : model->named_parameters()) got[item.key()] = item.value().sizes().vec();
+    const recipe::Plan plan = recipe::make_plan(r, {.ranks = 2});
+    for (const auto& g : plan.globals) want[g.name] = g.shape;
+    uint64_t total = 0;
+    for (const auto& l : plan.layers) {
+      for (const auto& p : l.params) want[fmt::format("blocks.{}.{}", l.index, p.name)] = p.shape;
+      EXPECT_EQ(std::string(1, model->blocks[l.index]->as<Block>()->kind()),
+                std::string(1, l.block));
+    }
+    for (const auto& p : model->parameters()) total += static_cast<uint64_t>(p.numel());
+    EXPECT_EQ(got, want) << mode;
+    EXPECT_EQ(total, plan.params_total) << mode;
+  }
+  // nemo_native runs R on the Mamba-family block.
+  EXPECT_EQ(hybrid_recipe("author_dp").model.blocks, "AEMRAEMR");
+  EXPECT_EQ(hybrid_recipe("nemo_native").model.blocks, "AEMMAEMM");
+}
+
+TEST(HybridModel, OptimizerAssignmentFollowsTheRules) {
+  const recipe::Recipe r = hybrid_recipe("author_dp");
+  TrainStep ts(r.model, r.train, 10);
+  const auto params = ts.parameters();
+  const auto assignment = ts.assignment();
+  ASSERT_EQ(params.size(), assignment.size());
+  const recipe::Plan plan = recipe::make_plan(r, {.ranks = 1});
+  std::map<std::string, std::string> planned;
+  for (const auto& g : plan.globals) planned[g.name] = g.optimizer + "." + g.group;
+  for (const auto& l : plan.layers)
+    for (const auto& p : l.params)
+      planned[fmt::format("blocks.{}.{}", l.index, p.name)] = p.optimizer + "." + p.group;
+  int experts = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& [name, t] = params[i];
+    const auto& a = assignment[i];
+    EXPECT_EQ(a.optimizer + "." + a.group, planned.at(name)) << name;
+    if (a.optimizer == "muon") {
+      EXPECT_EQ(t.dim(), 2) << name << ": Muon takes 2-D matrices only";
+    }
+    if (name.find(".router.") != std::string::npos) {
+      EXPECT_EQ(a.optimizer, "adamw") << name;
+    }
+    if (name.find(".experts.") != std::string::npos) {
+      EXPECT_EQ(a.optimizer, "muon") << name;
+      ++experts;
+    }
+    for (const char* scalar :
+         {".A_log", ".D", ".dt_bias", ".conv.weight", ".lambda", "norm_weight"})
+      if (name.ends_with(scalar)) {
+        EXPECT_EQ(a.optimizer, "adamw") << name;
+      }
+  }
+  EXPECT_EQ(experts, 2 * 4 * 2);  // 2 E layers x 4 experts x (fc, proj)
+}
+
+TEST(HybridModel, TrainsAndTheLossFalls) {
+  recipe::Recipe r = hybrid_recipe("author_dp");
+  r.model.seq_len = 32;
+  r.train.batch_size = 8;
+  r = recipe::rehash(std::move(r));
+  TrainStep ts(r.model, r.train, 30);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(77);
+  // A learnable language: each row counts modulo V from a random start.
+  auto batch = [&] {
+    const auto start = torch::randint(r.model.vocab_size, {8, 1}, gen, torch::kInt64);
+    return (start + torch::arange(33, torch::kInt64).unsqueeze(0)).remainder(r.model.vocab_size);
+  };
+  std::vector<float> losses;
+  for (uint32_t step = 1; step <= 30; ++step) {
+    const StepTiming t = ts.step(batch(), step);
+    losses.push_back(t.loss);
+    EXPECT_GT(t.aux_loss, 0.0f);
+    ASSERT_EQ(t.tokens_per_expert.size(), 2u);
+    int64_t assigned = 0;
+    for (int64_t n : t.tokens_per_expert[0]) assigned += n;
+    EXPECT_EQ(assigned, 8 * 32 * 2);
+  }
+  EXPECT_LT(losses.back(), 0.5f * losses.front()) << losses.front() << " -> " << losses.back();
+}
+
+// World 2 over Gloo: rank 1 trains on batches of one repeated token, so every token of its MoE
+// layers takes the same route and at most top_k of the 4 experts receive tokens there, while
+// rank 0's varied text reaches them all. The starved experts have no gradient on rank 1 (the
+// rank-asymmetric case); both ranks must still end every step with bit-identical parameters.
+int hybrid_rank(uint16_t port, uint32_t rank, const std::filesystem::path& out) {
+  torch::set_num_threads(1);
+  GlooOptions go;
+  go.store_port = port;
+  go.rank = rank;
+  go.world = 2;
+  go.store_timeout = std::chrono::seconds(20);
+  go.collective_timeout = std::chrono::seconds(20);
+  go.store_prefix = "blocks_test/";
+  auto pg = connect_gloo(go);
+  recipe::Recipe r = hybrid_recipe("author_dp");
+  r.model.seq_len = 16;
+  r.train.batch_size = 4;
+  r = recipe::rehash(std::move(r));
+  TrainStep ts(r.model, r.train, 6, pg);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + rank);
+  int starved_steps = 0;
+  for (uint32_t step = 1; step <= 6; ++step) {
+    const at::Tensor batch = rank == 0
+                                 ? torch::randint(r.model.vocab_size, {4, 17}, gen, torch::kInt64)
+                                 : torch::full({4, 17}, 65, torch::kInt64);
+    const StepTiming t = ts.step(batch, step);
+    bool starved = false;
+    for (const auto& layer : t.tokens_per_expert)
+      for (int64_t n : layer) starved = starved || n == 0;
+    starved_steps += starved ? 1 : 0;
+  }
+  std::ofstream f(out, std::ios::binary);
+  for (const auto& [name, p] : ts.parameters()) {
+    const at::Tensor c = p.detach().contiguous();
+    f.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.nbytes()));
+  }
+  f << "starved " << starved_steps;
+  return f.good() ? 0 : 4;
+}
+
+TEST(HybridModel, RanksStayBitIdenticalWhenExpertsGetNoTokensOnOneRank) {
+  const forked_world::ForkedWorld world(2, std::chrono::seconds(20));
+  char tmpl[] = "/tmp/megacpp-blocks-test-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::filesystem::path dir(tmpl);
+  const std::vector<int> status = test_support::run_ranks_within(
+      world,
+      [&](uint32_t rank) {
+        return hybrid_rank(world.store_port(), rank, dir / fmt::format("rank{}", rank));
+      },
+      std::chrono::seconds(120));
+  for (int r = 0; r < 2; ++r)
+    EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0) << "rank " << r;
+  std::string files[2];
+  for (int r = 0; r < 2; ++r) {
+    std::ifstream f(dir / fmt::format("rank{}", r), std::ios::binary);
+    files[r].assign(std::istreambuf_iterator<char>(f), {});
+  }
+  std::filesystem::remove_all(dir);
+  ASSERT_FALSE(files[0].empty());
+  // Rank 1 was starved at every step; rank 0's text reached every expert at some step.
+  EXPECT_TRUE(files[1].ends_with("starved 6")) << files[1].substr(files[1].size() - 12);
+  EXPECT_EQ(files[0].substr(0, files[0].rfind("starved")),
+            files[1].substr(0, files[1].rfind("starved")))
+      << "the ranks' parameters differ";
+}
+
+}  // namespace
+}  // namespace megacpp::trainer
