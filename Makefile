@@ -93,6 +93,8 @@ bench: build
 	@$(BUILD)/bin/bench_prepare
 	@$(BUILD)/bin/bench_data_loader
 	@$(BUILD)/bin/bench_checkpoint
+	@$(BUILD)/bin/bench_ssd
+	@$(BUILD)/bin/bench_blocks
 
 bench-failure: build
 	@.venv/bin/python bench/failure_detection.py
