@@ -259,6 +259,8 @@ TEST(SchemasJsonTest, ManifestRoundTrip) {
   parent.setRunId("r0");
   parent.setStep(20);
   m.setStopReason("stopped by SIGINT after step 12, its checkpoint committed");
+  m.setMode("author_dp");
+  m.setBlocks("AEMR");
 
   std::string json = schemas::to_json(m.asReader());
   EXPECT_NE(json.find("\"state\": \"error\""), std::string::npos) << json;
