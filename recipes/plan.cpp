@@ -292,13 +292,14 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
   }
   gate("feature-built", p.tp == 1,
        p.tp == 1 ? "tensor parallel 1: every block kind runs data parallel"
-                 : fmt::format("{} needs tensor parallel {} with sequence parallelism, which "
-                               "this build's trainer does not implement",
+                 : fmt::format("{} runs tensor parallel {} with sequence parallelism: the "
+                               "trainer's step computes it, but megacpp run does not yet form "
+                               "tensor-parallel groups (one batch per group, one checkpoint "
+                               "share per group)",
                                p.mode, p.tp),
        "a mode is an execution layout, and running another layout under its name would make "
        "its receipts lie",
-       "when the trainer runs column- and row-parallel linears with sequence parallelism over "
-       "c10d");
+       "when megacpp run launches ranks in tensor-parallel groups");
   return p;
 }
 

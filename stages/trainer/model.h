@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
@@ -94,6 +95,10 @@ class TransformerImpl : public torch::nn::Module {
   at::Tensor aux_loss() const;
   // Per MoE layer, in layer order: int64 [n_experts] token assignments of the last forward.
   std::vector<at::Tensor> tokens_per_expert() const;
+  // The RoPE tables of the first T positions: cos, sin [T, head_dim / 2].
+  std::pair<at::Tensor, at::Tensor> rope(int64_t T) const {
+    return {rope_cos_.narrow(0, 0, T), rope_sin_.narrow(0, 0, T)};
+  }
 
   torch::nn::Embedding embed{nullptr};
   torch::nn::ModuleList blocks{nullptr};

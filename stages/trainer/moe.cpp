@@ -56,7 +56,6 @@ MoeImpl::MoeImpl(int64_t d_model, const recipe::MoeConfig& c) : config_(c) {
 at::Tensor MoeImpl::forward(const at::Tensor& x) {
   const int64_t D = x.size(-1), E = config_.n_experts, k = config_.top_k;
   const at::Tensor flat = x.reshape({-1, D});
-  const int64_t N = flat.size(0);
   const Routing r = route(*this, flat);
 
   // Assignments sorted by expert (stable: within an expert, token order), so each expert's
@@ -82,10 +81,15 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   at::Tensor y = at::zeros_like(flat).index_add(0, token_of, routed);
   if (shared) y = y + shared(flat);
 
-  const at::Tensor share = counts.to(r.probs.scalar_type()) / static_cast<double>(N * k);
-  aux_loss_ = static_cast<double>(E) * (share * r.probs.mean(0)).sum();
-  tokens_per_expert_ = counts;
+  record_routing(r.probs, counts);
   return y.view(x.sizes());
+}
+
+void MoeImpl::record_routing(const at::Tensor& probs, const at::Tensor& counts) {
+  const int64_t assignments = probs.size(0) * config_.top_k;
+  const at::Tensor share = counts.to(probs.scalar_type()) / static_cast<double>(assignments);
+  aux_loss_ = static_cast<double>(config_.n_experts) * (share * probs.mean(0)).sum();
+  tokens_per_expert_ = counts;
 }
 
 at::Tensor moe_reference(MoeImpl& moe, const at::Tensor& x) {

@@ -53,6 +53,10 @@ class MoeImpl : public torch::nn::Module {
   // int64 [E]: how many of the last forward's token assignments each expert received.
   const at::Tensor& tokens_per_expert() const noexcept { return tokens_per_expert_; }
   const recipe::MoeConfig& config() const noexcept { return config_; }
+  // Sets aux_loss() and tokens_per_expert() from a forward's routing: the router
+  // probabilities [N, E] and the assignments per expert (int64 [E], N * top_k in all). The
+  // tensor-parallel forward (tensor_parallel.h) routes on its own and records through this.
+  void record_routing(const at::Tensor& probs, const at::Tensor& counts);
 
   torch::nn::Linear router{nullptr};
   torch::nn::ModuleList experts{nullptr};

@@ -16,6 +16,7 @@
 #include "ops/ops.h"
 #include "stages/trainer/collective.h"
 #include "stages/trainer/optim.h"
+#include "stages/trainer/tensor_parallel.h"
 #include "stages/trainer/train_step.h"
 
 namespace megacpp::trainer {
@@ -50,6 +51,7 @@ struct TrainStep::Impl {
   uint32_t total_steps;
   c10::intrusive_ptr<c10d::Backend> pg;
   at::Device device;
+  TensorParallel tp;  // outlives every graph step() builds (tensor_parallel.h)
   uint32_t rank = 0;
   uint32_t world = 1;
   Transformer model;
@@ -66,12 +68,13 @@ struct TrainStep::Impl {
   std::unique_ptr<DistMuon> muon;
 
   Impl(const ModelConfig& m, const TrainConfig& t, uint32_t steps,
-       c10::intrusive_ptr<c10d::Backend> group, at::Device dev)
+       c10::intrusive_ptr<c10d::Backend> group, at::Device dev, TensorParallel tensor_parallel)
       : model_cfg(m),
         train_cfg(t),
         total_steps(steps),
         pg(std::move(group)),
         device(dev),
+        tp(std::move(tensor_parallel)),
         model(m, t.seed) {
     MEGACPP_CHECK(t.batch_size > 0, ErrorKind::kInvalidArgument, "train: batchSize must be > 0");
     MEGACPP_CHECK(steps > 0, ErrorKind::kInvalidArgument, "total steps must be > 0");
@@ -188,6 +191,13 @@ struct TrainStep::Impl {
     }
   }
 
+  void reduce_tensor_parallel_gradients() {
+    std::vector<at::Tensor> tensors;
+    tensors.reserve(params.size());
+    for (const auto& [name, p] : params) tensors.push_back(p);
+    reduce_gradients(tensors, tp);
+  }
+
   double grad_norm_and_clip() {
     std::vector<at::Tensor> grads;
     for (auto& [name, p] : params) {
@@ -260,8 +270,9 @@ struct TrainStep::Impl {
 };
 
 TrainStep::TrainStep(const ModelConfig& model, const TrainConfig& train, uint32_t total_steps,
-                     c10::intrusive_ptr<c10d::Backend> pg, at::Device device)
-    : impl_(std::make_unique<Impl>(model, train, total_steps, std::move(pg), device)) {}
+                     c10::intrusive_ptr<c10d::Backend> pg, at::Device device, TensorParallel tp)
+    : impl_(std::make_unique<Impl>(model, train, total_steps, std::move(pg), device,
+                                   std::move(tp))) {}
 
 TrainStep::~TrainStep() = default;
 
@@ -320,16 +331,29 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
   auto t0 = Clock::now();
   for (auto& [name, p] : s.params) p.mutable_grad() = at::Tensor();
   at::Tensor loss;
-  {
-    const auto logits = s.model->forward(on_device.narrow(1, 0, T));
+  const int64_t V = s.model_cfg.vocab_size;
+  const TensorParallel& tp = s.tp;
+  if (tp.size > 1) {
+    // This rank's share (tensor_parallel.h): the cross-entropy summed over its sequence shard,
+    // divided by the tokens of the whole batch; the group's shares add up to the batch mean.
+    const int64_t t = T / tp.size;
+    const auto logits = forward_tensor_parallel(*s.model, on_device.narrow(1, 0, T), tp);
     loss = torch::nn::functional::cross_entropy(
-        logits.reshape({-1, static_cast<int64_t>(s.model_cfg.vocab_size)}),
-        on_device.narrow(1, 1, T).reshape({-1}));
+               logits.reshape({-1, V}), on_device.narrow(1, 1 + tp.rank * t, t).reshape({-1}),
+               torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
+           static_cast<double>(tokens.size(0) * T);
+    torch::NoGradGuard no_grad;
+    out.loss = all_reduce_sum(loss.detach(), tp).item<float>();
+  } else {
+    const auto logits = s.model->forward(on_device.narrow(1, 0, T));
+    loss = torch::nn::functional::cross_entropy(logits.reshape({-1, V}),
+                                                on_device.narrow(1, 1, T).reshape({-1}));
+    out.loss = loss.item<float>();
   }
-  out.loss = loss.item<float>();
   if (const at::Tensor aux = s.model->aux_loss(); aux.defined()) {
     out.aux_loss = aux.item<float>();
-    loss = loss + aux;
+    // Computed whole on every rank of a tensor-parallel group: 1/tp of it on each.
+    loss = loss + aux / static_cast<double>(tp.size);
     for (const at::Tensor& counts : s.model->tokens_per_expert()) {
       const at::Tensor host = counts.to(at::kCPU);
       out.tokens_per_expert.emplace_back(host.data_ptr<int64_t>(),
@@ -342,6 +366,7 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
   t0 = Clock::now();
   loss.backward();
   loss.reset();  // the graph (which saved the token indices) is gone after backward
+  if (tp.size > 1) s.reduce_tensor_parallel_gradients();
   out.backward_seconds = seconds_since(t0);
   if (hooks.after_backward) hooks.after_backward();
 

@@ -30,6 +30,7 @@
 #include "stages/checkpointer/checkpointer.h"
 #include "stages/trainer/model.h"
 #include "stages/trainer/snapshot_layout.h"
+#include "stages/trainer/tensor_parallel.h"
 
 namespace megacpp::trainer {
 
@@ -104,8 +105,12 @@ class TrainStep {
   // device whose backend is loaded, with `pg` a group on that device). The model is
   // initialised on the CPU from train.seed and then moved, so every device starts from the
   // same parameters.
+  // `tp` (size > 1): the ranks of a tensor-parallel group that train on the same batch
+  // (tensor_parallel.h); `pg` is then the data-parallel group across such groups (null for
+  // one group), over which the optimizers reduce.
   TrainStep(const ModelConfig& model, const TrainConfig& train, uint32_t total_steps,
-            c10::intrusive_ptr<c10d::Backend> pg = {}, at::Device device = at::kCPU);
+            c10::intrusive_ptr<c10d::Backend> pg = {}, at::Device device = at::kCPU,
+            TensorParallel tp = {});
   ~TrainStep();
   TrainStep(const TrainStep&) = delete;
   TrainStep& operator=(const TrainStep&) = delete;

@@ -1,0 +1,292 @@
+#include "stages/trainer/tensor_parallel.h"
+
+#include <cmath>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "stages/trainer/collective.h"
+#include "stages/trainer/ssd.h"
+
+namespace megacpp::trainer {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The group travels through the autograd context as an address: TensorParallel's contract
+// makes it outlive every graph built with it.
+int64_t address(const TensorParallel& tp) {
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(&tp));
+}
+const TensorParallel& group_of(AutogradContext* ctx) {
+  return *reinterpret_cast<const TensorParallel*>(
+      static_cast<intptr_t>(ctx->saved_data["tp"].toInt()));
+}
+
+at::Tensor all_reduce(const TensorParallel& tp, at::Tensor x) {
+  x = x.contiguous();
+  std::vector<at::Tensor> v{x};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::SUM;
+  run_collective("tensor-parallel all_reduce", tp.group, [&] { return tp.group->allreduce(v, o); });
+  return v[0];
+}
+
+at::Tensor gather_dim1(const TensorParallel& tp, const at::Tensor& x) {
+  // Gathered along dim 0 of [t, B, ...], then back to [B, T, ...].
+  at::Tensor in = x.transpose(0, 1).contiguous();
+  std::vector<int64_t> shape = in.sizes().vec();
+  shape[0] *= tp.size;
+  at::Tensor out = at::empty(shape, in.options());
+  run_collective("tensor-parallel all_gather", tp.group,
+                 [&] { return tp.group->_allgather_base(out, in); });
+  return out.transpose(0, 1);
+}
+
+at::Tensor shard_dim1(const TensorParallel& tp, const at::Tensor& x) {
+  const int64_t t = x.size(1) / tp.size;
+  return x.narrow(1, tp.rank * t, t);
+}
+
+struct GatherSequence : public torch::autograd::Function<GatherSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
+    ctx->saved_data["tp"] = tp;
+    return gather_dim1(group_of(ctx), x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const TensorParallel& tp = group_of(ctx);
+    return {shard_dim1(tp, all_reduce(tp, grad[0])).contiguous(), at::Tensor()};
+  }
+};
+
+struct ReduceScatterSequence : public torch::autograd::Function<ReduceScatterSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
+    ctx->saved_data["tp"] = tp;
+    const TensorParallel& g = group_of(ctx);
+    return shard_dim1(g, all_reduce(g, x.clone())).contiguous();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    return {gather_dim1(group_of(ctx), grad[0]).contiguous(), at::Tensor()};
+  }
+};
+
+struct AllReduceSum : public torch::autograd::Function<AllReduceSum> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
+    ctx->saved_data["tp"] = tp;
+    return all_reduce(group_of(ctx), x.clone());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    return {all_reduce(group_of(ctx), grad[0].clone()), at::Tensor()};
+  }
+};
+
+void require(bool ok, const std::string& what) {
+  MEGACPP_CHECK(ok, ErrorKind::kInvalidArgument, "tensor parallel: " + what);
+}
+
+// Rows [first, first + count) of a weight.
+at::Tensor rows(const at::Tensor& w, int64_t first, int64_t count) {
+  return w.narrow(0, first, count);
+}
+
+at::Tensor rms_norm(const at::Tensor& x) {
+  return at::rms_norm(x, {x.size(-1)}, {}, 1e-6);
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  const auto x1 = x.narrow(-1, 0, half);
+  const auto x2 = x.narrow(-1, half, half);
+  return torch::cat({x1 * cos + x2 * sin, x2 * cos - x1 * sin}, -1);
+}
+
+// hf: the gathered normed input [B, T, D]; returns the partial output [B, T, D].
+at::Tensor attention(const AttentionImpl& attn, const ModelConfig& c, const at::Tensor& hf,
+                     const at::Tensor& cos, const at::Tensor& sin, const TensorParallel& tp) {
+  const int64_t H = c.n_heads, KV = c.kv_heads(), hd = c.head_dim();
+  require(H % tp.size == 0 && KV % tp.size == 0,
+          fmt::format("{} query and {} key/value heads over {} ranks", H, KV, tp.size));
+  const int64_t hq = H / tp.size, hk = KV / tp.size, B = hf.size(0), T = hf.size(1);
+  const at::Tensor& w = attn.qkv->weight;
+  const at::Tensor w_local =
+      at::cat({rows(w, tp.rank * hq * hd, hq * hd), rows(w, (H + tp.rank * hk) * hd, hk * hd),
+               rows(w, (H + KV + tp.rank * hk) * hd, hk * hd)});
+  const auto parts = at::linear(hf, w_local).split_with_sizes({hq * hd, hk * hd, hk * hd}, -1);
+  const at::Tensor q = rope(rms_norm(parts[0].view({B, T, hq, hd}).transpose(1, 2)), cos, sin);
+  const at::Tensor k = rope(rms_norm(parts[1].view({B, T, hk, hd}).transpose(1, 2)), cos, sin);
+  const at::Tensor v = parts[2].view({B, T, hk, hd}).transpose(1, 2);
+  const at::Tensor y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, {},
+                                                        /*enable_gqa=*/hq != hk);
+  return at::linear(y.transpose(1, 2).reshape({B, T, hq * hd}),
+                    attn.proj->weight.narrow(1, tp.rank * hq * hd, hq * hd));
+}
+
+at::Tensor mlp(const MlpImpl& m, const at::Tensor& hf, const TensorParallel& tp) {
+  const int64_t hidden = m.fc->weight.size(0);
+  require(hidden % tp.size == 0, fmt::format("MLP hidden {} over {} ranks", hidden, tp.size));
+  const int64_t h = hidden / tp.size;
+  return at::linear(at::relu(at::linear(hf, rows(m.fc->weight, tp.rank * h, h))).square(),
+                    m.proj->weight.narrow(1, tp.rank * h, h));
+}
+
+// Routing on every rank (the router is whole), this rank's experts, a slice of the shared one.
+at::Tensor moe(MoeImpl& moe, const at::Tensor& hf, const TensorParallel& tp) {
+  const recipe::MoeConfig& c = moe.config();
+  const int64_t E = c.n_experts, k = c.top_k, D = hf.size(-1);
+  require(E % tp.size == 0, fmt::format("{} routed experts over {} ranks", E, tp.size));
+  const at::Tensor flat = hf.reshape({-1, D});
+  const at::Tensor probs = at::softmax(moe.router(flat), -1);
+  auto [top_w, top_e] = probs.topk(k, -1);
+  const at::Tensor weights = top_w / top_w.sum(-1, true);
+  const at::Tensor assigned = top_e.reshape({-1});
+  const at::Tensor counts = at::bincount(assigned, {}, E);
+  const at::Tensor order =
+      std::get<1>(assigned.sort(std::optional<bool>(true), /*dim=*/0, /*descending=*/false));
+  const at::Tensor counts_host = counts.to(at::kCPU);
+  const auto* count = counts_host.data_ptr<int64_t>();
+  const int64_t per_rank = E / tp.size, first = tp.rank * per_rank;
+  int64_t begin = 0;
+  for (int64_t e = 0; e < first; ++e) begin += count[e];
+  int64_t local = 0;
+  for (int64_t e = first; e < first + per_rank; ++e) local += count[e];
+  at::Tensor y = at::zeros_like(flat);
+  if (local > 0) {
+    const at::Tensor mine = order.narrow(0, begin, local);
+    const at::Tensor token_of = at::floor_divide(mine, k);
+    const at::Tensor routed_in = flat.index_select(0, token_of);
+    std::vector<at::Tensor> outs;
+    int64_t offset = 0;
+    for (int64_t e = first; e < first + per_rank; ++e) {
+      if (count[e] == 0) continue;
+      outs.push_back(moe.experts[e]->as<Mlp>()->forward(routed_in.narrow(0, offset, count[e])));
+      offset += count[e];
+    }
+    const at::Tensor routed =
+        at::cat(outs, 0) * weights.reshape({-1}).index_select(0, mine).unsqueeze(1);
+    y = y.index_add(0, token_of, routed);
+  }
+  if (moe.shared) y = y + mlp(*moe.shared, flat, tp);
+  moe.record_routing(probs, counts);
+  return y.view(hf.sizes());
+}
+
+// Whole heads of the Mamba-2 mixer; B and C (one group shared by every head) on every rank.
+at::Tensor mamba(const MambaImpl& m, const at::Tensor& hf, const TensorParallel& tp) {
+  const MambaConfig& c = m.config();
+  const int64_t H = c.n_heads(), P = c.head_dim, N = c.d_state, I = c.d_inner();
+  require(H % tp.size == 0, fmt::format("{} Mamba heads over {} ranks", H, tp.size));
+  const int64_t hl = H / tp.size, il = hl * P, B = hf.size(0), T = hf.size(1);
+  const int64_t r = tp.rank;
+  const at::Tensor& w = m.in_proj->weight;  // rows: z [I], x [I], B [N], C [N], dt [H]
+  const at::Tensor w_local = at::cat({rows(w, r * il, il), rows(w, I + r * il, il),
+                                      rows(w, 2 * I, 2 * N), rows(w, 2 * I + 2 * N + r * hl, hl)});
+  const auto parts = at::linear(hf, w_local).split_with_sizes({il, il + 2 * N, hl}, -1);
+  const at::Tensor& cw = m.conv->weight;  // channels: x [I], B [N], C [N]
+  const at::Tensor conv_w = at::cat({rows(cw, r * il, il), rows(cw, I, 2 * N)});
+  const at::Tensor conv_b = at::cat({rows(m.conv->bias, r * il, il), rows(m.conv->bias, I, 2 * N)});
+  const at::Tensor xbc = at::silu(
+      at::conv1d(parts[1].transpose(1, 2), conv_w, conv_b, 1, c.conv_kernel - 1, 1, il + 2 * N)
+          .narrow(2, 0, T)
+          .transpose(1, 2));
+  const auto xbc_parts = xbc.split_with_sizes({il, N, N}, -1);
+  const at::Tensor u = xbc_parts[0].reshape({B, T, hl, P});
+  const at::Tensor dt = at::softplus(parts[2] + m.dt_bias.narrow(0, r * hl, hl));
+  const at::Tensor A = -m.A_log.narrow(0, r * hl, hl).exp();
+  const at::Tensor b = xbc_parts[1].unsqueeze(2).expand({B, T, hl, N});
+  const at::Tensor cc = xbc_parts[2].unsqueeze(2).expand({B, T, hl, N});
+  const SsdResult s = ssd_chunked(u * dt.unsqueeze(-1), dt * A, b, cc, c.chunk);
+  const at::Tensor y =
+      (s.y + u * m.D.narrow(0, r * hl, hl).view({1, 1, hl, 1})).reshape({B, T, il});
+  const at::Tensor g = y * at::silu(parts[0]);
+  // RMSNorm over all I channels: the mean of squares is summed across the group.
+  const at::Tensor mean_sq =
+      AllReduceSum::apply(g.square().sum(-1, true), address(tp)) / static_cast<double>(I);
+  const at::Tensor yn = g * at::rsqrt(mean_sq + 1e-6) * m.norm_weight.narrow(0, r * il, il);
+  return at::linear(yn, m.out_proj->weight.narrow(1, r * il, il));
+}
+
+}  // namespace
+
+at::Tensor gather_sequence(const at::Tensor& x, const TensorParallel& tp) {
+  return GatherSequence::apply(x, address(tp));
+}
+at::Tensor reduce_scatter_sequence(const at::Tensor& x, const TensorParallel& tp) {
+  return ReduceScatterSequence::apply(x, address(tp));
+}
+at::Tensor all_reduce_sum(const at::Tensor& x, const TensorParallel& tp) {
+  return AllReduceSum::apply(x, address(tp));
+}
+
+at::Tensor forward_tensor_parallel(TransformerImpl& model, const at::Tensor& tokens,
+                                   const TensorParallel& tp) {
+  const ModelConfig& c = model.config();
+  const int64_t T = tokens.size(1);
+  require(tp.group && tp.size > 1 && tp.rank < tp.size, "needs a group of 2 or more ranks");
+  require(T % tp.size == 0, fmt::format("sequence {} over {} ranks", T, tp.size));
+  const int64_t t = T / tp.size;
+  const auto [cos, sin] = model.rope(T);
+  at::Tensor x = rms_norm(model.embed(tokens.narrow(1, tp.rank * t, t)));
+  for (const auto& item : *model.blocks) {
+    BlockImpl& block = *item->as<Block>();
+    const auto branch = [&](const auto& body) {
+      return reduce_scatter_sequence(body(gather_sequence(rms_norm(x), tp)), tp);
+    };
+    switch (block.kind()) {
+      case recipe::kBlockAttention:
+        x = x + branch([&](const at::Tensor& hf) {
+              return attention(*block.attn, c, hf, cos, sin, tp);
+            });
+        x = x + branch([&](const at::Tensor& hf) { return mlp(*block.mlp, hf, tp); });
+        break;
+      case recipe::kBlockMlp:
+        x = x + branch([&](const at::Tensor& hf) { return mlp(*block.mlp, hf, tp); });
+        break;
+      case recipe::kBlockMoe:
+        x = x + branch([&](const at::Tensor& hf) { return moe(*block.moe, hf, tp); });
+        break;
+      case recipe::kBlockMamba:
+        x = x + branch([&](const at::Tensor& hf) { return mamba(*block.mamba, hf, tp); });
+        break;
+      default:
+        require(false,
+                "the recurrence block (R) has no tensor-parallel form; nemo_native runs R "
+                "on the Mamba block");
+    }
+  }
+  return model.head(rms_norm(x));
+}
+
+void reduce_gradients(const std::vector<at::Tensor>& params, const TensorParallel& tp) {
+  if (!tp.group || tp.size <= 1 || params.empty()) return;
+  int64_t numel = 0;
+  for (const at::Tensor& p : params) numel += p.numel();
+  const int64_t n = static_cast<int64_t>(params.size());
+  at::Tensor flat = at::zeros({numel + n}, params.front().options().requires_grad(false));
+  int64_t off = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[static_cast<size_t>(i)];
+    if (p.grad().defined()) {
+      flat.narrow(0, off, p.numel()).copy_(p.grad().reshape({-1}));
+      flat[numel + i].fill_(1.0);
+    }
+    off += p.numel();
+  }
+  flat = all_reduce(tp, flat);
+  const at::Tensor has = flat.narrow(0, numel, n).gt(0).to(at::kCPU);
+  const auto* has_grad = has.data_ptr<bool>();
+  off = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    at::Tensor p = params[static_cast<size_t>(i)];
+    if (has_grad[i]) {
+      p.mutable_grad() = flat.narrow(0, off, p.numel()).view(p.sizes()).clone();
+    } else {
+      p.mutable_grad() = at::Tensor();
+    }
+    off += p.numel();
+  }
+}
+
+}  // namespace megacpp::trainer
