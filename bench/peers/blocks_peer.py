@@ -4,7 +4,8 @@ Each block is built as the C++ one is, with the same parameter names, shapes, in
 math: stages/trainer/model.cpp and model.h (AttentionImpl, BlockImpl: A = attention + relu^2
 MLP, and the pre-norm residual wrapper of E, M and R), moe.h/moe.cpp (MoeImpl, dropless, E),
 mamba.h/mamba.cpp and ssd.h/ssd.cpp (the Mamba-2 mixer around the chunked SSD scan, M) and
-recurrent.h/recurrent.cpp (the gated linear recurrence through the same scan, R). It times
+recurrent.h/recurrent.cpp (the gated linear recurrence through the scan's diagonal form,
+ssd_diagonal, R). It times
 forward + backward of one block in float32 on CPU with the shapes and thread count bench_blocks
 passes, and prints one JSON line:
 {"torch": version, "threads": n, "block": "A", "params": elements, "seconds": [...]}.
@@ -81,6 +82,35 @@ def ssd_chunked(x, a, b, c, chunk, initial_state=None):
 # Blocks. Parameter names and shapes as the C++ modules register them. initialise() draws from
 # `gen` in the C++ order with the C++ bounds; with the same seed and the same torch build (the
 # trainer links the venv's), the values should equal the C++ ones (not checked here).
+
+
+def ssd_diagonal(x, a, chunk):
+    """ssd.cpp ssd_diagonal: h_t = exp(a_t) h_{t-1} + x_t per channel; x, a [B, L, W]."""
+    bsz, length, width = x.shape
+    pad = (chunk - length % chunk) % chunk
+    nc = (length + pad) // chunk
+
+    def chunked(t):
+        return F.pad(t.transpose(1, 2), (0, pad)).reshape(bsz, width, nc, chunk)
+
+    x, a = chunked(x), chunked(a)
+    a_cumsum = a.cumsum(-1)
+    y_diag = torch.matmul(segment_sums(a).exp(), x.unsqueeze(-1)).squeeze(-1)
+    states = ((a_cumsum[..., -1:] - a_cumsum).exp() * x).sum(-1)
+    chunk_totals = F.pad(a_cumsum[..., -1], (1, 0))
+    entering = torch.matmul(segment_sums(chunk_totals).exp(),
+                            F.pad(states, (1, 0)).unsqueeze(-1)).squeeze(-1)
+    y = y_diag + a_cumsum.exp() * entering[..., :nc].unsqueeze(-1)
+    return y.reshape(bsz, width, nc * chunk)[:, :, :length].transpose(1, 2)
+
+
+def diagonal_chunk(length, cap):
+    """recurrent.cpp diagonal_chunk: a power of two near (2T)^(1/3), in [4, cap]."""
+    balanced = (2.0 * length) ** (1.0 / 3.0)
+    chunk = 4
+    while chunk * 2 <= balanced * 1.5 and chunk * 2 <= cap:
+        chunk *= 2
+    return max(1, min(chunk, cap))
 
 
 def linear(fan_in, fan_out, bias=False):
@@ -316,9 +346,7 @@ class Recurrent(nn.Module):
                 hs.append(state)
             h = torch.stack(hs, 1)
         else:
-            # One head per channel with a 1 x 1 state: x = v, b = c = 1.
-            ones = x.new_ones(bsz, t, w, 1)
-            h = ssd_chunked(v.unsqueeze(-1), log_a, ones, ones, self.chunk)[0].squeeze(-1)
+            h = ssd_diagonal(v, log_a, diagonal_chunk(v.size(1), self.chunk))
         return self.out_proj(gate * h)
 
 

@@ -1,5 +1,6 @@
 #include "stages/trainer/recurrent.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -10,6 +11,17 @@ namespace megacpp::trainer {
 namespace {
 
 constexpr double kC = 8.0;
+
+// The diagonal scan does L (the chunk) units of work per step within chunks and (T / L)^2 / T
+// across them; a power of two near (2T)^(1/3) balances the two. Measured at width 256, T 256,
+// forward + backward: chunk 8 takes 0.22 s, 16 0.30 s, 64 0.97 s. At most `cap` (the recipe's
+// ssm.chunk), at least 4.
+int64_t diagonal_chunk(int64_t T, int64_t cap) {
+  const double balanced = std::cbrt(2.0 * static_cast<double>(T));
+  int64_t chunk = 4;
+  while (chunk * 2 <= balanced * 1.5 && chunk * 2 <= cap) chunk *= 2;
+  return std::max<int64_t>(1, std::min(chunk, cap));
+}
 
 torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
@@ -84,9 +96,7 @@ at::Tensor RecurrentImpl::forward(const at::Tensor& x, bool sequential) {
     }
     h = at::stack(hs, 1);
   } else {
-    // One head per channel with a 1 x 1 state: x = v, b = c = 1.
-    const at::Tensor ones = at::ones({B, T, W, 1}, x.options());
-    h = ssd_chunked(v.unsqueeze(-1), log_a, ones, ones, config_.chunk).y.squeeze(-1);
+    h = ssd_diagonal(v, log_a, diagonal_chunk(T, config_.chunk));
   }
   return out_proj(gate * h);
 }

@@ -88,6 +88,36 @@ SsdResult ssd_chunked(const at::Tensor& x_in, const at::Tensor& a_in, const at::
   return {y, entering.select(1, C)};
 }
 
+at::Tensor ssd_diagonal(const at::Tensor& x_in, const at::Tensor& a_in, int64_t chunk) {
+  MEGACPP_CHECK(x_in.dim() == 3 && a_in.sizes() == x_in.sizes() && chunk > 0,
+                ErrorKind::kInvalidArgument,
+                fmt::format("ssd_diagonal: x and a must be [B, L, W] alike and chunk > 0: x {}, "
+                            "a {}, chunk {}",
+                            c10::str(x_in.sizes()), c10::str(a_in.sizes()), chunk));
+  const int64_t B = x_in.size(0), L = x_in.size(1), W = x_in.size(2);
+  const int64_t pad = (chunk - L % chunk) % chunk;
+  const int64_t C = (L + pad) / chunk;
+  // [B, L, W] -> [B, W, C, chunk], padded with steps that neither decay nor add.
+  auto chunked = [&](const at::Tensor& t) {
+    at::Tensor u = t.transpose(1, 2);
+    if (pad != 0) u = at::constant_pad_nd(u, {0, pad});
+    return u.reshape({B, W, C, chunk});
+  };
+  const at::Tensor x = chunked(x_in), a = chunked(a_in);
+  const at::Tensor a_cumsum = a.cumsum(-1);
+  // Within each chunk: h_i = sum_{j<=i} exp(a_{j+1} + ... + a_i) x_j.
+  const at::Tensor y_diag = at::matmul(segment_sums(a).exp(), x.unsqueeze(-1)).squeeze(-1);
+  // Each chunk's final state from zero, then the state entering each chunk.
+  const at::Tensor states =
+      ((a_cumsum.narrow(-1, chunk - 1, 1) - a_cumsum).exp() * x).sum(-1);  // b w c
+  const at::Tensor chunk_totals = at::constant_pad_nd(a_cumsum.select(-1, chunk - 1), {1, 0});
+  const at::Tensor entering = at::matmul(segment_sums(chunk_totals).exp(),
+                                         at::constant_pad_nd(states, {1, 0}).unsqueeze(-1))
+                                  .squeeze(-1);  // b w (c+1)
+  const at::Tensor y = y_diag + a_cumsum.exp() * entering.narrow(-1, 0, C).unsqueeze(-1);
+  return y.reshape({B, W, C * chunk}).narrow(2, 0, L).transpose(1, 2);
+}
+
 SsdResult ssd_sequential(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                          const at::Tensor& c, const at::Tensor& initial_state) {
   check_shapes(x, a, b, c, initial_state);

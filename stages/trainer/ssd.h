@@ -29,6 +29,12 @@ struct SsdResult {
 SsdResult ssd_chunked(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                       const at::Tensor& c, int64_t chunk, const at::Tensor& initial_state = {});
 
+// The scan of a diagonal recurrence, h_t = exp(a_t) h_{t-1} + x_t per channel (the SSD scan with
+// head_dim = state_dim = 1 and b = c = 1, as the R block runs it): x and a [B, L, W], returns
+// h [B, L, W]. The same chunked algorithm without the outer products: within a chunk the decay
+// matrix times the inputs, across chunks the chunks' final states.
+at::Tensor ssd_diagonal(const at::Tensor& x, const at::Tensor& a, int64_t chunk);
+
 // The same recurrence one step at a time: the reference the chunked scan is tested against
 // (and the peer of its benchmark).
 SsdResult ssd_sequential(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,

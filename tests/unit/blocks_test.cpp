@@ -129,6 +129,29 @@ TEST(SsdScan, FinalStateCarriesASplitSequence) {
   EXPECT_LT(rel_err(second.final_state, whole.final_state), 1e-12);
 }
 
+TEST(SsdScan, DiagonalScanMatchesTheSequentialRecurrence) {
+  // h_t = exp(a_t) h_{t-1} + x_t per channel: the SSD recurrence with P = N = 1 and b = c = 1.
+  for (const int64_t chunk : {4, 7, 16, 40}) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+    const at::Tensor x = at::randn({2, 37, 5}, gen, at::kDouble).requires_grad_();
+    const at::Tensor a = (-at::softplus(at::randn({2, 37, 5}, gen, at::kDouble))).requires_grad_();
+    const at::Tensor w = at::randn({2, 37, 5}, gen, at::kDouble);
+    auto run = [&](bool diagonal) {
+      x.mutable_grad().reset();
+      a.mutable_grad().reset();
+      const at::Tensor ones = at::ones({2, 37, 5, 1}, at::kDouble);
+      const at::Tensor h = diagonal ? ssd_diagonal(x, a, chunk)
+                                    : ssd_sequential(x.unsqueeze(-1), a, ones, ones).y.squeeze(-1);
+      (h * w).sum().backward();
+      return std::vector<at::Tensor>{h.detach(), x.grad().clone(), a.grad().clone()};
+    };
+    const auto want = run(false), got = run(true);
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_LT(rel_err(got[i], want[i]), 1e-10) << "chunk " << chunk << " #" << i;
+  }
+  EXPECT_THROW(ssd_diagonal(at::zeros({1, 4, 2}), at::zeros({1, 4, 3}), 2), Error);
+}
+
 TEST(SsdScan, ShapeMismatchesAreRefused) {
   const Inputs in = make_inputs(1, 8, 2, 3, 4, at::kFloat, 1, false);
   EXPECT_THROW(ssd_chunked(in.x, in.a.narrow(1, 0, 7), in.b, in.c, 4), Error);
