@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "stages/trainer/model.h"
+#include "stages/trainer/model_internal.h"
 
 namespace megacpp::trainer {
 
@@ -32,25 +33,9 @@ void validate(const ModelConfig& m) {
   }
 }
 
-namespace {
-
-torch::nn::Linear linear(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-}
-
-at::Tensor rms_norm(const at::Tensor& x) {
-  return at::rms_norm(x, {x.size(-1)}, {}, 1e-6);
-}
-
-// Rotates pairs (x[..., i], x[..., i + half]) by the position's angle. x: [B, H, T, hd].
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  const auto x1 = x.narrow(-1, 0, half);
-  const auto x2 = x.narrow(-1, half, half);
-  return torch::cat({x1 * cos + x2 * sin, x2 * cos - x1 * sin}, -1);
-}
-
-}  // namespace
+using detail::linear;
+using detail::rms_norm;
+using detail::rope;
 
 AttentionImpl::AttentionImpl(const ModelConfig& c)
     : n_heads_(c.n_heads), n_kv_heads_(c.kv_heads()), head_dim_(c.head_dim()) {

@@ -6,14 +6,13 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "stages/trainer/model_internal.h"
 
 namespace megacpp::trainer {
 
 namespace {
 
-torch::nn::Linear linear(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-}
+using detail::linear;
 
 struct Routing {
   at::Tensor probs;    // [N, E]
@@ -54,35 +53,47 @@ MoeImpl::MoeImpl(int64_t d_model, const recipe::MoeConfig& c) : config_(c) {
 }
 
 at::Tensor MoeImpl::forward(const at::Tensor& x) {
-  const int64_t D = x.size(-1), E = config_.n_experts, k = config_.top_k;
-  const at::Tensor flat = x.reshape({-1, D});
-  const Routing r = route(*this, flat);
-
-  // Assignments sorted by expert (stable: within an expert, token order), so each expert's
-  // tokens are one contiguous run of `counts[e]` rows.
-  const at::Tensor assigned = r.experts.reshape({-1});  // [N * k]
-  const at::Tensor counts = at::bincount(assigned, /*weights=*/{}, E);
-  const at::Tensor order =
-      std::get<1>(assigned.sort(std::optional<bool>(true), /*dim=*/0, /*descending=*/false));
-  const at::Tensor token_of = at::floor_divide(order, k);
-  const at::Tensor weight_of = r.weights.reshape({-1}).index_select(0, order);
-  const at::Tensor routed_in = flat.index_select(0, token_of);
-  const at::Tensor counts_host = counts.to(at::kCPU);
-  const auto* count = counts_host.data_ptr<int64_t>();
-  std::vector<at::Tensor> outs;
-  outs.reserve(static_cast<size_t>(E));
-  int64_t offset = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    if (count[e] == 0) continue;
-    outs.push_back(experts[e]->as<Mlp>()->forward(routed_in.narrow(0, offset, count[e])));
-    offset += count[e];
-  }
-  const at::Tensor routed = at::cat(outs, 0) * weight_of.unsqueeze(1);
-  at::Tensor y = at::zeros_like(flat).index_add(0, token_of, routed);
+  const at::Tensor flat = x.reshape({-1, x.size(-1)});
+  at::Tensor y = combine(dispatch(flat), flat, 0, config_.n_experts);
   if (shared) y = y + shared(flat);
-
-  record_routing(r.probs, counts);
   return y.view(x.sizes());
+}
+
+MoeImpl::Dispatch MoeImpl::dispatch(const at::Tensor& flat) {
+  const Routing r = route(*this, flat);
+  const at::Tensor assigned = r.experts.reshape({-1});  // [N * k]
+  const at::Tensor counts = at::bincount(assigned, /*weights=*/{}, config_.n_experts);
+  Dispatch d;
+  d.order = std::get<1>(assigned.sort(std::optional<bool>(true), /*dim=*/0, /*descending=*/false));
+  d.weights = r.weights.reshape({-1});
+  const at::Tensor counts_host = counts.to(at::kCPU);
+  d.count.assign(counts_host.data_ptr<int64_t>(),
+                 counts_host.data_ptr<int64_t>() + counts_host.numel());
+  record_routing(r.probs, counts);
+  return d;
+}
+
+at::Tensor MoeImpl::combine(const Dispatch& d, const at::Tensor& flat, int64_t first,
+                            int64_t last) {
+  int64_t begin = 0, assignments = 0;
+  for (int64_t e = 0; e < first; ++e) begin += d.count[static_cast<size_t>(e)];
+  for (int64_t e = first; e < last; ++e) assignments += d.count[static_cast<size_t>(e)];
+  at::Tensor y = at::zeros_like(flat);
+  if (assignments == 0) return y;
+  const at::Tensor mine = d.order.narrow(0, begin, assignments);
+  const at::Tensor token_of = at::floor_divide(mine, int64_t{config_.top_k});
+  const at::Tensor routed_in = flat.index_select(0, token_of);
+  std::vector<at::Tensor> outs;
+  outs.reserve(static_cast<size_t>(last - first));
+  int64_t offset = 0;
+  for (int64_t e = first; e < last; ++e) {
+    const int64_t n = d.count[static_cast<size_t>(e)];
+    if (n == 0) continue;
+    outs.push_back(experts[e]->as<Mlp>()->forward(routed_in.narrow(0, offset, n)));
+    offset += n;
+  }
+  const at::Tensor routed = at::cat(outs, 0) * d.weights.index_select(0, mine).unsqueeze(1);
+  return y.index_add(0, token_of, routed);
 }
 
 void MoeImpl::record_routing(const at::Tensor& probs, const at::Tensor& counts) {

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -53,16 +54,28 @@ class MoeImpl : public torch::nn::Module {
   // int64 [E]: how many of the last forward's token assignments each expert received.
   const at::Tensor& tokens_per_expert() const noexcept { return tokens_per_expert_; }
   const recipe::MoeConfig& config() const noexcept { return config_; }
-  // Sets aux_loss() and tokens_per_expert() from a forward's routing: the router
-  // probabilities [N, E] and the assignments per expert (int64 [E], N * top_k in all). The
-  // tensor-parallel forward (tensor_parallel.h) routes on its own and records through this.
-  void record_routing(const at::Tensor& probs, const at::Tensor& counts);
+
+  // The routing of `flat` [N, D]: its N * top_k assignments sorted by expert (stable: token
+  // order within an expert), so expert e's assignments are one run of count[e]. Sets aux_loss()
+  // and tokens_per_expert(); reads the per-expert counts back to the host once.
+  struct Dispatch {
+    at::Tensor order;            // int64 [N * k]: assignment indices (token = index / k)
+    at::Tensor weights;          // [N * k]: each assignment's routing weight, unsorted
+    std::vector<int64_t> count;  // assignments per expert
+  };
+  Dispatch dispatch(const at::Tensor& flat);
+  // Experts [first, last) over their runs of `d`, each output times its weight and summed per
+  // token: [N, D] (zeros where no assignment of these experts falls). forward() combines every
+  // expert; the tensor-parallel forward (tensor_parallel.h) combines its rank's.
+  at::Tensor combine(const Dispatch& d, const at::Tensor& flat, int64_t first, int64_t last);
 
   torch::nn::Linear router{nullptr};
   torch::nn::ModuleList experts{nullptr};
   Mlp shared{nullptr};
 
  private:
+  void record_routing(const at::Tensor& probs, const at::Tensor& counts);
+
   recipe::MoeConfig config_;
   at::Tensor aux_loss_;
   at::Tensor tokens_per_expert_;

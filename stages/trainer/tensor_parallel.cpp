@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "stages/trainer/collective.h"
+#include "stages/trainer/model_internal.h"
 #include "stages/trainer/ssd.h"
 
 namespace megacpp::trainer {
@@ -92,16 +93,8 @@ at::Tensor rows(const at::Tensor& w, int64_t first, int64_t count) {
   return w.narrow(0, first, count);
 }
 
-at::Tensor rms_norm(const at::Tensor& x) {
-  return at::rms_norm(x, {x.size(-1)}, {}, 1e-6);
-}
-
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  const auto x1 = x.narrow(-1, 0, half);
-  const auto x2 = x.narrow(-1, half, half);
-  return torch::cat({x1 * cos + x2 * sin, x2 * cos - x1 * sin}, -1);
-}
+using detail::rms_norm;
+using detail::rope;
 
 // hf: the gathered normed input [B, T, D]; returns the partial output [B, T, D].
 at::Tensor attention(const AttentionImpl& attn, const ModelConfig& c, const at::Tensor& hf,
@@ -134,42 +127,13 @@ at::Tensor mlp(const MlpImpl& m, const at::Tensor& hf, const TensorParallel& tp)
 
 // Routing on every rank (the router is whole), this rank's experts, a slice of the shared one.
 at::Tensor moe(MoeImpl& moe, const at::Tensor& hf, const TensorParallel& tp) {
-  const recipe::MoeConfig& c = moe.config();
-  const int64_t E = c.n_experts, k = c.top_k, D = hf.size(-1);
+  const int64_t E = moe.config().n_experts;
   require(E % tp.size == 0, fmt::format("{} routed experts over {} ranks", E, tp.size));
-  const at::Tensor flat = hf.reshape({-1, D});
-  const at::Tensor probs = at::softmax(moe.router(flat), -1);
-  auto [top_w, top_e] = probs.topk(k, -1);
-  const at::Tensor weights = top_w / top_w.sum(-1, true);
-  const at::Tensor assigned = top_e.reshape({-1});
-  const at::Tensor counts = at::bincount(assigned, {}, E);
-  const at::Tensor order =
-      std::get<1>(assigned.sort(std::optional<bool>(true), /*dim=*/0, /*descending=*/false));
-  const at::Tensor counts_host = counts.to(at::kCPU);
-  const auto* count = counts_host.data_ptr<int64_t>();
-  const int64_t per_rank = E / tp.size, first = tp.rank * per_rank;
-  int64_t begin = 0;
-  for (int64_t e = 0; e < first; ++e) begin += count[e];
-  int64_t local = 0;
-  for (int64_t e = first; e < first + per_rank; ++e) local += count[e];
-  at::Tensor y = at::zeros_like(flat);
-  if (local > 0) {
-    const at::Tensor mine = order.narrow(0, begin, local);
-    const at::Tensor token_of = at::floor_divide(mine, k);
-    const at::Tensor routed_in = flat.index_select(0, token_of);
-    std::vector<at::Tensor> outs;
-    int64_t offset = 0;
-    for (int64_t e = first; e < first + per_rank; ++e) {
-      if (count[e] == 0) continue;
-      outs.push_back(moe.experts[e]->as<Mlp>()->forward(routed_in.narrow(0, offset, count[e])));
-      offset += count[e];
-    }
-    const at::Tensor routed =
-        at::cat(outs, 0) * weights.reshape({-1}).index_select(0, mine).unsqueeze(1);
-    y = y.index_add(0, token_of, routed);
-  }
+  const at::Tensor flat = hf.reshape({-1, hf.size(-1)});
+  const int64_t per_rank = E / tp.size;
+  at::Tensor y =
+      moe.combine(moe.dispatch(flat), flat, tp.rank * per_rank, (tp.rank + 1) * per_rank);
   if (moe.shared) y = y + mlp(*moe.shared, flat, tp);
-  moe.record_routing(probs, counts);
   return y.view(hf.sizes());
 }
 
