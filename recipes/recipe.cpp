@@ -545,7 +545,38 @@ Recipe from_spec(schema::RecipeSpec::Reader s) {
   return r;
 }
 
-std::string describe_base(const Recipe& r, const std::string& layers);
+namespace {
+
+// The recipe's common part: name, hash, pattern, dims, training, optimizers, data.
+std::string describe_base(const Recipe& r, const std::string& layers) {
+  return fmt::format(
+      "recipe {} ({})\n  hash      {}\n  pattern   {} -> {} layers [{}]\n"
+      "  model     vocab {} seq {} d_model {} heads {} mlp x{}\n"
+      "  train     batch {}/rank, lr schedule: warmup {}, cosine to x{}; clip {} seed {}\n"
+      "  optim     DistMuon (hidden matrices): lr {} momentum {} beta2 {} wd {} {} x{}{}{}\n"
+      "            DistAdamW: embed lr {}, head lr {}, other lr {}, betas ({}, {}) eps {} wd {}, "
+      "sharded from {} elements\n"
+      "  checkpoint every {} steps\n  data      {}\n",
+      r.name, r.path.string(), r.hash, r.pattern, r.layers.size(), layers, r.model.vocab_size,
+      r.model.seq_len, r.model.d_model, r.model.n_heads, r.model.mlp_mult, r.train.batch_size,
+      r.train.warmup_steps, r.train.min_lr_ratio, r.train.grad_clip, r.train.seed,
+      r.train.optim.muon_lr, r.train.optim.muon_momentum, r.train.optim.muon_beta2,
+      r.train.optim.muon_weight_decay, r.train.optim.muon_orthogonalizer,
+      r.train.optim.muon_ns_steps, r.train.optim.muon_bf16 ? " bf16" : "",
+      r.train.optim.qkv_split ? ", qkv split" : "", r.train.optim.embed_lr, r.train.optim.head_lr,
+      r.train.optim.adam_lr, r.train.optim.adam_beta1, r.train.optim.adam_beta2,
+      r.train.optim.adam_eps, r.train.optim.adam_weight_decay, r.train.optim.adamw_crossover,
+      r.train.checkpoint_every,
+      r.data.source == "builtin"
+          ? fmt::format("built-in corpus, {} shards x {} tokens", r.data.shards,
+                        r.data.shard_tokens)
+          : fmt::format("{} shards at {} (split {}, {}{})", r.data.source,
+                        r.data.path.empty() ? "--data-dir" : r.data.path, r.data.split,
+                        r.data.pack ? "packed" : "inside documents",
+                        r.data.eos_id >= 0 ? fmt::format(", eos {}", r.data.eos_id) : ""));
+}
+
+}  // namespace
 
 std::string describe(const Recipe& r) {
   std::string layers;
@@ -573,35 +604,7 @@ std::string describe(const Recipe& r) {
     if (m.blocks.find(kBlockRecurrent) != std::string::npos)
       arch += fmt::format("  rnn       width {}, conv {}\n", m.rnn_width(), m.rnn.conv_kernel);
   }
-  return arch.empty() ? describe_base(r, layers) : describe_base(r, layers) + arch;
-}
-
-std::string describe_base(const Recipe& r, const std::string& layers) {
-  return fmt::format(
-      "recipe {} ({})\n  hash      {}\n  pattern   {} -> {} layers [{}]\n"
-      "  model     vocab {} seq {} d_model {} heads {} mlp x{}\n"
-      "  train     batch {}/rank, lr schedule: warmup {}, cosine to x{}; clip {} seed {}\n"
-      "  optim     DistMuon (hidden matrices): lr {} momentum {} beta2 {} wd {} {} x{}{}{}\n"
-      "            DistAdamW: embed lr {}, head lr {}, other lr {}, betas ({}, {}) eps {} wd {}, "
-      "sharded from {} elements\n"
-      "  checkpoint every {} steps\n  data      {}\n",
-      r.name, r.path.string(), r.hash, r.pattern, r.layers.size(), layers, r.model.vocab_size,
-      r.model.seq_len, r.model.d_model, r.model.n_heads, r.model.mlp_mult, r.train.batch_size,
-      r.train.warmup_steps, r.train.min_lr_ratio, r.train.grad_clip, r.train.seed,
-      r.train.optim.muon_lr, r.train.optim.muon_momentum, r.train.optim.muon_beta2,
-      r.train.optim.muon_weight_decay, r.train.optim.muon_orthogonalizer,
-      r.train.optim.muon_ns_steps, r.train.optim.muon_bf16 ? " bf16" : "",
-      r.train.optim.qkv_split ? ", qkv split" : "", r.train.optim.embed_lr, r.train.optim.head_lr,
-      r.train.optim.adam_lr, r.train.optim.adam_beta1, r.train.optim.adam_beta2,
-      r.train.optim.adam_eps, r.train.optim.adam_weight_decay, r.train.optim.adamw_crossover,
-      r.train.checkpoint_every,
-      r.data.source == "builtin"
-          ? fmt::format("built-in corpus, {} shards x {} tokens", r.data.shards,
-                        r.data.shard_tokens)
-          : fmt::format("{} shards at {} (split {}, {}{})", r.data.source,
-                        r.data.path.empty() ? "--data-dir" : r.data.path, r.data.split,
-                        r.data.pack ? "packed" : "inside documents",
-                        r.data.eos_id >= 0 ? fmt::format(", eos {}", r.data.eos_id) : ""));
+  return describe_base(r, layers) + arch;
 }
 
 }  // namespace megacpp::recipe
