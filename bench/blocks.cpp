@@ -41,10 +41,7 @@ struct Config {
   std::string peer_python;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using megacpp::bench::median;
 
 mt::ModelConfig model_config(const Config& c) {
   mt::ModelConfig m;
@@ -136,8 +133,7 @@ json run_peer(const Config& c, char kind) {
 
 int main(int argc, char** argv) {
   Config c;
-  const fs::path venv_python = kSourceRoot / ".venv/bin/python";
-  c.peer_python = fs::exists(venv_python) ? venv_python.string() : "python3";
+  c.peer_python = megacpp::bench::default_peer_python(kSourceRoot);
   CLI::App app("bench_blocks: each hybrid block family, megacpp vs its Python PyTorch twin");
   app.add_option("--blocks", c.blocks, "families to time, from AEMR")->capture_default_str();
   app.add_option("--batch", c.batch)->capture_default_str();

@@ -1,9 +1,11 @@
 // A benchmark's Python peer as a child process: runs `python script args...` with
-// OMP_NUM_THREADS set, collects its stdout and returns the last line parsed as JSON.
+// OMP_NUM_THREADS set, collects its stdout and returns the last line parsed as JSON. Also the
+// interpreter a peer runs in by default, and the median its timings are reported by.
 //
-// Contract: blocks until the peer exits or `deadline_s` passes (then it is killed with SIGKILL
-// and the call throws). Throws std::runtime_error when the peer cannot start, exits non-zero,
-// or its last line is not JSON. The peer's stderr is inherited (its errors reach the console).
+// run_peer_json's contract: blocks until the peer exits or `deadline_s` passes (then it is killed
+// with SIGKILL and the call throws). Throws std::runtime_error when the peer cannot start, exits
+// non-zero, or its last line is not JSON. The peer's stderr is inherited (its errors reach the
+// console).
 #pragma once
 
 #include <fcntl.h>
@@ -12,8 +14,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -21,6 +25,18 @@
 #include <nlohmann/json.hpp>
 
 namespace megacpp::bench {
+
+// The repository's .venv interpreter (what `make` sets up, with torch), else python3 on PATH.
+inline std::string default_peer_python(const std::filesystem::path& source_root) {
+  const std::filesystem::path venv = source_root / ".venv/bin/python";
+  return std::filesystem::exists(venv) ? venv.string() : "python3";
+}
+
+// The upper median of `v` (0 for none).
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
 
 inline nlohmann::json run_peer_json(const std::string& python, const std::string& script,
                                     const std::vector<std::string>& args, int threads,

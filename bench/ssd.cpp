@@ -34,10 +34,7 @@ struct Config {
   std::string peer_python;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using megacpp::bench::median;
 
 template <typename F>
 std::vector<double> timed(int repeats, F&& fn) {
@@ -66,8 +63,7 @@ json run_peer(const Config& c) {
 
 int main(int argc, char** argv) {
   Config c;
-  const fs::path venv_python = kSourceRoot / ".venv/bin/python";
-  c.peer_python = fs::exists(venv_python) ? venv_python.string() : "python3";
+  c.peer_python = megacpp::bench::default_peer_python(kSourceRoot);
   CLI::App app("bench_ssd: the chunked SSD scan vs the sequential recurrence vs its Python twin");
   app.add_option("--batch", c.batch)->capture_default_str();
   app.add_option("--length", c.length, "sequence length (a multiple of --chunk)")
