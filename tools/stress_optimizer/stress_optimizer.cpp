@@ -13,7 +13,11 @@
 // to W ranks: phase 0 only rank 0 has gradients, phase 1 only rank W-1, phase 2 every rank,
 // phase 3 none. --scenario conditional additionally flips presence for a per-step subset of
 // parameters on a per-rank basis (so one parameter can have a gradient on some ranks only,
-// or on none while its neighbours have one).
+// or on none while its neighbours have one). --scenario hybrid steps the parameters of a hybrid
+// model (attention, mixture of experts, Mamba-2, recurrence: hybrid_set) as the trainer assigns
+// them to the two optimizers, and withholds a routed expert's gradient on a rank whose batch
+// routed it no token (`starved`): an expert then has a gradient on some ranks only, or on none
+// while the router and every other block have one. It fails unless the schedule produced both.
 //
 // Samples travel from the ranks to this process through the TCPStore (keys under
 // "stress/"); the cross-rank comparison and the reference comparison run here after the
@@ -69,6 +73,7 @@
 
 #include "stages/trainer/optim.h"
 #include "stages/trainer/rendezvous.h"
+#include "stages/trainer/train_step.h"
 #include "tools/forked_world/forked_world.h"
 
 namespace megacpp::trainer {
@@ -99,7 +104,8 @@ struct Config {
   // Fail unless DistAdamW shards exactly this many parameters.
   std::optional<int> expect_adam_sharded;
   // Fault injection (rank, step). NaN: after its DistAdamW step, the rank sets element 5 of
-  // the exp_avg of `norm` (replicated, so every rank holds a copy to compare) to NaN. Crash:
+  // the exp_avg of the parameter set's nan_param (a norm weight, replicated, so every rank
+  // holds a copy to compare) to NaN. Crash:
   // the rank aborts at the start of that step.
   std::optional<std::pair<uint32_t, uint32_t>> inject_nan, inject_crash;
   // This rank joins the process group under another store prefix: no peer ever meets it.
@@ -109,19 +115,111 @@ struct Config {
 // A rank's exit status: what it was doing when it failed.
 constexpr int kRankStepFailed = 3, kRankRendezvousFailed = 4, kRankOtherFailure = 5;
 
+// One parameter of the stressed set. `expert` >= 0: a routed expert's matrix, whose gradient is
+// absent on a rank whose batch sent that expert no token (the hybrid scenario).
 struct ParamSpec {
-  const char* name;
+  std::string name;
   std::vector<int64_t> shape;
-  bool muon;
+  bool muon = false;
+  int expert = -1;
 };
-// Adam: indices 0..2 (one group); with the harness's crossover of 1024 elements, wte (96 rows)
-// is sharded at worlds 2 and 3, lm_head (64 rows) at world 2 only, norm never. Muon: group 0
-// = {3, 4}, group 1 = {5} (fused qkv).
-const std::vector<ParamSpec> kParams = {
-    {"wte", {96, 32}, false},         {"lm_head", {64, 32}, false},    {"norm", {32}, false},
-    {"h0.attn_proj", {32, 32}, true}, {"h0.mlp_proj", {32, 32}, true}, {"h0.qkv", {96, 32}, true},
+struct MuonGroupSpec {
+  std::vector<size_t> members = {};  // parameter indices, in the group's order
+  std::vector<int64_t> split = {};  // qkv_split_sizes; empty: whole matrices
 };
-const std::vector<int64_t> kQkvSplit = {32, 32, 32};
+// The parameters the ranks step, and how they are handed to the optimizers: DistAdamW takes
+// `adam` as one group (in that order: its flattened index k is adam[k]), DistMuon one group per
+// `muon` entry. `nan_param` is the DistAdamW index --inject-nan poisons (replicated at every
+// world, so every rank holds a copy to compare).
+struct ParamSet {
+  std::string description;
+  std::vector<ParamSpec> params;
+  std::vector<size_t> adam;
+  std::vector<MuonGroupSpec> muon;
+  size_t nan_param = 0;
+};
+
+// pure / conditional: with the harness's crossover of 1024 elements, wte (96 rows) is sharded
+// at worlds 2 and 3, lm_head (64 rows) at world 2 only, norm never. Muon: group 0 =
+// {attn_proj, mlp_proj}, group 1 = {qkv} (fused, split into q, k, v).
+ParamSet default_set() {
+  ParamSet s;
+  s.description = "6 parameters (3 DistAdamW, 3 DistMuon in 2 groups)";
+  s.params = {
+      {"wte", {96, 32}, false},         {"lm_head", {64, 32}, false},    {"norm", {32}, false},
+      {"h0.attn_proj", {32, 32}, true}, {"h0.mlp_proj", {32, 32}, true}, {"h0.qkv", {96, 32}, true},
+  };
+  s.adam = {0, 1, 2};
+  s.muon = {{.members = {3, 4}}, {.members = {5}, .split = {32, 32, 32}}};
+  s.nan_param = 2;
+  return s;
+}
+
+// hybrid: the parameters of a hybrid model with every block family (tiny-hybrid's pattern AEMR,
+// grouped-query attention, 4 routed experts of which each token takes 2, a shared expert, the
+// Mamba-2 mixer and the gated recurrence) at a size the float64 reference replays in seconds,
+// handed to the optimizers exactly as the trainer assigns them (TrainStep::assignment()): every
+// 2-D block matrix (each expert's own) to DistMuon, fused qkv split in its own group; embedding,
+// head, router, norms, SSM scalars, conv weights and biases to DistAdamW.
+ParamSet hybrid_set() {
+  ModelConfig m;
+  m.vocab_size = 96;  // embedding and head: 96 x 32, sharded by DistAdamW at worlds 2 and 3
+  m.seq_len = 16;
+  m.d_model = 32;
+  m.n_layers = 4;
+  m.n_heads = 2;
+  m.n_kv_heads = 1;
+  m.ffn_hidden = 64;
+  m.moe = {.enabled = true,
+           .n_experts = 4,
+           .top_k = 2,
+           .expert_hidden = 16,
+           .shared_hidden = 16,
+           .aux_loss_coef = 0.01};
+  m.ssm = {.d_state = 8, .head_dim = 16, .expand = 2, .conv_kernel = 4, .chunk = 8};
+  m.rnn = {.width = 32, .conv_kernel = 4};
+  m.blocks = recipe::expand_blocks("AEMR", m.n_layers, recipe::kModeAuthorDp, true);
+  TrainConfig t;
+  t.optim.qkv_split = true;
+  const TrainStep model(m, t, 1, nullptr, at::Device(at::kCPU));
+  const std::vector<NamedTensor> named = model.parameters();
+  const std::vector<ParamAssignment> assigned = model.assignment();
+  ParamSet s;
+  MuonGroupSpec qkv{.split = {int64_t{m.n_heads} * m.head_dim(), int64_t{m.kv_heads()} * m.head_dim(),
+                              int64_t{m.kv_heads()} * m.head_dim()}};
+  MuonGroupSpec matrices;
+  size_t experts = 0;
+  for (size_t i = 0; i < named.size(); ++i) {
+    ParamSpec p{.name = named[i].first,
+                .shape = named[i].second.sizes().vec(),
+                .muon = assigned[i].optimizer == "muon"};
+    if (const size_t at = p.name.find(".experts."); at != std::string::npos)
+      p.expert = std::stoi(p.name.substr(at + 9));
+    if (!p.muon)
+      s.adam.push_back(i);
+    else
+      (assigned[i].group == "qkv" ? qkv : matrices).members.push_back(i);
+    experts += p.expert >= 0;
+    s.params.push_back(std::move(p));
+  }
+  for (auto* g : {&qkv, &matrices})
+    if (!g->members.empty()) s.muon.push_back(std::move(*g));
+  for (size_t k = 0; k < s.adam.size(); ++k) {
+    const auto& shape = s.params[s.adam[k]].shape;
+    if (shape.size() == 1 && shape[0] > 5) {  // a norm weight: never above the crossover
+      s.nan_param = k;
+      break;
+    }
+  }
+  s.description = fmt::format(
+      "{} parameters of blocks {} ({} DistAdamW; {} DistMuon in {} groups, {} of them expert "
+      "matrices)",
+      s.params.size(), m.blocks, s.adam.size(), s.params.size() - s.adam.size(), s.muon.size(),
+      experts);
+  return s;
+}
+
+constexpr int64_t kAdamCrossover = 1024;
 constexpr double kAdamLr = 0.004, kAdamB1 = 0.8, kAdamB2 = 0.95, kAdamEps = 1e-10, kAdamWd = 0.01;
 constexpr double kMuonLr = 0.02, kMuonMom = 0.95, kMuonB2 = 0.95;
 // Distance to the float64 reference. Adam and float32 Muon: fixed (DESIGN.md "Decisions": stress
@@ -147,33 +245,43 @@ at::Tensor randn(at::IntArrayRef shape, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   return at::randn(shape, gen, at::TensorOptions().dtype(at::kFloat));
 }
-at::Tensor init_value(size_t i) {
-  return randn(kParams[i].shape, 1000 + i) * 0.5;
+at::Tensor init_value(const ParamSet& set, size_t i) {
+  return randn(set.params[i].shape, 1000 + i) * 0.5;
 }
-at::Tensor grad_value(uint32_t step, uint32_t rank, size_t i) {
-  return randn(kParams[i].shape, mix3(step, rank, i));
+at::Tensor grad_value(const ParamSet& set, uint32_t step, uint32_t rank, size_t i) {
+  return randn(set.params[i].shape, mix3(step, rank, i));
 }
 
-bool present(const Config& c, uint32_t step, uint32_t rank, size_t i) {
-  bool base = false;
+// The hybrid scenario's routing: expert e received no token on `rank` at `step` (so its matrices
+// have no gradient there while the router, the shared expert and every other block do). One
+// (step, rank, expert) in three: an expert is starved on one rank only, or on every rank.
+bool starved(uint32_t step, uint32_t rank, int expert) {
+  return mix3(step, rank, static_cast<uint64_t>(expert) + 0x5eed) % 3 == 0;
+}
+
+// The phase's presence: whether the rank had a batch at that step (phase = step % 4).
+bool has_batch(const Config& c, uint32_t step, uint32_t rank) {
   switch (step % 4) {
     case 0:
-      base = rank == 0;
-      break;
+      return rank == 0;
     case 1:
-      base = rank == c.world - 1;
-      break;
+      return rank == c.world - 1;
     case 2:
-      base = true;
-      break;
+      return true;
     default:
-      base = false;
+      return false;
   }
+}
+
+bool present(const Config& c, const ParamSet& set, uint32_t step, uint32_t rank, size_t i) {
+  bool base = has_batch(c, step, rank);
   if (c.scenario == "conditional") {
     const bool in_subset = mix3(step, i, 0xc0ffee) % 2 == 0;
     const bool flip = mix3(step, rank, i + 77) % 3 == 0;
     if (in_subset && flip) base = !base;
   }
+  if (c.scenario == "hybrid" && set.params[i].expert >= 0 && starved(step, rank, set.params[i].expert))
+    base = false;
   return base;
 }
 
@@ -225,7 +333,7 @@ void append(c10d::Store& store, const std::string& k, const std::string& v) {
   abort();
 }
 
-int run_rank(const Config& c, uint16_t port, uint32_t rank) {
+int run_rank(const Config& c, const ParamSet& set, uint16_t port, uint32_t rank) {
   uint32_t step = 0;
   const char* where = "rendezvous";
   try {
@@ -245,57 +353,49 @@ int run_rank(const Config& c, uint16_t port, uint32_t rank) {
     auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
     where = "set-up";
 
-    std::vector<at::Tensor> p;
-    for (size_t i = 0; i < kParams.size(); ++i) p.push_back(init_value(i).requires_grad_(true));
-    DistAdamW adam({AdamWParamGroup{.params = {p[0], p[1], p[2]},
-                                    .lr = kAdamLr,
-                                    .beta1 = kAdamB1,
-                                    .beta2 = kAdamB2,
-                                    .eps = kAdamEps,
-                                    .weight_decay = kAdamWd}},
-                   pg, DistAdamWOptions{.crossover_numel = 1024});  // wte, lm_head sharded
-    DistMuon muon({MuonParamGroup{.params = {p[3], p[4]},
-                                  .lr = kMuonLr,
-                                  .momentum = kMuonMom,
-                                  .beta2 = kMuonB2,
-                                  .weight_decay = c.muon_wd},
-                   MuonParamGroup{.params = {p[5]},
-                                  .lr = kMuonLr,
-                                  .momentum = kMuonMom,
-                                  .beta2 = kMuonB2,
-                                  .weight_decay = c.muon_wd,
-                                  .qkv_split_sizes = kQkvSplit}},
-                  pg, DistMuonOptions{.bf16_orthogonalization = c.bf16});
-    // The mirror: the same optimizers with every state tensor replicated (DistAdamW with no
-    // parameter above the crossover, DistMuon owning whole stacks) over a second copy of the
-    // parameters, stepped on the same gradients right after the sharded pair. Its state is
-    // held by every rank, so it can be compared across ranks; the sharded pair must equal it.
-    std::vector<at::Tensor> q;
-    for (size_t i = 0; i < kParams.size(); ++i) q.push_back(init_value(i).requires_grad_(true));
-    DistAdamW adam_r({AdamWParamGroup{.params = {q[0], q[1], q[2]},
-                                      .lr = kAdamLr,
-                                      .beta1 = kAdamB1,
-                                      .beta2 = kAdamB2,
-                                      .eps = kAdamEps,
-                                      .weight_decay = kAdamWd}},
-                     pg, DistAdamWOptions{.crossover_numel = std::numeric_limits<int64_t>::max()});
-    DistMuon muon_r({MuonParamGroup{.params = {q[3], q[4]},
-                                    .lr = kMuonLr,
-                                    .momentum = kMuonMom,
-                                    .beta2 = kMuonB2,
-                                    .weight_decay = c.muon_wd},
-                     MuonParamGroup{.params = {q[5]},
-                                    .lr = kMuonLr,
-                                    .momentum = kMuonMom,
-                                    .beta2 = kMuonB2,
-                                    .weight_decay = c.muon_wd,
-                                    .qkv_split_sizes = kQkvSplit}},
-                    pg, DistMuonOptions{.bf16_orthogonalization = c.bf16, .replicated = true});
+    // The sharded pair, and the mirror: the same optimizers with every state tensor replicated
+    // (DistAdamW with no parameter above the crossover, DistMuon owning whole stacks) over a
+    // second copy of the parameters, stepped on the same gradients right after the sharded
+    // pair. Its state is held by every rank, so it can be compared across ranks; the sharded
+    // pair must equal it.
+    std::vector<at::Tensor> p, q;
+    for (size_t i = 0; i < set.params.size(); ++i) {
+      p.push_back(init_value(set, i).requires_grad_(true));
+      q.push_back(init_value(set, i).requires_grad_(true));
+    }
+    auto adam_groups = [&](const std::vector<at::Tensor>& x) {
+      AdamWParamGroup g{.lr = kAdamLr,
+                        .beta1 = kAdamB1,
+                        .beta2 = kAdamB2,
+                        .eps = kAdamEps,
+                        .weight_decay = kAdamWd};
+      for (size_t i : set.adam) g.params.push_back(x[i]);
+      return std::vector<AdamWParamGroup>{std::move(g)};
+    };
+    auto muon_groups = [&](const std::vector<at::Tensor>& x) {
+      std::vector<MuonParamGroup> out;
+      for (const MuonGroupSpec& spec : set.muon) {
+        MuonParamGroup g{.lr = kMuonLr,
+                         .momentum = kMuonMom,
+                         .beta2 = kMuonB2,
+                         .weight_decay = c.muon_wd,
+                         .qkv_split_sizes = spec.split};
+        for (size_t i : spec.members) g.params.push_back(x[i]);
+        out.push_back(std::move(g));
+      }
+      return out;
+    };
+    DistAdamW adam(adam_groups(p), pg, DistAdamWOptions{.crossover_numel = kAdamCrossover});
+    DistMuon muon(muon_groups(p), pg, DistMuonOptions{.bf16_orthogonalization = c.bf16});
+    DistAdamW adam_r(adam_groups(q), pg,
+                     DistAdamWOptions{.crossover_numel = std::numeric_limits<int64_t>::max()});
+    DistMuon muon_r(muon_groups(q), pg,
+                    DistMuonOptions{.bf16_orthogonalization = c.bf16, .replicated = true});
     if (rank == 0) {
       std::string sharded;
-      for (size_t i = 0; i < 3; ++i)
-        if (adam.is_sharded(i))
-          sharded += fmt::format("{}{}", sharded.empty() ? "" : ", ", kParams[i].name);
+      for (size_t k = 0; k < set.adam.size(); ++k)
+        if (adam.is_sharded(k))
+          sharded += fmt::format("{}{}", sharded.empty() ? "" : ", ", set.params[set.adam[k]].name);
       store->set("stress/adam_sharded", std::vector<uint8_t>(sharded.begin(), sharded.end()));
     }
     const std::string log = calls_key(rank);
@@ -303,10 +403,10 @@ int run_rank(const Config& c, uint16_t port, uint32_t rank) {
       if (c.inject_crash == std::pair{rank, step}) crash();
       bool any_adam = false, any_muon = false;
       for (size_t i = 0; i < p.size(); ++i) {
-        const bool has = present(c, step, rank, i);
-        p[i].mutable_grad() = has ? grad_value(step, rank, i) : at::Tensor();
+        const bool has = present(c, set, step, rank, i);
+        p[i].mutable_grad() = has ? grad_value(set, step, rank, i) : at::Tensor();
         q[i].mutable_grad() = has ? p[i].grad().clone() : at::Tensor();
-        (kParams[i].muon ? any_muon : any_adam) |= has;
+        (set.params[i].muon ? any_muon : any_adam) |= has;
       }
       where = "DistAdamW::step";
       if (!c.break_mask || any_adam) {
@@ -317,7 +417,7 @@ int run_rank(const Config& c, uint16_t port, uint32_t rank) {
       }
       if (c.inject_nan && c.inject_nan->first == rank && c.inject_nan->second == step) {
         for (auto& e : adam.state_view().entries)
-          if (e.key == StateKey::of_param(2, StateField::kExpAvg)) e.value.view({-1})[5].fill_(NAN);
+          if (e.key == StateKey::of_param(set.nan_param, StateField::kExpAvg)) e.value.view({-1})[5].fill_(NAN);
       }
       where = "DistMuon::step";
       if (!c.break_mask || any_muon) {
@@ -331,9 +431,9 @@ int run_rank(const Config& c, uint16_t port, uint32_t rank) {
         json meta = json::array();
         std::vector<double> data;
         for (size_t i = 0; i < p.size(); ++i) {
-          publish_entry(meta, data, fmt::format("param.{}", kParams[i].name), Kind::kParam, p[i],
+          publish_entry(meta, data, fmt::format("param.{}", set.params[i].name), Kind::kParam, p[i],
                         p[i].sizes().vec(), 0, true);
-          publish_entry(meta, data, fmt::format("mirror.{}", kParams[i].name), Kind::kParam, q[i],
+          publish_entry(meta, data, fmt::format("mirror.{}", set.params[i].name), Kind::kParam, q[i],
                         q[i].sizes().vec(), 0, true);
         }
         for (const auto& [prefix, is_adam, st] :
@@ -490,7 +590,32 @@ struct Sample {
   std::map<std::string, std::vector<int64_t>> shapes;  // of the logical tensors
 };
 
-Sample assemble(const Config& c, c10d::Store& store, uint32_t k) {
+// A DistMuon stack: its group, its index in the group, and the parameters it holds in stack
+// order. The layout depends on the groups' shapes alone, not on the world (optim.h).
+struct MuonStack {
+  uint32_t group = 0, stack = 0;
+  std::vector<size_t> members = {};  // parameter indices
+};
+std::vector<MuonStack> muon_stacks(const ParamSet& set) {
+  std::vector<MuonParamGroup> groups;
+  for (const MuonGroupSpec& spec : set.muon) {
+    MuonParamGroup g{.qkv_split_sizes = spec.split};
+    for (size_t i : spec.members) g.params.push_back(at::zeros(set.params[i].shape));
+    groups.push_back(std::move(g));
+  }
+  const DistMuon layout(std::move(groups), nullptr);
+  std::vector<MuonStack> out;
+  for (uint32_t g = 0; g < layout.num_groups(); ++g)
+    for (uint32_t st = 0; st < layout.num_stacks(g); ++st) {
+      MuonStack m{.group = g, .stack = st};
+      for (size_t j : layout.stack_members(g, st)) m.members.push_back(set.muon[g].members[j]);
+      out.push_back(std::move(m));
+    }
+  return out;
+}
+
+Sample assemble(const Config& c, const ParamSet& set, const std::vector<MuonStack>& stacks,
+                c10d::Store& store, uint32_t k) {
   Sample s;
   std::vector<json> metas(c.world);
   std::vector<std::vector<double>> datas(c.world);
@@ -558,41 +683,41 @@ Sample assemble(const Config& c, c10d::Store& store, uint32_t k) {
           worse(s.max_sharded_vs_replicated, distance(values.at(i), mirror[i]));
   }
   // Map entry names to the reference's logical names.
-  for (size_t i = 0; i < kParams.size(); ++i) {
-    s.logical[kParams[i].name] = raw.at(fmt::format("param.{}", kParams[i].name));
-    s.shapes[kParams[i].name] = kParams[i].shape;
+  for (const ParamSpec& p : set.params) {
+    s.logical[p.name] = raw.at(fmt::format("param.{}", p.name));
+    s.shapes[p.name] = p.shape;
   }
   // The reference's names of the AdamW state of a parameter, and the entries that hold it.
   const std::array<std::pair<const char*, StateField>, 3> adam_state = {
       {{"exp_avg", StateField::kExpAvg},
        {"exp_avg_sq", StateField::kExpAvgSq},
        {"step", StateField::kStep}}};
-  for (uint32_t i = 0; i < 3; ++i) {
-    const std::string n = kParams[i].name;
+  for (uint32_t k = 0; k < set.adam.size(); ++k) {
+    const ParamSpec& p = set.params[set.adam[k]];
     for (const auto& [suffix, field] : adam_state)
-      s.logical[n + "." + suffix] = raw.at("adam." + entry_name(StateKey::of_param(i, field)));
-    s.shapes[n + ".exp_avg"] = s.shapes[n + ".exp_avg_sq"] = kParams[i].shape;
+      s.logical[p.name + "." + suffix] = raw.at("adam." + entry_name(StateKey::of_param(k, field)));
+    s.shapes[p.name + ".exp_avg"] = s.shapes[p.name + ".exp_avg_sq"] = p.shape;
   }
-  // The Muon stacks, (group, members) of stack 0: each group holds one stack.
-  const std::vector<std::pair<uint32_t, std::vector<size_t>>> stacks = {{0, {3, 4}}, {1, {5}}};
-  for (const auto& [group, members] : stacks) {
+  for (const MuonStack& st : stacks) {
     const auto& mom =
-        raw.at("muon." + entry_name(StateKey::of_stack(group, 0, StateField::kMomentum)));
-    const auto& sec =
-        raw.at("muon." + entry_name(StateKey::of_stack(group, 0, StateField::kSecondMomentum)));
-    for (size_t j = 0; j < members.size(); ++j) {
-      const auto& shp = kParams[members[j]].shape;
+        raw.at("muon." + entry_name(StateKey::of_stack(st.group, st.stack, StateField::kMomentum)));
+    const auto& sec = raw.at(
+        "muon." + entry_name(StateKey::of_stack(st.group, st.stack, StateField::kSecondMomentum)));
+    const bool split = !set.muon[st.group].split.empty();
+    for (size_t j = 0; j < st.members.size(); ++j) {
+      const ParamSpec& p = set.params[st.members[j]];
+      const auto& shp = p.shape;
       const size_t mn = static_cast<size_t>(shp[0] * shp[1]);
       // Per row when rows >= cols or the parameter is split (the qkv), else per column.
-      const bool per_row = shp[0] >= shp[1] || members[j] == 5;
+      const bool per_row = shp[0] >= shp[1] || split;
       const size_t sn = static_cast<size_t>(per_row ? shp[0] : shp[1]);
-      const std::string n = kParams[members[j]].name;
-      s.shapes[n + ".momentum_buffer"] = shp;
-      s.shapes[n + ".second_momentum_buffer"] =
+      s.shapes[p.name + ".momentum_buffer"] = shp;
+      s.shapes[p.name + ".second_momentum_buffer"] =
           per_row ? std::vector<int64_t>{shp[0], 1} : std::vector<int64_t>{1, shp[1]};
-      s.logical[n + ".momentum_buffer"].assign(mom.begin() + j * mn, mom.begin() + (j + 1) * mn);
-      s.logical[n + ".second_momentum_buffer"].assign(sec.begin() + j * sn,
-                                                      sec.begin() + (j + 1) * sn);
+      s.logical[p.name + ".momentum_buffer"].assign(mom.begin() + j * mn,
+                                                    mom.begin() + (j + 1) * mn);
+      s.logical[p.name + ".second_momentum_buffer"].assign(sec.begin() + j * sn,
+                                                           sec.begin() + (j + 1) * sn);
     }
   }
   return s;
@@ -690,8 +815,52 @@ std::string signal_name(int sig) {
   return n ? fmt::format("SIG{}", n) : fmt::format("signal {}", sig);
 }
 
+// How the schedule leaves the experts' gradients, over all steps: a (step, expert) pair counts
+// as `some_ranks` when the expert has a gradient on some ranks that have a batch and not on
+// others, and as `no_rank` when no rank has one while other parameters do.
+struct Starvation {
+  size_t some_ranks = 0, no_rank = 0;
+};
+Starvation count_starvation(const Config& c, const ParamSet& set) {
+  Starvation out;
+  for (uint32_t step = 0; step < c.steps; ++step) {
+    std::map<int, std::pair<uint32_t, uint32_t>> per_expert;  // expert -> (ranks with, batches)
+    for (size_t i = 0; i < set.params.size(); ++i) {
+      if (set.params[i].expert < 0) continue;
+      auto& [with, batches] = per_expert[set.params[i].expert];
+      with = batches = 0;
+      for (uint32_t r = 0; r < c.world; ++r) {
+        with += present(c, set, step, r, i);
+        batches += has_batch(c, step, r);
+      }
+    }
+    for (const auto& [expert, counts] : per_expert) {
+      const auto [with, batches] = counts;
+      if (batches > 0 && with == 0) ++out.no_rank;
+      if (with > 0 && with < batches) ++out.some_ranks;
+    }
+  }
+  return out;
+}
+
 int run(const Config& c) {
   torch::set_num_threads(1);  // forked ranks must not inherit a live OpenMP pool
+  const ParamSet set = c.scenario == "hybrid" ? hybrid_set() : default_set();
+  const std::vector<MuonStack> stacks = muon_stacks(set);
+  printf("parameter set: %s\n", set.description.c_str());
+  if (c.scenario == "hybrid") {
+    const Starvation st = count_starvation(c, set);
+    printf(
+        "expert gradients: on some ranks with a batch but not others at %zu (step, expert) "
+        "pairs, on no rank while the rest of the model has gradients at %zu\n",
+        st.some_ranks, st.no_rank);
+    if (st.some_ranks == 0 || st.no_rank == 0) {
+      fprintf(stderr,
+              "FAIL: the hybrid schedule never starved an expert on %s: run more steps\n",
+              st.some_ranks == 0 ? "some ranks only" : "every rank");
+      return 1;
+    }
+  }
   const forked_world::ForkedWorld world(c.world, std::chrono::seconds(30));
   c10d::Store& server = world.store();
   const uint16_t port = world.store_port();
@@ -715,7 +884,7 @@ int run(const Config& c) {
           }};
   forked_world::ReapResult reaped;
   try {
-    reaped = world.run([&](uint32_t r) { return run_rank(c, port, r); }, bounds);
+    reaped = world.run([&](uint32_t r) { return run_rank(c, set, port, r); }, bounds);
   } catch (const std::system_error& e) {
     fprintf(stderr, "fork failed: %s\n", e.what());
     return 2;
@@ -787,7 +956,7 @@ int run(const Config& c) {
   const std::string sharded(sb.begin(), sb.end());
   const int n_sharded =
       sharded.empty() ? 0 : 1 + static_cast<int>(std::count(sharded.begin(), sharded.end(), ','));
-  printf("DistAdamW shards %d of 3 parameters at world %u%s%s%s\n", n_sharded, c.world,
+  printf("DistAdamW shards %d of %zu parameters at world %u%s%s%s\n", n_sharded, set.adam.size(), c.world,
          sharded.empty() ? "" : " (", sharded.c_str(), sharded.empty() ? "" : ")");
   if (c.expect_adam_sharded && *c.expect_adam_sharded != n_sharded) {
     fprintf(stderr, "FAIL: expected DistAdamW to shard %d parameters, it shards %d\n",
@@ -799,7 +968,7 @@ int run(const Config& c) {
   for (uint32_t k = c.sample_every; k <= c.steps; k += c.sample_every) ks.push_back(k);
   std::vector<Sample> samples;
   for (uint32_t k : ks) {
-    samples.push_back(assemble(c, server, k));
+    samples.push_back(assemble(c, set, stacks, server, k));
     const Sample& s = samples.back();
     printf(
         "sample %u across ranks: max_adam_abs_diff=%s max_mu_a_abs_diff=%s max_mu_b_abs_diff=%s "
@@ -838,21 +1007,26 @@ int run(const Config& c) {
   const fs::path dir(tmpl);
   std::vector<std::pair<std::string, at::Tensor>> init, grads;
   json params = json::array();
-  for (size_t i = 0; i < kParams.size(); ++i) {
-    init.emplace_back(kParams[i].name, init_value(i));
-    json p = {{"name", kParams[i].name},
-              {"shape", kParams[i].shape},
-              {"optimizer", kParams[i].muon ? "muon" : "adamw"},
-              {"init", {{"file", "init.safetensors"}, {"key", kParams[i].name}}}};
-    if (i == 5) p["qkv_split_sizes"] = kQkvSplit;
+  std::vector<const std::vector<int64_t>*> split(set.params.size(), nullptr);
+  for (const MuonGroupSpec& g : set.muon)
+    for (size_t i : g.members)
+      if (!g.split.empty()) split[i] = &g.split;
+  for (size_t i = 0; i < set.params.size(); ++i) {
+    const ParamSpec& sp = set.params[i];
+    init.emplace_back(sp.name, init_value(set, i));
+    json p = {{"name", sp.name},
+              {"shape", sp.shape},
+              {"optimizer", sp.muon ? "muon" : "adamw"},
+              {"init", {{"file", "init.safetensors"}, {"key", sp.name}}}};
+    if (split[i]) p["qkv_split_sizes"] = *split[i];
     params.push_back(p);
   }
   for (uint32_t s = 0; s < c.steps; ++s)
     for (uint32_t r = 0; r < c.world; ++r)
-      for (size_t i = 0; i < kParams.size(); ++i)
-        if (present(c, s, r, i))
-          grads.emplace_back(fmt::format("step{}.rank{}.{}", s, r, kParams[i].name),
-                             grad_value(s, r, i));
+      for (size_t i = 0; i < set.params.size(); ++i)
+        if (present(c, set, s, r, i))
+          grads.emplace_back(fmt::format("step{}.rank{}.{}", s, r, set.params[i].name),
+                             grad_value(set, s, r, i));
   const json spec = {{"world_size", c.world},
                      {"steps", c.steps},
                      {"hyperparameters",
@@ -901,9 +1075,9 @@ int run(const Config& c) {
     auto diff = [&](const std::string& n) {
       return max_diff(n, s.shapes.at(n), s.logical.at(n), ref_get(pre + n));
     };
-    for (size_t i = 0; i < kParams.size(); ++i) {
-      const std::string n = kParams[i].name;
-      if (!kParams[i].muon) {
+    for (const ParamSpec& sp : set.params) {
+      const std::string& n = sp.name;
+      if (!sp.muon) {
         for (const char* suf : {"", ".exp_avg", ".exp_avg_sq"}) accumulate(adam, diff(n + suf));
         steps_equal &= s.logical.at(n + ".step") == ref_get(pre + n + ".step");
       } else {
@@ -949,7 +1123,7 @@ int main(int argc, char** argv) {
   app.add_option("--sample-every", c.sample_every, "compare every N steps")
       ->check(CLI::Range(1u, 1000000u));
   app.add_option("--scenario", c.scenario, "gradient presence schedule")
-      ->check(CLI::IsMember({"pure", "conditional"}));
+      ->check(CLI::IsMember({"pure", "conditional", "hybrid"}));
   app.add_flag("--break-mask", c.break_mask,
                "ranks without a local gradient skip step() (must fail, never hang)");
   const std::filesystem::path src(MEGACPP_SOURCE_DIR);
@@ -976,7 +1150,7 @@ int main(int argc, char** argv) {
   std::string inject_nan, inject_crash;
   int bad_rendezvous = -1;
   app.add_option("--inject-nan", inject_nan,
-                 "RANK:STEP: that rank sets exp_avg[5] of norm to NaN after that step");
+                 "RANK:STEP: that rank sets exp_avg[5] of a norm weight to NaN after that step");
   app.add_option("--inject-crash", inject_crash, "RANK:STEP: that rank aborts at that step");
   app.add_option("--inject-rendezvous-failure", bad_rendezvous,
                  "RANK: that rank joins under another store prefix");
