@@ -125,7 +125,7 @@ struct ParamSpec {
 };
 struct MuonGroupSpec {
   std::vector<size_t> members = {};  // parameter indices, in the group's order
-  std::vector<int64_t> split = {};  // qkv_split_sizes; empty: whole matrices
+  std::vector<int64_t> split = {};   // qkv_split_sizes; empty: whole matrices
 };
 // The parameters the ranks step, and how they are handed to the optimizers: DistAdamW takes
 // `adam` as one group (in that order: its flattened index k is adam[k]), DistMuon one group per
@@ -185,7 +185,8 @@ ParamSet hybrid_set() {
   const std::vector<NamedTensor> named = model.parameters();
   const std::vector<ParamAssignment> assigned = model.assignment();
   ParamSet s;
-  MuonGroupSpec qkv{.split = {int64_t{m.n_heads} * m.head_dim(), int64_t{m.kv_heads()} * m.head_dim(),
+  MuonGroupSpec qkv{.split = {int64_t{m.n_heads} * m.head_dim(),
+                              int64_t{m.kv_heads()} * m.head_dim(),
                               int64_t{m.kv_heads()} * m.head_dim()}};
   MuonGroupSpec matrices;
   size_t experts = 0;
@@ -280,7 +281,8 @@ bool present(const Config& c, const ParamSet& set, uint32_t step, uint32_t rank,
     const bool flip = mix3(step, rank, i + 77) % 3 == 0;
     if (in_subset && flip) base = !base;
   }
-  if (c.scenario == "hybrid" && set.params[i].expert >= 0 && starved(step, rank, set.params[i].expert))
+  if (c.scenario == "hybrid" && set.params[i].expert >= 0 &&
+      starved(step, rank, set.params[i].expert))
     base = false;
   return base;
 }
@@ -417,7 +419,8 @@ int run_rank(const Config& c, const ParamSet& set, uint16_t port, uint32_t rank)
       }
       if (c.inject_nan && c.inject_nan->first == rank && c.inject_nan->second == step) {
         for (auto& e : adam.state_view().entries)
-          if (e.key == StateKey::of_param(set.nan_param, StateField::kExpAvg)) e.value.view({-1})[5].fill_(NAN);
+          if (e.key == StateKey::of_param(set.nan_param, StateField::kExpAvg))
+            e.value.view({-1})[5].fill_(NAN);
       }
       where = "DistMuon::step";
       if (!c.break_mask || any_muon) {
@@ -433,8 +436,8 @@ int run_rank(const Config& c, const ParamSet& set, uint16_t port, uint32_t rank)
         for (size_t i = 0; i < p.size(); ++i) {
           publish_entry(meta, data, fmt::format("param.{}", set.params[i].name), Kind::kParam, p[i],
                         p[i].sizes().vec(), 0, true);
-          publish_entry(meta, data, fmt::format("mirror.{}", set.params[i].name), Kind::kParam, q[i],
-                        q[i].sizes().vec(), 0, true);
+          publish_entry(meta, data, fmt::format("mirror.{}", set.params[i].name), Kind::kParam,
+                        q[i], q[i].sizes().vec(), 0, true);
         }
         for (const auto& [prefix, is_adam, st] :
              {std::tuple{"adam.", true, adam.state_view()},
@@ -855,8 +858,7 @@ int run(const Config& c) {
         "pairs, on no rank while the rest of the model has gradients at %zu\n",
         st.some_ranks, st.no_rank);
     if (st.some_ranks == 0 || st.no_rank == 0) {
-      fprintf(stderr,
-              "FAIL: the hybrid schedule never starved an expert on %s: run more steps\n",
+      fprintf(stderr, "FAIL: the hybrid schedule never starved an expert on %s: run more steps\n",
               st.some_ranks == 0 ? "some ranks only" : "every rank");
       return 1;
     }
@@ -956,8 +958,8 @@ int run(const Config& c) {
   const std::string sharded(sb.begin(), sb.end());
   const int n_sharded =
       sharded.empty() ? 0 : 1 + static_cast<int>(std::count(sharded.begin(), sharded.end(), ','));
-  printf("DistAdamW shards %d of %zu parameters at world %u%s%s%s\n", n_sharded, set.adam.size(), c.world,
-         sharded.empty() ? "" : " (", sharded.c_str(), sharded.empty() ? "" : ")");
+  printf("DistAdamW shards %d of %zu parameters at world %u%s%s%s\n", n_sharded, set.adam.size(),
+         c.world, sharded.empty() ? "" : " (", sharded.c_str(), sharded.empty() ? "" : ")");
   if (c.expect_adam_sharded && *c.expect_adam_sharded != n_sharded) {
     fprintf(stderr, "FAIL: expected DistAdamW to shard %d parameters, it shards %d\n",
             *c.expect_adam_sharded, n_sharded);
