@@ -211,27 +211,24 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
   for (const LayerPlan& l : p.layers)
     for (const ParamShape& s : l.params) all.push_back(&s);
   uint64_t held = 0;
-  std::map<std::tuple<std::string, int64_t, int64_t>, std::pair<uint64_t, bool>> stacks;
+  std::map<std::tuple<std::string, int64_t, int64_t>, uint64_t> stacks;  // -> entries
   uint64_t adam_bytes = 0;
   for (const ParamShape* s : all) {
-    const uint64_t div = s->tp_split ? tp : 1;
-    held += ceil_div(s->numel(), div);
+    held += s->numel();
     if (s->optimizer == "muon") {
-      auto& st = stacks[{s->group, s->shape[0], s->shape[1]}];
-      ++st.first;
-      st.second = s->tp_split;
+      ++stacks[{s->group, s->shape[0], s->shape[1]}];
     } else {
       const bool sharded = s->numel() >= r.train.optim.adamw_crossover && !s->shape.empty() &&
                            s->shape[0] % static_cast<int64_t>(dp) == 0;
-      adam_bytes += ceil_div(8 * s->numel(), (sharded ? dp : 1) * div);
+      adam_bytes += ceil_div(8 * s->numel(), sharded ? dp : 1);
     }
   }
   uint64_t muon_bytes = 0;
-  for (const auto& [key, st] : stacks) {
+  for (const auto& [key, entries] : stacks) {
     const auto& [group, rows, cols] = key;
     const uint64_t second = (group == "qkv" || rows >= cols) ? rows : cols;
     const uint64_t per_entry = (static_cast<uint64_t>(rows * cols) + second) * 4;
-    muon_bytes += ceil_div(ceil_div(st.first, dp) * per_entry, st.second ? tp : 1);
+    muon_bytes += ceil_div(entries, dp) * per_entry;
   }
   p.memory.parameters = 4 * held;
   p.memory.gradients = 4 * held;
@@ -281,8 +278,9 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
   if (o.memory_budget_gib > 0) {
     const double need = static_cast<double>(p.memory.total()) / static_cast<double>(1ull << 30);
     gate("memory-budget", need <= o.memory_budget_gib,
-         fmt::format("{:.3f} GiB per rank against a budget of {:.3f} GiB", need,
-                     o.memory_budget_gib),
+         fmt::format("{:.3f} GiB per rank against a budget of {:.3f} GiB ({})", need,
+                     o.memory_budget_gib,
+                     o.memory_budget_source.empty() ? "--memory-budget" : o.memory_budget_source),
          "a rank over its memory fails in its first step, after the whole launch",
          "never: raise --memory-budget, add ranks or shrink the batch");
   } else {
@@ -290,16 +288,17 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
          "a rank over its memory fails in its first step, after the whole launch",
          "never: raise --memory-budget, add ranks or shrink the batch", false);
   }
-  gate("feature-built", p.tp == 1,
-       p.tp == 1 ? "tensor parallel 1: every block kind runs data parallel"
-                 : fmt::format("{} runs tensor parallel {} with sequence parallelism: the "
-                               "trainer's step computes it, but megacpp run does not yet form "
-                               "tensor-parallel groups (one batch per group, one checkpoint "
-                               "share per group)",
-                               p.mode, p.tp),
-       "a mode is an execution layout, and running another layout under its name would make "
-       "its receipts lie",
-       "when megacpp run launches ranks in tensor-parallel groups");
+  const bool cuda = o.device == "cuda";
+  gate("feature-built", !cuda || o.cuda_trainer_built,
+       !cuda ? fmt::format("--device cpu: {} over Gloo", p.tp > 1 ? "tensor-parallel groups and "
+                                                                    "data parallelism"
+                                                                  : "data parallelism")
+       : o.cuda_trainer_built
+           ? "--device cuda: this build has the CUDA trainer (NCCL)"
+           : "--device cuda: this build has no CUDA trainer (libmegacpp_trainer_cuda.so is "
+             "missing: torch without CUDA, or no CUDA/NCCL headers at configure time)",
+       "a layout or device this build cannot run would fail in every rank after the whole launch",
+       "when megacpp is built against torch with CUDA; meanwhile use --device cpu");
   return p;
 }
 

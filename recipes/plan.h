@@ -8,14 +8,15 @@
 // builds the torch model and compares every name and shape.
 //
 // Memory model (bytes per rank, every tensor float32; tp = the mode's tensor-parallel degree,
-// dp = ranks / tp):
-//   parameters and gradients  4 B each per element this rank holds: a tensor split by tensor
-//                             parallelism (every parameter but the MoE router) holds numel / tp
+// dp = ranks / tp), as this build allocates it: a tensor-parallel rank computes with slices of
+// the parameters but holds them whole (stages/trainer/tensor_parallel.h), so only activations
+// divide by tp:
+//   parameters and gradients  4 B per element of every parameter
 //   DistMuon state            per stack of same-shape matrices in a group, ceil(n / dp) owned
 //                             entries x (rows x cols momentum + the factored second moment: rows
-//                             when rows >= cols or the group is qkv-split, else cols) x 4 B, / tp
+//                             when rows >= cols or the group is qkv-split, else cols) x 4 B
 //   DistAdamW state           8 B per element (two moments), / dp when the tensor is sharded
-//                             (numel >= adamw_crossover and shape[0] % dp == 0), / tp when split
+//                             (numel >= adamw_crossover and shape[0] % dp == 0)
 //   activations               batch_size x seq_len tokens x (sum over layers of the block's
 //                             activation_floats estimate + 2 x vocab for the logits) x 4 B, / tp
 //                             (sequence parallelism shards what tensor parallelism does not)
@@ -36,7 +37,8 @@ struct ParamShape {
   std::vector<int64_t> shape;
   std::string optimizer;  // "muon" | "adamw"
   std::string group;      // DistMuon: "qkv" | "matrices"; DistAdamW: "embed" | "head" | "other"
-  bool tp_split = true;   // split across the tensor-parallel group (all but the MoE router)
+  // Computed in slices across the tensor-parallel group (all but the MoE router); held whole.
+  bool tp_split = true;
   uint64_t numel() const;
 };
 
@@ -71,6 +73,10 @@ struct MemoryPlan {  // bytes per rank
 struct PlanOptions {
   uint32_t ranks = 1;
   double memory_budget_gib = 0;  // per rank; 0 = not checked
+  // Where the budget comes from, for the gate's detail; empty: --memory-budget.
+  std::string memory_budget_source = {};
+  std::string device = "cpu";       // "cpu" | "cuda"
+  bool cuda_trainer_built = false;  // this build has the CUDA trainer plugin
 };
 
 struct Plan {

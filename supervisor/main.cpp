@@ -170,6 +170,7 @@ int main(int argc, char** argv) {
   std::string plan_recipe = "tiny", plan_mode;
   uint32_t plan_ranks = 1;
   double plan_budget = 0;
+  std::string plan_device = "cpu";
   auto* plan = app.add_subcommand(
       "plan",
       "Print a recipe expanded under a mode and a world: every layer's block, parameters per "
@@ -179,6 +180,9 @@ int main(int argc, char** argv) {
   plan->add_option("--ranks", plan_ranks, "World size to plan for")->capture_default_str();
   plan->add_option("--memory-budget", plan_budget,
                    "Per-rank memory in GiB the memory-budget gate checks (default: unchecked)");
+  plan->add_option("--device", plan_device, "cpu | cuda: the device the feature-built gate checks")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
 
   fs::path verify_path;
   auto* verify_cmd =
@@ -279,7 +283,10 @@ int main(int argc, char** argv) {
       }
       fmt::print("{}\n", mc::recipe::describe(r));
       fmt::print("{}", mc::recipe::format_plan(mc::recipe::make_plan(
-                           r, {.ranks = plan_ranks, .memory_budget_gib = plan_budget})));
+                           r, {.ranks = plan_ranks,
+                               .memory_budget_gib = plan_budget,
+                               .device = plan_device,
+                               .cuda_trainer_built = mc::supervisor::cuda_trainer_built()})));
       return 0;
     }
     if (*verify_cmd) return verify(verify_path);

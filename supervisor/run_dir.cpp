@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <random>
 #include <thread>
 
@@ -37,6 +38,26 @@
 #include "supervisor/supervisor.h"
 
 namespace megacpp::supervisor {
+namespace {
+// The memory a CPU run's ranks share: physical memory, or the cgroup's limit when lower. 0 when
+// unknown.
+double host_memory_gib() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  double bytes = pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0;
+  try {
+    const std::string limit = read_file("/sys/fs/cgroup/memory.max");
+    if (!limit.empty() && std::isdigit(static_cast<unsigned char>(limit[0])))
+      bytes = bytes > 0 ? std::min(bytes, std::stod(limit)) : std::stod(limit);
+  } catch (const std::exception&) {
+    // no cgroup v2 limit to read: physical memory stands
+  }
+  return bytes / static_cast<double>(1ull << 30);
+}
+}  // namespace
+
+bool cuda_trainer_built() {
+  return std::filesystem::exists(detail::self_exe_dir() / "libmegacpp_trainer_cuda.so");
+}
 
 void RunOptions::validate() const {
   auto bad = [](std::string msg) {
@@ -302,13 +323,8 @@ void Run::adopt_parent_checkpoint() {
   parent_ = ParentInfo{parent_run.string(), ckpt.run_id(), ckpt.step(), dir.string()};
 }
 
+// After the gates: feature-built has refused a build without the CUDA trainer.
 void Run::check_cuda_devices() const {
-  const fs::path plugin = detail::self_exe_dir() / "libmegacpp_trainer_cuda.so";
-  if (!fs::exists(plugin))
-    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
-                 "--device cuda: this build has no CUDA trainer ({} is missing: torch without "
-                 "CUDA, or no CUDA/NCCL headers at configure time); use --device cpu",
-                 plugin.string());
   // With --resume, ranks 0 means the run's own world: checked once it is known, by the ranks.
   const int visible = ops::cuda_device_count();
   if (visible < 1 || static_cast<uint32_t>(visible) < opt_.ranks)
@@ -355,7 +371,6 @@ void Run::prepare() {
   // reach nothing but the signalfd. A thread that left it unblocked would swallow exits.
   sigfd_ = detail::block_signals_to_fd();
   opt_.validate();
-  if (opt_.device == "cuda") check_cuda_devices();
   plan_collectives();
   const bool resuming = !opt_.resume.empty();
   if (resuming) {
@@ -377,14 +392,29 @@ void Run::prepare() {
   // The plan's gates, before anything is written: a refusal names its rule, the reason and
   // when the gate retires.
   {
-    const recipe::Plan plan = recipe::make_plan(
-        recipe_, {.ranks = opt_.ranks, .memory_budget_gib = opt_.memory_budget_gib});
+    // Without --memory-budget, a CPU run's ranks get an equal part of this host's memory: a
+    // plan beyond it cannot start (nam56r on a workstation), and says so before launching.
+    recipe::PlanOptions po{.ranks = opt_.ranks,
+                           .memory_budget_gib = opt_.memory_budget_gib,
+                           .device = opt_.device,
+                           .cuda_trainer_built = cuda_trainer_built()};
+    if (po.memory_budget_gib <= 0 && opt_.device == "cpu") {
+      const double host = host_memory_gib();
+      const uint32_t ranks = std::max<uint32_t>(opt_.ranks, 1);
+      if (host > 0) {
+        po.memory_budget_gib = host / ranks;
+        po.memory_budget_source = fmt::format(
+            "this host's {:.1f} GiB over {} rank(s); --memory-budget sets another", host, ranks);
+      }
+    }
+    const recipe::Plan plan = recipe::make_plan(recipe_, po);
     if (const recipe::Gate* g = plan.refusal()) {
       MEGACPP_FAIL(ErrorKind::kInvalidArgument, "recipe {} refused by gate {}", recipe_.name,
                    recipe::refusal_line(*g));
     }
     gates_ = plan.gates;
   }
+  if (opt_.device == "cuda") check_cuda_devices();
   // What this attempt's ranks train on: the recipe, with the per-rank batch a resume at
   // another world size needs.
   recipe::Recipe planned = recipe_;

@@ -107,4 +107,8 @@ bool reconcile(const std::filesystem::path& run_dir);
 // could be read.
 int status(const std::filesystem::path& run_dir);
 
+// Whether the CUDA trainer plugin was built beside this executable: the feature-built gate of
+// --device cuda (recipes/plan.h).
+bool cuda_trainer_built();
+
 }  // namespace megacpp::supervisor

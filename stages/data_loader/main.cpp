@@ -3,7 +3,8 @@
 // The files are the launch contract's `dataset`, which the supervisor resolved and validated
 // before any stage started; the loader maps them again (structure checked, tokens not
 // rescanned) and cuts every rank's batches from the one global window sequence
-// (data/sampler.h). Slots carry uint16 or uint32 tokens (recipes/batch_spec.h).
+// (data/sampler.h); the ranks of a tensor-parallel group get the same batches. Slots carry uint16
+// or uint32 tokens (recipes/batch_spec.h).
 //
 // Blocking: never blocks on one rank's full ring while another rank's ring has room; waits
 // are short sleeps that re-check for a stop (IdleNap: 10 us doubling to 200 us while no ring
@@ -17,12 +18,15 @@
 #include <memory>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 #include "core/util.h"
 #include "data/dataset.h"
 #include "data/sampler.h"
 #include "ipc/shm.h"
 #include "ipc/slot_ring.h"
+#include "recipes/recipe.h"
 #include "stages/data_loader/idle_nap.h"
 #include "stages/stage.h"
 
@@ -40,6 +44,12 @@ int main(int argc, char** argv) {
         auto data = recipe.getData();
         const uint32_t world = launch.getWorld();
         const uint32_t steps = launch.getSteps();
+        // The ranks of a tensor-parallel group (consecutive ranks, recipes/recipe.h mode) train
+        // on one batch: rank r's ring gets the batches of data rank r / tp of world / tp.
+        const uint32_t tp = mc::recipe::model_config(recipe).tensor_parallel();
+        MEGACPP_CHECK(world % tp == 0, mc::ErrorKind::kInvalidArgument,
+                      fmt::format("a world of {} does not divide into tensor-parallel groups of {}",
+                                  world, tp));
 
         const bool pack = data.getPack();
         const auto dataset = mc::data::from_spec(launch.getDataset());
@@ -53,7 +63,7 @@ int main(int argc, char** argv) {
             resume.getRankBatch() != 0 ? resume.getRankBatch() : train.getBatchSize();
         mc::data::Sampler sampler(views, {.seq_len = model.getSeqLen(),
                                           .batch = rank_batch,
-                                          .world = world,
+                                          .world = world / tp,
                                           .token_bytes = dataset.slot_token_bytes,
                                           .seed = train.getSeed(),
                                           .pack = pack});
@@ -100,9 +110,9 @@ int main(int argc, char** argv) {
             auto slot = rings[r]->try_acquire();
             if (!slot) continue;
             mc::stage::fault_point(ctx, "produce", step);
-            const auto bytes = sampler.fill(step, r, *slot);
+            const auto bytes = sampler.fill(step, r / tp, *slot);
             rings[r]->publish(static_cast<uint32_t>(bytes), step);
-            const uint64_t epoch = sampler.state_at(sampler.position(step, r)).epoch;
+            const uint64_t epoch = sampler.state_at(sampler.position(step, r / tp)).epoch;
             if (epoch > logged_epoch) {
               logged_epoch = epoch;
               mc::log_info("epoch {} begins at step {} (rank {}): windows reshuffled", epoch, step,

@@ -204,13 +204,18 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     log_info("training on cuda:{} ({})", rank, cuda->api().versions());
   }
 
-  c10::intrusive_ptr<c10d::Backend> pg;
+  // The layout (recipes/recipe.h mode): tensor-parallel groups of `tp` consecutive ranks that
+  // share a batch, and data-parallel groups of the ranks at one position in their groups.
+  const uint32_t tp = model.tensor_parallel();
+  MEGACPP_CHECK(
+      world % tp == 0, ErrorKind::kInvalidArgument,
+      fmt::format("mode {} needs the world ({}) to be a multiple of {}", model.mode, world, tp));
+  const uint32_t dp_world = world / tp, dp_rank = rank / tp, tp_rank = rank % tp;
+  c10::intrusive_ptr<c10d::Backend> pg, tp_pg;
   if (world > 1) {
     GlooOptions go;
     go.store_host = std::string(launch.getStoreHost());
     go.store_port = static_cast<uint16_t>(launch.getStorePort());
-    go.rank = rank;
-    go.world = world;
     go.store_timeout = store_timeout;
     // The contract's timeout (it also configures NCCL's watchdog); a contract written before
     // it existed leaves it to the knob.
@@ -219,24 +224,48 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
         collective_s > 0 ? std::chrono::milliseconds(static_cast<int64_t>(collective_s * 1e3))
                          : knob_millis(Knob::kCollectiveTimeoutS);
     go.device_hostname = knob_string(Knob::kGlooHostname);
-    go.store_prefix = fmt::format("megacpp/{}/a{}/g{}/", launch.getRunId().cStr(),
-                                  launch.getAttempt(), launch.getGeneration());
-    with_peers(fmt::format("rendezvous at {}:{}", go.store_host, go.store_port),
-               std::min(go.store_timeout, go.collective_timeout), [&] {
-                 pg = on_cuda ? connect_nccl(go, *cuda, static_cast<int>(rank)) : connect_gloo(go);
-               });
-    log_info("joined the {} group as rank {} of {}", on_cuda ? "NCCL" : "Gloo", rank, world);
+    const std::string prefix = fmt::format("megacpp/{}/a{}/g{}/", launch.getRunId().cStr(),
+                                           launch.getAttempt(), launch.getGeneration());
+    // One group per call; without tensor parallelism the data-parallel group is the world,
+    // under the prefix it always had.
+    auto join = [&](uint32_t group_rank, uint32_t group_world, std::string group_prefix) {
+      go.rank = group_rank;
+      go.world = group_world;
+      go.store_prefix = std::move(group_prefix);
+      c10::intrusive_ptr<c10d::Backend> group;
+      with_peers(fmt::format("rendezvous at {}:{}", go.store_host, go.store_port),
+                 std::min(go.store_timeout, go.collective_timeout), [&] {
+                   group =
+                       on_cuda ? connect_nccl(go, *cuda, static_cast<int>(rank)) : connect_gloo(go);
+                 });
+      return group;
+    };
+    const char* backend = on_cuda ? "NCCL" : "Gloo";
+    if (tp == 1) {
+      pg = join(rank, world, prefix);
+      log_info("joined the {} group as rank {} of {}", backend, rank, world);
+    } else {
+      tp_pg = join(tp_rank, tp, fmt::format("{}tp{}/", prefix, dp_rank));
+      if (dp_world > 1) pg = join(dp_rank, dp_world, fmt::format("{}dp{}/", prefix, tp_rank));
+      log_info(
+          "joined {} tensor-parallel group {} as rank {} of {} and data-parallel group {} "
+          "as rank {} of {}",
+          backend, dp_rank, tp_rank, tp, tp_rank, dp_rank, dp_world);
+    }
   }
   // The supervisor's AbortCollectives (a failed job's teardown, before its signals) aborts the
   // group from the control thread: NCCL's communicators (no kernel left spinning), or every
   // wait of this thread in a Gloo collective. Removed before the group and plugin go.
-  if (pg) {
+  if (pg || tp_pg) {
     const CudaPlugin* plugin = cuda ? &*cuda : nullptr;
-    ctx.control().set_abort_handler([pg, plugin] {
-      if (plugin != nullptr) {
-        plugin->api().abort(pg);
-      } else {
-        pg->abort();
+    ctx.control().set_abort_handler([pg, tp_pg, plugin] {
+      for (const auto& group : {pg, tp_pg}) {
+        if (!group) continue;
+        if (plugin != nullptr) {
+          plugin->api().abort(group);
+        } else {
+          group->abort();
+        }
       }
     });
   }
@@ -246,7 +275,8 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   } abort_guard{ctx.control()};
 
   const auto ts = typed_errors("model set-up and parameter broadcast", [&] {
-    return std::make_unique<TrainStep>(model, train, steps, pg, device);
+    return std::make_unique<TrainStep>(model, train, steps, pg, device,
+                                       TensorParallel{.group = tp_pg, .rank = tp_rank, .size = tp});
   });
   // Resume: parameters and optimizer state from the checkpoint (every rank reads the files
   // itself; the data sequence and the LR schedule are functions of the step).
@@ -345,13 +375,16 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     // the step times of a run add up to its training time.
     const double step_seconds = seconds_since(step_start);
     step_start = Clock::now();
-    tokens_total += static_cast<double>(B * T);
+    // Under sequence parallelism a rank trains on T / tp positions of its group's batch: the
+    // ranks' tokens add up to the job's.
+    const int64_t rank_tokens = B * T / tp;
+    tokens_total += static_cast<double>(rank_tokens);
 
     ctx.journal().append([&](schema::JournalRecord::Builder r) {
       auto s = r.initStep();
       s.setStep(step);
       s.setLoss(timing.loss);
-      s.setTokens(static_cast<uint32_t>(B * T));
+      s.setTokens(static_cast<uint32_t>(rank_tokens));
       s.setStepSeconds(step_seconds);
       s.setWaitSeconds(wait_seconds);
       s.setForwardSeconds(timing.forward_seconds);

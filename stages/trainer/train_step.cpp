@@ -52,8 +52,10 @@ struct TrainStep::Impl {
   c10::intrusive_ptr<c10d::Backend> pg;
   at::Device device;
   TensorParallel tp;  // outlives every graph step() builds (tensor_parallel.h)
-  uint32_t rank = 0;
+  uint32_t rank = 0;  // in the data-parallel group `pg`
   uint32_t world = 1;
+  uint32_t layout_rank = 0;  // in the job: rank * tp.size + tp.rank
+  uint32_t layout_world = 1;
   Transformer model;
   std::vector<NamedTensor> params;  // registration order; alias the live parameters
   std::vector<ParamAssignment> assignment;
@@ -82,9 +84,18 @@ struct TrainStep::Impl {
       rank = static_cast<uint32_t>(pg->getRank());
       world = static_cast<uint32_t>(pg->getSize());
     }
+    MEGACPP_CHECK(
+        tp.size >= 1 && tp.rank < tp.size &&
+            (tp.size == 1 || (tp.group && tp.group->getSize() == static_cast<int>(tp.size) &&
+                              tp.group->getRank() == static_cast<int>(tp.rank))),
+        ErrorKind::kInvalidArgument,
+        fmt::format("tensor-parallel rank {} of {} does not match its group", tp.rank, tp.size));
+    layout_rank = rank * tp.size + tp.rank;
+    layout_world = world * tp.size;
     if (!device.is_cpu()) model->to(device);
     for (auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
-    if (pg && world > 1) broadcast_parameters();
+    if (pg && world > 1) broadcast_parameters(pg);
+    if (tp.size > 1) broadcast_parameters(tp.group);
     build_optimizers();
   }
 
@@ -170,7 +181,7 @@ struct TrainStep::Impl {
 
   // Every rank initialised from the same seed already; the broadcast makes rank 0's
   // parameters authoritative regardless (e.g. a torch build whose RNG stream differs).
-  void broadcast_parameters() {
+  void broadcast_parameters(const c10::intrusive_ptr<c10d::Backend>& group) {
     torch::NoGradGuard no_grad;
     int64_t numel = 0;
     for (const auto& [name, p] : params) numel += p.numel();
@@ -183,7 +194,8 @@ struct TrainStep::Impl {
     std::vector<at::Tensor> bufs{flat};
     c10d::BroadcastOptions opts;
     opts.rootRank = 0;
-    run_collective("broadcast of the parameters", pg, [&] { return pg->broadcast(bufs, opts); });
+    run_collective("broadcast of the parameters", group,
+                   [&] { return group->broadcast(bufs, opts); });
     off = 0;
     for (auto& [name, p] : params) {
       p.view({-1}).copy_(flat.narrow(0, off, p.numel()));
@@ -249,6 +261,7 @@ struct TrainStep::Impl {
   // referenced by ShareEntry::state alive.
   std::vector<ShareEntry> share(std::array<OptimizerState, 2>& views) const {
     std::vector<ShareEntry> out;
+    if (tp.rank != 0) return out;
     if (rank == 0) {
       for (const auto& [name, p] : params)
         out.push_back({"model." + name, p.detach(), nullptr, {}});
@@ -277,10 +290,10 @@ TrainStep::TrainStep(const ModelConfig& model, const TrainConfig& train, uint32_
 TrainStep::~TrainStep() = default;
 
 uint32_t TrainStep::rank() const noexcept {
-  return impl_->rank;
+  return impl_->layout_rank;
 }
 uint32_t TrainStep::world() const noexcept {
-  return impl_->world;
+  return impl_->layout_world;
 }
 uint32_t TrainStep::total_steps() const noexcept {
   return impl_->total_steps;
@@ -303,12 +316,14 @@ std::vector<ParamAssignment> TrainStep::assignment() const {
 
 bool TrainStep::any_rank(bool local) {
   Impl& s = *impl_;
-  if (!s.pg || s.world == 1) return local;
   std::vector<at::Tensor> flag{
       torch::full({1}, local ? 1 : 0, torch::dtype(torch::kInt32).device(s.device))};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MAX;
-  run_collective("stop agreement", s.pg, [&] { return s.pg->allreduce(flag, options); });
+  for (const auto& group : {s.world > 1 ? s.pg : nullptr, s.tp.size > 1 ? s.tp.group : nullptr}) {
+    if (group)
+      run_collective("stop agreement", group, [&] { return group->allreduce(flag, options); });
+  }
   return flag[0].item<int32_t>() != 0;
 }
 
@@ -356,8 +371,12 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
     loss = loss + aux / static_cast<double>(tp.size);
     for (const at::Tensor& counts : s.model->tokens_per_expert()) {
       const at::Tensor host = counts.to(at::kCPU);
-      out.tokens_per_expert.emplace_back(host.data_ptr<int64_t>(),
-                                         host.data_ptr<int64_t>() + host.numel());
+      auto& mine = out.tokens_per_expert.emplace_back(host.data_ptr<int64_t>(),
+                                                      host.data_ptr<int64_t>() + host.numel());
+      // Each rank of a group routes the whole batch but runs n / tp of the experts.
+      const size_t per_rank = mine.size() / tp.size;
+      for (size_t e = 0; e < mine.size(); ++e)
+        if (e / per_rank != tp.rank) mine[e] = 0;
     }
   }
   out.forward_seconds = seconds_since(t0);
@@ -416,8 +435,8 @@ std::string TrainStep::snapshot_metadata() const {
     }
   }
   return nlohmann::ordered_json{{"format", "megacpp.snapshot.v1"},
-                                {"rank", s.rank},
-                                {"world", s.world},
+                                {"rank", s.layout_rank},
+                                {"world", s.layout_world},
                                 {"shards", shards},
                                 {"muon_stacks", stacks}}
       .dump();

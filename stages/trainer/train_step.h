@@ -59,7 +59,9 @@ double lr_scale(const TrainConfig& train, uint32_t step, uint32_t total_steps);
 struct StepTiming {
   float loss = 0;  // mean cross-entropy of this rank's batch, before the update
   // MoE models: the weighted load-balancing loss added to the cross-entropy for backward (0
-  // without MoE), and per MoE layer the token assignments each expert received on this rank.
+  // without MoE), and per MoE layer the token assignments each expert received on this rank
+  // (under tensor parallelism: each expert this rank runs; 0 for its group's other experts,
+  // so the counts add up over the ranks of a job).
   float aux_loss = 0;
   std::vector<std::vector<int64_t>> tokens_per_expert;
   double grad_norm = 0;        // L2 norm of this rank's own gradient, before clipping
@@ -107,7 +109,9 @@ class TrainStep {
   // same parameters.
   // `tp` (size > 1): the ranks of a tensor-parallel group that train on the same batch
   // (tensor_parallel.h); `pg` is then the data-parallel group across such groups (null for
-  // one group), over which the optimizers reduce.
+  // one group), over which the optimizers reduce. Rank r of the job is data-parallel rank
+  // r / tp.size and tensor-parallel rank r % tp.size (groups of consecutive ranks); the
+  // parameters are broadcast over both groups.
   TrainStep(const ModelConfig& model, const TrainConfig& train, uint32_t total_steps,
             c10::intrusive_ptr<c10d::Backend> pg = {}, at::Device device = at::kCPU,
             TensorParallel tp = {});
@@ -122,6 +126,8 @@ class TrainStep {
   // (e.g. a collective timeout) propagates.
   StepTiming step(const at::Tensor& tokens, uint32_t step_index, const StepHooks& hooks = {});
 
+  // This rank's place in the job (the snapshot plane's rank and world): data-parallel rank x
+  // tp.size + tensor-parallel rank, of data-parallel world x tp.size.
   uint32_t rank() const noexcept;
   uint32_t world() const noexcept;
   uint32_t total_steps() const noexcept;
@@ -133,14 +139,16 @@ class TrainStep {
 
   std::vector<ParamAssignment> assignment() const;  // in parameter order
 
-  // True when `local` is true on any rank: a collective of one int32 (MAX all-reduce) that
+  // True when `local` is true on any rank: a collective of one int32 (MAX all-reduce over the
+  // data-parallel group, then over the tensor-parallel group, which reaches every rank) that
   // every rank calls at the same point of the same step; without a process group, `local`.
   // A graceful stop is agreed this way, so every rank checkpoints the same step.
   bool any_rank(bool local);
 
-  // This rank's share of state, in a fixed order. Rank 0: "model.<name>" for every
-  // parameter, then every optimizer entry held replicated (the same on every rank):
-  // "optim.adamw.<param>.{exp_avg,exp_avg_sq,step}" of all-reduced parameters and the
+  // This rank's share of state, in a fixed order; empty on a tensor-parallel rank other than
+  // 0, whose parameters and optimizer state are copies of its group's rank 0's. Rank 0:
+  // "model.<name>" for every parameter, then every optimizer entry held replicated (the same on
+  // every rank): "optim.adamw.<param>.{exp_avg,exp_avg_sq,step}" of all-reduced parameters and the
   // groups' scalars "optim.{adamw,muon}.<group>.{lr,...}". Every rank: the slices it owns,
   // suffixed ".shard<rank>": "optim.adamw.<param>.{exp_avg,exp_avg_sq}.shard<r>" (rows
   // [offset, offset + rows) of the parameter's state) and
@@ -152,8 +160,9 @@ class TrainStep {
   std::vector<NamedTensor> snapshot_share() const;
   SnapshotLayout snapshot_layout() const;
   // JSON, the same on every rank but for "rank": {"format": "megacpp.snapshot.v1", "rank",
-  // "world", "shards": {<entry>: {"logical": <name without .shard<r>>, "full_shape": [...],
-  // "offset": <first row>}}, "muon_stacks": {"optim.muon.<group>.<r>x<c>": [<param>, ...]}}.
+  // "world" (rank() and world()), "shards": {<entry>: {"logical": <name without .shard<r>>,
+  // "full_shape": [...], "offset": <first row>}}, "muon_stacks": {"optim.muon.<group>.<r>x<c>":
+  // [<param>, ...]}}.
   std::string snapshot_metadata() const;
   // Copies this rank's share into `region` per snapshot_layout() and returns that layout,
   // with streaming stores (ops::stream_copy) that are fenced before it returns, so a stamp

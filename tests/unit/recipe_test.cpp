@@ -317,13 +317,31 @@ TEST(Plan, PerRankMemoryByHand) {
   // H hd + 3F with D 64, H = KV = 4, hd 16, F 256) x 4 bytes
   const uint64_t a = 2 * 64 + 12 * 16 + 2 * 8 * 16 + 4 * 16 + 3 * 256;
   EXPECT_EQ(p.memory.activations, 2 * 32 * (512 + a) * 4);
+  // Tensor parallel 2 on the same 2 ranks (one data-parallel group): parameters, gradients and
+  // optimizer state are held whole by both ranks of the group (this build); the activations
+  // of a sequence shard are half.
+  auto rn = r;
+  rn.model.mode = "nemo_native";
+  rn = mc::recipe::rehash(std::move(rn));
+  const auto tp = mc::recipe::make_plan(rn, {.ranks = 2});
+  EXPECT_EQ(tp.memory.parameters, 4 * held);
+  EXPECT_EQ(tp.memory.gradients, 4 * held);
+  EXPECT_EQ(tp.memory.optimizer, muon + adam);
+  EXPECT_EQ(tp.memory.activations, 32 * (512 + a) * 4);
 }
 
 TEST(Plan, GatesNameTheirRuleReasonAndRetirement) {
-  // nam56r in its default mode needs tensor parallelism, which this build's trainer lacks.
-  auto nemo = mc::recipe::make_plan(named("nam56r"), {.ranks = 8});
+  // nam56r in its default mode (tensor parallel 2) passes every gate on CPUs at 8 ranks; on
+  // CUDA, a build without the CUDA trainer refuses it by feature-built.
+  EXPECT_EQ(mc::recipe::make_plan(named("nam56r"), {.ranks = 8}).refusal(), nullptr);
+  EXPECT_EQ(mc::recipe::make_plan(named("nam56r"),
+                                  {.ranks = 8, .device = "cuda", .cuda_trainer_built = true})
+                .refusal(),
+            nullptr);
+  auto nemo = mc::recipe::make_plan(named("nam56r"), {.ranks = 8, .device = "cuda"});
   ASSERT_NE(nemo.refusal(), nullptr);
   EXPECT_EQ(nemo.refusal()->rule, "feature-built");
+  EXPECT_NE(nemo.refusal()->detail.find("no CUDA trainer"), std::string::npos);
   for (const auto& g : nemo.gates) {
     EXPECT_FALSE(g.reason.empty()) << g.rule;
     EXPECT_FALSE(g.retires.empty()) << g.rule;
@@ -336,6 +354,13 @@ TEST(Plan, GatesNameTheirRuleReasonAndRetirement) {
   EXPECT_NE(line.find("feature-built:"), std::string::npos);
   EXPECT_NE(line.find("retires when"), std::string::npos);
   EXPECT_EQ(line.find('\n'), std::string::npos);
+  // A budget's source is named in the detail.
+  const auto host = mc::recipe::make_plan(
+      named("nam56r"),
+      {.ranks = 8, .memory_budget_gib = 1, .memory_budget_source = "this host's 8.0 GiB over 8"});
+  ASSERT_NE(host.refusal(), nullptr);
+  EXPECT_EQ(host.refusal()->rule, "memory-budget");
+  EXPECT_NE(host.refusal()->detail.find("(this host's 8.0 GiB over 8)"), std::string::npos);
   // author_dp passes every gate at 8 ranks; a small memory budget refuses it by name.
   EXPECT_EQ(mc::recipe::make_plan(named("nam56r", "author_dp"), {.ranks = 8}).refusal(), nullptr);
   auto tight =
