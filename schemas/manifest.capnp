@@ -140,7 +140,7 @@ struct BenchResult {
   world @4 :UInt32;
   steps @5 :UInt32;
   tokens @6 :Float64;
-  firstLoss @7 :Float64;
+  firstLoss @7 :Float64;        # mean over ranks of the first step trained (after the parent's, for --from)
   lastLoss @8 :Float64;
   wallSeconds @9 :Float64;      # first step start (rank 0) -> last step end
   tokensPerSecond @10 :Float64;

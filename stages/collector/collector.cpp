@@ -897,7 +897,8 @@ void Collector::render() {
     r.setWorld(s.world);
     r.setSteps(completed);
     r.setTokens(tokens);
-    r.setFirstLoss(mean_loss_at(1));
+    // A --from branch starts after its parent's step: its first step is the one it trained.
+    r.setFirstLoss(points.empty() ? 0.0 : mean_loss_at(points.begin()->first));
     r.setLastLoss(completed > 0 ? mean_loss_at(completed) : 0.0);
     r.setWallSeconds(wall_seconds);
     r.setTokensPerSecond(wall_seconds > 0 ? tokens / wall_seconds : 0.0);

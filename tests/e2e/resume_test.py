@@ -209,6 +209,10 @@ class Resume(Base):
         self.assertEqual(m["parent"]["runId"], manifest(parent)["runId"])
         self.assertEqual(losses(run_dir), [x for x in losses(parent) if x[0] > 8])
         self.assertTrue(final_bytes(run_dir, 2) == final_bytes(parent, 2))
+        # Its first loss is its own first step's (step 9), which the console prints.
+        with open(os.path.join(run_dir, "receipts", "bench_result.json")) as f:
+            self.assertEqual(json.load(f)["firstLoss"], losses(run_dir)[0][1])
+        self.assertIn("loss %.3f ->" % losses(run_dir)[0][1], p.stdout)
 
 
 class ResumeWorlds(Base):
