@@ -156,11 +156,42 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   run->add_option("--progress", ro.progress, "Console progress: auto | tty | plain | none")
       ->capture_default_str();
+  bool ro_detach = false;
+  run->add_flag("--detach", ro_detach,
+                "Return once the stage graph is up; the supervisor goes on in its own session, "
+                "logging to RUN/logs/supervisor.log (watch it with `megacpp status RUN --watch`, "
+                "stop it with `megacpp stop RUN`)");
 
   fs::path status_dir;
   auto* status =
       app.add_subcommand("status", "Print a run's manifest: state, first failure, stages");
   status->add_option("run-dir", status_dir, "Run directory")->required();
+  bool status_watch = false;
+  double status_interval = 2.0;
+  status->add_flag("--watch", status_watch,
+                   "While the run is live, one progress line (step, loss, tokens/s, stages up, "
+                   "ETA) every --interval seconds; then its status");
+  status->add_option("--interval", status_interval, "Seconds between --watch lines")
+      ->check(CLI::Range(0.1, 3600.0))
+      ->capture_default_str();
+
+  fs::path stop_dir;
+  bool stop_wait = false;
+  double stop_timeout = 300;
+  auto* stop_cmd = app.add_subcommand(
+      "stop",
+      "Ask a live run's supervisor to stop gracefully (as SIGTERM: the step in flight "
+      "is checkpointed)");
+  stop_cmd->add_option("run-dir", stop_dir, "Run directory")->required();
+  stop_cmd->add_flag("--wait", stop_wait, "Wait until the supervisor is gone, then print status");
+  stop_cmd->add_option("--timeout", stop_timeout, "Seconds --wait waits")
+      ->check(CLI::Range(1.0, 86400.0))
+      ->capture_default_str();
+
+  fs::path list_dir;
+  auto* list_cmd = app.add_subcommand(
+      "list", "Every run under a folder: state, recipe, steps, last loss, started, duration");
+  list_cmd->add_option("dir", list_dir, "Folder of run directories")->required();
 
   std::vector<fs::path> collect_dirs;
   auto* collect = app.add_subcommand(
@@ -264,9 +295,13 @@ int main(int argc, char** argv) {
         if (run->count("--ranks") == 0) ro.ranks = 0;
       }
       ro.argv.assign(argv, argv + argc);
-      return mc::supervisor::run(ro);
+      return ro_detach ? mc::supervisor::run_detached(ro) : mc::supervisor::run(ro);
     }
-    if (*status) return mc::supervisor::status(status_dir);
+    if (*status)
+      return status_watch ? mc::supervisor::watch_status(status_dir, status_interval)
+                          : mc::supervisor::status(status_dir);
+    if (*stop_cmd) return mc::supervisor::stop(stop_dir, stop_wait, stop_timeout);
+    if (*list_cmd) return mc::supervisor::list_runs(list_dir);
     if (*collect) {
       for (const auto& d : collect_dirs) {
         mc::supervisor::reconcile(d);

@@ -91,12 +91,37 @@ struct RunOptions {
   double metrics_linger_s = 0;               // keep serving /metrics this long after the run ends
   std::string progress = "auto";             // auto | tty | plain | none
   std::vector<std::string> argv;             // recorded in the launch contract
+  // Set by run_detached in the supervisor it forks: once every stage has said hello, the
+  // supervisor prints kDetachedMarker and moves its stdout and stderr to RUN/logs/supervisor.log.
+  bool detach = false;
 
   void validate() const;
 };
 
 // Runs the job to completion. Returns the process exit code: 0 only when the manifest ends ok.
 int run(RunOptions options);
+
+// `megacpp run --detach`: forks the supervisor into its own Unix session and relays its output
+// until the stage graph is up (every stage said hello), then returns 0 while the supervisor
+// goes on, logging to RUN/logs/supervisor.log. A run that ends before that (a refusal, a failed
+// launch) returns its exit code, its output relayed.
+int run_detached(RunOptions options);
+inline constexpr const char* kDetachedMarker = "megacpp: detached";
+
+// `megacpp stop RUN`: SIGTERM to the run's live supervisor (pid and start time from launch.json),
+// the graceful stop of a terminal's Ctrl-C. With `wait`, returns once the supervisor is gone
+// (Error{kTimeout} after timeout_s), printing the run's status. Error{kInvalidArgument} when the
+// run is not running.
+int stop(const std::filesystem::path& run_dir, bool wait, double timeout_s);
+
+// `megacpp status RUN --watch`: while the supervisor lives, one line every interval_s (step,
+// mean loss, tokens/s over the last 20 steps, stages up, ETA) from the trainers' journals and
+// the live manifest, rewritten in place on a terminal; then the run's status.
+int watch_status(const std::filesystem::path& run_dir, double interval_s);
+
+// `megacpp list DIR`: every run directly under DIR or one folder below, with its state,
+// recipe, steps, last loss, start and duration.
+int list_runs(const std::filesystem::path& dir);
 
 // If the run never finished and its supervisor is gone, records it as orphaned and removes
 // what the supervisor would have removed (shm segments, the socket directory). Returns true

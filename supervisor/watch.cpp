@@ -2,10 +2,13 @@
 // progress judged by failure_policy.h), finish or tear down, fold, report.
 #include "supervisor/detail/run.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/signalfd.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <optional>
 
 #include <fmt/format.h>
@@ -287,6 +290,9 @@ void Run::watch() {
     check_liveness();
     if (detected_ns_ != 0) return;
     update_metrics();
+    if (opt_.detach && !detached_ &&
+        std::all_of(children_.begin(), children_.end(), [](const Child& c) { return c.seen; }))
+      detach_output();
     if (console_) {
       std::vector<ConsoleRank> ranks;
       uint32_t up = 0;
@@ -460,6 +466,31 @@ void Run::restart_job() {
   step_samples_.clear();
   committed_step_ = 0;
   failed_progress_.reset();
+}
+
+void Run::detach_output() {
+  detached_ = true;
+  const fs::path log = layout::logs_dir(run_) / "supervisor.log";
+  fmt::print(
+      "megacpp: run {} is up ({} stages, supervisor pid {}); it goes on detached, logging to {}\n"
+      "  metrics   {}\n  progress  megacpp status {} --watch\n  stop      megacpp stop {}\n",
+      run_.string(), children_.size(), ::getpid(), log.string(),
+      metrics_endpoint_.empty() ? "-" : metrics_endpoint_, run_.string(), run_.string());
+  fmt::print("{}\n", kDetachedMarker);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    // Nowhere to log: the launching command still gets its EOF and returns.
+    const int devnull = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+    ::dup2(devnull, STDOUT_FILENO);
+    ::dup2(devnull, STDERR_FILENO);
+    if (devnull >= 0) ::close(devnull);
+    return;
+  }
+  ::dup2(fd, STDOUT_FILENO);
+  ::dup2(fd, STDERR_FILENO);
+  ::close(fd);
 }
 
 int Run::execute() {

@@ -153,6 +153,9 @@ class Run {
   void launch(StageKind stage, uint32_t rank, uint32_t generation, schema::ChildReason reason,
               const std::string& cause = {});
   void watch();
+  // RunOptions::detach, once every stage said hello: tells the launching command (stdout) and
+  // moves stdout and stderr to logs/supervisor.log.
+  void detach_output();
   void pump(int timeout_ms);
   void on_message(ipc::Received& m);
   void on_signals();
@@ -269,6 +272,7 @@ class Run {
   std::optional<Failure> failure_;  // the first failure, once classified
   std::vector<double> step_samples_;  // trainer step seconds (for the median)
   bool done_ = false;
+  bool detached_ = false;  // RunOptions::detach: output moved to logs/supervisor.log
   bool released_ = false;
   bool cleaned_ = false;
   std::unique_ptr<Console> console_;

@@ -1,0 +1,359 @@
+// Detached runs and the commands that look after them: `megacpp run --detach`, `megacpp stop`,
+// `megacpp status --watch` and `megacpp list` (README.md "Detached runs").
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "core/util.h"
+#include "ipc/journal.h"
+#include "schemas/json.h"
+#include "schemas/launch.capnp.h"
+#include "schemas/manifest.capnp.h"
+#include "schemas/run_layout.h"
+#include "stages/collector/collector.h"
+#include "supervisor/process.h"
+#include "supervisor/supervisor.h"
+
+namespace megacpp::supervisor {
+
+namespace fs = std::filesystem;
+using schema::StageKind;
+
+namespace {
+
+constexpr const char* kStateNames[] = {"launched", "running",  "ok",         "error",
+                                       "detached", "orphaned", "interrupted"};
+
+std::string state_name(schema::RunState s) {
+  const auto i = static_cast<size_t>(s);
+  return i < std::size(kStateNames) ? kStateNames[i] : "unknown";
+}
+
+void write_all(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return;  // our own terminal went away: nothing left to tell
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+// The run directory's launch contract, or a one-line error in the user's terms.
+void require_run(const fs::path& run_dir) {
+  if (!fs::exists(layout::launch_path(run_dir)))
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{} holds no run (no launch.json)", run_dir.string());
+}
+
+// The supervisor of the run's current attempt, when it is alive (pid and start time match).
+std::optional<pid_t> live_supervisor(const fs::path& run_dir) {
+  schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
+  auto l = launch.get();
+  const pid_t pid = l.getSupervisorPid();
+  if (pid <= 0 || detail::process_start_ticks(pid) != l.getSupervisorStartTicks())
+    return std::nullopt;
+  if (const char state = detail::process_state(pid); state == 'Z' || state == 'X')
+    return std::nullopt;  // exited, not yet reaped by whatever adopted it
+  bool finished = false;
+  ipc::JournalReader::read_all(layout::journal_path(run_dir, StageKind::SUPERVISOR, 0),
+                               [&](schema::JournalRecord::Reader r) {
+                                 if (r.getAttempt() == l.getAttempt())
+                                   finished = finished || r.isRunFinished();
+                               });
+  if (finished) return std::nullopt;
+  return pid;
+}
+
+// Live progress of a run from its trainers' journals.
+struct Progress {
+  uint32_t step = 0;  // the step every rank has finished
+  uint32_t ranks = 0;
+  double loss = NAN;  // mean over ranks at `step`
+  double tokens_per_second = NAN;
+  double step_seconds = NAN;  // mean of the last steps
+};
+
+Progress read_progress(const fs::path& run_dir, uint32_t world) {
+  Progress p;
+  struct Row {
+    double loss_sum = 0;
+    uint32_t ranks = 0;
+    double tokens = 0;
+    int64_t wall_ns = 0;
+    double step_seconds = 0;
+  };
+  std::map<uint32_t, Row> rows;
+  for (uint32_t r = 0; r < world; ++r) {
+    const fs::path j = layout::journal_path(run_dir, StageKind::TRAINER, r);
+    if (!fs::exists(j)) continue;
+    ++p.ranks;
+    ipc::JournalReader::read_all(j, [&](schema::JournalRecord::Reader rec) {
+      if (!rec.isStep()) return;
+      auto s = rec.getStep();
+      Row& row = rows[s.getStep()];
+      row.loss_sum += s.getLoss();
+      row.ranks += 1;
+      row.tokens += s.getTokens();
+      row.wall_ns = std::max(row.wall_ns, rec.getWallNs());
+      row.step_seconds = std::max(row.step_seconds, s.getStepSeconds());
+    });
+  }
+  std::vector<uint32_t> complete;
+  for (const auto& [step, row] : rows)
+    if (row.ranks == world) complete.push_back(step);
+  if (complete.empty()) return p;
+  p.step = complete.back();
+  p.loss = rows[p.step].loss_sum / world;
+  // The last (up to) 20 complete steps: tokens over their wall span, and their mean time.
+  const size_t n = std::min<size_t>(20, complete.size());
+  double tokens = 0, seconds = 0;
+  for (size_t i = complete.size() - n; i < complete.size(); ++i) {
+    tokens += rows[complete[i]].tokens;
+    seconds += rows[complete[i]].step_seconds;
+  }
+  p.step_seconds = seconds / static_cast<double>(n);
+  if (seconds > 0) p.tokens_per_second = tokens / seconds;
+  return p;
+}
+
+std::string duration_text(double s) {
+  if (!std::isfinite(s) || s < 0) return "-";
+  const auto t = static_cast<int64_t>(std::llround(s));
+  if (t < 60) return fmt::format("{}s", t);
+  if (t < 3600) return fmt::format("{}m{:02}s", t / 60, t % 60);
+  return fmt::format("{}h{:02}m", t / 3600, (t % 3600) / 60);
+}
+
+// Seconds between two RFC 3339 times as the manifest writes them ("" = unknown).
+double seconds_between(const std::string& a, const std::string& b) {
+  auto parse = [](const std::string& t) -> std::optional<double> {
+    std::tm tm{};
+    double frac = 0;
+    if (t.size() < 19) return std::nullopt;
+    if (::strptime(t.substr(0, 19).c_str(), "%Y-%m-%dT%H:%M:%S", &tm) == nullptr)
+      return std::nullopt;
+    if (t.size() > 20 && t[19] == '.') frac = std::stod("0" + t.substr(19, t.find('Z') - 19));
+    return static_cast<double>(::timegm(&tm)) + frac;
+  };
+  const auto x = parse(a), y = parse(b);
+  return x && y ? *y - *x : NAN;
+}
+
+}  // namespace
+
+int run_detached(RunOptions options) {
+  int out[2], err[2];
+  if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0)
+    MEGACPP_FAIL(ErrorKind::kSystem, "--detach: pipe: {}", std::strerror(errno));
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = ::fork();
+  if (pid < 0) MEGACPP_FAIL(ErrorKind::kSystem, "--detach: fork: {}", std::strerror(errno));
+  if (pid == 0) {
+    // The supervisor: its own session (no controlling terminal, so no SIGHUP when the
+    // terminal closes); its output reaches the launching command until the stage graph is up,
+    // then RUN/logs/supervisor.log (Run::detach_output).
+    ::setsid();
+    const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
+    ::dup2(out[1], STDOUT_FILENO);
+    ::dup2(err[1], STDERR_FILENO);
+    for (int fd : {out[0], out[1], err[0], err[1], devnull})
+      if (fd > STDERR_FILENO) ::close(fd);
+    options.detach = true;
+    options.progress = "none";
+    int rc = 1;
+    try {
+      rc = run(std::move(options));
+    } catch (const Error& e) {
+      std::fflush(stdout);
+      fmt::print(stderr, "megacpp: error: {}\n", e.what());
+      rc = e.kind() == ErrorKind::kInvalidArgument ? 2 : 1;
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "megacpp: error: {}\n", e.what());
+    }
+    std::fflush(stdout);
+    std::fflush(stderr);
+    ::_exit(rc);
+  }
+  ::close(out[1]);
+  ::close(err[1]);
+  // Relay the supervisor's output until it says it detached (kDetachedMarker on stdout) or
+  // both pipes close; the marker line itself is not shown.
+  bool detached = false;
+  std::string pending;
+  pollfd fds[2] = {{out[0], POLLIN, 0}, {err[0], POLLIN, 0}};
+  int open_pipes = 2;
+  char buf[4096];
+  while (open_pipes > 0) {
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+      const ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        ::close(fds[i].fd);
+        fds[i].fd = -1;
+        --open_pipes;
+        continue;
+      }
+      if (i == 1) {
+        write_all(STDERR_FILENO, buf, static_cast<size_t>(n));
+        continue;
+      }
+      pending.append(buf, static_cast<size_t>(n));
+      for (size_t nl; (nl = pending.find('\n')) != std::string::npos;) {
+        const std::string line = pending.substr(0, nl + 1);
+        pending.erase(0, nl + 1);
+        if (line == std::string(kDetachedMarker) + "\n") {
+          detached = true;
+        } else {
+          write_all(STDOUT_FILENO, line.data(), line.size());
+        }
+      }
+    }
+  }
+  write_all(STDOUT_FILENO, pending.data(), pending.size());
+  if (detached) return 0;
+  // It ended before the stage graph was up (a refusal, a failed launch): its status is ours.
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+}
+
+int stop(const fs::path& run_dir, bool wait, double timeout_s) {
+  require_run(run_dir);
+  const auto pid = live_supervisor(run_dir);
+  if (!pid) {
+    reconcile(run_dir);
+    collector::collect_run(run_dir);
+    schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{} is not running (state {}): nothing to stop",
+                 run_dir.string(), state_name(manifest.get().getState()));
+  }
+  if (::kill(*pid, SIGTERM) != 0)
+    MEGACPP_FAIL(ErrorKind::kSystem, "cannot signal the supervisor (pid {}) of {}: {}", *pid,
+                 run_dir.string(), std::strerror(errno));
+  fmt::print(
+      "asked the supervisor (pid {}) of {} to stop: the ranks finish the step in flight and "
+      "commit its checkpoint\n",
+      *pid, run_dir.string());
+  if (!wait) return 0;
+  std::fflush(stdout);
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  while (live_supervisor(run_dir)) {
+    if (std::chrono::steady_clock::now() > deadline)
+      MEGACPP_FAIL(ErrorKind::kTimeout,
+                   "{} is still running {:.0f}s after the stop request; `megacpp stop` again "
+                   "tears it down at once",
+                   run_dir.string(), timeout_s);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return supervisor::status(run_dir);
+}
+
+int watch_status(const fs::path& run_dir, double interval_s) {
+  require_run(run_dir);
+  const bool tty = ::isatty(STDOUT_FILENO) != 0;
+  for (;;) {
+    if (!live_supervisor(run_dir)) return supervisor::status(run_dir);
+    schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
+    auto l = launch.get();
+    const uint32_t world = l.getWorld(), planned = l.getSteps();
+    const Progress p = read_progress(run_dir, world);
+    uint32_t up = 0, total = 0;
+    if (fs::exists(layout::manifest_path(run_dir))) {
+      schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
+      for (auto st : manifest.get().getStages()) {
+        if (st.getStage() == StageKind::SUPERVISOR) continue;
+        ++total;
+        up += st.getState() == schema::ProcessState::STARTED;
+      }
+    }
+    const double eta = p.step < planned && std::isfinite(p.step_seconds)
+                           ? (planned - p.step) * p.step_seconds
+                           : NAN;
+    const std::string line = fmt::format(
+        "{}  step {}/{}  loss {}  {} tok/s  stages up {}/{}  eta {}", run_dir.filename().string(),
+        p.step, planned, std::isfinite(p.loss) ? fmt::format("{:.4f}", p.loss) : "-",
+        std::isfinite(p.tokens_per_second) ? fmt::format("{:.0f}", p.tokens_per_second) : "-", up,
+        total, duration_text(eta));
+    if (tty) {
+      fmt::print("\r\033[K{}", line);
+    } else {
+      fmt::print("{}\n", line);
+    }
+    std::fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(interval_s * 1000)));
+    if (tty && !live_supervisor(run_dir)) fmt::print("\n");
+  }
+}
+
+int list_runs(const fs::path& dir) {
+  if (!fs::is_directory(dir))
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{} is not a directory", dir.string());
+  std::vector<fs::path> runs;
+  // Runs directly under `dir`, and one level further (a folder of experiments of runs).
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (!e.is_directory()) continue;
+    if (fs::exists(layout::launch_path(e.path()))) {
+      runs.push_back(e.path());
+      continue;
+    }
+    std::error_code ec;
+    for (const auto& f : fs::directory_iterator(e.path(), ec))
+      if (f.is_directory() && fs::exists(layout::launch_path(f.path()))) runs.push_back(f.path());
+  }
+  std::sort(runs.begin(), runs.end());
+  fmt::print("{:<40} {:<11} {:<16} {:>11} {:>9} {:<20} {:>9}\n", "run", "state", "recipe", "steps",
+             "last loss", "started", "duration");
+  for (const fs::path& run : runs) {
+    const std::string name = fs::relative(run, dir).string();
+    try {
+      reconcile(run);
+      if (!fs::exists(layout::manifest_path(run))) collector::collect_run(run);
+      schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run));
+      auto m = manifest.get();
+      const bool live = live_supervisor(run).has_value();
+      double last_loss = NAN;
+      const fs::path br = layout::receipts_dir(run) / "bench_result.json";
+      if (live) {
+        last_loss = read_progress(run, m.getWorld()).loss;
+      } else if (fs::exists(br)) {
+        last_loss = schemas::JsonFile<schema::BenchResult>(br).get().getLastLoss();
+      }
+      const std::string started = m.getLaunchedAt();
+      const std::string ended = live ? rfc3339(wall_ns()) : std::string(m.getCompletedAt());
+      fmt::print("{:<40} {:<11} {:<16} {:>11} {:>9} {:<20} {:>9}\n", name,
+                 live ? "running" : state_name(m.getState()), m.getRecipe().cStr(),
+                 fmt::format("{}/{}", m.getStepsCompleted(), m.getStepsPlanned()),
+                 std::isfinite(last_loss) ? fmt::format("{:.4f}", last_loss) : "-",
+                 started.substr(0, 19), duration_text(seconds_between(started, ended)));
+    } catch (const std::exception& e) {
+      fmt::print("{:<40} unreadable: {}\n", name, e.what());
+    }
+  }
+  if (runs.empty()) fmt::print("(no runs under {})\n", dir.string());
+  return 0;
+}
+
+}  // namespace megacpp::supervisor
