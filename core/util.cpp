@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/utsname.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -122,6 +123,35 @@ std::string read_file(const std::filesystem::path& path) {
 
 std::string xxh3_hex(std::string_view bytes) {
   return fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size()));
+}
+
+std::string cpu_model() {
+  std::string text;
+  try {
+    text = read_file("/proc/cpuinfo");
+  } catch (const Error&) {
+    return "";
+  }
+  for (size_t at = 0; at < text.size();) {
+    const size_t end = std::min(text.find('\n', at), text.size());
+    const std::string_view line(text.data() + at, end - at);
+    if (line.starts_with("model name")) {
+      const size_t colon = line.find(':');
+      if (colon != std::string_view::npos) {
+        std::string_view v = line.substr(colon + 1);
+        while (!v.empty() && v.front() == ' ') v.remove_prefix(1);
+        return std::string(v);
+      }
+    }
+    at = end + 1;
+  }
+  return "";
+}
+
+std::string kernel_description() {
+  utsname u{};
+  if (::uname(&u) != 0) return "";
+  return fmt::format("{} {} {} {}", u.sysname, u.release, u.version, u.machine);
 }
 
 void set_log_prefix(std::string prefix) {

@@ -51,6 +51,11 @@ std::string read_file(const std::filesystem::path& path);
 // Hex text of XXH3-64 over bytes (checksums in manifests).
 std::string xxh3_hex(std::string_view bytes);
 
+// This host, for receipts: /proc/cpuinfo's first "model name" ("" when there is none) and
+// uname's "sysname release version machine".
+std::string cpu_model();
+std::string kernel_description();
+
 // Log lines go to stderr (a stage's stderr is its log file) with a prefix naming the
 // process, e.g. "[trainer-1] ...". set_log_prefix is called once in main.
 void set_log_prefix(std::string prefix);

@@ -139,6 +139,23 @@ struct CheckpointRestored {
 struct FirstForward {
   seconds @0 :Float64;          # process start -> first forward done
 }
+# A trainer rank reached a start-up milestone (rendezvousDone: its process groups are joined;
+# firstBackward: its first step's backward is done); the record's wallNs is when.
+struct Milestone {
+  seconds @0 :Float64;          # process start -> the milestone
+}
+# What a trainer rank computes with, journaled once it has joined its process groups.
+struct BackendIdentity {
+  torchVersion @0 :Text;        # the libtorch the rank runs (TORCH_VERSION of its headers)
+  backend @1 :Text;             # "gloo" | "nccl" | "none" (one rank)
+  backendVersion @2 :Text;      # NCCL's version on CUDA; Gloo is torch's own
+  device @3 :Text;              # "cpu" | "cuda:N"
+  deviceName @4 :Text;          # the CPU model, or the CUDA device's name
+  threads @5 :UInt32;           # torch intra-op threads
+  tensorParallel @6 :UInt32;    # 1, or the size of its tensor-parallel group
+  compiler @7 :Text;            # of the trainer binary
+  buildType @8 :Text;
+}
 
 # The supervisor asked a rank to abort its collectives in a failed job's teardown (before any
 # signal): what the rank replied, or that it did not within the wait.
@@ -178,6 +195,9 @@ struct JournalRecord {
     attemptStarted @20 :AttemptStarted;
     checkpointRestored @21 :CheckpointRestored;
     collectivesAborted @22 :CollectiveAbort;
+    rendezvousDone @23 :Milestone;
+    firstBackward @24 :Milestone;
+    backendIdentity @25 :BackendIdentity;
   }
   # The run attempt that wrote the record (launch.json's attempt; 0 in journals written
   # before attempts existed).

@@ -133,6 +133,10 @@ struct Provenance {
   compiler @4 :Text;
   hostname @5 :Text;
   torchVersion @6 :Text;
+  kernel @7 :Text;              # uname: sysname release version machine
+  cpuModel @8 :Text;            # /proc/cpuinfo "model name"
+  cpuCount @9 :UInt32;          # online CPUs
+  buildFlags @10 :Text;         # the C++ flags of this build type
 }
 
 # Where training starts when it does not start from scratch (DESIGN.md "Resume and recovery").

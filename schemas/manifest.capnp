@@ -183,3 +183,53 @@ struct BenchTelemetry {
   firstForwardSeconds @3 :List(Float64);  # per rank
   telemetryTruncated @4 :Bool;
 }
+
+# receipts/backend_identity.json: what built the run and what each rank computed with.
+struct BackendIdentityReceipt {
+  schemaVersion @0 :UInt32;
+  runId @1 :Text;
+  build @2 :Launch.Provenance;  # the supervisor's build: version, revision, compiler, flags
+  ranks @3 :List(RankBackend);  # the current attempt's trainer ranks, by rank
+}
+struct RankBackend {
+  rank @0 :UInt32;
+  attempt @1 :UInt32;
+  identity @2 :Journal.BackendIdentity;  # absent when the rank never joined its groups
+}
+
+# receipts/runtime_provenance.json: where and how the run was launched.
+struct RuntimeProvenance {
+  schemaVersion @0 :UInt32;
+  runId @1 :Text;
+  recipe @2 :Text;
+  recipeHash @3 :Text;
+  argv @4 :List(Text);
+  env @5 :List(Launch.EnvVar);  # the overlay the launch contract recorded (no secret-like names)
+  hostname @6 :Text;
+  kernel @7 :Text;
+  cpuModel @8 :Text;
+  cpuCount @9 :UInt32;
+  volumes @10 :List(Launch.VolumeUse);  # run data, checkpoints and logs directories' filesystems
+  dataset @11 :Launch.Dataset;          # its files' XXH3 digests when data came from a manifest
+  device @12 :Text;
+  attempt @13 :UInt32;
+}
+
+# receipts/first_forward.json: per rank of the current attempt, seconds from the attempt's
+# launch (its first stage started) to the rank's start-up milestones; -1 when not reached. A
+# rank far behind the others points at a compile, load or rendezvous divergence, not a hang.
+struct FirstForwardReceipt {
+  schemaVersion @0 :UInt32;
+  runId @1 :Text;
+  attempt @2 :UInt32;
+  ranks @3 :List(RankFirstForward);
+  slowestRank @4 :Int32;        # by first backward (-1: none reached it)
+  spreadSeconds @5 :Float64;    # slowest minus fastest first backward (0 with one rank)
+}
+struct RankFirstForward {
+  rank @0 :UInt32;
+  processStartSeconds @1 :Float64;   # launch -> the rank's process started
+  rendezvousSeconds @2 :Float64;     # launch -> its process groups joined
+  firstForwardSeconds @3 :Float64;   # launch -> first forward done
+  firstBackwardSeconds @4 :Float64;  # launch -> first backward done
+}

@@ -711,8 +711,9 @@ void Run::write_launch_contract(const recipe::Recipe& planned) {
     std::string k = kv.substr(0, eq);
     bool family = k.starts_with("TORCH") || k.starts_with("NCCL") || k.starts_with("CUDA") ||
                   k.starts_with("OMP_") || k.starts_with("MEGACPP_") || k.starts_with("GLOO");
-    bool secret = k.find("TOKEN") != std::string::npos || k.find("SECRET") != std::string::npos ||
-                  k.find("KEY") != std::string::npos || k.find("PASSWORD") != std::string::npos;
+    bool secret = false;
+    for (const char* word : {"TOKEN", "SECRET", "KEY", "PASS", "CREDENTIAL", "AUTH", "PRIVATE"})
+      secret = secret || k.find(word) != std::string::npos;
     if (family && !secret) env.emplace_back(k, kv.substr(eq + 1));
   }
   std::sort(env.begin(), env.end());
@@ -732,6 +733,10 @@ void Run::write_launch_contract(const recipe::Recipe& planned) {
   ::gethostname(host, sizeof host - 1);
   p.setHostname(host);
   p.setTorchVersion(torch_version());
+  p.setKernel(kernel_description());
+  p.setCpuModel(cpu_model());
+  p.setCpuCount(static_cast<uint32_t>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN))));
+  p.setBuildFlags(MEGACPP_BUILD_FLAGS);
   l.setSupervisorPid(::getpid());
   l.setSupervisorStartTicks(detail::process_start_ticks(::getpid()));
   l.setMetricsEndpoint(metrics_endpoint_);

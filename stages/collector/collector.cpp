@@ -36,6 +36,9 @@ namespace {
 constexpr std::string_view kManifest = "manifest.json";
 constexpr std::string_view kBenchResult = "bench_result.json";
 constexpr std::string_view kBenchTelemetry = "bench_telemetry.json";
+constexpr std::string_view kBackendIdentity = "backend_identity.json";
+constexpr std::string_view kRuntimeProvenance = "runtime_provenance.json";
+constexpr std::string_view kFirstForward = "first_forward.json";
 constexpr std::string_view kJournalSuffix = ".journal";
 
 // The typed kind and role of a supervisor record; a journal written before the enum fields
@@ -187,6 +190,16 @@ struct Collector::State {
   std::map<std::pair<StageKind, uint32_t>, Process> processes;
   std::map<uint32_t, std::map<uint32_t, StepData>> steps;  // trainer rank -> step -> data
   std::map<uint32_t, double> first_forward;                // trainer rank -> seconds
+  // The current attempt's start-up, per trainer rank (receipts/first_forward.json): wall ns of
+  // its process start, groups joined, first forward and first backward done; and the launch,
+  // the earliest stage the supervisor started in the attempt.
+  struct StartUp {
+    std::optional<int64_t> process, rendezvous, forward, backward;
+  };
+  std::map<uint32_t, StartUp> start_up;
+  std::optional<int64_t> launch_wall;
+  // The current attempt's trainer ranks' BackendIdentity records (receipts/backend_identity.json).
+  std::map<uint32_t, std::unique_ptr<capnp::MallocMessageBuilder>> identities;
   double teardown_seconds = 0;
   struct Graph {
     std::string reason;
@@ -500,6 +513,7 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
     }
     case schema::JournalRecord::CHILD_STARTED: {
       auto ev = rec.getChildStarted();
+      if (from_supervisor && (!launch_wall || wall < *launch_wall)) launch_wall = wall;
       Process& child = processes[{ev.getStage(), ev.getRank()}];
       child.see_pid(mono, ev.getPid());
       Process::latest(child.started_mono, mono);
@@ -572,6 +586,25 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
     case schema::JournalRecord::FIRST_FORWARD:
       if (stage == StageKind::TRAINER && !first_forward.contains(rank)) {
         first_forward[rank] = rec.getFirstForward().getSeconds();
+      }
+      if (stage == StageKind::TRAINER && !start_up[rank].forward) start_up[rank].forward = wall;
+      break;
+    case schema::JournalRecord::RENDEZVOUS_DONE:
+      if (stage == StageKind::TRAINER && !start_up[rank].rendezvous) {
+        StartUp& su = start_up[rank];
+        su.rendezvous = wall;
+        su.process = wall - static_cast<int64_t>(
+                                std::llround(rec.getRendezvousDone().getSeconds() * 1e9));
+      }
+      break;
+    case schema::JournalRecord::FIRST_BACKWARD:
+      if (stage == StageKind::TRAINER && !start_up[rank].backward) start_up[rank].backward = wall;
+      break;
+    case schema::JournalRecord::BACKEND_IDENTITY:
+      if (stage == StageKind::TRAINER && !identities.contains(rank)) {
+        auto m = std::make_unique<capnp::MallocMessageBuilder>();
+        m->setRoot(rec.getBackendIdentity());
+        identities[rank] = std::move(m);
       }
       break;
     default:  // a record kind newer than this collector: its header was still folded
@@ -822,9 +855,12 @@ void Collector::render() {
       m.setParent(launch.getParent());
     }
     if (terminal) {
-      auto receipts = m.initReceipts(2);
+      auto receipts = m.initReceipts(5);
       receipts.set(0, std::string(kBenchResult));
       receipts.set(1, std::string(kBenchTelemetry));
+      receipts.set(2, std::string(kBackendIdentity));
+      receipts.set(3, std::string(kRuntimeProvenance));
+      receipts.set(4, std::string(kFirstForward));
     }
     auto journals = m.initJournals(static_cast<unsigned>(s.journals.size()));
     i = 0;
@@ -940,6 +976,70 @@ void Collector::render() {
     }
     t.setTelemetryTruncated(s.truncated(eff));
     out["receipts/" + std::string(kBenchTelemetry)] = schemas::to_json(t.asReader());
+
+    capnp::MallocMessageBuilder identity_message;
+    auto bi = identity_message.initRoot<schema::BackendIdentityReceipt>();
+    bi.setSchemaVersion(schema::SCHEMA_VERSION);
+    bi.setRunId(s.run_id);
+    bi.setBuild(launch.getProvenance());
+    auto bir = bi.initRanks(s.world);
+    for (uint32_t rank = 0; rank < s.world; ++rank) {
+      bir[rank].setRank(rank);
+      bir[rank].setAttempt(s.attempt);
+      if (auto it = s.identities.find(rank); it != s.identities.end())
+        bir[rank].setIdentity(it->second->getRoot<schema::BackendIdentity>().asReader());
+    }
+    out["receipts/" + std::string(kBackendIdentity)] = schemas::to_json(bi.asReader());
+
+    capnp::MallocMessageBuilder provenance_message;
+    auto rp = provenance_message.initRoot<schema::RuntimeProvenance>();
+    rp.setSchemaVersion(schema::SCHEMA_VERSION);
+    rp.setRunId(s.run_id);
+    rp.setRecipe(s.recipe);
+    rp.setRecipeHash(s.recipe_hash);
+    rp.setArgv(launch.getArgv());
+    rp.setEnv(launch.getEnv());
+    rp.setHostname(launch.getProvenance().getHostname());
+    rp.setKernel(launch.getProvenance().getKernel());
+    rp.setCpuModel(launch.getProvenance().getCpuModel());
+    rp.setCpuCount(launch.getProvenance().getCpuCount());
+    rp.setVolumes(launch.getVolumes());
+    rp.setDataset(launch.getDataset());
+    rp.setDevice(launch.getDevice().size() > 0 ? launch.getDevice() : capnp::Text::Reader("cpu"));
+    rp.setAttempt(s.attempt);
+    out["receipts/" + std::string(kRuntimeProvenance)] = schemas::to_json(rp.asReader());
+
+    capnp::MallocMessageBuilder first_message;
+    auto fr = first_message.initRoot<schema::FirstForwardReceipt>();
+    fr.setSchemaVersion(schema::SCHEMA_VERSION);
+    fr.setRunId(s.run_id);
+    fr.setAttempt(s.attempt);
+    auto frr = fr.initRanks(s.world);
+    auto since_launch = [&](const std::optional<int64_t>& at) {
+      return at && s.launch_wall ? static_cast<double>(*at - *s.launch_wall) / 1e9 : -1.0;
+    };
+    int32_t slowest = -1;
+    double fastest_backward = 0, slowest_backward = 0;
+    for (uint32_t rank = 0; rank < s.world; ++rank) {
+      const auto it = s.start_up.find(rank);
+      const State::StartUp su = it == s.start_up.end() ? State::StartUp{} : it->second;
+      frr[rank].setRank(rank);
+      frr[rank].setProcessStartSeconds(since_launch(su.process));
+      frr[rank].setRendezvousSeconds(since_launch(su.rendezvous));
+      frr[rank].setFirstForwardSeconds(since_launch(su.forward));
+      const double backward = since_launch(su.backward);
+      frr[rank].setFirstBackwardSeconds(backward);
+      if (backward < 0) continue;
+      const bool first = slowest < 0;
+      if (first || backward > slowest_backward) {
+        slowest = static_cast<int32_t>(rank);
+        slowest_backward = backward;
+      }
+      if (first || backward < fastest_backward) fastest_backward = backward;
+    }
+    fr.setSlowestRank(slowest);
+    fr.setSpreadSeconds(slowest < 0 ? 0.0 : slowest_backward - fastest_backward);
+    out["receipts/" + std::string(kFirstForward)] = schemas::to_json(fr.asReader());
   }
   outputs_ = std::move(out);
 }

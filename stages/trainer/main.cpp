@@ -17,6 +17,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <torch/version.h>
 
 #include "core/error.h"
 #include "core/util.h"
@@ -269,6 +270,28 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       }
     });
   }
+  // Start-up receipts (receipts/first_forward.json, receipts/backend_identity.json): when the
+  // groups were joined, and what this rank computes with.
+  ctx.journal().append([&](schema::JournalRecord::Builder r) {
+    r.initRendezvousDone().setSeconds(seconds_since_process_start(main_entry));
+  });
+  ctx.journal().append([&](schema::JournalRecord::Builder r) {
+    auto b = r.initBackendIdentity();
+    b.setTorchVersion(TORCH_VERSION);
+    b.setBackend(world == 1 ? "none" : on_cuda ? "nccl" : "gloo");
+    b.setBackendVersion(on_cuda ? std::string(cuda->api().versions())
+                                : fmt::format("gloo (torch {})", TORCH_VERSION));
+    b.setDevice(on_cuda ? fmt::format("cuda:{}", rank) : std::string("cpu"));
+    b.setDeviceName(on_cuda ? std::string(cuda->api().versions()) : cpu_model());
+    b.setThreads(static_cast<uint32_t>(threads));
+    b.setTensorParallel(tp);
+    b.setCompiler(fmt::format("gcc {}.{}.{}", __GNUC__, __GNUC_MINOR__, __GNUC_PATCHLEVEL__));
+#ifdef NDEBUG
+    b.setBuildType("release (NDEBUG)");
+#else
+    b.setBuildType("debug (assertions on)");
+#endif
+  });
   struct AbortHandlerGuard {
     ipc::ControlClient& control;
     ~AbortHandlerGuard() { control.set_abort_handler({}); }
@@ -328,7 +351,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
 
   SnapshotPlane snapshots(ctx.zmq(), *ts, snapshot_options(ctx));
-  bool first_forward_done = false;
+  bool first_forward_done = false, first_backward_done = false;
   double tokens_total = 0;
   auto step_start = Clock::now();
   for (uint32_t step = first_step; step <= steps; ++step) {
@@ -362,6 +385,12 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     hooks.on_phase = [&](Phase p) {
       ctx.set_phase(p);
       if (const char* point = fault_point_of(p)) stage::fault_point(ctx, point, step);
+      if (p == Phase::OPTIMIZER && !first_backward_done) {
+        first_backward_done = true;
+        const double s = seconds_since_process_start(main_entry);
+        ctx.journal().append(
+            [&](schema::JournalRecord::Builder r) { r.initFirstBackward().setSeconds(s); });
+      }
       if (p == Phase::BACKWARD && !first_forward_done) {
         first_forward_done = true;
         const double s = seconds_since_process_start(main_entry);

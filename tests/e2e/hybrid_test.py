@@ -250,6 +250,25 @@ class NemoNative(unittest.TestCase):
         a, b = load_file(out), load_file(out1)
         self.assertEqual({k: list(v.shape) for k, v in a.items()},
                          {k: list(v.shape) for k, v in b.items()})
+        # The start-up receipts: both ranks computed in a tensor-parallel group of 2 over Gloo,
+        # and reached their milestones in order after the launch.
+        with open(os.path.join(self.nemo, "receipts", "backend_identity.json")) as f:
+            ranks = json.load(f)["ranks"]
+        self.assertEqual([(r["rank"], r["identity"]["tensorParallel"], r["identity"]["backend"])
+                          for r in ranks], [(0, 2, "gloo"), (1, 2, "gloo")])
+        with open(os.path.join(self.nemo, "receipts", "first_forward.json")) as f:
+            first = json.load(f)
+        for r in first["ranks"]:
+            times = [r["processStartSeconds"], r["rendezvousSeconds"], r["firstForwardSeconds"],
+                     r["firstBackwardSeconds"]]
+            self.assertEqual(times, sorted(times), r)
+            self.assertGreaterEqual(times[0], 0, r)
+        self.assertIn(first["slowestRank"], (0, 1))
+        with open(os.path.join(self.nemo, "receipts", "runtime_provenance.json")) as f:
+            prov = json.load(f)
+        self.assertIn("nemo_native", prov["argv"])
+        self.assertGreaterEqual(prov["cpuCount"], 1)
+        self.assertTrue(prov["kernel"].startswith("Linux"), prov["kernel"])
 
     def test_a_rank_crash_then_resume_is_bit_identical(self):
         d = self.train("crash", self.recipe, RANKS, "--mode", "nemo_native",

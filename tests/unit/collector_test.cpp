@@ -192,6 +192,74 @@ std::string s(schema::ProcessState st) {
   return std::string(schemas::name(st));
 }
 
+// receipts/first_forward.json: seconds from the attempt's launch (the first stage started, at
+// t = 1 ms) to each rank's process start, groups joined, first forward and first backward; the
+// slowest rank by first backward and the spread. backend_identity.json: each rank's record.
+TEST(Collector, StartUpReceiptsNameTheSlowestRank) {
+  FakeRun run;
+  run.supervisor_start();
+  run.run_started();
+  for (uint32_t r = 0; r < 2; ++r) {
+    // Rank 1 joins, computes and finishes its first backward 2 s after rank 0.
+    const int64_t lag = 2000 * r;
+    run.rec(StageKind::TRAINER, r, 1001 + lag, [&](auto rec) {
+      rec.initRendezvousDone().setSeconds(0.5);  // its process started at 501 ms + lag
+    });
+    run.rec(StageKind::TRAINER, r, 1002 + lag, [&](auto rec) {
+      auto b = rec.initBackendIdentity();
+      b.setBackend("gloo");
+      b.setThreads(1 + r);
+    });
+    run.rec(StageKind::TRAINER, r, 2001 + lag,
+            [&](auto rec) { rec.initFirstForward().setSeconds(1.5); });
+    run.rec(StageKind::TRAINER, r, 3001 + lag,
+            [&](auto rec) { rec.initFirstBackward().setSeconds(2.5); });
+  }
+  for (uint32_t st = 1; st <= 3; ++st)
+    for (uint32_t r = 0; r < 2; ++r) run.step(r, st);
+  run.run_finished(9000, true);
+  Collector c(run.run());
+  c.poll();
+  Parsed<schema::FirstForwardReceipt> f(c.outputs().at("receipts/first_forward.json"));
+  ASSERT_EQ(f.r.getRanks().size(), 2u);
+  for (uint32_t r = 0; r < 2; ++r) {
+    const auto rank = f.r.getRanks()[r];
+    const double lag = 2.0 * r;
+    EXPECT_EQ(rank.getRank(), r);
+    EXPECT_NEAR(rank.getProcessStartSeconds(), 0.5 + lag, 1e-9);
+    EXPECT_NEAR(rank.getRendezvousSeconds(), 1.0 + lag, 1e-9);
+    EXPECT_NEAR(rank.getFirstForwardSeconds(), 2.0 + lag, 1e-9);
+    EXPECT_NEAR(rank.getFirstBackwardSeconds(), 3.0 + lag, 1e-9);
+  }
+  EXPECT_EQ(f.r.getSlowestRank(), 1);
+  EXPECT_NEAR(f.r.getSpreadSeconds(), 2.0, 1e-9);
+  Parsed<schema::BackendIdentityReceipt> b(c.outputs().at("receipts/backend_identity.json"));
+  ASSERT_EQ(b.r.getRanks().size(), 2u);
+  EXPECT_EQ(s(b.r.getRanks()[1].getIdentity().getBackend()), "gloo");
+  EXPECT_EQ(b.r.getRanks()[1].getIdentity().getThreads(), 2u);
+  Parsed<schema::RuntimeProvenance> p(c.outputs().at("receipts/runtime_provenance.json"));
+  EXPECT_EQ(s(p.r.getRecipe()), "tiny");
+}
+
+// A rank that never got past its rendezvous reads -1 for what it did not reach, and is not the
+// slowest (nothing to compare).
+TEST(Collector, StartUpReceiptOfARankThatNeverComputed) {
+  FakeRun run;
+  run.supervisor_start();
+  run.run_started();
+  run.rec(StageKind::TRAINER, 0, 1001, [&](auto rec) { rec.initRendezvousDone().setSeconds(0.5); });
+  run.run_finished(5000, false, "signaled", StageKind::TRAINER, 0, "killed");
+  Collector c(run.run());
+  c.poll();
+  Parsed<schema::FirstForwardReceipt> f(c.outputs().at("receipts/first_forward.json"));
+  ASSERT_EQ(f.r.getRanks().size(), 2u);
+  EXPECT_NEAR(f.r.getRanks()[0].getRendezvousSeconds(), 1.0, 1e-9);
+  EXPECT_EQ(f.r.getRanks()[0].getFirstForwardSeconds(), -1.0);
+  EXPECT_EQ(f.r.getRanks()[1].getRendezvousSeconds(), -1.0);
+  EXPECT_EQ(f.r.getSlowestRank(), -1);
+  EXPECT_EQ(f.r.getSpreadSeconds(), 0.0);
+}
+
 TEST(Collector, StatesLaunchedRunningOkAndIncrementalPoll) {
   FakeRun run;
   Collector c(run.run());
@@ -274,9 +342,12 @@ TEST(Collector, StatesLaunchedRunningOkAndIncrementalPoll) {
     EXPECT_EQ(m.r.getLatestCheckpointStep(), 2u);
     EXPECT_EQ(s(m.r.getStages()[1].getState()), "finished");
     EXPECT_EQ(s(m.r.getStages()[3].getState()), "started");  // checkpointer never reported back
-    ASSERT_EQ(m.r.getReceipts().size(), 2u);
+    ASSERT_EQ(m.r.getReceipts().size(), 5u);
     EXPECT_EQ(s(m.r.getReceipts()[0]), "bench_result.json");
     EXPECT_EQ(s(m.r.getReceipts()[1]), "bench_telemetry.json");
+    EXPECT_EQ(s(m.r.getReceipts()[2]), "backend_identity.json");
+    EXPECT_EQ(s(m.r.getReceipts()[3]), "runtime_provenance.json");
+    EXPECT_EQ(s(m.r.getReceipts()[4]), "first_forward.json");
     auto journals = m.r.getJournals();
     ASSERT_EQ(journals.size(), 4u);  // sorted file names
     EXPECT_EQ(s(journals[0].getName()), "checkpointer-0.journal");
@@ -368,7 +439,7 @@ TEST(Collector, ErrorPathWithTypedErrorAndMinStepRule) {
   EXPECT_EQ(t1.getLastStep(), 2u);
   EXPECT_EQ(s(m.getStages()[1].getState()), "started");
   EXPECT_FALSE(m.hasLatestCheckpoint());
-  EXPECT_EQ(m.getReceipts().size(), 2u);
+  EXPECT_EQ(m.getReceipts().size(), 5u);
 
   schemas::JsonFile<schema::BenchResult> r(layout::receipts_dir(run.run()) / "bench_result.json");
   EXPECT_EQ(r.get().getSteps(), 2u);
