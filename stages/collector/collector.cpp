@@ -593,8 +593,8 @@ void Collector::State::fold(schema::JournalRecord::Reader rec) {
       if (stage == StageKind::TRAINER && !start_up[rank].rendezvous) {
         StartUp& su = start_up[rank];
         su.rendezvous = wall;
-        su.process = wall - static_cast<int64_t>(
-                                std::llround(rec.getRendezvousDone().getSeconds() * 1e9));
+        su.process =
+            wall - static_cast<int64_t>(std::llround(rec.getRendezvousDone().getSeconds() * 1e9));
       }
       break;
     case schema::JournalRecord::FIRST_BACKWARD:
