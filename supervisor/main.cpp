@@ -188,6 +188,17 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1.0, 86400.0))
       ->capture_default_str();
 
+  std::vector<fs::path> compare_dirs;
+  bool compare_force = false;
+  auto* compare_cmd =
+      app.add_subcommand("compare",
+                         "Runs of one comparison class side by side: tokens/s, step time p50/p99, "
+                         "checkpoint stall, restarts, loss at matching steps");
+  compare_cmd->add_option("runs", compare_dirs, "Run directories (two or more)")->required();
+  compare_cmd->add_flag("--force", compare_force,
+                        "Print runs of different classes too, labelled as a cross-class "
+                        "comparison");
+
   fs::path list_dir;
   auto* list_cmd = app.add_subcommand(
       "list", "Every run under a folder: state, recipe, steps, last loss, started, duration");
@@ -302,6 +313,7 @@ int main(int argc, char** argv) {
                           : mc::supervisor::status(status_dir);
     if (*stop_cmd) return mc::supervisor::stop(stop_dir, stop_wait, stop_timeout);
     if (*list_cmd) return mc::supervisor::list_runs(list_dir);
+    if (*compare_cmd) return mc::supervisor::compare_runs(compare_dirs, compare_force);
     if (*collect) {
       for (const auto& d : collect_dirs) {
         mc::supervisor::reconcile(d);

@@ -119,6 +119,13 @@ int stop(const std::filesystem::path& run_dir, bool wait, double timeout_s);
 // the live manifest, rewritten in place on a terminal; then the run's status.
 int watch_status(const std::filesystem::path& run_dir, double interval_s);
 
+// `megacpp compare RUN...`: the runs' comparison class (recipe and hash, mode, world, backend,
+// device, build, data) must be one, else Error{kInvalidArgument} lists the fields that differ
+// (`force` prints them anyway under a cross-class label); then a table of tokens/s, step time
+// p50/p99, checkpoint stall, restarts and the loss at steps every run recorded. Each run must
+// have its receipts (ended).
+int compare_runs(const std::vector<std::filesystem::path>& runs, bool force);
+
 // `megacpp list DIR`: every run directly under DIR or one folder below, with its state,
 // recipe, steps, last loss, start and duration.
 int list_runs(const std::filesystem::path& dir);

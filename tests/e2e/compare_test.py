@@ -1,0 +1,75 @@
+"""End-to-end: `megacpp compare` within and across comparison classes.
+
+Two runs of `tiny` on 2 ranks are one class (same recipe hash, mode, world, backend, device,
+build and data): the table prints tokens/s, step time p50/p99, checkpoint stall, restarts and the
+loss at steps both recorded (equal: the runs are bit-identical). A run on 1 rank is another class:
+refused in one line naming the field that differs (world), printed with --force under a
+cross-class label. Fewer than two runs, or a folder that is not a run, is one line and exit 2.
+"""
+import os
+import re
+import shutil
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import run_harness  # noqa: E402
+
+STEPS = 12
+
+
+class Compare(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="megacpp-compare-")
+        cls.recipe = run_harness.tiny_recipe(cls.tmp, 4)
+        data = os.path.join(cls.tmp, "data")
+        cls.runs = {}
+        for name, ranks in (("a", 2), ("b", 2), ("c", 1)):
+            d = os.path.join(cls.tmp, name)
+            p = run_harness.megacpp(["run", cls.recipe, "--ranks", str(ranks), "--steps", str(STEPS),
+                                     "--run-dir", d, "--data-dir", data, "--progress", "none"])
+            assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+            cls.runs[name] = d
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_one_class_side_by_side(self):
+        p = run_harness.megacpp(["compare", self.runs["a"], self.runs["b"]])
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        out = p.stdout
+        self.assertRegex(out, r"^comparison class: recipe \S+ \([0-9a-f]+\); mode author_dp; world 2;")
+        self.assertRegex(out, r"\nsteps +%d +%d\n" % (STEPS, STEPS))
+        for label in ("tokens/s", "step s p50", "step s p99", "checkpoint stall s", "restarts"):
+            self.assertRegex(out, r"\n%s +\S+ +\S+\n" % re.escape(label), label)
+        losses = re.findall(r"\nloss @ step (\d+) +(\S+) +(\S+)", out)
+        self.assertEqual(losses[0][0], "1")
+        self.assertEqual(losses[-1][0], str(STEPS))
+        for step, a, b in losses:
+            self.assertEqual(a, b, "step %s" % step)  # bit-identical runs
+        self.assertRegex(out, r"\ntokens/s vs a +1\.000x +\d+\.\d{3}x\n")
+
+    def test_another_class_is_refused_then_forced(self):
+        p = run_harness.megacpp(["compare", self.runs["a"], self.runs["c"]])
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        err = p.stderr.strip()
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertIn("not one comparison class: world 2 (a) vs 1 (c)", err)
+        self.assertNotIn("recipe", err.split("not one comparison class")[1])
+        forced = run_harness.megacpp(["compare", self.runs["a"], self.runs["c"], "--force"])
+        self.assertEqual(forced.returncode, 0, forced.stderr)
+        self.assertTrue(forced.stdout.startswith("CROSS-CLASS COMPARISON (--force): world 2 (a) vs 1 (c)"),
+                        forced.stdout)
+
+    def test_bad_input_is_one_line(self):
+        for args in (["compare", self.runs["a"]], ["compare", self.runs["a"], self.tmp]):
+            p = run_harness.megacpp(args)
+            self.assertEqual(p.returncode, 2, (args, p.stdout, p.stderr))
+            self.assertEqual(len(p.stderr.strip().splitlines()), 1, (args, p.stderr))
+
+
+if __name__ == "__main__":
+    unittest.main()
