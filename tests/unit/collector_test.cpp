@@ -260,6 +260,30 @@ TEST(Collector, StartUpReceiptOfARankThatNeverComputed) {
   EXPECT_EQ(f.r.getSpreadSeconds(), 0.0);
 }
 
+// A run written in a newer format is refused by name, never folded.
+TEST(Collector, ANewerRunFormatIsRefusedByName) {
+  FakeRun run;
+  {
+    schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run.run()));
+    capnp::MallocMessageBuilder message;
+    message.setRoot(launch.get());
+    message.getRoot<schema::LaunchContract>().setSchemaVersion(schema::SCHEMA_VERSION + 1);
+    write_file_atomic(layout::launch_path(run.run()),
+                      schemas::to_json(message.getRoot<schema::LaunchContract>().asReader()));
+  }
+  try {
+    Collector c(run.run());
+    FAIL() << "a newer format was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find(
+                  fmt::format("run format version {}", schema::SCHEMA_VERSION + 1)),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fs::exists(layout::manifest_path(run.run())));
+}
+
 TEST(Collector, StatesLaunchedRunningOkAndIncrementalPoll) {
   FakeRun run;
   Collector c(run.run());
