@@ -95,6 +95,7 @@ bench: build
 	@$(BUILD)/bin/bench_checkpoint
 	@$(BUILD)/bin/bench_ssd
 	@$(BUILD)/bin/bench_blocks
+	@MEGACPP_BIN=$(BUILD)/bin/megacpp .venv/bin/python bench/collect_all.py
 
 bench-failure: build
 	@.venv/bin/python bench/failure_detection.py

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -153,7 +154,95 @@ double seconds_between(const std::string& a, const std::string& b) {
   return x && y ? *y - *x : NAN;
 }
 
+// Run directories directly under `dir` and one folder below, sorted.
+std::vector<fs::path> find_runs(const fs::path& dir) {
+  if (!fs::is_directory(dir))
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{} is not a directory", dir.string());
+  std::vector<fs::path> runs;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (!e.is_directory()) continue;
+    if (fs::exists(layout::launch_path(e.path()))) {
+      runs.push_back(e.path());
+      continue;
+    }
+    std::error_code ec;
+    for (const auto& f : fs::directory_iterator(e.path(), ec))
+      if (f.is_directory() && fs::exists(layout::launch_path(f.path()))) runs.push_back(f.path());
+  }
+  std::sort(runs.begin(), runs.end());
+  return runs;
+}
+
+// The bytes of what a fold writes, to tell a changed run from an unchanged one.
+std::string folded_bytes(const fs::path& run) {
+  std::string out;
+  std::error_code ec;
+  for (const fs::path& p : {layout::manifest_path(run)})
+    if (fs::exists(p, ec)) out += read_file(p);
+  const fs::path receipts = layout::receipts_dir(run);
+  if (fs::is_directory(receipts, ec)) {
+    std::vector<fs::path> files;
+    for (const auto& e : fs::directory_iterator(receipts, ec)) files.push_back(e.path());
+    std::sort(files.begin(), files.end());
+    for (const auto& f : files) out += f.filename().string() + read_file(f);
+  }
+  return out;
+}
+
 }  // namespace
+
+int collect_all(const fs::path& dir, unsigned jobs) {
+  const std::vector<fs::path> runs = find_runs(dir);
+  const auto t0 = std::chrono::steady_clock::now();
+  struct Outcome {
+    bool changed = false;
+    std::string problem;
+  };
+  std::vector<Outcome> outcomes(runs.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < runs.size();) {
+      const fs::path& run = runs[i];
+      try {
+        if (const auto pid = live_supervisor(run)) {
+          outcomes[i].problem =
+              fmt::format("still running (supervisor pid {}): collect it once it has ended", *pid);
+          continue;
+        }
+        const std::string before = folded_bytes(run);
+        reconcile(run);
+        collector::collect_run(run);
+        outcomes[i].changed = folded_bytes(run) != before;
+      } catch (const std::exception& e) {
+        outcomes[i].problem = e.what();
+      }
+    }
+  };
+  jobs = std::max(1u, std::min<unsigned>(jobs, static_cast<unsigned>(runs.size())));
+  std::vector<std::thread> pool;
+  for (unsigned j = 1; j < jobs; ++j) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  size_t changed = 0, problems = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    if (!outcomes[i].problem.empty()) {
+      ++problems;
+      fmt::print(stderr, "megacpp: {}: {}\n", fs::relative(runs[i], dir).string(),
+                 outcomes[i].problem);
+    }
+    changed += outcomes[i].changed;
+  }
+  const size_t collected = runs.size() - problems;
+  fmt::print(
+      "collected {} of {} runs under {} in {:.3f}s ({:.2f} ms per run, {} threads): {} "
+      "changed, {} unchanged{}\n",
+      collected, runs.size(), dir.string(), seconds,
+      runs.empty() ? 0.0 : 1e3 * seconds / static_cast<double>(runs.size()), jobs, changed,
+      collected - changed, problems ? fmt::format(", {} not collected", problems) : "");
+  return problems == 0 ? 0 : 1;
+}
 
 int run_detached(RunOptions options) {
   int out[2], err[2];
@@ -309,21 +398,7 @@ int watch_status(const fs::path& run_dir, double interval_s) {
 }
 
 int list_runs(const fs::path& dir) {
-  if (!fs::is_directory(dir))
-    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{} is not a directory", dir.string());
-  std::vector<fs::path> runs;
-  // Runs directly under `dir`, and one level further (a folder of experiments of runs).
-  for (const auto& e : fs::directory_iterator(dir)) {
-    if (!e.is_directory()) continue;
-    if (fs::exists(layout::launch_path(e.path()))) {
-      runs.push_back(e.path());
-      continue;
-    }
-    std::error_code ec;
-    for (const auto& f : fs::directory_iterator(e.path(), ec))
-      if (f.is_directory() && fs::exists(layout::launch_path(f.path()))) runs.push_back(f.path());
-  }
-  std::sort(runs.begin(), runs.end());
+  const std::vector<fs::path> runs = find_runs(dir);
   fmt::print("{:<40} {:<11} {:<16} {:>11} {:>9} {:<20} {:>9}\n", "run", "state", "recipe", "steps",
              "last loss", "started", "duration");
   for (const fs::path& run : runs) {

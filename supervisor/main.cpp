@@ -1,11 +1,13 @@
 // megacpp: the user's entry point.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -207,7 +209,16 @@ int main(int argc, char** argv) {
   std::vector<fs::path> collect_dirs;
   auto* collect = app.add_subcommand(
       "collect", "Re-fold runs' journals into manifest and receipts (idempotent)");
-  collect->add_option("run-dirs", collect_dirs, "Run directories")->required();
+  fs::path collect_all_dir;
+  unsigned collect_jobs = std::max(1u, std::thread::hardware_concurrency());
+  auto* collect_dirs_opt = collect->add_option("run-dirs", collect_dirs, "Run directories");
+  auto* collect_all_opt = collect->add_option(
+      "--all", collect_all_dir,
+      "Every run directly under this folder or one folder below, in parallel, with a summary");
+  collect_all_opt->excludes(collect_dirs_opt);
+  collect->add_option("--jobs", collect_jobs, "Threads for --all")
+      ->check(CLI::Range(1u, 1024u))
+      ->capture_default_str();
 
   std::string plan_recipe = "tiny", plan_mode;
   uint32_t plan_ranks = 1;
@@ -315,7 +326,15 @@ int main(int argc, char** argv) {
     if (*list_cmd) return mc::supervisor::list_runs(list_dir);
     if (*compare_cmd) return mc::supervisor::compare_runs(compare_dirs, compare_force);
     if (*collect) {
+      if (!collect_all_dir.empty())
+        return mc::supervisor::collect_all(collect_all_dir, collect_jobs);
+      if (collect_dirs.empty())
+        throw mc::Error(mc::ErrorKind::kInvalidArgument,
+                        "collect needs run directories, or --all DIR");
       for (const auto& d : collect_dirs) {
+        if (!fs::exists(mc::layout::launch_path(d)))
+          throw mc::Error(mc::ErrorKind::kInvalidArgument,
+                          fmt::format("{} holds no run (no launch.json)", d.string()));
         mc::supervisor::reconcile(d);
         mc::collector::collect_run(d);
         fmt::print("collected {}\n", d.string());

@@ -126,6 +126,13 @@ int watch_status(const std::filesystem::path& run_dir, double interval_s);
 // have its receipts (ended).
 int compare_runs(const std::vector<std::filesystem::path>& runs, bool force);
 
+// `megacpp collect --all DIR`: reconciles and re-folds every run directly under DIR or one
+// folder below on `jobs` threads, then prints one summary line (runs collected, changed,
+// unchanged, time per run). A run still running, or one that cannot be folded (a newer format, a
+// corrupt launch contract, a path leading outside it), is one line on stderr and makes the exit
+// status 1; the others are collected.
+int collect_all(const std::filesystem::path& dir, unsigned jobs);
+
 // `megacpp list DIR`: every run directly under DIR or one folder below, with its state,
 // recipe, steps, last loss, start and duration.
 int list_runs(const std::filesystem::path& dir);

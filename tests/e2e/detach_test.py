@@ -79,6 +79,11 @@ class Detached(unittest.TestCase):
         self.assertGreaterEqual(run_harness.steps_done(self.run_dir), 5, "it never trained")
         time.sleep(1.0)  # a few watch lines with progress
 
+        # collect --all leaves a live run alone and says so.
+        live = run_harness.megacpp(["collect", "--all", self.runs])
+        self.assertEqual(live.returncode, 1, live.stdout + live.stderr)
+        self.assertIn("d1: still running (supervisor pid %d)" % self.pid, live.stderr)
+
         stop = run_harness.megacpp(["stop", self.run_dir, "--wait", "--timeout", "120"])
         self.assertEqual(stop.returncode, 0, stop.stdout + stop.stderr)
         self.assertIn("asked the supervisor (pid %d)" % self.pid, stop.stdout)

@@ -55,6 +55,47 @@ class Fixtures(unittest.TestCase):
         for name in ("ok", "failed", "interrupted", "orphaned", "restarts", "resumed"):
             self.assertIn(name, seen)
 
+    def test_collect_all_folds_every_run_and_names_the_ones_it_cannot(self):
+        runs = os.path.join(self.tmp, "all")
+        for version, name, src in cases():
+            shutil.copytree(src, os.path.join(runs, version + "-" + name),
+                            ignore=shutil.ignore_patterns("expected"))
+        # A run whose receipts folder is a symlink out of it: refused, nothing written there.
+        outside = os.path.join(self.tmp, "outside")
+        os.makedirs(outside)
+        evil = os.path.join(runs, "zz-escape")
+        shutil.copytree(os.path.join(FIXTURES, "v1", "ok"), evil,
+                        ignore=shutil.ignore_patterns("expected"))
+        os.symlink(outside, os.path.join(evil, "receipts"))
+        n = len(os.listdir(runs))
+        p = run_harness.megacpp(["collect", "--all", runs, "--jobs", "2"])
+        self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+        self.assertRegex(p.stdout, r"^collected %d of %d runs under .* \d+ changed, 0 unchanged, "
+                         r"1 not collected\n$" % (n - 1, n))
+        self.assertIn("zz-escape: ", p.stderr)
+        self.assertIn("leads outside the run directory", p.stderr)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        self.assertEqual(os.listdir(outside), [])
+        for version, name, src in cases():
+            with open(os.path.join(src, "expected", "manifest.json"), "rb") as f, \
+                    open(os.path.join(runs, version + "-" + name, "manifest.json"), "rb") as g:
+                self.assertEqual(g.read(), f.read(), name)
+        # A second pass changes nothing.
+        p = run_harness.megacpp(["collect", "--all", runs])
+        self.assertRegex(p.stdout, r" 0 changed, %d unchanged, 1 not collected" % (n - 1))
+        # A journal that is a symlink out of its run is refused too.
+        os.remove(os.path.join(evil, "receipts"))
+        j = os.path.join(evil, "journal", "trainer-0.journal")
+        shutil.move(j, os.path.join(outside, "trainer-0.journal"))
+        os.symlink(os.path.join(outside, "trainer-0.journal"), j)
+        p = run_harness.megacpp(["collect", evil])
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("leads outside the run directory", p.stderr)
+        for bad in (["collect", os.path.join(self.tmp, "nowhere")], ["collect", "--all", os.path.join(self.tmp, "nowhere")]):
+            p = run_harness.megacpp(bad)
+            self.assertEqual(p.returncode, 2, (bad, p.stdout, p.stderr))
+            self.assertEqual(len(p.stderr.strip().splitlines()), 1, (bad, p.stderr))
+
     def test_a_newer_format_is_refused_by_name(self):
         src = os.path.join(FIXTURES, "v1", "ok")
         d = os.path.join(self.tmp, "newer")
