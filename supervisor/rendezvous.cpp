@@ -1,97 +1,78 @@
 #include "supervisor/rendezvous.h"
 
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
-#include <cerrno>
-#include <chrono>
-#include <cstring>
+#include <dlfcn.h>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "supervisor/process.h"
 
 namespace megacpp::supervisor {
 
+// The plugin (store_plugin.cpp) and the store it made; both released in reverse order.
+struct StoreServer::Impl {
+  using Create = void* (*)(const char*, uint16_t, uint32_t, int*, char*, size_t);
+  using Port = uint16_t (*)(const void*);
+  using Destroy = void (*)(void*);
+  void* library = nullptr;
+  void* store = nullptr;
+  Port port = nullptr;
+  Destroy destroy = nullptr;
+
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  ~Impl() {
+    if (store != nullptr) destroy(store);
+    if (library != nullptr) ::dlclose(library);
+  }
+};
+
 namespace {
-
-// A listening TCP socket bound to `host` itself. c10d's TCPStore server, given only a port,
-// binds the wildcard address (all interfaces, IPv4 and IPv6) whatever host it is handed;
-// an unauthenticated rendezvous must be reachable only where it was asked to be.
-int listen_on(const std::string& host, uint16_t port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  const std::string service = std::to_string(port);
-  if (int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc != 0) {
-    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "rendezvous host {}: {}", host, ::gai_strerror(rc));
+void* open_store_plugin() {
+  const auto path = detail::self_exe_dir() / "libmegacpp_store.so";
+  void* library = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (library == nullptr) {
+    const char* why = ::dlerror();
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "this megacpp cannot host the ranks' rendezvous: {} does not load ({}); "
+                 "rebuild or reinstall megacpp with its libraries",
+                 path.string(), why != nullptr ? why : "unknown dlopen error");
   }
-  std::string why = "no address";
-  int fd = -1;
-  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
-    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
-      why = std::strerror(errno);
-      continue;
-    }
-    int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, SOMAXCONN) != 0) {
-      why = std::strerror(errno);
-      ::close(fd);
-      fd = -1;
-    }
-  }
-  ::freeaddrinfo(found);
-  if (fd < 0) {
-    MEGACPP_FAIL(ErrorKind::kSystem, "could not listen for the rendezvous on {}:{}: {}", host, port,
-                 why);
-  }
-  return fd;
+  return library;
 }
-
-uint16_t bound_port(int fd) {
-  sockaddr_storage addr{};
-  socklen_t len = sizeof addr;
-  SYSCALL_CHECK(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len));
-  return addr.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
-                                    : ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
-}
-
 }  // namespace
 
-struct StoreServer::Impl {
-  c10::intrusive_ptr<c10d::TCPStore> store;
-};
+void check_store_plugin() {
+  ::dlclose(open_store_plugin());
+}
 
 StoreServer::StoreServer(const std::string& host, uint16_t port, uint32_t world)
     : impl_(std::make_unique<Impl>()) {
-  const int fd = listen_on(host, port);
-  c10d::TCPStoreOptions o;
-  o.port = bound_port(fd);
-  o.isServer = true;
-  o.numWorkers = static_cast<int>(world);
-  o.waitWorkers = false;
-  o.timeout = std::chrono::seconds(60);
-  // The store takes the socket over (both backends) and closes it when destroyed.
-  o.masterListenFd = fd;
-  try {
-    impl_->store = c10::make_intrusive<c10d::TCPStore>(host, o);
-  } catch (const std::exception& e) {
-    MEGACPP_FAIL(ErrorKind::kSystem, "could not host the c10d TCPStore: {}", e.what());
+  const auto path = detail::self_exe_dir() / "libmegacpp_store.so";
+  impl_->library = open_store_plugin();
+  auto symbol = [&](const char* name) {
+    void* s = ::dlsym(impl_->library, name);
+    MEGACPP_CHECK(
+        s != nullptr, ErrorKind::kInternal,
+        fmt::format("{} lacks {}: a library of another megacpp build", path.string(), name));
+    return s;
+  };
+  const auto create = reinterpret_cast<Impl::Create>(symbol("megacpp_store_create"));
+  impl_->port = reinterpret_cast<Impl::Port>(symbol("megacpp_store_port"));
+  impl_->destroy = reinterpret_cast<Impl::Destroy>(symbol("megacpp_store_destroy"));
+  char error[512] = {};
+  int code = 0;
+  impl_->store = create(host.c_str(), port, world, &code, error, sizeof error);
+  if (impl_->store == nullptr) {
+    MEGACPP_FAIL(code == 2 ? ErrorKind::kInvalidArgument : ErrorKind::kSystem, "{}", error);
   }
 }
 
 StoreServer::~StoreServer() = default;
 
 uint16_t StoreServer::port() const {
-  return impl_->store->getPort();
+  return impl_->port(impl_->store);
 }
 
 std::string torch_version() {

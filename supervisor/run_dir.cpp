@@ -371,6 +371,7 @@ void Run::prepare() {
   // reach nothing but the signalfd. A thread that left it unblocked would swallow exits.
   sigfd_ = detail::block_signals_to_fd();
   opt_.validate();
+  check_store_plugin();
   plan_collectives();
   const bool resuming = !opt_.resume.empty();
   if (resuming) {

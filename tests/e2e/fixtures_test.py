@@ -10,6 +10,7 @@ build reads is refused by name, in one line, with nothing written.
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import unittest
@@ -95,6 +96,35 @@ class Fixtures(unittest.TestCase):
             p = run_harness.megacpp(bad)
             self.assertEqual(p.returncode, 2, (bad, p.stdout, p.stderr))
             self.assertEqual(len(p.stderr.strip().splitlines()), 1, (bad, p.stderr))
+
+    def test_collect_needs_neither_torch_nor_the_stage_binaries(self):
+        # `megacpp` links no torch (its run loads libmegacpp_store.so beside it): copied alone to
+        # a folder with no torch library and no stage binary, it collects a fixture exactly,
+        # and `run` is refused in one line naming the missing library.
+        lone = os.path.join(self.tmp, "lone")
+        os.makedirs(lone)
+        exe = os.path.join(lone, "megacpp")
+        shutil.copy2(run_harness.MEGACPP, exe)
+        ldd = subprocess.run(["ldd", exe], capture_output=True, text=True).stdout
+        self.assertNotRegex(ldd, r"libtorch|libc10", ldd)
+        src = os.path.join(FIXTURES, "v1", "ok")
+        d = os.path.join(self.tmp, "ok")
+        shutil.copytree(src, d, ignore=shutil.ignore_patterns("expected"))
+        env = dict(os.environ, LD_LIBRARY_PATH="")
+        p = subprocess.run([exe, "collect", d], capture_output=True, text=True, env=env)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        with open(os.path.join(src, "expected", "manifest.json"), "rb") as f, \
+                open(os.path.join(d, "manifest.json"), "rb") as g:
+            self.assertEqual(g.read(), f.read())
+        for cmd in (["list", self.tmp], ["compare", d, d], ["status", d], ["plan", "tiny"]):
+            p = subprocess.run([exe] + cmd, capture_output=True, text=True, env=env)
+            self.assertEqual(p.returncode, 0, (cmd, p.stderr))
+        p = subprocess.run([exe, "run", "tiny", "--run-dir", os.path.join(self.tmp, "r")],
+                           capture_output=True, text=True, env=env)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("libmegacpp_store.so does not load", p.stderr)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.tmp, "r")))
 
     def test_a_newer_format_is_refused_by_name(self):
         src = os.path.join(FIXTURES, "v1", "ok")

@@ -1,0 +1,114 @@
+// libmegacpp_store.so: the c10d TCPStore the trainer ranks rendezvous through, for the
+// supervisor to host. The `megacpp` command loads it with dlopen when a run starts
+// (rendezvous.cpp), so the command itself links no torch: collect, status, list, compare, plan,
+// verify and export run where torch is out of reach. C ABI; failures are a return code and a
+// one-line message, never an exception across the boundary.
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+
+namespace {
+
+struct Store {
+  c10::intrusive_ptr<c10d::TCPStore> store;
+};
+
+// A listening TCP socket bound to `host` itself. c10d's TCPStore server, given only a port,
+// binds the wildcard address (all interfaces, IPv4 and IPv6) whatever host it is handed; an
+// unauthenticated rendezvous must be reachable only where it was asked to be. -2: `host` does
+// not resolve; -1: no socket could be bound (`why` says why).
+int listen_on(const char* host, uint16_t port, std::string& why) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  if (int rc = ::getaddrinfo(host, service.c_str(), &hints, &found); rc != 0) {
+    why = ::gai_strerror(rc);
+    return -2;
+  }
+  why = "no address";
+  int fd = -1;
+  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      why = std::strerror(errno);
+      continue;
+    }
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+      why = std::strerror(errno);
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(found);
+  return fd;
+}
+
+uint16_t bound_port(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof addr;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return 0;
+  return addr.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
+                                    : ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Hosts a server on `host` (port 0: any free port) for `world` workers. Returns the store, or
+// nullptr with `error` filled and *code = 2 (the host does not resolve) or 1 (anything else).
+__attribute__((visibility("default"))) void* megacpp_store_create(const char* host, uint16_t port,
+                                                                  uint32_t world, int* code,
+                                                                  char* error, size_t error_len) {
+  std::string why;
+  const int fd = listen_on(host, port, why);
+  if (fd < 0) {
+    *code = fd == -2 ? 2 : 1;
+    std::snprintf(error, error_len, "%s%s:%u: %s",
+                  fd == -2 ? "rendezvous host " : "could not listen for the rendezvous on ", host,
+                  static_cast<unsigned>(port), why.c_str());
+    return nullptr;
+  }
+  c10d::TCPStoreOptions o;
+  o.port = bound_port(fd);
+  o.isServer = true;
+  o.numWorkers = static_cast<int>(world);
+  o.waitWorkers = false;
+  o.timeout = std::chrono::seconds(60);
+  // The store takes the socket over (both backends) and closes it when destroyed.
+  o.masterListenFd = fd;
+  try {
+    auto s = std::make_unique<Store>();
+    s->store = c10::make_intrusive<c10d::TCPStore>(host, o);
+    return s.release();  // the caller owns it until megacpp_store_destroy
+  } catch (const std::exception& e) {
+    *code = 1;
+    std::snprintf(error, error_len, "could not host the c10d TCPStore: %s", e.what());
+    return nullptr;
+  }
+}
+
+__attribute__((visibility("default"))) uint16_t megacpp_store_port(const void* store) {
+  return static_cast<const Store*>(store)->store->getPort();
+}
+
+__attribute__((visibility("default"))) void megacpp_store_destroy(void* store) {
+  std::unique_ptr<Store>(static_cast<Store*>(store)).reset();
+}
+
+}  // extern "C"
