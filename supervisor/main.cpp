@@ -201,6 +201,15 @@ int main(int argc, char** argv) {
                         "Print runs of different classes too, labelled as a cross-class "
                         "comparison");
 
+  std::vector<fs::path> report_dirs;
+  fs::path report_out;
+  auto* report_cmd = app.add_subcommand(
+      "report",
+      "One self-contained HTML page of runs: loss and tokens/s plots, state, stages, "
+      "first failure");
+  report_cmd->add_option("runs", report_dirs, "Run directories")->required();
+  report_cmd->add_option("--out", report_out, "Folder for index.html")->required();
+
   fs::path list_dir;
   auto* list_cmd = app.add_subcommand(
       "list", "Every run under a folder: state, recipe, steps, last loss, started, duration");
@@ -325,6 +334,7 @@ int main(int argc, char** argv) {
     if (*stop_cmd) return mc::supervisor::stop(stop_dir, stop_wait, stop_timeout);
     if (*list_cmd) return mc::supervisor::list_runs(list_dir);
     if (*compare_cmd) return mc::supervisor::compare_runs(compare_dirs, compare_force);
+    if (*report_cmd) return mc::supervisor::write_report(report_dirs, report_out);
     if (*collect) {
       if (!collect_all_dir.empty())
         return mc::supervisor::collect_all(collect_all_dir, collect_jobs);

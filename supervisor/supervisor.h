@@ -133,6 +133,11 @@ int compare_runs(const std::vector<std::filesystem::path>& runs, bool force);
 // status 1; the others are collected.
 int collect_all(const std::filesystem::path& dir, unsigned jobs);
 
+// `megacpp report RUN... --out DIR`: writes DIR/index.html, one self-contained page (no network,
+// no script): plots of loss and tokens/s per step (one line per run, later attempts' starts
+// marked) as inline SVG, then each run's state, first failure, stages and attempts.
+int write_report(const std::vector<std::filesystem::path>& runs, const std::filesystem::path& out);
+
 // `megacpp list DIR`: every run directly under DIR or one folder below, with its state,
 // recipe, steps, last loss, start and duration.
 int list_runs(const std::filesystem::path& dir);
