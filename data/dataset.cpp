@@ -82,6 +82,7 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesys
   if (d.source == "llmc" && std::filesystem::exists(dir / kDatasetManifestName)) {
     manifest = read_dataset_manifest(dir);
     out.manifest = (dir / kDatasetManifestName).string();
+    out.manifest_xxh3 = xxh3_hex(read_file(dir / kDatasetManifestName));
     out.tokenizer = manifest->tokenizer.kind;
     if (manifest->vocab_size > recipe.model.vocab_size)
       MEGACPP_FAIL(ErrorKind::kInvalidArgument,
@@ -204,6 +205,7 @@ void to_spec(const ResolvedDataset& d, schema::Dataset::Builder out) {
   out.setEosId(d.eos_id);
   out.setManifest(d.manifest);
   out.setTokenizer(d.tokenizer);
+  if (!d.manifest_xxh3.empty()) out.setManifestXxh3(d.manifest_xxh3);
   out.setStagedFrom(d.staged_from);
   auto files = out.initFiles(static_cast<unsigned>(d.files.size()));
   for (unsigned i = 0; i < files.size(); ++i) {
@@ -228,6 +230,7 @@ ResolvedDataset from_spec(schema::Dataset::Reader in) {
   d.eos_id = in.getEosId();
   d.manifest = in.getManifest().cStr();
   d.tokenizer = in.getTokenizer().cStr();
+  d.manifest_xxh3 = in.getManifestXxh3().cStr();
   d.staged_from = in.getStagedFrom().cStr();
   for (auto f : in.getFiles()) {
     d.files.push_back({.path = f.getPath().cStr(),

@@ -41,6 +41,7 @@ struct ResolvedDataset {
   uint64_t documents_without_window = 0;
   int64_t eos_id = -1;         // the recipe's, else the dataset manifest's; -1 = none
   std::string manifest;        // the dataset.json beside the files (`megacpp prepare`), if any
+  std::string manifest_xxh3;   // XXH3 of its bytes (receipts/runtime_provenance.json)
   std::string tokenizer;       // its tokenizer kind
   std::string staged_from;     // --stage-data: the directory the files were copied from
   uint64_t files_scanned = 0;  // files read in full this time (the others: the check cache)

@@ -70,6 +70,10 @@ class CppTiny(unittest.TestCase):
         with open(os.path.join(run_dir, "receipts", "bench_result.json")) as f:
             receipt = json.load(f)
         self.assertEqual(receipt["dataset"], d)  # the receipt names the data it measured
+        # runtime_provenance names the same data, with its dataset.json's digest.
+        self.assertRegex(d.get("manifestXxh3", ""), r"^[0-9a-f]{16}$", d)
+        with open(os.path.join(run_dir, "receipts", "runtime_provenance.json")) as f:
+            self.assertEqual(json.load(f)["dataset"], d)
         self.assertEqual({v["role"] for v in receipt["volumes"]}, {"data", "checkpoints", "logs"})
         with open(os.path.join(run_dir, "receipts", "bench_telemetry.json")) as f:
             steps = json.load(f)["steps"]

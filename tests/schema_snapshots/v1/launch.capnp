@@ -94,6 +94,7 @@ struct Dataset {
   eosId @7 :Int64;              # the recipe's, else the dataset manifest's; -1: none
   manifest @8 :Text;            # the dataset.json beside the files, if any
   tokenizer @9 :Text;           # its tokenizer kind
+  manifestXxh3 @10 :Text;       # XXH3 of that dataset.json; absent without one
 }
 
 # Where each kind of durable output of the run lives (seed 004's storage policy).
