@@ -61,15 +61,24 @@ def plan_shapes(text):
     return shapes
 
 
+def write_recipe(tmp, name, pattern=None):
+    """recipes/tiny-hybrid.toml checkpointing every EVERY steps (its pattern replaced when
+    given), written to tmp/name; returns its path."""
+    with open(os.path.join(run_harness.RECIPE_DIR, "tiny-hybrid.toml")) as f:
+        text = f.read().replace("checkpoint_every = 20", "checkpoint_every = %d" % EVERY)
+    if pattern is not None:
+        text = re.sub(r'^pattern = "AEMR".*$', 'pattern = "%s"' % pattern, text, flags=re.M)
+    path = os.path.join(tmp, name)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
 class Hybrid(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="megacpp-hybrid-")
-        with open(os.path.join(run_harness.RECIPE_DIR, "tiny-hybrid.toml")) as f:
-            text = f.read().replace("checkpoint_every = 20", "checkpoint_every = %d" % EVERY)
-        cls.recipe = os.path.join(cls.tmp, "tiny-hybrid.toml")
-        with open(cls.recipe, "w") as f:
-            f.write(text)
+        cls.recipe = write_recipe(cls.tmp, "tiny-hybrid.toml")
         cls.data = os.path.join(cls.tmp, "data")
         cls.run_dir = os.path.join(cls.tmp, "run")
         megacpp(["run", cls.recipe, "--ranks", str(RANKS), "--steps", str(STEPS), "--run-dir", cls.run_dir,
@@ -190,14 +199,8 @@ class NemoNative(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="megacpp-nemo-")
-        with open(os.path.join(run_harness.RECIPE_DIR, "tiny-hybrid.toml")) as f:
-            text = f.read().replace("checkpoint_every = 20", "checkpoint_every = %d" % EVERY)
-        cls.recipe = os.path.join(cls.tmp, "tiny-hybrid.toml")
-        with open(cls.recipe, "w") as f:
-            f.write(text)
-        cls.aemm = os.path.join(cls.tmp, "tiny-aemm.toml")
-        with open(cls.aemm, "w") as f:
-            f.write(re.sub(r'^pattern = "AEMR".*$', 'pattern = "AEMM"', text, flags=re.M))
+        cls.recipe = write_recipe(cls.tmp, "tiny-hybrid.toml")
+        cls.aemm = write_recipe(cls.tmp, "tiny-aemm.toml", pattern="AEMM")
         cls.data = os.path.join(cls.tmp, "data")
         cls.nemo = cls.train("nemo", cls.recipe, RANKS, "--mode", "nemo_native")
         cls.one = cls.train("one", cls.aemm, 1)
