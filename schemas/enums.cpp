@@ -52,6 +52,9 @@ std::string_view name(schema::ErrorKind kind) {
 std::string_view name(schema::ChildReason reason) {
   return json_name(reason);
 }
+std::string_view name(schema::RunState state) {
+  return json_name(state);
+}
 
 std::optional<schema::FailureKind> failure_kind_named(std::string_view name) {
   return named<schema::FailureKind>(name);

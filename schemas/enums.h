@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "schemas/common.capnp.h"
+#include "schemas/manifest.capnp.h"
 
 namespace megacpp::schemas {
 
@@ -18,6 +19,7 @@ std::string_view name(schema::FailureRole role);
 std::string_view name(schema::ProcessState state);
 std::string_view name(schema::ErrorKind kind);
 std::string_view name(schema::ChildReason reason);
+std::string_view name(schema::RunState state);  // "launched", "ok", "interrupted", ...
 
 // The reverse, for the obsolete Text fields of journals written before the enums; nullopt
 // for a name that is no enumerant's.

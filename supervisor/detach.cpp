@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "core/util.h"
 #include "ipc/journal.h"
+#include "schemas/enums.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/manifest.capnp.h"
@@ -35,14 +36,6 @@ namespace fs = std::filesystem;
 using schema::StageKind;
 
 namespace {
-
-constexpr const char* kStateNames[] = {"launched", "running",  "ok",         "error",
-                                       "detached", "orphaned", "interrupted"};
-
-std::string state_name(schema::RunState s) {
-  const auto i = static_cast<size_t>(s);
-  return i < std::size(kStateNames) ? kStateNames[i] : "unknown";
-}
 
 void write_all(int fd, const char* p, size_t n) {
   while (n > 0) {
@@ -65,10 +58,7 @@ std::optional<pid_t> live_supervisor(const fs::path& run_dir) {
   schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
   auto l = launch.get();
   const pid_t pid = l.getSupervisorPid();
-  if (pid <= 0 || detail::process_start_ticks(pid) != l.getSupervisorStartTicks())
-    return std::nullopt;
-  if (const char state = detail::process_state(pid); state == 'Z' || state == 'X')
-    return std::nullopt;  // exited, not yet reaped by whatever adopted it
+  if (!detail::process_alive(pid, l.getSupervisorStartTicks())) return std::nullopt;
   bool finished = false;
   ipc::JournalReader::read_all(layout::journal_path(run_dir, StageKind::SUPERVISOR, 0),
                                [&](schema::JournalRecord::Reader r) {
@@ -177,8 +167,7 @@ std::vector<fs::path> find_runs(const fs::path& dir) {
 std::string folded_bytes(const fs::path& run) {
   std::string out;
   std::error_code ec;
-  for (const fs::path& p : {layout::manifest_path(run)})
-    if (fs::exists(p, ec)) out += read_file(p);
+  if (fs::exists(layout::manifest_path(run), ec)) out += read_file(layout::manifest_path(run));
   const fs::path receipts = layout::receipts_dir(run);
   if (fs::is_directory(receipts, ec)) {
     std::vector<fs::path> files;
@@ -336,7 +325,7 @@ int stop(const fs::path& run_dir, bool wait, double timeout_s) {
     collector::collect_run(run_dir);
     schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
     MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{} is not running (state {}): nothing to stop",
-                 run_dir.string(), state_name(manifest.get().getState()));
+                 run_dir.string(), schemas::name(manifest.get().getState()));
   }
   if (::kill(*pid, SIGTERM) != 0)
     MEGACPP_FAIL(ErrorKind::kSystem, "cannot signal the supervisor (pid {}) of {}: {}", *pid,
@@ -419,7 +408,8 @@ int list_runs(const fs::path& dir) {
       const std::string started = m.getLaunchedAt();
       const std::string ended = live ? rfc3339(wall_ns()) : std::string(m.getCompletedAt());
       fmt::print("{:<40} {:<11} {:<16} {:>11} {:>9} {:<20} {:>9}\n", name,
-                 live ? "running" : state_name(m.getState()), m.getRecipe().cStr(),
+                 live ? std::string_view("running") : schemas::name(m.getState()),
+                 m.getRecipe().cStr(),
                  fmt::format("{}/{}", m.getStepsCompleted(), m.getStepsPlanned()),
                  std::isfinite(last_loss) ? fmt::format("{:.4f}", last_loss) : "-",
                  started.substr(0, 19), duration_text(seconds_between(started, ended)));

@@ -186,4 +186,10 @@ char process_state(pid_t pid) {
   std::string rest = stat_after_comm(pid);
   return rest.empty() ? '?' : rest[0];
 }
+
+bool process_alive(pid_t pid, uint64_t start_ticks) {
+  if (pid <= 0 || process_start_ticks(pid) != start_ticks) return false;
+  const char state = process_state(pid);
+  return state != 'Z' && state != 'X';
+}
 }  // namespace megacpp::supervisor::detail

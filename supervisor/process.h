@@ -43,4 +43,9 @@ uint64_t process_start_ticks(pid_t pid);
 
 // Field 3 of /proc/<pid>/stat ('R', 'S', 'T' for stopped, ...); '?' when unreadable.
 char process_state(pid_t pid);
+
+// `pid` still names the process that started at `start_ticks` (a reused pid does not) and it
+// has not exited: a zombie (state Z or X) is gone too. A detached supervisor is reaped by
+// whatever adopted it, which in a container may never happen.
+bool process_alive(pid_t pid, uint64_t start_ticks);
 }  // namespace megacpp::supervisor::detail

@@ -80,12 +80,7 @@ bool reconcile(const fs::path& run_dir) {
                                });
   if (finished || orphaned) return false;
   const pid_t pid = l.getSupervisorPid();
-  // A zombie is gone too: a detached supervisor is reaped by whatever adopted it, which in a
-  // container may never happen.
-  const char state = pid > 0 ? detail::process_state(pid) : '?';
-  if (pid > 0 && detail::process_start_ticks(pid) == l.getSupervisorStartTicks() && state != 'Z' &&
-      state != 'X')
-    return false;
+  if (detail::process_alive(pid, l.getSupervisorStartTicks())) return false;
   ipc::JournalWriter journal(layout::journal_path(run_dir, StageKind::SUPERVISOR, 0));
   journal.set_identity(StageKind::SUPERVISOR, 0);
   journal.set_attempt(l.getAttempt());

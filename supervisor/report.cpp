@@ -224,11 +224,9 @@ int status(const fs::path& run_dir) {
     collector::collect_run(run_dir);
   schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
   auto m = manifest.get();
-  static const char* kStates[] = {"launched", "running",  "ok",         "error",
-                                  "detached", "orphaned", "interrupted"};
   auto phase_name = [](schema::Phase p) { return layout::phase_name(p); };
   fmt::print("run {}  ({})\n", m.getRunId().cStr(), run_dir.string());
-  fmt::print("  state      {}\n", kStates[static_cast<int>(m.getState())]);
+  fmt::print("  state      {}\n", schemas::name(m.getState()));
   fmt::print("  recipe     {} ({})\n", m.getRecipe().cStr(), m.getRecipeHash().cStr());
   fmt::print("  steps      {}/{} on {} ranks\n", m.getStepsCompleted(), m.getStepsPlanned(),
              m.getWorld());
@@ -244,7 +242,7 @@ int status(const fs::path& run_dir) {
                               layout::stage_name(a.getError().getStage()), a.getError().getRank());
       fmt::print("    {} {:<11} from step {:<6} to step {:<6} {}{}{}\n", a.getAttempt(),
                  a.getReason().cStr(), a.getFromStep(), a.getLastStep(),
-                 kStates[static_cast<int>(a.getState())], failure,
+                 schemas::name(a.getState()), failure,
                  a.getStepsLost() > 0 ? fmt::format(" ({} steps lost)", a.getStepsLost()) : "");
       if (a.hasRecovery()) {
         auto r = a.getRecovery();

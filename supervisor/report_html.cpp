@@ -25,8 +25,6 @@ namespace {
 
 constexpr const char* kPalette[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd",
                                     "#ff7f0e", "#17becf", "#8c564b", "#e377c2"};
-constexpr const char* kStates[] = {"launched", "running",  "ok",         "error",
-                                   "detached", "orphaned", "interrupted"};
 
 std::string escape(std::string_view s) {
   std::string out;
@@ -174,7 +172,6 @@ int write_report(const std::vector<fs::path>& runs, const fs::path& out) {
     loss.push_back(std::move(l));
     speed.push_back(std::move(t));
 
-    const auto state = static_cast<size_t>(m.getState());
     body += fmt::format(
         "<section><h2><span class=\"swatch\" style=\"background:{}\"></span>{}</h2>\n"
         "<table class=\"facts\"><tr><th>run</th><td>{}</td></tr>"
@@ -182,11 +179,10 @@ int write_report(const std::vector<fs::path>& runs, const fs::path& out) {
         "<tr><th>recipe</th><td>{} ({})</td></tr><tr><th>mode, blocks</th><td>{} {}</td></tr>"
         "<tr><th>steps</th><td>{} of {} on {} ranks</td></tr>"
         "<tr><th>launched</th><td>{}</td></tr><tr><th>completed</th><td>{}</td></tr></table>\n",
-        color, escape(name), escape(m.getRunId().cStr()),
-        state < std::size(kStates) ? kStates[state] : "unknown",
-        state < std::size(kStates) ? kStates[state] : "unknown", escape(m.getRecipe().cStr()),
-        escape(m.getRecipeHash().cStr()), escape(m.getMode().cStr()), escape(m.getBlocks().cStr()),
-        m.getStepsCompleted(), m.getStepsPlanned(), m.getWorld(), escape(m.getLaunchedAt().cStr()),
+        color, escape(name), escape(m.getRunId().cStr()), schemas::name(m.getState()),
+        schemas::name(m.getState()), escape(m.getRecipe().cStr()), escape(m.getRecipeHash().cStr()),
+        escape(m.getMode().cStr()), escape(m.getBlocks().cStr()), m.getStepsCompleted(),
+        m.getStepsPlanned(), m.getWorld(), escape(m.getLaunchedAt().cStr()),
         escape(m.getCompletedAt().cStr()));
     if (m.hasError() && m.getError().getKind() != schema::FailureKind::NONE) {
       auto e = m.getError();
