@@ -7,6 +7,11 @@
 // also lower its timer slack (prctl PR_SET_TIMERSLACK; Linux's default of 50 us otherwise
 // stretches every short nap by that much).
 //
+// How long a nap may grow is the caller's to say (wait's `cap`): kMax while a trainer could run
+// dry soon, longer while every ring still holds batches for the next steps. Each wake-up of an
+// idle loader preempts a trainer on a busy core; at kMax that is 5,000 a second, several
+// per cent of a core taken from the ranks at every step.
+//
 // Contract: header-only, not thread-safe (one per loop), never throws.
 #pragma once
 
@@ -26,11 +31,22 @@ class IdleNap {
   void reset() noexcept { next_ = kFirst; }
   // The length of the nap the next wait() takes.
   Micros next() const noexcept { return next_; }
-  // Sleeps next(), then doubles it up to kMax.
-  void wait() {
+  // Sleeps next() (at most `cap`), then doubles it up to `cap`.
+  void wait(Micros cap = kMax) {
+    next_ = std::min(next_, cap);
     std::this_thread::sleep_for(next_);
-    next_ = std::min(next_ * 2, kMax);
+    next_ = std::min(next_ * 2, cap);
   }
+
+  // The cap for a loader whose fullest-fed trainer still has `queued` batches published and
+  // that produced a batch every `interval` in the steady state: half the interval when every
+  // ring holds at least two batches (a trainer needs longer than that to finish two steps and
+  // drain its ring), else kMax; never more than kLongest.
+  static Micros cap_for(uint32_t queued, Micros interval) {
+    if (queued < 2) return kMax;
+    return std::clamp(interval / 2, kMax, kLongest);
+  }
+  static constexpr Micros kLongest{20000};
 
  private:
   Micros next_ = kFirst;

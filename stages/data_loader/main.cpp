@@ -9,7 +9,9 @@
 // Blocking: never blocks on one rank's full ring while another rank's ring has room; waits
 // are short sleeps that re-check for a stop (IdleNap: 10 us doubling to 200 us while no ring
 // has room, so a fast trainer's freed slot is refilled soon and busy trainers cost almost no
-// CPU; the loader's timer slack is lowered to 1 us so those naps last what they ask). It
+// CPU; up to half the trainers' step interval, at most 20 ms, while every ring still holds two
+// batches or more; the loader's timer slack is lowered to 1 us so those naps last what they
+// ask). It
 // produces exactly `steps` batches per rank (slot tag = step), then idles until the
 // supervisor stops it.
 #include <sys/prctl.h>
@@ -96,17 +98,23 @@ int main(int argc, char** argv) {
         // the supervisor restarts the loader on its stall budget.
         uint64_t batches = 0;
         mc::data_loader::IdleNap idle;
+        // The time between turns that produced, smoothed: the pace the trainers consume at.
+        using IdleClock = std::chrono::steady_clock;
+        auto last_produced = IdleClock::now();
+        std::chrono::microseconds interval{0};
         ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // best effort: naps of 10 us, not 60
         ctx.set_phase(mc::schema::Phase::PRODUCE);
         for (;;) {
           if (ctx.stop_requested()) return;
           bool produced = false, done = true;
           uint32_t min_next = UINT32_MAX;
+          uint32_t queued = UINT32_MAX;  // the fewest batches a ring still owed any holds
           for (uint32_t r = 0; r < world; ++r) {
             uint32_t step = next_step(r);
             min_next = std::min(min_next, step);
             if (step > steps) continue;
             done = false;
+            queued = std::min(queued, rings[r]->depth());
             auto slot = rings[r]->try_acquire();
             if (!slot) continue;
             mc::stage::fault_point(ctx, "produce", step);
@@ -124,10 +132,16 @@ int main(int argc, char** argv) {
           ctx.set_step(min_next - 1);
           ctx.control().report_progress(batches);
           if (done) break;
-          if (produced)
+          if (produced) {
+            const auto now = IdleClock::now();
+            const auto since =
+                std::chrono::duration_cast<std::chrono::microseconds>(now - last_produced);
+            interval = interval.count() == 0 ? since : (interval * 3 + since) / 4;
+            last_produced = now;
             idle.reset();
-          else
-            idle.wait();
+          } else {
+            idle.wait(mc::data_loader::IdleNap::cap_for(queued, interval));
+          }
         }
         ctx.set_phase(mc::schema::Phase::IDLE);
         while (!ctx.stop_requested()) {
