@@ -28,6 +28,22 @@ struct StepRecord {
   # assignments per expert (MoE layers in order, n_experts each); 0 / empty otherwise.
   auxLoss @11 :Float32;
   expertTokens @12 :List(UInt32);
+  # Where the rest of the step's time went (absent in journals written before it existed).
+  phases @13 :StepPhases;
+}
+
+# Parts of one rank's step, host wall seconds. forwardSeconds + backwardSeconds +
+# optimizerSeconds + handoffSeconds + snapshotSeconds + betweenSeconds is stepSeconds but for
+# the trainer's own bookkeeping between them.
+struct StepPhases {
+  handoffSeconds @0 :Float64;        # the batch: ring wait (waitSeconds), widening, slot release
+  clipSeconds @1 :Float64;           # gradient norm and clipping (within optimizerSeconds)
+  reduceSeconds @2 :Float64;         # optimizers: has-grad masks, gradient packing and reduction
+  orthogonalizeSeconds @3 :Float64;  # DistMuon's Polar Express / Newton-Schulz
+  updateSeconds @4 :Float64;         # optimizers' element-wise math
+  gatherSeconds @5 :Float64;         # all-gather of updated parameters
+  snapshotSeconds @6 :Float64;       # the previous step's snapshot copy into staging
+  betweenSeconds @7 :Float64;        # after the previous step: journal, publish, stop agreement
 }
 
 struct CheckpointRecord {

@@ -168,6 +168,23 @@ struct StepPoint {
   dataEpoch @4 :Float64;
   dataCursor @5 :Float64;
   moe @6 :MoeStepPoint;         # absent for a model without MoE layers
+  phases @7 :StepPhasePoint;    # absent when the trainers journaled no phases
+}
+
+# Where a step's time went, the mean over ranks of each part (journal StepRecord and
+# StepPhases). bench/train_step.py prints it beside its Python twin's.
+struct StepPhasePoint {
+  forwardSeconds @0 :Float64;
+  backwardSeconds @1 :Float64;
+  optimizerSeconds @2 :Float64;
+  handoffSeconds @3 :Float64;
+  clipSeconds @4 :Float64;
+  reduceSeconds @5 :Float64;
+  orthogonalizeSeconds @6 :Float64;
+  updateSeconds @7 :Float64;
+  gatherSeconds @8 :Float64;
+  snapshotSeconds @9 :Float64;
+  betweenSeconds @10 :Float64;
 }
 
 struct MoeStepPoint {

@@ -6,6 +6,7 @@
 #include <capnp/message.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -86,6 +87,8 @@ struct Process {
   }
 };
 
+constexpr size_t kStepPhaseParts = 11;
+
 struct StepData {
   uint32_t attempt = 0;  // the run attempt that trained it (a later attempt's record wins)
   double loss = 0;
@@ -97,13 +100,37 @@ struct StepData {
   double data_cursor = 0;
   double aux_loss = 0;                  // MoE models (schema StepRecord)
   std::vector<uint32_t> expert_tokens;  // empty without MoE
+  // The parts of the step (schema StepPhasePoint's order), when the trainer journaled them.
+  std::optional<std::array<double, kStepPhaseParts>> phases;
 };
 
 StepData step_data(uint32_t attempt, schema::StepRecord::Reader s, int64_t wall) {
   StepData d{attempt, s.getLoss(),      s.getTokens(),     s.getStepSeconds(), s.getWaitSeconds(),
-             wall,    s.getDataEpoch(), s.getDataCursor(), s.getAuxLoss(),     {}};
+             wall,    s.getDataEpoch(), s.getDataCursor(), s.getAuxLoss(),     {},
+             {}};
   for (uint32_t n : s.getExpertTokens()) d.expert_tokens.push_back(n);
+  if (s.hasPhases()) {
+    const auto p = s.getPhases();
+    d.phases = {s.getForwardSeconds(),       s.getBackwardSeconds(), s.getOptimizerSeconds(),
+                p.getHandoffSeconds(),       p.getClipSeconds(),     p.getReduceSeconds(),
+                p.getOrthogonalizeSeconds(), p.getUpdateSeconds(),   p.getGatherSeconds(),
+                p.getSnapshotSeconds(),      p.getBetweenSeconds()};
+  }
   return d;
+}
+
+void set_phases(schema::StepPhasePoint::Builder b, const std::array<double, kStepPhaseParts>& v) {
+  b.setForwardSeconds(v[0]);
+  b.setBackwardSeconds(v[1]);
+  b.setOptimizerSeconds(v[2]);
+  b.setHandoffSeconds(v[3]);
+  b.setClipSeconds(v[4]);
+  b.setReduceSeconds(v[5]);
+  b.setOrthogonalizeSeconds(v[6]);
+  b.setUpdateSeconds(v[7]);
+  b.setGatherSeconds(v[8]);
+  b.setSnapshotSeconds(v[9]);
+  b.setBetweenSeconds(v[10]);
 }
 
 struct JournalFile {
@@ -908,6 +935,8 @@ void Collector::render() {
       double data_epoch = 0, data_cursor = 0;  // every rank reports the same global state
       double aux_sum = 0;
       std::vector<uint32_t> expert_tokens;  // summed over ranks
+      std::array<double, kStepPhaseParts> phase_sum{};
+      uint32_t phase_ranks = 0;
     };
     std::map<uint32_t, Point> points;
     double tokens = 0;
@@ -926,6 +955,10 @@ void Collector::render() {
           p.expert_tokens.resize(d.expert_tokens.size());
         for (size_t e = 0; e < d.expert_tokens.size(); ++e)
           p.expert_tokens[e] += d.expert_tokens[e];
+        if (d.phases) {
+          for (size_t k = 0; k < kStepPhaseParts; ++k) p.phase_sum[k] += (*d.phases)[k];
+          p.phase_ranks += 1;
+        }
         tokens += d.tokens;
         const int64_t start = d.wall_ns - static_cast<int64_t>(std::llround(d.step_seconds * 1e9));
         if (!first_start || start < *first_start) first_start = start;
@@ -992,6 +1025,11 @@ void Collector::render() {
         moe.setAuxLoss(p.aux_sum / p.ranks);
         auto et = moe.initExpertTokens(static_cast<unsigned>(p.expert_tokens.size()));
         for (unsigned e = 0; e < et.size(); ++e) et.set(e, p.expert_tokens[e]);
+      }
+      if (p.phase_ranks > 0) {
+        std::array<double, kStepPhaseParts> mean = p.phase_sum;
+        for (double& v : mean) v /= p.phase_ranks;
+        set_phases(sp.initPhases(), mean);
       }
     }
     auto ff = t.initFirstForwardSeconds(s.world);

@@ -36,14 +36,23 @@ namespace {
 
 void run_collective(std::string_view what, const c10::intrusive_ptr<c10d::Backend>& pg,
                     const std::function<c10::intrusive_ptr<c10d::Work>()>& issue) {
+  run_collectives(what, pg, [&] { return std::vector<c10::intrusive_ptr<c10d::Work>>{issue()}; });
+}
+
+void run_collectives(std::string_view what, const c10::intrusive_ptr<c10d::Backend>& pg,
+                     const std::function<std::vector<c10::intrusive_ptr<c10d::Work>>()>& issue) {
   const int64_t started = mono_ns();
   bool aborted = false;
   try {
-    const auto work = issue();
-    if (auto* abortable = dynamic_cast<AbortableWaits*>(pg.get())) {
-      aborted = !abortable->wait_unless_aborted(*work);
-    } else {
-      work->wait();
+    const auto works = issue();
+    auto* abortable = dynamic_cast<AbortableWaits*>(pg.get());
+    for (const auto& work : works) {
+      if (abortable != nullptr) {
+        aborted = !abortable->wait_unless_aborted(*work);
+        if (aborted) break;
+      } else {
+        work->wait();
+      }
     }
   } catch (...) {
     const auto timeout = pg->getBackendOptions()->timeout;

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <functional>
 #include <string_view>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -36,6 +37,10 @@ class AbortableWaits {
 // that implements AbortableWaits, an abort ends the wait in Error{kPeerFailure}.
 void run_collective(std::string_view what, const c10::intrusive_ptr<c10d::Backend>& pg,
                     const std::function<c10::intrusive_ptr<c10d::Work>()>& issue);
+// The same for operations that are in flight together (a send and a receive of one ring
+// step): `issue` starts all of them, and each is waited for in the order given.
+void run_collectives(std::string_view what, const c10::intrusive_ptr<c10d::Backend>& pg,
+                     const std::function<std::vector<c10::intrusive_ptr<c10d::Work>>()>& issue);
 
 // Runs `connect` (a rendezvous: the store and the peers' connections) with the same typing;
 // `deadline` is the earliest timeout the rendezvous was given.

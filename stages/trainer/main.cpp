@@ -354,6 +354,8 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   bool first_forward_done = false, first_backward_done = false;
   double tokens_total = 0;
   auto step_start = Clock::now();
+  // The previous step's tail, journaled with this step (its time is in this stepSeconds).
+  double snapshot_seconds = 0, between_seconds = 0;
   for (uint32_t step = first_step; step <= steps; ++step) {
     // WAIT_BATCH: short peeks so a stop request is seen promptly.
     ctx.set_phase(Phase::WAIT_BATCH);
@@ -375,6 +377,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     recipe::BatchHeader header;
     const at::Tensor tokens = widen_batch(slot->data, batch, step, &header);
     ring->ring->release();
+    const double handoff_seconds = seconds_since(wait_start);
     if (step <= trace_batches) {
       const auto* p = static_cast<const char*>(tokens.data_ptr());
       trace.write(p, static_cast<std::streamsize>(tokens.nbytes()));
@@ -422,6 +425,15 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       s.setDataSeed(static_cast<uint32_t>(header.seed));
       s.setDataEpoch(static_cast<double>(header.next_position / header.windows));
       s.setDataCursor(static_cast<double>(header.next_position % header.windows));
+      auto ph = s.initPhases();
+      ph.setHandoffSeconds(handoff_seconds);
+      ph.setClipSeconds(timing.clip_seconds);
+      ph.setReduceSeconds(timing.optimizer_phases.reduce);
+      ph.setOrthogonalizeSeconds(timing.optimizer_phases.orthogonalize);
+      ph.setUpdateSeconds(timing.optimizer_phases.update);
+      ph.setGatherSeconds(timing.optimizer_phases.gather);
+      ph.setSnapshotSeconds(snapshot_seconds);
+      ph.setBetweenSeconds(between_seconds);
       if (!timing.tokens_per_expert.empty()) {
         s.setAuxLoss(timing.aux_loss);
         size_t n = 0;
@@ -441,6 +453,8 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     // if so this step is the last, and its checkpoint is committed before they exit.
     const bool stopping = ts->any_rank(ctx.graceful_stop_requested());
     const bool final = step == steps || stopping;
+    between_seconds = seconds_since(step_start);
+    snapshot_seconds = 0;
     if (final || (train.checkpoint_every > 0 && step % train.checkpoint_every == 0)) {
       if (ctx.stop_requested()) {
         log_info("stop requested after step {}; leaving without a snapshot", step);
@@ -448,7 +462,9 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       }
       // Waiting for the lease is waiting on the checkpointer.
       ctx.set_phase(Phase::SNAPSHOT);
+      const auto snapshot_start = Clock::now();
       if (!snapshots.take(step, final)) return Outcome::kLeft;
+      snapshot_seconds = seconds_since(snapshot_start);
     }
     if (stopping) {
       ctx.set_phase(Phase::SNAPSHOT);

@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <optional>
 #include <tuple>
@@ -18,6 +20,25 @@ namespace megacpp::trainer {
 namespace {
 
 using Pg = c10::intrusive_ptr<c10d::Backend>;
+
+// Adds the wall time since the previous lap (or construction) to the field a lap names; does
+// nothing, not even read the clock, without `times`.
+class PhaseClock {
+ public:
+  explicit PhaseClock(OptimizerPhaseTimes* times) : times_(times) {
+    if (times_ != nullptr) last_ = std::chrono::steady_clock::now();
+  }
+  void lap(double OptimizerPhaseTimes::*field) {
+    if (times_ == nullptr) return;
+    const auto now = std::chrono::steady_clock::now();
+    times_->*field += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  OptimizerPhaseTimes* times_;
+  std::chrono::steady_clock::time_point last_;
+};
 
 at::Tensor scalar_tensor(double v, const at::Device& device) {
   return at::full({}, v, at::TensorOptions().dtype(at::kFloat).device(device));
@@ -53,6 +74,98 @@ at::Tensor reduce_scatter_sum(const Pg& pg, at::Tensor& full, uint32_t rank, uin
   o.reduceOp = c10d::ReduceOp::SUM;
   run_collective("reduce_scatter", pg, [&] { return pg->_reduce_scatter_base(out, full, o); });
   return out;
+}
+
+// Collectives over Gloo's point-to-point send and receive, on `flat`: a contiguous 1-D buffer
+// of `world` equal segments, segment q being rank q's. Gloo has no reduce-scatter of its own
+// (torch's `_reduce_scatter_base` on Gloo is an all-reduce and a narrow), its `_allgather_base`
+// moves each byte more than once, and each of its collectives costs a round of its worker
+// threads. Here every rank sends to and receives from every other rank at once, in one round
+// (at world 2, one exchange with the peer).
+//
+// Every element is summed in rank order, x[0] + x[1] + ... + x[world-1], whatever its place
+// in the buffer and whichever rank sums it: the same values give the same bits in any layout
+// (a bucket of several parameters, a parameter alone, a sharded or a replicated placement),
+// and on every rank. At world 2 that is a + b, as any all-reduce's.
+//
+// All are collectives: every rank calls them with buffers of the same size. `scratch` holds
+// world - 1 segments (exchange_reduce_scatter) or world - 1 buffers (exchange_all_reduce).
+
+// Sends `sends[q]` to rank q and receives `recvs[q]` from it, for every q != rank, in one round.
+void exchange(const Pg& pg, std::string_view what, int tag, uint32_t rank, uint32_t world,
+              const std::function<at::Tensor(uint32_t)>& send_to,
+              const std::function<at::Tensor(uint32_t)>& recv_from) {
+  std::vector<std::vector<at::Tensor>> ins, outs;
+  ins.reserve(world);
+  outs.reserve(world);
+  run_collectives(what, pg, [&] {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (uint32_t k = 1; k < world; ++k) {
+      const uint32_t src = (rank + world - k) % world;
+      ins.push_back({recv_from(src)});
+      works.push_back(pg->recv(ins.back(), static_cast<int>(src), tag));
+    }
+    for (uint32_t k = 1; k < world; ++k) {
+      const uint32_t dst = (rank + k) % world;
+      outs.push_back({send_to(dst)});
+      works.push_back(pg->send(outs.back(), static_cast<int>(dst), tag));
+    }
+    return works;
+  });
+}
+
+// `own` += the other ranks' `theirs(q)`, summed in rank order with `own` at place `rank`.
+void sum_in_rank_order(at::Tensor own, uint32_t rank, uint32_t world,
+                       const std::function<at::Tensor(uint32_t)>& theirs) {
+  if (rank == 0) {
+    for (uint32_t q = 1; q < world; ++q) own.add_(theirs(q));
+    return;
+  }
+  at::Tensor acc = theirs(0);  // a scratch view: summed into in place
+  for (uint32_t q = 1; q < world; ++q) acc.add_(q == rank ? own : theirs(q));
+  own.copy_(acc);
+}
+
+// Index of rank q's slot in a scratch of world - 1 slots (the own rank has none).
+int64_t slot_of(uint32_t q, uint32_t rank) {
+  return q < rank ? q : q - 1;
+}
+
+// Segment `rank` of `flat` becomes the SUM over ranks; the other segments are left as they were.
+void exchange_reduce_scatter(const Pg& pg, at::Tensor& flat, at::Tensor& scratch, uint32_t rank,
+                             uint32_t world) {
+  const int64_t seg = flat.numel() / world;
+  auto part = [&](uint32_t q) { return scratch.narrow(0, slot_of(q, rank) * seg, seg); };
+  exchange(
+      pg, "reduce_scatter", 2, rank, world,
+      [&](uint32_t q) { return flat.narrow(0, q * seg, seg); }, part);
+  sum_in_rank_order(flat.narrow(0, rank * seg, seg), rank, world, part);
+}
+
+// Every rank's segment of `flat` is copied into the others' `flat`.
+void exchange_all_gather(const Pg& pg, at::Tensor& flat, uint32_t rank, uint32_t world) {
+  const int64_t seg = flat.numel() / world;
+  exchange(
+      pg, "all_gather", 3, rank, world, [&](uint32_t) { return flat.narrow(0, rank * seg, seg); },
+      [&](uint32_t q) { return flat.narrow(0, q * seg, seg); });
+}
+
+// The whole of `flat` becomes the SUM over ranks (any size). At world 2 one exchange of the
+// buffer; larger worlds reduce-scatter and all-gather when the buffer divides into segments,
+// which moves 2 (world - 1) / world of it instead of world - 1. The sums are the same bits.
+// `scratch` holds world - 1 buffers of `flat`'s size.
+void exchange_all_reduce(const Pg& pg, at::Tensor& flat, at::Tensor& scratch, uint32_t rank,
+                         uint32_t world) {
+  const int64_t n = flat.numel();
+  if (world > 2 && n % world == 0 && n >= int64_t{1} << 16) {
+    exchange_reduce_scatter(pg, flat, scratch, rank, world);
+    exchange_all_gather(pg, flat, rank, world);
+    return;
+  }
+  auto part = [&](uint32_t q) { return scratch.narrow(0, slot_of(q, rank) * n, n); };
+  exchange(
+      pg, "all_reduce", 4, rank, world, [&](uint32_t) { return flat; }, part);
+  sum_in_rank_order(flat, rank, world, part);
 }
 
 // Gathers every rank's `slice` (contiguous, not aliasing `out`) into `out` along dim 0.
@@ -292,31 +405,82 @@ bool DistAdamW::is_sharded(size_t index) const {
   return params_.at(index).sharded;
 }
 
-void DistAdamW::step() {
+void DistAdamW::step(OptimizerPhaseTimes* times) {
   at::NoGradGuard ng;
-  std::vector<at::Tensor> ps;
-  ps.reserve(params_.size());
-  for (const auto& q : params_) ps.push_back(q.p);
-  const at::Tensor mask = global_mask(pg_, ps, params_.front().p.device());
+  PhaseClock clock(times);
+  // On Gloo every gradient and the has-grad flags travel in one buffer, all-reduced by one
+  // exchange (summed in rank order, so a parameter's sums do not depend on what else is in
+  // the buffer: the sharded placement and its replicated mirror agree bit for bit); a sharded
+  // parameter then steps its own rows and all-gathers them. Elsewhere one has-grad mask, then
+  // one collective per parameter.
+  const bool p2p = pg_ && world_ > 1 && is_gloo(pg_) &&
+                   std::all_of(params_.begin(), params_.end(),
+                               [](const Param& q) { return q.p.scalar_type() == at::kFloat; });
+  const auto n = static_cast<int64_t>(params_.size());
+  at::Tensor mask;
+  at::Tensor bucket;
+  if (p2p) {
+    int64_t total = n;
+    for (const auto& q : params_) total += q.p.numel();
+    const auto opts = params_.front().p.options().dtype(at::kFloat).requires_grad(false);
+    if (bucket_.numel() != total) {
+      bucket_ = at::empty({total}, opts);
+      bucket_scratch_ = at::empty({total * (world_ - 1)}, opts);
+    }
+    bucket = bucket_;
+    std::vector<float> had(static_cast<size_t>(n), 0.0f);
+    int64_t off = n;
+    for (int64_t i = 0; i < n; ++i) {
+      const Param& q = params_[static_cast<size_t>(i)];
+      const at::Tensor& grad = q.p.grad();
+      at::Tensor dst = bucket.narrow(0, off, q.p.numel());
+      if (grad.defined()) {
+        dst.copy_(grad.detach().reshape({-1}));
+        had[static_cast<size_t>(i)] = 1.0f;
+      } else {
+        dst.zero_();
+      }
+      off += q.p.numel();
+    }
+    bucket.narrow(0, 0, n).copy_(
+        at::from_blob(had.data(), {n}, at::TensorOptions().dtype(at::kFloat)));
+    exchange_all_reduce(pg_, bucket, bucket_scratch_, rank_, world_);
+    mask = bucket.narrow(0, 0, n) > 0;
+  } else {
+    std::vector<at::Tensor> ps;
+    ps.reserve(params_.size());
+    for (const auto& q : params_) ps.push_back(q.p);
+    mask = global_mask(pg_, ps, params_.front().p.device());
+  }
+  clock.lap(&OptimizerPhaseTimes::reduce);
 
+  int64_t off = n;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& q = params_[i];
     const AdamWScalars& s = groups_[q.group].s;
-    const at::Tensor& grad = q.p.grad();
-    // A private, contiguous copy: collectives reduce in place and must not touch .grad.
-    at::Tensor full = grad.defined() ? grad.detach().to(q.p.dtype()).contiguous().clone()
-                                     : at::zeros_like(q.p.detach());
     at::Tensor g;
     at::Tensor p_owned;
-    if (q.sharded) {
-      g = reduce_scatter_sum(pg_, full, rank_, world_);
-      p_owned = q.p.detach().narrow(0, rank_ * q.rows, q.rows);
+    if (p2p) {
+      g = bucket.narrow(0, off, q.p.numel()).view(q.p.sizes());
+      off += q.p.numel();
+      if (q.sharded) g = g.narrow(0, rank_ * q.rows, q.rows);
+      p_owned = q.sharded ? q.p.detach().narrow(0, rank_ * q.rows, q.rows) : q.p.detach();
     } else {
-      if (pg_ && world_ > 1) all_reduce(pg_, full, c10d::ReduceOp::SUM);
-      g = full;
-      p_owned = q.p.detach();
+      const at::Tensor& grad = q.p.grad();
+      // A private, contiguous copy: collectives reduce in place and must not touch .grad.
+      at::Tensor full = grad.defined() ? grad.detach().to(q.p.dtype()).contiguous().clone()
+                                       : at::zeros_like(q.p.detach());
+      if (q.sharded) {
+        g = reduce_scatter_sum(pg_, full, rank_, world_);
+        p_owned = q.p.detach().narrow(0, rank_ * q.rows, q.rows);
+      } else {
+        if (pg_ && world_ > 1) all_reduce(pg_, full, c10d::ReduceOp::SUM);
+        g = full;
+        p_owned = q.p.detach();
+      }
     }
     if (world_ > 1) g = g / static_cast<double>(world_);
+    clock.lap(&OptimizerPhaseTimes::reduce);
 
     const at::Tensor m = mask[static_cast<int64_t>(i)];
     const at::Tensor g32 = g.to(at::kFloat);
@@ -335,10 +499,17 @@ void DistAdamW::step() {
     q.exp_avg.copy_(at::where(m, ea, q.exp_avg));
     q.exp_avg_sq.copy_(at::where(m, eas, q.exp_avg_sq));
     q.step.copy_(t);
+    clock.lap(&OptimizerPhaseTimes::update);
     if (q.sharded) {
-      at::Tensor slice = p_owned.clone();
-      at::Tensor out = q.p.detach();
-      all_gather(pg_, out, slice);
+      if (p2p) {
+        at::Tensor rows = q.p.detach().view({-1});
+        exchange_all_gather(pg_, rows, rank_, world_);
+      } else {
+        at::Tensor slice = p_owned.clone();
+        at::Tensor out = q.p.detach();
+        all_gather(pg_, out, slice);
+      }
+      clock.lap(&OptimizerPhaseTimes::gather);
     }
   }
 }
@@ -521,18 +692,28 @@ void DistMuon::set_weight_decay(size_t group, double wd) {
   groups_.at(group).s.weight_decay.fill_(wd);
 }
 
-// One step of every stack with two collectives for all of them (besides the has-grad mask):
-// the stacked gradients of every stack share one buffer laid out rank-major — rank q's
-// segment holds entries [q*c, (q+1)*c) of each stack, c = ceil(n / world) — so a single
-// reduce-scatter hands each rank the gradients of the entries it owns, and a single
-// all-gather of the segments returns every updated entry. The replicated placement
-// all-reduces the same buffer (same summation order) and reads every segment.
-void DistMuon::step() {
+// One step of every stack with two collectives for all of them: the stacked gradients of every
+// stack share one buffer laid out rank-major — rank q's segment holds entries [q*c, (q+1)*c) of
+// each stack, c = ceil(n / world) — so a single reduce-scatter hands each rank the gradients of
+// the entries it owns, and a single all-gather of the segments returns every updated entry.
+// The replicated placement all-reduces the same buffer and reads every segment.
+//
+// On Gloo those are the point-to-point exchanges above, and every segment also carries each
+// rank's has-grad flags for all entries (1 or 0; summed, > 0 is "some rank had one"), so the
+// mask needs no collective of its own. Elsewhere the backend's native collectives, after a
+// has-grad mask of their own. The buffers are allocated once and reused: a step allocates
+// nothing of their size.
+void DistMuon::step(OptimizerPhaseTimes* times) {
   at::NoGradGuard ng;
+  PhaseClock clock(times);
   std::vector<at::Tensor> all;
   for (const Group& g : groups_)
     for (const Stack& s : g.stacks) all.insert(all.end(), s.params.begin(), s.params.end());
-  const at::Tensor mask = global_mask(pg_, all, all.front().device());
+  const bool distributed = pg_ && world_ > 1;
+  const bool sharded = !options_.replicated && distributed;
+  const bool p2p = distributed && is_gloo(pg_);
+  const at::Device device = all.front().device();
+  at::Tensor mask = p2p ? at::Tensor() : global_mask(pg_, all, device);
 
   struct Slot {
     Group* g;
@@ -550,27 +731,58 @@ void DistMuon::step() {
       base += n;
     }
   }
-  const at::Tensor& p0 = slots.front().s->params.front();
-  const auto opts = p0.options().requires_grad(false);
-  at::Tensor flat = at::zeros({seg * world_}, opts);
+  const int64_t flags = p2p ? base : 0;  // per segment, after its entries
+  const int64_t stride = seg + flags;
+  const auto opts = all.front().options().requires_grad(false);
+  if (grad_buf_.numel() != stride * world_) {
+    // Padding entries are zero from here on: packing never writes them, and sums and copies
+    // of zeros keep them zero.
+    grad_buf_ = at::zeros({stride * world_}, opts);
+    param_buf_ = sharded ? at::zeros({seg * world_}, opts) : at::Tensor();
+    recv_buf_ = p2p ? at::empty({stride * (world_ - 1)}, opts) : at::Tensor();
+  }
+  at::Tensor& flat = grad_buf_;
+  std::vector<float> had(static_cast<size_t>(flags), 0.0f);
   for (const Slot& sl : slots) {
     for (int64_t i = 0; i < sl.n; ++i) {
       const at::Tensor& grad = sl.s->params[static_cast<size_t>(i)].grad();
-      if (!grad.defined()) continue;
-      const int64_t at_ = (i / sl.c) * seg + sl.off + (i % sl.c) * sl.numel;
-      flat.narrow(0, at_, sl.numel).copy_(grad.detach().reshape({-1}));
+      const int64_t at_ = (i / sl.c) * stride + sl.off + (i % sl.c) * sl.numel;
+      at::Tensor dst = flat.narrow(0, at_, sl.numel);
+      if (grad.defined()) {
+        dst.copy_(grad.detach().reshape({-1}));
+        if (p2p) had[static_cast<size_t>(sl.base + i)] = 1.0f;
+      } else {
+        dst.zero_();
+      }
     }
   }
-  const bool sharded = !options_.replicated && pg_ && world_ > 1;
+  if (p2p) {
+    const at::Tensor local =
+        at::from_blob(had.data(), {flags}, at::TensorOptions().dtype(at::kFloat)).to(opts);
+    for (uint32_t q = 0; q < world_; ++q) flat.narrow(0, q * stride + seg, flags).copy_(local);
+  }
   at::Tensor mine = flat;  // sharded: this rank's segment; otherwise the whole buffer
   if (sharded) {
-    mine = reduce_scatter_sum(pg_, flat, rank_, world_) / static_cast<double>(world_);
-  } else if (pg_ && world_ > 1) {
-    all_reduce(pg_, flat, c10d::ReduceOp::SUM);
-    mine = flat / static_cast<double>(world_);
+    if (p2p) {
+      exchange_reduce_scatter(pg_, flat, recv_buf_, rank_, world_);
+      mask = flat.narrow(0, rank_ * stride + seg, flags) > 0;
+      mine = flat.narrow(0, rank_ * stride, stride).div_(static_cast<double>(world_));
+    } else {
+      mine = reduce_scatter_sum(pg_, flat, rank_, world_) / static_cast<double>(world_);
+    }
+  } else if (distributed) {
+    if (p2p) {
+      exchange_reduce_scatter(pg_, flat, recv_buf_, rank_, world_);
+      exchange_all_gather(pg_, flat, rank_, world_);
+      mask = flat.narrow(0, seg, flags) > 0;
+    } else {
+      all_reduce(pg_, flat, c10d::ReduceOp::SUM);
+    }
+    mine = flat.div_(static_cast<double>(world_));
   }
+  clock.lap(&OptimizerPhaseTimes::reduce);
 
-  at::Tensor out_seg = sharded ? at::zeros({seg}, opts) : at::Tensor();
+  at::Tensor out_seg = sharded ? param_buf_.narrow(0, rank_ * seg, seg) : at::Tensor();
   for (const Slot& sl : slots) {
     const int64_t start = sharded ? rank_ * sl.c : 0;
     const int64_t owned = std::clamp<int64_t>(sl.n - start, 0, sharded ? sl.c : sl.n);
@@ -582,22 +794,30 @@ void DistMuon::step() {
       std::vector<at::Tensor> parts;
       for (int64_t q = 0; q * sl.c < sl.n; ++q)
         parts.push_back(
-            mine.narrow(0, q * seg + sl.off, std::min(sl.c, sl.n - q * sl.c) * sl.numel));
+            mine.narrow(0, q * stride + sl.off, std::min(sl.c, sl.n - q * sl.c) * sl.numel));
       grad = at::cat(parts);
     }
     grad = grad.view({owned, sl.s->rows, sl.s->cols});
-    const at::Tensor updated =
-        update_stack(*sl.g, *sl.s, grad, mask.narrow(0, sl.base + start, owned), start, owned);
+    const at::Tensor updated = update_stack(
+        *sl.g, *sl.s, grad, mask.narrow(0, sl.base + start, owned), start, owned, times);
+    clock = PhaseClock(times);
     if (sharded) {
       out_seg.narrow(0, sl.off, owned * sl.numel).copy_(updated.reshape({-1}));
     } else {
       for (int64_t i = 0; i < owned; ++i)
         sl.s->params[static_cast<size_t>(i)].detach().copy_(updated[i]);
     }
+    clock.lap(&OptimizerPhaseTimes::update);
   }
   if (!sharded) return;
-  at::Tensor gathered = at::empty({seg * world_}, opts);
-  all_gather(pg_, gathered, out_seg);
+  clock = PhaseClock(times);
+  at::Tensor gathered = param_buf_;
+  if (p2p) {
+    exchange_all_gather(pg_, gathered, rank_, world_);
+  } else {
+    at::Tensor slice = out_seg.clone();  // the native all-gather's input must not alias it
+    all_gather(pg_, gathered, slice);
+  }
   for (const Slot& sl : slots) {
     for (int64_t i = 0; i < sl.n; ++i) {
       const int64_t at_ = (i / sl.c) * seg + sl.off + (i % sl.c) * sl.numel;
@@ -605,24 +825,38 @@ void DistMuon::step() {
           gathered.narrow(0, at_, sl.numel));
     }
   }
+  clock.lap(&OptimizerPhaseTimes::gather);
 }
 
 // Updates `owned` entries of a stack starting at entry `start` (their state is rows
 // [0, owned) of the stack's state tensors) from their averaged gradients `gr` [owned, rows,
-// cols]; `m` says which of them some rank had a gradient for. Returns the new values.
+// cols], a scratch view this may overwrite; `m` says which of them some rank had a gradient
+// for. Returns the new values.
+//
+// On the CPU, when every entry had a gradient somewhere (the usual step) and the weight decay
+// is 0 (the recipes' default), the same arithmetic runs in place and without the masks'
+// selects: each kept operation is the one the general path runs, on the same operands, so the
+// results are the same bits (but for the sign of a parameter that is exactly zero before and
+// after). Elsewhere the decisions stay on tensors: no host synchronisation on a device.
 at::Tensor DistMuon::update_stack(Group& g, Stack& s, const at::Tensor& gr, const at::Tensor& mask,
-                                  int64_t start, int64_t owned) {
+                                  int64_t start, int64_t owned, OptimizerPhaseTimes* times) {
+  // Laps: the element-wise math is `update`, the orthogonalization its own part; the caller's
+  // copies of the result into the parameters or the gather buffer count as `update` too.
+  PhaseClock clock(times);
   std::vector<at::Tensor> mine(s.params.begin() + start, s.params.begin() + start + owned);
   for (auto& t : mine) t = t.detach();
   const at::Tensor P = at::stack(mine);
   const at::Tensor m = mask.view({owned, 1, 1});
+  const bool host = m.is_cpu();
+  const bool every = host && m.all().item<bool>();
+  const bool no_decay = host && g.s.weight_decay.item<float>() == 0.0f;
   at::Tensor mom = s.momentum.narrow(0, 0, owned);
   at::Tensor sec = s.second.narrow(0, 0, owned);
   const at::Tensor mu = g.s.momentum.to(P.scalar_type());
 
   // Nesterov momentum.
-  const at::Tensor mom_new = mom.lerp(gr, 1 - mu);
-  at::Tensor u = gr.lerp(mom_new, mu);
+  const at::Tensor mom_new = every ? mom.lerp_(gr, 1 - mu) : mom.lerp(gr, 1 - mu);
+  at::Tensor u = at::Tensor(gr).lerp_(mom_new, mu);
 
   // Each matrix, or each row slice of a split group, is a matrix of its own from here on:
   // orthogonalized alone, variance-reduced preserving its own Frobenius norm, and stepped with
@@ -638,38 +872,49 @@ at::Tensor DistMuon::update_stack(Group& g, Stack& s, const at::Tensor& gr, cons
   const at::Tensor wd = g.s.weight_decay.to(P.scalar_type());
   std::vector<at::Tensor> sec_new_parts, p_new_parts;
   for (size_t i = 0; i < slices.size(); ++i) {
+    clock.lap(&OptimizerPhaseTimes::update);
     at::Tensor ui = detail::orthogonalize(u_parts[i], options_.orthogonalizer, options_.ns_steps,
                                           options_.bf16_orthogonalization)
                         .to(P.scalar_type());
+    clock.lap(&OptimizerPhaseTimes::orthogonalize);
 
     // Variance reduction (factored second moment, norm preserving).
     const at::Tensor v_mean = ui.to(at::kFloat).square().mean(s.red_dim, /*keepdim=*/true);
     const double red_size = static_cast<double>(ui.size(s.red_dim));
     const at::Tensor v_norm = (v_mean.sum({-2, -1}, true) * red_size).sqrt();
-    const at::Tensor& seci = sec_parts[s.red_dim == -1 ? i : 0];
-    const at::Tensor sec_new = seci.lerp(v_mean.to(seci.scalar_type()), 1 - beta2);
+    at::Tensor seci = sec_parts[s.red_dim == -1 ? i : 0];
+    const at::Tensor sec_new = every ? seci.lerp_(v_mean.to(seci.scalar_type()), 1 - beta2)
+                                     : seci.lerp(v_mean.to(seci.scalar_type()), 1 - beta2);
     const at::Tensor step_size = sec_new.clamp_min(1e-10).rsqrt();
     const at::Tensor scaled_sq_sum = (v_mean * red_size) * step_size.to(at::kFloat).square();
     const at::Tensor v_norm_new = scaled_sq_sum.sum({-2, -1}, true).sqrt();
     const at::Tensor final_scale = step_size * (v_norm / v_norm_new.clamp_min(1e-10));
-    ui = ui * final_scale.to(ui.scalar_type());
+    ui.mul_(final_scale.to(ui.scalar_type()));
 
     // Cautious weight decay (parameter-sign agreement gates the decay, never the update:
     // DESIGN.md "Decisions": the cautious gate) and the update.
     const double aspect = std::sqrt(std::max(1.0, static_cast<double>(slices[i]) / s.cols));
     const at::Tensor lr = (g.s.lr * aspect).to(P.scalar_type());
     const at::Tensor& Pi = p_parts[i];
-    const at::Tensor cautious = (ui * Pi) >= 0;
-    p_new_parts.push_back(Pi - (lr * ui + lr * wd * Pi * cautious));
+    if (no_decay) {
+      p_new_parts.push_back(Pi - ui.mul_(lr));
+    } else {
+      const at::Tensor cautious = (ui * Pi) >= 0;
+      p_new_parts.push_back(Pi - (lr * ui + lr * wd * Pi * cautious));
+    }
     sec_new_parts.push_back(sec_new);
   }
   const at::Tensor P_new = p_new_parts.size() == 1 ? p_new_parts[0] : at::cat(p_new_parts, -2);
-  const at::Tensor sec_new =
-      sec_new_parts.size() == 1 ? sec_new_parts[0] : at::cat(sec_new_parts, -2);
-
-  mom.copy_(at::where(m, mom_new, mom));
-  sec.copy_(at::where(m, sec_new, sec));
-  return at::where(m, P_new, P);
+  at::Tensor out = P_new;
+  if (!every) {
+    const at::Tensor sec_new =
+        sec_new_parts.size() == 1 ? sec_new_parts[0] : at::cat(sec_new_parts, -2);
+    mom.copy_(at::where(m, mom_new, mom));
+    sec.copy_(at::where(m, sec_new, sec));
+    out = at::where(m, P_new, P);
+  }
+  clock.lap(&OptimizerPhaseTimes::update);
+  return out;
 }
 
 OptimizerState DistMuon::state_dict() const {

@@ -96,6 +96,16 @@ struct OptimizerState {
   std::vector<OptimizerStateEntry> entries;
 };
 
+// Where an optimizer step's time went, in host wall seconds, added to by step() when given
+// (the caller zeroes it). On a CUDA device the figures are host time: work still queued on the
+// stream is counted by whichever later part waits for it.
+struct OptimizerPhaseTimes {
+  double reduce = 0;         // has-grad mask, gradient packing and all-reduce / reduce-scatter
+  double orthogonalize = 0;  // DistMuon: Polar Express / Newton-Schulz
+  double update = 0;         // element-wise math: moments, variance reduction, the update
+  double gather = 0;         // all-gather of updated parameters and their unpacking
+};
+
 // ---------------------------------------------------------------------------------------
 // DistAdamW (nanochat adamw_step_fused math): p *= 1 - lr*wd; m = lerp(m, g, 1-b1);
 // v = lerp(v, g², 1-b2); p -= lr/(1-b1^t) * m / (sqrt(v/(1-b2^t)) + eps). Decoupled weight
@@ -136,7 +146,7 @@ class DistAdamW {
   DistAdamW& operator=(DistAdamW&&) = delete;
   ~DistAdamW();
 
-  void step();
+  void step(OptimizerPhaseTimes* times = nullptr);
 
   size_t num_groups() const;
   AdamWScalars& scalars(size_t group);  // update in place (fill_/copy_) between steps
@@ -164,6 +174,9 @@ class DistAdamW {
   uint32_t world_ = 1;
   std::vector<Group> groups_;
   std::vector<Param> params_;
+  // step()'s buffers on Gloo, kept from one step to the next: the has-grad flags and every
+  // gradient, and the exchange's receive buffer.
+  at::Tensor bucket_, bucket_scratch_;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -236,7 +249,7 @@ class DistMuon {
   // current world. Every rank must add the same groups in the same order.
   void add_param_group(MuonParamGroup group);
 
-  void step();
+  void step(OptimizerPhaseTimes* times = nullptr);
 
   size_t num_groups() const;
   size_t num_stacks(size_t group) const;
@@ -260,12 +273,15 @@ class DistMuon {
   struct Group;
   struct Stack;
   at::Tensor update_stack(Group& g, Stack& s, const at::Tensor& grad, const at::Tensor& mask,
-                          int64_t start, int64_t owned);
+                          int64_t start, int64_t owned, OptimizerPhaseTimes* times);
   c10::intrusive_ptr<c10d::Backend> pg_;
   DistMuonOptions options_;
   uint32_t rank_ = 0;
   uint32_t world_ = 1;
   std::vector<Group> groups_;
+  // step()'s buffers, kept from one step to the next: the rank-major stacked gradients, the
+  // updated entries to all-gather (sharded), and a ring step's receive buffer (Gloo).
+  at::Tensor grad_buf_, param_buf_, recv_buf_;
 };
 
 namespace detail {

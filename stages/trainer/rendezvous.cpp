@@ -7,8 +7,10 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <condition_variable>
+#include <exception>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -50,6 +52,8 @@ class AbortableGloo final : public c10d::ProcessGroupGloo, public AbortableWaits
   }
 
   bool wait_unless_aborted(c10d::Work& work) override {
+    if (dynamic_cast<c10d::ProcessGroupGloo::AsyncWork*>(&work) == nullptr)
+      return wait_without_future(work);
     const auto future = work.getFuture();
     // Shared with the callback, which may run after this wait returned (an aborted
     // collective completes, or fails, whenever Gloo gets to it).
@@ -73,6 +77,38 @@ class AbortableGloo final : public c10d::ProcessGroupGloo, public AbortableWaits
     std::condition_variable cv;
     bool aborted = false;
   };
+  struct Outcome {
+    bool done = false;
+    std::exception_ptr error;
+  };
+
+  // Gloo's send and receive works have no future, and their timed wait completes them with an
+  // error, so they are waited for on a thread of their own. That thread and the work outlive
+  // an aborted wait (the process exits after it).
+  bool wait_without_future(c10d::Work& work) {
+    std::shared_ptr<Waits> waits = waits_;
+    auto outcome = std::make_shared<Outcome>();
+    std::thread([keep = c10::intrusive_ptr<c10d::Work>::reclaim_copy(&work), waits, outcome] {
+      std::exception_ptr error;
+      try {
+        keep->wait();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      {
+        std::lock_guard lock(waits->mu);
+        outcome->done = true;
+        outcome->error = error;
+      }
+      waits->cv.notify_all();
+    }).detach();
+    std::unique_lock lock(waits->mu);
+    waits->cv.wait(lock, [&] { return waits->aborted || outcome->done; });
+    if (!outcome->done) return false;
+    if (outcome->error) std::rethrow_exception(outcome->error);
+    return true;
+  }
+
   std::shared_ptr<Waits> waits_ = std::make_shared<Waits>();
 };
 

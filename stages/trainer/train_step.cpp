@@ -394,13 +394,14 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
   {
     torch::NoGradGuard no_grad;
     out.grad_norm = s.grad_norm_and_clip();
+    out.clip_seconds = seconds_since(t0);
     out.lr_scale = lr_scale(s.train_cfg, step_index, s.total_steps);
     for (size_t g = 0; g < s.adam_base_lr.size(); ++g)
       s.adamw->set_lr(g, s.adam_base_lr[g] * out.lr_scale);
     for (size_t g = 0; g < s.muon->num_groups(); ++g)
       s.muon->set_lr(g, s.train_cfg.optim.muon_lr * out.lr_scale);
-    s.adamw->step();
-    s.muon->step();
+    s.adamw->step(&out.optimizer_phases);
+    s.muon->step(&out.optimizer_phases);
   }
   out.optimizer_seconds = seconds_since(t0);
   return out;

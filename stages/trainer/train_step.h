@@ -29,6 +29,7 @@
 #include "schemas/launch.capnp.h"
 #include "stages/checkpointer/checkpointer.h"
 #include "stages/trainer/model.h"
+#include "stages/trainer/optim.h"
 #include "stages/trainer/snapshot_layout.h"
 #include "stages/trainer/tensor_parallel.h"
 
@@ -71,6 +72,10 @@ struct StepTiming {
   // Clipping + DistAdamW::step + DistMuon::step, their collectives (has-grad masks,
   // all-reduce / reduce-scatter / all-gather of gradients and parameters) included.
   double optimizer_seconds = 0;
+  // Parts of optimizer_seconds: the gradient norm and clipping, and both optimizers' phases
+  // summed (the rest of optimizer_seconds is the schedule's scalar updates).
+  double clip_seconds = 0;
+  OptimizerPhaseTimes optimizer_phases;
 };
 
 // Optional callbacks into the caller, invoked on the calling thread.
