@@ -405,46 +405,66 @@ bool DistAdamW::is_sharded(size_t index) const {
   return params_.at(index).sharded;
 }
 
+bool DistAdamW::exchanges_by_point_to_point() const {
+  return pg_ && world_ > 1 && is_gloo(pg_) &&
+         std::all_of(params_.begin(), params_.end(),
+                     [](const Param& q) { return q.p.scalar_type() == at::kFloat; });
+}
+
+void DistAdamW::pack_bucket() {
+  const auto n = static_cast<int64_t>(params_.size());
+  int64_t total = n;
+  for (const auto& q : params_) total += q.p.numel();
+  const auto opts = params_.front().p.options().dtype(at::kFloat).requires_grad(false);
+  if (bucket_.numel() != total) {
+    bucket_ = at::empty({total}, opts);
+    bucket_scratch_ = at::empty({total * (world_ - 1)}, opts);
+  }
+  std::vector<float> had(static_cast<size_t>(n), 0.0f);
+  int64_t off = n;
+  for (int64_t i = 0; i < n; ++i) {
+    const Param& q = params_[static_cast<size_t>(i)];
+    const at::Tensor& grad = q.p.grad();
+    at::Tensor dst = bucket_.narrow(0, off, q.p.numel());
+    if (grad.defined()) {
+      dst.copy_(grad.detach().reshape({-1}));
+      had[static_cast<size_t>(i)] = 1.0f;
+    } else {
+      dst.zero_();
+    }
+    off += q.p.numel();
+  }
+  bucket_.narrow(0, 0, n).copy_(
+      at::from_blob(had.data(), {n}, at::TensorOptions().dtype(at::kFloat)));
+}
+
+at::Tensor DistAdamW::pack_for_exchange() {
+  if (!exchanges_by_point_to_point()) return {};
+  at::NoGradGuard ng;
+  pack_bucket();
+  packed_ = true;
+  return bucket_;
+}
+
 void DistAdamW::step(OptimizerPhaseTimes* times) {
   at::NoGradGuard ng;
   PhaseClock clock(times);
   // On Gloo every gradient and the has-grad flags travel in one buffer, all-reduced by one
   // exchange (summed in rank order, so a parameter's sums do not depend on what else is in
-  // the buffer: the sharded placement and its replicated mirror agree bit for bit); a sharded
-  // parameter then steps its own rows and all-gathers them. Elsewhere one has-grad mask, then
-  // one collective per parameter.
-  const bool p2p = pg_ && world_ > 1 && is_gloo(pg_) &&
-                   std::all_of(params_.begin(), params_.end(),
-                               [](const Param& q) { return q.p.scalar_type() == at::kFloat; });
+  // the buffer: the sharded placement and its replicated mirror agree bit for bit) or by the
+  // caller's (pack_for_exchange); a sharded parameter then steps its own rows and all-gathers
+  // them. Elsewhere one has-grad mask, then one collective per parameter.
+  const bool p2p = exchanges_by_point_to_point();
   const auto n = static_cast<int64_t>(params_.size());
   at::Tensor mask;
   at::Tensor bucket;
   if (p2p) {
-    int64_t total = n;
-    for (const auto& q : params_) total += q.p.numel();
-    const auto opts = params_.front().p.options().dtype(at::kFloat).requires_grad(false);
-    if (bucket_.numel() != total) {
-      bucket_ = at::empty({total}, opts);
-      bucket_scratch_ = at::empty({total * (world_ - 1)}, opts);
+    if (!packed_) {
+      pack_bucket();
+      exchange_all_reduce(pg_, bucket_, bucket_scratch_, rank_, world_);
     }
+    packed_ = false;
     bucket = bucket_;
-    std::vector<float> had(static_cast<size_t>(n), 0.0f);
-    int64_t off = n;
-    for (int64_t i = 0; i < n; ++i) {
-      const Param& q = params_[static_cast<size_t>(i)];
-      const at::Tensor& grad = q.p.grad();
-      at::Tensor dst = bucket.narrow(0, off, q.p.numel());
-      if (grad.defined()) {
-        dst.copy_(grad.detach().reshape({-1}));
-        had[static_cast<size_t>(i)] = 1.0f;
-      } else {
-        dst.zero_();
-      }
-      off += q.p.numel();
-    }
-    bucket.narrow(0, 0, n).copy_(
-        at::from_blob(had.data(), {n}, at::TensorOptions().dtype(at::kFloat)));
-    exchange_all_reduce(pg_, bucket, bucket_scratch_, rank_, world_);
     mask = bucket.narrow(0, 0, n) > 0;
   } else {
     std::vector<at::Tensor> ps;
@@ -703,7 +723,7 @@ void DistMuon::set_weight_decay(size_t group, double wd) {
 // mask needs no collective of its own. Elsewhere the backend's native collectives, after a
 // has-grad mask of their own. The buffers are allocated once and reused: a step allocates
 // nothing of their size.
-void DistMuon::step(OptimizerPhaseTimes* times) {
+void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> riders) {
   at::NoGradGuard ng;
   PhaseClock clock(times);
   std::vector<at::Tensor> all;
@@ -732,7 +752,16 @@ void DistMuon::step(OptimizerPhaseTimes* times) {
     }
   }
   const int64_t flags = p2p ? base : 0;  // per segment, after its entries
-  const int64_t stride = seg + flags;
+  int64_t rider_numel = 0;
+  for (const at::Tensor& r : riders) {
+    MEGACPP_CHECK(
+        r.dim() == 1 && r.is_contiguous() && r.scalar_type() == at::kFloat && r.device() == device,
+        ErrorKind::kInvalidArgument,
+        "DistMuon riders must be contiguous 1-D float32 tensors on the parameters' device");
+    rider_numel += r.numel();
+  }
+  const int64_t ride = p2p ? rider_numel : 0;  // per segment, after the flags
+  const int64_t stride = seg + flags + ride;
   const auto opts = all.front().options().requires_grad(false);
   if (grad_buf_.numel() != stride * world_) {
     // Padding entries are zero from here on: packing never writes them, and sums and copies
@@ -759,13 +788,34 @@ void DistMuon::step(OptimizerPhaseTimes* times) {
   if (p2p) {
     const at::Tensor local =
         at::from_blob(had.data(), {flags}, at::TensorOptions().dtype(at::kFloat)).to(opts);
-    for (uint32_t q = 0; q < world_; ++q) flat.narrow(0, q * stride + seg, flags).copy_(local);
+    for (uint32_t q = 0; q < world_; ++q) {
+      flat.narrow(0, q * stride + seg, flags).copy_(local);
+      int64_t at_ = q * stride + seg + flags;
+      for (const at::Tensor& r : riders) {
+        flat.narrow(0, at_, r.numel()).copy_(r);
+        at_ += r.numel();
+      }
+    }
+  } else if (distributed) {
+    for (const at::Tensor& r : riders) {
+      at::Tensor t = r;
+      all_reduce(pg_, t, c10d::ReduceOp::SUM);
+    }
   }
+  // After the reduction: the riders' sums, out of segment `q` of the reduced buffer.
+  auto unload_riders = [&](uint32_t q) {
+    int64_t at_ = q * stride + seg + flags;
+    for (const at::Tensor& r : riders) {
+      at::Tensor(r).copy_(flat.narrow(0, at_, r.numel()));
+      at_ += r.numel();
+    }
+  };
   at::Tensor mine = flat;  // sharded: this rank's segment; otherwise the whole buffer
   if (sharded) {
     if (p2p) {
       exchange_reduce_scatter(pg_, flat, recv_buf_, rank_, world_);
       mask = flat.narrow(0, rank_ * stride + seg, flags) > 0;
+      unload_riders(rank_);
       mine = flat.narrow(0, rank_ * stride, stride).div_(static_cast<double>(world_));
     } else {
       mine = reduce_scatter_sum(pg_, flat, rank_, world_) / static_cast<double>(world_);
@@ -775,6 +825,7 @@ void DistMuon::step(OptimizerPhaseTimes* times) {
       exchange_reduce_scatter(pg_, flat, recv_buf_, rank_, world_);
       exchange_all_gather(pg_, flat, rank_, world_);
       mask = flat.narrow(0, seg, flags) > 0;
+      unload_riders(0);
     } else {
       all_reduce(pg_, flat, c10d::ReduceOp::SUM);
     }
@@ -862,10 +913,25 @@ at::Tensor DistMuon::update_stack(Group& g, Stack& s, const at::Tensor& gr, cons
   // orthogonalized alone, variance-reduced preserving its own Frobenius norm, and stepped with
   // the lr scale of its own shape. The second moment of a split group is per row (each row
   // lies in one slice), so its slices share the state tensor without sharing a statistic.
-  const std::vector<int64_t> slices =
+  std::vector<int64_t> slices =
       g.qkv.empty() ? std::vector<int64_t>{s.rows} : std::vector<int64_t>(g.qkv);
+  // Slices of one size (q, k and v without grouped-query attention) are matrices of one
+  // stack: on the in-place path they go through each part below once, as [owned x slices]
+  // matrices, instead of once per slice.
+  const bool uniform =
+      every && no_decay && slices.size() > 1 &&
+      std::all_of(slices.begin(), slices.end(), [&](int64_t r) { return r == slices.front(); });
+  at::Tensor Pv = P;
+  if (uniform) {
+    const auto k = static_cast<int64_t>(slices.size());
+    const int64_t r = slices.front();
+    u = u.view({owned * k, r, s.cols});
+    Pv = P.view({owned * k, r, s.cols});
+    sec = sec.view({owned * k, r, 1});
+    slices = {r};
+  }
   const std::vector<at::Tensor> u_parts = u.split_with_sizes(slices, -2);
-  const std::vector<at::Tensor> p_parts = P.split_with_sizes(slices, -2);
+  const std::vector<at::Tensor> p_parts = Pv.split_with_sizes(slices, -2);
   const std::vector<at::Tensor> sec_parts =
       s.red_dim == -1 ? sec.split_with_sizes(slices, -2) : std::vector<at::Tensor>{sec};
   const at::Tensor beta2 = g.s.beta2.to(P.scalar_type());
@@ -904,7 +970,8 @@ at::Tensor DistMuon::update_stack(Group& g, Stack& s, const at::Tensor& gr, cons
     }
     sec_new_parts.push_back(sec_new);
   }
-  const at::Tensor P_new = p_new_parts.size() == 1 ? p_new_parts[0] : at::cat(p_new_parts, -2);
+  const at::Tensor P_new =
+      p_new_parts.size() == 1 ? p_new_parts[0].view(P.sizes()) : at::cat(p_new_parts, -2);
   at::Tensor out = P_new;
   if (!every) {
     const at::Tensor sec_new =

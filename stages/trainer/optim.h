@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -148,6 +149,13 @@ class DistAdamW {
 
   void step(OptimizerPhaseTimes* times = nullptr);
 
+  // For a caller that reduces this step's gradients together with other data (a DistMuon
+  // step's riders, one exchange for both): on Gloo, packs the has-grad flags and every
+  // gradient into the buffer the step reduces and returns it; the caller must SUM it over the
+  // ranks in place (rank order, as DistMuon's riders are) before the next step(), which then
+  // uses it as it is. Elsewhere returns an undefined tensor and step() reduces as usual.
+  at::Tensor pack_for_exchange();
+
   size_t num_groups() const;
   AdamWScalars& scalars(size_t group);  // update in place (fill_/copy_) between steps
   void set_lr(size_t group, double lr);
@@ -172,11 +180,15 @@ class DistAdamW {
   c10::intrusive_ptr<c10d::Backend> pg_;
   uint32_t rank_ = 0;
   uint32_t world_ = 1;
+  bool exchanges_by_point_to_point() const;
+  void pack_bucket();
   std::vector<Group> groups_;
   std::vector<Param> params_;
   // step()'s buffers on Gloo, kept from one step to the next: the has-grad flags and every
-  // gradient, and the exchange's receive buffer.
+  // gradient, and the exchange's receive buffer. packed_: pack_for_exchange() handed the
+  // bucket out for this step.
   at::Tensor bucket_, bucket_scratch_;
+  bool packed_ = false;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -249,7 +261,11 @@ class DistMuon {
   // current world. Every rank must add the same groups in the same order.
   void add_param_group(MuonParamGroup group);
 
-  void step(OptimizerPhaseTimes* times = nullptr);
+  // `riders`: contiguous 1-D float32 tensors on the parameters' device, each replaced by its
+  // SUM over the ranks within this step's own reduction (on Gloo they travel in every
+  // segment of the exchange, summed in rank order; elsewhere each is all-reduced). A
+  // collective: every rank passes riders of the same sizes.
+  void step(OptimizerPhaseTimes* times = nullptr, std::span<const at::Tensor> riders = {});
 
   size_t num_groups() const;
   size_t num_stacks(size_t group) const;

@@ -25,6 +25,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The largest DistAdamW bucket that rides in DistMuon's exchange at a world above 2.
+constexpr int64_t kRiderMaxNumel = int64_t{1} << 20;
+
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -64,6 +67,7 @@ struct TrainStep::Impl {
   std::vector<std::string> adam_names;
   std::vector<std::string> adam_group_labels;
   std::vector<double> adam_base_lr;
+  int64_t adam_numel = 0;  // DistAdamW's parameters' elements
   std::vector<std::vector<std::string>> muon_names;
   std::vector<std::string> muon_group_labels;
   std::unique_ptr<DistAdamW> adamw;
@@ -145,6 +149,8 @@ struct TrainStep::Impl {
       adam_base_lr.push_back(lr);
       ag.push_back(std::move(g));
     }
+    for (const auto& g : ag)
+      for (const auto& p : g.params) adam_numel += p.numel();
     adamw = std::make_unique<DistAdamW>(std::move(ag), pg,
                                         DistAdamWOptions{.crossover_numel = o.adamw_crossover});
     for (size_t k = 0; k < adam_index.size(); ++k)
@@ -400,8 +406,16 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
       s.adamw->set_lr(g, s.adam_base_lr[g] * out.lr_scale);
     for (size_t g = 0; g < s.muon->num_groups(); ++g)
       s.muon->set_lr(g, s.train_cfg.optim.muon_lr * out.lr_scale);
+    // On Gloo DistAdamW's gradients ride in DistMuon's reduce-scatter: one exchange for both
+    // optimizers. Each rider is sent to every rank, so a large one at a world above 2 reduces
+    // on its own instead (the sums are the same bits either way).
+    std::vector<at::Tensor> riders;
+    if (s.world <= 2 || s.adam_numel <= kRiderMaxNumel) {
+      if (at::Tensor bucket = s.adamw->pack_for_exchange(); bucket.defined())
+        riders.push_back(bucket);
+    }
+    s.muon->step(&out.optimizer_phases, riders);
     s.adamw->step(&out.optimizer_phases);
-    s.muon->step(&out.optimizer_phases);
   }
   out.optimizer_seconds = seconds_since(t0);
   return out;
