@@ -10,7 +10,7 @@ RANKS      ?= 2
 CTEST_ARGS ?=
 MEGACPP_FUZZ_SECONDS ?= 300
 
-.PHONY: all setup configure build run run-cpp test test-full test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-failure bench-recovery device-prep device-test clean
+.PHONY: all setup configure build run run-cpp test test-full test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-train-step bench-failure bench-recovery device-prep device-test clean
 
 all: build
 
@@ -96,6 +96,11 @@ bench: build
 	@$(BUILD)/bin/bench_ssd
 	@$(BUILD)/bin/bench_blocks
 	@MEGACPP_BIN=$(BUILD)/bin/megacpp .venv/bin/python bench/collect_all.py
+
+# megacpp run against its Python twin (torchrun, DDP, torch.optim.Muon + AdamW) at the tiny,
+# medium and large recipes, 3 trials each, alternately (about 15 minutes on 2 cores).
+bench-train-step: build
+	@.venv/bin/python bench/train_step.py
 
 bench-failure: build
 	@.venv/bin/python bench/failure_detection.py

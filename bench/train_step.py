@@ -27,6 +27,7 @@ figures.
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -69,6 +70,16 @@ def recipe_geometry(path):
         r = tomllib.load(f)
     m, t = r.get("model", {}), r.get("train", {})
     return int(t.get("batch_size", 16)), int(m.get("seq_len", 64))
+
+
+def plan_parameters(args, recipe):
+    """The parameter count `megacpp plan` gives the recipe (its line 'total N (...)')."""
+    out = subprocess.run([args.megacpp, "plan", recipe], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    match = re.search(r"^\s*total (\d+) ", out.stdout, re.M)
+    if out.returncode != 0 or not match:
+        raise SystemExit(f"bench_train_step: `megacpp plan {recipe}` gave no parameter total")
+    return int(match.group(1))
 
 
 def steady(steps, warmup):
@@ -117,6 +128,9 @@ def run_twin(args, recipe, steps, workdir, tag):
     with open(out_json) as f:
         result = json.load(f)
     os.unlink(out_json)
+    if result["params"] != args.expected_params:
+        raise SystemExit(f"bench_train_step: the twin's model has {result['params']} parameters, "
+                         f"megacpp's {args.expected_params}: they are not the same model")
     return [{"step": s["step"], "seconds": s["seconds"], "phases": s.get("phases", {})}
             for s in result["steps"]]
 
@@ -165,7 +179,9 @@ def main():
             steps = args.steps or steps
             batch, seq = recipe_geometry(os.path.join(ROOT, recipe))
             tokens_per_step = args.ranks * batch * seq
-            print(f"== {size}: {recipe}, {args.ranks} ranks x {batch} x {seq} tokens, "
+            args.expected_params = plan_parameters(args, recipe)
+            print(f"== {size}: {recipe}, {args.expected_params / 1e6:.1f} M parameters, "
+                  f"{args.ranks} ranks x {batch} x {seq} tokens, "
                   f"{args.threads} thread(s) per rank, {steps} steps, steady after "
                   f"{args.warmup}", flush=True)
             rates = {"megacpp": [], "twin": []}
@@ -206,7 +222,8 @@ def main():
             summary.append((size, med["megacpp"], med["twin"], ratio, goal,
                             100 * m_opt / m_step))
             report["sizes"][size] = {
-                "recipe": recipe, "steps": steps, "tokens_per_step": tokens_per_step,
+                "recipe": recipe, "params": args.expected_params, "steps": steps,
+                "tokens_per_step": tokens_per_step,
                 "rates": rates, "median": med, "ratio": ratio, "goal": goal,
                 "phases_ms": {"megacpp": {k: 1e3 * v for k, v in m_phases.items()},
                               "twin": {k: 1e3 * v for k, v in t_phases.items()}},

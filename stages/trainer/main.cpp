@@ -385,6 +385,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     }
 
     StepHooks hooks;
+    hooks.stop_requested = [&] { return ctx.graceful_stop_requested(); };
     hooks.on_phase = [&](Phase p) {
       ctx.set_phase(p);
       if (const char* point = fault_point_of(p)) stage::fault_point(ctx, point, step);
@@ -449,9 +450,11 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
         {.step = step, .tokens = tokens_total, .loss = timing.loss, .step_seconds = step_seconds});
 
     snapshots.poll();
-    // Graceful stop: after every step the ranks agree whether any of them was asked to stop;
-    // if so this step is the last, and its checkpoint is committed before they exit.
-    const bool stopping = ts->any_rank(ctx.graceful_stop_requested());
+    // Graceful stop: every step the ranks agree whether any of them was asked to stop (in the
+    // step's own gradient exchange, or by any_rank under tensor parallelism); if so this step
+    // is the last, and its checkpoint is committed before they exit.
+    const bool stopping =
+        timing.stop_agreed ? *timing.stop_agreed : ts->any_rank(ctx.graceful_stop_requested());
     const bool final = step == steps || stopping;
     between_seconds = seconds_since(step_start);
     snapshot_seconds = 0;

@@ -414,8 +414,15 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
       if (at::Tensor bucket = s.adamw->pack_for_exchange(); bucket.defined())
         riders.push_back(bucket);
     }
+    at::Tensor stop;
+    if (hooks.stop_requested && s.tp.size == 1) {
+      stop = torch::full({1}, hooks.stop_requested() ? 1.0f : 0.0f,
+                         torch::dtype(torch::kFloat32).device(s.device));
+      riders.push_back(stop);
+    }
     s.muon->step(&out.optimizer_phases, riders);
     s.adamw->step(&out.optimizer_phases);
+    if (stop.defined()) out.stop_agreed = stop.item<float>() > 0.0f;
   }
   out.optimizer_seconds = seconds_since(t0);
   return out;

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -76,6 +77,8 @@ struct StepTiming {
   // summed (the rest of optimizer_seconds is the schedule's scalar updates).
   double clip_seconds = 0;
   OptimizerPhaseTimes optimizer_phases;
+  // StepHooks::stop_requested's agreement: set when the hook was asked.
+  std::optional<bool> stop_agreed;
 };
 
 // Optional callbacks into the caller, invoked on the calling thread.
@@ -85,6 +88,12 @@ struct StepHooks {
   // Called once backward is done: from then on the step holds no reference to `tokens`,
   // so the caller may recycle the memory behind it (e.g. release a ring slot).
   std::function<void()> after_backward;
+  // Asked once per step, during the optimizer phase: whether this rank wants to stop after
+  // this step. Its answer rides in the step's gradient exchange and every rank's comes back
+  // as StepTiming::stop_agreed (any rank's true: true), the same on every rank; the
+  // agreement any_rank() would make, without a collective of its own. Not asked under
+  // tensor parallelism, whose agreement spans two groups: call any_rank() then.
+  std::function<bool()> stop_requested;
 };
 
 // Which optimizer steps a parameter, and in which group.

@@ -193,7 +193,8 @@ TEST_F(TrainerTest, LossFallsOnALearnableSequence) {
   std::vector<schema::Phase> phases;
   int released = 0;
   StepHooks hooks{.on_phase = [&](schema::Phase p) { phases.push_back(p); },
-                  .after_backward = [&] { ++released; }};
+                  .after_backward = [&] { ++released; },
+                  .stop_requested = {}};
   for (uint32_t step = 1; step <= kSteps; ++step) {
     const StepTiming r = ts.step(make_batch(m, t.batch_size, step), step, hooks);
     ASSERT_TRUE(std::isfinite(r.loss)) << step;
@@ -705,8 +706,14 @@ int run_rank_child(uint16_t port, uint32_t rank, const fs::path& out) {
     const ModelConfig m = tiny_model();
     TrainStep ts(m, world_train(), kWorldSteps, pg);
     if (ts.rank() != rank || ts.world() != 2) return 3;
+    // Rank 1 alone asks to stop at step 3: the agreement rides in the step's exchange and
+    // both ranks read it there, at step 3 only.
     for (uint32_t step = 1; step <= kWorldSteps; ++step) {
-      ts.step(make_batch(m, world_train().batch_size, rank_batch_seed(rank, step)), step);
+      StepHooks hooks;
+      hooks.stop_requested = [&] { return rank == 1 && step == 3; };
+      const StepTiming t = ts.step(
+          make_batch(m, world_train().batch_size, rank_batch_seed(rank, step)), step, hooks);
+      if (!t.stop_agreed || *t.stop_agreed != (step == 3)) return 5;
     }
     nlohmann::json layout = {{"meta", nlohmann::json::parse(ts.snapshot_metadata())},
                              {"entries", nlohmann::json::array()},
@@ -727,11 +734,12 @@ int run_rank_child(uint16_t port, uint32_t rank, const fs::path& out) {
 }
 
 // Child body of AbortEndsAWaitInAGlooCollective: rank 1 joins the group but never the
-// collective; rank 0's all_reduce is ended by abort() from another thread (what the
-// supervisor's AbortCollectives does), as a peer failure naming the abort, and a collective
-// issued after it fails at once. Rank 1 leaves after 4 s: had the abort not ended the wait, its
-// exit would, with Gloo's connection error, which names no abort.
-int abort_child(uint16_t port, uint32_t rank) {
+// collective; rank 0's all_reduce (or, with `p2p`, a receive from rank 1: the optimizers'
+// exchanges wait on Gloo's send and receive works, which have no future) is ended by abort()
+// from another thread (what the supervisor's AbortCollectives does), as a peer failure naming
+// the abort, and a collective issued after it fails at once. Rank 1 leaves after 4 s: had the
+// abort not ended the wait, its exit would, with Gloo's connection error, which names no abort.
+int abort_child(uint16_t port, uint32_t rank, bool p2p) {
   try {
     GlooOptions go;
     go.store_port = port;
@@ -747,7 +755,13 @@ int abort_child(uint16_t port, uint32_t rank) {
     }
     auto all_reduce = [&] {
       std::vector<at::Tensor> v{torch::ones({4})};
-      run_collective("all_reduce", pg, [&] { return pg->allreduce(v); });
+      if (p2p) {
+        run_collectives("recv", pg, [&] {
+          return std::vector<c10::intrusive_ptr<c10d::Work>>{pg->recv(v, 1, 0)};
+        });
+      } else {
+        run_collective("all_reduce", pg, [&] { return pg->allreduce(v); });
+      }
     };
     std::thread aborter([pg] {
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -779,13 +793,15 @@ int abort_child(uint16_t port, uint32_t rank) {
 }
 
 TEST_F(TrainerTest, AbortEndsAWaitInAGlooCollective) {
-  const forked_world::ForkedWorld world(2, std::chrono::seconds(20));
-  const std::vector<int> status = test_support::run_ranks_within(
-      world, [&](uint32_t rank) { return abort_child(world.store_port(), rank); },
-      std::chrono::seconds(60));
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
-        << "rank " << r << " status " << status[r];
+  for (const bool p2p : {false, true}) {
+    const forked_world::ForkedWorld world(2, std::chrono::seconds(20));
+    const std::vector<int> status = test_support::run_ranks_within(
+        world, [&](uint32_t rank) { return abort_child(world.store_port(), rank, p2p); },
+        std::chrono::seconds(60));
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
+          << (p2p ? "receive" : "all_reduce") << ": rank " << r << " status " << status[r];
+    }
   }
 }
 
