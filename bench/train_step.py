@@ -9,8 +9,8 @@ median of each and their ratio. Then the per-phase breakdown of a step (mean ove
 steps of every trial, milliseconds) for both:
 
   megacpp  batch handoff, forward, backward, clip, gradient reduction, orthogonalization,
-           element-wise optimizer math, all-gather, snapshot, between steps (journal, publish,
-           stop agreement) -- from receipts/bench_telemetry.json (steps[].phases)
+           element-wise optimizer math, all-gather, snapshot, between steps (journal, publish)
+           -- from receipts/bench_telemetry.json (steps[].phases)
   twin     batch, forward, backward (DDP's bucketed all-reduce overlapped with it), clip, Muon
            step, AdamW step -- from the twin's --json
 

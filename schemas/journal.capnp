@@ -43,7 +43,8 @@ struct StepPhases {
   updateSeconds @4 :Float64;         # optimizers' element-wise math
   gatherSeconds @5 :Float64;         # all-gather of updated parameters
   snapshotSeconds @6 :Float64;       # the previous step's snapshot copy into staging
-  betweenSeconds @7 :Float64;        # after the previous step: journal, publish, stop agreement
+  betweenSeconds @7 :Float64;        # after the previous step: journal, publish (and the stop
+                                     # agreement under tensor parallelism)
 }
 
 struct CheckpointRecord {
