@@ -65,16 +65,18 @@ Semantic differences from megacpp (the benchmark compares systems, not bit-equal
      DistAdamW shards parameters of >= adamw_crossover elements the same way; here DDP
      all-reduces every gradient and every rank steps every parameter with a full copy of the
      optimizer state.
-  8. Gradient reduction: megacpp reduces once per step inside the optimizers, after backward;
-     DDP all-reduces 25 MB buckets (or --bucket-cap-mb) overlapped with backward. DDP also
+  8. Gradient reduction: megacpp reduces once per step inside the optimizers, after backward
+     (on Gloo one point-to-point reduce-scatter round for both optimizers' gradients, then one
+     all-gather round); DDP all-reduces 25 MB buckets (or --bucket-cap-mb) overlapped with
+     backward. DDP also
      broadcasts parameters from rank 0 at construction, as megacpp does; buffer broadcast
      is off (the only buffers are the constant RoPE tables).
   9. Clipping: megacpp clips each rank's own gradient before reduction (the norm is the
      rank's); DDP has reduced during backward, so the twin clips the averaged gradient with
      clip_grad_norm_(foreach=True).
- 10. Has-grad mask: megacpp's optimizers all-reduce a per-parameter has-gradient mask each step
-     and leave parameters no rank has a gradient for untouched; every parameter here always
-     has a gradient, so the twin skips that collective.
+ 10. Has-grad mask: megacpp's optimizers agree on a per-parameter has-gradient mask each step
+     (on Gloo its flags travel inside the gradient exchange) and leave parameters no rank has a
+     gradient for untouched; every parameter here always has a gradient, so the twin has none.
  11. AdamW step count: megacpp counts steps in which some rank had a gradient, torch every
      step; equal here. AdamW maths (decoupled decay, bias corrections) are otherwise the same.
 
