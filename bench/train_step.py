@@ -45,7 +45,7 @@ SIZES = {
     "medium": ("recipes/medium.toml", 25, 1.05),
     "large": ("recipes/large.toml", 15, 1.05),
 }
-MEGACPP_PHASES = [
+PHASES_OF_MEGACPP = [
     ("handoff", "handoffSeconds"),
     ("forward", "forwardSeconds"),
     ("backward", "backwardSeconds"),
@@ -108,7 +108,7 @@ def run_megacpp(args, recipe, steps, workdir, tag):
             raise SystemExit("bench_train_step: bench_telemetry.json has no phases: "
                              "this megacpp predates the per-phase journal")
         out.append({"step": s["step"], "seconds": s["stepSeconds"],
-                    "phases": {name: ph.get(key, 0.0) for name, key in MEGACPP_PHASES}})
+                    "phases": {name: ph.get(key, 0.0) for name, key in PHASES_OF_MEGACPP}})
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
 

@@ -98,7 +98,11 @@ class Recovery(unittest.TestCase):
         self.assertTrue(final_bytes(run_dir) == final_bytes(self.straight), "final state differs")
 
     def test_kill_9_of_a_rank_is_recovered_and_counted(self):
-        run_dir, proc = self.start("kill9", "--max-job-restarts", "2", "--metrics-linger-s", "20")
+        # Rank 1 stops in step 8's forward (first attempt only) so that the kill lands before
+        # step 8's checkpoint whatever the manifest's lag: steps take ~50 ms, and a kill sent
+        # once the manifest showed step 7 sometimes found step 8 already committed.
+        run_dir, proc = self.start("kill9", "--max-job-restarts", "2", "--metrics-linger-s", "20",
+                                   env={"MEGACPP_FAULT": "trainer:1:forward:8:hang"})
         self.wait_step(run_dir, proc, 7)
         os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
         # /metrics while the supervisor lingers after the run.
