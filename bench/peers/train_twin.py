@@ -112,6 +112,9 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+# The blocks' shared pieces, as bench_blocks' twin defines them from model_internal.h.
+from blocks_peer import Mlp, linear, rms_norm, rope
+
 # recipes/recipe.h's declared keys and defaults, per TOML section ("" is the top level).
 # [moe], [ssm], [rnn] and [data] are accepted and ignored: they configure block kinds the twin
 # refuses, or the corpus it replaces with random tokens.
@@ -218,20 +221,6 @@ def load_recipe(path, overrides):
 # ----------------------------------------------------------------------------------------------
 # The model (stages/trainer/model.cpp, model_internal.h).
 
-def rms_norm(x):
-    return F.rms_norm(x, (x.size(-1),), eps=1e-6)
-
-
-def rope(x, cos, sin):
-    half = x.size(-1) // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), -1)
-
-
-def linear(n_in, n_out):
-    return nn.Linear(n_in, n_out, bias=False)
-
-
 class Attention(nn.Module):
     # split: q, k, v as separate parameters (Muon orthogonalizes each alone, as megacpp's
     # qkv_split does with the fused matrix's row slices); else one fused qkv.
@@ -262,16 +251,6 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            enable_gqa=self.n_kv_heads != self.n_heads)
         return self.proj(y.transpose(1, 2).reshape(B, T, self.widths[0]))
-
-
-class Mlp(nn.Module):
-    def __init__(self, d_model, hidden):
-        super().__init__()
-        self.fc = linear(d_model, hidden)
-        self.proj = linear(hidden, d_model)
-
-    def forward(self, x):
-        return self.proj(torch.relu(self.fc(x)).square())
 
 
 class Block(nn.Module):

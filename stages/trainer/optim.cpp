@@ -91,7 +91,8 @@ at::Tensor reduce_scatter_sum(const Pg& pg, at::Tensor& full, uint32_t rank, uin
 // All are collectives: every rank calls them with buffers of the same size. `scratch` holds
 // world - 1 segments (exchange_reduce_scatter) or world - 1 buffers (exchange_all_reduce).
 
-// Sends `sends[q]` to rank q and receives `recvs[q]` from it, for every q != rank, in one round.
+// Sends `send_to(q)` to rank q and receives `recv_from(q)` from it, for every q != rank, in one
+// round.
 void exchange(const Pg& pg, std::string_view what, int tag, uint32_t rank, uint32_t world,
               const std::function<at::Tensor(uint32_t)>& send_to,
               const std::function<at::Tensor(uint32_t)>& recv_from) {
