@@ -114,10 +114,14 @@ class Resume(Base):
         kill_at = random.Random(seed).randint(EVERY + 2, STEPS - 1)
         sys.stderr.write("kill -9 of rank 1 after step %d (MEGACPP_RESUME_SEED=%d)\n" % (kill_at, seed))
         run_dir = os.path.join(self.tmp, "kill-9")
+        # Rank 1 stops in the forward of step kill_at + 1 (first attempt only), so the kill finds
+        # it there whatever the manifest's lag: steps take ~50 ms, and a rank killed once the
+        # manifest showed step STEPS - 1 had sometimes finished the run and exited.
+        env = dict(os.environ, MEGACPP_FAULT="trainer:1:forward:%d:hang" % (kill_at + 1))
         proc = subprocess.Popen(
             [MEGACPP, "run", self.tiny, "--ranks", "2", "--steps", str(STEPS), "--run-dir", run_dir,
              "--data-dir", os.path.join(self.tmp, "data"), "--progress", "none"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         deadline = time.monotonic() + 120
         killed = False
         while time.monotonic() < deadline and not killed:
