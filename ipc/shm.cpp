@@ -82,6 +82,12 @@ ShmRegion::~ShmRegion() {
   if (owner_) ::shm_unlink(name_.c_str());
 }
 
+void ShmRegion::unlink() {
+  if (!owner_) return;
+  owner_ = false;
+  if (::shm_unlink(name_.c_str()) != 0 && errno != ENOENT) SYSCALL_FAIL("shm_unlink", errno);
+}
+
 std::vector<std::string> list_shm(std::string_view prefix) {
   MEGACPP_CHECK(!prefix.empty() && prefix[0] == '/', ErrorKind::kInvalidArgument,
                 fmt::format("shm prefix '{}' must start with '/'", prefix));

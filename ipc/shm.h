@@ -28,6 +28,10 @@ class ShmRegion {
   ShmRegion(const ShmRegion&) = delete;
   ShmRegion& operator=(const ShmRegion&) = delete;
 
+  // Removes the name now (a creating instance whose users have all attached); the mapping
+  // stays valid and the destructor no longer unlinks. A no-op on an attaching instance.
+  void unlink();
+
   std::byte* data() const noexcept { return data_; }
   size_t size() const noexcept { return size_; }
   const std::string& name() const noexcept { return name_; }

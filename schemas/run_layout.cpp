@@ -107,5 +107,8 @@ std::string ring_shm_name(std::string_view prefix, uint32_t rank) {
 std::string staging_shm_name(std::string_view prefix, uint32_t rank) {
   return fmt::format("{}stage-{}", prefix, rank);
 }
+std::string exchange_shm_prefix(std::string_view prefix, std::string_view group) {
+  return fmt::format("{}xch-{}-", prefix, group);
+}
 
 }  // namespace megacpp::layout

@@ -338,7 +338,10 @@ int stop(const fs::path& run_dir, bool wait, double timeout_s) {
   std::fflush(stdout);
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-  while (live_supervisor(run_dir)) {
+  // Gone means the process too: its journal says the run finished a moment before it exits.
+  schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
+  const uint64_t start_ticks = launch.get().getSupervisorStartTicks();
+  while (live_supervisor(run_dir) || detail::process_alive(*pid, start_ticks)) {
     if (std::chrono::steady_clock::now() > deadline)
       MEGACPP_FAIL(ErrorKind::kTimeout,
                    "{} is still running {:.0f}s after the stop request; `megacpp stop` again "

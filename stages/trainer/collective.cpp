@@ -34,6 +34,11 @@ namespace {
 
 }  // namespace
 
+ipc::PeerExchange* peer_exchange_of(const c10::intrusive_ptr<c10d::Backend>& pg) noexcept {
+  auto* with = dynamic_cast<WithPeerExchange*>(pg.get());
+  return with != nullptr ? with->peer_exchange() : nullptr;
+}
+
 void run_collective(std::string_view what, const c10::intrusive_ptr<c10d::Backend>& pg,
                     const std::function<c10::intrusive_ptr<c10d::Work>()>& issue) {
   run_collectives(what, pg, [&] { return std::vector<c10::intrusive_ptr<c10d::Work>>{issue()}; });

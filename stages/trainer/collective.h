@@ -15,6 +15,10 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+namespace megacpp::ipc {
+class PeerExchange;
+}
+
 namespace megacpp::trainer {
 
 // A group whose abort() also ends the waits of run_collective: the collective in flight and
@@ -29,6 +33,17 @@ class AbortableWaits {
   // the group is aborted first (false). Thread-safe against abort() from another thread.
   virtual bool wait_unless_aborted(c10d::Work& work) = 0;
 };
+
+// A group whose ranks share a host and exchange point to point through shared memory instead
+// of the backend's send and receive (the trainer's Gloo group when rendezvous.h's
+// peer_exchange_prefix is set and every rank could attach every other's outbox).
+class WithPeerExchange {
+ public:
+  virtual ~WithPeerExchange() = default;
+  // Null when the group exchanges through its backend.
+  virtual ipc::PeerExchange* peer_exchange() noexcept = 0;
+};
+ipc::PeerExchange* peer_exchange_of(const c10::intrusive_ptr<c10d::Backend>& pg) noexcept;
 
 // Issues a collective with `issue` and waits for it. A failure of either is rethrown as
 // Error{kTimeout} when it came once `pg`'s timeout had passed since the collective was issued

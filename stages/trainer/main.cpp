@@ -229,10 +229,15 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
                                            launch.getAttempt(), launch.getGeneration());
     // One group per call; without tensor parallelism the data-parallel group is the world,
     // under the prefix it always had.
-    auto join = [&](uint32_t group_rank, uint32_t group_world, std::string group_prefix) {
+    auto join = [&](uint32_t group_rank, uint32_t group_world, std::string group_prefix,
+                    std::string_view group_name) {
       go.rank = group_rank;
       go.world = group_world;
       go.store_prefix = std::move(group_prefix);
+      go.peer_exchange_prefix =
+          knob_int(Knob::kPeerExchange) != 0
+              ? layout::exchange_shm_prefix(std::string(launch.getShmPrefix()), group_name)
+              : std::string();
       c10::intrusive_ptr<c10d::Backend> group;
       with_peers(fmt::format("rendezvous at {}:{}", go.store_host, go.store_port),
                  std::min(go.store_timeout, go.collective_timeout), [&] {
@@ -243,11 +248,14 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     };
     const char* backend = on_cuda ? "NCCL" : "Gloo";
     if (tp == 1) {
-      pg = join(rank, world, prefix);
+      pg = join(rank, world, prefix, "dp");
       log_info("joined the {} group as rank {} of {}", backend, rank, world);
     } else {
-      tp_pg = join(tp_rank, tp, fmt::format("{}tp{}/", prefix, dp_rank));
-      if (dp_world > 1) pg = join(dp_rank, dp_world, fmt::format("{}dp{}/", prefix, tp_rank));
+      tp_pg =
+          join(tp_rank, tp, fmt::format("{}tp{}/", prefix, dp_rank), fmt::format("tp{}", dp_rank));
+      if (dp_world > 1)
+        pg = join(dp_rank, dp_world, fmt::format("{}dp{}/", prefix, tp_rank),
+                  fmt::format("dp{}", tp_rank));
       log_info(
           "joined {} tensor-parallel group {} as rank {} of {} and data-parallel group {} "
           "as rank {} of {}",

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "ipc/peer_exchange.h"
 #include "stages/trainer/collective.h"
 
 namespace megacpp::trainer {
@@ -96,6 +97,28 @@ at::Tensor reduce_scatter_sum(const Pg& pg, at::Tensor& full, uint32_t rank, uin
 void exchange(const Pg& pg, std::string_view what, int tag, uint32_t rank, uint32_t world,
               const std::function<at::Tensor(uint32_t)>& send_to,
               const std::function<at::Tensor(uint32_t)>& recv_from) {
+  if (ipc::PeerExchange* shared = peer_exchange_of(pg)) {
+    // Ranks of one host: through shared memory (ipc/peer_exchange.h); its failures are
+    // already typed as run_collective types Gloo's (peer failure, timeout, abort).
+    std::vector<at::Tensor> keep;
+    std::vector<ipc::PeerExchange::Transfer> transfers;
+    for (uint32_t k = 1; k < world; ++k) {
+      const uint32_t q = (rank + k) % world;
+      const at::Tensor out = send_to(q), in = recv_from(q);
+      MEGACPP_CHECK(out.is_cpu() && in.is_cpu() && out.is_contiguous() && in.is_contiguous(),
+                    ErrorKind::kInternal,
+                    fmt::format("{}: a shared-memory exchange takes contiguous CPU tensors", what));
+      transfers.push_back({q,
+                           {static_cast<const std::byte*>(out.const_data_ptr()), out.nbytes()},
+                           {static_cast<std::byte*>(in.data_ptr()), in.nbytes()}});
+      keep.push_back(out);
+      keep.push_back(in);
+    }
+    shared->exchange(
+        what, transfers,
+        std::chrono::duration_cast<std::chrono::milliseconds>(pg->getBackendOptions()->timeout));
+    return;
+  }
   std::vector<std::vector<at::Tensor>> ins, outs;
   ins.reserve(world);
   outs.reserve(world);

@@ -15,6 +15,8 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/util.h"
+#include "ipc/peer_exchange.h"
 #include "stages/trainer/collective.h"
 #include "stages/trainer/cuda_plugin.h"
 
@@ -39,11 +41,20 @@ c10::intrusive_ptr<c10d::Store> connect_store(const GlooOptions& o) {
 // ProcessGroupGloo whose abort() ends run_collective's waits (Gloo's own abort() is a no-op:
 // a rank stuck in a collective would wait out the transport's timeout). The collective itself
 // is left to Gloo's threads; the rank's thread, released, fails and the process exits.
-class AbortableGloo final : public c10d::ProcessGroupGloo, public AbortableWaits {
+class AbortableGloo final : public c10d::ProcessGroupGloo,
+                            public AbortableWaits,
+                            public WithPeerExchange {
  public:
   using ProcessGroupGloo::ProcessGroupGloo;
 
+  // Set once, right after construction, before the group is shared.
+  void set_peer_exchange(std::unique_ptr<ipc::PeerExchange> exchange) {
+    exchange_ = std::move(exchange);
+  }
+  ipc::PeerExchange* peer_exchange() noexcept override { return exchange_.get(); }
+
   void abort() override {
+    if (exchange_) exchange_->abort();
     {
       std::lock_guard lock(waits_->mu);
       waits_->aborted = true;
@@ -110,7 +121,62 @@ class AbortableGloo final : public c10d::ProcessGroupGloo, public AbortableWaits
   }
 
   std::shared_ptr<Waits> waits_ = std::make_shared<Waits>();
+  std::unique_ptr<ipc::PeerExchange> exchange_;
 };
+
+// Collective over `store`: every rank creates its outbox, publishes its token, attaches every
+// peer's and says whether it could; only when all could do they keep the exchange (and unlink
+// the names: from here on only the mappings hold the segments). A rank that cannot says so
+// instead of failing, so the group falls back to Gloo together. Store errors propagate.
+std::unique_ptr<ipc::PeerExchange> connect_peer_exchange(c10d::Store& store, const GlooOptions& o) {
+  std::unique_ptr<ipc::PeerExchange> x;
+  std::string why;
+  try {
+    x = std::make_unique<ipc::PeerExchange>(
+        ipc::PeerExchange::Config{.name_prefix = o.peer_exchange_prefix,
+                                  .rank = o.rank,
+                                  .world = o.world,
+                                  .slot_bytes = o.peer_exchange_slot_bytes});
+  } catch (const Error& e) {
+    why = e.what();
+  }
+  auto to_bytes = [](const std::string& v) { return std::vector<uint8_t>(v.begin(), v.end()); };
+  auto get = [&](const std::string& key) {
+    const std::vector<uint8_t> v = store.get(key);
+    return std::string(v.begin(), v.end());
+  };
+  store.set(fmt::format("peer_exchange/token/{}", o.rank), to_bytes(x ? x->token() : "-"));
+  for (uint32_t q = 0; q < o.world; ++q) {
+    if (q == o.rank) continue;
+    const std::string token = get(fmt::format("peer_exchange/token/{}", q));
+    if (!x) continue;
+    if (token == "-") {
+      why = fmt::format("rank {} could not create its outbox", q);
+      x.reset();
+      continue;
+    }
+    try {
+      x->attach(q, token);
+    } catch (const Error& e) {
+      why = fmt::format("rank {}'s outbox: {}", q, e.what());
+      x.reset();
+    }
+  }
+  store.set(fmt::format("peer_exchange/attached/{}", o.rank), to_bytes(x ? "1" : "0"));
+  uint32_t failed = 0;
+  for (uint32_t q = 0; q < o.world; ++q)
+    if (get(fmt::format("peer_exchange/attached/{}", q)) != "1") ++failed;
+  if (failed > 0) {
+    if (why.empty()) why = fmt::format("{} other rank(s) could not attach every outbox", failed);
+    log_warn(
+        "rank {}: the optimizer exchanges go through Gloo, not shared memory ({}); expected "
+        "when the ranks do not share a host",
+        o.rank, why);
+    return nullptr;
+  }
+  x->unlink();
+  return x;
+}
 
 }  // namespace
 
@@ -118,8 +184,11 @@ c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooOptions& o) {
   auto store = connect_store(o);
   auto opts = c10d::ProcessGroupGloo::Options::create(o.collective_timeout);
   opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(o.device_hostname));
-  return c10::make_intrusive<AbortableGloo>(store, static_cast<int>(o.rank),
-                                            static_cast<int>(o.world), opts);
+  auto pg = c10::make_intrusive<AbortableGloo>(store, static_cast<int>(o.rank),
+                                               static_cast<int>(o.world), opts);
+  if (!o.peer_exchange_prefix.empty() && o.world > 1)
+    pg->set_peer_exchange(connect_peer_exchange(*store, o));
+  return pg;
 }
 
 c10::intrusive_ptr<c10d::Backend> connect_nccl(const GlooOptions& o, const CudaPlugin& cuda,

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -31,6 +32,12 @@ struct GlooOptions {
   // Keys of this group live under this prefix in the store (e.g. one per run generation),
   // so a store shared by several groups or generations never mixes their rendezvous.
   std::string store_prefix;
+  // Non-empty: the optimizers' point-to-point exchanges go through shared memory
+  // (ipc/peer_exchange.h; rank r's outbox is the shm segment "<prefix><r>") when every rank
+  // of the group can map every other's, that is when they share a host; otherwise through
+  // Gloo's send and receive, with a warning naming why. Empty: always Gloo.
+  std::string peer_exchange_prefix;
+  size_t peer_exchange_slot_bytes = 0;  // 0: PeerExchange's default (tests stream small slots)
 };
 c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooOptions& options);
 

@@ -34,6 +34,7 @@
 #include "schemas/run_layout.h"
 #include "stages/checkpointer/checkpointer.h"
 #include "stages/trainer/collective.h"
+#include "stages/trainer/optim.h"
 #include "stages/trainer/rendezvous.h"
 #include "stages/trainer/snapshot_plane.h"
 #include "stages/trainer/train_step.h"
@@ -691,8 +692,11 @@ uint64_t rank_batch_seed(uint32_t rank, uint32_t step) {
   return 1000 * (rank + 1) + step;
 }
 
-// Child body: returns the exit status.
-int run_rank_child(uint16_t port, uint32_t rank, const fs::path& out) {
+// Child body: returns the exit status. `shared_prefix` non-empty: the optimizers exchange
+// through shared memory (outboxes under that shm prefix, slots of 4 KiB so a step's
+// exchange streams through several), and the group must have set it up (else exit 6).
+int run_rank_child(uint16_t port, uint32_t rank, const fs::path& out,
+                   const std::string& shared_prefix = "") {
   try {
     torch::set_num_threads(1);
     GlooOptions go;
@@ -701,8 +705,11 @@ int run_rank_child(uint16_t port, uint32_t rank, const fs::path& out) {
     go.world = 2;
     go.store_timeout = std::chrono::seconds(20);
     go.collective_timeout = std::chrono::seconds(20);
-    go.store_prefix = "trainer_test/";
+    go.store_prefix = shared_prefix.empty() ? "trainer_test/" : "trainer_test_shared/";
+    go.peer_exchange_prefix = shared_prefix;
+    go.peer_exchange_slot_bytes = 4096;
     auto pg = connect_gloo(go);
+    if ((peer_exchange_of(pg) != nullptr) != !shared_prefix.empty()) return 6;
     const ModelConfig m = tiny_model();
     TrainStep ts(m, world_train(), kWorldSteps, pg);
     if (ts.rank() != rank || ts.world() != 2) return 3;
@@ -739,7 +746,10 @@ int run_rank_child(uint16_t port, uint32_t rank, const fs::path& out) {
 // from another thread (what the supervisor's AbortCollectives does), as a peer failure naming
 // the abort, and a collective issued after it fails at once. Rank 1 leaves after 4 s: had the
 // abort not ended the wait, its exit would, with Gloo's connection error, which names no abort.
-int abort_child(uint16_t port, uint32_t rank, bool p2p) {
+//
+// `wait` kShared: rank 0 waits in DistMuon's exchange through shared memory instead.
+enum class AbortedWait { kCollective, kReceive, kShared };
+int abort_child(uint16_t port, uint32_t rank, AbortedWait wait, const std::string& shm_prefix) {
   try {
     GlooOptions go;
     go.store_port = port;
@@ -748,14 +758,21 @@ int abort_child(uint16_t port, uint32_t rank, bool p2p) {
     go.store_timeout = std::chrono::seconds(20);
     go.collective_timeout = std::chrono::seconds(60);
     go.store_prefix = "abort_test/";
+    if (wait == AbortedWait::kShared) go.peer_exchange_prefix = shm_prefix;
     auto pg = connect_gloo(go);
+    if (wait == AbortedWait::kShared && peer_exchange_of(pg) == nullptr) return 14;
     if (rank == 1) {
       std::this_thread::sleep_for(std::chrono::seconds(4));
       return 0;
     }
+    at::Tensor w = torch::randn({8, 8});
+    w.mutable_grad() = torch::randn({8, 8});
+    DistMuon muon({MuonParamGroup{.params = {w}}}, pg);
     auto all_reduce = [&] {
       std::vector<at::Tensor> v{torch::ones({4})};
-      if (p2p) {
+      if (wait == AbortedWait::kShared) {
+        muon.step();
+      } else if (wait == AbortedWait::kReceive) {
         run_collectives("recv", pg, [&] {
           return std::vector<c10::intrusive_ptr<c10d::Work>>{pg->recv(v, 1, 0)};
         });
@@ -793,16 +810,57 @@ int abort_child(uint16_t port, uint32_t rank, bool p2p) {
 }
 
 TEST_F(TrainerTest, AbortEndsAWaitInAGlooCollective) {
-  for (const bool p2p : {false, true}) {
+  const std::string shm_prefix = fmt::format("/megacpp-trainer-test-{}-xch-", ::getpid());
+  for (const AbortedWait wait :
+       {AbortedWait::kCollective, AbortedWait::kReceive, AbortedWait::kShared}) {
+    const char* name = wait == AbortedWait::kCollective ? "all_reduce"
+                       : wait == AbortedWait::kReceive  ? "receive"
+                                                        : "shared-memory exchange";
     const forked_world::ForkedWorld world(2, std::chrono::seconds(20));
     const std::vector<int> status = test_support::run_ranks_within(
-        world, [&](uint32_t rank) { return abort_child(world.store_port(), rank, p2p); },
+        world,
+        [&](uint32_t rank) { return abort_child(world.store_port(), rank, wait, shm_prefix); },
         std::chrono::seconds(60));
     for (int r = 0; r < 2; ++r) {
       EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
-          << (p2p ? "receive" : "all_reduce") << ": rank " << r << " status " << status[r];
+          << name << ": rank " << r << " status " << status[r];
     }
   }
+  EXPECT_TRUE(ipc::list_shm(shm_prefix).empty()) << "outboxes are unlinked once attached";
+}
+
+// The same two-rank training with the optimizers' exchanges through shared memory (streamed
+// through slots smaller than a step's messages) lands on the same bits as through Gloo.
+TEST_F(TrainerTest, SharedMemoryExchangeMatchesGlooBitForBit) {
+  const forked_world::ForkedWorld world(2, std::chrono::seconds(20));
+  char tmpl[] = "/tmp/megacpp-trainer-test-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const fs::path dir(tmpl);
+  const std::string shm_prefix = fmt::format("/megacpp-trainer-test-{}-xch-", ::getpid());
+  for (const bool shared : {false, true}) {
+    const std::vector<int> status = test_support::run_ranks_within(
+        world,
+        [&](uint32_t rank) {
+          return run_rank_child(world.store_port(), rank,
+                                dir / fmt::format("{}{}.bin", shared ? "shm" : "gloo", rank),
+                                shared ? shm_prefix : std::string());
+        },
+        std::chrono::seconds(60));
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
+          << (shared ? "shared memory" : "Gloo") << ": rank " << r << " status " << status[r];
+    }
+  }
+  for (int r = 0; r < 2; ++r) {
+    const auto gloo = read_floats(dir / fmt::format("gloo{}.bin", r));
+    const auto shm = read_floats(dir / fmt::format("shm{}.bin", r));
+    ASSERT_FALSE(gloo.empty());
+    ASSERT_EQ(gloo.size(), shm.size());
+    EXPECT_EQ(std::memcmp(gloo.data(), shm.data(), gloo.size() * sizeof(float)), 0)
+        << "rank " << r << ": the transports disagree";
+  }
+  fs::remove_all(dir);
+  EXPECT_TRUE(ipc::list_shm(shm_prefix).empty());
 }
 
 TEST_F(TrainerTest, TwoRanksOverGlooStayBitIdentical) {
