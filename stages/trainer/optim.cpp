@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "ipc/peer_exchange.h"
 #include "stages/trainer/collective.h"
+#include "stages/trainer/optim_internal.h"
 
 namespace megacpp::trainer {
 
@@ -155,15 +156,27 @@ int64_t slot_of(uint32_t q, uint32_t rank) {
   return q < rank ? q : q - 1;
 }
 
-// Segment `rank` of `flat` becomes the SUM over ranks; the other segments are left as they were.
+// Segment `rank` of `flat` becomes the SUM over ranks, its first `mean_prefix` elements then
+// divided by the world (the mean); the other segments are left as they were.
 void exchange_reduce_scatter(const Pg& pg, at::Tensor& flat, at::Tensor& scratch, uint32_t rank,
-                             uint32_t world) {
+                             uint32_t world, int64_t mean_prefix = 0) {
   const int64_t seg = flat.numel() / world;
   auto part = [&](uint32_t q) { return scratch.narrow(0, slot_of(q, rank) * seg, seg); };
   exchange(
       pg, "reduce_scatter", 2, rank, world,
       [&](uint32_t q) { return flat.narrow(0, q * seg, seg); }, part);
-  sum_in_rank_order(flat.narrow(0, rank * seg, seg), rank, world, part);
+  at::Tensor own = flat.narrow(0, rank * seg, seg);
+  if (world == 2 && own.is_cpu() && own.scalar_type() == at::kFloat) {
+    // One pass instead of two or three: a + b is b + a, and the division is the same one.
+    auto* o = static_cast<float*>(own.data_ptr());
+    const auto* t = static_cast<const float*>(part(1 - rank).const_data_ptr());
+    const auto m = static_cast<size_t>(mean_prefix);
+    detail::sum_and_divide(o, t, 2.0f, m);
+    detail::sum_and_divide(o + m, t + m, 1.0f, static_cast<size_t>(seg) - m);
+    return;
+  }
+  sum_in_rank_order(own, rank, world, part);
+  if (mean_prefix > 0) own.narrow(0, 0, mean_prefix).div_(static_cast<double>(world));
 }
 
 // Every rank's segment of `flat` is copied into the others' `flat`.
@@ -320,17 +333,73 @@ std::string entry_name(const StateKey& key) {
 
 namespace detail {
 
+namespace {
+
+// Both contiguous CPU tensors of one shape and dtype, float32 or bfloat16: what the fused loops
+// of optim_internal.h take.
+bool fusable(const at::Tensor& x, const at::Tensor& y) {
+  return x.is_cpu() && y.is_cpu() && x.scalar_type() == y.scalar_type() &&
+         (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
+         y.is_contiguous() && x.sizes() == y.sizes();
+}
+
+template <typename T>
+T* data_of(const at::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+// `b * A + c * AA`, the same bits; A (a temporary) is overwritten when fused.
+at::Tensor fused_scaled_sum(at::Tensor A, const at::Tensor& AA, double b, double c) {
+  if (!fusable(A, AA)) return b * A + c * AA;
+  const auto n = static_cast<size_t>(A.numel());
+  const auto fb = static_cast<float>(b), fc = static_cast<float>(c);
+  if (A.scalar_type() == at::kFloat)
+    scaled_sum(data_of<float>(A), data_of<float>(AA), fb, fc, n);
+  else
+    scaled_sum(data_of<uint16_t>(A), data_of<uint16_t>(AA), fb, fc, n);
+  return A;
+}
+
+// `a * x + y`, the same bits; x (a temporary) is overwritten when fused.
+at::Tensor fused_scale_add(at::Tensor x, const at::Tensor& y, double a) {
+  if (!fusable(x, y)) return a * x + y;
+  const auto n = static_cast<size_t>(x.numel());
+  if (x.scalar_type() == at::kFloat)
+    scale_add(data_of<float>(x), data_of<float>(y), static_cast<float>(a), n);
+  else
+    scale_add(data_of<uint16_t>(x), data_of<uint16_t>(y), static_cast<float>(a), n);
+  return x;
+}
+
+// x @ y, into `out` when it is given (a buffer reused across iterations: freeing a product of
+// 128 KiB and more each time costs glibc a consolidation of its free lists). Batches of
+// matrices go to bmm directly: matmul folds a batch of one into a single matrix product,
+// which copies a transposed operand first (3x the product's time at 512 x 128). The same bits
+// either way.
+at::Tensor product(const at::Tensor& x, const at::Tensor& y, at::Tensor* out = nullptr) {
+  if (x.dim() != 3 || y.dim() != 3) return x.matmul(y);
+  if (out == nullptr) return at::bmm(x, y);
+  if (!out->defined()) *out = at::empty({x.size(0), x.size(1), y.size(2)}, x.options());
+  return at::bmm_out(*out, x, y);
+}
+
+}  // namespace
+
+// Every element-wise step after the normalization writes into a temporary of its own (x is a
+// fresh tensor from the division on), through the fused loops where they apply.
 at::Tensor orthogonalize(const at::Tensor& g, Orthogonalizer which, int steps, bool bf16) {
   at::Tensor x = bf16 ? g.to(at::kBFloat16) : g;
   const bool tall = g.size(-2) > g.size(-1);
+  // Each iteration's three products land in these (B is A, overwritten by the fused sum).
+  at::Tensor gram, square, next;
   if (which == Orthogonalizer::kNewtonSchulz) {
     const auto [a, b, c] = kNewtonSchulz;
     if (tall) x = x.transpose(-2, -1);
     x = x / (frobenius(x) + 1e-7);
     for (int i = 0; i < steps; ++i) {
-      at::Tensor A = x.matmul(x.transpose(-2, -1));
-      at::Tensor B = b * A + c * A.matmul(A);
-      x = a * x + B.matmul(x);
+      at::Tensor A = product(x, x.transpose(-2, -1), &gram);
+      at::Tensor B = fused_scaled_sum(A, product(A, A, &square), b, c);
+      x = fused_scale_add(x, product(B, x, &next), a);
     }
     return tall ? x.transpose(-2, -1) : x;
   }
@@ -338,11 +407,13 @@ at::Tensor orthogonalize(const at::Tensor& g, Orthogonalizer which, int steps, b
   for (int i = 0; i < steps; ++i) {
     const auto [a, b, c] = kPolarExpress[static_cast<size_t>(i)];
     if (tall) {
-      at::Tensor A = x.transpose(-2, -1).matmul(x);
-      x = a * x + x.matmul(b * A + c * A.matmul(A));
+      at::Tensor A = product(x.transpose(-2, -1), x, &gram);
+      const at::Tensor B = fused_scaled_sum(A, product(A, A, &square), b, c);
+      x = fused_scale_add(x, product(x, B, &next), a);
     } else {
-      at::Tensor A = x.matmul(x.transpose(-2, -1));
-      x = a * x + (b * A + c * A.matmul(A)).matmul(x);
+      at::Tensor A = product(x, x.transpose(-2, -1), &gram);
+      const at::Tensor B = fused_scaled_sum(A, product(A, A, &square), b, c);
+      x = fused_scale_add(x, product(B, x, &next), a);
     }
   }
   return x;
@@ -498,6 +569,14 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
   }
   clock.lap(&OptimizerPhaseTimes::reduce);
 
+  // On the CPU, when every parameter had a gradient somewhere and no group decays (the
+  // recipes' default), the update runs in place (DistMuon::begin_update says why it is
+  // exact). One host read of the mask and the decays per step.
+  bool in_place = mask.is_cpu() && mask.all().item<bool>();
+  for (const Param& q : params_)
+    in_place = in_place && q.p.scalar_type() == at::kFloat &&
+               groups_[q.group].s.weight_decay.item<float>() == 0.0f;
+
   int64_t off = n;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& q = params_[i];
@@ -527,23 +606,38 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
     clock.lap(&OptimizerPhaseTimes::reduce);
 
     const at::Tensor m = mask[static_cast<int64_t>(i)];
-    const at::Tensor g32 = g.to(at::kFloat);
-    const at::Tensor p32 = p_owned.to(at::kFloat);
-    const at::Tensor t = q.step + m.to(at::kFloat);
-    const at::Tensor tc = t.clamp_min(1.0);  // a skipped first step must not divide by zero
-    at::Tensor p_new = p32 * (1 - s.lr * s.weight_decay);
-    const at::Tensor ea = q.exp_avg.lerp(g32, 1 - s.beta1);
-    const at::Tensor eas = q.exp_avg_sq.lerp(g32.square(), 1 - s.beta2);
-    const at::Tensor bias1 = 1 - s.beta1.pow(tc);
-    const at::Tensor bias2 = 1 - s.beta2.pow(tc);
-    const at::Tensor denom = (eas / bias2).sqrt() + s.eps;
-    p_new = p_new - (ea / denom) * (s.lr / bias1);
+    if (in_place) {
+      // The same operations on the same operands as below, in place and without the selects
+      // (m is true; the decay factor 1 - lr * 0 is exactly 1): the same bits.
+      q.step.add_(1.0);
+      const at::Tensor tc = q.step.clamp_min(1.0);
+      q.exp_avg.lerp_(g, 1 - s.beta1);
+      q.exp_avg_sq.lerp_(g.square(), 1 - s.beta2);
+      const at::Tensor bias1 = 1 - s.beta1.pow(tc);
+      const at::Tensor bias2 = 1 - s.beta2.pow(tc);
+      at::Tensor step = (q.exp_avg_sq / bias2).sqrt_().add_(s.eps);
+      at::div_out(step, q.exp_avg, step);
+      p_owned.sub_(step.mul_(s.lr / bias1));
+      clock.lap(&OptimizerPhaseTimes::update);
+    } else {
+      const at::Tensor g32 = g.to(at::kFloat);
+      const at::Tensor p32 = p_owned.to(at::kFloat);
+      const at::Tensor t = q.step + m.to(at::kFloat);
+      const at::Tensor tc = t.clamp_min(1.0);  // a skipped first step must not divide by zero
+      at::Tensor p_new = p32 * (1 - s.lr * s.weight_decay);
+      const at::Tensor ea = q.exp_avg.lerp(g32, 1 - s.beta1);
+      const at::Tensor eas = q.exp_avg_sq.lerp(g32.square(), 1 - s.beta2);
+      const at::Tensor bias1 = 1 - s.beta1.pow(tc);
+      const at::Tensor bias2 = 1 - s.beta2.pow(tc);
+      const at::Tensor denom = (eas / bias2).sqrt() + s.eps;
+      p_new = p_new - (ea / denom) * (s.lr / bias1);
 
-    p_owned.copy_(at::where(m, p_new, p32));
-    q.exp_avg.copy_(at::where(m, ea, q.exp_avg));
-    q.exp_avg_sq.copy_(at::where(m, eas, q.exp_avg_sq));
-    q.step.copy_(t);
-    clock.lap(&OptimizerPhaseTimes::update);
+      p_owned.copy_(at::where(m, p_new, p32));
+      q.exp_avg.copy_(at::where(m, ea, q.exp_avg));
+      q.exp_avg_sq.copy_(at::where(m, eas, q.exp_avg_sq));
+      q.step.copy_(t);
+      clock.lap(&OptimizerPhaseTimes::update);
+    }
     if (q.sharded) {
       if (p2p) {
         at::Tensor rows = q.p.detach().view({-1});
@@ -629,6 +723,18 @@ struct DistMuon::Group {
   MuonScalars s;
   std::vector<int64_t> qkv;
   std::vector<Stack> stacks;
+};
+
+// A stack's update between begin_update and finish_update (below).
+struct DistMuon::Update {
+  Group* g = nullptr;
+  Stack* s = nullptr;
+  int64_t owned = 0;
+  at::Tensor P, m, mom, mom_new, sec;
+  bool every = false, no_decay = false;
+  std::vector<int64_t> slices;  // row slices, each a matrix of its own
+  std::vector<at::Tensor> u_parts, p_parts, sec_parts;
+  std::vector<at::Tensor> ortho;  // orthogonalize(u_parts[i]) in P's dtype (orthogonalize_all)
 };
 
 DistMuon::DistMuon(std::vector<MuonParamGroup> groups, Pg pg, DistMuonOptions options)
@@ -837,10 +943,10 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
   at::Tensor mine = flat;  // sharded: this rank's segment; otherwise the whole buffer
   if (sharded) {
     if (p2p) {
-      exchange_reduce_scatter(pg_, flat, recv_buf_, rank_, world_);
+      exchange_reduce_scatter(pg_, flat, recv_buf_, rank_, world_, /*mean_prefix=*/seg);
       mask = flat.narrow(0, rank_ * stride + seg, flags) > 0;
       unload_riders(rank_);
-      mine = flat.narrow(0, rank_ * stride, stride).div_(static_cast<double>(world_));
+      mine = flat.narrow(0, rank_ * stride, stride);
     } else {
       mine = reduce_scatter_sum(pg_, flat, rank_, world_) / static_cast<double>(world_);
     }
@@ -857,7 +963,11 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
   }
   clock.lap(&OptimizerPhaseTimes::reduce);
 
+  // Every stack's element-wise math before the orthogonalization, the orthogonalization of
+  // all of them together, then every stack's math after it (phases `update`, `orthogonalize`).
   at::Tensor out_seg = sharded ? param_buf_.narrow(0, rank_ * seg, seg) : at::Tensor();
+  std::vector<Update> updates;
+  std::vector<const Slot*> updated_slots;
   for (const Slot& sl : slots) {
     const int64_t start = sharded ? rank_ * sl.c : 0;
     const int64_t owned = std::clamp<int64_t>(sl.n - start, 0, sharded ? sl.c : sl.n);
@@ -873,17 +983,26 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
       grad = at::cat(parts);
     }
     grad = grad.view({owned, sl.s->rows, sl.s->cols});
-    const at::Tensor updated = update_stack(
-        *sl.g, *sl.s, grad, mask.narrow(0, sl.base + start, owned), start, owned, times);
-    clock = PhaseClock(times);
+    updates.push_back(
+        begin_update(*sl.g, *sl.s, grad, mask.narrow(0, sl.base + start, owned), start, owned));
+    updated_slots.push_back(&sl);
+  }
+  clock.lap(&OptimizerPhaseTimes::update);
+  orthogonalize_all(updates);
+  clock.lap(&OptimizerPhaseTimes::orthogonalize);
+  for (size_t k = 0; k < updates.size(); ++k) {
+    const Slot& sl = *updated_slots[k];
+    at::Tensor dest =
+        sharded ? out_seg.narrow(0, sl.off, updates[k].owned * sl.numel) : at::Tensor();
+    const at::Tensor updated = finish_update(updates[k], dest);
     if (sharded) {
-      out_seg.narrow(0, sl.off, owned * sl.numel).copy_(updated.reshape({-1}));
+      if (!updated.is_same(dest)) dest.copy_(updated.reshape({-1}));
     } else {
-      for (int64_t i = 0; i < owned; ++i)
+      for (int64_t i = 0; i < updates[k].owned; ++i)
         sl.s->params[static_cast<size_t>(i)].detach().copy_(updated[i]);
     }
-    clock.lap(&OptimizerPhaseTimes::update);
   }
+  clock.lap(&OptimizerPhaseTimes::update);
   if (!sharded) return;
   clock = PhaseClock(times);
   at::Tensor gathered = param_buf_;
@@ -903,78 +1022,108 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
   clock.lap(&OptimizerPhaseTimes::gather);
 }
 
-// Updates `owned` entries of a stack starting at entry `start` (their state is rows
-// [0, owned) of the stack's state tensors) from their averaged gradients `gr` [owned, rows,
-// cols], a scratch view this may overwrite; `m` says which of them some rank had a gradient
-// for. Returns the new values.
+// A stack's update in two halves around the orthogonalization, which step() runs for every
+// stack at once (orthogonalize_all): `owned` entries starting at entry `start` (their state is
+// rows [0, owned) of the stack's state tensors), from their averaged gradients [owned, rows,
+// cols] (a scratch view this may overwrite); `mask` says which of them some rank had a
+// gradient for. finish_update returns the new values.
 //
 // On the CPU, when every entry had a gradient somewhere (the usual step) and the weight decay
 // is 0 (the recipes' default), the same arithmetic runs in place and without the masks'
 // selects: each kept operation is the one the general path runs, on the same operands, so the
 // results are the same bits (but for the sign of a parameter that is exactly zero before and
 // after). Elsewhere the decisions stay on tensors: no host synchronisation on a device.
-at::Tensor DistMuon::update_stack(Group& g, Stack& s, const at::Tensor& gr, const at::Tensor& mask,
-                                  int64_t start, int64_t owned, OptimizerPhaseTimes* times) {
-  // Laps: the element-wise math is `update`, the orthogonalization its own part; the caller's
-  // copies of the result into the parameters or the gather buffer count as `update` too.
-  PhaseClock clock(times);
+
+DistMuon::Update DistMuon::begin_update(Group& g, Stack& s, const at::Tensor& gr,
+                                        const at::Tensor& mask, int64_t start, int64_t owned) {
+  Update u;
+  u.g = &g;
+  u.s = &s;
+  u.owned = owned;
   std::vector<at::Tensor> mine(s.params.begin() + start, s.params.begin() + start + owned);
   for (auto& t : mine) t = t.detach();
-  const at::Tensor P = at::stack(mine);
-  const at::Tensor m = mask.view({owned, 1, 1});
-  const bool host = m.is_cpu();
-  const bool every = host && m.all().item<bool>();
-  const bool no_decay = host && g.s.weight_decay.item<float>() == 0.0f;
-  at::Tensor mom = s.momentum.narrow(0, 0, owned);
-  at::Tensor sec = s.second.narrow(0, 0, owned);
-  const at::Tensor mu = g.s.momentum.to(P.scalar_type());
+  // One entry (a rank's share of a small stack) is a view of the parameter: no copy.
+  u.P = owned == 1 ? mine.front().unsqueeze(0) : at::stack(mine);
+  u.m = mask.view({owned, 1, 1});
+  const bool host = u.m.is_cpu();
+  u.every = host && u.m.all().item<bool>();
+  u.no_decay = host && g.s.weight_decay.item<float>() == 0.0f;
+  u.mom = s.momentum.narrow(0, 0, owned);
+  u.sec = s.second.narrow(0, 0, owned);
+  const at::Tensor mu = g.s.momentum.to(u.P.scalar_type());
 
   // Nesterov momentum.
-  const at::Tensor mom_new = every ? mom.lerp_(gr, 1 - mu) : mom.lerp(gr, 1 - mu);
-  at::Tensor u = at::Tensor(gr).lerp_(mom_new, mu);
+  u.mom_new = u.every ? u.mom.lerp_(gr, 1 - mu) : u.mom.lerp(gr, 1 - mu);
+  at::Tensor upd = at::Tensor(gr).lerp_(u.mom_new, mu);
 
   // Each matrix, or each row slice of a split group, is a matrix of its own from here on:
   // orthogonalized alone, variance-reduced preserving its own Frobenius norm, and stepped with
   // the lr scale of its own shape. The second moment of a split group is per row (each row
   // lies in one slice), so its slices share the state tensor without sharing a statistic.
-  std::vector<int64_t> slices =
-      g.qkv.empty() ? std::vector<int64_t>{s.rows} : std::vector<int64_t>(g.qkv);
+  u.slices = g.qkv.empty() ? std::vector<int64_t>{s.rows} : std::vector<int64_t>(g.qkv);
   // Slices of one size (q, k and v without grouped-query attention) are matrices of one
   // stack: on the in-place path they go through each part below once, as [owned x slices]
   // matrices, instead of once per slice.
-  const bool uniform =
-      every && no_decay && slices.size() > 1 &&
-      std::all_of(slices.begin(), slices.end(), [&](int64_t r) { return r == slices.front(); });
-  at::Tensor Pv = P;
+  const bool uniform = u.every && u.no_decay && u.slices.size() > 1 &&
+                       std::all_of(u.slices.begin(), u.slices.end(),
+                                   [&](int64_t r) { return r == u.slices.front(); });
+  at::Tensor Pv = u.P, sec = u.sec;
   if (uniform) {
-    const auto k = static_cast<int64_t>(slices.size());
-    const int64_t r = slices.front();
-    u = u.view({owned * k, r, s.cols});
-    Pv = P.view({owned * k, r, s.cols});
+    const auto k = static_cast<int64_t>(u.slices.size());
+    const int64_t r = u.slices.front();
+    upd = upd.view({owned * k, r, s.cols});
+    Pv = u.P.view({owned * k, r, s.cols});
     sec = sec.view({owned * k, r, 1});
-    slices = {r};
+    u.slices = {r};
   }
-  const std::vector<at::Tensor> u_parts = u.split_with_sizes(slices, -2);
-  const std::vector<at::Tensor> p_parts = Pv.split_with_sizes(slices, -2);
-  const std::vector<at::Tensor> sec_parts =
-      s.red_dim == -1 ? sec.split_with_sizes(slices, -2) : std::vector<at::Tensor>{sec};
-  const at::Tensor beta2 = g.s.beta2.to(P.scalar_type());
-  const at::Tensor wd = g.s.weight_decay.to(P.scalar_type());
+  u.u_parts = upd.split_with_sizes(u.slices, -2);
+  u.p_parts = Pv.split_with_sizes(u.slices, -2);
+  u.sec_parts = s.red_dim == -1 ? sec.split_with_sizes(u.slices, -2) : std::vector<at::Tensor>{sec};
+  return u;
+}
+
+// Orthogonalizes the u_parts of every update, matrices of one shape together: the batched
+// products compute each matrix as they would alone (the same bits), in fewer, larger calls.
+void DistMuon::orthogonalize_all(std::vector<Update>& updates) const {
+  std::map<std::pair<int64_t, int64_t>, std::vector<std::pair<size_t, size_t>>> by_shape;
+  for (size_t k = 0; k < updates.size(); ++k) {
+    updates[k].ortho.resize(updates[k].u_parts.size());
+    for (size_t i = 0; i < updates[k].u_parts.size(); ++i) {
+      const at::Tensor& part = updates[k].u_parts[i];
+      by_shape[{part.size(-2), part.size(-1)}].push_back({k, i});
+    }
+  }
+  for (const auto& [shape, members] : by_shape) {
+    std::vector<at::Tensor> parts;
+    for (const auto& [k, i] : members) parts.push_back(updates[k].u_parts[i]);
+    const at::Tensor out = detail::orthogonalize(parts.size() == 1 ? parts.front() : at::cat(parts),
+                                                 options_.orthogonalizer, options_.ns_steps,
+                                                 options_.bf16_orthogonalization);
+    int64_t at_ = 0;
+    for (const auto& [k, i] : members) {
+      const int64_t n = updates[k].u_parts[i].size(0);
+      updates[k].ortho[i] = out.narrow(0, at_, n).to(updates[k].P.scalar_type());
+      at_ += n;
+    }
+  }
+}
+
+at::Tensor DistMuon::finish_update(Update& u, at::Tensor dest) {
+  const Group& g = *u.g;
+  const Stack& s = *u.s;
+  const at::Tensor beta2 = g.s.beta2.to(u.P.scalar_type());
+  const at::Tensor wd = g.s.weight_decay.to(u.P.scalar_type());
   std::vector<at::Tensor> sec_new_parts, p_new_parts;
-  for (size_t i = 0; i < slices.size(); ++i) {
-    clock.lap(&OptimizerPhaseTimes::update);
-    at::Tensor ui = detail::orthogonalize(u_parts[i], options_.orthogonalizer, options_.ns_steps,
-                                          options_.bf16_orthogonalization)
-                        .to(P.scalar_type());
-    clock.lap(&OptimizerPhaseTimes::orthogonalize);
+  for (size_t i = 0; i < u.slices.size(); ++i) {
+    at::Tensor ui = u.ortho[i];
 
     // Variance reduction (factored second moment, norm preserving).
     const at::Tensor v_mean = ui.to(at::kFloat).square().mean(s.red_dim, /*keepdim=*/true);
     const double red_size = static_cast<double>(ui.size(s.red_dim));
     const at::Tensor v_norm = (v_mean.sum({-2, -1}, true) * red_size).sqrt();
-    at::Tensor seci = sec_parts[s.red_dim == -1 ? i : 0];
-    const at::Tensor sec_new = every ? seci.lerp_(v_mean.to(seci.scalar_type()), 1 - beta2)
-                                     : seci.lerp(v_mean.to(seci.scalar_type()), 1 - beta2);
+    at::Tensor seci = u.sec_parts[s.red_dim == -1 ? i : 0];
+    const at::Tensor sec_new = u.every ? seci.lerp_(v_mean.to(seci.scalar_type()), 1 - beta2)
+                                       : seci.lerp(v_mean.to(seci.scalar_type()), 1 - beta2);
     const at::Tensor step_size = sec_new.clamp_min(1e-10).rsqrt();
     const at::Tensor scaled_sq_sum = (v_mean * red_size) * step_size.to(at::kFloat).square();
     const at::Tensor v_norm_new = scaled_sq_sum.sum({-2, -1}, true).sqrt();
@@ -983,10 +1132,16 @@ at::Tensor DistMuon::update_stack(Group& g, Stack& s, const at::Tensor& gr, cons
 
     // Cautious weight decay (parameter-sign agreement gates the decay, never the update:
     // DESIGN.md "Decisions": the cautious gate) and the update.
-    const double aspect = std::sqrt(std::max(1.0, static_cast<double>(slices[i]) / s.cols));
-    const at::Tensor lr = (g.s.lr * aspect).to(P.scalar_type());
-    const at::Tensor& Pi = p_parts[i];
-    if (no_decay) {
+    const double aspect = std::sqrt(std::max(1.0, static_cast<double>(u.slices[i]) / s.cols));
+    const at::Tensor lr = (g.s.lr * aspect).to(u.P.scalar_type());
+    const at::Tensor& Pi = u.p_parts[i];
+    if (u.no_decay && u.every && u.slices.size() == 1 && dest.defined()) {
+      // The only slice, into its destination: the subtraction's own output, no copy after.
+      at::Tensor into = dest.view(Pi.sizes());
+      at::sub_out(into, Pi, ui.mul_(lr));
+      return dest;
+    }
+    if (u.no_decay) {
       p_new_parts.push_back(Pi - ui.mul_(lr));
     } else {
       const at::Tensor cautious = (ui * Pi) >= 0;
@@ -995,16 +1150,15 @@ at::Tensor DistMuon::update_stack(Group& g, Stack& s, const at::Tensor& gr, cons
     sec_new_parts.push_back(sec_new);
   }
   const at::Tensor P_new =
-      p_new_parts.size() == 1 ? p_new_parts[0].view(P.sizes()) : at::cat(p_new_parts, -2);
+      p_new_parts.size() == 1 ? p_new_parts[0].view(u.P.sizes()) : at::cat(p_new_parts, -2);
   at::Tensor out = P_new;
-  if (!every) {
+  if (!u.every) {
     const at::Tensor sec_new =
         sec_new_parts.size() == 1 ? sec_new_parts[0] : at::cat(sec_new_parts, -2);
-    mom.copy_(at::where(m, mom_new, mom));
-    sec.copy_(at::where(m, sec_new, sec));
-    out = at::where(m, P_new, P);
+    u.mom.copy_(at::where(u.m, u.mom_new, u.mom));
+    u.sec.copy_(at::where(u.m, sec_new, u.sec));
+    out = at::where(u.m, P_new, u.P);
   }
-  clock.lap(&OptimizerPhaseTimes::update);
   return out;
 }
 

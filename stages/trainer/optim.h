@@ -288,8 +288,13 @@ class DistMuon {
  private:
   struct Group;
   struct Stack;
-  at::Tensor update_stack(Group& g, Stack& s, const at::Tensor& grad, const at::Tensor& mask,
-                          int64_t start, int64_t owned, OptimizerPhaseTimes* times);
+  struct Update;
+  Update begin_update(Group& g, Stack& s, const at::Tensor& grad, const at::Tensor& mask,
+                      int64_t start, int64_t owned);
+  void orthogonalize_all(std::vector<Update>& updates) const;
+  // The new values; written into `dest` (contiguous, the entries' size) and returned as it
+  // where that saves a copy, else a tensor of their own.
+  at::Tensor finish_update(Update& u, at::Tensor dest);
   c10::intrusive_ptr<c10d::Backend> pg_;
   DistMuonOptions options_;
   uint32_t rank_ = 0;

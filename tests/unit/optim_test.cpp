@@ -23,6 +23,7 @@
 
 #include "core/error.h"
 #include "stages/trainer/optim.h"
+#include "stages/trainer/optim_internal.h"
 #include "stages/trainer/rendezvous.h"
 #include "tests/unit/test_support.h"
 
@@ -516,6 +517,141 @@ TEST_F(OptimTest, OrthogonalizersProduceNearOrthogonalMatrices) {
     const at::Tensor sv = at::linalg_svdvals(x);
     EXPECT_GT(sv.min().item<float>(), 0.3f);
     EXPECT_LT(sv.max().item<float>(), 1.3f);
+  }
+}
+
+// Values at every scale the orthogonalization meets and beyond, with zeros of both signs and
+// infinities: the fused loops must round each of them as torch's separate operations do.
+at::Tensor awkward_values(int64_t n, uint64_t seed) {
+  at::Tensor x = randn({n}, seed);
+  const at::Tensor scale = at::pow(10.0, randn({n}, seed + 1).mul_(12.0).round_().clamp_(-36, 36));
+  x = x * scale;
+  if (n >= 8) {
+    x[0] = 0.0f;
+    x[1] = -0.0f;
+    x[2] = std::numeric_limits<float>::infinity();
+    x[3] = -std::numeric_limits<float>::infinity();
+    x[4] = 3.0e38f;
+  }
+  return x;
+}
+
+// Bit for bit, but for NaNs, which only need to be NaNs on both sides (their payload is the
+// hardware's: inf - inf in the loops and in torch's kernels need not carry the same one).
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type()) return false;
+  const at::Tensor nan = a.isnan();
+  if (!at::equal(nan, b.isnan())) return false;
+  const at::Tensor x = a.masked_fill(nan, 0).contiguous(), y = b.masked_fill(nan, 0).contiguous();
+  return std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+}
+
+// optim_internal.h's loops against the torch operations they replace, in float32 and bfloat16,
+// at lengths around every vector width (the vector body and the scalar tail), bit for bit.
+TEST_F(OptimTest, FusedLoopsMatchTorchBitForBit) {
+  uint64_t seed = 100;
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (const int64_t n : {1, 7, 15, 16, 17, 31, 33, 64, 1000, 4099, 65536}) {
+      const at::Tensor A = awkward_values(n, ++seed).to(dtype);
+      const at::Tensor AA = awkward_values(n, ++seed).to(dtype);
+      for (const auto& [a, b, c] :
+           {std::array<double, 3>{8.156554524902461, -22.48329292557795, 15.878769915207462},
+            std::array<double, 3>{3.4445, -4.7750, 2.0315}}) {
+        const at::Tensor want = b * A + c * AA;
+        at::Tensor got = A.clone();
+        const auto fb = static_cast<float>(b), fc = static_cast<float>(c);
+        if (dtype == at::kFloat)
+          detail::scaled_sum(got.data_ptr<float>(), AA.data_ptr<float>(), fb, fc, n);
+        else
+          detail::scaled_sum(static_cast<uint16_t*>(got.data_ptr()),
+                             static_cast<const uint16_t*>(AA.data_ptr()), fb, fc, n);
+        EXPECT_TRUE(same_bits(got, want)) << "scaled_sum " << dtype << " n " << n;
+
+        const at::Tensor want2 = a * A + AA;
+        at::Tensor got2 = A.clone();
+        if (dtype == at::kFloat)
+          detail::scale_add(got2.data_ptr<float>(), AA.data_ptr<float>(), static_cast<float>(a), n);
+        else
+          detail::scale_add(static_cast<uint16_t*>(got2.data_ptr()),
+                            static_cast<const uint16_t*>(AA.data_ptr()), static_cast<float>(a), n);
+        EXPECT_TRUE(same_bits(got2, want2)) << "scale_add " << dtype << " n " << n;
+      }
+    }
+  }
+  for (const int64_t n : {1, 17, 4099}) {
+    const at::Tensor own = awkward_values(n, ++seed), theirs = awkward_values(n, ++seed);
+    for (const float divisor : {1.0f, 2.0f}) {
+      // Rank 0's sum (own + theirs) and rank 1's (theirs + own), then the mean.
+      const at::Tensor want = own.clone().add_(theirs).div_(divisor);
+      const at::Tensor want_other = theirs.clone().add_(own).div_(divisor);
+      at::Tensor got = own.clone();
+      detail::sum_and_divide(got.data_ptr<float>(), theirs.data_ptr<float>(), divisor, n);
+      EXPECT_TRUE(same_bits(got, want)) << "sum_and_divide n " << n;
+      EXPECT_TRUE(same_bits(got, want_other)) << "sum_and_divide n " << n;
+    }
+  }
+}
+
+// orthogonalize() as first written: matmul and one torch operation per step.
+at::Tensor orthogonalize_as_written(const at::Tensor& g, Orthogonalizer which, int steps,
+                                    bool bf16) {
+  const std::array<std::array<double, 3>, 5> polar{{
+      {8.156554524902461, -22.48329292557795, 15.878769915207462},
+      {4.042929935166739, -2.808917465908714, 0.5000178451051316},
+      {3.8916678022926607, -2.772484153217685, 0.5060648178503393},
+      {3.285753657755655, -2.3681294933425376, 0.46449024233003106},
+      {2.3465413258596377, -1.7097828382687081, 0.42323551169305323},
+  }};
+  auto frobenius = [](const at::Tensor& x) {
+    return at::linalg_vector_norm(x, 2, at::IntArrayRef{-2, -1}, /*keepdim=*/true);
+  };
+  at::Tensor x = bf16 ? g.to(at::kBFloat16) : g;
+  const bool tall = g.size(-2) > g.size(-1);
+  if (which == Orthogonalizer::kNewtonSchulz) {
+    const double a = 3.4445, b = -4.7750, c = 2.0315;
+    if (tall) x = x.transpose(-2, -1);
+    x = x / (frobenius(x) + 1e-7);
+    for (int i = 0; i < steps; ++i) {
+      at::Tensor A = x.matmul(x.transpose(-2, -1));
+      at::Tensor B = b * A + c * A.matmul(A);
+      x = a * x + B.matmul(x);
+    }
+    return tall ? x.transpose(-2, -1) : x;
+  }
+  x = x / (frobenius(x) * 1.02 + 1e-6);
+  for (int i = 0; i < steps; ++i) {
+    const auto [a, b, c] = polar[static_cast<size_t>(i)];
+    if (tall) {
+      at::Tensor A = x.transpose(-2, -1).matmul(x);
+      x = a * x + x.matmul(b * A + c * A.matmul(A));
+    } else {
+      at::Tensor A = x.matmul(x.transpose(-2, -1));
+      x = a * x + (b * A + c * A.matmul(A)).matmul(x);
+    }
+  }
+  return x;
+}
+
+// The orthogonalization DistMuon runs (bmm into reused buffers, the fused loops) gives the bits
+// of the plain operation sequence, for batches of one and of several, tall, wide and square,
+// in both dtypes and with both orthogonalizers; and a batch of two stacks' matrices gives
+// each the bits it gets alone (DistMuon orthogonalizes the stacks of one shape together).
+TEST_F(OptimTest, OrthogonalizationIsTheOperationSequenceBitForBit) {
+  uint64_t seed = 200;
+  for (const auto which : {Orthogonalizer::kPolarExpress, Orthogonalizer::kNewtonSchulz}) {
+    for (const bool bf16 : {true, false}) {
+      for (const auto& shape : std::vector<std::vector<int64_t>>{
+               {4, 128, 128}, {1, 512, 128}, {1, 128, 512}, {2, 96, 32}, {3, 32, 96}, {48, 16}}) {
+        const at::Tensor g = randn(shape, ++seed);
+        EXPECT_TRUE(same_bits(detail::orthogonalize(g, which, 5, bf16),
+                              orthogonalize_as_written(g, which, 5, bf16)))
+            << "shape " << at::IntArrayRef(shape) << " bf16 " << bf16;
+      }
+      const at::Tensor a = randn({3, 64, 32}, ++seed), b = randn({1, 64, 32}, ++seed);
+      const at::Tensor both = detail::orthogonalize(at::cat({a, b}), which, 5, bf16);
+      EXPECT_TRUE(same_bits(both.narrow(0, 0, 3), detail::orthogonalize(a, which, 5, bf16)));
+      EXPECT_TRUE(same_bits(both.narrow(0, 3, 1), detail::orthogonalize(b, which, 5, bf16)));
+    }
   }
 }
 
