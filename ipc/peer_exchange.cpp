@@ -64,11 +64,13 @@ struct alignas(64) Lane {
   std::atomic<uint64_t> length[2];
 };
 
+// Every structure in the outbox starts on its own cache line, as its alignas asks.
+constexpr size_t kBellOffset = (sizeof(Header) + 63) / 64 * 64;
+
 struct Layout {
   size_t lanes, data, total;
   explicit Layout(uint32_t world, size_t slot_bytes) {
-    lanes = sizeof(Header) + sizeof(Bell);
-    lanes = (lanes + 63) / 64 * 64;
+    lanes = kBellOffset + sizeof(Bell);
     data = lanes + sizeof(Lane) * world;
     data = (data + kDataAlign - 1) / kDataAlign * kDataAlign;
     total = data + 2 * static_cast<size_t>(world - 1) * slot_bytes;
@@ -89,7 +91,7 @@ struct Outbox {
   Layout layout{2, 0};
 
   Header& header() const { return *reinterpret_cast<Header*>(base); }
-  Bell& bell() const { return *reinterpret_cast<Bell*>(base + sizeof(Header)); }
+  Bell& bell() const { return *reinterpret_cast<Bell*>(base + kBellOffset); }
   Lane& lane(uint32_t peer) const { return reinterpret_cast<Lane*>(base + layout.lanes)[peer]; }
   // Slot `parity` of the messages from this outbox's rank to `peer`.
   std::byte* slot(uint32_t peer, uint64_t parity) const {
@@ -219,7 +221,7 @@ void PeerExchange::unlink() {
 
 void PeerExchange::abort() noexcept {
   aborted_.store(true, std::memory_order_seq_cst);
-  auto* bell = reinterpret_cast<Bell*>(own_->data() + sizeof(Header));
+  auto* bell = reinterpret_cast<Bell*>(own_->data() + kBellOffset);
   bell->word.fetch_add(1, std::memory_order_seq_cst);
   futex_wake(bell->word);
 }
@@ -261,7 +263,7 @@ void PeerExchange::exchange(std::string_view what, std::span<const Transfer> tra
         if (g < 2 || theirs.lane(rank_).consumed.load(std::memory_order_acquire) >= g - 1) {
           const size_t off = w.sent * slot_bytes_;
           const size_t n = std::min(slot_bytes_, w.t->send.size() - off);
-          std::memcpy(own.slot(q, g % 2), w.t->send.data() + off, n);
+          if (n > 0) std::memcpy(own.slot(q, g % 2), w.t->send.data() + off, n);
           const bool last = w.sent + 1 == w.send_chunks;
           own.lane(q).length[g % 2].store(n | (last ? kLastChunk : 0), std::memory_order_relaxed);
           own.lane(q).sent.store(g + 1, std::memory_order_release);
@@ -281,7 +283,7 @@ void PeerExchange::exchange(std::string_view what, std::span<const Transfer> tra
                         fmt::format("{}: rank {} sent a message of another size than rank {} "
                                     "expects ({} bytes): the ranks disagree on the exchange",
                                     what, q, rank_, w.t->recv.size()));
-          std::memcpy(w.t->recv.data() + off, theirs.slot(rank_, g % 2), n);
+          if (n > 0) std::memcpy(w.t->recv.data() + off, theirs.slot(rank_, g % 2), n);
           own.lane(q).consumed.store(g + 1, std::memory_order_release);
           ring(theirs.bell());
           ++w.received;
