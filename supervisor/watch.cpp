@@ -121,6 +121,12 @@ void Run::record(Child& c, Event ev) {
 }
 
 void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
+  if (draining_ && (c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER)) {
+    log_warn("{}: {} after training ended and its final checkpoint committed; not restarted",
+             c.name, why);
+    if (c.alive) kill_child(c, SIGKILL);
+    return;
+  }
   const policy::Restart decision =
       policy::decide_restart(c.stage, c.restarts, opt_.max_restarts, detected_ns_ != 0, done_);
   if (decision == policy::Restart::kRestart) {
@@ -357,6 +363,7 @@ void Run::poll_commits() {
 void Run::finish_ok() {
   // Training is over; the loader and the checkpointer drain and exit, then the collector
   // folds the final state. A stage that does not stop within its bound is a failure.
+  draining_ = true;
   for (auto& c : children_) {
     if (c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER) stop_child(c);
   }

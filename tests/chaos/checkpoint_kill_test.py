@@ -83,6 +83,18 @@ class CheckpointKills(unittest.TestCase):
             if not has_checkpoint:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 return what + ": failed before the first checkpoint"
+            with open(os.path.join(run_dir, "checkpoints", "LATEST")) as f:
+                latest = f.read().strip()
+            if latest == "step_%08d" % STEPS:
+                # The kill landed after the final checkpoint committed (a step is ~40 ms, the
+                # delay up to 250 ms): every step is saved and `--resume` rightly has nothing
+                # to do; LATEST verified above.
+                p = subprocess.run([MEGACPP, "run", "--resume", run_dir, "--progress", "none"],
+                                   capture_output=True, text=True, timeout=300)
+                self.assertNotEqual(p.returncode, 0, what)
+                self.assertIn("nothing to resume", p.stderr + p.stdout, what)
+                shutil.rmtree(run_dir, ignore_errors=True)
+                return what + ": killed after the final checkpoint, nothing to resume"
             p = subprocess.run([MEGACPP, "run", "--resume", run_dir, "--progress", "none"],
                                capture_output=True, text=True, timeout=300)
             self.assertEqual(p.returncode, 0, "%s: resume failed:\n%s%s" % (what, p.stdout[-2000:],
