@@ -120,8 +120,7 @@ void Run::reaped_dying(Child& dying, int status) {
   dying.restart_cause += fmt::format("; pid {} reaped {:.2f}s after SIGKILL", pid,
                                      static_cast<double>(mono_ns() - dying.dying_since_ns) / 1e9);
   journal_child_exited(dying, schema::ChildReason::RESTART);
-  const bool drained = draining_ && (dying.stage == StageKind::DATA_LOADER ||
-                                     dying.stage == StageKind::CHECKPOINTER);
+  const bool drained = draining_ && dying.stage != StageKind::TRAINER;
   if (detected_ns_ == 0 && !done_ && !drained) {
     launch(dying.stage, dying.rank, dying.generation + 1, schema::ChildReason::RESTART,
            dying.restart_cause);

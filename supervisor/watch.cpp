@@ -121,7 +121,7 @@ void Run::record(Child& c, Event ev) {
 }
 
 void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
-  if (draining_ && (c.stage == StageKind::DATA_LOADER || c.stage == StageKind::CHECKPOINTER)) {
+  if (draining_ && c.stage != StageKind::TRAINER) {
     log_warn("{}: {} after training ended and its final checkpoint committed; not restarted",
              c.name, why);
     if (c.alive) kill_child(c, SIGKILL);

@@ -272,9 +272,10 @@ class Run {
   std::optional<Failure> failure_;  // the first failure, once classified
   std::vector<double> step_samples_;  // trainer step seconds (for the median)
   bool done_ = false;
-  // finish_ok() began: training ended with its final checkpoint committed, and the loader and
-  // the checkpointer are asked to stop. One that dies now is not restarted (a new generation
-  // would never be told to stop, and nothing is left for it to do).
+  // finish_ok() began: training ended with its final checkpoint committed, and the loader, the
+  // checkpointer and then the collector are asked to stop. One that dies now is not restarted
+  // (a new generation would never be told to stop, and nothing is left for it to do: the
+  // supervisor folds the final state itself).
   bool draining_ = false;
   bool detached_ = false;  // RunOptions::detach: output moved to logs/supervisor.log
   bool released_ = false;

@@ -117,14 +117,17 @@ class Chaos(unittest.TestCase):
     # thread): it must be judged by its progress, restarted, and never blamed on a rank.
     def wedged_case(self, stage, point, step):
         budgets = ["--collector-stall-s", "3", "--loader-stall-s", "3", "--checkpointer-stall-s", "3"]
-        run = Run(self.tmp, steps=80, extra=budgets,
+        # Long enough for a 3 s stall budget to pass inside training at ~40 ms a step (a wedge
+        # found only by the final stop is not what this case checks).
+        steps = 300
+        run = Run(self.tmp, steps=steps, extra=budgets,
                   env={"MEGACPP_FAULT": "%s:0:%s:%d:hang" % (stage, point, step)})
         launch = run.launch()
         self.assertEqual(run.finish(), 0, run.out[-2000:])
         m = self.assert_clean(run, launch)
         name = {"data_loader": "dataLoader"}.get(stage, stage)
         self.assert_ok_with_restart(m, name)
-        self.assertEqual(m["stepsCompleted"], 80)
+        self.assertEqual(m["stepsCompleted"], steps)
         s = [s for s in m["stages"] if s["stage"] == name and s["rank"] == 0][0]
         causes = s.get("restartCauses", [])
         self.assertTrue(causes and "generation 0: hung: made no progress" in causes[0], s)
