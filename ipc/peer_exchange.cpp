@@ -100,14 +100,6 @@ struct Outbox {
   }
 };
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
 void futex_wake(std::atomic<uint32_t>& word) {
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
             0);
@@ -317,7 +309,7 @@ void PeerExchange::exchange(std::string_view what, std::span<const Transfer> tra
                    what);
     const auto spin_until = detail::Clock::now() + kSpin;
     while (bell.word.load(std::memory_order_acquire) == seen && detail::Clock::now() < spin_until)
-      cpu_relax();
+      detail::cpu_relax();
     if (bell.word.load(std::memory_order_acquire) == seen) {
       const auto now = detail::Clock::now();
       bell.sleepers.fetch_add(1, std::memory_order_seq_cst);

@@ -59,14 +59,6 @@ Geometry geometry(uint32_t slots, uint64_t slot_bytes) {
   return g;
 }
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
 // Spin briefly (the peer is usually mid-operation), then sleep 20us doubling to 50us: an idle
 // wait costs a few percent of a core, and a consumer waiting on its producer holds the slot
 // within ~50us of publication (the batch plane's handoff bound; bench_data_loader measures it;
@@ -78,7 +70,7 @@ auto wait_for(F&& attempt, Millis timeout) -> decltype(attempt()) {
   if (timeout <= Millis::zero()) return std::nullopt;
   auto deadline = detail::Clock::now() + timeout;
   for (int i = 0; i < 100; ++i) {
-    cpu_relax();
+    detail::cpu_relax();
     if (auto r = attempt()) return r;
   }
   auto nap = std::chrono::microseconds(20);

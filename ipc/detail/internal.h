@@ -35,6 +35,16 @@ class Fd {
 
 using Clock = std::chrono::steady_clock;
 
+// The pause of a spin-wait (ring.cpp's waits, peer_exchange.cpp's): lets the sibling
+// hyperthread run and saves power while a counter in shared memory is polled.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
 // Milliseconds left until `deadline`, rounded up so a sub-millisecond remainder still waits,
 // and never negative (0 means "poll once").
 inline long remaining_ms(Clock::time_point deadline) {
