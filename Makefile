@@ -10,7 +10,7 @@ RANKS      ?= 2
 CTEST_ARGS ?=
 MEGACPP_FUZZ_SECONDS ?= 300
 
-.PHONY: all setup configure build run run-cpp test test-full test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-train-step bench-failure bench-recovery device-prep device-test clean
+.PHONY: all setup configure build run run-cpp test test-full test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-train-step bench-failure bench-recovery device-prep device-test device-check clean
 
 all: build
 
@@ -80,6 +80,11 @@ device-prep:
 
 device-test:
 	@bash scripts/device-test.sh
+
+# On the GPU machine, one command: builds what the GPU checks need, runs the gpu tests, the
+# CUDA plugin test, the ops bench and the default recipe on the device; one report file.
+device-check:
+	@bash scripts/device-check.sh
 
 format:
 	@git ls-files '*.h' '*.cpp' '*.cu' | xargs clang-format -i

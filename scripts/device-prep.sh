@@ -19,11 +19,16 @@ WANT=(
   libzmq3-dev capnproto libcapnp-dev libgtest-dev libgmock-dev
   nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libfmt-dev libxxhash-dev
   libgloo-dev libcpp-httplib-dev libsentencepiece-dev ninja-build
+  # CapnProtoConfig.cmake asks for OpenSSL (capnp's kj-tls) and pkg_check_modules for
+  # pkg-config; neither is known to be on the GPU machine.
+  pkgconf libssl-dev libssl3
+  # cpp-httplib.pc asks for brotli and zlib support (its Cflags define them).
+  libbrotli-dev libbrotli1 zlib1g-dev
 )
 # Not fetched: the base system every machine has; other packages' headers (-dev: only those in
 # WANT are read, and dynamic links need no Requires.private, which is stripped below); gloo's
 # runtime (torch carries its own gloo; only the headers are used) and what it pulls in.
-SKIP='^(libc6|libgcc-s1|libstdc\+\+6|gcc-[0-9]+-base|libcrypt1|zlib1g|debconf|dpkg|perl-base|tzdata|libssl3|adduser|passwd|liblzma5|libgloo0|libibverbs1|ibverbs-providers|libhiredis.*|libnl-.*|libicu.*|icu-devtools|libxml2|libbrotli.*|.*-dev)$'
+SKIP='^(libc6|libgcc-s1|libstdc\+\+6|gcc-[0-9]+-base|libcrypt1|zlib1g|debconf|dpkg|perl-base|tzdata|adduser|passwd|liblzma5|libgloo0|libibverbs1|ibverbs-providers|libhiredis.*|libnl-.*|libicu.*|icu-devtools|libxml2|.*-dev)$'
 
 deps() {
   apt-cache depends --no-recommends --no-suggests --no-conflicts --no-breaks --no-replaces \
@@ -61,6 +66,11 @@ rm -rf "$OUT/prefix/usr/share/doc" "$OUT/prefix/usr/share/man" "$OUT/prefix/usr/
 # Dynamic links only: a .pc file's Requires.private would send pkg-config after headers of
 # packages not fetched.
 find "$OUT/prefix" -name '*.pc' -exec sed -i '/^Requires.private:/d' {} +
+# capnp 0.9.2's blob.h compares `const char* == StringPtr`, which GCC 13 (the GPU machine's
+# compiler) rejects in C++20 (P2468's rewritten candidates); GCC 12 accepts it. The operands
+# swapped call StringPtr's own operator, as later capnp releases do.
+sed -i 's/return a == b.asString();/return b.asString() == a;/; s/return a != b.asString();/return b.asString() != a;/' \
+  "$OUT/prefix/usr/include/capnp/blob.h"
 # Static archives are not linked (every dependency is a shared library).
 find "$OUT/prefix" -name '*.a' ! -name 'libgtest*.a' ! -name 'libgmock*.a' -delete
 

@@ -23,8 +23,11 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
   echo "device-test: $PY cannot import torch (set MEGACPP_PYTHON to the python that has it)" >&2
   exit 1
 fi
+# The machine's python may itself be a venv (torch in that venv's site-packages, which a new
+# --system-site-packages venv would not see): .venv links to its prefix.
 if [ ! -x .venv/bin/python3 ]; then
-  "$PY" -m venv --without-pip --system-site-packages .venv
+  rm -rf .venv
+  ln -sfn "$("$PY" -c 'import sys; print(sys.prefix)')" .venv
 fi
 .venv/bin/python3 -c 'import torch; print("device-test: torch", torch.__version__, "cuda",
   torch.version.cuda, "devices", torch.cuda.device_count())'

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The device check (`make device-check`), run on the GPU machine in one command: builds what the
+# GPU tests and benchmarks need against that machine's torch and the packages `make device-prep`
+# unpacked into build-device/prefix (carried there), runs every test labelled gpu, the CUDA
+# plugin's test, the ops benchmark's CUDA half and a timed run of the default recipe on the
+# device, and writes one report: $OUT/device-check.txt when OUT is set (the device tool's
+# folder that comes back), else build-gpu/device-check.txt.
+#
+# Contract: never stops at the first failure (every part runs and says PASS/FAIL with its
+# seconds); each part has its own time bound, so a cold machine finishes within about 8 minutes
+# even when parts hang; exits non-zero when any part failed. Builds only the
+# targets below (not every test and benchmark) so that a 16-core machine builds them in a
+# few minutes.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+REPORT_DIR="${OUT:-$ROOT/build-gpu}"
+mkdir -p "$REPORT_DIR"
+REPORT="$REPORT_DIR/device-check.txt"
+: > "$REPORT"
+T0=$(date +%s)
+FAILED=()
+
+say() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$REPORT"; }
+# part NAME TIMEOUT_S CMD...: runs CMD with its output into the report, bounded.
+part() {
+  local name=$1 limit=$2; shift 2
+  local t=$(date +%s)
+  say "== $name (bound ${limit}s): $*"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$REPORT"
+  local rc=${PIPESTATUS[0]}
+  local dt=$(($(date +%s) - t))
+  if [ "$rc" = 0 ]; then say "PASS $name (${dt}s)"; else say "FAIL $name rc=$rc (${dt}s)"; FAILED+=("$name"); fi
+  return "$rc"
+}
+
+say "device-check at $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo -dirty)"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tee -a "$REPORT"
+say "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores"
+
+if [ ! -f build-device/env.sh ]; then
+  say "FAIL no build-device/env.sh: run 'make device-prep' on a machine with Debian's registry and carry build-device"
+  exit 1
+fi
+# shellcheck source=/dev/null
+source build-device/env.sh
+PY="${MEGACPP_PYTHON:-python3}"
+# The machine's python may itself be a venv (its torch in that venv's site-packages), so .venv
+# is a link to its prefix rather than a new venv over the base interpreter.
+if [ ! -x .venv/bin/python3 ]; then
+  rm -rf .venv
+  ln -sfn "$("$PY" -c 'import sys; print(sys.prefix)')" .venv
+fi
+.venv/bin/python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+  "devices", torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' \
+  2>&1 | tee -a "$REPORT"
+say "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null) $( (nvcc --version || /usr/local/cuda/bin/nvcc --version) 2>/dev/null | tail -1)"
+say "cmake: $(cmake --version | head -1); c++: $(c++ --version | head -1)"
+
+TARGETS=(megacpp megacpp-trainer megacpp-data-loader megacpp-collector megacpp-checkpointer
+         megacpp_store megacpp_trainer_cuda ops_test cuda_plugin_test ops_bench)
+part configure 120 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DMEGACPP_WERROR=OFF -DMEGACPP_BUILD_BENCH=ON || { tail -60 build-gpu/CMakeFiles/CMakeError.log 2>/dev/null | tee -a "$REPORT"; exit 1; }
+grep -E "^-- (ops|trainer|capnp|torch)" "$REPORT" > /dev/null || true
+part build 270 cmake --build build-gpu -j "$(nproc)" --target "${TARGETS[@]}" || exit 1
+
+part gpu_tests 150 ctest --test-dir build-gpu -L gpu --output-on-failure
+part cuda_plugin_test 30 build-gpu/bin/cuda_plugin_test
+part ops_bench 30 build-gpu/bin/ops_bench
+# The default recipe on the device, timed: tokens/s from its receipts.
+RUN=$(mktemp -d)/run
+part tiny_on_cuda 45 build-gpu/bin/megacpp run tiny --ranks 1 --steps 200 --device cuda \
+  --run-dir "$RUN" --progress plain
+[ -f "$RUN/receipts/bench_result.json" ] && cp "$RUN/receipts/bench_result.json" "$REPORT_DIR/tiny_cuda_bench_result.json"
+[ -d "$RUN/logs" ] && tail -30 "$RUN"/logs/trainer-0.log 2>/dev/null | tee -a "$REPORT" > /dev/null
+
+if ((${#FAILED[@]})); then
+  say "device-check: FAILED: ${FAILED[*]}"
+  exit 1
+fi
+say "device-check: every part passed"
