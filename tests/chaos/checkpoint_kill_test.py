@@ -2,9 +2,9 @@
 points of a run that checkpoints every 2 steps, then check that nothing committed was lost.
 
 After every kill: `megacpp verify RUN` passes (LATEST names a whole checkpoint), and the run
-completes — by itself when the killed process was the checkpointer (restarted), else with
-`megacpp run --resume RUN` — with a manifest `ok` and the planned steps, and its final
-checkpoint verifies.
+completes — by itself when the killed process was the checkpointer (restarted: a run that then
+ends anything but `ok` fails the test), else with `megacpp run --resume RUN` — with a manifest
+`ok` and the planned steps, and its final checkpoint verifies.
 
 MEGACPP_KILL_POINTS=N runs N kill points (default 200: `make chaos`, label `full`); the
 bounded sample in `make test` runs a few. MEGACPP_KILL_SEED replays a sequence (printed).
@@ -64,7 +64,8 @@ class CheckpointKills(unittest.TestCase):
             pid = pid_of("megacpp-checkpointer --run-dir %s " % run_dir)
         else:
             pid = pid_of("megacpp-trainer --run-dir %s --rank %d" % (run_dir, rank))
-        if pid is not None and proc.poll() is None:
+        killed = pid is not None and proc.poll() is None
+        if killed:
             os.kill(pid, signal.SIGKILL)
         else:
             what += " (the run had ended: no kill)"
@@ -79,6 +80,11 @@ class CheckpointKills(unittest.TestCase):
             self.assertEqual(v.returncode, 0, "%s: LATEST does not verify:\n%s" % (what, v.stdout))
         with open(os.path.join(run_dir, "manifest.json")) as f:
             state = json.load(f)["state"]
+        if target == "checkpointer" and killed:
+            # The checkpointer is restartable: the run recovers by itself, it is never a
+            # resume's job.
+            self.assertEqual(state, "ok", "%s: the run ended %s, not recovered by the "
+                             "checkpointer's restart:\n%s" % (what, state, out[-2000:]))
         if state != "ok":
             if not has_checkpoint:
                 shutil.rmtree(run_dir, ignore_errors=True)
