@@ -10,26 +10,38 @@ RANKS      ?= 2
 CTEST_ARGS ?=
 MEGACPP_FUZZ_SECONDS ?= 300
 
-.PHONY: all setup configure build run run-cpp test test-full test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-train-step bench-failure bench-recovery device-prep device-test device-check clean
+.PHONY: all setup configure build build-run run run-cpp test test-full test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-train-step bench-failure bench-recovery device-prep device-test device-check clean
 
 all: build
 
 setup:
 	@bash scripts/setup.sh
 
+# Configured once per build directory and -Werror setting (a stamp); after that ninja re-runs
+# CMake itself when a CMakeLists.txt changes, so a warm `make run` does not configure again.
 configure: setup
-	@cmake -S . -B $(BUILD) -G Ninja -DMEGACPP_WERROR=$(WERROR) > $(BUILD).configure.log 2>&1 || \
-	  (cat $(BUILD).configure.log; exit 1)
+	@if [ ! -f $(BUILD)/build.ninja ] || [ ! -f $(BUILD)/.configured-werror-$(WERROR) ]; then \
+	  rm -f $(BUILD)/.configured-werror-*; \
+	  cmake -S . -B $(BUILD) -G Ninja -DMEGACPP_WERROR=$(WERROR) > $(BUILD).configure.log 2>&1 || \
+	    { cat $(BUILD).configure.log; exit 1; }; \
+	  touch $(BUILD)/.configured-werror-$(WERROR); fi
 
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
-run: build
+# What `megacpp run` executes, and nothing else (no test, no benchmark): the command, its stages
+# and the plugins it loads (the CUDA plugin is a dependency of the trainer where it builds).
+RUN_TARGETS := megacpp megacpp-trainer megacpp-data-loader megacpp-collector megacpp-checkpointer \
+               megacpp_store
+build-run: configure
+	@cmake --build $(BUILD) -j $(JOBS) --target $(RUN_TARGETS)
+
+run: build-run
 	@$(BUILD)/bin/megacpp run tiny --ranks $(RANKS) --steps $(STEPS) --run-dir $(RUN_DIR)
 
 # cpp-tiny on real text: the C++ standard library headers, tokenized once by `megacpp prepare`
 # into runs/data/cpp (reused while its dataset.json exists), then trained on.
-run-cpp: build
+run-cpp: build-run
 	@test -f runs/data/cpp/dataset.json || $(BUILD)/bin/megacpp prepare /usr/include/c++ --out runs/data/cpp
 	@$(BUILD)/bin/megacpp run cpp-tiny --ranks $(RANKS) --steps $(STEPS) --run-dir $(RUN_DIR) --data-dir runs/data
 
