@@ -34,6 +34,8 @@ std::string_view to_string(ErrorKind kind) {
       return "interrupted";
     case ErrorKind::kInternal:
       return "internal";
+    case ErrorKind::kDiverged:
+      return "diverged";
   }
   return "unknown";
 }

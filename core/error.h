@@ -28,6 +28,7 @@ enum class ErrorKind {
   kPeerFailure,      // another process failed and this one cannot go on
   kInterrupted,      // asked to stop (SIGTERM/SIGINT, a Stop) before its work was done
   kInternal,         // a bug
+  kDiverged,         // training produced a non-finite loss, gradient or parameter
 };
 
 std::string_view to_string(ErrorKind kind);

@@ -6,6 +6,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 
@@ -125,6 +126,25 @@ std::string xxh3_hex(std::string_view bytes) {
   return fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size()));
 }
 
+std::string cpu_bf16_units() {
+  std::string text;
+  try {
+    text = read_file("/proc/cpuinfo");
+  } catch (const Error&) {
+    return "";
+  }
+  const size_t at = text.find("\nflags");
+  if (at == std::string::npos) return "";
+  const size_t end = std::min(text.find('\n', at + 1), text.size());
+  const std::string flags = " " + text.substr(at + 1, end - at - 1) + " ";
+  std::string units;
+  for (const char* unit : {"amx_bf16", "avx512_bf16"}) {
+    if (flags.find(fmt::format(" {} ", unit)) != std::string::npos)
+      units += (units.empty() ? "" : " ") + std::string(unit);
+  }
+  return units;
+}
+
 std::string cpu_model() {
   std::string text;
   try {
@@ -161,8 +181,14 @@ void set_log_prefix(std::string prefix) {
 void log_line(std::string_view level, std::string_view text) {
   static std::mutex mu;
   std::lock_guard lock(mu);
-  fmt::print(stderr, "{} [{}] {}: {}\n", rfc3339(wall_ns()), log_prefix(), level, text);
-  std::fflush(stderr);
+  // Never throws: a log line that cannot be written (a closed pipe, a full disk) is lost,
+  // and the process goes on.
+  const std::string line =
+      fmt::format("{} [{}] {}: {}\n", rfc3339(wall_ns()), log_prefix(), level, text);
+  if (std::fwrite(line.data(), 1, line.size(), stderr) == line.size())
+    std::fflush(stderr);
+  else
+    std::clearerr(stderr);
 }
 
 Fd::~Fd() {

@@ -55,6 +55,10 @@ std::string xxh3_hex(std::string_view bytes);
 // uname's "sysname release version machine".
 std::string cpu_model();
 std::string kernel_description();
+// The bfloat16 matrix units this CPU has and the kernel lets processes use, from
+// /proc/cpuinfo's flags: "amx_bf16" and/or "avx512_bf16", space-separated in that order; ""
+// when it has none (bfloat16 matmuls then run emulated, several times slower than float32).
+std::string cpu_bf16_units();
 
 // Log lines go to stderr (a stage's stderr is its log file) with a prefix naming the
 // process, e.g. "[trainer-1] ...". set_log_prefix is called once in main.

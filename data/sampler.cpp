@@ -140,7 +140,8 @@ Sampler::Sampler(std::span<const Shard* const> shards, const SamplerConfig& conf
 }
 
 uint64_t Sampler::position(uint32_t step, uint32_t rank) const noexcept {
-  return config_.start + ((uint64_t{step} - 1) * config_.world + rank) * uint64_t{config_.batch};
+  return config_.start + ((uint64_t{step} - 1 - config_.start_step) * config_.world + rank) *
+                             uint64_t{config_.batch};
 }
 
 SamplerState Sampler::state_at(uint64_t p) const noexcept {
@@ -148,7 +149,8 @@ SamplerState Sampler::state_at(uint64_t p) const noexcept {
 }
 
 SamplerState Sampler::state_after(uint32_t step) const noexcept {
-  return state_at(config_.start + uint64_t{step} * config_.world * config_.batch);
+  return state_at(config_.start +
+                  (uint64_t{step} - config_.start_step) * config_.world * config_.batch);
 }
 
 Sampler::Window Sampler::window_at(uint64_t p) const noexcept {
@@ -159,8 +161,8 @@ Sampler::Window Sampler::window_at(uint64_t p) const noexcept {
 }
 
 size_t Sampler::fill(uint32_t step, uint32_t rank, std::span<std::byte> slot) const {
-  MEGACPP_CHECK(step >= 1 && rank < config_.world, ErrorKind::kInvalidArgument,
-                "step is 1-based and rank < world");
+  MEGACPP_CHECK(step > config_.start_step && rank < config_.world, ErrorKind::kInvalidArgument,
+                "step is after the sampler's start step and rank < world");
   MEGACPP_CHECK(
       slot.size() >= spec_.slot_bytes(), ErrorKind::kInvalidArgument,
       fmt::format("a slot of {} bytes cannot hold a batch of {}", slot.size(), spec_.slot_bytes()));
@@ -172,7 +174,8 @@ size_t Sampler::fill(uint32_t step, uint32_t rank, std::span<std::byte> slot) co
   h.seed = config_.seed;
   h.windows = windows_;
   h.position = position(step, rank);
-  h.next_position = config_.start + uint64_t{step} * config_.world * config_.batch;
+  h.next_position =
+      config_.start + (uint64_t{step} - config_.start_step) * config_.world * config_.batch;
   std::memcpy(slot.data(), &h, sizeof h);
   std::byte* out = slot.data() + sizeof h;
   const uint64_t n = spec_.row_tokens();

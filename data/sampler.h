@@ -34,7 +34,12 @@ struct SamplerConfig {
   uint32_t token_bytes = 2;  // slot token width (recipe::slot_token_bytes)
   uint64_t seed = 0;
   bool pack = true;
-  uint64_t start = 0;  // global position where step 1 begins (a resumed run's cursor)
+  // The global position where step start_step + 1 begins: steps continue the data order from
+  // there, world x batch windows a step. 0, 0 for a run from scratch; a run branched from
+  // another's checkpoint at step S starts where the parent's data order stood after step S,
+  // whatever its own world and batch (launch contract ResumePoint.dataPosition).
+  uint64_t start = 0;
+  uint32_t start_step = 0;
 };
 
 struct SamplerState {

@@ -302,7 +302,17 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
   get_double(o, "optim", "muon_weight_decay", op.muon_weight_decay, origin);
   get_string(o, "optim", "muon_orthogonalizer", op.muon_orthogonalizer, origin);
   get_uint(o, "optim", "muon_ns_steps", op.muon_ns_steps, origin);
-  get_bool(o, "optim", "muon_bf16", op.muon_bf16, origin);
+  // true | false | "auto" (the default): "auto" is settled per device at launch.
+  op.muon_bf16_auto = true;
+  if (o != nullptr && o->get("muon_bf16") != nullptr) {
+    const auto* node = o->get("muon_bf16");
+    if (node->is_boolean()) {
+      op.muon_bf16 = *node->value<bool>();
+      op.muon_bf16_auto = false;
+    } else if (node->value<std::string>() != "auto") {
+      bad(origin, "optim.muon_bf16", "must be true, false or \"auto\"");
+    }
+  }
   get_bool(o, "optim", "qkv_split", op.qkv_split, origin);
   get_string(d, "data", "source", r.data.source, origin);
   get_string(d, "data", "path", r.data.path, origin);
@@ -320,6 +330,27 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
 
 // The layers and blocks are derived from the pattern, n_layers and mode here, so a recipe changed
 // after parsing (an override of the mode or the depth) is expanded again before it is hashed.
+std::string resolve_muon_precision(Recipe& r, std::string_view device,
+                                   std::string_view cpu_bf16_units) {
+  auto name = [](bool bf16) { return bf16 ? "bfloat16" : "float32"; };
+  OptimConfig& o = r.train.optim;
+  if (!o.muon_bf16_auto) return fmt::format("{} (the recipe)", name(o.muon_bf16));
+  std::string why;
+  if (device == "cuda") {
+    o.muon_bf16 = true;
+    why = "auto: cuda";
+  } else if (!cpu_bf16_units.empty()) {
+    o.muon_bf16 = true;
+    why = fmt::format("auto: cpu with {}", cpu_bf16_units);
+  } else {
+    o.muon_bf16 = false;
+    why = "auto: cpu without bfloat16 matrix units";
+  }
+  o.muon_bf16_auto = false;
+  r = rehash(std::move(r));
+  return fmt::format("{} ({})", name(o.muon_bf16), why);
+}
+
 Recipe rehash(Recipe r) {
   r.validate();
   r.layers.clear();
@@ -562,7 +593,10 @@ std::string describe_base(const Recipe& r, const std::string& layers) {
       r.train.warmup_steps, r.train.min_lr_ratio, r.train.grad_clip, r.train.seed,
       r.train.optim.muon_lr, r.train.optim.muon_momentum, r.train.optim.muon_beta2,
       r.train.optim.muon_weight_decay, r.train.optim.muon_orthogonalizer,
-      r.train.optim.muon_ns_steps, r.train.optim.muon_bf16 ? " bf16" : "",
+      r.train.optim.muon_ns_steps,
+      r.train.optim.muon_bf16_auto ? " bf16=auto"
+      : r.train.optim.muon_bf16    ? " bf16"
+                                   : "",
       r.train.optim.qkv_split ? ", qkv split" : "", r.train.optim.embed_lr, r.train.optim.head_lr,
       r.train.optim.adam_lr, r.train.optim.adam_beta1, r.train.optim.adam_beta2,
       r.train.optim.adam_eps, r.train.optim.adam_weight_decay, r.train.optim.adamw_crossover,

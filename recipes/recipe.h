@@ -118,6 +118,9 @@ struct OptimConfig {
   std::string muon_orthogonalizer = "polar_express";  // or "newton_schulz"
   uint32_t muon_ns_steps = 5;
   bool muon_bf16 = true;  // orthogonalize in bfloat16
+  // The recipe said muon_bf16 = "auto" (its default): resolve_muon_precision decides for the
+  // device the run meets, before the recipe is hashed for a launch.
+  bool muon_bf16_auto = false;
   bool qkv_split = true;  // orthogonalize the fused qkv projection's q, k, v slices alone
 };
 
@@ -180,6 +183,14 @@ Recipe load(const std::filesystem::path& path);
 Recipe parse(const std::string& toml_text, const std::filesystem::path& origin);
 // A recipe changed after parsing (the CLI's overrides): validated again, hash recomputed.
 Recipe rehash(Recipe recipe);
+// Settles muon_bf16 = "auto" for the device the run trains on: bfloat16 on "cuda" and on a
+// CPU with bfloat16 matrix units (`cpu_bf16_units`, as core's cpu_bf16_units() reports them),
+// float32 elsewhere, where bf16 matmuls are emulated and the orthogonalization several times
+// slower. The recipe is rehashed (its hash covers the precision that runs). Returns how the
+// precision was chosen, for the launch contract and receipts, e.g. "bfloat16 (auto: cpu with
+// amx_bf16 avx512_bf16)" or "float32 (the recipe)".
+std::string resolve_muon_precision(Recipe& recipe, std::string_view device,
+                                   std::string_view cpu_bf16_units);
 
 void to_spec(const Recipe& r, schema::RecipeSpec::Builder spec);
 // The recipe a launch contract recorded, rebuilt without its file (a resumed run trains on

@@ -46,6 +46,7 @@ enum FailureKind {
   stalled @9;                                  # a restartable stage starved its consumers
   incomplete @10;                              # finished short of the planned steps
   orphaned @11;                                # the supervisor vanished before the end
+  diverged @12;                                # a non-finite loss, gradient or parameter
 }
 
 # The role the supervisor assigned a failed process once teardown was over.
@@ -96,4 +97,5 @@ enum ErrorKind {
   std @11;                                     # any other std::exception
   unknown @12;                                 # anything else
   none @13 $Json.name("");                     # not reported (a Failure that is no exception)
+  diverged @14;                                # a non-finite loss, gradient or parameter
 }

@@ -86,6 +86,8 @@ schema::ErrorKind to_schema(ErrorKind kind) {
       return schema::ErrorKind::INTERRUPTED;
     case ErrorKind::kInternal:
       return schema::ErrorKind::INTERNAL;
+    case ErrorKind::kDiverged:
+      return schema::ErrorKind::DIVERGED;
   }
   return schema::ErrorKind::UNKNOWN;
 }
@@ -110,6 +112,8 @@ std::optional<ErrorKind> from_schema(schema::ErrorKind kind) {
       return ErrorKind::kInterrupted;
     case schema::ErrorKind::INTERNAL:
       return ErrorKind::kInternal;
+    case schema::ErrorKind::DIVERGED:
+      return ErrorKind::kDiverged;
     case schema::ErrorKind::CAPNP:
     case schema::ErrorKind::C10:
     case schema::ErrorKind::STD:

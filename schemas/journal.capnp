@@ -172,6 +172,8 @@ struct BackendIdentity {
   tensorParallel @6 :UInt32;    # 1, or the size of its tensor-parallel group
   compiler @7 :Text;            # of the trainer binary
   buildType @8 :Text;
+  orthogonalization @9 :Text;   # DistMuon's precision: "bfloat16" | "float32"
+  cpuBf16Units @10 :Text;       # the host CPU's bfloat16 matrix units ("amx_bf16 avx512_bf16", "")
 }
 
 # The supervisor asked a rank to abort its collectives in a failed job's teardown (before any

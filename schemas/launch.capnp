@@ -149,6 +149,11 @@ struct ResumePoint {
   # at another world size keeps the global batch (recipe batch x the run's first world), so
   # every step trains on the same windows. 0: the recipe's.
   rankBatch @3 :UInt32;
+  # The global data position where step + 1 begins (windows of the permuted order taken before
+  # it): where the run's data order stood after `step`, also across a branch (`--from`) to
+  # another world or batch size. 0 in contracts written before the field: step x the global
+  # batch, which held while a run could only continue at its own global batch.
+  dataPosition @4 :UInt64;
 }
 
 # A run started from another run's checkpoint (`megacpp run --from CKPT`).
@@ -236,6 +241,10 @@ struct LaunchContract {
   # The plan's gates this launch passed (recipes/plan.h; DESIGN.md "Hybrid recipes"), for the
   # recipe's mode and this world. Empty in contracts written before the field existed.
   gates @36 :List(GateVerdict);
+  # The precision DistMuon orthogonalizes in and how it was chosen (recipe optim.muon_bf16:
+  # true, false, or "auto" settled for this device), e.g. "bfloat16 (auto: cpu with amx_bf16)".
+  # Empty in contracts written before the field existed (the recipe's muonBf16 then says it).
+  muonPrecision @37 :Text;
 }
 
 struct GateVerdict {            # recipes/plan.h Gate

@@ -26,7 +26,7 @@ constexpr std::pair<std::string_view, detail::FaultAction> kFaultActions[] = {
     {"throw", detail::FaultAction::kThrow},     {"abort", detail::FaultAction::kAbort},
     {"segv", detail::FaultAction::kSegv},       {"exit", detail::FaultAction::kExit},
     {"hang", detail::FaultAction::kHang},       {"stop", detail::FaultAction::kStop},
-    {"foreign", detail::FaultAction::kForeign},
+    {"foreign", detail::FaultAction::kForeign}, {"nan", detail::FaultAction::kNan},
 };
 
 std::optional<uint32_t> parse_u32(std::string_view s) {
@@ -70,7 +70,7 @@ std::vector<Fault> parse_faults(std::string_view spec, schema::StageKind stage, 
       MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                    "MEGACPP_FAULT: invalid entry '{}': {} (expected "
                    "<stage>:<rank>:<point>:<step>:<action>[:<generation>|*], action one of "
-                   "throw|abort|segv|exit|hang|stop|foreign)",
+                   "throw|abort|segv|exit|hang|stop|foreign|nan)",
                    entry, why);
     };
     std::vector<std::string_view> fields;
@@ -124,9 +124,10 @@ std::vector<Fault> parse_faults(std::string_view spec, schema::StageKind stage, 
 
 }  // namespace detail
 
-void fault_point(StageContext& ctx, std::string_view point, uint32_t step) {
+bool fault_point(StageContext& ctx, std::string_view point, uint32_t step) {
   if (ctx.faults_.empty()) [[likely]]
-    return;
+    return false;
+  bool poison = false;
   for (const auto& f : ctx.faults_) {
     if (f.step != step || f.point != point) continue;
     log_warn("injected fault at {} step {}: {}", point, step, detail::action_name(f.action));
@@ -156,8 +157,12 @@ void fault_point(StageContext& ctx, std::string_view point, uint32_t step) {
       case detail::FaultAction::kStop:
         ::raise(SIGSTOP);
         break;
+      case detail::FaultAction::kNan:
+        poison = true;
+        break;
     }
   }
+  return poison;
 }
 
 }  // namespace megacpp::stage

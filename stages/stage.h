@@ -46,7 +46,7 @@ struct StageArgs {
 };
 
 namespace detail {
-enum class FaultAction { kThrow, kAbort, kSegv, kExit, kHang, kStop, kForeign };
+enum class FaultAction { kThrow, kAbort, kSegv, kExit, kHang, kStop, kForeign, kNan };
 struct Fault {
   std::string point;
   uint32_t step;
@@ -94,7 +94,7 @@ class StageContext {
   bool graceful_stop_requested() const;
 
  private:
-  friend void fault_point(StageContext& ctx, std::string_view point, uint32_t step);
+  friend bool fault_point(StageContext& ctx, std::string_view point, uint32_t step);
 
   schema::StageKind kind_;
   StageArgs args_;
@@ -113,12 +113,15 @@ class StageContext {
 // backward, optimizer; data_loader: produce; collector: fold; checkpointer: write).
 // action: throw (an Error{kInternal}) | abort | segv | exit (exit code 3) | hang (stop making
 // progress while heartbeats go on) | stop (SIGSTOP itself: heartbeats stop too) | foreign (a
-// std::runtime_error, standing for a library's own exception such as a c10::Error).
+// std::runtime_error, standing for a library's own exception such as a c10::Error) | nan (the
+// caller makes its values non-finite: fault_point returns true; trainer: its gradients at
+// optimizer, the point where they are complete).
 // An optional sixth field names the launch generation the fault applies to (default 0, the
 // first launch, so a restarted stage does not fail again at the same step; * for every one).
 // A no-op, costing one comparison, unless the knob names this process, point and step.
 // Example: MEGACPP_FAULT=trainer:1:backward:5:segv,data_loader:0:produce:3:exit:*
-void fault_point(StageContext& ctx, std::string_view point, uint32_t step);
+// Returns true when a nan fault fired here (the caller poisons its values), else false.
+bool fault_point(StageContext& ctx, std::string_view point, uint32_t step);
 
 // The main() of a stage executable. Parses --run-dir, --rank, --generation (and --help).
 int run_stage_main(int argc, char** argv, schema::StageKind kind, std::string_view description,

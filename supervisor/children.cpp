@@ -203,17 +203,14 @@ void Run::on_signals() {
     } else if (detected_ns_ == 0 && stop_signal_ == 0) {
       begin_graceful_stop(static_cast<int>(si.ssi_signo));
     } else if (detected_ns_ == 0) {
-      int64_t now = mono_ns();
-      detected_ns_ = now;
-      events_["supervisor-0"] =
-          Event{schema::FailureKind::INTERRUPTED,
-                fmt::format("the supervisor received {} during a graceful stop",
-                            strsignal(static_cast<int>(si.ssi_signo))),
-                now,
-                now,
-                Phase::SHUTDOWN,
-                0};
-      log_error("interrupted by {}", strsignal(static_cast<int>(si.ssi_signo)));
+      // Asked twice: stop at once. Not a failure: nothing went wrong but the user's patience.
+      stop_at_once_signal_ = static_cast<int>(si.ssi_signo);
+      detected_ns_ = mono_ns();
+      poll_commits();
+      log_warn(
+          "{} again during the graceful stop: stopping at once; the newest committed "
+          "checkpoint (step {}) stays as it is",
+          strsignal(stop_at_once_signal_), committed_step_);
     }
   }
   reap();
@@ -228,15 +225,22 @@ void Run::begin_graceful_stop(int signo) {
       strsignal(signo), opt_.stop_grace_s);
   for (auto& c : children_) {
     if (c.stage != StageKind::TRAINER || !c.alive) continue;
-    ipc::ControlMessageBuilder b;
-    auto stop = b.root().initStop();
-    stop.setReason(fmt::format("graceful stop on {}", strsignal(signo)));
-    stop.setAfterCheckpoint(true);
-    // A rank that cannot be told is stopped by the agreement of the others: every rank
-    // checks after each step whether any was asked.
-    if (!router_->send_to(c.name, b.message(), ipc::Millis(200)))
-      log_warn("could not ask {} to stop; the other ranks' agreement stops it", c.name);
+    // A rank whose control socket has not connected yet (the stop came during start-up) is
+    // told on its hello (Run::on_message); one that cannot be told at all is stopped by the
+    // agreement of the others: every rank checks after each step whether any was asked.
+    if (!ask_to_stop(c))
+      log_info("{} is not connected yet; it is asked to stop when it says hello", c.name);
   }
+}
+
+bool Run::ask_to_stop(Child& c) {
+  if (c.stop_asked) return true;
+  ipc::ControlMessageBuilder b;
+  auto stop = b.root().initStop();
+  stop.setReason(fmt::format("graceful stop on {}", strsignal(stop_signal_)));
+  stop.setAfterCheckpoint(true);
+  c.stop_asked = router_->send_to(c.name, b.message(), ipc::Millis(200));
+  return c.stop_asked;
 }
 
 bool Run::wait_for(const std::function<bool()>& done, double seconds) {

@@ -72,6 +72,9 @@ RunFacts read_run(const fs::path& run) {
            {"world", std::to_string(l.getWorld())},
            {"backend", l.hasCollectives() ? std::string(l.getCollectives().getBackend()) : "gloo"},
            {"device", l.getDevice().size() > 0 ? std::string(l.getDevice()) : "cpu"},
+           // In the recipe's hash too; named here so a refusal says what differs.
+           {"orthogonalization",
+            l.getRecipe().getTrain().getOptim().getMuonBf16() ? "bfloat16" : "float32"},
            {"build", fmt::format("{}{} {} {} torch {}", p.getGitRevision().cStr(),
                                  p.getGitDirty() ? "+dirty" : "", p.getBuildType().cStr(),
                                  p.getCompiler().cStr(), p.getTorchVersion().cStr())},

@@ -246,6 +246,12 @@ int run_detached(RunOptions options) {
     // terminal closes); its output reaches the launching command until the stage graph is up,
     // then RUN/logs/supervisor.log (Run::detach_output).
     ::setsid();
+    // The launching command may die before the stage graph is up (a closed terminal, an ssh
+    // drop): a write to its pipe must fail, not kill the run (Run::launcher_gone moves the
+    // output to the log). Stages get SIGPIPE back at their exec (spawn).
+    struct sigaction ign {};
+    ign.sa_handler = SIG_IGN;
+    ::sigaction(SIGPIPE, &ign, nullptr);
     const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
     ::dup2(out[1], STDOUT_FILENO);

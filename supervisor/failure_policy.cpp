@@ -20,6 +20,7 @@ Evidence evidence_of(const Event& ev) {
     case FailureKind::INTERRUPTED:
     case FailureKind::UNKILLABLE:
     case FailureKind::STALLED:
+    case FailureKind::DIVERGED:
       return Evidence::kOwn;
     case FailureKind::HUNG:
       return ev.own_progress ? Evidence::kOwn : Evidence::kHang;
@@ -40,6 +41,7 @@ Evidence evidence_of(const Event& ev) {
         case ErrorKind::STD:
         case ErrorKind::UNKNOWN:
         case ErrorKind::NONE:
+        case ErrorKind::DIVERGED:
           return Evidence::kOwn;
       }
       return Evidence::kOwn;  // an ErrorKind from a newer writer: the process's own

@@ -357,7 +357,10 @@ int main(int argc, char** argv) {
         r.model.mode = plan_mode;
         r = mc::recipe::rehash(std::move(r));
       }
+      const std::string precision =
+          mc::recipe::resolve_muon_precision(r, plan_device, mc::cpu_bf16_units());
       fmt::print("{}\n", mc::recipe::describe(r));
+      fmt::print("muon orthogonalization: {}\n", precision);
       fmt::print("{}", mc::recipe::format_plan(mc::recipe::make_plan(
                            r, {.ranks = plan_ranks,
                                .memory_budget_gib = plan_budget,

@@ -46,6 +46,10 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& l
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    // An ignored signal stays ignored across exec: a detached supervisor ignores SIGPIPE.
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    ::sigaction(SIGPIPE, &dfl, nullptr);
     ::setpgid(0, 0);
     if (env.empty()) {
       ::execv(args[0], args.data());

@@ -126,10 +126,19 @@ void Run::journal_run_finished(bool process_finished) {
       poll_commits();
       f.setFailureKind(schema::FailureKind::INTERRUPTED);
       f.setStoppedBySignal(stop_signal_);
-      const char* abbrev = sigabbrev_np(stop_signal_);
-      f.setReason(fmt::format("stopped by {} after step {}, its checkpoint committed",
-                              abbrev ? fmt::format("SIG{}", abbrev) : std::to_string(stop_signal_),
-                              committed_step_));
+      auto sig_name = [](int signo) {
+        const char* abbrev = sigabbrev_np(signo);
+        return abbrev ? fmt::format("SIG{}", abbrev) : std::to_string(signo);
+      };
+      if (stop_at_once_signal_ != 0) {
+        f.setReason(fmt::format(
+            "stopped by {}, then at once by a second {}; the newest committed checkpoint is "
+            "step {}",
+            sig_name(stop_signal_), sig_name(stop_at_once_signal_), committed_step_));
+      } else {
+        f.setReason(fmt::format("stopped by {} after step {}, its checkpoint committed",
+                                sig_name(stop_signal_), committed_step_));
+      }
     } else if (failure_) {
       f.setFailureKind(failure_->kind);
       f.setStage(failure_->stage);

@@ -204,6 +204,10 @@ void Run::adopt_previous_attempt() {
                  run_.string(), l.getSupervisorPid());
   try {
     recipe_ = recipe::from_spec(l.getRecipe());
+    // A resumed run keeps the precision it started with, chosen where it started.
+    muon_precision_ = l.getMuonPrecision().size() > 0
+                          ? std::string(l.getMuonPrecision())
+                          : recipe::resolve_muon_precision(recipe_, opt_.device, "");
   } catch (const Error& e) {
     MEGACPP_FAIL(ErrorKind::kInvalidArgument, "--resume {}: launch.json's recipe: {}",
                  run_.string(), e.what());
@@ -217,6 +221,10 @@ void Run::adopt_previous_attempt() {
   const uint32_t prev_rank_batch =
       l.getResume().getRankBatch() != 0 ? l.getResume().getRankBatch() : recipe_.train.batch_size;
   global_batch_ = static_cast<uint64_t>(l.getWorld()) * prev_rank_batch;
+  if (l.hasResume() && l.getResume().getDataPosition() != 0) {
+    data_base_step_ = l.getResume().getStep();
+    data_base_position_ = l.getResume().getDataPosition();
+  }
   opt_.steps = l.getSteps();
   if (opt_.ranks == 0) opt_.ranks = l.getWorld();
   opt_.data_dir = std::string(l.getDataDir());
@@ -248,6 +256,12 @@ void Run::adopt_previous_attempt() {
                  run_.string(), opt_.ranks, global_batch_, opt_.ranks);
   const auto rank_batch = static_cast<uint32_t>(global_batch_ / opt_.ranks);
   if (rank_batch != recipe_.train.batch_size) rank_batch_ = rank_batch;
+}
+
+uint64_t Run::data_position_after(uint32_t step) const {
+  const uint64_t global =
+      global_batch_ != 0 ? global_batch_ : uint64_t{opt_.ranks} * recipe_.train.batch_size;
+  return data_base_position_ + uint64_t{step - data_base_step_} * global;
 }
 
 void Run::choose_checkpoint(std::string_view why) {
@@ -320,6 +334,34 @@ void Run::adopt_parent_checkpoint() {
                  ckpt.mode());
   resume_ = ResumeInfo{ckpt.step(), dir, dir.string(), ckpt.world()};
   const fs::path parent_run = dir.parent_path().parent_path();
+  // The branch's data continue where the parent's stood after the checkpoint's step: the
+  // parent's own data order (its base and global batch, from its launch contract), not this
+  // run's world x batch, which may differ.
+  if (!fs::exists(layout::launch_path(parent_run)))
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "--from {}: no launch.json in {}, so where the parent's data order stood after "
+                 "step {} is unknown: branch from a checkpoint inside its run directory",
+                 opt_.from.string(), parent_run.string(), ckpt.step());
+  {
+    schemas::JsonFile<schema::LaunchContract> parent(layout::launch_path(parent_run));
+    const auto pl = parent.get();
+    const uint32_t parent_rank_batch = pl.hasResume() && pl.getResume().getRankBatch() != 0
+                                           ? pl.getResume().getRankBatch()
+                                           : pl.getRecipe().getTrain().getBatchSize();
+    const uint64_t parent_global = uint64_t{pl.getWorld()} * parent_rank_batch;
+    uint32_t base_step = 0;
+    uint64_t base_position = 0;
+    if (pl.hasResume() && pl.getResume().getDataPosition() != 0) {
+      base_step = pl.getResume().getStep();
+      base_position = pl.getResume().getDataPosition();
+    }
+    MEGACPP_CHECK(ckpt.step() >= base_step, ErrorKind::kInvalidArgument,
+                  fmt::format("--from {}: step {} is before where its run's current attempt "
+                              "began (step {}): branch from a later checkpoint",
+                              opt_.from.string(), ckpt.step(), base_step));
+    data_base_step_ = ckpt.step();
+    data_base_position_ = base_position + uint64_t{ckpt.step() - base_step} * parent_global;
+  }
   parent_ = ParentInfo{parent_run.string(), ckpt.run_id(), ckpt.step(), dir.string()};
 }
 
@@ -387,6 +429,8 @@ void Run::prepare() {
       if (!opt_.mode.empty()) recipe_.model.mode = opt_.mode;
       recipe_ = recipe::rehash(std::move(recipe_));
     }
+    // muon_bf16 = "auto": what this device does fast (the hash then covers it).
+    muon_precision_ = recipe::resolve_muon_precision(recipe_, opt_.device, cpu_bf16_units());
     run_ = fs::absolute(opt_.run_dir).lexically_normal();
     if (!opt_.from.empty()) adopt_parent_checkpoint();
   }
@@ -670,6 +714,7 @@ void Run::write_launch_contract(const recipe::Recipe& planned) {
   l.setWorld(opt_.ranks);
   l.setSteps(opt_.steps);
   l.setDevice(opt_.device);
+  l.setMuonPrecision(muon_precision_);
   l.setRingSlots(opt_.ring_slots);
   // The recipe rules keep it within kMaxBatchSlotBytes, which fits 32 bits.
   l.setRingSlotBytes(static_cast<uint32_t>(recipe::batch_spec(planned).slot_bytes()));
@@ -751,6 +796,7 @@ void Run::write_launch_contract(const recipe::Recipe& planned) {
     r.setCheckpoint(resume_->dir.string());
     r.setWorld(resume_->world);
     r.setRankBatch(rank_batch_);
+    r.setDataPosition(data_position_after(resume_->step));
   }
   if (parent_) {
     auto p = l.initParent();

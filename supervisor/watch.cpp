@@ -45,6 +45,9 @@ void Run::on_message(ipc::Received& m) {
       if (root.getHello().getPid() == c->pid) {
         c->heartbeat_ns = now;
         c->seen = true;
+        // A graceful stop that began before this rank connected reaches it now.
+        if (stop_signal_ != 0 && c->stage == StageKind::TRAINER && !ask_to_stop(*c))
+          log_warn("could not ask {} to stop; the other ranks' agreement stops it", c->name);
       }
       break;
     case schema::ControlMessage::HEARTBEAT: {
@@ -85,7 +88,9 @@ void Run::on_message(ipc::Received& m) {
       if (policy::restartable(c->stage)) break;
       // A rank that failed because a peer or a collective did is a victim, not a cause
       // (policy::evidence_of): the Failure names its error kind.
-      Event ev{schema::FailureKind::EXCEPTION,
+      // A rank whose loss, gradient or parameters went non-finite: the run diverged.
+      Event ev{error_kind == schema::ErrorKind::DIVERGED ? schema::FailureKind::DIVERGED
+                                                         : schema::FailureKind::EXCEPTION,
                fmt::format("{}: {}", said, f.getMessage().cStr()),
                f.getMonoNs() > 0 ? f.getMonoNs() : now,
                now,
@@ -296,9 +301,16 @@ void Run::watch() {
     check_liveness();
     if (detected_ns_ != 0) return;
     update_metrics();
-    if (opt_.detach && !detached_ &&
-        std::all_of(children_.begin(), children_.end(), [](const Child& c) { return c.seen; }))
-      detach_output();
+    if (opt_.detach && !detached_) {
+      if (std::all_of(children_.begin(), children_.end(), [](const Child& c) { return c.seen; })) {
+        detach_output();
+      } else if (launcher_gone()) {
+        // The launching command died before the stage graph was up (its terminal closed, an
+        // ssh drop): the run goes on, telling its log instead.
+        move_output_to_log();
+        log_warn("the launching command is gone; the run goes on detached");
+      }
+    }
     if (console_) {
       std::vector<ConsoleRank> ranks;
       uint32_t up = 0;
@@ -478,15 +490,34 @@ void Run::restart_job() {
 void Run::detach_output() {
   detached_ = true;
   const fs::path log = layout::logs_dir(run_) / "supervisor.log";
-  fmt::print(
+  // Raw writes, errors ignored: the launching command may be gone (its terminal closed), and
+  // SIGPIPE is ignored in a detached supervisor (run_detached), so a write only fails.
+  const std::string text = fmt::format(
       "megacpp: run {} is up ({} stages, supervisor pid {}); it goes on detached, logging to {}\n"
-      "  metrics   {}\n  progress  megacpp status {} --watch\n  stop      megacpp stop {}\n",
+      "  metrics   {}\n  progress  megacpp status {} --watch\n  stop      megacpp stop {}\n{}\n",
       run_.string(), children_.size(), ::getpid(), log.string(),
-      metrics_endpoint_.empty() ? "-" : metrics_endpoint_, run_.string(), run_.string());
-  fmt::print("{}\n", kDetachedMarker);
+      metrics_endpoint_.empty() ? "-" : metrics_endpoint_, run_.string(), run_.string(),
+      kDetachedMarker);
   std::fflush(stdout);
   std::fflush(stderr);
-  const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (::write(STDOUT_FILENO, text.data(), text.size()) < 0) {
+    // Nothing to do: the log below is where the run goes on telling.
+  }
+  move_output_to_log();
+}
+
+bool Run::launcher_gone() const {
+  // The write end of a pipe whose every reader closed polls POLLERR.
+  pollfd pfd{STDOUT_FILENO, 0, 0};
+  return ::poll(&pfd, 1, 0) == 1 && (pfd.revents & POLLERR) != 0;
+}
+
+void Run::move_output_to_log() {
+  detached_ = true;
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const fs::path log = layout::logs_dir(run_) / "supervisor.log";
+  const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd < 0) {
     // Nowhere to log: the launching command still gets its EOF and returns.
     const int devnull = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
@@ -510,7 +541,7 @@ int Run::execute() {
     watch();
     if (detected_ns_ == 0) finish_ok();
     if (detected_ns_ != 0) {
-      journal_graph("failure detected");
+      journal_graph(stop_at_once_signal_ != 0 ? "stop at once" : "failure detected");
       teardown();
       classify();
     }

@@ -21,13 +21,13 @@ def pids_of(pattern):
 class Run:
     """Starts at construction; every wait is bounded and fails the test with the run's output."""
 
-    def __init__(self, tmp, steps=60, extra=(), env=None, ranks=2):
+    def __init__(self, tmp, steps=60, extra=(), env=None, ranks=2, recipe="tiny"):
         self.dir = os.path.join(tmp, "run")
         e = dict(os.environ)
         e.update(env or {})
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            [MEGACPP, "run", "tiny", "--ranks", str(ranks), "--steps", str(steps), "--run-dir", self.dir,
+            [MEGACPP, "run", recipe, "--ranks", str(ranks), "--steps", str(steps), "--run-dir", self.dir,
              "--data-dir", os.path.join(tmp, "data"), "--progress", "none"] + list(extra),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
         self.out = ""

@@ -63,12 +63,18 @@ int main(int argc, char** argv) {
         const auto resume = launch.getResume();
         const uint32_t rank_batch =
             resume.getRankBatch() != 0 ? resume.getRankBatch() : train.getBatchSize();
-        mc::data::Sampler sampler(views, {.seq_len = model.getSeqLen(),
-                                          .batch = rank_batch,
-                                          .world = world / tp,
-                                          .token_bytes = dataset.slot_token_bytes,
-                                          .seed = train.getSeed(),
-                                          .pack = pack});
+        mc::data::Sampler sampler(
+            views, {.seq_len = model.getSeqLen(),
+                    .batch = rank_batch,
+                    .world = world / tp,
+                    .token_bytes = dataset.slot_token_bytes,
+                    .seed = train.getSeed(),
+                    .pack = pack,
+                    // Where this attempt's first step begins in the data
+                    // order (0: step x the run's global batch, as
+                    // contracts before the field meant).
+                    .start = resume.getDataPosition(),
+                    .start_step = resume.getDataPosition() != 0 ? resume.getStep() : 0u});
         const uint64_t slot_bytes = sampler.spec().slot_bytes();
 
         std::vector<std::unique_ptr<mc::ipc::ShmRegion>> regions;

@@ -161,6 +161,32 @@ const char* fault_point_of(Phase phase) {
   }
 }
 
+// A step whose loss or gradient norm was non-finite on any rank ends the run as `diverged`
+// before anything of it is committed; every rank calls this at the same point. The rank that
+// saw the non-finite value is the first failure; the others fail as its victims (peer failure).
+void check_finite(TrainStep& ts, const StepTiming& timing, uint32_t step, uint32_t rank) {
+  std::vector<uint32_t> ranks;
+  if (timing.nonfinite_ranks) {
+    ranks = *timing.nonfinite_ranks;
+  } else if (ts.any_rank(timing.nonfinite)) {
+    ranks.push_back(timing.nonfinite ? rank : UINT32_MAX);
+  }
+  if (ranks.empty()) return;
+  if (timing.nonfinite) {
+    MEGACPP_FAIL(ErrorKind::kDiverged,
+                 "step {}: loss {} and gradient norm {} on rank {} (a NaN or an infinity); no "
+                 "checkpoint of this step is committed (continue from the newest checkpoint, "
+                 "e.g. with a lower learning rate)",
+                 step, timing.loss, timing.grad_norm, rank);
+  }
+  std::string who;
+  for (uint32_t r : ranks)
+    who += (who.empty() ? "" : ", ") +
+           (r == UINT32_MAX ? std::string("another rank") : fmt::format("rank {}", r));
+  MEGACPP_FAIL(ErrorKind::kPeerFailure, "step {}: training diverged on {}; stopping with it", step,
+               who);
+}
+
 enum class Outcome {
   kTrained,  // every planned step, the final checkpoint committed
   kStopped,  // a graceful stop: the agreed step's checkpoint committed
@@ -293,6 +319,8 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     b.setDeviceName(on_cuda ? std::string(cuda->api().versions()) : cpu_model());
     b.setThreads(static_cast<uint32_t>(threads));
     b.setTensorParallel(tp);
+    b.setOrthogonalization(train.optim.muon_bf16 ? "bfloat16" : "float32");
+    b.setCpuBf16Units(cpu_bf16_units());
     b.setCompiler(fmt::format("gcc {}.{}.{}", __GNUC__, __GNUC_MINOR__, __GNUC_PATCHLEVEL__));
 #ifdef NDEBUG
     b.setBuildType("release (NDEBUG)");
@@ -394,9 +422,11 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
 
     StepHooks hooks;
     hooks.stop_requested = [&] { return ctx.graceful_stop_requested(); };
+    bool poison = false;
+    hooks.poison_gradients = [&] { return poison; };
     hooks.on_phase = [&](Phase p) {
       ctx.set_phase(p);
-      if (const char* point = fault_point_of(p)) stage::fault_point(ctx, point, step);
+      if (const char* point = fault_point_of(p)) poison = stage::fault_point(ctx, point, step);
       if (p == Phase::OPTIMIZER && !first_backward_done) {
         first_backward_done = true;
         const double s = seconds_since_process_start(main_entry);
@@ -458,6 +488,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
         {.step = step, .tokens = tokens_total, .loss = timing.loss, .step_seconds = step_seconds});
 
     snapshots.poll();
+    check_finite(*ts, timing, step, ts->rank());
     // Graceful stop: every step the ranks agree whether any of them was asked to stop (in the
     // step's own gradient exchange, or by any_rank under tensor parallelism); if so this step
     // is the last, and its checkpoint is committed before they exit.
@@ -470,6 +501,15 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       if (ctx.stop_requested()) {
         log_info("stop requested after step {}; leaving without a snapshot", step);
         return Outcome::kLeft;
+      }
+      // Parameters and optimizer state are replicated or sharded alike on every rank, so every
+      // rank that holds a non-finite entry fails here and none snapshots this step.
+      if (auto bad = ts->first_nonfinite_state()) {
+        MEGACPP_FAIL(ErrorKind::kDiverged,
+                     "step {}: {} holds a NaN or an infinity; this step's checkpoint is not "
+                     "committed (continue from the newest checkpoint, e.g. with a lower learning "
+                     "rate)",
+                     step, *bad);
       }
       // Waiting for the lease is waiting on the checkpointer.
       ctx.set_phase(Phase::SNAPSHOT);

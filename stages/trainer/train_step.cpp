@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <numbers>
 #include <string_view>
@@ -320,6 +321,15 @@ std::vector<ParamAssignment> TrainStep::assignment() const {
   return impl_->assignment;
 }
 
+std::optional<std::string> TrainStep::first_nonfinite_state() const {
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, t] : snapshot_share()) {
+    if (!t.is_floating_point()) continue;
+    if (!torch::isfinite(t).all().item<bool>()) return name;
+  }
+  return std::nullopt;
+}
+
 bool TrainStep::any_rank(bool local) {
   Impl& s = *impl_;
   std::vector<at::Tensor> flag{
@@ -399,7 +409,16 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
   t0 = Clock::now();
   {
     torch::NoGradGuard no_grad;
+    if (hooks.poison_gradients && hooks.poison_gradients()) {
+      for (auto& [name, p] : s.params) {
+        if (p.grad().defined()) {
+          p.mutable_grad().fill_(std::numeric_limits<float>::quiet_NaN());
+          break;
+        }
+      }
+    }
     out.grad_norm = s.grad_norm_and_clip();
+    out.nonfinite = !std::isfinite(out.loss) || !std::isfinite(out.grad_norm);
     out.clip_seconds = seconds_since(t0);
     out.lr_scale = lr_scale(s.train_cfg, step_index, s.total_steps);
     for (size_t g = 0; g < s.adam_base_lr.size(); ++g)
@@ -414,15 +433,27 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
       if (at::Tensor bucket = s.adamw->pack_for_exchange(); bucket.defined())
         riders.push_back(bucket);
     }
-    at::Tensor stop;
-    if (hooks.stop_requested && s.tp.size == 1) {
-      stop = torch::full({1}, hooks.stop_requested() ? 1.0f : 0.0f,
-                         torch::dtype(torch::kFloat32).device(s.device));
-      riders.push_back(stop);
+    // The ranks' agreements ride in the same exchange, summed over the ranks: [0] whether any
+    // rank asked to stop, [1 + r] whether rank r's loss or gradient norm is non-finite. The
+    // flags are their own rider, so a NaN gradient does not make them NaN.
+    at::Tensor flags;
+    if (s.tp.size == 1) {
+      std::vector<float> host(1 + s.world, 0.0f);
+      if (hooks.stop_requested && hooks.stop_requested()) host[0] = 1.0f;
+      if (out.nonfinite) host[1 + s.rank] = 1.0f;
+      flags = torch::tensor(host, torch::dtype(torch::kFloat32)).to(s.device);
+      riders.push_back(flags);
     }
     s.muon->step(&out.optimizer_phases, riders);
     s.adamw->step(&out.optimizer_phases);
-    if (stop.defined()) out.stop_agreed = stop.item<float>() > 0.0f;
+    if (flags.defined()) {
+      const at::Tensor agreed = flags.to(at::kCPU);
+      const float* f = agreed.data_ptr<float>();
+      if (hooks.stop_requested) out.stop_agreed = f[0] > 0.0f;
+      out.nonfinite_ranks.emplace();
+      for (uint32_t r = 0; r < s.world; ++r)
+        if (f[1 + r] > 0.0f) out.nonfinite_ranks->push_back(r);
+    }
   }
   out.optimizer_seconds = seconds_since(t0);
   return out;

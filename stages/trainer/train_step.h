@@ -79,6 +79,13 @@ struct StepTiming {
   OptimizerPhaseTimes optimizer_phases;
   // StepHooks::stop_requested's agreement: set when the hook was asked.
   std::optional<bool> stop_agreed;
+  // Whether this rank's loss or gradient norm is non-finite (NaN or infinite).
+  bool nonfinite = false;
+  // The data-parallel ranks whose loss or gradient norm was non-finite this step, the same
+  // list on every rank: agreed in the step's gradient exchange (so no rank commits a step
+  // that diverged anywhere). Unset under tensor parallelism, whose agreement spans two groups:
+  // call any_rank(nonfinite) then.
+  std::optional<std::vector<uint32_t>> nonfinite_ranks;
 };
 
 // Optional callbacks into the caller, invoked on the calling thread.
@@ -94,6 +101,9 @@ struct StepHooks {
   // agreement any_rank() would make, without a collective of its own. Not asked under
   // tensor parallelism, whose agreement spans two groups: call any_rank() then.
   std::function<bool()> stop_requested;
+  // Test hook (MEGACPP_FAULT action nan): asked once backward is done; true makes this rank's
+  // gradients NaN before clipping, as an overflow would.
+  std::function<bool()> poison_gradients;
 };
 
 // Which optimizer steps a parameter, and in which group.
@@ -158,6 +168,11 @@ class TrainStep {
   // every rank calls at the same point of the same step; without a process group, `local`.
   // A graceful stop is agreed this way, so every rank checkpoints the same step.
   bool any_rank(bool local);
+
+  // The first entry of snapshot_share() holding a NaN or an infinity, or nullopt when every one
+  // is finite. One pass over the state (a device sync on a GPU): asked before each snapshot, so
+  // no checkpoint with a non-finite tensor is committed.
+  std::optional<std::string> first_nonfinite_state() const;
 
   // This rank's share of state, in a fixed order; empty on a tensor-parallel rank other than
   // 0, whose parameters and optimizer state are copies of its group's rank 0's. Rank 0:

@@ -55,6 +55,9 @@ struct Child {
   bool alive = false;
   bool seen = false;  // a Hello or heartbeat of this generation arrived
   bool stop_sent = false;
+  // A trainer told of the graceful stop under way (Run::ask_to_stop). One whose control
+  // socket had not connected when the stop began is told on its hello.
+  bool stop_asked = false;
   int exit_code = 0;
   int signal = 0;
   int64_t started_ns = 0;
@@ -156,10 +159,16 @@ class Run {
   // RunOptions::detach, once every stage said hello: tells the launching command (stdout) and
   // moves stdout and stderr to logs/supervisor.log.
   void detach_output();
+  // Moves stdout and stderr to RUN/logs/supervisor.log (a detached run, from then on).
+  void move_output_to_log();
+  // A detached run's launching command closed its end of the output pipe (it died).
+  bool launcher_gone() const;
   void pump(int timeout_ms);
   void on_message(ipc::Received& m);
   void on_signals();
   void begin_graceful_stop(int signo);
+  // Sends the graceful stop to one trainer; false when its control socket is not connected yet.
+  bool ask_to_stop(Child& c);
   void reap();
   void journal_child_exited(const Child& c, schema::ChildReason reason);
   void check_liveness();
@@ -212,6 +221,9 @@ class Run {
   RunOptions opt_;
   policy::Budgets budgets_;
   recipe::Recipe recipe_;
+  // How the recipe's muon_bf16 was settled (recipe::resolve_muon_precision), for the launch
+  // contract: e.g. "bfloat16 (auto: cpu with amx_bf16)".
+  std::string muon_precision_;
   std::vector<recipe::Gate> gates_;  // the plan's verdicts for recipe_ at this world (all passed)
   // Attempts (DESIGN.md "Resume and recovery"): 0 for a run's first launch.
   struct ResumeInfo {
@@ -230,6 +242,14 @@ class Run {
   std::optional<ResumeInfo> resume_;
   std::optional<ParentInfo> parent_;
   uint64_t global_batch_ = 0;
+  // The run's data order (data/sampler.h SamplerConfig::start): step data_base_step_ ended at
+  // global position data_base_position_, and each later step takes the run's global batch. 0, 0
+  // for a run from scratch; a branch (--from) starts where its parent's data order stood after
+  // the checkpoint's step, whatever its own world and batch.
+  uint32_t data_base_step_ = 0;
+  uint64_t data_base_position_ = 0;
+  // Where step `step` ends in the run's data order.
+  uint64_t data_position_after(uint32_t step) const;
   uint32_t rank_batch_ = 0;           // 0: the recipe's batch per rank
   std::vector<std::string> skipped_;  // "checkpoints/step_N: problems"
   std::vector<uint32_t> skipped_steps_;
@@ -262,7 +282,11 @@ class Run {
   int64_t teardown_done_ns_ = 0;  // every process of the attempt gone (or given up on)
   CollectivePlan collectives_;
   std::map<std::string, AbortReply> abort_replies_;  // by process name, this teardown's
-  int stop_signal_ = 0;           // the graceful stop under way (SIGINT/SIGTERM), 0: none
+  int stop_signal_ = 0;  // the graceful stop under way (SIGINT/SIGTERM), 0: none
+  // A second SIGINT/SIGTERM during the graceful stop: the user asked to stop at once. The job
+  // is torn down without waiting for the step in flight; the run ends `interrupted` (not a
+  // failure) with the newest committed checkpoint as it was.
+  int stop_at_once_signal_ = 0;
   int64_t stop_deadline_ns_ = 0;  // --stop-grace-s after it began
   uint32_t committed_step_ = 0;   // newest checkpoint this attempt committed
   uint32_t job_restarts_ = 0;

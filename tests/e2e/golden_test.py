@@ -37,12 +37,14 @@ Hence two tolerances, |fresh - golden| <= ABS + REL * |golden| per step:
 """
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import run_harness  # noqa: E402
 from run_harness import Run  # noqa: E402
 
 STEPS = 20
@@ -75,11 +77,26 @@ _runs = {}
 _tmp = tempfile.mkdtemp(prefix="megacpp-golden-")
 
 
+def pinned_tiny():
+    """recipes/tiny.toml with muon_bf16 = true, the precision the golden was recorded with:
+    tiny says "auto", which is float32 on a CPU without bfloat16 units (another hash and other
+    losses). Same name, same spec, so the same hash as tiny on a CPU that has them."""
+    path = os.path.join(_tmp, "tiny.toml")
+    if not os.path.exists(path):
+        with open(os.path.join(run_harness.RECIPE_DIR, "tiny.toml")) as f:
+            text = f.read()
+        pinned = re.sub(r'^muon_bf16 = "auto".*$', "muon_bf16 = true", text, flags=re.M)
+        assert pinned != text, "recipes/tiny.toml no longer says muon_bf16 = \"auto\""
+        with open(path, "w") as f:
+            f.write(pinned)
+    return path
+
+
 def run_dir(world):
     """The run directory of a finished `megacpp run tiny` at `world` ranks (run once, cached)."""
     if world not in _runs:
         r = Run(os.path.join(_tmp, "w%d" % world), steps=STEPS, ranks=world,
-                env={"MEGACPP_TRAINER_THREADS": "1"})
+                env={"MEGACPP_TRAINER_THREADS": "1"}, recipe=pinned_tiny())
         rc = r.finish(timeout=600)
         if rc != 0:
             raise AssertionError("megacpp run (world %d) exited %d:\n%s" % (world, rc, r.out[-3000:]))

@@ -385,3 +385,49 @@ TEST(Plan, GatesNameTheirRuleReasonAndRetirement) {
   EXPECT_FALSE(gate(odd, "experts-divide-tp").passed);
   EXPECT_TRUE(gate(odd, "tp-divides-world").passed);
 }
+
+// muon_bf16 = "auto" (the shipped recipes' setting and the default) settles per device before a
+// launch: bfloat16 on CUDA and on a CPU with bfloat16 matrix units, float32 elsewhere; the hash
+// then equals that of a recipe that says so explicitly, and an explicit value is kept as is.
+TEST(Recipe, MuonBf16AutoFollowsTheDevice) {
+  const std::string base(kBase);
+  auto with = [&](const std::string& value) {
+    std::string text = base;
+    const size_t at = text.find("[optim]");
+    if (at == std::string::npos) return text + "\n[optim]\nmuon_bf16 = " + value + "\n";
+    return text.insert(at + 7, "\nmuon_bf16 = " + value);
+  };
+  const auto explicit_bf16 = mc::recipe::parse(with("true"), "x.toml");
+  const auto explicit_f32 = mc::recipe::parse(with("false"), "x.toml");
+  EXPECT_FALSE(explicit_bf16.train.optim.muon_bf16_auto);
+  const auto shipped = mc::recipe::load(mc::recipe::resolve("tiny", MEGACPP_RECIPE_DIR));
+  EXPECT_TRUE(shipped.train.optim.muon_bf16_auto);
+  EXPECT_TRUE(mc::recipe::parse(base, "x.toml").train.optim.muon_bf16_auto);  // the default
+
+  auto a = mc::recipe::parse(with("\"auto\""), "x.toml");
+  EXPECT_EQ(mc::recipe::resolve_muon_precision(a, "cpu", ""),
+            "float32 (auto: cpu without bfloat16 matrix units)");
+  EXPECT_FALSE(a.train.optim.muon_bf16);
+  EXPECT_EQ(a.hash, explicit_f32.hash);
+
+  auto b = mc::recipe::parse(with("\"auto\""), "x.toml");
+  EXPECT_EQ(mc::recipe::resolve_muon_precision(b, "cpu", "amx_bf16 avx512_bf16"),
+            "bfloat16 (auto: cpu with amx_bf16 avx512_bf16)");
+  EXPECT_TRUE(b.train.optim.muon_bf16);
+  EXPECT_EQ(b.hash, explicit_bf16.hash);
+
+  auto c = mc::recipe::parse(with("\"auto\""), "x.toml");
+  EXPECT_EQ(mc::recipe::resolve_muon_precision(c, "cuda", ""), "bfloat16 (auto: cuda)");
+  EXPECT_EQ(c.hash, explicit_bf16.hash);
+
+  auto d = explicit_bf16;
+  EXPECT_EQ(mc::recipe::resolve_muon_precision(d, "cpu", ""), "bfloat16 (the recipe)");
+  EXPECT_EQ(d.hash, explicit_bf16.hash);
+
+  try {
+    mc::recipe::parse(with("\"fast\""), "x.toml");
+    ADD_FAILURE() << "muon_bf16 = \"fast\" was accepted";
+  } catch (const mc::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("optim.muon_bf16"), std::string::npos) << e.what();
+  }
+}

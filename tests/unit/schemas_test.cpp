@@ -130,6 +130,7 @@ void fill_launch(schema::LaunchContract::Builder c) {
   gate.setDetail("2 rank(s) into tensor-parallel groups of 1 (author_dp)");
   gate.setReason("every rank belongs to exactly one whole tensor-parallel group");
   gate.setRetires("never: a partial tensor-parallel group cannot hold a layer");
+  c.setMuonPrecision("bfloat16 (auto: cuda)");
 }
 
 // Offsets of `"name":` for each top-level field, in schema order; -1 when absent. Top-level
@@ -381,7 +382,8 @@ TEST(SchemasEnums, EveryEnumerantHasItsSnakeCaseName) {
       {schema::FailureKind::TORN_DOWN, "torn_down"},
       {schema::FailureKind::STALLED, "stalled"},
       {schema::FailureKind::INCOMPLETE, "incomplete"},
-      {schema::FailureKind::ORPHANED, "orphaned"}};
+      {schema::FailureKind::ORPHANED, "orphaned"},
+      {schema::FailureKind::DIVERGED, "diverged"}};
   ASSERT_EQ(kinds.size(), capnp::Schema::from<schema::FailureKind>().getEnumerants().size());
   const std::vector<std::pair<schema::FailureRole, std::string>> roles = {
       {schema::FailureRole::NONE, ""},
@@ -442,7 +444,8 @@ TEST(SchemasEnums, ErrorKindConversionCoversEveryEnumerant) {
   const ErrorKind core[] = {
       ErrorKind::kInvalidArgument, ErrorKind::kSystem,      ErrorKind::kZmq,
       ErrorKind::kProtocol,        ErrorKind::kCorruption,  ErrorKind::kTimeout,
-      ErrorKind::kPeerFailure,     ErrorKind::kInterrupted, ErrorKind::kInternal};
+      ErrorKind::kPeerFailure,     ErrorKind::kInterrupted, ErrorKind::kInternal,
+      ErrorKind::kDiverged};
   for (ErrorKind k : core) {
     EXPECT_EQ(schemas::from_schema(schemas::to_schema(k)), k) << to_string(k);
     EXPECT_EQ(schemas::name(schemas::to_schema(k)), to_string(k));

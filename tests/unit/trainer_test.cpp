@@ -195,7 +195,8 @@ TEST_F(TrainerTest, LossFallsOnALearnableSequence) {
   int released = 0;
   StepHooks hooks{.on_phase = [&](schema::Phase p) { phases.push_back(p); },
                   .after_backward = [&] { ++released; },
-                  .stop_requested = {}};
+                  .stop_requested = {},
+                  .poison_gradients = {}};
   for (uint32_t step = 1; step <= kSteps; ++step) {
     const StepTiming r = ts.step(make_batch(m, t.batch_size, step), step, hooks);
     ASSERT_TRUE(std::isfinite(r.loss)) << step;
