@@ -319,17 +319,26 @@ int run_detached(RunOptions options) {
 
 int stop(const fs::path& run_dir, bool wait, double timeout_s) {
   require_run(run_dir);
-  const auto pid = live_supervisor(run_dir);
-  if (!pid) {
+  auto not_running = [&]() -> int {
     reconcile(run_dir);
     collector::collect_run(run_dir);
     schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
     MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{} is not running (state {}): nothing to stop",
                  run_dir.string(), schemas::name(manifest.get().getState()));
-  }
-  if (::kill(*pid, SIGTERM) != 0)
+  };
+  const auto pid = live_supervisor(run_dir);
+  if (!pid) return not_running();
+  schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
+  const uint64_t start_ticks = launch.get().getSupervisorStartTicks();
+  // Through a pidfd checked against the recorded start time: the supervisor may exit, and its
+  // pid be reused, between live_supervisor() and the signal.
+  const auto signalled = detail::signal_process(*pid, start_ticks, SIGTERM);
+  if (signalled.result == detail::SignalResult::kGone ||
+      signalled.result == detail::SignalResult::kNotOurs)
+    return not_running();
+  if (signalled.result == detail::SignalResult::kRefused)
     MEGACPP_FAIL(ErrorKind::kSystem, "cannot signal the supervisor (pid {}) of {}: {}", *pid,
-                 run_dir.string(), std::strerror(errno));
+                 run_dir.string(), std::strerror(signalled.error));
   fmt::print(
       "asked the supervisor (pid {}) of {} to stop: the ranks finish the step in flight and "
       "commit its checkpoint\n",
@@ -339,8 +348,6 @@ int stop(const fs::path& run_dir, bool wait, double timeout_s) {
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   // Gone means the process too: its journal says the run finished a moment before it exits.
-  schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
-  const uint64_t start_ticks = launch.get().getSupervisorStartTicks();
   while (live_supervisor(run_dir) || detail::process_alive(*pid, start_ticks)) {
     if (std::chrono::steady_clock::now() > deadline)
       MEGACPP_FAIL(ErrorKind::kTimeout,
