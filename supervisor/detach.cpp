@@ -69,17 +69,23 @@ std::optional<pid_t> live_supervisor(const fs::path& run_dir) {
   return pid;
 }
 
-// Live progress of a run from its trainers' journals.
+// Live progress of a run's current attempt from its trainers' journals.
 struct Progress {
-  uint32_t step = 0;  // the step every rank has finished
+  uint32_t step = 0;  // the step every rank has finished; the resume step before the first
   uint32_t ranks = 0;
   double loss = NAN;  // mean over ranks at `step`
   double tokens_per_second = NAN;
   double step_seconds = NAN;  // mean of the last steps
 };
 
-Progress read_progress(const fs::path& run_dir, uint32_t world) {
+// Only the current attempt's step records (launch.json's attempt) count: an earlier attempt's
+// run to a later step, its losses and its step times are history, not this attempt's progress.
+Progress read_progress(const fs::path& run_dir) {
+  schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
+  auto l = launch.get();
+  const uint32_t world = l.getWorld(), attempt = l.getAttempt();
   Progress p;
+  p.step = l.getResume().getStep();
   struct Row {
     double loss_sum = 0;
     uint32_t ranks = 0;
@@ -93,7 +99,7 @@ Progress read_progress(const fs::path& run_dir, uint32_t world) {
     if (!fs::exists(j)) continue;
     ++p.ranks;
     ipc::JournalReader::read_all(j, [&](schema::JournalRecord::Reader rec) {
-      if (!rec.isStep()) return;
+      if (!rec.isStep() || rec.getAttempt() != attempt) return;
       auto s = rec.getStep();
       Row& row = rows[s.getStep()];
       row.loss_sum += s.getLoss();
@@ -366,8 +372,8 @@ int watch_status(const fs::path& run_dir, double interval_s) {
     if (!live_supervisor(run_dir)) return supervisor::status(run_dir);
     schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
     auto l = launch.get();
-    const uint32_t world = l.getWorld(), planned = l.getSteps();
-    const Progress p = read_progress(run_dir, world);
+    const uint32_t planned = l.getSteps();
+    const Progress p = read_progress(run_dir);
     uint32_t up = 0, total = 0;
     if (fs::exists(layout::manifest_path(run_dir))) {
       schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
@@ -411,7 +417,7 @@ int list_runs(const fs::path& dir) {
       double last_loss = NAN;
       const fs::path br = layout::receipts_dir(run) / "bench_result.json";
       if (live) {
-        last_loss = read_progress(run, m.getWorld()).loss;
+        last_loss = read_progress(run).loss;
       } else if (fs::exists(br)) {
         last_loss = schemas::JsonFile<schema::BenchResult>(br).get().getLastLoss();
       }
