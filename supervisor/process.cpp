@@ -30,7 +30,8 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& l
   std::vector<char*> envp;
   for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
   envp.push_back(nullptr);
-  int log_fd = SYSCALL_CHECK(::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+  int log_fd = SYSCALL_CHECK(
+      ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644));
   pid_t parent = ::getpid();
   pid_t pid = ::fork();
   if (pid < 0) {

@@ -1,7 +1,11 @@
-// The commands that read a run directory (supervisor.h: status, status --watch, list): on a
-// run of several attempts they show the current attempt's step, loss and ETA only.
+// The commands that read a run directory (supervisor.h: status, status --watch, list, and the
+// reconcile they run first): on a run of several attempts they show the current attempt's step,
+// loss and ETA only; reconciling an orphan writes nothing through a link or outside its run
+// directory, removes all of its segments (exchange outboxes too) and none of a live run's.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,9 +20,12 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include "core/error.h"
 #include "core/util.h"
 #include "ipc/journal.h"
+#include "ipc/shm.h"
 #include "schemas/journal.capnp.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
@@ -189,4 +196,98 @@ TEST(RunCommands, StatusShowsTheCurrentAttemptsStep) {
   LiveSecondAttempt live("restarts", 3);
   const std::string out = stdout_of([&] { ms::status(live.run); });
   EXPECT_NE(out.find("steps      3/8 on 2 ranks"), std::string::npos) << out;
+}
+
+namespace {
+
+// The `orphaned` fixture (its supervisor SIGKILLed mid-run) before any command recorded it:
+// its runOrphaned record dropped, its run id `run_id` (unique to the test: shm names are
+// host-wide).
+struct UnrecordedOrphan {
+  TempDir tmp;
+  fs::path run = tmp.path() / "orphaned";
+  std::string run_id;
+
+  explicit UnrecordedOrphan(std::string id) : run_id(std::move(id)) {
+    copy_fixture("orphaned", run);
+    rewrite_journal(mc::layout::journal_path(run, StageKind::SUPERVISOR, 0),
+                    [](mc::schema::JournalRecord::Builder r) { return !r.isRunOrphaned(); });
+    mc::schemas::JsonFile<mc::schema::LaunchContract> launch(mc::layout::launch_path(run));
+    launch.builder().setRunId(run_id);
+    mc::write_file_atomic(mc::layout::launch_path(run), mc::schemas::to_json(launch.get()));
+  }
+  std::string prefix() const { return mc::layout::shm_prefix(run_id, 0); }
+};
+
+// A segment nobody maps or holds open, as a dead run leaves it.
+void leave_segment(const std::string& name) {
+  const int fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0) << name;
+  ASSERT_EQ(::ftruncate(fd, 4096), 0);
+  ::close(fd);
+}
+
+std::string unique_id(const char* what) {
+  return fmt::format("{}-{}-{}", what, ::getpid(), mc::wall_ns() % 1'000'000'000);
+}
+
+}  // namespace
+
+TEST(Reconcile, RemovesAllOfAnOrphansSegmentsItsExchangeOutboxesToo) {
+  UnrecordedOrphan orphan(unique_id("orphan"));
+  const std::string p = orphan.prefix();
+  for (const auto& name : {mc::layout::ring_shm_name(p, 0), mc::layout::staging_shm_name(p, 1),
+                           mc::layout::exchange_shm_prefix(p, "dp") + "0",
+                           mc::layout::exchange_shm_prefix(p, "dp") + "1"})
+    leave_segment(name);
+  ASSERT_EQ(mc::ipc::list_shm(p).size(), 4u);
+  EXPECT_TRUE(ms::reconcile(orphan.run));
+  const auto left = mc::ipc::list_shm(p);
+  EXPECT_TRUE(left.empty()) << fmt::format("{}", fmt::join(left, ", "));
+  mc::ipc::unlink_shm(p);
+}
+
+TEST(Reconcile, NeverRemovesTheSegmentsOfALiveRunItsRunIdNames) {
+  // launch.json names the run id of a live run: its ring (mapped by its supervisor, here this
+  // process) and a staging segment nobody maps this instant stay.
+  UnrecordedOrphan orphan(unique_id("victim"));
+  const std::string p = orphan.prefix();
+  mc::ipc::ShmRegion ring(mc::ipc::ShmRegion::Create{}, mc::layout::ring_shm_name(p, 0), 4096);
+  leave_segment(mc::layout::staging_shm_name(p, 0));
+  EXPECT_TRUE(ms::reconcile(orphan.run)) << "the orphan itself is still recorded";
+  EXPECT_EQ(mc::ipc::list_shm(p).size(), 2u);
+  ::shm_unlink(mc::layout::staging_shm_name(p, 0).c_str());
+}
+
+TEST(Reconcile, WritesNothingThroughALinkedJournal) {
+  UnrecordedOrphan orphan(unique_id("linked"));
+  const fs::path journal = mc::layout::journal_path(orphan.run, StageKind::SUPERVISOR, 0);
+  const fs::path outside = orphan.tmp.path() / "elsewhere.journal";
+  fs::rename(journal, outside);
+  fs::create_symlink(outside, journal);
+  const std::string before = mc::read_file(outside);
+  std::string what;
+  try {
+    ms::status(orphan.run);
+  } catch (const mc::Error& e) {
+    what = e.what();
+  }
+  EXPECT_TRUE(mc::read_file(outside) == before) << "the link's target was written";
+  EXPECT_NE(what.find(journal.string() + " is a symbolic link"), std::string::npos) << what;
+  EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  // A journal directory that leads outside the run: refused the same way.
+  fs::remove(journal);
+  fs::rename(outside, journal);
+  const fs::path dir = mc::layout::journal_dir(orphan.run);
+  fs::rename(dir, orphan.tmp.path() / "journals-elsewhere");
+  fs::create_symlink(orphan.tmp.path() / "journals-elsewhere", dir);
+  const std::string before_dir = mc::read_file(journal);
+  what.clear();
+  try {
+    ms::reconcile(orphan.run);
+  } catch (const mc::Error& e) {
+    what = e.what();
+  }
+  EXPECT_TRUE(mc::read_file(journal) == before_dir) << "written through the linked folder";
+  EXPECT_NE(what.find("leads outside the run directory"), std::string::npos) << what;
 }
