@@ -85,7 +85,10 @@ void fsync_path(const std::filesystem::path& path) {
 void write_file_atomic(const std::filesystem::path& path, std::string_view bytes) {
   auto tmp = path;
   tmp += fmt::format(".tmp.{}", ::getpid());
-  int fd = SYSCALL_CHECK(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  // O_NOFOLLOW: a link planted at the temporary name is not written through (the rename then
+  // replaces a link at `path` itself rather than writing where it points).
+  int fd = SYSCALL_CHECK(
+      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644));
   size_t off = 0;
   try {
     while (off < bytes.size()) {

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <set>
 #include <string_view>
 #include <thread>
 
@@ -27,15 +28,20 @@ ShardFormat format_of(const std::string& source) {
 }
 
 // The check cache: one line per file that passed a full scan, "<identity> <xxh3> <max token>",
-// where the identity is the file's name, size, mtime (ns) and inode. A file whose identity
-// is unchanged is not rescanned: its checksum and largest token are taken from the line.
-// The cache is a convenience, never an authority for bytes: the loader still checks each
-// file's structure and token count, and `--stage-data` copies are verified by XXH3.
+// where the identity is the file's name, size, mtime (ns), ctime (ns) and inode. A file whose
+// identity is unchanged is not rescanned: its largest token is taken from the line. What the
+// cache trusts is exactly that identity: any write to the file, and any utimensat that puts
+// its mtime back, moves the ctime, which no user-space call sets back. It does not see changes
+// below the file system (a raw device edit, media corruption), so it never stands in for a
+// hash someone recorded: a file that dataset.json records an XXH3 for is read in full on every
+// pre-flight. The loader still checks each file's structure and token count, and
+// `--stage-data` copies are verified by XXH3.
 std::string identity_of(const std::filesystem::path& p) {
   struct stat st {};
   if (::stat(p.c_str(), &st) != 0) return {};
-  return fmt::format("{}/{}/{}/{}", p.filename().string(), st.st_size,
-                     int64_t{st.st_mtim.tv_sec} * 1'000'000'000 + st.st_mtim.tv_nsec, st.st_ino);
+  return fmt::format("{}/{}/{}/{}/{}", p.filename().string(), st.st_size,
+                     int64_t{st.st_mtim.tv_sec} * 1'000'000'000 + st.st_mtim.tv_nsec,
+                     int64_t{st.st_ctim.tv_sec} * 1'000'000'000 + st.st_ctim.tv_nsec, st.st_ino);
 }
 
 struct CachedCheck {
@@ -103,6 +109,11 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesys
   std::vector<std::exception_ptr> errors(paths.size());
   std::vector<CachedCheck> checks(paths.size());
   std::vector<std::string> ids(paths.size());
+  // The files dataset.json records an XXH3 for: always hashed (the cache vouches for none).
+  std::set<std::string> recorded;
+  if (manifest)
+    for (const auto& entry : manifest->shards)
+      if (!entry.xxh3.empty()) recorded.insert(entry.file);
   const auto cache = read_check_cache(dir);
   std::string cache_before;
   for (const auto& [id, c] : cache)
@@ -117,7 +128,8 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesys
         ids[i] = identity_of(token_file);
         if (out.format == ShardFormat::kMegatron) ids[i] += "+" + identity_of(paths[i]);
         auto hit = cache.find(ids[i]);
-        if (hit != cache.end() && hit->second.max_token < recipe.model.vocab_size) {
+        if (hit != cache.end() && hit->second.max_token < recipe.model.vocab_size &&
+            !recorded.contains(paths[i].filename().string())) {
           shards[i] = std::make_unique<Shard>(paths[i], out.format);
           checks[i] = hit->second;
         } else {

@@ -5,8 +5,9 @@
 // empty data folder ends the command with one line and nothing written.
 //
 // Blocking: reads every byte of every file once (threads across files), except files whose
-// name, size, mtime and inode match a line of the check cache beside them
-// (kCheckCacheName, written after a pre-flight that passed; skipped on a read-only volume).
+// name, size, mtime, ctime and inode match a line of the check cache beside them
+// (kCheckCacheName, written after a pre-flight that passed; skipped on a read-only volume) and
+// for which no dataset.json records an XXH3 (those are hashed on every pre-flight).
 #pragma once
 
 #include <cstdint>
@@ -20,8 +21,9 @@
 
 namespace megacpp::data {
 
-// The check cache beside the files (dataset.cpp): a file whose name, size, mtime and inode are
-// unchanged since it last passed is not rescanned.
+// The check cache beside the files (dataset.cpp): a file whose name, size, mtime, ctime and
+// inode are unchanged since it last passed is not rescanned, unless dataset.json records its
+// XXH3 (the cache never stands in for a recorded hash).
 inline constexpr const char* kCheckCacheName = ".megacpp-shard-checks";
 
 struct DatasetFile {

@@ -65,8 +65,9 @@ JournalWriter::JournalWriter(const std::filesystem::path& path) : path_(path), f
                        ec.message());
     }
   }
-  detail::Fd fd(
-      SYSCALL_CHECK(::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644)));
+  // O_NOFOLLOW: a journal that is a symlink is never written through (ELOOP).
+  detail::Fd fd(SYSCALL_CHECK(
+      ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644)));
   // A predecessor killed mid-write may have left a torn tail of any length. Padding to the
   // next 8-byte boundary keeps every frame aligned, which is where readers resynchronise.
   struct stat st {};

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <filesystem>
+#include <fstream>
 #include <system_error>
 
 #include <fmt/format.h>
@@ -114,6 +115,40 @@ size_t unlink_shm(std::string_view prefix) {
     }
   }
   return removed;
+}
+
+std::map<std::string, pid_t> shm_users(std::string_view prefix) {
+  MEGACPP_CHECK(!prefix.empty() && prefix[0] == '/', ErrorKind::kInvalidArgument,
+                fmt::format("shm prefix '{}' must start with '/'", prefix));
+  // A segment appears as kShmDir/<name>; an unlinked one has " (deleted)" after it and is no
+  // longer a name anyone can unlink.
+  const std::string dir = std::filesystem::path(kShmDir).string();
+  const std::string wanted = dir + std::string(prefix);
+  std::map<std::string, pid_t> out;
+  auto note = [&](std::string_view path, pid_t pid) {
+    if (!path.starts_with(wanted) || path.ends_with(" (deleted)")) return;
+    out.emplace(std::string(path.substr(dir.size())), pid);
+  };
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it("/proc", ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(name));
+    std::ifstream maps(it->path() / "maps");
+    for (std::string line; std::getline(maps, line);) {
+      if (const auto at = line.find(dir); at != std::string::npos)
+        note(std::string_view(line).substr(at), pid);
+    }
+    std::error_code fd_ec;
+    for (std::filesystem::directory_iterator fd(it->path() / "fd", fd_ec), fd_end;
+         !fd_ec && fd != fd_end; fd.increment(fd_ec)) {
+      std::error_code link_ec;
+      const auto target = std::filesystem::read_symlink(fd->path(), link_ec);
+      if (!link_ec) note(target.native(), pid);
+    }
+  }
+  return out;
 }
 
 }  // namespace megacpp::ipc

@@ -6,7 +6,10 @@
 // Failure: failed system calls throw megacpp::Error{kSystem} (core/error.h).
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -48,5 +51,11 @@ class ShmRegion {
 std::vector<std::string> list_shm(std::string_view prefix);
 // Unlinks every segment whose name starts with `prefix`; returns how many were removed.
 size_t unlink_shm(std::string_view prefix);
+
+// The named segments starting with `prefix` that a live process maps or holds open, each with
+// one such pid: what must not be unlinked by anyone but its owner. Reads /proc/<pid>/maps and
+// /proc/<pid>/fd of every process this user may read (a segment is mode 0600, so only its
+// user's processes, and root's, can use it). Blocking: one pass over /proc (milliseconds).
+std::map<std::string, pid_t> shm_users(std::string_view prefix);
 
 }  // namespace megacpp::ipc

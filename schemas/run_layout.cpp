@@ -1,5 +1,7 @@
 #include "schemas/run_layout.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -95,10 +97,33 @@ bool valid_run_id(std::string_view id) {
   return true;
 }
 
-std::string shm_prefix(std::string_view run_id, uint32_t generation) {
+std::string run_shm_prefix(std::string_view run_id) {
   MEGACPP_CHECK(valid_run_id(run_id), ErrorKind::kInvalidArgument,
                 fmt::format("'{}' is not a run id (1 to 64 of A-Z a-z 0-9 -)", run_id));
-  return fmt::format("/megacpp-{}-g{}-", run_id, generation);
+  return fmt::format("/megacpp-{}-g", run_id);
+}
+
+std::string shm_prefix(std::string_view run_id, uint32_t generation) {
+  return fmt::format("{}{}-", run_shm_prefix(run_id), generation);
+}
+
+void require_inside(const fs::path& root, const fs::path& p) {
+  const fs::path resolved = fs::weakly_canonical(p);
+  const auto [r, q] = std::mismatch(root.begin(), root.end(), resolved.begin(), resolved.end());
+  if (r != root.end())
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "{} leads outside the run directory {} (to {}): refusing it", p.string(),
+                 root.string(), resolved.string());
+}
+
+void require_writable(const fs::path& run, const fs::path& path) {
+  std::error_code ec;
+  if (fs::is_symlink(fs::symlink_status(path, ec)))
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "{} is a symbolic link (to {}): refusing to write through it; a run directory's "
+                 "files must be its own",
+                 path.string(), fs::read_symlink(path, ec).string());
+  require_inside(fs::weakly_canonical(run), path.parent_path());
 }
 
 std::string ring_shm_name(std::string_view prefix, uint32_t rank) {

@@ -71,6 +71,20 @@ std::string staging_shm_name(std::string_view prefix, uint32_t rank);
 // r's being that followed by r. `group` names the group among the run's ("dp", "tp0", ...).
 std::string exchange_shm_prefix(std::string_view prefix, std::string_view group);
 
+// Writes into a run directory. require_inside: throws Error{kInvalidArgument} (one line naming
+// `p`) unless `p`, resolving symlinks, lies inside `root`, the run directory resolved
+// (fs::weakly_canonical): a journal, receipts folder or manifest that is a symlink elsewhere
+// must not make a command read or write outside the run. require_writable: the same for the
+// parent of `path`, a file to be written in place under run directory `run`, and refuses a
+// `path` that is itself a symlink (whatever it points at); the writer then opens it with
+// O_NOFOLLOW, so a link put there after the check is refused too (ELOOP).
+void require_inside(const fs::path& root, const fs::path& p);
+void require_writable(const fs::path& run, const fs::path& path);
+
+// The prefix of every shm segment of run `run_id`, of any generation: "/megacpp-<run id>-g".
+// Throws Error{kInvalidArgument} for an invalid run id.
+std::string run_shm_prefix(std::string_view run_id);
+
 // A private socket directory (used when RUN/sock would make too long an ipc:// path) holds
 // this file, whose content is the run id: the proof that the directory is the run's own.
 inline constexpr std::string_view kSockOwnerFile = "run-id";

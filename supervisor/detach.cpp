@@ -69,17 +69,23 @@ std::optional<pid_t> live_supervisor(const fs::path& run_dir) {
   return pid;
 }
 
-// Live progress of a run from its trainers' journals.
+// Live progress of a run's current attempt from its trainers' journals.
 struct Progress {
-  uint32_t step = 0;  // the step every rank has finished
+  uint32_t step = 0;  // the step every rank has finished; the resume step before the first
   uint32_t ranks = 0;
   double loss = NAN;  // mean over ranks at `step`
   double tokens_per_second = NAN;
   double step_seconds = NAN;  // mean of the last steps
 };
 
-Progress read_progress(const fs::path& run_dir, uint32_t world) {
+// Only the current attempt's step records (launch.json's attempt) count: an earlier attempt's
+// run to a later step, its losses and its step times are history, not this attempt's progress.
+Progress read_progress(const fs::path& run_dir) {
+  schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
+  auto l = launch.get();
+  const uint32_t world = l.getWorld(), attempt = l.getAttempt();
   Progress p;
+  p.step = l.getResume().getStep();
   struct Row {
     double loss_sum = 0;
     uint32_t ranks = 0;
@@ -93,7 +99,7 @@ Progress read_progress(const fs::path& run_dir, uint32_t world) {
     if (!fs::exists(j)) continue;
     ++p.ranks;
     ipc::JournalReader::read_all(j, [&](schema::JournalRecord::Reader rec) {
-      if (!rec.isStep()) return;
+      if (!rec.isStep() || rec.getAttempt() != attempt) return;
       auto s = rec.getStep();
       Row& row = rows[s.getStep()];
       row.loss_sum += s.getLoss();
@@ -325,17 +331,26 @@ int run_detached(RunOptions options) {
 
 int stop(const fs::path& run_dir, bool wait, double timeout_s) {
   require_run(run_dir);
-  const auto pid = live_supervisor(run_dir);
-  if (!pid) {
+  auto not_running = [&]() -> int {
     reconcile(run_dir);
     collector::collect_run(run_dir);
     schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
     MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{} is not running (state {}): nothing to stop",
                  run_dir.string(), schemas::name(manifest.get().getState()));
-  }
-  if (::kill(*pid, SIGTERM) != 0)
+  };
+  const auto pid = live_supervisor(run_dir);
+  if (!pid) return not_running();
+  schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
+  const uint64_t start_ticks = launch.get().getSupervisorStartTicks();
+  // Through a pidfd checked against the recorded start time: the supervisor may exit, and its
+  // pid be reused, between live_supervisor() and the signal.
+  const auto signalled = detail::signal_process(*pid, start_ticks, SIGTERM);
+  if (signalled.result == detail::SignalResult::kGone ||
+      signalled.result == detail::SignalResult::kNotOurs)
+    return not_running();
+  if (signalled.result == detail::SignalResult::kRefused)
     MEGACPP_FAIL(ErrorKind::kSystem, "cannot signal the supervisor (pid {}) of {}: {}", *pid,
-                 run_dir.string(), std::strerror(errno));
+                 run_dir.string(), std::strerror(signalled.error));
   fmt::print(
       "asked the supervisor (pid {}) of {} to stop: the ranks finish the step in flight and "
       "commit its checkpoint\n",
@@ -345,8 +360,6 @@ int stop(const fs::path& run_dir, bool wait, double timeout_s) {
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   // Gone means the process too: its journal says the run finished a moment before it exits.
-  schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
-  const uint64_t start_ticks = launch.get().getSupervisorStartTicks();
   while (live_supervisor(run_dir) || detail::process_alive(*pid, start_ticks)) {
     if (std::chrono::steady_clock::now() > deadline)
       MEGACPP_FAIL(ErrorKind::kTimeout,
@@ -365,8 +378,8 @@ int watch_status(const fs::path& run_dir, double interval_s) {
     if (!live_supervisor(run_dir)) return supervisor::status(run_dir);
     schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
     auto l = launch.get();
-    const uint32_t world = l.getWorld(), planned = l.getSteps();
-    const Progress p = read_progress(run_dir, world);
+    const uint32_t planned = l.getSteps();
+    const Progress p = read_progress(run_dir);
     uint32_t up = 0, total = 0;
     if (fs::exists(layout::manifest_path(run_dir))) {
       schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
@@ -410,7 +423,7 @@ int list_runs(const fs::path& dir) {
       double last_loss = NAN;
       const fs::path br = layout::receipts_dir(run) / "bench_result.json";
       if (live) {
-        last_loss = read_progress(run, m.getWorld()).loss;
+        last_loss = read_progress(run).loss;
       } else if (fs::exists(br)) {
         last_loss = schemas::JsonFile<schema::BenchResult>(br).get().getLastLoss();
       }

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,6 +13,8 @@
 #include "core/util.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -27,7 +30,8 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& l
   std::vector<char*> envp;
   for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
   envp.push_back(nullptr);
-  int log_fd = SYSCALL_CHECK(::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+  int log_fd = SYSCALL_CHECK(
+      ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644));
   pid_t parent = ::getpid();
   pid_t pid = ::fork();
   if (pid < 0) {
@@ -195,5 +199,34 @@ bool process_alive(pid_t pid, uint64_t start_ticks) {
   if (pid <= 0 || process_start_ticks(pid) != start_ticks) return false;
   const char state = process_state(pid);
   return state != 'Z' && state != 'X';
+}
+
+SignalOutcome signal_process(pid_t pid, uint64_t start_ticks, int sig) {
+  if (pid <= 0) return {SignalResult::kGone};
+  // The start time read after the pidfd pins a process: a match means the fd holds the
+  // recorded process (or one that has exited since, which the send then reports as ESRCH).
+  auto checked = [&]() -> std::optional<SignalOutcome> {
+    const uint64_t ticks = process_start_ticks(pid);
+    if (ticks == 0) return SignalOutcome{SignalResult::kGone};
+    if (ticks != start_ticks) return SignalOutcome{SignalResult::kNotOurs};
+    const char state = process_state(pid);
+    if (state == 'Z' || state == 'X' || state == '?') return SignalOutcome{SignalResult::kGone};
+    return std::nullopt;
+  };
+  auto sent = [](long rc) -> SignalOutcome {
+    if (rc == 0) return {SignalResult::kSent};
+    if (errno == ESRCH) return {SignalResult::kGone};
+    return {SignalResult::kRefused, errno};
+  };
+  const int raw = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  if (raw < 0 && errno == ESRCH) return {SignalResult::kGone};
+  if (raw < 0 && errno != ENOSYS) return {SignalResult::kRefused, errno};
+  if (raw < 0) {
+    if (auto refused = checked()) return *refused;
+    return sent(::kill(pid, sig));
+  }
+  const Fd pidfd(raw);
+  if (auto refused = checked()) return *refused;
+  return sent(::syscall(SYS_pidfd_send_signal, pidfd.get(), sig, nullptr, 0));
 }
 }  // namespace megacpp::supervisor::detail

@@ -48,4 +48,24 @@ char process_state(pid_t pid);
 // has not exited: a zombie (state Z or X) is gone too. A detached supervisor is reaped by
 // whatever adopted it, which in a container may never happen.
 bool process_alive(pid_t pid, uint64_t start_ticks);
+
+enum class SignalResult {
+  kSent,     // delivered to the process that started at `start_ticks`
+  kGone,     // no such process, or it has exited (a zombie): nothing to signal
+  kNotOurs,  // `pid` names another process now (the pid was reused): nothing sent
+  kRefused,  // the kernel refused (e.g. EPERM: another user's process); `error` says why
+};
+struct SignalOutcome {
+  SignalResult result;
+  int error = 0;  // errno of the refusal (kRefused)
+};
+
+// Sends `sig` to the process `pid` names only if it started at `start_ticks`: for a process
+// the supervisor did not fork (a detached run's supervisor, found in launch.json), where a bare
+// kill() after a start-time check could hit a process that took the pid in between. A pidfd
+// pins the process first, the start time is read after, and the signal goes through the pidfd:
+// if the pinned process was the recorded one the start times match, and if it exits and its
+// pid is reused after the check, the pidfd still names the exited one and the signal fails
+// (kGone). Never blocks. Kernels without pidfds (before 5.3) fall back to check-then-kill.
+SignalOutcome signal_process(pid_t pid, uint64_t start_ticks, int sig);
 }  // namespace megacpp::supervisor::detail

@@ -1,5 +1,6 @@
 // Orphaned runs: a run whose supervisor is gone is recorded as orphaned, and what that
-// supervisor would have removed (shm segments, its socket directory) is removed.
+// supervisor would have removed (shm segments, its socket directory) is removed, and nothing
+// else: see reconcile().
 #include "supervisor/detail/run.h"
 
 #include <signal.h>
@@ -15,6 +16,7 @@
 #include "core/error.h"
 #include "core/util.h"
 #include "ipc/journal.h"
+#include "ipc/shm.h"
 #include "schemas/enums.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
@@ -81,7 +83,11 @@ bool reconcile(const fs::path& run_dir) {
   if (finished || orphaned) return false;
   const pid_t pid = l.getSupervisorPid();
   if (detail::process_alive(pid, l.getSupervisorStartTicks())) return false;
-  ipc::JournalWriter journal(layout::journal_path(run_dir, StageKind::SUPERVISOR, 0));
+  // Written in place, so never through a link nor outside the run directory (a refusal is one
+  // line, and nothing is removed).
+  const fs::path journal_file = layout::journal_path(run_dir, StageKind::SUPERVISOR, 0);
+  layout::require_writable(run_dir, journal_file);
+  ipc::JournalWriter journal(journal_file);
   journal.set_identity(StageKind::SUPERVISOR, 0);
   journal.set_attempt(l.getAttempt());
   journal.append([&](schema::JournalRecord::Builder r) {
@@ -90,21 +96,22 @@ bool reconcile(const fs::path& run_dir) {
     o.setReason(fmt::format("the supervisor (pid {}) is gone and the run never finished", pid));
   });
   journal.sync();
-  // What is removed is derived from the run id and the run directory, never read from
-  // launch.json: a corrupt or hostile contract must not name another run's segments or an
-  // arbitrary directory.
+  // The segments removed are the ones the run created under its prefix (rings, staging,
+  // exchange outboxes), derived from the validated run id, never a name read from launch.json.
+  // launch.json's run id can still name another run: if a live process maps or holds any
+  // segment of that run id (of any attempt), the run is alive and nothing of it is removed.
   const std::string run_id = l.getRunId();
   size_t segments = 0;
-  if (layout::valid_run_id(run_id)) {
-    const std::string prefix = layout::shm_prefix(run_id, l.getAttempt());
-    for (uint32_t r = 0; r < layout::kMaxRanks; ++r) {
-      for (const auto& name :
-           {layout::ring_shm_name(prefix, r), layout::staging_shm_name(prefix, r)})
-        segments += ::shm_unlink(name.c_str()) == 0 ? 1 : 0;
-    }
-  } else {
+  if (!layout::valid_run_id(run_id)) {
     log_warn("run {}: launch.json's runId '{}' is not a run id; no shm segment removed",
              run_dir.string(), run_id);
+  } else if (const auto users = ipc::shm_users(layout::run_shm_prefix(run_id)); !users.empty()) {
+    log_warn(
+        "run {}: shm segment {} of run id {} is in use by the live process {}; no shm "
+        "segment removed",
+        run_dir.string(), users.begin()->first, run_id, users.begin()->second);
+  } else {
+    segments = ipc::unlink_shm(layout::shm_prefix(run_id, l.getAttempt()));
   }
   std::vector<std::string> removed;
   std::error_code ec;

@@ -691,17 +691,6 @@ schema::ProcessState stage_state(const Process& p, int32_t& exit_code, int32_t& 
   return finished ? schema::ProcessState::FINISHED : schema::ProcessState::STARTED;
 }
 
-// Throws Error{kInvalidArgument} unless `p` (resolving symlinks) lies inside `root`, the run
-// directory resolved: a journal, a receipts folder or a manifest that is a symlink elsewhere must
-// not make a fold read or write outside the run.
-void require_inside(const fs::path& root, const fs::path& p) {
-  const fs::path resolved = fs::weakly_canonical(p);
-  const auto [r, q] = std::mismatch(root.begin(), root.end(), resolved.begin(), resolved.end());
-  MEGACPP_CHECK(r == root.end(), ErrorKind::kInvalidArgument,
-                fmt::format("{} leads outside the run directory {} (to {}): refusing it",
-                            p.string(), root.string(), resolved.string()));
-}
-
 }  // namespace
 
 Collector::Collector(fs::path run_dir)
@@ -736,7 +725,7 @@ bool Collector::poll(const std::function<void()>& after_journal) {
   const fs::path dir = layout::journal_dir(run_dir_);
   const fs::path root = fs::weakly_canonical(run_dir_);
   std::error_code ec;
-  if (fs::exists(fs::symlink_status(dir, ec))) require_inside(root, dir);
+  if (fs::exists(fs::symlink_status(dir, ec))) layout::require_inside(root, dir);
   if (fs::is_directory(dir, ec)) {
     fs::directory_iterator it(dir, ec);
     if (ec) {
@@ -748,7 +737,7 @@ bool Collector::poll(const std::function<void()>& after_journal) {
           state_->journals.contains(name)) {
         continue;
       }
-      require_inside(root, entry.path());
+      layout::require_inside(root, entry.path());
       JournalFile j;
       j.reader = std::make_unique<ipc::JournalReader>(entry.path());
       j.trainer = name.starts_with(std::string(layout::stage_name(StageKind::TRAINER)) + "-");
@@ -1113,7 +1102,7 @@ void Collector::write() {
     auto known = on_disk_.find(rel);
     if (known != on_disk_.end() && known->second == bytes) continue;
     const fs::path path = run_dir_ / rel;
-    require_inside(root, path);
+    layout::require_inside(root, path);
     std::error_code ec;
     bool same = false;
     if (fs::exists(path, ec)) {

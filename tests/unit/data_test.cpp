@@ -1,6 +1,8 @@
 // data/: the shard formats (llm.c uint16/uint32, Megatron indexed), their validation, the
 // built-in corpus, the sampler's one global window sequence, and the dataset pre-flight.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <capnp/message.h>
@@ -13,6 +15,7 @@
 #include "core/error.h"
 #include "core/util.h"
 #include "data/dataset.h"
+#include "data/dataset_manifest.h"
 #include "data/sampler.h"
 #include "data/shards.h"
 #include "tests/unit/temp_dir.h"
@@ -501,4 +504,100 @@ TEST(Dataset, ChecksAreCachedUntilAFileChanges) {
   r.model.vocab_size = 8;
   e = error_of([&] { md::resolve_dataset(r, dir.path(), 1, 1); });
   EXPECT_NE(e.find("token 8 at index 0"), std::string::npos) << e;
+}
+
+namespace {
+
+// Rewrites `p` in place (same inode, same size) with `tokens`, then puts its mtime back: the
+// change a name/size/mtime/inode identity cannot see.
+void rewrite_in_place_keeping_mtime(const fs::path& p, const std::vector<uint32_t>& tokens) {
+  struct stat before {};
+  ASSERT_EQ(::stat(p.c_str(), &before), 0);
+  const fs::path tmp = p.string() + ".new";
+  md::write_llmc_shard(tmp, tokens, md::TokenWidth::kU16);
+  const std::string bytes = bytes_of(tmp);
+  fs::remove(tmp);
+  ASSERT_EQ(bytes.size(), static_cast<size_t>(before.st_size));
+  patch(p, 0, bytes.data(), bytes.size());
+  const struct timespec times[2] = {before.st_atim, before.st_mtim};
+  ASSERT_EQ(::utimensat(AT_FDCWD, p.c_str(), times, 0), 0);
+  struct stat after {};
+  ASSERT_EQ(::stat(p.c_str(), &after), 0);
+  ASSERT_EQ(after.st_ino, before.st_ino);
+  ASSERT_EQ(after.st_size, before.st_size);
+  ASSERT_EQ(after.st_mtim.tv_sec, before.st_mtim.tv_sec);
+  ASSERT_EQ(after.st_mtim.tv_nsec, before.st_mtim.tv_nsec);
+}
+
+mc::recipe::Recipe cache_recipe() {
+  mc::recipe::Recipe r;
+  r.name = "t";
+  r.model.vocab_size = 300;
+  r.model.seq_len = 16;
+  r.train.batch_size = 2;
+  r.data.source = "llmc";
+  r.data.path = "s";
+  return r;
+}
+
+}  // namespace
+
+// The cache's identity includes the ctime, which no user-space call sets back: bytes rewritten
+// in place with the same size and the mtime restored are scanned again, and a bad token in
+// them is refused.
+TEST(Dataset, CacheSeesAnInPlaceRewriteWithItsMtimeRestored) {
+  TempDir dir;
+  fs::create_directories(dir.path() / "s");
+  const fs::path shard = dir.path() / "s" / "a_train_0.bin";
+  md::write_llmc_shard(shard, std::vector<uint32_t>(400, 7), md::TokenWidth::kU16);
+  const auto r = cache_recipe();
+  const auto first = md::resolve_dataset(r, dir.path(), 1, 1);
+  ASSERT_EQ(first.files_scanned, 1u);
+  ASSERT_EQ(md::resolve_dataset(r, dir.path(), 1, 1).files_scanned, 0u);
+  std::vector<uint32_t> bad(400, 7);
+  bad[10] = 400;
+  rewrite_in_place_keeping_mtime(shard, bad);
+  auto e = error_of([&] { md::resolve_dataset(r, dir.path(), 1, 1); });
+  EXPECT_NE(e.find("token 400 at index 10"), std::string::npos) << e;
+  // A good rewrite is rescanned and its new checksum recorded.
+  rewrite_in_place_keeping_mtime(shard, std::vector<uint32_t>(400, 9));
+  const auto again = md::resolve_dataset(r, dir.path(), 1, 1);
+  EXPECT_EQ(again.files_scanned, 1u);
+  EXPECT_NE(again.files[0].xxh3, first.files[0].xxh3);
+  EXPECT_EQ(again.files[0].xxh3, md::xxh3_file_hex(shard));
+}
+
+// A dataset.json that records a file's XXH3 is checked against the file's bytes on every
+// pre-flight: a check-cache line whose identity matches (a stale or forged one here: its hash
+// edited) never stands in for it.
+TEST(Dataset, CacheNeverStandsInForTheDatasetManifestHash) {
+  TempDir dir;
+  const fs::path s = dir.path() / "s";
+  fs::create_directories(s);
+  const fs::path shard = s / "a_train_0.bin";
+  md::write_llmc_shard(shard, std::vector<uint32_t>(400, 7), md::TokenWidth::kU16);
+  md::DatasetManifest m;
+  m.token_width = 2;
+  m.vocab_size = 257;
+  m.eos_id = 256;
+  m.tokenizer = {"byte", "", "", 257};
+  m.shards.push_back({"a_train_0.bin", "train", 400, 0,
+                      md::llmc_file_bytes(400, md::TokenWidth::kU16), md::xxh3_file_hex(shard)});
+  md::write_dataset_manifest(s, m);
+  const auto r = cache_recipe();
+  EXPECT_EQ(md::resolve_dataset(r, dir.path(), 1, 1).files_scanned, 1u);
+  std::string cache = bytes_of(s / md::kCheckCacheName);
+  const auto hash_at = cache.find(m.shards[0].xxh3);
+  ASSERT_NE(hash_at, std::string::npos) << cache;
+  cache.replace(hash_at, 16, "0123456789abcdef");
+  mc::write_file_atomic(s / md::kCheckCacheName, cache);
+  const auto second = md::resolve_dataset(r, dir.path(), 1, 1);
+  EXPECT_EQ(second.files_scanned, 1u)
+      << "a file the dataset.json records a hash for is hashed on every pre-flight";
+  EXPECT_EQ(second.files[0].xxh3, m.shards[0].xxh3);
+  // The bytes rewritten in place, size and mtime kept: refused against dataset.json.
+  rewrite_in_place_keeping_mtime(shard, std::vector<uint32_t>(400, 9));
+  auto e = error_of([&] { md::resolve_dataset(r, dir.path(), 1, 1); });
+  EXPECT_NE(e.find("does not match"), std::string::npos) << e;
+  EXPECT_NE(e.find(m.shards[0].xxh3), std::string::npos) << e;
 }

@@ -1,7 +1,12 @@
 // The supervisor's child environment (supervisor/process.h): a trainer's GLIBC_TUNABLES gets
-// the malloc tunables added, and a value the user set for one of them is never replaced.
+// the malloc tunables added, and a value the user set for one of them is never replaced. And
+// signal_process: a process the supervisor did not fork is signalled only when it is the one
+// that started at the recorded time.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <string>
@@ -10,6 +15,7 @@
 #include "supervisor/process.h"
 
 using megacpp::supervisor::detail::environment_with_tunables;
+namespace sd = megacpp::supervisor::detail;
 
 namespace {
 
@@ -61,3 +67,46 @@ TEST(ChildEnvironment, AnEmptyValueTakesTheTunablesAlone) {
 }
 
 }  // namespace
+
+namespace {
+
+// A child that sleeps until signalled; the test reaps it.
+pid_t sleeping_child() {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::pause();
+    ::_exit(0);
+  }
+  return pid;
+}
+
+}  // namespace
+
+TEST(SignalProcess, SignalsOnlyTheProcessThatStartedAtTheRecordedTime) {
+  const pid_t pid = sleeping_child();
+  ASSERT_GT(pid, 0);
+  const uint64_t ticks = sd::process_start_ticks(pid);
+  ASSERT_NE(ticks, 0u);
+  // Another start time: the pid is taken as reused and nothing is sent.
+  EXPECT_EQ(sd::signal_process(pid, ticks + 1, SIGTERM).result, sd::SignalResult::kNotOurs);
+  int status = 0;
+  EXPECT_EQ(::waitpid(pid, &status, WNOHANG), 0) << "the child was signalled";
+  // Its own start time: signalled.
+  EXPECT_EQ(sd::signal_process(pid, ticks, SIGTERM).result, sd::SignalResult::kSent);
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << status;
+  // Reaped: gone, whatever the start time.
+  EXPECT_EQ(sd::signal_process(pid, ticks, SIGTERM).result, sd::SignalResult::kGone);
+}
+
+TEST(SignalProcess, AZombieIsGone) {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(0);
+  ASSERT_GT(pid, 0);
+  const uint64_t ticks = sd::process_start_ticks(pid);
+  while (sd::process_state(pid) != 'Z') ::usleep(1000);
+  EXPECT_EQ(sd::signal_process(pid, ticks, SIGTERM).result, sd::SignalResult::kGone);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status)) << status;
+}
