@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <fstream>
 #include <string_view>
 
 #include <fmt/format.h>
@@ -311,6 +312,35 @@ void Shard::find_documents(uint32_t eos_id) {
   doc_starts_.push_back(0);
   for (uint64_t i = 1; i < count_; ++i)
     if (token(i) == eos_id) doc_starts_.push_back(i);
+}
+
+FoundShards find_known_shards(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> llmc, megatron;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const fs::path& p = it->path();
+    const bool bin = p.extension() == ".bin", idx = p.extension() == ".idx";
+    if ((!bin && !idx) || !it->is_regular_file(ec)) continue;
+    std::array<char, 9> head{};
+    std::ifstream in(p, std::ios::binary);
+    if (!in.read(head.data(), head.size())) continue;
+    if (idx && std::memcmp(head.data(), kMegatronMagic, sizeof kMegatronMagic) == 0) {
+      megatron.push_back(p);
+    } else if (bin) {
+      const auto magic = load<int32_t>(reinterpret_cast<const std::byte*>(head.data()));
+      if (magic == kLlmcMagic16 || magic == kLlmcMagic32) llmc.push_back(p);
+    }
+  }
+  // A Megatron dataset's .bin has no magic: its .idx names the format.
+  FoundShards out;
+  if (!megatron.empty()) {
+    out = {ShardFormat::kMegatron, std::move(megatron)};
+  } else {
+    out = {ShardFormat::kLlmc, std::move(llmc)};
+  }
+  std::sort(out.files.begin(), out.files.end());
+  return out;
 }
 
 std::vector<std::filesystem::path> find_shards(const std::filesystem::path& data_dir,

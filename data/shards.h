@@ -128,6 +128,17 @@ std::vector<std::filesystem::path> find_shards(const std::filesystem::path& data
                                                ShardFormat format, const std::string& pattern,
                                                const std::string& split);
 
+// Shard files of a known format lying directly in `dir` (not in its subfolders, where the
+// built-in corpus lives), recognised by their header magic: llm.c `.bin` files, Megatron `.idx`
+// files. What `megacpp run` looks for before it trains on the built-in corpus by default in a
+// folder that holds the user's data. Reads the first bytes of each candidate; a file that
+// cannot be read is not counted. Sorted; empty when there are none.
+struct FoundShards {
+  ShardFormat format = ShardFormat::kLlmc;
+  std::vector<std::filesystem::path> files;  // of `format`
+};
+FoundShards find_known_shards(const std::filesystem::path& dir);
+
 // The built-in corpus: generated text with learnable structure (templated sentences and
 // arithmetic), byte-level, deterministic for a given shard size.
 std::vector<uint16_t> builtin_corpus_tokens(uint32_t index, uint32_t tokens);
