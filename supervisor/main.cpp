@@ -81,8 +81,9 @@ int main(int argc, char** argv) {
   run->add_option("--data-source", ro.data_source,
                   "Override the recipe's [data] source: builtin, llmc or megatron");
   run->add_option("--data-path", ro.data_path,
-                  "Override the recipe's [data] path: shard directory or glob, relative to "
-                  "--data-dir");
+                  "Override the recipe's [data] path: shard directory, glob or Megatron dataset "
+                  "prefix (relative to the working directory; a recipe's path is relative to "
+                  "--data-dir)");
   run->add_option("--stage-data", ro.stage_data,
                   "Copy the dataset (a `megacpp prepare` directory) to this local directory, "
                   "verifying checksums and reusing unchanged files, and train from there");

@@ -383,7 +383,8 @@ void Run::prepare() {
       // The CLI composes over the recipe: the overrides pass the same rules, and the recipe's
       // hash covers what actually runs.
       if (!opt_.data_source.empty()) recipe_.data.source = opt_.data_source;
-      if (!opt_.data_path.empty()) recipe_.data.path = opt_.data_path;
+      // Relative to the working directory, as every path on the command line.
+      if (!opt_.data_path.empty()) recipe_.data.path = data::command_line_data_path(opt_.data_path);
       if (!opt_.mode.empty()) recipe_.model.mode = opt_.mode;
       recipe_ = recipe::rehash(std::move(recipe_));
     }

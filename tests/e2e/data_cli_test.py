@@ -5,6 +5,7 @@ before the store plugin is loaded, so a build without torch refuses the same way
   refused in one line naming the folder and the --data-source to pass; nothing written (no run
   directory, no built-in corpus in the folder). An explicit --data-source builtin passes the
   check.
+- Megatron-LM's weighted blend as --data-path: refused in one line naming what is supported.
 
 MEGACPP_BIN names the binary (set by ctest).
 """
@@ -106,6 +107,27 @@ class UserShardsWithTheBuiltinCorpus(unittest.TestCase):
         else:
             # A torch-free build gets past the data decision to the store plugin's refusal.
             self.assertIn("libmegacpp_store.so", p.stderr)
+
+
+class MegatronBlend(unittest.TestCase):
+    def test_a_weighted_blend_on_the_command_line_is_refused_in_one_line(self):
+        # Megatron-LM's `--data-path 0.3 A 0.7 B`: refused naming what is supported, before
+        # anything is written (torch-free: before the store plugin loads).
+        tmp = tempfile.mkdtemp(prefix="megacpp-data-cli-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        for prefix in ("a_text_document", "b_text_document"):
+            write_megatron(os.path.join(tmp, prefix), [list(range(1, 200))] * 30)
+        run_dir = os.path.join(tmp, "run")
+        p = megacpp("run", "tiny", "--data-source", "megatron", "--data-path",
+                    "0.3 a_text_document 0.7 b_text_document", "--data-dir",
+                    os.path.join(tmp, "data"), "--run-dir", run_dir, "--progress", "none", cwd=tmp)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        lines = p.stderr.splitlines()
+        self.assertEqual(len(lines), 1, p.stderr)
+        self.assertIn("weighted blend", lines[0])
+        self.assertIn("pass one Megatron prefix, a directory or a glob", lines[0])
+        self.assertFalse(os.path.exists(run_dir))
+        self.assertFalse(os.path.exists(os.path.join(tmp, "data")))
 
 
 if __name__ == "__main__":
