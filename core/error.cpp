@@ -97,11 +97,16 @@ std::vector<std::string> symbolize_frames(void* const* frames, int count) {
   return out;
 }
 
-// noinline: frame 0 of the capture is always this constructor, whoever calls it.
-__attribute__((noinline))
 Error::Error(ErrorKind kind, std::string message, const char* file, int line, int sys_errno)
-    : std::runtime_error(std::move(message)),
+    : Error(kind, message, message, file, line, sys_errno) {}
+
+// noinline: frame 0 of the capture is always this constructor, whoever calls it (the
+// delegating constructor above is a frame backtrace() skips by name).
+__attribute__((noinline)) Error::Error(ErrorKind kind, std::string message, std::string logged,
+                                       const char* file, int line, int sys_errno)
+    : std::runtime_error(std::move(logged)),
       kind_(kind),
+      message_(std::move(message)),
       file_(file),
       line_(line),
       errno_(sys_errno),
@@ -128,17 +133,30 @@ const std::vector<std::string>& Error::backtrace() const {
   return trace_->lines;
 }
 
+std::string_view user_message(const std::exception& e) noexcept {
+  if (const auto* error = dynamic_cast<const Error*>(&e)) return error->message();
+  return e.what();
+}
+
 namespace detail {
 
 void throw_syscall(const char* expr, int err, const char* file, int line) {
-  throw Error(ErrorKind::kSystem,
-              fmt::format("{} failed: {} ({}:{})", expr, std::strerror(err), file, line), file,
-              line, err);
+  std::string message = fmt::format("{} failed: {}", expr, std::strerror(err));
+  std::string logged = fmt::format("{} ({}:{})", message, file, line);
+  throw Error(ErrorKind::kSystem, std::move(message), std::move(logged), file, line, err);
+}
+
+void throw_syscall_path(const char* action, const std::string& path, const char* expr, int err,
+                        const char* file, int line) {
+  std::string message = fmt::format("cannot {} {}: {}", action, path, std::strerror(err));
+  std::string logged = fmt::format("{} ({} at {}:{})", message, expr, file, line);
+  throw Error(ErrorKind::kSystem, std::move(message), std::move(logged), file, line, err);
 }
 
 void throw_check(ErrorKind kind, const char* expr, const std::string& msg, const char* file,
                  int line) {
-  throw Error(kind, fmt::format("{} [check `{}` at {}:{}]", msg, expr, file, line), file, line);
+  throw Error(kind, msg, fmt::format("{} [check `{}` at {}:{}]", msg, expr, file, line), file, line,
+              0);
 }
 
 void throw_fail(ErrorKind kind, std::string msg, const char* file, int line, int sys_errno) {

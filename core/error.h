@@ -37,13 +37,23 @@ std::string_view to_string(ErrorKind kind);
 // time of a first failure) and the raw return addresses of the native stack (at most
 // kMaxBacktraceFrames, the constructor's own frames and the throw_* helpers excluded).
 // Capturing costs one unwinder walk and no formatting; backtrace() symbolises on first call.
+//
+// Two texts: message() is the user's line (what, which file or key, what to do), with no
+// failed expression and no source location; what() is the text logs and failure dumps record,
+// the message plus, for SYSCALL_CHECK and MEGACPP_CHECK, the expression and where it failed.
+// A command line prints message(); whoever records a failure for later diagnosis keeps what().
 class Error : public std::runtime_error {
  public:
   static constexpr int kMaxBacktraceFrames = 32;
 
+  // what() == message().
   Error(ErrorKind kind, std::string message, const char* file = "", int line = 0,
         int sys_errno = 0);
+  // what() == logged: the message with what only a log wants (the expression, the location).
+  Error(ErrorKind kind, std::string message, std::string logged, const char* file, int line,
+        int sys_errno);
   ErrorKind kind() const noexcept { return kind_; }
+  const std::string& message() const noexcept { return message_; }
   const std::string& file() const noexcept { return file_; }
   int line() const noexcept { return line_; }
   int sys_errno() const noexcept { return errno_; }
@@ -57,6 +67,7 @@ class Error : public std::runtime_error {
  private:
   struct Trace;
   ErrorKind kind_;
+  std::string message_;
   std::string file_;
   int line_;
   int errno_;
@@ -68,8 +79,13 @@ class Error : public std::runtime_error {
 // elsewhere, e.g. kj::Exception::getStackTrace()). Allocates; not async-signal-safe.
 std::vector<std::string> symbolize_frames(void* const* frames, int count);
 
+// The user's line of any exception: Error::message() for an Error, else what().
+std::string_view user_message(const std::exception& e) noexcept;
+
 namespace detail {
 [[noreturn]] void throw_syscall(const char* expr, int err, const char* file, int line);
+[[noreturn]] void throw_syscall_path(const char* action, const std::string& path, const char* expr,
+                                     int err, const char* file, int line);
 [[noreturn]] void throw_check(ErrorKind kind, const char* expr, const std::string& msg,
                               const char* file, int line);
 [[noreturn]] void throw_fail(ErrorKind kind, std::string msg, const char* file, int line,
@@ -86,6 +102,21 @@ namespace detail {
     while (megacpp_r_ == -1 && errno == EINTR) megacpp_r_ = (expr);                           \
     if (megacpp_r_ == -1) ::megacpp::detail::throw_syscall(#expr, errno, __FILE__, __LINE__); \
     megacpp_r_;                                                                               \
+  })
+
+// SYSCALL_CHECK for a call on a file the user named or can act on: the message is the user's
+// line "cannot <action> <path>: <strerror>" (action: "open", "create", "read", ...); the
+// expression and source location go to what() only.
+#define SYSCALL_CHECK_PATH(expr, action, path)                                                  \
+  ({                                                                                            \
+    auto megacpp_r_ = (expr);                                                                   \
+    while (megacpp_r_ == -1 && errno == EINTR) megacpp_r_ = (expr);                             \
+    if (megacpp_r_ == -1) {                                                                     \
+      const int megacpp_err_ = errno; /* before `path` is evaluated */                          \
+      ::megacpp::detail::throw_syscall_path((action), ::std::string(path), #expr, megacpp_err_, \
+                                            __FILE__, __LINE__);                                \
+    }                                                                                           \
+    megacpp_r_;                                                                                 \
   })
 
 // For an OS call whose failure is not "-1 and errno" (a null or MAP_FAILED result, an error

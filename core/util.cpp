@@ -75,11 +75,11 @@ double env_knob_double(std::string_view name, double fallback) {
 }
 
 void fsync_path(const std::filesystem::path& path) {
-  int fd = SYSCALL_CHECK(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  int fd = SYSCALL_CHECK_PATH(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "open", path.string());
   int rc = ::fsync(fd);
   int err = errno;
   ::close(fd);
-  if (rc != 0) detail::throw_syscall("fsync", err, __FILE__, __LINE__);
+  if (rc != 0) detail::throw_syscall_path("fsync", path.string(), "fsync", err, __FILE__, __LINE__);
 }
 
 void write_file_atomic(const std::filesystem::path& path, std::string_view bytes) {
@@ -87,27 +87,29 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view bytes
   tmp += fmt::format(".tmp.{}", ::getpid());
   // O_NOFOLLOW: a link planted at the temporary name is not written through (the rename then
   // replaces a link at `path` itself rather than writing where it points).
-  int fd = SYSCALL_CHECK(
-      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644));
+  int fd = SYSCALL_CHECK_PATH(
+      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644), "create",
+      tmp.string());
   size_t off = 0;
   try {
     while (off < bytes.size()) {
-      ssize_t n = SYSCALL_CHECK(::write(fd, bytes.data() + off, bytes.size() - off));
+      ssize_t n = SYSCALL_CHECK_PATH(::write(fd, bytes.data() + off, bytes.size() - off), "write",
+                                     tmp.string());
       off += static_cast<size_t>(n);
     }
-    SYSCALL_CHECK(::fsync(fd));
+    SYSCALL_CHECK_PATH(::fsync(fd), "fsync", tmp.string());
   } catch (...) {
     ::close(fd);
     ::unlink(tmp.c_str());
     throw;
   }
   ::close(fd);
-  SYSCALL_CHECK(::rename(tmp.c_str(), path.c_str()));
+  SYSCALL_CHECK_PATH(::rename(tmp.c_str(), path.c_str()), "replace", path.string());
   fsync_path(path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path());
 }
 
 std::string read_file(const std::filesystem::path& path) {
-  int fd = SYSCALL_CHECK(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  int fd = SYSCALL_CHECK_PATH(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "open", path.string());
   std::string out;
   char buf[1 << 16];
   for (;;) {
@@ -116,7 +118,7 @@ std::string read_file(const std::filesystem::path& path) {
     if (n < 0) {
       int err = errno;
       ::close(fd);
-      detail::throw_syscall("read", err, __FILE__, __LINE__);
+      detail::throw_syscall_path("read", path.string(), "read", err, __FILE__, __LINE__);
     }
     if (n == 0) break;
     out.append(buf, static_cast<size_t>(n));

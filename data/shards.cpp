@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string_view>
 
 #include <fmt/format.h>
@@ -313,10 +315,76 @@ void Shard::find_documents(uint32_t eos_id) {
     if (token(i) == eos_id) doc_starts_.push_back(i);
 }
 
+FoundShards find_known_shards(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> llmc, megatron;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const fs::path& p = it->path();
+    const bool bin = p.extension() == ".bin", idx = p.extension() == ".idx";
+    if ((!bin && !idx) || !it->is_regular_file(ec)) continue;
+    std::array<char, 9> head{};
+    std::ifstream in(p, std::ios::binary);
+    if (!in.read(head.data(), head.size())) continue;
+    if (idx && std::memcmp(head.data(), kMegatronMagic, sizeof kMegatronMagic) == 0) {
+      megatron.push_back(p);
+    } else if (bin) {
+      const auto magic = load<int32_t>(reinterpret_cast<const std::byte*>(head.data()));
+      if (magic == kLlmcMagic16 || magic == kLlmcMagic32) llmc.push_back(p);
+    }
+  }
+  // A Megatron dataset's .bin has no magic: its .idx names the format.
+  FoundShards out;
+  if (!megatron.empty()) {
+    out = {ShardFormat::kMegatron, std::move(megatron)};
+  } else {
+    out = {ShardFormat::kLlmc, std::move(llmc)};
+  }
+  std::sort(out.files.begin(), out.files.end());
+  return out;
+}
+
+namespace {
+
+// Megatron-LM's weighted blend, "W1 P1 W2 P2 ...": words alternating a number and a path, at
+// least one pair (a path that exists with spaces in its name is a path, not a blend).
+void refuse_blend(const std::string& pattern, const std::filesystem::path& as_path) {
+  std::vector<std::string> words;
+  for (size_t at = 0; at < pattern.size();) {
+    const size_t start = pattern.find_first_not_of(" \t", at);
+    if (start == std::string::npos) break;
+    const size_t end = std::min(pattern.find_first_of(" \t", start), pattern.size());
+    words.push_back(pattern.substr(start, end - start));
+    at = end;
+  }
+  if (words.size() < 2 || words.size() % 2 != 0) return;
+  for (size_t i = 0; i < words.size(); i += 2) {
+    char* rest = nullptr;
+    std::strtod(words[i].c_str(), &rest);
+    if (rest == words[i].c_str() || *rest != '\0') return;
+  }
+  std::error_code ec;
+  if (std::filesystem::exists(as_path, ec)) return;
+  MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+               "data path '{}' is a weighted blend (W1 PREFIX1 W2 PREFIX2 ...), which megacpp does "
+               "not sample: pass one Megatron prefix, a directory or a glob (the datasets it "
+               "names train as one, each window equally likely)",
+               pattern);
+}
+
+}  // namespace
+
+std::string command_line_data_path(const std::string& arg) {
+  refuse_blend(arg, arg);
+  if (arg.empty()) return arg;
+  return std::filesystem::absolute(arg).lexically_normal().string();
+}
+
 std::vector<std::filesystem::path> find_shards(const std::filesystem::path& data_dir,
                                                ShardFormat format, const std::string& pattern,
                                                const std::string& split) {
   namespace fs = std::filesystem;
+  refuse_blend(pattern, pattern.empty() ? data_dir : data_dir / pattern);
   const std::string ext = format == ShardFormat::kLlmc ? ".bin" : ".idx";
   std::string pat = pattern;
   for (size_t at; (at = pat.find("{split}")) != std::string::npos;) pat.replace(at, 7, split);
@@ -324,6 +392,15 @@ std::vector<std::filesystem::path> find_shards(const std::filesystem::path& data
   if (where.is_relative()) where = data_dir / where;
   std::vector<fs::path> out;
   std::error_code ec;
+  if (format == ShardFormat::kMegatron && !pat.empty()) {
+    // Megatron's own naming: the prefix (or its .idx or .bin) is the dataset.
+    fs::path prefix = where;
+    if (prefix.extension() == ".idx" || prefix.extension() == ".bin") prefix.replace_extension();
+    fs::path idx = prefix, bin = prefix;
+    idx += ".idx";
+    bin += ".bin";
+    if (fs::is_regular_file(idx, ec) && fs::is_regular_file(bin, ec)) return {idx};
+  }
   if (fs::is_directory(where, ec)) {
     for (const auto& e : fs::directory_iterator(where, ec)) {
       const auto name = e.path().filename().string();

@@ -120,13 +120,35 @@ class Shard {
 };
 
 // The shard files a recipe's [data] names. `pattern` is a directory (every *.bin in it, for
-// Megatron every *.idx, whose name contains `split` when split is not empty) or a glob
-// (POSIX glob(3); "{split}" in it is replaced by `split`); a relative pattern is taken
-// relative to `data_dir`. Sorted by path. Throws Error{kInvalidArgument} with a one-line
-// message when nothing matches (an empty data folder is an error, never a silent fallback).
+// Megatron every *.idx, whose name contains `split` when split is not empty), for Megatron a
+// dataset prefix as Megatron-LM names it (`corpus_text_document` for
+// `corpus_text_document.idx` + `.bin`, or either file's name: that one dataset, whatever
+// `split` says — Megatron splits a prefix by document ranges, megacpp trains on all of it and
+// has no validation split), or a glob (POSIX glob(3); "{split}" in it is replaced by `split`);
+// a relative pattern is taken relative to `data_dir`. Sorted by path. Throws
+// Error{kInvalidArgument} with a one-line message when nothing matches (an empty data folder
+// is an error, never a silent fallback) and for Megatron's weighted blend ("W1 P1 W2 P2"),
+// which megacpp does not sample.
 std::vector<std::filesystem::path> find_shards(const std::filesystem::path& data_dir,
                                                ShardFormat format, const std::string& pattern,
                                                const std::string& split);
+
+// A `--data-path` as the user typed it: a relative path is made absolute against the working
+// directory (a recipe's [data] path is relative to --data-dir; a command-line path, like every
+// other path on the command line, to where the command runs). Throws Error{kInvalidArgument}
+// for Megatron's weighted blend, one line naming what is supported.
+std::string command_line_data_path(const std::string& arg);
+
+// Shard files of a known format lying directly in `dir` (not in its subfolders, where the
+// built-in corpus lives), recognised by their header magic: llm.c `.bin` files, Megatron `.idx`
+// files. What `megacpp run` looks for before it trains on the built-in corpus by default in a
+// folder that holds the user's data. Reads the first bytes of each candidate; a file that
+// cannot be read is not counted. Sorted; empty when there are none.
+struct FoundShards {
+  ShardFormat format = ShardFormat::kLlmc;
+  std::vector<std::filesystem::path> files;  // of `format`
+};
+FoundShards find_known_shards(const std::filesystem::path& dir);
 
 // The built-in corpus: generated text with learnable structure (templated sentences and
 // arithmetic), byte-level, deterministic for a given shard size.

@@ -271,7 +271,7 @@ int run_detached(RunOptions options) {
       rc = run(std::move(options));
     } catch (const Error& e) {
       std::fflush(stdout);
-      fmt::print(stderr, "megacpp: error: {}\n", e.what());
+      fmt::print(stderr, "megacpp: error: {}\n", e.message());
       rc = e.kind() == ErrorKind::kInvalidArgument ? 2 : 1;
     } catch (const std::exception& e) {
       fmt::print(stderr, "megacpp: error: {}\n", e.what());

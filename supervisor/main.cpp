@@ -81,8 +81,9 @@ int main(int argc, char** argv) {
   run->add_option("--data-source", ro.data_source,
                   "Override the recipe's [data] source: builtin, llmc or megatron");
   run->add_option("--data-path", ro.data_path,
-                  "Override the recipe's [data] path: shard directory or glob, relative to "
-                  "--data-dir");
+                  "Override the recipe's [data] path: shard directory, glob or Megatron dataset "
+                  "prefix (relative to the working directory; a recipe's path is relative to "
+                  "--data-dir)");
   run->add_option("--stage-data", ro.stage_data,
                   "Copy the dataset (a `megacpp prepare` directory) to this local directory, "
                   "verifying checksums and reusing unchanged files, and train from there");
@@ -361,12 +362,15 @@ int main(int argc, char** argv) {
           mc::recipe::resolve_muon_precision(r, plan_device, mc::cpu_bf16_units());
       fmt::print("{}\n", mc::recipe::describe(r));
       fmt::print("muon orthogonalization: {}\n", precision);
-      fmt::print("{}", mc::recipe::format_plan(mc::recipe::make_plan(
-                           r, {.ranks = plan_ranks,
-                               .memory_budget_gib = plan_budget,
-                               .device = plan_device,
-                               .cuda_trainer_built = mc::supervisor::cuda_trainer_built()})));
-      return 0;
+      const auto p =
+          mc::recipe::make_plan(r, {.ranks = plan_ranks,
+                                    .memory_budget_gib = plan_budget,
+                                    .device = plan_device,
+                                    .cuda_trainer_built = mc::supervisor::cuda_trainer_built()});
+      fmt::print("{}", mc::recipe::format_plan(p));
+      // A plan `megacpp run` would refuse exits 1 (a script gates a launch on it); usage errors
+      // stay 2.
+      return p.refusal() != nullptr ? 1 : 0;
     }
     if (*verify_cmd) return verify(verify_path);
     if (*export_cmd) {
@@ -377,7 +381,16 @@ int main(int argc, char** argv) {
                         fmt::format("{} does not verify ({}): export another checkpoint",
                                     dir.string(), verdict.problems.front()));
       const mc::checkpointer::CheckpointReader ckpt(dir);
-      const auto report = mc::checkpointer::export_checkpoint(ckpt, export_out, export_optimizer);
+      mc::checkpointer::ExportReport report;
+      try {
+        report = mc::checkpointer::export_checkpoint(ckpt, export_out, export_optimizer);
+      } catch (const mc::Error& e) {
+        // The checkpoint verified: a failed OS call here is about --out (its directory, its
+        // space), which the user chooses.
+        if (e.kind() != mc::ErrorKind::kSystem) throw;
+        MEGACPP_FAIL_LIKE(e, "export: {}; pass --out a file in a writable directory with room",
+                          e.message());
+      }
       fmt::print("exported step {} of run {} ({} ranks): {} tensors, {:.1f} MB -> {}\n",
                  ckpt.step(), ckpt.run_id(), ckpt.world(), report.tensors, report.bytes / 1e6,
                  export_out.string());
@@ -415,8 +428,10 @@ int main(int argc, char** argv) {
                       fmt::format("cannot run {}: {}", exe.string(), std::strerror(errno)));
     }
   } catch (const mc::Error& e) {
+    // The user's line only: the failed expression and source location (e.what()) belong in
+    // logs and failure dumps, not on the terminal.
     std::fflush(stdout);
-    fmt::print(stderr, "megacpp: error: {}\n", e.what());
+    fmt::print(stderr, "megacpp: error: {}\n", e.message());
     return e.kind() == mc::ErrorKind::kInvalidArgument ? 2 : 1;
   } catch (const kj::Exception& e) {
     fmt::print(stderr, "megacpp: error: {}\n", e.getDescription().cStr());

@@ -228,7 +228,9 @@ int write_report(const std::vector<fs::path>& runs, const fs::path& out) {
   html += body + "</body></html>\n";
   std::error_code ec;
   fs::create_directories(out, ec);
-  if (ec) MEGACPP_FAIL_SYS(ec.value(), "cannot create {}: {}", out.string(), ec.message());
+  if (ec)
+    MEGACPP_FAIL_SYS(ec.value(), "cannot create --out {}: {}; pass a folder you can write",
+                     out.string(), ec.message());
   write_file_atomic(out / "index.html", html);
   fmt::print("report of {} run(s): {}\n", runs.size(), (out / "index.html").string());
   return 0;

@@ -21,6 +21,7 @@
 #include "core/knobs.h"
 #include "core/util.h"
 #include "data/dataset_manifest.h"
+#include "data/shards.h"
 #include "ipc/channel.h"
 #include "ipc/journal.h"
 #include "ipc/shm.h"
@@ -413,7 +414,6 @@ void Run::prepare() {
   // reach nothing but the signalfd. A thread that left it unblocked would swallow exits.
   sigfd_ = detail::block_signals_to_fd();
   opt_.validate();
-  check_store_plugin();
   plan_collectives();
   const bool resuming = !opt_.resume.empty();
   if (resuming) {
@@ -425,7 +425,8 @@ void Run::prepare() {
       // The CLI composes over the recipe: the overrides pass the same rules, and the recipe's
       // hash covers what actually runs.
       if (!opt_.data_source.empty()) recipe_.data.source = opt_.data_source;
-      if (!opt_.data_path.empty()) recipe_.data.path = opt_.data_path;
+      // Relative to the working directory, as every path on the command line.
+      if (!opt_.data_path.empty()) recipe_.data.path = data::command_line_data_path(opt_.data_path);
       if (!opt_.mode.empty()) recipe_.model.mode = opt_.mode;
       recipe_ = recipe::rehash(std::move(recipe_));
     }
@@ -464,6 +465,27 @@ void Run::prepare() {
   // another world size needs.
   recipe::Recipe planned = recipe_;
   if (rank_batch_) planned.train.batch_size = rank_batch_;
+
+  if (opt_.data_dir.empty()) opt_.data_dir = run_.parent_path() / "data";
+  opt_.data_dir = fs::absolute(opt_.data_dir).lexically_normal();
+  // The user's shards in the data folder and the built-in corpus only by default: training on
+  // generated text while the user believes it is their data is refused (an explicit
+  // --data-source builtin keeps it). Before the store plugin is loaded, so a torch-free build
+  // refuses the same way.
+  if (!resuming && recipe_.data.source == "builtin" && opt_.data_source.empty()) {
+    const auto found = data::find_known_shards(opt_.data_dir);
+    if (!found.files.empty())
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "--data-dir {} holds {} {} shard file(s) ({}) but recipe {} trains on the "
+                   "built-in corpus: pass --data-source {} to train on them, or --data-source "
+                   "builtin to train on the built-in corpus anyway",
+                   opt_.data_dir.string(), found.files.size(), data::format_name(found.format),
+                   found.files.front().filename().string(), recipe_.name,
+                   data::format_name(found.format));
+  }
+  // The plugin that hosts the ranks' store must load before anything is written (the
+  // pre-flight below writes the built-in corpus).
+  check_store_plugin();
 
   if (!resuming && fs::exists(run_)) {
     if (!fs::is_directory(run_)) {
@@ -513,8 +535,6 @@ void Run::prepare() {
 
   // The data pre-flight: every file the run will read is found and validated now, so a bad
   // shard or an empty data folder ends the command before a run directory exists.
-  if (opt_.data_dir.empty()) opt_.data_dir = run_.parent_path() / "data";
-  opt_.data_dir = fs::absolute(opt_.data_dir).lexically_normal();
   if (recipe_.data.source == "builtin") {
     std::error_code ec;
     fs::create_directories(opt_.data_dir, ec);

@@ -373,8 +373,9 @@ class CheckpointReader {
 };
 
 // A path a person passes for a checkpoint — a run directory (its LATEST), RUN/checkpoints/LATEST,
-// or a step_N directory — as the checkpoint directory it names. Throws Error{kInvalidArgument}
-// with what to pass instead.
+// or a step_N directory (or any directory holding checkpoint.json) — as the checkpoint
+// directory it names. Throws Error{kInvalidArgument} with what to pass instead, also for a
+// directory that is none of these.
 fs::path resolve_checkpoint_dir(const fs::path& path);
 
 struct ExportReport {

@@ -21,7 +21,7 @@ namespace megacpp::checkpointer {
 // A rank file mapped read-only for the reader's lifetime.
 struct CheckpointReader::Mapping {
   explicit Mapping(const fs::path& path) {
-    Fd fd(SYSCALL_CHECK(::open(path.c_str(), O_RDONLY | O_CLOEXEC)));
+    Fd fd(SYSCALL_CHECK_PATH(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "open", path.string()));
     struct stat st {};
     SYSCALL_CHECK(::fstat(fd.get(), &st));
     size = static_cast<uint64_t>(st.st_size);
@@ -206,6 +206,15 @@ fs::path resolve_checkpoint_dir(const fs::path& path) {
                 fmt::format("{}: no such checkpoint; pass a checkpoint directory "
                             "(RUN/checkpoints/step_N), a run directory or its checkpoints/LATEST",
                             path.string()));
+  // A directory named step_N (or step_N.tmp) is a checkpoint however damaged: verify lists what
+  // is wrong with it. Any other directory is one only when it holds checkpoint.json.
+  std::string name = (path.has_filename() ? path : path.parent_path()).filename().string();
+  if (name.ends_with(".tmp")) name.resize(name.size() - 4);
+  if (!layout::checkpoint_dir_step(name) && !fs::exists(path / "checkpoint.json"))
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "{} is not a checkpoint (no checkpoint.json); pass a checkpoint directory "
+                 "(RUN/checkpoints/step_N), a run directory or its checkpoints/LATEST",
+                 path.string());
   return path;
 }
 

@@ -47,8 +47,9 @@ std::string xxh3_digest_hex(XXH3_state_t* state) {
 
 // The open file of write_safetensors: every byte that reaches it is hashed and counted.
 struct Output {
-  Output(int fd_in, uint64_t total_in, const ProgressFn& on_chunk_in)
-      : fd(fd_in), total(total_in), on_chunk(on_chunk_in) {}
+  Output(const fs::path& path_in, int fd_in, uint64_t total_in, const ProgressFn& on_chunk_in)
+      : path(path_in), fd(fd_in), total(total_in), on_chunk(on_chunk_in) {}
+  const fs::path& path;
   int fd;
   uint64_t total;
   const ProgressFn& on_chunk;
@@ -59,7 +60,7 @@ struct Output {
     if (bytes > 0) XXH3_64bits_update(hash.get(), data, bytes);
     while (bytes > 0) {
       size_t chunk = static_cast<size_t>(std::min<uint64_t>(bytes, kMaxWriteChunk));
-      ssize_t n = SYSCALL_CHECK(::write(fd, data, chunk));
+      ssize_t n = SYSCALL_CHECK_PATH(::write(fd, data, chunk), "write", path.string());
       data += n;
       bytes -= static_cast<uint64_t>(n);
       written += static_cast<uint64_t>(n);
@@ -160,13 +161,14 @@ WrittenFile write_safetensors(const fs::path& path, std::span<const TensorView> 
 
   const uint64_t total = 8 + text.size() + offset;
   if (on_chunk) on_chunk(0, total);
-  Fd fd(SYSCALL_CHECK(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)));
-  Output out(fd.get(), total, on_chunk);
+  Fd fd(SYSCALL_CHECK_PATH(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
+                           "create", path.string()));
+  Output out(path, fd.get(), total, on_chunk);
   try {
     out.write_all(length.data(), length.size());
     out.write_all(reinterpret_cast<const std::byte*>(text.data()), text.size());
     for (const TensorView& t : tensors) out.write_all(t.data, t.bytes);
-    SYSCALL_CHECK(::fsync(fd.get()));
+    SYSCALL_CHECK_PATH(::fsync(fd.get()), "fsync", path.string());
     if (on_chunk) on_chunk(out.written, total);
     fd.close_checked();
   } catch (...) {
@@ -249,7 +251,7 @@ SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t fil
 }
 
 SafetensorsHeader read_safetensors_header(const fs::path& path) {
-  Fd fd(SYSCALL_CHECK(::open(path.c_str(), O_RDONLY | O_CLOEXEC)));
+  Fd fd(SYSCALL_CHECK_PATH(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "open", path.string()));
   struct stat st {};
   SYSCALL_CHECK(::fstat(fd.get(), &st));
   const auto size = static_cast<uint64_t>(st.st_size);
@@ -275,7 +277,7 @@ SafetensorsHeader read_safetensors_header(const fs::path& path) {
     return parse_safetensors_header(prefix, size);
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::kCorruption) throw;
-    MEGACPP_FAIL(ErrorKind::kCorruption, "{}: {}", path.string(), e.what());
+    MEGACPP_FAIL(ErrorKind::kCorruption, "{}: {}", path.string(), e.message());
   }
 }
 
@@ -316,7 +318,7 @@ void set_staging_stamp(std::byte* p, uint32_t step) {
 }
 
 std::string xxh3_file(const fs::path& path) {
-  Fd fd(SYSCALL_CHECK(::open(path.c_str(), O_RDONLY | O_CLOEXEC)));
+  Fd fd(SYSCALL_CHECK_PATH(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "open", path.string()));
   auto hash = new_xxh3();
   std::vector<char> buf(1 << 20);
   for (;;) {

@@ -362,11 +362,11 @@ VerifyResult verify_checkpoint(const fs::path& dir) {
           }
         }
       } catch (const std::exception& e) {
-        problem(fmt::format("{}: {}", name, e.what()));
+        problem(fmt::format("{}: {}", name, user_message(e)));
       }
     }
   } catch (const std::exception& e) {
-    problem(e.what());
+    problem(std::string(user_message(e)));
   }
   result.ok = result.problems.empty();
   return result;

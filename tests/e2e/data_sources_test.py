@@ -105,10 +105,11 @@ def recipe(tmp, name, source, path, vocab, seq=16, batch=4, seed=99, extra=""):
     return p
 
 
-def run(args, env=None):
+def run(args, env=None, cwd=None):
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([MEGACPP] + args, capture_output=True, text=True, timeout=600, env=e)
+    return subprocess.run([MEGACPP] + args, capture_output=True, text=True, timeout=600, env=e,
+                          cwd=cwd)
 
 
 def tree(path):
@@ -207,6 +208,28 @@ class FirstBatches(unittest.TestCase):
                          sum(1 for d in docs if (len(d) - 1) // 16 == 0))
         self.check_first_batches(run_dir, launch, [flat], lambda i, t: runs, 2, 4, 16, 99)
 
+    def test_megatron_prefix_relative_to_the_working_directory(self):
+        # Megatron-LM's naming: --data-path corpus_text_document is corpus_text_document.idx +
+        # .bin (no split in the name), relative to where the command runs, not to --data-dir.
+        rng = np.random.default_rng(9)
+        docs = [rng.integers(1, 300, size=int(n)) for n in rng.integers(20, 120, size=60)]
+        work = os.path.join(self.tmp, "work")
+        os.makedirs(os.path.join(work, "megatron"))
+        write_megatron(os.path.join(work, "megatron", "corpus_text_document"), docs)
+        run_dir = os.path.join(self.tmp, "run")
+        p = run(["run", recipe(self.tmp, "prefix", "megatron", "", vocab=300), "--ranks", "2",
+                 "--steps", "2", "--run-dir", run_dir, "--data-dir", self.data,
+                 "--data-source", "megatron", "--data-path", "megatron/corpus_text_document",
+                 "--progress", "plain"], env={"MEGACPP_TRACE_BATCHES": "1"}, cwd=work)
+        self.assertEqual(p.returncode, 0, p.stdout[-2000:] + p.stderr[-3000:])
+        with open(os.path.join(run_dir, "launch.json")) as f:
+            launch = json.load(f)
+        self.assertEqual([f["path"] for f in launch["dataset"]["files"]],
+                         [os.path.join(work, "megatron", "corpus_text_document.bin")])
+        flat = np.concatenate(docs)
+        self.check_first_batches(run_dir, launch, [flat], lambda i, t: [(0, (len(t) - 1) // 16)],
+                                 2, 4, 16, 99)
+
     def test_megatron_int32_packed(self):
         rng = np.random.default_rng(8)
         docs = [rng.integers(0, 90000, size=int(n)) for n in rng.integers(20, 200, size=40)]
@@ -280,6 +303,12 @@ class Refusals(unittest.TestCase):
         write_megatron(os.path.join(self.data, "m_train"), [np.arange(100)])
         os.remove(os.path.join(self.data, "m_train.bin"))
         self.refuse(recipe(self.tmp, "r", "megatron", "", vocab=512), "m_train.bin")
+
+    def test_megatron_weighted_blend(self):
+        for prefix in ("a_text_document", "b_text_document"):
+            write_megatron(os.path.join(self.data, prefix), [np.arange(1, 200)] * 20)
+        self.refuse(recipe(self.tmp, "blend", "megatron", "0.3 a_text_document 0.7 b_text_document",
+                           vocab=300), "weighted blend", "pass one Megatron prefix")
 
     def test_empty_data_folder(self):
         self.refuse(self.llmc_recipe(), "no llmc shards", self.data)

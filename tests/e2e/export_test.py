@@ -134,6 +134,22 @@ class Export(unittest.TestCase):
         self.assertIn("does not verify", p.stderr)
         self.assertFalse(os.path.exists(out))
 
+    def test_an_out_that_cannot_be_written_is_one_line_naming_it(self):
+        # The checkpoint verifies; --out lies where no file can be created: one line naming
+        # it and what to do, no failed call or source location (tests/e2e/cli_errors_test.py
+        # holds the other commands to the same rule).
+        out = "/proc/megacpp-export.safetensors"
+        p = subprocess.run([MEGACPP, "export", self.runs[1], "--out", out], capture_output=True,
+                           text=True)
+        self.assertEqual(p.returncode, 1, p.stderr)
+        lines = p.stderr.splitlines()
+        self.assertEqual(len(lines), 1, p.stderr)
+        self.assertIn(out, lines[0])
+        self.assertIn("--out", lines[0])
+        self.assertNotIn(".cpp:", lines[0])
+        self.assertNotIn("failed:", lines[0])
+        self.assertFalse(os.path.exists(out))
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

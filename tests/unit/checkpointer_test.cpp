@@ -146,6 +146,39 @@ TEST(Safetensors, RejectsBadTensorsAndLeavesNoFile) {
   expect_invalid({TensorView{"__metadata__", "F32", {4}, p, 16}});  // reserved
 }
 
+// A file that cannot be created (`megacpp export --out` into a folder that does not exist): the
+// user's line names the file and the reason; the failed call and its source location are kept
+// for logs only (what()).
+TEST(Safetensors, AFileThatCannotBeCreatedIsNamedInTheUsersTerms) {
+  TempDir dir;
+  const fs::path path = dir.path() / "no-such-folder" / "model.safetensors";
+  auto region = sample_region(1.0f);
+  try {
+    write_safetensors(path, region.finish());
+    ADD_FAILURE() << "wrote " << path;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kSystem);
+    EXPECT_EQ(e.sys_errno(), ENOENT);
+    EXPECT_EQ(e.message(), "cannot create " + path.string() + ": No such file or directory");
+    EXPECT_NE(std::string(e.what()).find("safetensors.cpp:"), std::string::npos) << e.what();
+    EXPECT_EQ(user_message(e), e.message());
+  }
+}
+
+// read_file, the reader behind every JSON document a command opens: the same split.
+TEST(Safetensors, AMissingFileReadIsNamedInTheUsersTerms) {
+  TempDir dir;
+  const fs::path path = dir.path() / "checkpoint.json";
+  try {
+    read_file(path);
+    ADD_FAILURE() << "read " << path;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.message(), "cannot open " + path.string() + ": No such file or directory");
+    EXPECT_EQ(e.message().find("failed:"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("util.cpp:"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Safetensors, HeaderParserRejectsCorruption) {
   auto frame = [](const std::string& json, size_t data) {
     std::string out(8, '\0');

@@ -257,6 +257,69 @@ TEST(FindShards, DirectoriesGlobsSplitsAndEmptyFolders) {
   EXPECT_NE(msg.find(".idx"), std::string::npos) << msg;
 }
 
+// Megatron-LM names a dataset by its prefix (--data-path corpus_text_document): the prefix, or
+// either file's name, is that dataset whatever the split (no validation split then).
+TEST(FindShards, AMegatronPrefixIsItsIdxAndBinPair) {
+  TempDir dir;
+  write_megatron(dir.path() / "corpus_text_document", {{5, 6, 7}, {8, 9}},
+                 md::kMegatronDtypeUint16);
+  write_megatron(dir.path() / "other_text_document", {{1, 2}}, md::kMegatronDtypeUint16);
+  const fs::path idx = dir.path() / "corpus_text_document.idx";
+  for (const std::string& pattern :
+       {std::string("corpus_text_document"), std::string("corpus_text_document.idx"),
+        std::string("corpus_text_document.bin"), (dir.path() / "corpus_text_document").string()}) {
+    for (const char* split : {"train", "val", ""}) {
+      SCOPED_TRACE(pattern + " split " + split);
+      const auto found = md::find_shards(dir.path(), md::ShardFormat::kMegatron, pattern, split);
+      ASSERT_EQ(found.size(), 1u);
+      EXPECT_EQ(found[0], idx);
+    }
+  }
+  // A prefix whose .bin is missing is no dataset: refused naming where it looked.
+  fs::remove(dir.path() / "other_text_document.bin");
+  const auto msg = error_of(
+      [&] { md::find_shards(dir.path(), md::ShardFormat::kMegatron, "other_text_document", ""); });
+  EXPECT_NE(msg.find("no megatron shards"), std::string::npos) << msg;
+}
+
+// Megatron's weighted blend "W1 P1 W2 P2" is refused in one line naming what is supported, in
+// a recipe's path and on the command line; a path that exists with spaces is a path.
+TEST(FindShards, AWeightedBlendIsRefusedInOneLine) {
+  TempDir dir;
+  write_megatron(dir.path() / "a_text_document", {{5, 6, 7}}, md::kMegatronDtypeUint16);
+  write_megatron(dir.path() / "b_text_document", {{8, 9}}, md::kMegatronDtypeUint16);
+  const std::string blend = "0.3 a_text_document 0.7 b_text_document";
+  for (const auto& msg :
+       {error_of([&] { md::find_shards(dir.path(), md::ShardFormat::kMegatron, blend, ""); }),
+        error_of([&] { md::command_line_data_path(blend); })}) {
+    EXPECT_NE(msg.find("weighted blend"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("pass one Megatron prefix, a directory or a glob"), std::string::npos)
+        << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+  fs::create_directories(dir.path() / "2024 web");
+  md::write_llmc_shard(dir.path() / "2024 web" / "x_train_0.bin", std::vector<uint32_t>{1, 2},
+                       md::TokenWidth::kU16);
+  EXPECT_EQ(md::find_shards(dir.path(), md::ShardFormat::kLlmc, "2024 web", "train").size(), 1u);
+}
+
+// A command-line --data-path is relative to the working directory, not to --data-dir.
+TEST(FindShards, ACommandLineDataPathIsRelativeToTheWorkingDirectory) {
+  TempDir dir;
+  const fs::path cwd = fs::current_path();
+  fs::current_path(dir.path());
+  write_megatron(dir.path() / "corpus_text_document", {{5, 6, 7}}, md::kMegatronDtypeUint16);
+  const std::string path = md::command_line_data_path("corpus_text_document");
+  EXPECT_EQ(path, (dir.path() / "corpus_text_document").string());
+  EXPECT_EQ(md::command_line_data_path("/abs/x_{split}_*.bin"), "/abs/x_{split}_*.bin");
+  EXPECT_EQ(md::command_line_data_path(""), "");
+  fs::current_path(cwd);
+  // Resolved, it names the dataset whatever --data-dir is.
+  const auto found = md::find_shards("/nonexistent-data-dir", md::ShardFormat::kMegatron, path, "");
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0], dir.path() / "corpus_text_document.idx");
+}
+
 TEST(Sampler, OneGlobalSequenceWhateverTheWorldSize) {
   TempDir dir;
   auto paths = md::ensure_builtin_corpus(dir.path(), 2, 20000);
