@@ -110,6 +110,7 @@ bench: build
 	@$(BUILD)/bin/bench_prepare
 	@$(BUILD)/bin/bench_data_loader
 	@$(BUILD)/bin/bench_checkpoint
+	@$(BUILD)/bin/bench_checkpoint_write
 	@$(BUILD)/bin/bench_ssd
 	@$(BUILD)/bin/bench_blocks
 	@MEGACPP_BIN=$(BUILD)/bin/megacpp .venv/bin/python bench/collect_all.py

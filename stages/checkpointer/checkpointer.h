@@ -64,7 +64,7 @@ struct WrittenFile {
 
 // Called with the bytes of the file written so far and the file's full size: once (0, total)
 // before the file is created, then after every write(2) that reached the file (at most
-// 64 MiB) and after the fsync. A slow write keeps calling it, a write blocked in the kernel
+// 1 MiB) and after the fsync. A slow write keeps calling it, a write blocked in the kernel
 // does not (the checkpointer's progress stamp, judged by the supervisor). When a write fails,
 // the last `written` reported is what reached the file.
 using ProgressFn = std::function<void(uint64_t written, uint64_t total)>;

@@ -126,6 +126,52 @@ TEST(Safetensors, ZeroTensorsIsAValidFile) {
   EXPECT_EQ(h.metadata.at("format"), "pt");
 }
 
+// A rank file of tens of MiB is written in bounded write(2)s (the checkpointer's progress stamp
+// moves at least every 1 MiB, as checkpointer.h's ProgressFn promises) and handed to writeback
+// in windows along the way; the bytes and the hash are those of an unchunked write, whatever
+// the tensor sizes against the chunk and window boundaries.
+TEST(Safetensors, ALargeFileIsWrittenInBoundedChunksAndReadsBackVerbatim) {
+  TempDir dir;
+  const std::vector<uint64_t> sizes = {(5u << 20) + 3, 1, (12u << 20) + 5, 0, 3u << 20};
+  std::vector<std::byte> data(std::accumulate(sizes.begin(), sizes.end(), uint64_t{0}));
+  uint64_t x = 0x2545f4914f6cdd1dull;
+  for (auto& b : data) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    b = static_cast<std::byte>(x >> 56);
+  }
+  std::vector<TensorView> views;
+  uint64_t offset = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    views.push_back(
+        TensorView{fmt::format("t{}", i), "U8", {sizes[i]}, data.data() + offset, sizes[i]});
+    offset += sizes[i];
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> calls;
+  const fs::path path = dir.path() / "large.safetensors";
+  const WrittenFile w = write_safetensors(path, views, {}, [&](uint64_t written, uint64_t total) {
+    calls.emplace_back(written, total);
+  });
+
+  const std::string file = read_file(path);
+  ASSERT_EQ(w.bytes, file.size());
+  EXPECT_EQ(w.xxh3, xxh3_hex(file));
+  EXPECT_EQ(w.xxh3, xxh3_file(path));
+  const SafetensorsHeader h = read_safetensors_header(path);
+  ASSERT_EQ(h.data_bytes, data.size());
+  EXPECT_EQ(std::memcmp(file.data() + 8 + h.header_bytes, data.data(), data.size()), 0);
+
+  ASSERT_GE(calls.size(), 2u);
+  EXPECT_EQ(calls.front(), std::make_pair(uint64_t{0}, w.bytes));
+  EXPECT_EQ(calls.back(), std::make_pair(w.bytes, w.bytes));
+  for (size_t i = 1; i < calls.size(); ++i) {
+    EXPECT_EQ(calls[i].second, w.bytes);
+    ASSERT_GE(calls[i].first, calls[i - 1].first);
+    ASSERT_LE(calls[i].first - calls[i - 1].first, uint64_t{1} << 20)
+        << "a write of " << calls[i].first - calls[i - 1].first << " bytes ending at "
+        << calls[i].first << " without a progress call";
+  }
+}
+
 TEST(Safetensors, RejectsBadTensorsAndLeavesNoFile) {
   TempDir dir;
   const fs::path path = dir.path() / "bad.safetensors";
