@@ -68,7 +68,10 @@ void Run::classify() {
   auto [fs_stage, fs_rank] = stage_rank(first_name);
   failure_ = Failure{first->kind, fs_stage, fs_rank, first->message, first->step};
   auto journal_event = [&](const std::string& name, const Event& ev, schema::FailureRole role) {
-    auto [stage, rank] = stage_rank(name);
+    // Not a structured binding: clang before 16 cannot capture one in the lambda below.
+    const auto stage_and_rank = stage_rank(name);
+    const StageKind stage = stage_and_rank.first;
+    const uint32_t rank = stage_and_rank.second;
     Child* c = by_name(name);
     journal_->append([&](schema::JournalRecord::Builder r) {
       auto f = r.initFailureObserved();

@@ -260,9 +260,11 @@ void Run::adopt_previous_attempt() {
 }
 
 uint64_t Run::data_position_after(uint32_t step) const {
-  const uint64_t global =
-      global_batch_ != 0 ? global_batch_ : uint64_t{opt_.ranks} * recipe_.train.batch_size;
-  return data_base_position_ + uint64_t{step - data_base_step_} * global;
+  // Windows a step takes: the data-parallel ranks' batches (a tensor-parallel group shares one).
+  const uint32_t rank_batch = rank_batch_ != 0 ? rank_batch_ : recipe_.train.batch_size;
+  const uint64_t per_step =
+      uint64_t{opt_.ranks / recipe_.model.tensor_parallel()} * uint64_t{rank_batch};
+  return data_base_position_ + uint64_t{step - data_base_step_} * per_step;
 }
 
 void Run::choose_checkpoint(std::string_view why) {
@@ -349,7 +351,8 @@ void Run::adopt_parent_checkpoint() {
     const uint32_t parent_rank_batch = pl.hasResume() && pl.getResume().getRankBatch() != 0
                                            ? pl.getResume().getRankBatch()
                                            : pl.getRecipe().getTrain().getBatchSize();
-    const uint64_t parent_global = uint64_t{pl.getWorld()} * parent_rank_batch;
+    const uint32_t parent_tp = recipe::model_config(pl.getRecipe()).tensor_parallel();
+    const uint64_t parent_global = uint64_t{pl.getWorld() / parent_tp} * parent_rank_batch;
     uint32_t base_step = 0;
     uint64_t base_position = 0;
     if (pl.hasResume() && pl.getResume().getDataPosition() != 0) {

@@ -47,7 +47,8 @@ Semantic differences from megacpp (the benchmark compares systems, not bit-equal
      the wide orientation. With muon_orthogonalizer = "newton_schulz" the two agree (up to
      1e-7 added vs clamped).
   2. Precision: torch Muon always orthogonalizes in bfloat16; megacpp does when muon_bf16 is
-     true (the default) and keeps float32 otherwise.
+     true, or "auto" (the shipped recipes) on a GPU or a CPU with bfloat16 matrix units, and
+     keeps float32 otherwise.
   3. Variance reduction: megacpp's DistMuon is NorMuon (a factored second moment with
      muon_beta2 over the longer side, rescaled to keep the Frobenius norm); torch Muon has none,
      and muon_beta2 is unused.
@@ -144,6 +145,8 @@ def _typed(section, key, value, where):
     """`value` checked against the default's type (a float key takes an integer)."""
     default = DEFAULTS[section][key]
     name = f"{section}.{key}" if section else key
+    if (section, key, value) == ("optim", "muon_bf16", "auto"):
+        return value  # megacpp settles it per device; torch Muon is bfloat16 regardless
     if isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, int):

@@ -191,8 +191,10 @@ class Plan(unittest.TestCase):
             self.assertIn("gates:", out)
         self.assertIn("verdict: runnable by this build",
                       megacpp(["plan", "nam56r", "--ranks", "8"]).stdout)
-        self.assertIn("verdict: refused by memory-budget",
-                      megacpp(["plan", "nam56r", "--ranks", "8", "--memory-budget", "8"]).stdout)
+        # A refused plan prints the plan and exits 1, so a script can gate a launch on it.
+        refused = run_harness.megacpp(["plan", "nam56r", "--ranks", "8", "--memory-budget", "8"])
+        self.assertEqual(refused.returncode, 1, refused.stdout[-2000:] + refused.stderr)
+        self.assertIn("verdict: refused by memory-budget", refused.stdout)
 
 
 class NemoNative(unittest.TestCase):
