@@ -75,6 +75,27 @@ part tiny_on_cuda 45 build-gpu/bin/megacpp run tiny --ranks 1 --steps 200 --devi
 [ -f "$RUN/receipts/bench_result.json" ] && cp "$RUN/receipts/bench_result.json" "$REPORT_DIR/tiny_cuda_bench_result.json"
 [ -d "$RUN/logs" ] && tail -30 "$RUN"/logs/trainer-0.log 2>/dev/null | tee -a "$REPORT" > /dev/null
 
+[ -f "$RUN/launch.json" ] && say "tiny on cuda: muonPrecision $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("muonPrecision"))' "$RUN/launch.json")"
+# A NaN gradient on the GPU rank: the run must end `diverged`, nothing of that step committed.
+NAN_RUN=$(mktemp -d)/run
+CK5_DIR=$(mktemp -d)
+sed 's/^checkpoint_every = 20/checkpoint_every = 5/' recipes/tiny.toml > "$CK5_DIR/ck5.toml"
+diverged_on_cuda() {
+  MEGACPP_FAULT=trainer:0:optimizer:7:nan build-gpu/bin/megacpp run "$CK5_DIR/ck5.toml" \
+    --ranks 1 --steps 20 --device cuda --run-dir "$NAN_RUN" --progress none && return 1
+  python3 - "$NAN_RUN" <<'PY'
+import json, os, sys
+m = json.load(open(os.path.join(sys.argv[1], "manifest.json")))
+print("state", m["state"], "error", m.get("error", {}).get("kind"), m.get("error", {}).get("message"))
+print("latest", m.get("latestCheckpoint"))
+assert m["state"] == "error" and m["error"]["kind"] == "diverged", m
+assert m.get("latestCheckpoint") == "checkpoints/step_00000005", m
+PY
+}
+export -f diverged_on_cuda
+export NAN_RUN CK5_DIR
+part diverged_on_cuda 60 bash -c diverged_on_cuda
+
 if ((${#FAILED[@]})); then
   say "device-check: FAILED: ${FAILED[*]}"
   exit 1
