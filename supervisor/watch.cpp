@@ -88,10 +88,12 @@ void Run::on_message(ipc::Received& m) {
       if (policy::restartable(c->stage)) break;
       // A rank that failed because a peer or a collective did is a victim, not a cause
       // (policy::evidence_of): the Failure names its error kind.
-      // A rank whose loss, gradient or parameters went non-finite: the run diverged.
-      Event ev{error_kind == schema::ErrorKind::DIVERGED ? schema::FailureKind::DIVERGED
-                                                         : schema::FailureKind::EXCEPTION,
-               fmt::format("{}: {}", said, f.getMessage().cStr()),
+      // A rank whose loss, gradient or parameters went non-finite: the run diverged (the kind
+      // says so; the message is the rank's own).
+      const bool diverged = error_kind == schema::ErrorKind::DIVERGED;
+      Event ev{diverged ? schema::FailureKind::DIVERGED : schema::FailureKind::EXCEPTION,
+               diverged ? std::string(f.getMessage().cStr())
+                        : fmt::format("{}: {}", said, f.getMessage().cStr()),
                f.getMonoNs() > 0 ? f.getMonoNs() : now,
                now,
                f.getPhase(),
