@@ -19,7 +19,6 @@
 //      torch.save's whole write and for async_save's staging copy. Goal: the stall of (2) >= 5x
 //      lower than async_save's blocking time.
 // Timings are printed, never judged; ratios are what to compare across machines.
-#include <sys/statfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -104,23 +103,6 @@ std::string run_capture(std::vector<std::string> args) {
   MEGACPP_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, mc::ErrorKind::kSystem,
                 fmt::format("{} failed (status {:#x})", args[0], status));
   return out;
-}
-
-std::string fs_type(const fs::path& p) {
-  struct statfs s {};
-  if (::statfs(p.c_str(), &s) != 0) return "?";
-  switch (static_cast<unsigned long>(s.f_type)) {
-    case 0xEF53:
-      return "ext4";
-    case 0x01021994:
-      return "tmpfs";
-    case 0x794c7630:
-      return "overlay";
-    case 0x58465342:
-      return "xfs";
-    default:
-      return fmt::format("0x{:x}", static_cast<unsigned long>(s.f_type));
-  }
 }
 
 }  // namespace
@@ -245,7 +227,7 @@ int main(int argc, char** argv) {
                  peer["torch_save_s"]["median"].get<double>(), save / stall.best);
     }
     const double write_bw = written / write.median, dd_bw = (count * block) / dd.median;
-    fmt::print("\nwrite to {} ({}): {:.1f} MB per checkpoint\n", o.dir, fs_type(o.dir),
+    fmt::print("\nwrite to {} ({}): {:.1f} MB per checkpoint\n", o.dir, mc::filesystem_type(o.dir),
                written / 1e6);
     fmt::print("{:<44} {:>10.4f} {:>10.4f}   {:.2f} GB/s\n", "megacpp write_rank + commit (fsyncs)",
                write.best, write.median, write_bw / 1e9);

@@ -18,7 +18,6 @@
 // virtual disks, where the first write to a block can cost several times a rewrite
 // (DESIGN.md "Checkpoint write path"). Timings are printed, never judged; the ratio against
 // the faster dd (medians) is what to compare across machines. Goal: >= 80%.
-#include <sys/statfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -81,25 +80,6 @@ void run(std::vector<std::string> args) {
   }
   MEGACPP_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, mc::ErrorKind::kSystem,
                 fmt::format("{} failed (status {:#x})", args[0], status));
-}
-
-std::string fs_type(const fs::path& p) {
-  struct statfs s {};
-  if (::statfs(p.c_str(), &s) != 0) return "?";
-  switch (static_cast<unsigned long>(s.f_type)) {
-    case 0xEF53:
-      return "ext4";
-    case 0x01021994:
-      return "tmpfs";
-    case 0x794c7630:
-      return "overlay";
-    case 0x58465342:
-      return "xfs";
-    case 0x9123683E:
-      return "btrfs";
-    default:
-      return fmt::format("0x{:x}", static_cast<unsigned long>(s.f_type));
-  }
 }
 
 // Uneven tensor sizes summing to `total` floats: a few embedding-sized ones and many smaller,
@@ -210,7 +190,7 @@ int main(int argc, char** argv) {
     const double peer = dd_bytes / std::min(zero.median, same.median);
     fmt::print("cpu: {} ({} online)\n", mc::cpu_model(), ::sysconf(_SC_NPROCESSORS_ONLN));
     fmt::print("write to {} ({}): {} tensors, {:.1f} MB per checkpoint, {} interleaved repeats\n",
-               o.dir, fs_type(o.dir), o.tensors, written / 1e6, o.repeats);
+               o.dir, mc::filesystem_type(o.dir), o.tensors, written / 1e6, o.repeats);
     fmt::print("\n{:<44} {:>10} {:>10}   {}\n", "", "best s", "median s", "median GB/s");
     fmt::print("{:<44} {:>10.4f} {:>10.4f}   {:.2f}\n", "megacpp write_rank + commit (fsyncs)",
                total.best, total.median, ours / 1e9);

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/utsname.h>
 #include <time.h>
 #include <unistd.h>
@@ -131,26 +132,10 @@ std::string xxh3_hex(std::string_view bytes) {
   return fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size()));
 }
 
-std::string cpu_bf16_units() {
-  std::string text;
-  try {
-    text = read_file("/proc/cpuinfo");
-  } catch (const Error&) {
-    return "";
-  }
-  const size_t at = text.find("\nflags");
-  if (at == std::string::npos) return "";
-  const size_t end = std::min(text.find('\n', at + 1), text.size());
-  const std::string flags = " " + text.substr(at + 1, end - at - 1) + " ";
-  std::string units;
-  for (const char* unit : {"amx_bf16", "avx512_bf16"}) {
-    if (flags.find(fmt::format(" {} ", unit)) != std::string::npos)
-      units += (units.empty() ? "" : " ") + std::string(unit);
-  }
-  return units;
-}
+namespace {
 
-std::string cpu_model() {
+// The value of /proc/cpuinfo's first line named `key` (its first CPU's), "" when there is none.
+std::string cpuinfo_field(std::string_view key) {
   std::string text;
   try {
     text = read_file("/proc/cpuinfo");
@@ -160,17 +145,62 @@ std::string cpu_model() {
   for (size_t at = 0; at < text.size();) {
     const size_t end = std::min(text.find('\n', at), text.size());
     const std::string_view line(text.data() + at, end - at);
-    if (line.starts_with("model name")) {
-      const size_t colon = line.find(':');
-      if (colon != std::string_view::npos) {
-        std::string_view v = line.substr(colon + 1);
-        while (!v.empty() && v.front() == ' ') v.remove_prefix(1);
-        return std::string(v);
-      }
+    const size_t colon = line.find(':');
+    if (line.starts_with(key) && colon != std::string_view::npos &&
+        line.substr(key.size(), colon - key.size()).find_first_not_of(" \t") ==
+            std::string_view::npos) {
+      std::string_view v = line.substr(colon + 1);
+      while (!v.empty() && v.front() == ' ') v.remove_prefix(1);
+      return std::string(v);
     }
     at = end + 1;
   }
   return "";
+}
+
+}  // namespace
+
+std::string cpu_bf16_units() {
+  const std::string flags = " " + cpuinfo_field("flags") + " ";
+  std::string units;
+  for (const char* unit : {"amx_bf16", "avx512_bf16"}) {
+    if (flags.find(fmt::format(" {} ", unit)) != std::string::npos)
+      units += (units.empty() ? "" : " ") + std::string(unit);
+  }
+  return units;
+}
+
+std::string cpu_model() {
+  return cpuinfo_field("model name");
+}
+
+std::string filesystem_type_name(long type) {
+  switch (static_cast<unsigned long>(type)) {
+    case 0xEF53:
+      return "ext4";
+    case 0x58465342:
+      return "xfs";
+    case 0x01021994:
+      return "tmpfs";
+    case 0x794c7630:
+      return "overlay";
+    case 0x9123683E:
+      return "btrfs";
+    case 0x6969:
+      return "nfs";
+    case 0x2fc12fc1:
+      return "zfs";
+    case 0x65735546:
+      return "fuse";
+    default:
+      return fmt::format("0x{:x}", static_cast<unsigned long>(type));
+  }
+}
+
+std::string filesystem_type(const std::filesystem::path& path) {
+  struct statfs s {};
+  if (::statfs(path.c_str(), &s) != 0) return "?";
+  return filesystem_type_name(s.f_type);
 }
 
 std::string kernel_description() {

@@ -59,6 +59,11 @@ std::string kernel_description();
 // /proc/cpuinfo's flags: "amx_bf16" and/or "avx512_bf16", space-separated in that order; ""
 // when it has none (bfloat16 matmuls then run emulated, several times slower than float32).
 std::string cpu_bf16_units();
+// A statfs f_type's filesystem name ("ext4", "xfs", "tmpfs", "overlay", "btrfs", "nfs", "zfs",
+// "fuse"), else its magic number in hex; and the filesystem `path` lies on ("?" when statfs
+// fails), for receipts and the benchmarks' figures.
+std::string filesystem_type_name(long f_type);
+std::string filesystem_type(const std::filesystem::path& path);
 
 // Log lines go to stderr (a stage's stderr is its log file) with a prefix naming the
 // process, e.g. "[trainer-1] ...". set_log_prefix is called once in main.

@@ -78,11 +78,10 @@ struct Progress {
   double step_seconds = NAN;  // mean of the last steps
 };
 
-// Only the current attempt's step records (launch.json's attempt) count: an earlier attempt's
-// run to a later step, its losses and its step times are history, not this attempt's progress.
-Progress read_progress(const fs::path& run_dir) {
-  schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
-  auto l = launch.get();
+// Only the current attempt's step records (`l`, the run's launch.json, names it) count: an
+// earlier attempt's run to a later step, its losses and its step times are history, not this
+// attempt's progress.
+Progress read_progress(const fs::path& run_dir, schema::LaunchContract::Reader l) {
   const uint32_t world = l.getWorld(), attempt = l.getAttempt();
   Progress p;
   p.step = l.getResume().getStep();
@@ -379,7 +378,7 @@ int watch_status(const fs::path& run_dir, double interval_s) {
     schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run_dir));
     auto l = launch.get();
     const uint32_t planned = l.getSteps();
-    const Progress p = read_progress(run_dir);
+    const Progress p = read_progress(run_dir, l);
     uint32_t up = 0, total = 0;
     if (fs::exists(layout::manifest_path(run_dir))) {
       schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
@@ -423,7 +422,8 @@ int list_runs(const fs::path& dir) {
       double last_loss = NAN;
       const fs::path br = layout::receipts_dir(run) / "bench_result.json";
       if (live) {
-        last_loss = read_progress(run).loss;
+        schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run));
+        last_loss = read_progress(run, launch.get()).loss;
       } else if (fs::exists(br)) {
         last_loss = schemas::JsonFile<schema::BenchResult>(br).get().getLastLoss();
       }

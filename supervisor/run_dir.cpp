@@ -110,29 +110,6 @@ namespace detail {
 
 namespace {
 
-std::string fs_type_name(long type) {
-  switch (static_cast<unsigned long>(type)) {
-    case 0xEF53:
-      return "ext4";
-    case 0x58465342:
-      return "xfs";
-    case 0x01021994:
-      return "tmpfs";
-    case 0x794c7630:
-      return "overlay";
-    case 0x9123683E:
-      return "btrfs";
-    case 0x6969:
-      return "nfs";
-    case 0x2fc12fc1:
-      return "zfs";
-    case 0x65735546:
-      return "fuse";
-    default:
-      return fmt::format("0x{:x}", static_cast<unsigned long>(type));
-  }
-}
-
 fs::path nearest_existing(fs::path p) {
   while (!p.empty() && !fs::exists(p)) p = p.parent_path();
   return p.empty() ? fs::path("/") : p;
@@ -172,7 +149,7 @@ void describe_volume(const fs::path& path, schema::FilesystemInfo::Builder out) 
     out.setType("unknown");
     return;
   }
-  out.setType(fs_type_name(sfs.f_type));
+  out.setType(filesystem_type_name(sfs.f_type));
   out.setDevice(fmt::format("{}:{}", major(st.st_dev), minor(st.st_dev)));
   out.setIsRootVolume(st.st_dev == root_st.st_dev);
 }
@@ -519,7 +496,7 @@ void Run::prepare() {
   SYSCALL_CHECK(::statfs(anchor.c_str(), &sfs));
   SYSCALL_CHECK(::stat(anchor.c_str(), &st));
   SYSCALL_CHECK(::stat("/", &root_st));
-  fs_type_ = fs_type_name(sfs.f_type);
+  fs_type_ = filesystem_type_name(sfs.f_type);
   fs_device_ = fmt::format("{}:{}", major(st.st_dev), minor(st.st_dev));
   fs_root_ = st.st_dev == root_st.st_dev;
   if (fs_root_) {
