@@ -42,7 +42,9 @@ struct StepPhases {
   orthogonalizeSeconds @3 :Float64;  # DistMuon's Polar Express / Newton-Schulz
   updateSeconds @4 :Float64;         # optimizers' element-wise math
   gatherSeconds @5 :Float64;         # all-gather of updated parameters
-  snapshotSeconds @6 :Float64;       # the previous step's snapshot copy into staging
+  snapshotSeconds @6 :Float64;       # what the previous step's snapshot blocked the loop for:
+                                     # starting its copy into staging, and this step's wait
+                                     # for that copy before its update
   betweenSeconds @7 :Float64;        # after the previous step: journal, publish (and the stop
                                      # agreement under tensor parallelism)
 }

@@ -390,7 +390,8 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   bool first_forward_done = false, first_backward_done = false;
   double tokens_total = 0;
   auto step_start = Clock::now();
-  // The previous step's tail, journaled with this step (its time is in this stepSeconds).
+  // The previous step's tail, journaled with this step (its time is in this stepSeconds); the
+  // snapshot's also counts this step's wait for the copy to finish before its update.
   double snapshot_seconds = 0, between_seconds = 0;
   for (uint32_t step = first_step; step <= steps; ++step) {
     // WAIT_BATCH: short peeks so a stop request is seen promptly.
@@ -424,6 +425,8 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     hooks.stop_requested = [&] { return ctx.graceful_stop_requested(); };
     bool poison = false;
     hooks.poison_gradients = [&] { return poison; };
+    // The previous step's snapshot is copied while this step's forward and backward run.
+    hooks.before_update = [&] { snapshot_seconds += snapshots.settle(); };
     hooks.on_phase = [&](Phase p) {
       ctx.set_phase(p);
       if (const char* point = fault_point_of(p)) poison = stage::fault_point(ctx, point, step);

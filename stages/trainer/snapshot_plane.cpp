@@ -52,6 +52,7 @@ void SnapshotPlane::resend_if_due() {
 }
 
 void SnapshotPlane::poll() {
+  if (copying_ && copy_.ready()) send_ready();
   while (auto msg = channel_.receive(ipc::Millis(0))) handle(*msg);
   resend_if_due();
 }
@@ -81,6 +82,7 @@ std::string SnapshotPlane::last_error_note() const {
 }
 
 bool SnapshotPlane::take(uint32_t step, bool final) {
+  settle();
   if (leased_) {
     const uint32_t prev = *leased_;
     const bool freed = wait_for([&] { return !leased_; }, options_.lease_timeout);
@@ -92,16 +94,34 @@ bool SnapshotPlane::take(uint32_t step, bool final) {
                               last_error_note(), step));
   }
   // The region holds the share, then the step stamp (checkpointer.h StagingStamp).
-  const uint64_t share_bytes = std::max(ts_.snapshot_layout().total_bytes, kSnapshotAlignment);
+  share_bytes_ = std::max(ts_.snapshot_layout().total_bytes, kSnapshotAlignment);
   if (!region_) {
     region_ = std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{}, options_.region_name,
-                                               share_bytes + checkpointer::kStagingStampBytes);
+                                               share_bytes_ + checkpointer::kStagingStampBytes);
   }
-  std::byte* stamp = region_->data() + share_bytes;
-  checkpointer::clear_staging_stamp(stamp);
-  const SnapshotLayout layout = ts_.copy_snapshot({region_->data(), share_bytes});
-  checkpointer::set_staging_stamp(stamp, step);
+  checkpointer::clear_staging_stamp(region_->data() + share_bytes_);
+  copy_ = ts_.start_snapshot_copy({region_->data(), share_bytes_}, &copy_layout_);
+  copying_ = true;
+  copy_step_ = step;
+  copy_final_ = final;
+  if (copy_.ready()) send_ready();
+  return true;
+}
 
+double SnapshotPlane::settle() {
+  if (!copying_) return 0;
+  const auto start = Clock::now();
+  copy_.wait();
+  const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+  send_ready();
+  return waited;
+}
+
+void SnapshotPlane::send_ready() {
+  copy_.wait();  // joins a finished copy: its bytes are visible before the stamp
+  copying_ = false;
+  const uint32_t step = copy_step_;
+  checkpointer::set_staging_stamp(region_->data() + share_bytes_, step);
   auto message = std::make_unique<ipc::ControlMessageBuilder>();
   auto ready = message->root().initSnapshotReady();
   ready.setRank(ts_.rank());
@@ -109,23 +129,24 @@ bool SnapshotPlane::take(uint32_t step, bool final) {
   ready.setStep(step);
   ready.setRegion(region_->name());
   ready.setRegionBytes(region_->size());
-  fill_tensor_entries(layout, ready.initTensors(static_cast<uint32_t>(layout.entries.size())));
-  ready.setFinal(final);
+  fill_tensor_entries(copy_layout_,
+                      ready.initTensors(static_cast<uint32_t>(copy_layout_.entries.size())));
+  ready.setFinal(copy_final_);
   ready.setLayout(ts_.snapshot_metadata());
-  ready.setStampOffset(share_bytes);
+  ready.setStampOffset(share_bytes_);
   MEGACPP_CHECK(
       channel_.send(message->message(), kSendTimeout), ErrorKind::kPeerFailure,
       fmt::format("could not queue SnapshotReady of step {} for {}", step, options_.peer_name));
   pending_ = std::move(message);
   pending_step_ = step;
-  pending_final_ = final;
+  pending_final_ = copy_final_;
   last_send_ = Clock::now();
   last_error_.clear();
   leased_ = step;
-  return true;
 }
 
 bool SnapshotPlane::wait_committed(uint32_t step) {
+  settle();
   const bool done =
       wait_for([&] { return committed_ && *committed_ >= step; }, options_.commit_timeout);
   if (!done && options_.stop_requested && options_.stop_requested()) return false;

@@ -15,6 +15,8 @@
 
 #include "ipc/channel.h"
 #include "ipc/shm.h"
+#include "stages/trainer/snapshot_copy.h"
+#include "stages/trainer/snapshot_layout.h"
 
 namespace megacpp::trainer {
 
@@ -46,6 +48,12 @@ struct SnapshotPlaneOptions {
   std::function<bool()> stop_requested;
 };
 
+// Overlapped copy: take() copies a host share on a thread of its own (SnapshotCopy) and returns;
+// the SnapshotReady goes out once the copy is done — from poll(), settle(), the next take() or
+// wait_committed(), whichever comes first. The loop must call settle() before its next update
+// changes the state being copied (StepHooks::before_update). A share on a device is copied
+// before take() returns.
+//
 // Not thread-safe: one owner (the rank's loop). Keeps a reference to `ts` and `zmq`.
 class SnapshotPlane {
  public:
@@ -54,16 +62,20 @@ class SnapshotPlane {
   SnapshotPlane(const SnapshotPlane&) = delete;
   SnapshotPlane& operator=(const SnapshotPlane&) = delete;
 
-  // Handles every ack already queued and re-sends the pending SnapshotReady when one is
-  // needed and due. Never blocks.
+  // Sends the SnapshotReady of a finished copy, handles every ack already queued and re-sends
+  // the pending SnapshotReady when one is needed and due. Never blocks.
   void poll();
-  // Waits for the lease of the previous snapshot (re-sending it), copies this rank's share
-  // into staging and sends SnapshotReady of `step`. Returns false (nothing sent) when a
-  // stop was requested while waiting. Throws Error{kTimeout} when the lease is not released
-  // within lease_timeout, Error{kPeerFailure} when the message cannot even be queued.
+  // Waits for the lease of the previous snapshot (re-sending it), then starts copying this
+  // rank's share into staging for `step`; its SnapshotReady is sent once the copy is done.
+  // Returns false (nothing started) when a stop was requested while waiting. Throws
+  // Error{kTimeout} when the lease is not released within lease_timeout, Error{kPeerFailure}
+  // when a SnapshotReady cannot even be queued.
   bool take(uint32_t step, bool final);
-  // Waits for SnapshotAck{committed} of a step >= `step`, re-sending the last snapshot.
-  // Returns false on a stop request; throws Error{kTimeout} after commit_timeout.
+  // Waits for a copy in flight and sends its SnapshotReady; afterwards the state may change.
+  // Returns the seconds it waited for the copy (0 when none was in flight). Throws as take().
+  double settle();
+  // Settles, then waits for SnapshotAck{committed} of a step >= `step`, re-sending the last
+  // snapshot. Returns false on a stop request; throws Error{kTimeout} after commit_timeout.
   bool wait_committed(uint32_t step);
 
   // The step whose staging lease is still held; the newest step acked as committed; the
@@ -78,12 +90,20 @@ class SnapshotPlane {
   bool needs_ack() const;
   void resend_if_due();
   void handle(ipc::Received& msg);
+  void send_ready();
   std::string last_error_note() const;
 
   const TrainStep& ts_;
   SnapshotPlaneOptions options_;
   ipc::Channel channel_;
   std::unique_ptr<ipc::ShmRegion> region_;
+  // The copy in flight and what its SnapshotReady will say; copying_ is false once it is sent.
+  SnapshotCopy copy_;
+  bool copying_ = false;
+  uint32_t copy_step_ = 0;
+  bool copy_final_ = false;
+  SnapshotLayout copy_layout_;
+  uint64_t share_bytes_ = 0;
   // The last SnapshotReady sent, kept for re-sending while its ack is needed.
   std::unique_ptr<ipc::ControlMessageBuilder> pending_;
   uint32_t pending_step_ = 0;

@@ -2,6 +2,7 @@
 // the LR schedule, and snapshot shares.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -9,6 +10,8 @@
 #include <map>
 #include <numbers>
 #include <string_view>
+#include <system_error>
+#include <thread>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -406,6 +409,7 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
   if (hooks.after_backward) hooks.after_backward();
 
   phase(schema::Phase::OPTIMIZER);
+  if (hooks.before_update) hooks.before_update();
   t0 = Clock::now();
   {
     torch::NoGradGuard no_grad;
@@ -495,9 +499,86 @@ std::string TrainStep::snapshot_metadata() const {
       .dump();
 }
 
+struct SnapshotCopy::State {
+  struct Piece {
+    std::byte* dst;
+    const std::byte* src;
+    uint64_t bytes;
+  };
+  std::vector<Piece> pieces;
+  std::vector<at::Tensor> keep;  // what the pieces read, alive until the thread is joined
+  std::atomic<bool> done{false};
+  std::thread thread;
+
+  void run() noexcept {
+    // Streaming stores: the share is many multi-MB tensors, each below the size at which
+    // memcpy streams by itself, and the staging region is not read by this process again.
+    for (const Piece& p : pieces) ops::stream_copy(p.dst, p.src, p.bytes);
+    done.store(true, std::memory_order_release);
+  }
+  void join() noexcept {
+    if (thread.joinable()) thread.join();
+    keep.clear();
+  }
+  ~State() { join(); }
+};
+
+SnapshotCopy::SnapshotCopy() noexcept = default;
+SnapshotCopy::SnapshotCopy(SnapshotCopy&&) noexcept = default;
+SnapshotCopy& SnapshotCopy::operator=(SnapshotCopy&& other) noexcept {
+  if (this != &other) {
+    wait();
+    s_ = std::move(other.s_);
+  }
+  return *this;
+}
+SnapshotCopy::~SnapshotCopy() = default;
+
+bool SnapshotCopy::ready() const noexcept {
+  return !s_ || s_->done.load(std::memory_order_acquire);
+}
+
+void SnapshotCopy::wait() noexcept {
+  if (s_) s_->join();
+}
+
+namespace {
+// Splits the copy of `share` into `region` per `layout`: contiguous host tensors become raw
+// pieces of `state` (copied later, by anyone); the rest (device or strided tensors) are
+// copied now through torch, which synchronizes with the device.
+void plan_snapshot_copy(const std::vector<NamedTensor>& share, const SnapshotLayout& layout,
+                        std::span<std::byte> region, SnapshotCopy::State& state);
+}  // namespace
+
+SnapshotCopy TrainStep::start_snapshot_copy(std::span<std::byte> region,
+                                            SnapshotLayout* layout) const {
+  const auto share = snapshot_share();
+  *layout = layout_of(share);
+  auto state = std::make_unique<SnapshotCopy::State>();
+  plan_snapshot_copy(share, *layout, region, *state);
+  SnapshotCopy copy;
+  if (state->pieces.empty()) return copy;
+  try {
+    state->thread = std::thread([st = state.get()] { st->run(); });
+  } catch (const std::system_error&) {
+    state->run();  // no thread to be had: the copy blocks instead
+  }
+  copy.s_ = std::move(state);
+  return copy;
+}
+
 SnapshotLayout TrainStep::copy_snapshot(std::span<std::byte> region) const {
   const auto share = snapshot_share();
   SnapshotLayout layout = layout_of(share);
+  SnapshotCopy::State state;
+  plan_snapshot_copy(share, layout, region, state);
+  state.run();
+  return layout;
+}
+
+namespace {
+void plan_snapshot_copy(const std::vector<NamedTensor>& share, const SnapshotLayout& layout,
+                        std::span<std::byte> region, SnapshotCopy::State& state) {
   MEGACPP_CHECK(region.size() >= layout.total_bytes, ErrorKind::kInvalidArgument,
                 fmt::format("staging region of {} bytes cannot hold a {}-byte share", region.size(),
                             layout.total_bytes));
@@ -505,18 +586,18 @@ SnapshotLayout TrainStep::copy_snapshot(std::span<std::byte> region) const {
   for (size_t i = 0; i < share.size(); ++i) {
     const at::Tensor& src = share[i].second;
     const SnapshotEntry& e = layout.entries[i];
-    // Streaming stores: the share is many multi-MB tensors, each below the size at which
-    // memcpy streams by itself, and the staging region is not read by this process again.
     if (src.is_contiguous() && src.device().is_cpu() && src.nbytes() == e.bytes) {
-      ops::stream_copy(region.data() + e.offset, src.data_ptr(), e.bytes);
+      state.pieces.push_back(
+          {region.data() + e.offset, static_cast<const std::byte*>(src.data_ptr()), e.bytes});
+      state.keep.push_back(src);
       continue;
     }
     at::Tensor dst = torch::from_blob(region.data() + e.offset, src.sizes(),
                                       torch::TensorOptions().dtype(src.scalar_type()));
     dst.copy_(src);
   }
-  return layout;
 }
+}  // namespace
 
 void TrainStep::restore(const checkpointer::CheckpointReader& ckpt) {
   Impl& s = *impl_;

@@ -31,6 +31,7 @@
 #include "stages/checkpointer/checkpointer.h"
 #include "stages/trainer/model.h"
 #include "stages/trainer/optim.h"
+#include "stages/trainer/snapshot_copy.h"
 #include "stages/trainer/snapshot_layout.h"
 #include "stages/trainer/tensor_parallel.h"
 
@@ -104,6 +105,10 @@ struct StepHooks {
   // Test hook (MEGACPP_FAULT action nan): asked once backward is done; true makes this rank's
   // gradients NaN before clipping, as an overflow would.
   std::function<bool()> poison_gradients;
+  // Called once per step, after backward and before the step changes any parameter or
+  // optimizer state: a SnapshotCopy still reading that state must
+  // finish here.
+  std::function<void()> before_update;
 };
 
 // Which optimizer steps a parameter, and in which group.
@@ -198,6 +203,11 @@ class TrainStep {
   // stored after it is seen after the bytes. Throws Error{kInvalidArgument} if the region
   // is smaller than layout.total_bytes.
   SnapshotLayout copy_snapshot(std::span<std::byte> region) const;
+  // The same copy, started: fills `*layout`, copies what lies on a device now (torch
+  // synchronizes with it) and returns the copy of the host tensors running on its own thread.
+  // Until the returned copy's wait() returns, nothing may change parameters or optimizer state
+  // (SnapshotCopy; StepHooks::before_update is where step() would). Throws as copy_snapshot.
+  SnapshotCopy start_snapshot_copy(std::span<std::byte> region, SnapshotLayout* layout) const;
 
   // Loads the parameters and this rank's optimizer state (moments, step counts, group
   // scalars) from a committed checkpoint: afterwards the next step() is bit-identical to

@@ -196,7 +196,8 @@ TEST_F(TrainerTest, LossFallsOnALearnableSequence) {
   StepHooks hooks{.on_phase = [&](schema::Phase p) { phases.push_back(p); },
                   .after_backward = [&] { ++released; },
                   .stop_requested = {},
-                  .poison_gradients = {}};
+                  .poison_gradients = {},
+                  .before_update = {}};
   for (uint32_t step = 1; step <= kSteps; ++step) {
     const StepTiming r = ts.step(make_batch(m, t.batch_size, step), step, hooks);
     ASSERT_TRUE(std::isfinite(r.loss)) << step;
@@ -316,6 +317,55 @@ TEST_F(TrainerTest, SnapshotShareLayoutAndContents) {
 
   std::vector<std::byte> small(layout.total_bytes / 2);
   EXPECT_THROW(ts.copy_snapshot(small), Error);
+}
+
+// The trainer's snapshot: the copy started after step N runs while step N+1's forward and
+// backward do, and step N+1 waits for it before its update; the region then holds step N's
+// state exactly, though the state has moved on.
+TEST_F(TrainerTest, AnOverlappedSnapshotCopyHoldsTheStateOfItsStep) {
+  const ModelConfig m = tiny_model();
+  const TrainConfig t = tiny_train();
+  TrainStep ts(m, t, 10);
+  ts.step(make_batch(m, t.batch_size, 1), 1);
+  const SnapshotLayout layout = ts.snapshot_layout();
+  std::vector<uint64_t> a(layout.total_bytes / 8 + 1), b(layout.total_bytes / 8 + 1);
+  std::span<std::byte> inline_region(reinterpret_cast<std::byte*>(a.data()), layout.total_bytes);
+  std::span<std::byte> overlapped(reinterpret_cast<std::byte*>(b.data()), layout.total_bytes);
+  ts.copy_snapshot(inline_region);  // step 1's state
+
+  SnapshotLayout started;
+  SnapshotCopy copy = ts.start_snapshot_copy(overlapped, &started);
+  int waits = 0;
+  StepHooks hooks;
+  std::vector<schema::Phase> phases;
+  hooks.on_phase = [&](schema::Phase p) { phases.push_back(p); };
+  hooks.before_update = [&] {
+    // After backward, before the optimizer touches anything.
+    EXPECT_EQ(phases.back(), schema::Phase::OPTIMIZER);
+    copy.wait();
+    EXPECT_TRUE(copy.ready());
+    ++waits;
+  };
+  ts.step(make_batch(m, t.batch_size, 2), 2, hooks);
+  EXPECT_EQ(waits, 1);
+  ASSERT_EQ(started.entries.size(), layout.entries.size());
+  EXPECT_EQ(started.total_bytes, layout.total_bytes);
+  EXPECT_EQ(std::memcmp(inline_region.data(), overlapped.data(), layout.total_bytes), 0);
+  ts.copy_snapshot(inline_region);  // step 2's state differs
+  EXPECT_NE(std::memcmp(inline_region.data(), overlapped.data(), layout.total_bytes), 0);
+
+  // A copy nobody waits for is joined by its destructor; a default one is ready.
+  {
+    SnapshotLayout l;
+    SnapshotCopy dropped = ts.start_snapshot_copy(overlapped, &l);
+  }
+  EXPECT_EQ(std::memcmp(inline_region.data(), overlapped.data(), layout.total_bytes), 0);
+  SnapshotCopy none;
+  EXPECT_TRUE(none.ready());
+  none.wait();
+  std::vector<std::byte> small(layout.total_bytes / 2);
+  SnapshotLayout l;
+  EXPECT_THROW(ts.start_snapshot_copy(small, &l), Error);
 }
 
 // Writes `ts`'s share of `step` into `store` the way the checkpointer does: the staging bytes
@@ -485,6 +535,7 @@ TEST_F(TrainerTest, SnapshotPlaneMatchesAcksByStepAndResendsWhatItNeeds) {
   {
     SnapshotPlane plane(zmq, ts, plane_options(endpoint));
     ASSERT_TRUE(plane.take(1, false));
+    plane.settle();  // the copy is done and its SnapshotReady sent
     EXPECT_EQ(plane.leased(), 1u);
     auto r1 = receive_ready(router, 5s);
     ASSERT_TRUE(r1);
@@ -493,6 +544,7 @@ TEST_F(TrainerTest, SnapshotPlaneMatchesAcksByStepAndResendsWhatItNeeds) {
     ASSERT_TRUE(poll_until(plane, [&] { return !plane.leased(); }));
 
     ASSERT_TRUE(plane.take(2, false));
+    plane.settle();  // the copy is done and its SnapshotReady sent
     auto r2 = receive_ready(router, 5s);
     ASSERT_TRUE(r2);
     EXPECT_EQ(r2->step, 2u);
@@ -559,6 +611,7 @@ TEST_F(TrainerTest, SnapshotPlaneWaitsAreBounded) {
   {
     SnapshotPlane plane(zmq, ts, o);
     ASSERT_TRUE(plane.take(1, false));
+    plane.settle();  // the copy is done and its SnapshotReady sent
     try {
       plane.take(2, false);
       ADD_FAILURE() << "took a snapshot over a leased region";
@@ -579,6 +632,7 @@ TEST_F(TrainerTest, SnapshotPlaneWaitsAreBounded) {
     o.stop_requested = [&] { return stop; };
     SnapshotPlane plane(zmq, ts, o);
     ASSERT_TRUE(plane.take(1, true));
+    plane.settle();  // the copy is done and its SnapshotReady sent
     stop = true;
     EXPECT_FALSE(plane.take(2, false));
     EXPECT_FALSE(plane.wait_committed(1));
@@ -649,6 +703,7 @@ TEST_F(TrainerTest, SnapshotPlaneSurvivesACheckpointerRestart) {
     // The final snapshot reaches a checkpointer that never handles it.
     ::kill(first, SIGSTOP);
     ASSERT_TRUE(plane.take(2, true));
+    plane.settle();  // the copy is done and its SnapshotReady sent
     std::this_thread::sleep_for(200ms);
     ::kill(first, SIGKILL);
     const int status = wait_exit(first, 10s);
