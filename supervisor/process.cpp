@@ -201,7 +201,8 @@ bool process_alive(pid_t pid, uint64_t start_ticks) {
   return state != 'Z' && state != 'X';
 }
 
-SignalOutcome signal_process(pid_t pid, uint64_t start_ticks, int sig) {
+SignalOutcome signal_process(pid_t pid, uint64_t start_ticks, int sig,
+                             const std::function<void()>& after_check) {
   if (pid <= 0) return {SignalResult::kGone};
   // The start time read after the pidfd pins a process: a match means the fd holds the
   // recorded process (or one that has exited since, which the send then reports as ESRCH).
@@ -223,10 +224,12 @@ SignalOutcome signal_process(pid_t pid, uint64_t start_ticks, int sig) {
   if (raw < 0 && errno != ENOSYS) return {SignalResult::kRefused, errno};
   if (raw < 0) {
     if (auto refused = checked()) return *refused;
+    if (after_check) after_check();
     return sent(::kill(pid, sig));
   }
   const Fd pidfd(raw);
   if (auto refused = checked()) return *refused;
+  if (after_check) after_check();
   return sent(::syscall(SYS_pidfd_send_signal, pidfd.get(), sig, nullptr, 0));
 }
 }  // namespace megacpp::supervisor::detail

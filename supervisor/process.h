@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -67,5 +68,8 @@ struct SignalOutcome {
 // if the pinned process was the recorded one the start times match, and if it exits and its
 // pid is reused after the check, the pidfd still names the exited one and the signal fails
 // (kGone). Never blocks. Kernels without pidfds (before 5.3) fall back to check-then-kill.
-SignalOutcome signal_process(pid_t pid, uint64_t start_ticks, int sig);
+// `after_check` (tests) runs between the start-time check and the send: where a pid can be
+// reused under a bare kill().
+SignalOutcome signal_process(pid_t pid, uint64_t start_ticks, int sig,
+                             const std::function<void()>& after_check = {});
 }  // namespace megacpp::supervisor::detail

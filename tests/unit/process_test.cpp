@@ -3,10 +3,15 @@
 // signal_process: a process the supervisor did not fork is signalled only when it is the one
 // that started at the recorded time.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <fstream>
 
 #include <algorithm>
 #include <string>
@@ -109,4 +114,53 @@ TEST(SignalProcess, AZombieIsGone) {
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(WIFEXITED(status)) << status;
+}
+
+// The race a pidfd closes: the recorded process exits and its pid is taken by another between
+// the start-time check and the signal. Made deterministic in a pid namespace of its own (pids
+// there are 1, 2, ... and ns_last_pid hands the dead one's pid to the next fork): the signal
+// must not reach the newcomer. Check-then-kill() sent it there.
+TEST(SignalProcess, APidReusedAfterTheCheckIsNotSignalled) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root for a pid and mount namespace";
+  const pid_t outer = ::fork();
+  ASSERT_GE(outer, 0);
+  if (outer == 0) {
+    // Exit codes: 0 ok, 10 + n a failed expectation, 90+ a set-up step (then skipped).
+    if (::unshare(CLONE_NEWPID | CLONE_NEWNS) != 0) ::_exit(90);
+    if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) ::_exit(91);
+    const pid_t init = ::fork();  // pid 1 of the new namespace
+    if (init < 0) ::_exit(92);
+    if (init > 0) {
+      int st = 0;
+      ::waitpid(init, &st, 0);
+      ::_exit(WIFEXITED(st) ? WEXITSTATUS(st) : 99);
+    }
+    if (::mount("proc", "/proc", "proc", 0, nullptr) != 0) ::_exit(93);
+    const pid_t first = sleeping_child();
+    const uint64_t ticks = sd::process_start_ticks(first);
+    if (first <= 0 || ticks == 0) ::_exit(94);
+    pid_t newcomer = -1;
+    const auto outcome = sd::signal_process(first, ticks, SIGTERM, [&] {
+      ::kill(first, SIGKILL);
+      ::waitpid(first, nullptr, 0);
+      std::ofstream("/proc/sys/kernel/ns_last_pid") << first - 1;
+      newcomer = sleeping_child();
+    });
+    if (newcomer != first) ::_exit(95);  // the pid was not reused: nothing was tested
+    int st = 0;
+    const bool untouched = ::waitpid(newcomer, &st, WNOHANG) == 0;
+    ::kill(newcomer, SIGKILL);
+    ::waitpid(newcomer, nullptr, 0);
+    if (!untouched) ::_exit(11);
+    ::_exit(outcome.result == sd::SignalResult::kGone ? 0 : 12);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(outer, &status, 0), outer);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  const int code = WEXITSTATUS(status);
+  if (code >= 90)
+    GTEST_SKIP() << "could not set up a pid namespace with a reused pid (step " << code << ")";
+  EXPECT_NE(code, 11) << "the process that took the pid after the check was signalled";
+  EXPECT_NE(code, 12) << "the signal to the exited process was not reported as gone";
+  EXPECT_EQ(code, 0);
 }
