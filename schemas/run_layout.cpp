@@ -64,7 +64,7 @@ std::string process_name(schema::StageKind stage, uint32_t rank) {
 }
 
 fs::path journal_path(const fs::path& run, schema::StageKind stage, uint32_t rank) {
-  return journal_dir(run) / (process_name(stage, rank) + ".journal");
+  return journal_dir(run) / (process_name(stage, rank) + std::string(kJournalSuffix));
 }
 fs::path log_path(const fs::path& run, schema::StageKind stage, uint32_t rank) {
   return logs_dir(run) / (process_name(stage, rank) + ".log");

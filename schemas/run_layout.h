@@ -29,8 +29,25 @@ inline fs::path manifest_path(const fs::path& run) {
 inline fs::path journal_dir(const fs::path& run) {
   return run / "journal";
 }
+// The ending of every journal file name (journal_path).
+inline constexpr std::string_view kJournalSuffix = ".journal";
 inline fs::path receipts_dir(const fs::path& run) {
   return run / "receipts";
+}
+// The receipts the collector writes for a run in a terminal state, by file name
+// (receipt_path(run, kBenchResult) is RUN/receipts/bench_result.json).
+inline constexpr std::string_view kBenchResult = "bench_result.json";
+inline constexpr std::string_view kBenchTelemetry = "bench_telemetry.json";
+inline constexpr std::string_view kBackendIdentity = "backend_identity.json";
+inline constexpr std::string_view kRuntimeProvenance = "runtime_provenance.json";
+inline constexpr std::string_view kFirstForward = "first_forward.json";
+inline fs::path receipt_path(const fs::path& run, std::string_view receipt) {
+  return receipts_dir(run) / receipt;
+}
+// Where a later attempt moves attempt `attempt`'s failure dumps: RUN/attempts/<attempt>/, the
+// dumps keeping their path relative to the run (attempts/1/failures/trainer-0.json).
+inline fs::path attempt_dir(const fs::path& run, uint32_t attempt) {
+  return run / "attempts" / std::to_string(attempt);
 }
 inline fs::path failures_dir(const fs::path& run) {
   return run / "failures";

@@ -46,16 +46,17 @@ double percentile(std::vector<double> v, double q) {
 RunFacts read_run(const fs::path& run) {
   if (!fs::exists(layout::launch_path(run)))
     MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{} holds no run (no launch.json)", run.string());
-  const fs::path receipts = layout::receipts_dir(run);
-  if (!fs::exists(receipts / "bench_result.json") || !fs::exists(receipts / "bench_telemetry.json"))
+  const fs::path result_path = layout::receipt_path(run, layout::kBenchResult);
+  const fs::path telemetry_path = layout::receipt_path(run, layout::kBenchTelemetry);
+  if (!fs::exists(result_path) || !fs::exists(telemetry_path))
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                  "{} has no receipts yet (still running, or never collected): compare it once it "
                  "has ended (`megacpp collect {}` re-folds a finished one)",
                  run.string(), run.string());
   schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run));
   schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run));
-  schemas::JsonFile<schema::BenchResult> result(receipts / "bench_result.json");
-  schemas::JsonFile<schema::BenchTelemetry> telemetry(receipts / "bench_telemetry.json");
+  schemas::JsonFile<schema::BenchResult> result(result_path);
+  schemas::JsonFile<schema::BenchTelemetry> telemetry(telemetry_path);
   auto l = launch.get();
   auto m = manifest.get();
   auto r = result.get();

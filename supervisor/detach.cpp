@@ -420,7 +420,7 @@ int list_runs(const fs::path& dir) {
       auto m = manifest.get();
       const bool live = live_supervisor(run).has_value();
       double last_loss = NAN;
-      const fs::path br = layout::receipts_dir(run) / "bench_result.json";
+      const fs::path br = layout::receipt_path(run, layout::kBenchResult);
       if (live) {
         schemas::JsonFile<schema::LaunchContract> launch(layout::launch_path(run));
         last_loss = read_progress(run, launch.get()).loss;

@@ -168,7 +168,7 @@ int Run::report() {
                        m.getStopReason().cStr(), run_.string());
   } else if (ok) {
     double first = NAN, last = NAN, tps = NAN;
-    auto br = layout::receipts_dir(run_) / "bench_result.json";
+    auto br = layout::receipt_path(run_, layout::kBenchResult);
     if (fs::exists(br)) {
       schemas::JsonFile<schema::BenchResult> b(br);
       first = b.get().getFirstLoss();

@@ -156,8 +156,8 @@ int write_report(const std::vector<fs::path>& runs, const fs::path& out) {
     for (auto a : m.getAttempts())
       if (a.getAttempt() > 0) l.attempts.emplace_back(a.getAttempt(), a.getFromStep() + 1);
     t.attempts = l.attempts;
-    const fs::path telemetry = layout::receipts_dir(run) / "bench_telemetry.json";
-    const fs::path result = layout::receipts_dir(run) / "bench_result.json";
+    const fs::path telemetry = layout::receipt_path(run, layout::kBenchTelemetry);
+    const fs::path result = layout::receipt_path(run, layout::kBenchResult);
     if (fs::exists(telemetry) && fs::exists(result)) {
       schemas::JsonFile<schema::BenchResult> r(result);
       const double per_step =

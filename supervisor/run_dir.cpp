@@ -662,7 +662,7 @@ void Run::prepare() {
 void Run::archive_attempt() {
   // The previous attempt's contract and failure dumps move to RUN/attempts/<n>/; journals
   // and logs stay where they are (every record carries its attempt; logs are appended).
-  const fs::path keep = run_ / "attempts" / std::to_string(previous_attempt_);
+  const fs::path keep = layout::attempt_dir(run_, previous_attempt_);
   fs::create_directories(keep / "failures");
   fs::copy_file(layout::launch_path(run_), keep / "launch.json",
                 fs::copy_options::overwrite_existing);
