@@ -36,10 +36,12 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/safetensors.h"
+#include "checkpoint/store.h"
 #include "core/error.h"
 #include "core/util.h"
 #include "ipc/shm.h"
-#include "stages/checkpointer/checkpointer.h"
+#include "ipc/staging_stamp.h"
 #include "stages/trainer/train_step.h"
 
 namespace mc = megacpp;
@@ -148,7 +150,7 @@ int main(int argc, char** argv) {
 
     const std::string shm = fmt::format("/megacpp-bench-ckpt-{}", ::getpid());
     mc::ipc::ShmRegion staging(mc::ipc::ShmRegion::Create{}, shm,
-                               bytes + mc::checkpointer::kStagingStampBytes);
+                               bytes + mc::ipc::kStagingStampBytes);
     std::memset(staging.data(), 0, staging.size());  // mapped once, as a rank's region stays
     std::vector<std::byte> src(bytes, std::byte{0x5a});
     const Stats copy =
@@ -157,9 +159,9 @@ int main(int argc, char** argv) {
     src.shrink_to_fit();
     std::byte* stamp = staging.data() + bytes;
     const Stats inline_copy = time_it(o.repeats, [&](int i) {
-      mc::checkpointer::clear_staging_stamp(stamp);
+      mc::ipc::clear_staging_stamp(stamp);
       ts.copy_snapshot({staging.data(), bytes});
-      mc::checkpointer::set_staging_stamp(stamp, static_cast<uint32_t>(i + 1));
+      mc::ipc::set_staging_stamp(stamp, static_cast<uint32_t>(i + 1));
     });
     auto since = [](Clock::time_point t0) {
       return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -172,7 +174,7 @@ int main(int argc, char** argv) {
       const double plain = since(t0);
       double blocked = 0;
       t0 = Clock::now();
-      mc::checkpointer::clear_staging_stamp(stamp);
+      mc::ipc::clear_staging_stamp(stamp);
       mc::trainer::SnapshotLayout started;
       mc::trainer::SnapshotCopy copy = ts.start_snapshot_copy({staging.data(), bytes}, &started);
       blocked += since(t0);
@@ -180,7 +182,7 @@ int main(int argc, char** argv) {
       hooks.before_update = [&] {
         const auto w0 = Clock::now();
         copy.wait();
-        mc::checkpointer::set_staging_stamp(stamp, step_index);
+        mc::ipc::set_staging_stamp(stamp, step_index);
         blocked += since(w0);
       };
       ts.step(batch, step_index++, hooks);
@@ -193,7 +195,7 @@ int main(int argc, char** argv) {
 
     const fs::path work = fs::path(o.dir) / fmt::format("megacpp-bench-ckpt-{}", ::getpid());
     fs::create_directories(work);
-    std::vector<mc::checkpointer::TensorView> views;
+    std::vector<mc::checkpoint::TensorView> views;
     for (const auto& e : layout.entries)
       views.push_back({e.name, e.dtype, e.shape, staging.data() + e.offset, e.bytes});
     // Checkpoint and dd alternate, each output removed before the next and after one untimed
@@ -206,7 +208,7 @@ int main(int argc, char** argv) {
     const fs::path dd_file = work / "dd.bin";
     std::vector<double> write_s, dd_s;
     {
-      mc::checkpointer::CheckpointStore store(work, "bench", "hash");
+      mc::checkpoint::CheckpointStore store(work, "bench", "hash");
       for (int i = 0; i <= o.repeats; ++i) {  // round 0 is the warm-up
         const auto step = static_cast<uint32_t>(i + 1);
         auto t0 = Clock::now();

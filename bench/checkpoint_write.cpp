@@ -31,13 +31,14 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include "checkpoint/safetensors.h"
+#include "checkpoint/store.h"
 #include "core/error.h"
 #include "core/util.h"
 #include "ipc/shm.h"
-#include "stages/checkpointer/checkpointer.h"
 
 namespace mc = megacpp;
-namespace ck = megacpp::checkpointer;
+namespace ck = megacpp::checkpoint;
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 

@@ -66,7 +66,7 @@ struct SnapshotReady {
   final @6 :Bool;               # the end-of-training snapshot
   layout @7 :Text;              # JSON: how to reassemble sharded entries (train_step.h
                                 # snapshot_metadata); stored as "megacpp.layout" in the file
-  # Where the region's step stamp lies (checkpointer.h StagingStamp); 0: the sender has none.
+  # Where the region's step stamp lies (ipc/staging_stamp.h StagingStamp); 0: the sender has none.
   stampOffset @8 :UInt64;
 }
 

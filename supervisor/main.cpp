@@ -14,13 +14,15 @@
 #include <kj/exception.h>
 #include <CLI/CLI.hpp>
 
+#include "checkpoint/export.h"
+#include "checkpoint/reader.h"
+#include "checkpoint/verify.h"
 #include "core/error.h"
 #include "core/util.h"
 #include "prepare/prepare.h"
 #include "recipes/plan.h"
 #include "recipes/recipe.h"
 #include "schemas/run_layout.h"
-#include "stages/checkpointer/checkpointer.h"
 #include "stages/collector/collector.h"
 #include "supervisor/supervisor.h"
 
@@ -30,8 +32,8 @@ namespace fs = std::filesystem;
 namespace {
 
 int verify(const fs::path& path) {
-  const fs::path dir = mc::checkpointer::resolve_checkpoint_dir(path);
-  auto result = mc::checkpointer::verify_checkpoint(dir);
+  const fs::path dir = mc::checkpoint::resolve_checkpoint_dir(path);
+  auto result = mc::checkpoint::verify_checkpoint(dir);
   if (result.ok) {
     fmt::print("checkpoint {} verifies\n", dir.string());
     return 0;
@@ -374,16 +376,16 @@ int main(int argc, char** argv) {
     }
     if (*verify_cmd) return verify(verify_path);
     if (*export_cmd) {
-      const fs::path dir = mc::checkpointer::resolve_checkpoint_dir(export_path);
-      const auto verdict = mc::checkpointer::verify_checkpoint(dir);
+      const fs::path dir = mc::checkpoint::resolve_checkpoint_dir(export_path);
+      const auto verdict = mc::checkpoint::verify_checkpoint(dir);
       if (!verdict.ok)
         throw mc::Error(mc::ErrorKind::kInvalidArgument,
                         fmt::format("{} does not verify ({}): export another checkpoint",
                                     dir.string(), verdict.problems.front()));
-      const mc::checkpointer::CheckpointReader ckpt(dir);
-      mc::checkpointer::ExportReport report;
+      const mc::checkpoint::CheckpointReader ckpt(dir);
+      mc::checkpoint::ExportReport report;
       try {
-        report = mc::checkpointer::export_checkpoint(ckpt, export_out, export_optimizer);
+        report = mc::checkpoint::export_checkpoint(ckpt, export_out, export_optimizer);
       } catch (const mc::Error& e) {
         // The checkpoint verified: a failed OS call here is about --out (its directory, its
         // space), which the user chooses.

@@ -17,6 +17,9 @@
 #include <capnp/message.h>
 #include <fmt/format.h>
 
+#include "checkpoint/reader.h"
+#include "checkpoint/resume.h"
+#include "checkpoint/verify.h"
 #include "core/error.h"
 #include "core/knobs.h"
 #include "core/util.h"
@@ -32,7 +35,6 @@
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
-#include "stages/checkpointer/checkpointer.h"
 #include "supervisor/metrics.h"
 #include "supervisor/process.h"
 #include "supervisor/rendezvous.h"
@@ -245,7 +247,7 @@ uint64_t Run::data_position_after(uint32_t step) const {
 }
 
 void Run::choose_checkpoint(std::string_view why) {
-  auto choice = checkpointer::select_resume_checkpoint(run_);
+  auto choice = checkpoint::select_resume_checkpoint(run_);
   skipped_.clear();
   skipped_steps_.clear();
   for (const auto& sk : choice.skipped) {
@@ -257,7 +259,7 @@ void Run::choose_checkpoint(std::string_view why) {
   }
   resume_.reset();
   if (choice.chosen) {
-    const checkpointer::CheckpointReader ckpt(choice.chosen->dir);
+    const checkpoint::CheckpointReader ckpt(choice.chosen->dir);
     resume_ = ResumeInfo{choice.chosen->step, choice.chosen->dir, choice.chosen->relative_path,
                          ckpt.world()};
   }
@@ -292,13 +294,13 @@ void Run::create_rings() {
 
 void Run::adopt_parent_checkpoint() {
   const fs::path dir =
-      fs::absolute(checkpointer::resolve_checkpoint_dir(opt_.from)).lexically_normal();
-  const auto verdict = checkpointer::verify_checkpoint(dir);
+      fs::absolute(checkpoint::resolve_checkpoint_dir(opt_.from)).lexically_normal();
+  const auto verdict = checkpoint::verify_checkpoint(dir);
   if (!verdict.ok)
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                  "--from {}: the checkpoint does not verify ({}): pick another checkpoint",
                  opt_.from.string(), verdict.problems.front());
-  checkpointer::CheckpointReader ckpt(dir);
+  checkpoint::CheckpointReader ckpt(dir);
   if (ckpt.step() >= opt_.steps)
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                  "--from {}: the checkpoint is of step {}, and --steps {} leaves nothing to "

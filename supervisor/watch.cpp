@@ -18,7 +18,6 @@
 #include "ipc/channel.h"
 #include "schemas/enums.h"
 #include "schemas/run_layout.h"
-#include "stages/checkpointer/checkpointer.h"
 #include "stages/collector/collector.h"
 #include "supervisor/console.h"
 #include "supervisor/failure_policy.h"

@@ -2,9 +2,10 @@
 #include <chrono>
 #include <csignal>
 
+#include "checkpoint/store.h"
 #include "core/util.h"
 #include "recipes/recipe.h"
-#include "stages/checkpointer/checkpointer.h"
+#include "stages/checkpointer/service.h"
 #include "stages/stage.h"
 
 namespace {
@@ -12,7 +13,7 @@ namespace {
 using megacpp::schema::Phase;
 
 void run(megacpp::stage::StageContext& ctx) {
-  namespace ck = megacpp::checkpointer;
+  namespace ck = megacpp::checkpoint;
   auto launch = ctx.launch();
   // A launch contract without a policy keeps every checkpoint (RetentionPolicy's default).
   ck::RetentionPolicy retention;
@@ -36,7 +37,7 @@ void run(megacpp::stage::StageContext& ctx) {
                                launch.getCheckpointEndpoint());
   // A relaunched checkpointer binds the same endpoint under the same identity; the ranks
   // re-send what they still need acknowledged (the Service is idempotent).
-  ck::Service service(
+  megacpp::checkpointer::Service service(
       store, router, &ctx.journal(), [&ctx](Phase p) { ctx.set_phase(p); },
       [&ctx](uint32_t step) { megacpp::stage::fault_point(ctx, "write", step); });
   // Progress: every turn of this loop (a message handled or 200 ms of quiet) and every chunk

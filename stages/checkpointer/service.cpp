@@ -2,11 +2,14 @@
 #include <sys/stat.h>
 #include <atomic>
 
+#include "checkpoint/safetensors.h"
+#include "checkpoint/store.h"
 #include "core/error.h"
 #include "core/util.h"
 #include "ipc/shm.h"
+#include "ipc/staging_stamp.h"
 #include "schemas/run_layout.h"
-#include "stages/checkpointer/checkpointer.h"
+#include "stages/checkpointer/service.h"
 
 namespace megacpp::checkpointer {
 
@@ -28,8 +31,8 @@ ino_t shm_inode(const std::string& name) {
 }
 }  // namespace
 
-Service::Service(CheckpointStore& store, ipc::Channel& router, ipc::JournalWriter* journal,
-                 PhaseFn on_phase, WriteFn before_write)
+Service::Service(checkpoint::CheckpointStore& store, ipc::Channel& router,
+                 ipc::JournalWriter* journal, PhaseFn on_phase, WriteFn before_write)
     : store_(store),
       router_(router),
       journal_(journal),
@@ -142,20 +145,21 @@ void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Re
     const uint64_t region_bytes = ready.getRegionBytes();
     const std::byte* base = region_for(rank, ready.getRegion(), region_bytes);
     if (const uint64_t at = ready.getStampOffset(); at != 0) {
-      MEGACPP_CHECK(at <= region_bytes && kStagingStampBytes <= region_bytes - at && at % 8 == 0,
-                    ErrorKind::kProtocol,
-                    fmt::format("step stamp at {} lies outside the {}-byte staging region", at,
-                                region_bytes));
+      MEGACPP_CHECK(
+          at <= region_bytes && ipc::kStagingStampBytes <= region_bytes - at && at % 8 == 0,
+          ErrorKind::kProtocol,
+          fmt::format("step stamp at {} lies outside the {}-byte staging region", at,
+                      region_bytes));
       stamp = base + at;
       // A SnapshotReady whose region has moved on (its lease was released to an earlier
       // incarnation of this process) describes bytes that are no longer its step's.
-      if (const auto held = read_staging_stamp(stamp); held != step) {
+      if (const auto held = ipc::read_staging_stamp(stamp); held != step) {
         log_warn("not writing rank {}'s snapshot of step {}: its staging region now holds {}", rank,
                  step, held ? fmt::format("step {}", *held) : std::string("no stamp"));
         return;
       }
     }
-    std::vector<TensorView> views;
+    std::vector<checkpoint::TensorView> views;
     views.reserve(ready.getTensors().size());
     for (auto t : ready.getTensors()) {
       const uint64_t offset = t.getOffset();
@@ -163,7 +167,7 @@ void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Re
       MEGACPP_CHECK(offset <= region_bytes && bytes <= region_bytes - offset, ErrorKind::kProtocol,
                     fmt::format("tensor '{}' [{}, +{}) lies outside the {}-byte staging region",
                                 t.getName().cStr(), offset, bytes, region_bytes));
-      TensorView v;
+      checkpoint::TensorView v;
       v.name = t.getName();
       v.dtype = t.getDtype();
       for (uint64_t d : t.getShape()) v.shape.push_back(d);
@@ -179,7 +183,7 @@ void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Re
     }
     store_.write_rank(step, world, rank, views, ready.getLayout().cStr());
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (stamp != nullptr && read_staging_stamp(stamp) != step) {
+    if (stamp != nullptr && ipc::read_staging_stamp(stamp) != step) {
       // The rank reused the region while the file was written: what was written is a mix.
       // The step cannot commit (the rank will not send it again), so it is dropped.
       log_warn("rank {}'s staging region changed while step {} was written; dropping the step",
@@ -203,7 +207,7 @@ void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Re
 void Service::commit(uint32_t step, bool final) {
   StepState state = std::move(steps_.at(step));
   steps_.erase(step);
-  CommittedCheckpoint done;
+  checkpoint::CommittedCheckpoint done;
   try {
     done = store_.commit(step);
   } catch (const std::exception& e) {

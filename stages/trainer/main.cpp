@@ -344,7 +344,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     const std::string dir = resume.getCheckpoint();
     typed_errors(fmt::format("restoring checkpoint {}", dir), [&] {
       const auto begin = Clock::now();
-      const checkpointer::CheckpointReader ckpt(dir);
+      const checkpoint::CheckpointReader ckpt(dir);
       MEGACPP_CHECK(ckpt.step() == resume.getStep(), ErrorKind::kCorruption,
                     fmt::format("checkpoint {} holds step {}, the launch contract says {}", dir,
                                 ckpt.step(), resume.getStep()));

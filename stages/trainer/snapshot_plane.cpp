@@ -7,7 +7,7 @@
 #include "core/util.h"
 #include "stages/trainer/snapshot_plane.h"
 
-#include "stages/checkpointer/checkpointer.h"
+#include "ipc/staging_stamp.h"
 #include "stages/trainer/train_step.h"
 
 namespace megacpp::trainer {
@@ -93,13 +93,13 @@ bool SnapshotPlane::take(uint32_t step, bool final) {
                               options_.peer_name, prev, options_.lease_timeout.count() / 1000.0,
                               last_error_note(), step));
   }
-  // The region holds the share, then the step stamp (checkpointer.h StagingStamp).
+  // The region holds the share, then the step stamp (ipc/staging_stamp.h StagingStamp).
   share_bytes_ = std::max(ts_.snapshot_layout().total_bytes, kSnapshotAlignment);
   if (!region_) {
     region_ = std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{}, options_.region_name,
-                                               share_bytes_ + checkpointer::kStagingStampBytes);
+                                               share_bytes_ + ipc::kStagingStampBytes);
   }
-  checkpointer::clear_staging_stamp(region_->data() + share_bytes_);
+  ipc::clear_staging_stamp(region_->data() + share_bytes_);
   copy_ = ts_.start_snapshot_copy({region_->data(), share_bytes_}, &copy_layout_);
   copying_ = true;
   copy_step_ = step;
@@ -121,7 +121,7 @@ void SnapshotPlane::send_ready() {
   copy_.wait();  // joins a finished copy: its bytes are visible before the stamp
   copying_ = false;
   const uint32_t step = copy_step_;
-  checkpointer::set_staging_stamp(region_->data() + share_bytes_, step);
+  ipc::set_staging_stamp(region_->data() + share_bytes_, step);
   auto message = std::make_unique<ipc::ControlMessageBuilder>();
   auto ready = message->root().initSnapshotReady();
   ready.setRank(ts_.rank());

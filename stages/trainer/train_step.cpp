@@ -599,7 +599,7 @@ void plan_snapshot_copy(const std::vector<NamedTensor>& share, const SnapshotLay
 }
 }  // namespace
 
-void TrainStep::restore(const checkpointer::CheckpointReader& ckpt) {
+void TrainStep::restore(const checkpoint::CheckpointReader& ckpt) {
   Impl& s = *impl_;
   torch::NoGradGuard no_grad;
   // Fills `dst` (contiguous, rows [row, row + dst.size(0)) of `logical`, or all of a 0-D one).
@@ -607,7 +607,7 @@ void TrainStep::restore(const checkpointer::CheckpointReader& ckpt) {
   // checkpoint of another world size: only its trailing dimensions must match.
   auto fill = [&](const std::string& logical, at::Tensor dst, std::vector<int64_t> full_shape,
                   int64_t row, bool padded_rows) {
-    const checkpointer::StoredTensor* t = ckpt.find(logical);
+    const checkpoint::StoredTensor* t = ckpt.find(logical);
     MEGACPP_CHECK(t != nullptr, ErrorKind::kInvalidArgument,
                   fmt::format("checkpoint {} has no tensor {}: it was written by another model "
                               "or optimizer configuration",

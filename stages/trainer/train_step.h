@@ -25,10 +25,10 @@
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "checkpoint/reader.h"
 #include "recipes/recipe.h"
 #include "schemas/common.capnp.h"
 #include "schemas/launch.capnp.h"
-#include "stages/checkpointer/checkpointer.h"
 #include "stages/trainer/model.h"
 #include "stages/trainer/optim.h"
 #include "stages/trainer/snapshot_copy.h"
@@ -217,7 +217,7 @@ class TrainStep {
   // here, a Muon stack padded differently). Not a collective: every rank reads the files.
   // Throws Error{kInvalidArgument} naming the tensor when the checkpoint does not fit this
   // model and optimizer (missing, another shape or dtype), Error{kCorruption} as the reader.
-  void restore(const checkpointer::CheckpointReader& ckpt);
+  void restore(const checkpoint::CheckpointReader& ckpt);
 
  private:
   struct Impl;

@@ -18,21 +18,28 @@
 #include <iterator>
 #include <numeric>
 #include <set>
+#include <system_error>
 #include <thread>
 
+#include <fmt/ranges.h>
+
+#include "checkpoint/safetensors.h"
+#include "checkpoint/store.h"
+#include "checkpoint/verify.h"
 #include "core/error.h"
 #include "core/util.h"
 #include "ipc/channel.h"
 #include "ipc/journal.h"
 #include "ipc/shm.h"
+#include "ipc/staging_stamp.h"
 #include "schemas/checkpoint.capnp.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
-#include "stages/checkpointer/checkpointer.h"
+#include "stages/checkpointer/service.h"
 #include "tests/unit/test_support.h"
 
-namespace megacpp::checkpointer {
+namespace megacpp::checkpoint {
 namespace {
 
 using namespace std::chrono_literals;
@@ -127,9 +134,9 @@ TEST(Safetensors, ZeroTensorsIsAValidFile) {
 }
 
 // A rank file of tens of MiB is written in bounded write(2)s (the checkpointer's progress stamp
-// moves at least every 1 MiB, as checkpointer.h's ProgressFn promises) and handed to writeback
-// in windows along the way; the bytes and the hash are those of an unchunked write, whatever
-// the tensor sizes against the chunk and window boundaries.
+// moves at least every 1 MiB, as checkpoint/safetensors.h's ProgressFn promises) and handed to
+// writeback in windows along the way; the bytes and the hash are those of an unchunked write,
+// whatever the tensor sizes against the chunk and window boundaries.
 TEST(Safetensors, ALargeFileIsWrittenInBoundedChunksAndReadsBackVerbatim) {
   TempDir dir;
   const std::vector<uint64_t> sizes = {(5u << 20) + 3, 1, (12u << 20) + 5, 0, 3u << 20};
@@ -206,7 +213,7 @@ TEST(Safetensors, AFileThatCannotBeCreatedIsNamedInTheUsersTerms) {
     EXPECT_EQ(e.kind(), ErrorKind::kSystem);
     EXPECT_EQ(e.sys_errno(), ENOENT);
     EXPECT_EQ(e.message(), "cannot create " + path.string() + ": No such file or directory");
-    EXPECT_NE(std::string(e.what()).find("safetensors.cpp:"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("storage.cpp:"), std::string::npos) << e.what();
     EXPECT_EQ(user_message(e), e.message());
   }
 }
@@ -328,6 +335,125 @@ TEST(CheckpointStore, CommitProtocolWorld2) {
 // One flipped bit anywhere in any file of a checkpoint — checkpoint.json included, at every
 // byte of it, and at every 7th byte of the rank files — fails verify (and so is skipped by a
 // resume, which loads only a checkpoint that verifies).
+// A Storage that forwards to the local filesystem and notes each operation ("op name", the
+// last path component); `fail_rename` makes rename() fail with that errno.
+class RecordingStorage final : public Storage {
+ public:
+  explicit RecordingStorage(std::vector<std::string>& log, int fail_rename = 0)
+      : log_(log), fail_rename_(fail_rename) {}
+  std::unique_ptr<WritableFile> create(const fs::path& path) override {
+    note("create", path);
+    return posix_.create(path);
+  }
+  void write_atomic(const fs::path& path, std::string_view bytes) override {
+    note("write_atomic", path);
+    posix_.write_atomic(path, bytes);
+  }
+  std::string read(const fs::path& path) override {
+    note("read", path);
+    return posix_.read(path);
+  }
+  uint64_t file_size(const fs::path& path) override {
+    note("file_size", path);
+    return posix_.file_size(path);
+  }
+  void remove(const fs::path& path) noexcept override {
+    note("remove", path);
+    posix_.remove(path);
+  }
+  bool exists(const fs::path& path) override {
+    note("exists", path);
+    return posix_.exists(path);
+  }
+  bool is_directory(const fs::path& path) override {
+    note("is_directory", path);
+    return posix_.is_directory(path);
+  }
+  std::vector<Entry> list(const fs::path& dir) override {
+    note("list", dir);
+    return posix_.list(dir);
+  }
+  std::error_code make_dirs(const fs::path& dir) noexcept override {
+    note("make_dirs", dir);
+    return posix_.make_dirs(dir);
+  }
+  std::error_code rename(const fs::path& from, const fs::path& to) noexcept override {
+    note("rename", from, to);
+    if (fail_rename_ != 0) return {fail_rename_, std::system_category()};
+    return posix_.rename(from, to);
+  }
+  std::error_code remove_all(const fs::path& path) noexcept override {
+    note("remove_all", path);
+    return posix_.remove_all(path);
+  }
+  void sync_dir(const fs::path& dir) override {
+    note("sync_dir", dir);
+    posix_.sync_dir(dir);
+  }
+
+ private:
+  void note(std::string_view op, const fs::path& path, const fs::path& to = {}) {
+    log_.push_back(fmt::format("{} {}{}", op, path.filename().string(),
+                               to.empty() ? "" : " " + to.filename().string()));
+  }
+  std::vector<std::string>& log_;
+  int fail_rename_;
+  PosixStorage posix_;
+};
+
+// Whether `want` appears in `log` in this order (other operations may lie between).
+bool in_order(const std::vector<std::string>& log, const std::vector<std::string>& want) {
+  auto at = log.begin();
+  for (const auto& w : want) {
+    at = std::find(at, log.end(), w);
+    if (at == log.end()) return false;
+    ++at;
+  }
+  return true;
+}
+
+// The store keeps every file of RUN/checkpoints in its Storage: a step written and committed
+// over a recording Storage goes through it in the protocol's order, and the result verifies.
+TEST(CheckpointStore, EveryFileOperationGoesThroughItsStorage) {
+  TempDir run;
+  std::vector<std::string> log;
+  CheckpointStore store(run.path(), "run-x", "hash-y", {}, std::make_unique<RecordingStorage>(log));
+  FakeRegion r0 = sample_region(1.0f);
+  store.write_rank(3, 1, 0, r0.finish());
+  store.commit(3);
+  EXPECT_TRUE(in_order(
+      log,
+      {"make_dirs checkpoints", "list checkpoints", "make_dirs step_00000003.tmp",
+       "create rank_0.safetensors", "write_atomic checkpoint.json",
+       "rename step_00000003.tmp step_00000003", "sync_dir checkpoints", "write_atomic LATEST"}))
+      << fmt::format("{}", fmt::join(log, "\n"));
+  const VerifyResult v = verify_checkpoint(step_dir(run.path(), 3));
+  EXPECT_TRUE(v.ok) << fmt::format("{}", fmt::join(v.problems, "; "));
+  EXPECT_EQ(read_file(layout::checkpoints_dir(run.path()) / "LATEST"), "step_00000003\n");
+}
+
+// A rename the storage refuses fails the commit with the errno kept and the same words as
+// when the store called rename(2) itself; nothing is committed.
+TEST(CheckpointStore, ARefusedCommitRenameIsASystemError) {
+  TempDir run;
+  std::vector<std::string> log;
+  CheckpointStore store(run.path(), "run-x", "hash-y", {},
+                        std::make_unique<RecordingStorage>(log, EXDEV));
+  FakeRegion r0 = sample_region(1.0f);
+  store.write_rank(3, 1, 0, r0.finish());
+  try {
+    store.commit(3);
+    FAIL() << "commit succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kSystem);
+    EXPECT_EQ(e.sys_errno(), EXDEV);
+    EXPECT_EQ(e.message(), fmt::format("::rename(tmp.c_str(), final_dir.c_str()) failed: {}",
+                                       std::strerror(EXDEV)));
+  }
+  EXPECT_FALSE(fs::exists(step_dir(run.path(), 3)));
+  EXPECT_FALSE(fs::exists(layout::checkpoints_dir(run.path()) / "LATEST"));
+}
+
 TEST(CheckpointStore, EveryFlippedByteOfEveryFileFailsVerify) {
   TempDir run;
   CheckpointStore store(run.path(), "r", "h");
@@ -444,7 +570,7 @@ class ServiceTest : public ::testing::Test {
     }
   }
   void make_service() {
-    service_ = std::make_unique<Service>(
+    service_ = std::make_unique<checkpointer::Service>(
         *store_, *router_, journal_.get(), [this](schema::Phase p) { phases_.push_back(p); },
         [this](uint32_t step) {
           writes_.push_back(step);
@@ -499,9 +625,9 @@ class ServiceTest : public ::testing::Test {
     }
     if (stamp != 0) {
       std::byte* p = stamp_of(r);
-      clear_staging_stamp(p);
-      set_staging_stamp(p, stamp);
-      ready.setStampOffset(rank.region->size() - kStagingStampBytes);
+      ipc::clear_staging_stamp(p);
+      ipc::set_staging_stamp(p, stamp);
+      ready.setStampOffset(rank.region->size() - ipc::kStagingStampBytes);
     }
     ASSERT_TRUE(rank.dealer->send(b.message()));
   }
@@ -521,7 +647,7 @@ class ServiceTest : public ::testing::Test {
   }
   void serve_one() { ASSERT_TRUE(service_->poll(5000ms)); }
   std::byte* stamp_of(uint32_t r) {
-    return ranks_[r].region->data() + ranks_[r].region->size() - kStagingStampBytes;
+    return ranks_[r].region->data() + ranks_[r].region->size() - ipc::kStagingStampBytes;
   }
 
   TempDir run_, sock_;
@@ -530,7 +656,7 @@ class ServiceTest : public ::testing::Test {
   std::unique_ptr<CheckpointStore> store_;
   std::unique_ptr<ipc::Channel> router_;
   std::unique_ptr<ipc::JournalWriter> journal_;
-  std::unique_ptr<Service> service_;
+  std::unique_ptr<checkpointer::Service> service_;
   std::vector<schema::Phase> phases_;
   std::vector<uint32_t> writes_;    // steps of the rank files written, in order
   std::function<void()> on_write_;  // runs just before a rank file is written
@@ -806,10 +932,11 @@ TEST_F(ServiceTest, ACommitDiscardsOlderPartialStepsAndTheirLateSnapshots) {
 }
 
 TEST_F(ServiceTest, AThrowingWriteHookFailsTheSnapshot) {
-  service_ =
-      std::make_unique<Service>(*store_, *router_, journal_.get(), nullptr, [](uint32_t step) {
-        if (step == 4) throw Error(ErrorKind::kInternal, "fault");
-      });
+  service_ = std::make_unique<checkpointer::Service>(*store_, *router_, journal_.get(), nullptr,
+                                                     [](uint32_t step) {
+                                                       if (step == 4)
+                                                         throw Error(ErrorKind::kInternal, "fault");
+                                                     });
   send_snapshot(0, 4, 1);
   EXPECT_THROW(service_->poll(5000ms), Error);
   Ack a = receive_ack(0);
@@ -871,8 +998,8 @@ TEST_F(ServiceTest, ARegionReusedDuringTheWriteDropsTheStep) {
   ASSERT_TRUE(receive_ack(1).ok);
   // Rank 0's region is taken over by step 9 while its step-5 file is being written.
   on_write_ = [this] {
-    clear_staging_stamp(stamp_of(0));
-    set_staging_stamp(stamp_of(0), 9);
+    ipc::clear_staging_stamp(stamp_of(0));
+    ipc::set_staging_stamp(stamp_of(0), 9);
   };
   send_snapshot(0, 5, 2, 0, /*stamp=*/5);
   serve_one();
@@ -1443,4 +1570,4 @@ TEST(CheckpointerProcess, SigkilledWhileASnapshotIsPendingARelaunchCommitsTheRes
 }
 
 }  // namespace
-}  // namespace megacpp::checkpointer
+}  // namespace megacpp::checkpoint

@@ -25,6 +25,9 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "checkpoint/reader.h"
+#include "checkpoint/safetensors.h"
+#include "checkpoint/store.h"
 #include "core/error.h"
 #include "core/util.h"
 #include "ipc/channel.h"
@@ -32,7 +35,6 @@
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
-#include "stages/checkpointer/checkpointer.h"
 #include "stages/trainer/collective.h"
 #include "stages/trainer/optim.h"
 #include "stages/trainer/rendezvous.h"
@@ -370,12 +372,12 @@ TEST_F(TrainerTest, AnOverlappedSnapshotCopyHoldsTheStateOfItsStep) {
 
 // Writes `ts`'s share of `step` into `store` the way the checkpointer does: the staging bytes
 // as laid out by copy_snapshot, with the rank's layout metadata.
-void write_share(checkpointer::CheckpointStore& store, const TrainStep& ts, uint32_t step) {
+void write_share(checkpoint::CheckpointStore& store, const TrainStep& ts, uint32_t step) {
   const SnapshotLayout layout = ts.snapshot_layout();
   std::vector<uint64_t> storage(layout.total_bytes / sizeof(uint64_t) + 1);
   std::span<std::byte> region(reinterpret_cast<std::byte*>(storage.data()), layout.total_bytes);
   ts.copy_snapshot(region);
-  std::vector<checkpointer::TensorView> views;
+  std::vector<checkpoint::TensorView> views;
   for (const auto& e : layout.entries)
     views.push_back({e.name, e.dtype, e.shape, region.data() + e.offset, e.bytes});
   store.write_rank(step, ts.world(), ts.rank(), views, ts.snapshot_metadata());
@@ -386,7 +388,7 @@ TEST_F(TrainerTest, RestoreFromACheckpointContinuesBitIdentically) {
   const TrainConfig t = tiny_train();
   constexpr uint32_t kSteps = 7, kAt = 3;
   test_support::TempDir run;
-  checkpointer::CheckpointStore store(run.path(), "run-1", "hash");
+  checkpoint::CheckpointStore store(run.path(), "run-1", "hash");
 
   TrainStep straight(m, t, kSteps);
   std::vector<float> losses;
@@ -399,7 +401,7 @@ TEST_F(TrainerTest, RestoreFromACheckpointContinuesBitIdentically) {
     }
   }
 
-  const checkpointer::CheckpointReader ckpt(run.path() / "checkpoints" / "step_00000003");
+  const checkpoint::CheckpointReader ckpt(run.path() / "checkpoints" / "step_00000003");
   EXPECT_EQ(ckpt.step(), kAt);
   TrainStep resumed(m, TrainConfig{t}, kSteps);
   TrainStep fresh(m, t, kSteps);  // the same model without the checkpoint: the test can fail
@@ -428,14 +430,14 @@ TEST_F(TrainerTest, RestoreRefusesACheckpointOfAnotherModel) {
   const ModelConfig m = tiny_model();
   const TrainConfig t = tiny_train();
   test_support::TempDir run;
-  checkpointer::CheckpointStore store(run.path(), "run-1", "hash");
+  checkpoint::CheckpointStore store(run.path(), "run-1", "hash");
   TrainStep ts(m, t, 4);
   write_share(store, ts, 1);
   store.commit(1);
   ModelConfig wider = m;
   wider.d_model = 64;
   TrainStep other(wider, t, 4);
-  const checkpointer::CheckpointReader ckpt(run.path() / "checkpoints" / "step_00000001");
+  const checkpoint::CheckpointReader ckpt(run.path() / "checkpoints" / "step_00000001");
   try {
     other.restore(ckpt);
     FAIL() << "a checkpoint of another width was loaded";
@@ -1033,14 +1035,14 @@ void save_share(const TrainStep& ts, const fs::path& out) {
 
 void commit_shares(const fs::path& run_dir, uint32_t step, uint32_t world,
                    const std::function<fs::path(uint32_t)>& share_of) {
-  checkpointer::CheckpointStore store(run_dir, "run-1", "hash");
+  checkpoint::CheckpointStore store(run_dir, "run-1", "hash");
   for (uint32_t r = 0; r < world; ++r) {
     const fs::path in = share_of(r);
     const auto j = nlohmann::json::parse(std::ifstream(in.string() + ".json"));
     std::ifstream f(in, std::ios::binary);
     const std::vector<char> bytes((std::istreambuf_iterator<char>(f)),
                                   std::istreambuf_iterator<char>());
-    std::vector<checkpointer::TensorView> views;
+    std::vector<checkpoint::TensorView> views;
     for (const auto& e : j["entries"]) {
       views.push_back(
           {e["name"].get<std::string>(), e["dtype"].get<std::string>(),
@@ -1073,7 +1075,7 @@ int reshard_child(uint16_t port, uint32_t world, uint32_t rank, const fs::path& 
       for (uint32_t step = 1; step <= kWorldSteps; ++step)
         ts.step(make_batch(m, world_train().batch_size, rank_batch_seed(rank, step)), step);
     } else {
-      const checkpointer::CheckpointReader ckpt(from);
+      const checkpoint::CheckpointReader ckpt(from);
       ts.restore(ckpt);
     }
     save_share(ts, out);
@@ -1087,8 +1089,8 @@ int reshard_child(uint16_t port, uint32_t world, uint32_t rank, const fs::path& 
 // Two checkpoints hold the same training state: the same logical tensors (names, dtypes,
 // shapes, Muon stack members) with the same bytes in every real row (a Muon stack's padding
 // rows, which depend on the world size, excluded).
-void expect_same_state(const checkpointer::CheckpointReader& x,
-                       const checkpointer::CheckpointReader& y) {
+void expect_same_state(const checkpoint::CheckpointReader& x,
+                       const checkpoint::CheckpointReader& y) {
   std::set<std::string> nx, ny;
   for (const auto& [name, t] : x.tensors()) nx.insert(name);
   for (const auto& [name, t] : y.tensors()) ny.insert(name);
@@ -1096,7 +1098,7 @@ void expect_same_state(const checkpointer::CheckpointReader& x,
   EXPECT_EQ(x.muon_stacks(), y.muon_stacks());
   size_t compared = 0;
   for (const auto& [name, t] : x.tensors()) {
-    const checkpointer::StoredTensor* u = y.find(name);
+    const checkpoint::StoredTensor* u = y.find(name);
     if (u == nullptr) continue;
     EXPECT_EQ(t.dtype, u->dtype) << name;
     // A Muon stack has a row per member, padded to a multiple of the world size.
@@ -1150,13 +1152,13 @@ TEST_F(TrainerTest, RestoreReshardsOptimizerStateExactly) {
   commit_shares(w3, kWorldSteps, 3, share(3));
   {
     TrainStep alone(tiny_model(), world_train(), kWorldSteps);
-    alone.restore(checkpointer::CheckpointReader(w3 / step_dir));
-    checkpointer::CheckpointStore store(w1, "run-1", "hash");
+    alone.restore(checkpoint::CheckpointReader(w3 / step_dir));
+    checkpoint::CheckpointStore store(w1, "run-1", "hash");
     write_share(store, alone, kWorldSteps);
     store.commit(kWorldSteps);
   }
 
-  const checkpointer::CheckpointReader a(w2 / step_dir), b(w3 / step_dir), c(w1 / step_dir);
+  const checkpoint::CheckpointReader a(w2 / step_dir), b(w3 / step_dir), c(w1 / step_dir);
   ASSERT_EQ(a.world(), 2u);
   ASSERT_EQ(b.world(), 3u);
   ASSERT_EQ(c.world(), 1u);

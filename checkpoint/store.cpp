@@ -1,4 +1,4 @@
-// The commit protocol under RUN/checkpoints and the checkpoint verifier.
+// The commit protocol under RUN/checkpoints.
 #include <capnp/message.h>
 
 #include <algorithm>
@@ -7,45 +7,37 @@
 #include <cstring>
 #include <system_error>
 
+#include "checkpoint/detail/names.h"
+#include "checkpoint/store.h"
 #include "core/error.h"
 #include "core/util.h"
 #include "schemas/checkpoint.capnp.h"
 #include "schemas/common.capnp.h"
 #include "schemas/json.h"
 #include "schemas/run_layout.h"
-#include "stages/checkpointer/checkpointer.h"
 
-namespace megacpp::checkpointer {
+namespace megacpp::checkpoint {
+
+using detail::kDeletingSuffix;
+using detail::kManifestName;
+using detail::kTmpSuffix;
+using detail::rank_file_name;
 
 namespace {
 
-constexpr std::string_view kTmpSuffix = ".tmp";
-// A committed checkpoint being pruned: renamed to this first, so a crash mid-removal leaves a
-// name the next store removes, never a damaged step_NNNNNNNN.
-constexpr std::string_view kDeletingSuffix = ".deleting";
-constexpr std::string_view kManifestName = "checkpoint.json";
-
-std::string rank_file_name(uint32_t rank) {
-  return fmt::format("rank_{}.safetensors", rank);
-}
-
-void remove_tree(const fs::path& p) {
-  std::error_code ec;
-  fs::remove_all(p, ec);
-  if (ec) {
-    MEGACPP_FAIL_SYS(ec.value(), "cannot remove {}: {}", p.string(), ec.message());
-  }
-}
-
-void make_dirs(const fs::path& p) {
-  std::error_code ec;
-  fs::create_directories(p, ec);
-  if (ec) {
+void make_dirs(Storage& storage, const fs::path& p) {
+  if (const std::error_code ec = storage.make_dirs(p)) {
     MEGACPP_FAIL_SYS(ec.value(), "cannot create {}: {}", p.string(), ec.message());
   }
 }
 
 }  // namespace
+
+void CheckpointStore::remove_tree(const fs::path& p) {
+  if (const std::error_code ec = storage_->remove_all(p)) {
+    MEGACPP_FAIL_SYS(ec.value(), "cannot remove {}: {}", p.string(), ec.message());
+  }
+}
 
 bool is_out_of_space(int err) noexcept {
   return err == ENOSPC || err == EDQUOT || err == EFBIG;
@@ -58,39 +50,41 @@ bool out_of_space(const Error& e) {
 }  // namespace
 
 CheckpointStore::CheckpointStore(fs::path run_dir, std::string run_id, std::string recipe_hash,
-                                 RetentionPolicy retention)
-    : run_dir_(std::move(run_dir)),
+                                 RetentionPolicy retention, std::unique_ptr<Storage> storage)
+    : storage_(std::move(storage)),
+      run_dir_(std::move(run_dir)),
       dir_(layout::checkpoints_dir(run_dir_)),
       run_id_(std::move(run_id)),
       recipe_hash_(std::move(recipe_hash)),
       retention_(retention) {
-  make_dirs(dir_);
+  make_dirs(*storage_, dir_);
   bool removed = false;
-  for (const auto& entry : fs::directory_iterator(dir_)) {
-    const std::string name = entry.path().filename().string();
-    if (entry.is_directory() && name.ends_with(kTmpSuffix)) {
-      log_warn("discarding uncommitted checkpoint {}", entry.path().string());
-      remove_tree(entry.path());
+  for (const Storage::Entry& entry : storage_->list(dir_)) {
+    const std::string& name = entry.name;
+    const fs::path path = dir_ / name;
+    if (entry.directory && name.ends_with(kTmpSuffix)) {
+      log_warn("discarding uncommitted checkpoint {}", path.string());
+      remove_tree(path);
       removed = true;
-    } else if (entry.is_directory() && name.ends_with(kDeletingSuffix)) {
-      log_info("finishing the deletion of pruned checkpoint {}", entry.path().string());
-      remove_tree(entry.path());
+    } else if (entry.directory && name.ends_with(kDeletingSuffix)) {
+      log_info("finishing the deletion of pruned checkpoint {}", path.string());
+      remove_tree(path);
       removed = true;
     } else if (name.starts_with("LATEST.tmp.")) {  // write_file_atomic interrupted by a crash
-      remove_tree(entry.path());
+      remove_tree(path);
       removed = true;
-    } else if (entry.is_directory()) {
+    } else if (entry.directory) {
       if (auto step = layout::checkpoint_dir_step(name); step && (!latest_ || *step > *latest_))
         latest_ = step;
     }
   }
-  if (removed) fsync_path(dir_);
+  if (removed) storage_->sync_dir(dir_);
   if (latest_) {
     const std::string name = layout::checkpoint_dir_name(*latest_);
     const fs::path latest_file = dir_ / "LATEST";
-    if (!fs::exists(latest_file) || read_file(latest_file) != name + "\n") {
+    if (!storage_->exists(latest_file) || storage_->read(latest_file) != name + "\n") {
       log_warn("LATEST lags the newest committed checkpoint; moving it to {}", name);
-      write_file_atomic(latest_file, name + "\n");
+      storage_->write_atomic(latest_file, name + "\n");
     }
   }
   prune();
@@ -103,9 +97,8 @@ fs::path CheckpointStore::tmp_dir(uint32_t step) const {
 void CheckpointStore::fail_out_of_space(uint32_t step, const Error& e, std::string_view detail) {
   // Best effort: what is missing is space, not the right to remove; a leftover tmp directory
   // is discarded by the next store anyway.
-  std::error_code ec;
-  fs::remove_all(tmp_dir(step), ec);
-  if (ec) log_warn("could not remove {}: {}", tmp_dir(step).string(), ec.message());
+  if (const std::error_code ec = storage_->remove_all(tmp_dir(step)))
+    log_warn("could not remove {}: {}", tmp_dir(step).string(), ec.message());
   pending_.erase(step);
   MEGACPP_FAIL_LIKE(e,
                     "checkpoint step {}: no space left on {} ({}: {}); free space there or lower "
@@ -121,9 +114,9 @@ const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, ui
   const fs::path tmp = tmp_dir(step);
   auto it = pending_.find(step);
   if (it == pending_.end()) {
-    if (fs::exists(tmp)) remove_tree(tmp);
+    if (storage_->exists(tmp)) remove_tree(tmp);
     try {
-      make_dirs(tmp);
+      make_dirs(*storage_, tmp);
     } catch (const Error& e) {
       if (!out_of_space(e)) throw;
       fail_out_of_space(step, e, fmt::format("creating {}", tmp.filename().string()));
@@ -152,7 +145,7 @@ const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, ui
     if (on_chunk_) on_chunk_();
   };
   try {
-    WrittenFile written = write_safetensors(tmp / file, tensors, metadata, progress);
+    WrittenFile written = write_safetensors(*storage_, tmp / file, tensors, metadata, progress);
     return p.files[rank] = std::move(written);
   } catch (const Error& e) {
     if (!out_of_space(e)) throw;
@@ -166,7 +159,7 @@ bool CheckpointStore::complete(uint32_t step) const {
 }
 
 bool CheckpointStore::committed(uint32_t step) const {
-  return fs::is_directory(dir_ / layout::checkpoint_dir_name(step));
+  return storage_->is_directory(dir_ / layout::checkpoint_dir_name(step));
 }
 
 CommittedCheckpoint CheckpointStore::commit(uint32_t step) {
@@ -205,14 +198,18 @@ CommittedCheckpoint CheckpointStore::commit(uint32_t step) {
   bytes += json.size();
 
   CommittedCheckpoint out{step, final_dir, (fs::path("checkpoints") / name).string(), bytes};
-  const bool exists = fs::exists(final_dir);
+  const bool exists = storage_->exists(final_dir);
   std::string_view doing = kManifestName;
   try {
-    // write_file_atomic fsyncs the file and the tmp directory that holds it.
-    write_file_atomic(tmp / kManifestName, json);
+    // write_atomic makes the file and its entry in the tmp directory durable.
+    storage_->write_atomic(tmp / kManifestName, json);
     if (!exists) {
       doing = "the rename into place";
-      SYSCALL_CHECK(::rename(tmp.c_str(), final_dir.c_str()));
+      if (const std::error_code ec = storage_->rename(tmp, final_dir)) {
+        // The message of the SYSCALL_CHECK this rename was once called under.
+        ::megacpp::detail::throw_syscall("::rename(tmp.c_str(), final_dir.c_str())", ec.value(),
+                                         __FILE__, __LINE__);
+      }
     }
   } catch (const Error& e) {
     if (!out_of_space(e)) throw;
@@ -223,15 +220,15 @@ CommittedCheckpoint CheckpointStore::commit(uint32_t step) {
     log_warn("checkpoint {} is already committed; keeping it and discarding the new copy", name);
     remove_tree(tmp);
     out.bytes = 0;
-    for (const auto& entry : fs::directory_iterator(final_dir)) {
-      if (entry.is_regular_file()) out.bytes += entry.file_size();
+    for (const Storage::Entry& entry : storage_->list(final_dir)) {
+      if (entry.regular_file) out.bytes += storage_->file_size(final_dir / entry.name);
     }
   }
-  fsync_path(dir_);
+  storage_->sync_dir(dir_);
   pending_.erase(step);
   if (!latest_ || step >= *latest_) {
     try {
-      write_file_atomic(dir_ / "LATEST", name + "\n");
+      storage_->write_atomic(dir_ / "LATEST", name + "\n");
     } catch (const Error& e) {
       if (!out_of_space(e)) throw;
       // The step is committed; LATEST still names the previous one (a restarted store moves
@@ -249,10 +246,9 @@ CommittedCheckpoint CheckpointStore::commit(uint32_t step) {
 
 std::vector<uint32_t> CheckpointStore::committed_steps() const {
   std::vector<uint32_t> steps;
-  for (const auto& entry : fs::directory_iterator(dir_)) {
-    if (!entry.is_directory()) continue;
-    if (auto step = layout::checkpoint_dir_step(entry.path().filename().string()))
-      steps.push_back(*step);
+  for (const Storage::Entry& entry : storage_->list(dir_)) {
+    if (!entry.directory) continue;
+    if (auto step = layout::checkpoint_dir_step(entry.name)) steps.push_back(*step);
   }
   std::sort(steps.begin(), steps.end());
   return steps;
@@ -271,13 +267,13 @@ std::vector<uint32_t> CheckpointStore::prune() {
     const std::string name = layout::checkpoint_dir_name(step);
     const fs::path from = dir_ / name;
     const fs::path to = dir_ / (name + std::string(kDeletingSuffix));
-    if (fs::exists(to)) remove_tree(to);
-    if (::rename(from.c_str(), to.c_str()) != 0) {
-      const int err = errno;
+    if (storage_->exists(to)) remove_tree(to);
+    if (const std::error_code ec = storage_->rename(from, to)) {
+      const int err = ec.value();
       MEGACPP_FAIL_SYS(err, "cannot rename {} to {} to delete it: {}", from.string(), to.string(),
                        std::strerror(err));
     }
-    fsync_path(dir_);
+    storage_->sync_dir(dir_);
     remove_tree(to);
     deleted.push_back(step);
     log_info("deleted checkpoint {} (keeping the newest {}{})", name, retention_.keep,
@@ -302,74 +298,4 @@ std::vector<uint32_t> CheckpointStore::pending() const {
   return out;
 }
 
-VerifyResult verify_checkpoint(const fs::path& dir) {
-  VerifyResult result;
-  auto problem = [&](std::string text) { result.problems.push_back(std::move(text)); };
-  try {
-    const std::string text = read_file(dir / kManifestName);
-    schemas::JsonDocument<schema::CheckpointManifest> doc(text, (dir / kManifestName).string());
-    auto manifest = doc.get();
-    // The file must be exactly what its fields render to (a damaged key or value that still
-    // parses renders differently), and hash, with selfXxh3 empty, to selfXxh3 (absent in
-    // checkpoints written before it).
-    if (schemas::to_json(manifest) != text)
-      problem(fmt::format("{}: not as written (a damaged byte that still parses)", kManifestName));
-    if (manifest.hasSelfXxh3() && manifest.getSelfXxh3().size() > 0) {
-      const std::string recorded = manifest.getSelfXxh3();
-      doc.builder().setSelfXxh3("");
-      const std::string hash = xxh3_hex(schemas::to_json(doc.get()));
-      if (hash != recorded)
-        problem(fmt::format("{}: xxh3 {} expected {}", kManifestName, hash, recorded));
-      doc.builder().setSelfXxh3(recorded);
-      manifest = doc.get();
-    }
-    std::string dir_name = dir.filename().string();
-    if (dir_name.ends_with(kTmpSuffix)) dir_name.resize(dir_name.size() - kTmpSuffix.size());
-    if (layout::checkpoint_dir_step(dir_name) &&
-        dir_name != layout::checkpoint_dir_name(manifest.getStep())) {
-      problem(fmt::format("{} records step {}", dir_name, manifest.getStep()));
-    }
-    if (manifest.getFiles().size() != manifest.getWorld()) {
-      problem(fmt::format("{} lists {} files for world {}", kManifestName,
-                          manifest.getFiles().size(), manifest.getWorld()));
-    }
-    for (auto f : manifest.getFiles()) {
-      const std::string name = f.getName();
-      if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
-        problem(fmt::format("bad file name '{}' in {}", name, kManifestName));
-        continue;
-      }
-      const fs::path path = dir / name;
-      std::error_code ec;
-      const auto size = fs::file_size(path, ec);
-      if (ec) {
-        problem(fmt::format("{}: missing or unreadable ({})", name, ec.message()));
-        continue;
-      }
-      if (size != f.getBytes()) {
-        problem(fmt::format("{}: {} bytes, expected {}", name, size, f.getBytes()));
-        continue;
-      }
-      try {
-        if (auto hash = xxh3_file(path); hash != f.getXxh3().cStr()) {
-          problem(fmt::format("{}: xxh3 {} expected {}", name, hash, f.getXxh3().cStr()));
-        }
-        if (name.ends_with(".safetensors")) {
-          auto header = read_safetensors_header(path);
-          if (header.tensors.size() != f.getTensors()) {
-            problem(fmt::format("{}: {} tensors, expected {}", name, header.tensors.size(),
-                                f.getTensors()));
-          }
-        }
-      } catch (const std::exception& e) {
-        problem(fmt::format("{}: {}", name, user_message(e)));
-      }
-    }
-  } catch (const std::exception& e) {
-    problem(std::string(user_message(e)));
-  }
-  result.ok = result.problems.empty();
-  return result;
-}
-
-}  // namespace megacpp::checkpointer
+}  // namespace megacpp::checkpoint

@@ -3,12 +3,6 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <atomic>
-#include <cerrno>
-#include <cstring>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <array>
@@ -18,11 +12,12 @@
 #include <xxhash.h>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/safetensors.h"
+#include "checkpoint/storage.h"
 #include "core/error.h"
 #include "core/util.h"
-#include "stages/checkpointer/checkpointer.h"
 
-namespace megacpp::checkpointer {
+namespace megacpp::checkpoint {
 
 namespace {
 
@@ -32,11 +27,6 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 // into the page cache then reads the chunk from the CPU cache instead of memory a second time,
 // and the progress callback fires at least once per chunk.
 constexpr size_t kWriteChunk = 1ull << 20;
-// Every this many bytes written, the range is handed to writeback (sync_file_range WRITE, which
-// starts the device write and does not wait for it): the disk works while the next chunks are
-// hashed and copied, and the final fsync waits only for the tail, the metadata and the cache
-// flush. One fsync at the end still makes the file durable (DESIGN.md "Checkpoint write path").
-constexpr uint64_t kWritebackWindow = 8ull << 20;
 
 struct Xxh3StateDeleter {
   void operator()(XXH3_state_t* s) const noexcept { XXH3_freeState(s); }
@@ -56,48 +46,26 @@ std::string xxh3_digest_hex(XXH3_state_t* state) {
 
 // The open file of write_safetensors: every byte that reaches it is hashed and counted.
 struct Output {
-  Output(const fs::path& path_in, int fd_in, uint64_t total_in, const ProgressFn& on_chunk_in)
-      : path(path_in), fd(fd_in), total(total_in), on_chunk(on_chunk_in) {}
-  const fs::path& path;
-  int fd;
+  Output(WritableFile& file_in, uint64_t total_in, const ProgressFn& on_chunk_in)
+      : file(file_in), total(total_in), on_chunk(on_chunk_in) {}
+  WritableFile& file;
   uint64_t total;
   const ProgressFn& on_chunk;
   Xxh3State hash = new_xxh3();
   uint64_t written = 0;
-
-  uint64_t handed = 0;    // bytes [0, handed) were handed to writeback
-  bool writeback = true;  // false once the filesystem refuses sync_file_range
+  const std::function<void(uint64_t)> on_write = [this](uint64_t n) {
+    written += n;
+    if (on_chunk) on_chunk(written, total);
+  };
 
   void write_all(const std::byte* data, uint64_t bytes) {
     while (bytes > 0) {
       const size_t chunk = static_cast<size_t>(std::min<uint64_t>(bytes, kWriteChunk));
       XXH3_64bits_update(hash.get(), data, chunk);
-      for (size_t done = 0; done < chunk;) {
-        const ssize_t n =
-            SYSCALL_CHECK_PATH(::write(fd, data + done, chunk - done), "write", path.string());
-        done += static_cast<size_t>(n);
-        written += static_cast<uint64_t>(n);
-        if (on_chunk) on_chunk(written, total);
-      }
+      file.append({data, chunk}, on_write);
       data += chunk;
       bytes -= chunk;
-      if (written - handed >= kWritebackWindow) start_writeback();
     }
-  }
-
-  // Starts the device write of [handed, written) without waiting for it. A filesystem or file
-  // type without sync_file_range only loses the overlap (the final fsync writes everything);
-  // an I/O error or a full disk is thrown with its errno, as from write(2).
-  void start_writeback() {
-    if (!writeback) return;
-    if (::sync_file_range(fd, static_cast<off_t>(handed), static_cast<off_t>(written - handed),
-                          SYNC_FILE_RANGE_WRITE) != 0) {
-      const int err = errno;
-      if (err != EINVAL && err != ESPIPE && err != ENOSYS && err != EOPNOTSUPP)
-        MEGACPP_FAIL_SYS(err, "cannot write {}: {}", path.string(), std::strerror(err));
-      writeback = false;
-    }
-    handed = written;
   }
 };
 
@@ -147,7 +115,8 @@ std::optional<size_t> dtype_size(std::string_view dtype) {
   return std::nullopt;
 }
 
-WrittenFile write_safetensors(const fs::path& path, std::span<const TensorView> tensors,
+WrittenFile write_safetensors(Storage& storage, const fs::path& path,
+                              std::span<const TensorView> tensors,
                               const std::map<std::string, std::string>& metadata,
                               const ProgressFn& on_chunk) {
   // Header: "__metadata__" first, then tensors in data order (readers sort by offset anyway).
@@ -193,21 +162,27 @@ WrittenFile write_safetensors(const fs::path& path, std::span<const TensorView> 
 
   const uint64_t total = 8 + text.size() + offset;
   if (on_chunk) on_chunk(0, total);
-  Fd fd(SYSCALL_CHECK_PATH(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
-                           "create", path.string()));
-  Output out(path, fd.get(), total, on_chunk);
+  const std::unique_ptr<WritableFile> file = storage.create(path);
+  Output out(*file, total, on_chunk);
   try {
     out.write_all(length.data(), length.size());
     out.write_all(reinterpret_cast<const std::byte*>(text.data()), text.size());
     for (const TensorView& t : tensors) out.write_all(t.data, t.bytes);
-    SYSCALL_CHECK_PATH(::fsync(fd.get()), "fsync", path.string());
+    file->sync();
     if (on_chunk) on_chunk(out.written, total);
-    fd.close_checked();
+    file->close();
   } catch (...) {
-    ::unlink(path.c_str());
+    storage.remove(path);
     throw;
   }
   return WrittenFile{total, xxh3_digest_hex(out.hash.get()), static_cast<uint32_t>(tensors.size())};
+}
+
+WrittenFile write_safetensors(const fs::path& path, std::span<const TensorView> tensors,
+                              const std::map<std::string, std::string>& metadata,
+                              const ProgressFn& on_chunk) {
+  PosixStorage storage;
+  return write_safetensors(storage, path, tensors, metadata, on_chunk);
 }
 
 SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t file_size) {
@@ -313,42 +288,6 @@ SafetensorsHeader read_safetensors_header(const fs::path& path) {
   }
 }
 
-std::optional<uint32_t> read_staging_stamp(const std::byte* p) {
-  auto* stamp = reinterpret_cast<StagingStamp*>(const_cast<std::byte*>(p));
-  if (std::atomic_ref<uint64_t>(stamp->magic).load(std::memory_order_acquire) != kStagingStampMagic)
-    return std::nullopt;
-  return std::atomic_ref<uint32_t>(stamp->step).load(std::memory_order_acquire);
-}
-
-// The share is copied with non-temporal (streaming) stores (ops::stream_copy), which x86 does
-// not order with ordinary stores, and a release fence is only a compiler barrier there. Both
-// ends of the copy therefore take a full fence (MFENCE, which drains the write-combining buffers
-// too): the cleared stamp is visible before any byte of the new share, and every byte of the
-// share before the new stamp. Without them a reader could pair the old stamp with new bytes,
-// or the new stamp with bytes still in flight: a torn snapshot that passes the stamp check.
-namespace {
-void full_fence() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_mfence();
-#else
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-#endif
-}
-}  // namespace
-
-void clear_staging_stamp(std::byte* p) {
-  auto* stamp = reinterpret_cast<StagingStamp*>(p);
-  std::atomic_ref<uint32_t>(stamp->step).store(0, std::memory_order_relaxed);
-  std::atomic_ref<uint64_t>(stamp->magic).store(kStagingStampMagic, std::memory_order_relaxed);
-  full_fence();
-}
-
-void set_staging_stamp(std::byte* p, uint32_t step) {
-  auto* stamp = reinterpret_cast<StagingStamp*>(p);
-  full_fence();
-  std::atomic_ref<uint32_t>(stamp->step).store(step, std::memory_order_release);
-}
-
 std::string xxh3_file(const fs::path& path) {
   Fd fd(SYSCALL_CHECK_PATH(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "open", path.string()));
   auto hash = new_xxh3();
@@ -361,4 +300,4 @@ std::string xxh3_file(const fs::path& path) {
   return xxh3_digest_hex(hash.get());
 }
 
-}  // namespace megacpp::checkpointer
+}  // namespace megacpp::checkpoint

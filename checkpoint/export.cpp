@@ -3,11 +3,12 @@
 
 #include <cstring>
 
+#include "checkpoint/export.h"
+#include "checkpoint/safetensors.h"
 #include "core/error.h"
 #include "core/util.h"
-#include "stages/checkpointer/checkpointer.h"
 
-namespace megacpp::checkpointer {
+namespace megacpp::checkpoint {
 
 namespace {
 
@@ -81,4 +82,4 @@ ExportReport export_checkpoint(const CheckpointReader& ckpt, const fs::path& out
   return ExportReport{written.tensors, written.bytes};
 }
 
-}  // namespace megacpp::checkpointer
+}  // namespace megacpp::checkpoint

@@ -1,0 +1,30 @@
+// megacpp::checkpoint resume — which committed checkpoint a resume starts from.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checkpoint/store.h"
+
+namespace megacpp::checkpoint {
+
+namespace fs = std::filesystem;
+
+// The checkpoints of RUN/checkpoints, newest first, and the first of them that verifies —
+// the one a resume starts from. A newer one that does not verify (torn, corrupt) is listed in
+// `skipped` with its problems and is never loaded.
+struct ResumeChoice {
+  std::optional<CommittedCheckpoint> chosen;
+  struct Skipped {
+    uint32_t step = 0;
+    std::string relative_path;
+    std::vector<std::string> problems;
+  };
+  std::vector<Skipped> skipped;
+};
+ResumeChoice select_resume_checkpoint(const fs::path& run_dir);
+
+}  // namespace megacpp::checkpoint
