@@ -22,6 +22,7 @@
 #include "schemas/run_layout.h"
 #include "stages/checkpointer/checkpointer.h"
 #include "stages/collector/collector.h"
+#include "supervisor/commands/commands.h"
 #include "supervisor/supervisor.h"
 
 namespace mc = megacpp;
