@@ -187,11 +187,12 @@ class ScriptedLink final : public NodeAgentLink {
     });
   }
   void exited(const std::string& name, pid_t pid, int exit_code, int signal, bool restart) {
-    const auto [stage, rank] = ref_of(name);
+    // Not a structured binding: clang before 16 cannot capture one in the lambda below.
+    const std::pair<StageKind, uint32_t> ref = ref_of(name);
     say([&](NodeEvent::Builder e) {
       auto x = e.initExited();
-      x.getProcess().setStage(stage);
-      x.getProcess().setRank(rank);
+      x.getProcess().setStage(ref.first);
+      x.getProcess().setRank(ref.second);
       x.setPid(pid);
       x.setExitCode(exit_code);
       x.setSignal(signal);
