@@ -1,11 +1,9 @@
-// The children: spawn (with their generation), reap (the dying generation of a restart
-// too), signals, stop, kill, and giving up on a process that outlives SIGKILL.
-#include "supervisor/detail/run.h"
+// The children as the job controller sees them: a launch asked of the node agent and its
+// `started` event, a child's exit (the dying generation of a restart too) judged, the
+// graceful stop, and the commands that stop, kill and give up on a process.
+#include "supervisor/detail/job_controller.h"
 
 #include <signal.h>
-#include <sys/signalfd.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 
@@ -15,7 +13,6 @@
 #include "core/util.h"
 #include "ipc/channel.h"
 #include "schemas/run_layout.h"
-#include "supervisor/process.h"
 
 namespace megacpp::supervisor {
 
@@ -35,52 +32,48 @@ void set_child_event(schema::ChildEvent::Builder e, const Child& c, schema::Chil
 
 }  // namespace
 
-Child* Run::by_name(const std::string& n) {
+Child* JobController::by_name(const std::string& n) {
   for (auto& c : children_) {
     if (c.name == n) return &c;
   }
   return nullptr;
 }
 
-Child* Run::by_dying_pid(pid_t pid) {
-  for (auto& c : children_) {
-    if (c.dying_pid == pid) return &c;
-  }
-  return nullptr;
-}
-
-Child* Run::by_pid(pid_t pid) {
-  for (auto& c : children_) {
-    if (c.pid == pid) return &c;
-  }
-  return nullptr;
-}
-
-void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, schema::ChildReason reason,
-                 const std::string& cause) {
+void JobController::launch(StageKind stage, uint32_t rank, uint32_t generation,
+                           schema::ChildReason reason, const std::string& cause) {
   Child* c = by_name(layout::process_name(stage, rank));
   if (c == nullptr) {
     children_.push_back(Child{stage, rank, layout::process_name(stage, rank)});
     c = &children_.back();
     metrics_->declare_stage(stage, rank);
   }
-  std::string exe_name = "megacpp-" + std::string(layout::stage_name(stage));
-  std::replace(exe_name.begin(), exe_name.end(), '_', '-');
-  auto exe = detail::self_exe_dir() / exe_name;
-  std::vector<std::string> argv = {exe.string(),
-                                   "--run-dir",
-                                   run_.string(),
-                                   "--rank",
-                                   std::to_string(rank),
-                                   "--generation",
-                                   std::to_string(generation)};
-  std::vector<std::string> env;
-  if (stage == StageKind::TRAINER && (opt_.malloc_tuning || !collectives_.env.empty())) {
-    env = detail::environment_with_tunables(opt_.malloc_tuning ? kTrainerMallocTunables
-                                                               : std::vector<std::string>{});
-    env.insert(env.end(), collectives_.env.begin(), collectives_.env.end());
-  }
-  c->pid = detail::spawn(argv, layout::log_path(run_, stage, rank), env);
+  command([&](schema::NodeCommand::Builder cmd) {
+    auto l = cmd.initLaunch();
+    l.getProcess().setStage(stage);
+    l.getProcess().setRank(rank);
+    l.setGeneration(generation);
+    l.setReason(reason);
+    l.setCause(cause);
+    if (stage == StageKind::TRAINER && (opt_.malloc_tuning || !collectives_.env.empty())) {
+      l.setTuneEnvironment(true);
+      const std::vector<std::string> tunables =
+          opt_.malloc_tuning ? kTrainerMallocTunables : std::vector<std::string>{};
+      auto t = l.initTunables(static_cast<unsigned>(tunables.size()));
+      for (size_t i = 0; i < tunables.size(); ++i) t.set(static_cast<unsigned>(i), tunables[i]);
+      auto e = l.initExtraEnv(static_cast<unsigned>(collectives_.env.size()));
+      for (size_t i = 0; i < collectives_.env.size(); ++i)
+        e.set(static_cast<unsigned>(i), collectives_.env[i]);
+    }
+  });
+}
+
+void JobController::on_started(schema::StageStarted::Reader s) {
+  const StageKind stage = s.getProcess().getStage();
+  const uint32_t rank = s.getProcess().getRank();
+  Child* c = by_name(layout::process_name(stage, rank));
+  if (c == nullptr) return;
+  const uint32_t generation = s.getGeneration();
+  c->pid = s.getPid();
   c->generation = generation;
   c->alive = true;
   c->seen = false;
@@ -102,21 +95,21 @@ void Run::launch(StageKind stage, uint32_t rank, uint32_t generation, schema::Ch
     e.setRank(rank);
     e.setPid(c->pid);
     e.setGeneration(generation);
-    e.setChildReason(reason);
-    if (!cause.empty()) e.setCause(cause);
+    e.setChildReason(s.getReason());
+    if (s.getCause().size() > 0) e.setCause(s.getCause());
   });
 }
 
-void Run::journal_child_exited(const Child& c, schema::ChildReason reason) {
+void JobController::journal_child_exited(const Child& c, schema::ChildReason reason) {
   journal_->append(
       [&](schema::JournalRecord::Builder r) { set_child_event(r.initChildExited(), c, reason); });
 }
 
-void Run::reaped_dying(Child& dying, int status) {
+void JobController::reaped_dying(Child& dying, int exit_code, int signal) {
   const pid_t pid = dying.dying_pid;
   dying.dying_pid = 0;
-  dying.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  dying.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+  dying.exit_code = exit_code;
+  dying.signal = signal;
   dying.restart_cause += fmt::format("; pid {} reaped {:.2f}s after SIGKILL", pid,
                                      static_cast<double>(mono_ns() - dying.dying_since_ns) / 1e9);
   journal_child_exited(dying, schema::ChildReason::RESTART);
@@ -127,35 +120,20 @@ void Run::reaped_dying(Child& dying, int status) {
   }
 }
 
-void Run::reap_dying() {
-  for (auto& c : children_) {
-    if (c.dying_pid == 0) continue;
-    int status = 0;
-    if (::waitpid(c.dying_pid, &status, WNOHANG) == c.dying_pid) reaped_dying(c, status);
+void JobController::on_exited(schema::StageExited::Reader x) {
+  Child* cp = by_name(layout::process_name(x.getProcess().getStage(), x.getProcess().getRank()));
+  if (cp != nullptr && x.getRestart() && cp->dying_pid == x.getPid()) {
+    reaped_dying(*cp, x.getExitCode(), x.getSignal());
+    return;
   }
-}
-
-void Run::reap() {
-  for (;;) {
-    int status = 0;
-    pid_t pid = ::waitpid(-1, &status, WNOHANG);
-    if (pid <= 0) return;
-    if (Child* dying = by_dying_pid(pid)) {
-      reaped_dying(*dying, status);
-      continue;
-    }
-    Child* cp = by_pid(pid);
-    if (cp == nullptr || !cp->alive) continue;
+  if (cp == nullptr || !cp->alive || cp->pid != x.getPid()) return;
+  {
     Child& c = *cp;
     const int64_t now = mono_ns();
     c.alive = false;
     metrics_->set_up(c.stage, c.rank, false);
-    if (WIFEXITED(status)) {
-      c.exit_code = WEXITSTATUS(status);
-    } else if (WIFSIGNALED(status)) {
-      c.exit_code = -1;
-      c.signal = WTERMSIG(status);
-    }
+    c.exit_code = x.getExitCode();
+    c.signal = x.getSignal();
     const bool clean = c.exit_code == 0 && c.signal == 0;
     const bool expected = (c.stage == StageKind::TRAINER && clean) || (c.stop_sent && clean);
     const bool torn_down = teardown_started_ns_ != 0;
@@ -170,7 +148,7 @@ void Run::reap() {
     if (!done_) {
       journal_child_exited(c, reason);
     }
-    if (expected || torn_down) continue;
+    if (expected || torn_down) return;
     std::string what =
         c.signal != 0 ? fmt::format("was killed by signal {} ({})", c.signal, strsignal(c.signal))
                       : fmt::format("exited with code {}", c.exit_code);
@@ -195,28 +173,22 @@ void Run::reap() {
   }
 }
 
-void Run::on_signals() {
-  signalfd_siginfo si{};
-  while (::read(sigfd_, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
-    if (si.ssi_signo == SIGCHLD) {
-      reap();
-    } else if (detected_ns_ == 0 && stop_signal_ == 0) {
-      begin_graceful_stop(static_cast<int>(si.ssi_signo));
-    } else if (detected_ns_ == 0) {
-      // Asked twice: stop at once. Not a failure: nothing went wrong but the user's patience.
-      stop_at_once_signal_ = static_cast<int>(si.ssi_signo);
-      detected_ns_ = mono_ns();
-      poll_commits();
-      log_warn(
-          "{} again during the graceful stop: stopping at once; the newest committed "
-          "checkpoint (step {}) stays as it is",
-          strsignal(stop_at_once_signal_), committed_step_);
-    }
+void JobController::on_stop_request(int signo) {
+  if (detected_ns_ == 0 && stop_signal_ == 0) {
+    begin_graceful_stop(signo);
+  } else if (detected_ns_ == 0) {
+    // Asked twice: stop at once. Not a failure: nothing went wrong but the user's patience.
+    stop_at_once_signal_ = signo;
+    detected_ns_ = mono_ns();
+    poll_commits();
+    log_warn(
+        "{} again during the graceful stop: stopping at once; the newest committed "
+        "checkpoint (step {}) stays as it is",
+        strsignal(stop_at_once_signal_), committed_step_);
   }
-  reap();
 }
 
-void Run::begin_graceful_stop(int signo) {
+void JobController::begin_graceful_stop(int signo) {
   stop_signal_ = signo;
   stop_deadline_ns_ = mono_ns() + static_cast<int64_t>(opt_.stop_grace_s * 1e9);
   log_warn(
@@ -226,24 +198,26 @@ void Run::begin_graceful_stop(int signo) {
   for (auto& c : children_) {
     if (c.stage != StageKind::TRAINER || !c.alive) continue;
     // A rank whose control socket has not connected yet (the stop came during start-up) is
-    // told on its hello (Run::on_message); one that cannot be told at all is stopped by the
-    // agreement of the others: every rank checks after each step whether any was asked.
+    // told on its hello (JobController::on_message); one that cannot be told at all is stopped by
+    // the agreement of the others: every rank checks after each step whether any was asked.
     if (!ask_to_stop(c))
       log_info("{} is not connected yet; it is asked to stop when it says hello", c.name);
   }
 }
 
-bool Run::ask_to_stop(Child& c) {
+bool JobController::ask_to_stop(Child& c) {
   if (c.stop_asked) return true;
-  ipc::ControlMessageBuilder b;
-  auto stop = b.root().initStop();
-  stop.setReason(fmt::format("graceful stop on {}", strsignal(stop_signal_)));
-  stop.setAfterCheckpoint(true);
-  c.stop_asked = router_->send_to(c.name, b.message(), ipc::Millis(200));
+  c.stop_asked = command([&](schema::NodeCommand::Builder cmd) {
+    auto stop = cmd.initStop();
+    stop.getProcess().setStage(c.stage);
+    stop.getProcess().setRank(c.rank);
+    stop.setReason(fmt::format("graceful stop on {}", strsignal(stop_signal_)));
+    stop.setAfterCheckpoint(true);
+  });
   return c.stop_asked;
 }
 
-bool Run::wait_for(const std::function<bool()>& done, double seconds) {
+bool JobController::wait_for(const std::function<bool()>& done, double seconds) {
   const int64_t deadline = mono_ns() + static_cast<int64_t>(seconds * 1e9);
   while (!done()) {
     const int64_t left_ms = (deadline - mono_ns()) / 1'000'000;
@@ -253,30 +227,63 @@ bool Run::wait_for(const std::function<bool()>& done, double seconds) {
   return true;
 }
 
-void Run::stop_child(Child& c) {
+void JobController::stop_child(Child& c) {
   if (!c.alive) return;
   c.stop_sent = true;
-  ipc::ControlMessageBuilder b;
-  b.root().initStop().setReason("run complete");
-  if (!router_->send_to(c.name, b.message(), ipc::Millis(200))) ::kill(c.pid, SIGTERM);
-}
-
-// MEGACPP_TEST_UNKILLABLE=<process> makes this a no-op for that process: to the supervisor
-// it is then what a process in uninterruptible sleep is, one that survives SIGKILL. The
-// hook exists to test that no wait for such a process is unbounded.
-void Run::kill_child(const Child& c, int sig) {
-  if (c.name == unkillable_for_test_) return;
-  ::kill(c.pid, sig);
-}
-
-void Run::give_up_on(const Child& c, double waited_s) {
-  if (!unkillable_.insert(c.pid).second) return;
-  log_error("{} (pid {}) survived SIGKILL for {:.1f}s; unkillable, not waiting for it", c.name,
-            c.pid, waited_s);
-  if (!journal_) return;
-  journal_->append([&](schema::JournalRecord::Builder r) {
-    set_child_event(r.initChildUnkillable(), c, schema::ChildReason::SURVIVED_KILL);
+  command([&](schema::NodeCommand::Builder cmd) {
+    auto stop = cmd.initStop();
+    stop.getProcess().setStage(c.stage);
+    stop.getProcess().setRank(c.rank);
+    stop.setReason("run complete");
+    stop.setSigtermIfUnreachable(true);
   });
+}
+
+void JobController::kill_child(const Child& c, int sig) {
+  command([&](schema::NodeCommand::Builder cmd) {
+    auto k = cmd.initSignal();
+    k.getProcess().setStage(c.stage);
+    k.getProcess().setRank(c.rank);
+    k.setSignal(sig);
+  });
+}
+
+void JobController::give_up_on(const Child& c, double waited_s) {
+  command([&](schema::NodeCommand::Builder cmd) {
+    auto g = cmd.initGiveUp();
+    g.getProcess().setStage(c.stage);
+    g.getProcess().setRank(c.rank);
+    g.setWaitedSeconds(waited_s);
+  });
+}
+
+void JobController::on_event(schema::NodeEvent::Reader e) {
+  switch (e.which()) {
+    case schema::NodeEvent::STARTED:
+      on_started(e.getStarted());
+      break;
+    case schema::NodeEvent::EXITED:
+      on_exited(e.getExited());
+      break;
+    case schema::NodeEvent::MESSAGE:
+      on_message(e.getMessage().getPeer(), e.getMessage().getMessage());
+      break;
+    case schema::NodeEvent::UNKILLABLE: {
+      // The agent logged it; the journal records it once.
+      auto u = e.getUnkillable();
+      unkillable_.insert(u.getPid());
+      const Child* c =
+          by_name(layout::process_name(u.getProcess().getStage(), u.getProcess().getRank()));
+      if (!journal_ || c == nullptr) break;
+      journal_->append([&](schema::JournalRecord::Builder r) {
+        set_child_event(r.initChildUnkillable(), *c, schema::ChildReason::SURVIVED_KILL);
+      });
+      break;
+    }
+    case schema::NodeEvent::STOP_REQUESTED:
+      on_stop_request(e.getStopRequested());
+      break;
+  }
 }
 
 }  // namespace detail

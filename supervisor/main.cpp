@@ -24,6 +24,7 @@
 #include "recipes/recipe.h"
 #include "schemas/run_layout.h"
 #include "stages/collector/collector.h"
+#include "supervisor/commands/commands.h"
 #include "supervisor/supervisor.h"
 
 namespace mc = megacpp;

@@ -1,6 +1,6 @@
 // Roles and the run's end: the first failure classified, FailureObserved and RunFinished
-// journaled, the report printed; and `megacpp status`.
-#include "supervisor/detail/run.h"
+// journaled, the report printed.
+#include "supervisor/detail/job_controller.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -18,6 +18,7 @@
 #include "schemas/manifest.capnp.h"
 #include "schemas/run_layout.h"
 #include "stages/collector/collector.h"
+#include "supervisor/commands/commands.h"
 #include "supervisor/failure_policy.h"
 
 namespace megacpp::supervisor {
@@ -25,12 +26,6 @@ namespace megacpp::supervisor {
 namespace detail {
 
 namespace {
-
-std::string detection_text(schema::RunError::Reader e) {
-  return e.getDetectionMeasured()
-             ? fmt::format("detected {:.2f}s after the cause", e.getDetectionSeconds())
-             : std::string("detection delay not measured (the kernel gives no exit time)");
-}
 
 std::vector<std::string> tail_lines(const fs::path& path, size_t n) {
   std::vector<std::string> out;
@@ -50,7 +45,7 @@ std::vector<std::string> tail_lines(const fs::path& path, size_t n) {
 
 }  // namespace
 
-void Run::classify() {
+void JobController::classify() {
   // Exactly one first failure (policy::assign_roles).
   std::vector<std::string> abnormal;
   for (const auto& c : children_) {
@@ -118,7 +113,7 @@ void Run::classify() {
   }
 }
 
-void Run::journal_run_finished(bool process_finished) {
+void JobController::journal_run_finished(bool process_finished) {
   const int64_t torn_down = teardown_done_ns_ != 0 ? teardown_done_ns_ : mono_ns();
   const double teardown_s =
       detected_ns_ != 0 ? static_cast<double>(torn_down - detected_ns_) / 1e9 : 0.0;
@@ -157,7 +152,7 @@ void Run::journal_run_finished(bool process_finished) {
   journal_->sync();
 }
 
-int Run::report() {
+int JobController::report() {
   schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_));
   auto m = manifest.get();
   bool ok = m.getState() == schema::RunState::OK;
@@ -227,99 +222,5 @@ int Run::report() {
 }
 
 }  // namespace detail
-
-int status(const fs::path& run_dir) {
-  if (!fs::exists(layout::launch_path(run_dir))) {
-    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{} holds no run (no launch.json)", run_dir.string());
-  }
-  if (reconcile(run_dir) || !fs::exists(layout::manifest_path(run_dir)))
-    collector::collect_run(run_dir);
-  schemas::JsonFile<schema::Manifest> manifest(layout::manifest_path(run_dir));
-  auto m = manifest.get();
-  auto phase_name = [](schema::Phase p) { return layout::phase_name(p); };
-  fmt::print("run {}  ({})\n", m.getRunId().cStr(), run_dir.string());
-  fmt::print("  state      {}\n", schemas::name(m.getState()));
-  fmt::print("  recipe     {} ({})\n", m.getRecipe().cStr(), m.getRecipeHash().cStr());
-  fmt::print("  steps      {}/{} on {} ranks\n", m.getStepsCompleted(), m.getStepsPlanned(),
-             m.getWorld());
-  fmt::print("  launched   {}\n  completed  {}\n  last seen  {}\n", m.getLaunchedAt().cStr(),
-             m.getCompletedAt().cStr(), m.getLastPolledAt().cStr());
-  if (m.getStopReason().size() > 0) fmt::print("  stopped    {}\n", m.getStopReason().cStr());
-  if (m.getAttempts().size() > 1) {
-    fmt::print("  attempts\n");
-    for (auto a : m.getAttempts()) {
-      std::string failure;
-      if (a.hasError() && a.getError().getKind() != schema::FailureKind::NONE)
-        failure = fmt::format(": {} in {}-{}", schemas::name(a.getError().getKind()),
-                              layout::stage_name(a.getError().getStage()), a.getError().getRank());
-      fmt::print("    {} {:<11} from step {:<6} to step {:<6} {}{}{}\n", a.getAttempt(),
-                 a.getReason().cStr(), a.getFromStep(), a.getLastStep(),
-                 schemas::name(a.getState()), failure,
-                 a.getStepsLost() > 0 ? fmt::format(" ({} steps lost)", a.getStepsLost()) : "");
-      if (a.hasRecovery()) {
-        auto r = a.getRecovery();
-        auto part = [](const char* name, double s) {
-          return s < 0 ? std::string() : fmt::format(" {} {:.2f}s", name, s);
-        };
-        const std::string parts =
-            part("teardown", r.getTeardownSeconds()) + part("prepare", r.getPrepareSeconds()) +
-            part("relaunch", r.getRelaunchSeconds()) + part("restore", r.getRestoreSeconds()) +
-            part("first step", r.getFirstStepSeconds());
-        if (!parts.empty()) fmt::print("      recovery:{}\n", parts);
-      }
-    }
-  }
-  if (m.hasError() && m.getError().getKind() != schema::FailureKind::NONE) {
-    auto e = m.getError();
-    fmt::print("  first failure\n");
-    fmt::print("    {} in {}-{} (pid {}), phase {}, step {}, at {}\n", schemas::name(e.getKind()),
-               layout::stage_name(e.getStage()), e.getRank(), e.getPid(), phase_name(e.getPhase()),
-               e.getStep(), e.getAt().cStr());
-    fmt::print("    {}\n", e.getMessage().cStr());
-    fmt::print("    {}; teardown took {:.2f}s\n", detail::detection_text(e),
-               e.getTeardownSeconds());
-    if (e.getFailureDump().size() > 0)
-      fmt::print("    failure dump {}\n", (run_dir / e.getFailureDump().cStr()).string());
-    if (e.getBacktrace().size() > 0) {
-      fmt::print("    backtrace\n");
-      for (auto l : e.getBacktrace()) fmt::print("      {}\n", l.cStr());
-    }
-    if (e.getStderrTail().size() > 0) {
-      fmt::print("    stderr tail\n");
-      for (auto l : e.getStderrTail()) fmt::print("      | {}\n", l.cStr());
-    }
-  }
-  fmt::print("  stages\n");
-  for (auto s : m.getStages()) {
-    std::string how(schemas::name(s.getState()));
-    if (s.getState() == schema::ProcessState::EXITED) how += fmt::format("({})", s.getExitCode());
-    if (s.getState() == schema::ProcessState::SIGNALED) how += fmt::format("({})", s.getSignal());
-    std::string role(schemas::name(s.getRole()));
-    std::string restarts = s.getRestarts() > 0 ? fmt::format("restarts {}", s.getRestarts()) : "";
-    fmt::print("    {:<16} pid {:<8} {:<13} step {:<6} {:<14} {:<11} last record {}\n",
-               layout::process_name(s.getStage(), s.getRank()), s.getPid(), how, s.getLastStep(),
-               role, restarts, s.getLastRecordAt().cStr());
-    for (auto cause : s.getRestartCauses()) fmt::print("      restarted: {}\n", cause.cStr());
-  }
-  if (m.hasStageGraph() && m.getStageGraph().getEntries().size() > 0) {
-    auto g = m.getStageGraph();
-    fmt::print("  stage graph at {} ({})\n", g.getAt().cStr(), g.getReason().cStr());
-    for (auto e : g.getEntries()) {
-      fmt::print("    {:<16} {:<9} phase {:<10} for {:>6.1f}s  heartbeat {:>6.1f}s ago  step {}",
-                 layout::process_name(e.getStage(), e.getRank()), e.getState().cStr(),
-                 phase_name(e.getPhase()), e.getPhaseAgeSeconds(), e.getHeartbeatAgeSeconds(),
-                 e.getStep());
-      if (e.getStage() != StageKind::TRAINER && e.getProgressAgeSeconds() >= 0) {
-        fmt::print("  progress {:.1f}s ago ({} done)", e.getProgressAgeSeconds(), e.getWorkDone());
-      }
-      fmt::print("\n");
-    }
-  }
-  if (m.getLatestCheckpoint().size() > 0) {
-    fmt::print("  checkpoint {} (step {})\n", m.getLatestCheckpoint().cStr(),
-               m.getLatestCheckpointStep());
-  }
-  return 0;
-}
 
 }  // namespace megacpp::supervisor

@@ -1,9 +1,8 @@
 // The run directory and the launch contract: options validated, the directory, rings and
 // rendezvous prepared, launch.json written.
-#include "supervisor/detail/run.h"
+#include "supervisor/detail/job_controller.h"
 
 #include <signal.h>
-#include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/sysmacros.h>
@@ -35,6 +34,7 @@
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
+#include "supervisor/commands/commands.h"
 #include "supervisor/metrics.h"
 #include "supervisor/process.h"
 #include "supervisor/rendezvous.h"
@@ -158,7 +158,7 @@ void describe_volume(const fs::path& path, schema::FilesystemInfo::Builder out) 
 
 }  // namespace
 
-void Run::adopt_previous_attempt() {
+void JobController::adopt_previous_attempt() {
   run_ = fs::absolute(opt_.resume).lexically_normal();
   const fs::path launch_file = layout::launch_path(run_);
   if (!fs::exists(launch_file))
@@ -238,7 +238,7 @@ void Run::adopt_previous_attempt() {
   if (rank_batch != recipe_.train.batch_size) rank_batch_ = rank_batch;
 }
 
-uint64_t Run::data_position_after(uint32_t step) const {
+uint64_t JobController::data_position_after(uint32_t step) const {
   // Windows a step takes: the data-parallel ranks' batches (a tensor-parallel group shares one).
   const uint32_t rank_batch = rank_batch_ != 0 ? rank_batch_ : recipe_.train.batch_size;
   const uint64_t per_step =
@@ -246,7 +246,7 @@ uint64_t Run::data_position_after(uint32_t step) const {
   return data_base_position_ + uint64_t{step - data_base_step_} * per_step;
 }
 
-void Run::choose_checkpoint(std::string_view why) {
+void JobController::choose_checkpoint(std::string_view why) {
   auto choice = checkpoint::select_resume_checkpoint(run_);
   skipped_.clear();
   skipped_steps_.clear();
@@ -265,7 +265,7 @@ void Run::choose_checkpoint(std::string_view why) {
   }
 }
 
-void Run::journal_attempt_started(std::string_view reason) {
+void JobController::journal_attempt_started(std::string_view reason) {
   journal_->append([&](schema::JournalRecord::Builder r) {
     auto a = r.initAttemptStarted();
     a.setAttempt(attempt_);
@@ -279,20 +279,19 @@ void Run::journal_attempt_started(std::string_view reason) {
   journal_->sync();
 }
 
-void Run::create_rings() {
-  ipc::unlink_shm(shm_prefix_);
+void JobController::create_rings() {
   static_assert(recipe::kMaxBatchSlotBytes <= ipc::SlotRing::kMaxSlotBytes);
   const uint64_t slot_bytes = recipe::batch_spec(planned_).slot_bytes();
-  for (uint32_t r = 0; r < opt_.ranks; ++r) {
-    auto name = layout::ring_shm_name(shm_prefix_, r);
-    rings_.push_back(std::make_unique<ipc::ShmRegion>(
-        ipc::ShmRegion::Create{}, name, ipc::SlotRing::region_bytes(opt_.ring_slots, slot_bytes)));
-    ipc::SlotRing::format(*rings_.back(), opt_.ring_slots, slot_bytes);
-    ring_views_.push_back(std::make_unique<ipc::SlotRing>(*rings_.back()));
-  }
+  command([&](schema::NodeCommand::Builder cmd) {
+    auto a = cmd.initPrepareAttempt();
+    a.setShmPrefix(shm_prefix_);
+    a.setRanks(opt_.ranks);
+    a.setRingSlots(opt_.ring_slots);
+    a.setRingSlotBytes(slot_bytes);
+  });
 }
 
-void Run::adopt_parent_checkpoint() {
+void JobController::adopt_parent_checkpoint() {
   const fs::path dir =
       fs::absolute(checkpoint::resolve_checkpoint_dir(opt_.from)).lexically_normal();
   const auto verdict = checkpoint::verify_checkpoint(dir);
@@ -349,7 +348,7 @@ void Run::adopt_parent_checkpoint() {
 }
 
 // After the gates: feature-built has refused a build without the CUDA trainer.
-void Run::check_cuda_devices() const {
+void JobController::check_cuda_devices() const {
   // With --resume, ranks 0 means the run's own world: checked once it is known, by the ranks.
   const int visible = ops::cuda_device_count();
   if (visible < 1 || static_cast<uint32_t>(visible) < opt_.ranks)
@@ -359,7 +358,7 @@ void Run::check_cuda_devices() const {
                  visible, std::max<uint32_t>(opt_.ranks, 1));
 }
 
-void Run::plan_collectives() {
+void JobController::plan_collectives() {
   CollectivePlan p;
   p.timeout_s = knob_seconds(Knob::kCollectiveTimeoutS);
   MEGACPP_CHECK(p.timeout_s > 0, ErrorKind::kInvalidArgument,
@@ -391,10 +390,9 @@ void Run::plan_collectives() {
   collectives_ = std::move(p);
 }
 
-void Run::prepare() {
-  // Before any thread exists (TCPStore, ZeroMQ): threads inherit the mask, so SIGCHLD can
-  // reach nothing but the signalfd. A thread that left it unblocked would swallow exits.
-  sigfd_ = detail::block_signals_to_fd();
+void JobController::prepare() {
+  // Before any thread exists (TCPStore, ZeroMQ): NodeAgent::block_signals.
+  agent_->block_signals();
   opt_.validate();
   plan_collectives();
   const bool resuming = !opt_.resume.empty();
@@ -627,21 +625,11 @@ void Run::prepare() {
   }
   shm_prefix_ = layout::shm_prefix(run_id_, attempt_);
 
-  // A Unix socket path holds ~107 bytes; a deep run directory falls back to a short private dir.
-  sock_dir_ = run_ / "sock";
-  if (resuming) fs::remove_all(sock_dir_);  // an earlier attempt's, its supervisor gone
-  if (sock_dir_.string().size() + 16 > 100) {
-    char tmpl[] = "/tmp/megacpp-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) SYSCALL_FAIL("mkdtemp", errno);
-    sock_dir_ = tmpl;
-    write_file_atomic(sock_dir_ / layout::kSockOwnerFile, run_id_);
-  } else {
-    fs::create_directory(sock_dir_);
-  }
-  sock_dir_private_ = true;
-  ::chmod(sock_dir_.c_str(), 0700);
-  control_ep_ = "ipc://" + (sock_dir_ / "control").string();
-  checkpoint_ep_ = "ipc://" + (sock_dir_ / "checkpoint").string();
+  agent_->set_run_dir(run_);
+  const NodeAgent::Endpoints endpoints = agent_->make_socket_dir(run_id_, resuming);
+  sock_dir_ = endpoints.sock_dir;
+  control_ep_ = endpoints.control;
+  checkpoint_ep_ = endpoints.checkpoint;
 
   store_ = std::make_unique<StoreServer>("127.0.0.1", 0, opt_.ranks);
 
@@ -649,19 +637,22 @@ void Run::prepare() {
   create_rings();
   write_launch_contract(planned_);
 
-  zmq_ = std::make_unique<ipc::ZmqContext>();
-  router_ = std::make_unique<ipc::Channel>(*zmq_, ipc::Channel::Kind::kRouter, control_ep_);
+  agent_->open_control(control_ep_);
+  open_journals();
+  if (resuming) journal_attempt_started("resume");
+}
+
+void JobController::open_journals() {
   journal_ =
       std::make_unique<ipc::JournalWriter>(layout::journal_path(run_, StageKind::SUPERVISOR, 0));
   journal_->set_identity(StageKind::SUPERVISOR, 0);
   journal_->set_attempt(attempt_);
   journal_->append([](schema::JournalRecord::Builder r) { r.setProcessStarted(); });
-  if (resuming) journal_attempt_started("resume");
   checkpoint_journal_ =
       std::make_unique<ipc::JournalReader>(layout::journal_path(run_, StageKind::CHECKPOINTER, 0));
 }
 
-void Run::archive_attempt() {
+void JobController::archive_attempt() {
   // The previous attempt's contract and failure dumps move to RUN/attempts/<n>/; journals
   // and logs stay where they are (every record carries its attempt; logs are appended).
   const fs::path keep = layout::attempt_dir(run_, previous_attempt_);
@@ -689,7 +680,7 @@ void Run::archive_attempt() {
     write_file_atomic(ckdir / "LATEST", layout::checkpoint_dir_name(resume_->step) + "\n");
 }
 
-void Run::begin_attempt() {
+void JobController::begin_attempt() {
   archive_attempt();
   log_info("resuming run {} as attempt {} from {} (step {} of {}) on {} ranks{}", run_id_, attempt_,
            resume_->relative_path, resume_->step, opt_.steps, opt_.ranks,
@@ -698,7 +689,7 @@ void Run::begin_attempt() {
                        : "");
 }
 
-void Run::write_launch_contract(const recipe::Recipe& planned) {
+void JobController::write_launch_contract(const recipe::Recipe& planned) {
   capnp::MallocMessageBuilder msg;
   auto l = msg.initRoot<schema::LaunchContract>();
   l.setSchemaVersion(schema::SCHEMA_VERSION);

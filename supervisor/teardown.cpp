@@ -1,9 +1,9 @@
-// Teardown of a failed run and the cleanup every run ends with: signals with a grace period,
-// bounded waits, the stage graph journaled, rings, sockets and the store released.
-#include "supervisor/detail/run.h"
+// Teardown of a failed run and the cleanup every run ends with, as the job controller orders
+// them from the node agent: signals with a grace period, bounded waits, the stage graph
+// journaled, rings, sockets and the store released.
+#include "supervisor/detail/job_controller.h"
 
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,16 +12,14 @@
 
 #include "core/util.h"
 #include "ipc/channel.h"
-#include "ipc/shm.h"
 #include "schemas/enums.h"
 #include "supervisor/failure_policy.h"
-#include "supervisor/process.h"
 
 namespace megacpp::supervisor {
 
 namespace detail {
 
-void Run::journal_graph(const std::string& reason) {
+void JobController::journal_graph(const std::string& reason) {
   const int64_t now = mono_ns();
   journal_->append([&](schema::JournalRecord::Builder r) {
     auto g = r.initStageGraph();
@@ -50,7 +48,7 @@ void Run::journal_graph(const std::string& reason) {
   });
 }
 
-void Run::abort_collectives() {
+void JobController::abort_collectives() {
   abort_replies_.clear();
   if (!opt_.abort_collectives) return;
   // A stopped rank cannot answer (its peers' abort is what frees them); a world of one has no
@@ -59,11 +57,15 @@ void Run::abort_collectives() {
   const int64_t sent_ns = mono_ns();
   for (const auto& c : children_) {
     if (c.stage != StageKind::TRAINER || !c.alive || opt_.ranks <= 1) continue;
-    if (detail::process_state(c.pid) == 'T') continue;
-    ipc::ControlMessageBuilder b;
-    b.root().initAbortCollectives().setReason(fmt::format(
-        "teardown after {}", detected_what_.empty() ? std::string("a stop") : detected_what_));
-    if (router_->send_to(c.name, b.message(), ipc::Millis(0))) asked.push_back(&c);
+    // The agent does not ask a stopped rank (state 'T').
+    const bool sent = command([&](schema::NodeCommand::Builder cmd) {
+      auto a = cmd.initAbortCollectives();
+      a.getProcess().setStage(c.stage);
+      a.getProcess().setRank(c.rank);
+      a.setReason(fmt::format("teardown after {}",
+                              detected_what_.empty() ? std::string("a stop") : detected_what_));
+    });
+    if (sent) asked.push_back(&c);
   }
   if (asked.empty()) return;
   auto settled = [&] {
@@ -99,20 +101,28 @@ void Run::abort_collectives() {
   }
 }
 
-void Run::teardown() {
+void JobController::teardown() {
   // Bounded: the collectives' abort, SIGTERM, a grace period while still listening (a
   // victim's own report of what it met may yet arrive), SIGKILL, one more second. Nothing here
   // waits without a deadline.
   teardown_started_ns_ = mono_ns();
   abort_collectives();
-  for (auto& c : children_) {
-    if (!c.alive) continue;
-    // A stopped or silent process cannot act on SIGTERM: waiting out the grace for it only
-    // delays the teardown.
-    auto ev = events_.find(c.name);
-    bool silent = ev != events_.end() && ev->second.kind == schema::FailureKind::HEARTBEAT_LOST;
-    kill_child(c, policy::teardown_signal(silent, detail::process_state(c.pid)));
-  }
+  command([&](schema::NodeCommand::Builder cmd) {
+    auto t = cmd.initTearDown();
+    // A stopped or silent process cannot act on SIGTERM: the agent sends it SIGKILL at once.
+    std::vector<const Child*> silent;
+    for (const auto& c : children_) {
+      if (!c.alive) continue;
+      auto ev = events_.find(c.name);
+      if (ev != events_.end() && ev->second.kind == schema::FailureKind::HEARTBEAT_LOST)
+        silent.push_back(&c);
+    }
+    auto s = t.initSilent(static_cast<unsigned>(silent.size()));
+    for (size_t i = 0; i < silent.size(); ++i) {
+      s[static_cast<unsigned>(i)].setStage(silent[i]->stage);
+      s[static_cast<unsigned>(i)].setRank(silent[i]->rank);
+    }
+  });
   auto none_alive = [&] {
     for (const auto& c : children_) {
       if (c.alive) return false;
@@ -127,13 +137,11 @@ void Run::teardown() {
     teardown_done_ns_ = mono_ns();
   };
   if (wait_for(none_alive, opt_.teardown_grace_s)) return torn_down();
-  for (auto& c : children_) {
-    if (c.alive) {
-      log_warn("{} (pid {}) still alive {:.1f}s after SIGTERM: SIGKILL", c.name, c.pid,
-               opt_.teardown_grace_s);
-      kill_child(c, SIGKILL);
-    }
-  }
+  command([&](schema::NodeCommand::Builder cmd) {
+    auto t = cmd.initTearDown();
+    t.setKill(true);
+    t.setGraceSeconds(opt_.teardown_grace_s);
+  });
   if (!wait_for(none_alive, kKillWaitS)) {
     for (const auto& c : children_) {
       if (c.alive) give_up_on(c);
@@ -142,57 +150,26 @@ void Run::teardown() {
   torn_down();
 }
 
-void Run::release_attempt_ipc() {
-  ring_views_.clear();
-  rings_.clear();
-  if (!shm_prefix_.empty()) ipc::unlink_shm(shm_prefix_);
+void JobController::release_attempt_ipc() {
+  command([](schema::NodeCommand::Builder cmd) { cmd.setReleaseAttempt(); });
 }
 
-void Run::release_ipc() {
+void JobController::release_ipc() {
   if (released_) return;
   released_ = true;
-  router_.reset();
-  zmq_.reset();
-  release_attempt_ipc();
-  if (sock_dir_private_) {
-    std::error_code ec;
-    fs::remove_all(sock_dir_, ec);
-  }
+  if (agent_) agent_->release();  // the control socket, the rings, the socket directory
   store_.reset();
 }
 
-void Run::cleanup() {
+void JobController::cleanup() {
   if (cleaned_) return;
   cleaned_ = true;
-  // No blocking wait: a child that outlives SIGKILL would hang `megacpp run` forever. The
-  // children still alive get SIGKILL and, together, kKillWaitS to be reaped; one already
-  // given up on is not waited for again. A generation killed for a restart gets the same
-  // bound to be reaped and journaled.
-  std::vector<Child*> waiting;
-  for (auto& c : children_) {
-    if (!c.alive || unkillable_.contains(c.pid)) continue;
-    kill_child(c, SIGKILL);
-    waiting.push_back(&c);
-  }
-  const int64_t deadline = mono_ns() + static_cast<int64_t>(kKillWaitS * 1e9);
-  for (;;) {
-    std::erase_if(waiting, [](Child* c) {
-      const pid_t r = ::waitpid(c->pid, nullptr, WNOHANG);
-      if (r == 0) return false;
-      c->alive = false;  // reaped, or not our child any more (ECHILD)
-      return true;
-    });
-    reap_dying();
-    const bool any_dying =
-        std::ranges::any_of(children_, [](const Child& c) { return c.dying_pid != 0; });
-    if ((waiting.empty() && !any_dying) || mono_ns() >= deadline) break;
-    ::usleep(10'000);
-  }
-  for (const Child* c : waiting) give_up_on(*c);
+  // Bounded (NodeAgent::kill_remaining): SIGKILL to the children still alive, kKillWaitS for
+  // them and for a generation killed for a restart to be reaped, then given up on.
+  if (agent_) agent_->kill_remaining();
   release_ipc();
   metrics_server_.reset();
-  if (sigfd_ >= 0) ::close(sigfd_);
-  sigfd_ = -1;
+  if (agent_) agent_->close_signals();
 }
 
 }  // namespace detail

@@ -1,11 +1,10 @@
 // The watch loop and the lifecycle of a run: launch, watch (control messages, liveness and
 // progress judged by failure_policy.h), finish or tear down, fold, report.
-#include "supervisor/detail/run.h"
+#include "supervisor/detail/job_controller.h"
 
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/signalfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,15 +26,14 @@ namespace megacpp::supervisor {
 
 namespace detail {
 
-double Run::phase_budget(const Child& c) const {
+double JobController::phase_budget(const Child& c) const {
   return policy::phase_budget(budgets_, c.stage, c.step, c.phase, step_samples_);
 }
 
-void Run::on_message(ipc::Received& m) {
-  Child* c = by_name(m.peer());
-  auto root = m.root();
+void JobController::on_message(const std::string& peer, schema::ControlMessage::Reader root) {
+  Child* c = by_name(peer);
   if (c == nullptr) {
-    log_warn("control message from unknown peer '{}' ignored", m.peer());
+    log_warn("control message from unknown peer '{}' ignored", peer);
     return;
   }
   const int64_t now = mono_ns();
@@ -112,7 +110,7 @@ void Run::on_message(ipc::Received& m) {
   }
 }
 
-void Run::record(Child& c, Event ev) {
+void JobController::record(Child& c, Event ev) {
   if (detected_ns_ == 0) {
     detected_ns_ = ev.detected_ns;
     detected_what_ = fmt::format("{} {}: {}", c.name, schemas::name(ev.kind), ev.message);
@@ -126,7 +124,7 @@ void Run::record(Child& c, Event ev) {
   }
 }
 
-void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
+void JobController::restart_or_fail(Child& c, const std::string& why, Event ev) {
   if (draining_ && c.stage != StageKind::TRAINER) {
     log_warn("{}: {} after training ended and its final checkpoint committed; not restarted",
              c.name, why);
@@ -142,8 +140,12 @@ void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
     metrics_->add_restart(c.stage, c.rank);
     c.restart_cause = fmt::format("generation {}: {}", c.generation, why);
     if (c.alive) {
-      // Relaunched from reap() once this pid is gone (bounded in check_liveness).
-      ::kill(c.pid, SIGKILL);
+      // Relaunched on its `exited` event once this pid is gone (bounded in check_liveness).
+      command([&](schema::NodeCommand::Builder cmd) {
+        auto r = cmd.initRestartStage();
+        r.getProcess().setStage(c.stage);
+        r.getProcess().setRank(c.rank);
+      });
       c.alive = false;
       c.dying_pid = c.pid;
       c.dying_since_ns = mono_ns();
@@ -159,11 +161,11 @@ void Run::restart_or_fail(Child& c, const std::string& why, Event ev) {
   record(c, std::move(ev));
 }
 
-double Run::stall_budget(StageKind s) const {
+double JobController::stall_budget(StageKind s) const {
   return policy::stall_budget(budgets_, s);
 }
 
-const Child* Run::waited_on(const Child& trainer) {
+const Child* JobController::waited_on(const Child& trainer) {
   const auto stage = policy::waited_on(trainer.phase);
   return stage ? by_name(layout::process_name(*stage, 0)) : nullptr;
 }
@@ -172,7 +174,7 @@ const Child* Run::waited_on(const Child& trainer) {
 // heartbeats alone (they come from the control client's thread and go on while the work is
 // wedged). Until its first report the start-up budget applies (libraries, shm, a built-in
 // corpus written on first use).
-void Run::check_stage_progress(Child& c, int64_t now) {
+void JobController::check_stage_progress(Child& c, int64_t now) {
   const bool reported = c.work_ns > 0;
   const int64_t since = reported ? c.work_ns : c.started_ns;
   const double limit = reported ? stall_budget(c.stage) : opt_.startup_budget_s;
@@ -198,8 +200,9 @@ void Run::check_stage_progress(Child& c, int64_t now) {
   restart_or_fail(c, "hung: " + what, std::move(ev));
 }
 
-void Run::check_liveness() {
+void JobController::check_liveness() {
   const int64_t now = mono_ns();
+  const std::vector<RingLevel> rings = link_->ring_levels();
   for (auto& c : children_) {
     if (c.dying_pid != 0 &&
         policy::restart_reap_overdue(static_cast<double>(now - c.dying_since_ns) / 1e9)) {
@@ -235,9 +238,9 @@ void Run::check_liveness() {
     const int64_t since = clock.since_ns;
     const double rank_budget = clock.budget_s;
     const double in_phase = static_cast<double>(now - since) / 1e9;
-    if (c.rank < ring_views_.size()) {
+    if (c.rank < rings.size()) {
       Child* loader = by_name(layout::process_name(StageKind::DATA_LOADER, 0));
-      if (policy::loader_starves_rank(budgets_, c.phase, ring_views_[c.rank]->depth(), in_phase,
+      if (policy::loader_starves_rank(budgets_, c.phase, rings[c.rank].depth, in_phase,
                                       loader != nullptr && loader->alive)) {
         loader->heartbeat_ns = now;  // one restart per stall, not one per starving rank
         c.phase_started_ns = now;
@@ -276,7 +279,7 @@ void Run::check_liveness() {
   }
 }
 
-bool Run::all_trainers_done() const {
+bool JobController::all_trainers_done() const {
   for (const auto& c : children_) {
     if (c.stage == StageKind::TRAINER && (c.alive || c.exit_code != 0 || c.signal != 0))
       return false;
@@ -284,18 +287,11 @@ bool Run::all_trainers_done() const {
   return true;
 }
 
-void Run::pump(int timeout_ms) {
-  ipc::Poller poller;
-  const size_t router = poller.add(*router_);
-  const size_t signals = poller.add(sigfd_);
-  if (poller.wait(ipc::Millis(timeout_ms)) == 0) return;
-  if (poller.readable(signals)) on_signals();
-  if (poller.readable(router)) {
-    while (auto m = router_->receive(ipc::Millis(0))) on_message(*m);
-  }
+void JobController::pump(int timeout_ms) {
+  link_->poll(timeout_ms);
 }
 
-void Run::watch() {
+void JobController::watch() {
   for (;;) {
     pump(100);
     if (detected_ns_ != 0) return;
@@ -338,7 +334,7 @@ void Run::watch() {
   }
 }
 
-void Run::update_metrics() {
+void JobController::update_metrics() {
   const double now_wall = static_cast<double>(wall_ns()) / 1e9;
   const int64_t now = mono_ns();
   for (const auto& c : children_) {
@@ -355,14 +351,14 @@ void Run::update_metrics() {
     }
     if (c.stage == StageKind::COLLECTOR) metrics_->set_collector_lag(c.lag_seconds);
   }
-  for (uint32_t r = 0; r < ring_views_.size(); ++r) {
-    metrics_->set_queue(fmt::format("data_loader->trainer-{}", r), ring_views_[r]->depth(),
-                        ring_views_[r]->slots());
+  const std::vector<RingLevel> rings = link_->ring_levels();
+  for (uint32_t r = 0; r < rings.size(); ++r) {
+    metrics_->set_queue(fmt::format("data_loader->trainer-{}", r), rings[r].depth, rings[r].slots);
   }
   poll_commits();
 }
 
-void Run::poll_commits() {
+void JobController::poll_commits() {
   checkpoint_journal_->poll([&](schema::JournalRecord::Reader rec) {
     if (rec.isCheckpointCommitted()) {
       auto c = rec.getCheckpointCommitted();
@@ -373,7 +369,7 @@ void Run::poll_commits() {
   });
 }
 
-void Run::finish_ok() {
+void JobController::finish_ok() {
   // Training is over; the loader and the checkpointer drain and exit, then the collector
   // folds the final state. A stage that does not stop within its bound is a failure.
   draining_ = true;
@@ -404,7 +400,7 @@ void Run::finish_ok() {
   }
 }
 
-void Run::launch_attempt() {
+void JobController::launch_attempt() {
   launch(StageKind::COLLECTOR, 0, 0, schema::ChildReason::LAUNCH);
   launch(StageKind::CHECKPOINTER, 0, 0, schema::ChildReason::LAUNCH);
   launch(StageKind::DATA_LOADER, 0, 0, schema::ChildReason::LAUNCH);
@@ -418,7 +414,7 @@ void Run::launch_attempt() {
   });
 }
 
-std::optional<std::string> Run::job_restart_refusal() const {
+std::optional<std::string> JobController::job_restart_refusal() const {
   if (opt_.max_job_restarts == 0) return "--max-job-restarts is 0";
   if (stop_signal_ != 0) return "a graceful stop was under way";
   if (job_restarts_ >= opt_.max_job_restarts)
@@ -438,7 +434,7 @@ std::optional<std::string> Run::job_restart_refusal() const {
   return std::nullopt;
 }
 
-uint32_t Run::journaled_progress() const {
+uint32_t JobController::journaled_progress() const {
   uint32_t progress = UINT32_MAX;
   for (uint32_t r = 0; r < opt_.ranks; ++r) {
     uint32_t last = resume_ ? resume_->step : 0;
@@ -452,7 +448,7 @@ uint32_t Run::journaled_progress() const {
   return progress == UINT32_MAX ? 0 : progress;
 }
 
-void Run::restart_job() {
+void JobController::restart_job() {
   // The failed attempt ends in the journal as a run would (its first failure is already
   // there; its batch plane went with the teardown); the next one starts from the newest
   // checkpoint that verifies.
@@ -476,7 +472,7 @@ void Run::restart_job() {
   create_rings();
   write_launch_contract(planned_);
 
-  reap_dying();
+  command([](schema::NodeCommand::Builder cmd) { cmd.setEndAttempt(); });
   children_.clear();
   events_.clear();
   detected_ns_ = 0;
@@ -488,7 +484,7 @@ void Run::restart_job() {
   failed_progress_.reset();
 }
 
-void Run::detach_output() {
+void JobController::detach_output() {
   detached_ = true;
   const fs::path log = layout::logs_dir(run_) / "supervisor.log";
   // Raw writes, errors ignored: the launching command may be gone (its terminal closed), and
@@ -507,36 +503,49 @@ void Run::detach_output() {
   move_output_to_log();
 }
 
-bool Run::launcher_gone() const {
+bool JobController::launcher_gone() const {
   // The write end of a pipe whose every reader closed polls POLLERR.
   pollfd pfd{STDOUT_FILENO, 0, 0};
   return ::poll(&pfd, 1, 0) == 1 && (pfd.revents & POLLERR) != 0;
 }
 
-void Run::move_output_to_log() {
+void JobController::move_output_to_log() {
   detached_ = true;
   std::fflush(stdout);
   std::fflush(stderr);
   const fs::path log = layout::logs_dir(run_) / "supervisor.log";
-  const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644);
-  if (fd < 0) {
+  const Fd fd(::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644));
+  if (fd.get() < 0) {
     // Nowhere to log: the launching command still gets its EOF and returns.
-    const int devnull = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
-    ::dup2(devnull, STDOUT_FILENO);
-    ::dup2(devnull, STDERR_FILENO);
-    if (devnull >= 0) ::close(devnull);
+    const Fd devnull(::open("/dev/null", O_WRONLY | O_CLOEXEC));
+    ::dup2(devnull.get(), STDOUT_FILENO);
+    ::dup2(devnull.get(), STDERR_FILENO);
     return;
   }
-  ::dup2(fd, STDOUT_FILENO);
-  ::dup2(fd, STDERR_FILENO);
-  ::close(fd);
+  ::dup2(fd.get(), STDOUT_FILENO);
+  ::dup2(fd.get(), STDERR_FILENO);
 }
 
-int Run::execute() {
-  prepare();
-  console_ = make_console(opt_.progress, opt_.steps, recipe_.name, run_.string());
-  if (console_ && !metrics_endpoint_.empty())
-    fmt::print("megacpp: metrics at {}\n", metrics_endpoint_);
+JobController::JobController(RunOptions o)
+    : opt_(std::move(o)),
+      budgets_(budgets_of(opt_)),
+      spawner_(std::make_unique<SystemSpawner>()),
+      agent_(std::make_unique<NodeAgent>(*spawner_)),
+      in_process_(std::make_unique<InProcessLink>(*agent_)),
+      link_(in_process_.get()) {
+  link_->connect([this](schema::NodeEvent::Reader e) { on_event(e); });
+}
+
+JobController::JobController(RunOptions o, NodeAgentLink& link, const fs::path& run)
+    : opt_(std::move(o)), budgets_(budgets_of(opt_)), run_(run), link_(&link) {
+  link_->connect([this](schema::NodeEvent::Reader e) { on_event(e); });
+  metrics_ = std::make_unique<Metrics>(MEGACPP_VERSION, "test", "none");
+  for (const auto& d : {layout::journal_dir(run_), layout::logs_dir(run_)})
+    fs::create_directories(d);
+  open_journals();
+}
+
+std::optional<Failure> JobController::supervise() {
   for (;;) {
     launch_attempt();
     watch();
@@ -555,6 +564,15 @@ int Run::execute() {
     }
     restart_job();
   }
+  return failure_;
+}
+
+int JobController::execute() {
+  prepare();
+  console_ = make_console(opt_.progress, opt_.steps, recipe_.name, run_.string());
+  if (console_ && !metrics_endpoint_.empty())
+    fmt::print("megacpp: metrics at {}\n", metrics_endpoint_);
+  supervise();
   if (console_) console_->finish();
   if (!failure_) {
     // The live collector folds the final state; the in-process fold below is the same pure
@@ -580,7 +598,7 @@ int Run::execute() {
                opt_.metrics_linger_s);
     std::fflush(stdout);
     // Interruptible: SIGINT/SIGTERM (blocked into the signalfd) end the linger early.
-    pollfd pfd{sigfd_, POLLIN, 0};
+    pollfd pfd{agent_->signal_fd(), POLLIN, 0};
     ::poll(&pfd, 1, static_cast<int>(opt_.metrics_linger_s * 1000));
   }
   cleanup();
@@ -590,7 +608,7 @@ int Run::execute() {
 }  // namespace detail
 
 int run(RunOptions options) {
-  detail::Run r(std::move(options));
+  detail::JobController r(std::move(options));
   return r.execute();
 }
 

@@ -30,6 +30,7 @@
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
+#include "supervisor/commands/commands.h"
 #include "supervisor/process.h"
 #include "supervisor/supervisor.h"
 #include "tests/unit/temp_dir.h"

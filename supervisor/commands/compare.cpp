@@ -14,7 +14,7 @@
 #include "schemas/launch.capnp.h"
 #include "schemas/manifest.capnp.h"
 #include "schemas/run_layout.h"
-#include "supervisor/supervisor.h"
+#include "supervisor/commands/commands.h"
 
 namespace megacpp::supervisor {
 

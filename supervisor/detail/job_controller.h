@@ -1,12 +1,17 @@
-// The supervisor's run of one job, shared by the files that implement it (not a public
-// header: supervisor.h is). One Run per `megacpp run`; its members are split by what they
-// do: run_dir.cpp (validation, run directory, launch contract), children.cpp (spawn, reap,
-// signals), watch.cpp (the watch loop and the run's lifecycle), teardown.cpp (teardown and
-// cleanup), report.cpp (roles, the final journal records, the report, `megacpp status`),
-// reconcile.cpp (orphaned runs). The rules the watch loop applies are failure_policy.h's.
+// The job controller: decides everything about one job (`megacpp run`) and owns no process.
+// Not a public header (supervisor.h is). One JobController per `megacpp run`; it talks to the
+// node agent of its host (supervisor/node_agent.h) only through a NodeAgentLink: commands
+// (launch, stop, tear down, restart a stage, ...) go down, events (started, exited, a stage's
+// hello, heartbeat and failure, a stop request) come back (schemas/node.capnp). Its members are
+// split by what they do: run_dir.cpp (pre-flight, run directory, launch contract), children.cpp
+// (what the controller does on a stage's start and exit, graceful stop, restarts), watch.cpp
+// (the watch loop and the run's lifecycle), teardown.cpp (teardown and cleanup), report.cpp
+// (roles, the final journal records, the report). The rules the watch loop applies are
+// failure_policy.h's.
 //
-// Blocking: the watch loop blocks only in its ipc::Poller wait with a 100 ms timeout over the
-// control ROUTER and a signalfd (SIGCHLD, SIGINT, SIGTERM). Every wait for a child is bounded.
+// Blocking: the watch loop blocks only in NodeAgentLink::poll with a 100 ms timeout (the
+// agent's ipc::Poller wait over the control ROUTER and a signalfd). Every wait for a child is
+// bounded.
 #pragma once
 
 #include <sys/types.h>
@@ -22,18 +27,20 @@
 #include <string>
 #include <vector>
 
+#include <capnp/message.h>
+
 #include "core/knobs.h"
 #include "data/dataset.h"
 #include "ipc/channel.h"
 #include "ipc/journal.h"
-#include "ipc/shm.h"
-#include "ipc/slot_ring.h"
 #include "recipes/plan.h"
 #include "recipes/recipe.h"
 #include "schemas/common.capnp.h"
 #include "supervisor/console.h"
 #include "supervisor/failure_policy.h"
 #include "supervisor/metrics.h"
+#include "supervisor/node_agent.h"
+#include "supervisor/node_agent_link.h"
 #include "supervisor/rendezvous.h"
 #include "supervisor/supervisor.h"
 
@@ -55,7 +62,7 @@ struct Child {
   bool alive = false;
   bool seen = false;  // a Hello or heartbeat of this generation arrived
   bool stop_sent = false;
-  // A trainer told of the graceful stop under way (Run::ask_to_stop). One whose control
+  // A trainer told of the graceful stop under way (JobController::ask_to_stop). One whose control
   // socket had not connected when the stop began is told on its hello.
   bool stop_asked = false;
   int exit_code = 0;
@@ -93,11 +100,6 @@ struct Failure {
   uint32_t step = 0;  // the failed process's step when it happened
 };
 
-// How long a SIGKILLed child may take to be reaped before the supervisor gives up on it: a
-// process in uninterruptible sleep (stuck I/O) outlives SIGKILL until the I/O completes,
-// which may be never. It is then named unkillable and not waited for.
-constexpr double kKillWaitS = 1.0;
-
 // How the ranks' collectives time out and are torn down: launch.json's collectives
 // (schemas/launch.capnp CollectivePolicy), and what it adds to each trainer's environment.
 struct CollectivePlan {
@@ -118,14 +120,23 @@ struct AbortReply {
   int64_t received_ns = 0;
 };
 
-class Run {
+class JobController {
  public:
-  explicit Run(RunOptions o) : opt_(std::move(o)), budgets_(budgets_of(opt_)) {}
-  ~Run() { cleanup(); }
-  Run(const Run&) = delete;
-  Run& operator=(const Run&) = delete;
+  // `megacpp run`: the node agent of this host, in process.
+  explicit JobController(RunOptions o);
+  // A controller over `link` for the run directory `run`, with its journals and metrics (no
+  // /metrics server) but no pre-flight and no launch contract: what supervise() needs. Tests
+  // drive it with scripted node events.
+  JobController(RunOptions o, NodeAgentLink& link, const fs::path& run);
+  ~JobController() { cleanup(); }
+  JobController(const JobController&) = delete;
+  JobController& operator=(const JobController&) = delete;
 
   int execute();
+  // The attempts of the job: launch, watch, finish or tear down and classify, a job restart
+  // when the policy allows one. Returns the first failure of the last attempt (nullopt: ok, or
+  // stopped gracefully).
+  std::optional<Failure> supervise();
 
  private:
   void prepare();
@@ -143,6 +154,8 @@ class Run {
   void choose_checkpoint(std::string_view why);
   void journal_attempt_started(std::string_view reason);  // attemptStarted of attempt_, synced
   void create_rings();  // the batch plane of this attempt: shm_prefix_, planned_'s slots
+  // The supervisor's journal (ProcessStarted appended) and the checkpointer's, read for commits.
+  void open_journals();
   void launch_attempt();
   // Why the failure just classified is not retried as the next attempt; nullopt: retry it.
   std::optional<std::string> job_restart_refusal() const;
@@ -164,12 +177,16 @@ class Run {
   // A detached run's launching command closed its end of the output pipe (it died).
   bool launcher_gone() const;
   void pump(int timeout_ms);
-  void on_message(ipc::Received& m);
-  void on_signals();
+  // A node event (schemas/node.capnp), handled on the caller's thread.
+  void on_event(schema::NodeEvent::Reader e);
+  void on_started(schema::StageStarted::Reader s);
+  void on_exited(schema::StageExited::Reader x);
+  void on_message(const std::string& peer, schema::ControlMessage::Reader root);
+  // SIGINT/SIGTERM reached the supervisor: the graceful stop, or a second time, stop at once.
+  void on_stop_request(int signo);
   void begin_graceful_stop(int signo);
   // Sends the graceful stop to one trainer; false when its control socket is not connected yet.
   bool ask_to_stop(Child& c);
-  void reap();
   void journal_child_exited(const Child& c, schema::ChildReason reason);
   void check_liveness();
   void restart_or_fail(Child& c, const std::string& why, Event ev);
@@ -195,12 +212,13 @@ class Run {
   int report();
   void cleanup();
   Child* by_name(const std::string& n);
-  Child* by_pid(pid_t pid);
-  Child* by_dying_pid(pid_t pid);
   // A generation killed for a restart was reaped: journal it and launch the next one
-  // (unless the run is ending). reap_dying() is the bounded, non-blocking form for cleanup.
-  void reaped_dying(Child& dying, int status);
-  void reap_dying();
+  // (unless the run is ending).
+  void reaped_dying(Child& dying, int exit_code, int signal);
+  // One command to the node agent (schemas/node.capnp NodeCommand); its result as
+  // NodeAgentLink::command says.
+  template <class F>
+  bool command(F&& build);
   bool all_trainers_done() const;
   double phase_budget(const Child& c) const;
   double stall_budget(StageKind s) const;
@@ -258,7 +276,6 @@ class Run {
   data::ResolvedDataset dataset_;
   fs::path run_;
   fs::path sock_dir_;
-  bool sock_dir_private_ = false;
   std::string run_id_, shm_prefix_, control_ep_, checkpoint_ep_;
   std::string fs_type_, fs_device_;
   bool fs_root_ = false;
@@ -266,15 +283,16 @@ class Run {
   std::unique_ptr<MetricsServer> metrics_server_;
   std::string metrics_endpoint_;
   std::unique_ptr<StoreServer> store_;
-  std::unique_ptr<ipc::ZmqContext> zmq_;
-  std::unique_ptr<ipc::Channel> router_;
+  // This host's node agent and the link to it (`megacpp run`); a test's controller has only
+  // link_, its own.
+  std::unique_ptr<SystemSpawner> spawner_;
+  std::unique_ptr<NodeAgent> agent_;
+  std::unique_ptr<InProcessLink> in_process_;
+  NodeAgentLink* link_ = nullptr;
   std::unique_ptr<ipc::JournalWriter> journal_;
   std::unique_ptr<ipc::JournalReader> checkpoint_journal_;
-  std::vector<std::unique_ptr<ipc::ShmRegion>> rings_;
-  std::vector<std::unique_ptr<ipc::SlotRing>> ring_views_;
   std::vector<Child> children_;
-  std::set<pid_t> unkillable_;  // outlived SIGKILL and kKillWaitS: never waited for again
-  int sigfd_ = -1;
+  std::set<pid_t> unkillable_;           // the agent gave up on them (outlived SIGKILL)
   std::map<std::string, Event> events_;  // by process name: the most telling event of each
   int64_t detected_ns_ = 0;              // first event; 0 while the run is healthy
   std::string detected_what_;            // that event, as logged
@@ -305,9 +323,14 @@ class Run {
   bool released_ = false;
   bool cleaned_ = false;
   std::unique_ptr<Console> console_;
-  // MEGACPP_TEST_UNKILLABLE: the process name whose teardown signals are not sent.
-  const std::string unkillable_for_test_ = knob_string(Knob::kTestUnkillable);
 };
+
+template <class F>
+bool JobController::command(F&& build) {
+  capnp::MallocMessageBuilder msg;
+  build(msg.initRoot<schema::NodeCommand>());
+  return link_->command(msg.getRoot<schema::NodeCommand>().asReader());
+}
 
 }  // namespace detail
 }  // namespace megacpp::supervisor

@@ -1,7 +1,7 @@
 // Orphaned runs: a run whose supervisor is gone is recorded as orphaned, and what that
 // supervisor would have removed (shm segments, its socket directory) is removed, and nothing
 // else: see reconcile().
-#include "supervisor/detail/run.h"
+#include "supervisor/commands/commands.h"
 
 #include <signal.h>
 #include <sys/mman.h>
@@ -24,6 +24,9 @@
 #include "supervisor/process.h"
 
 namespace megacpp::supervisor {
+
+namespace fs = std::filesystem;
+using schema::StageKind;
 
 namespace detail {
 

@@ -15,7 +15,7 @@
 #include "schemas/manifest.capnp.h"
 #include "schemas/run_layout.h"
 #include "stages/collector/collector.h"
-#include "supervisor/supervisor.h"
+#include "supervisor/commands/commands.h"
 
 namespace megacpp::supervisor {
 

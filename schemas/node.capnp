@@ -1,0 +1,130 @@
+@0xc4a73dc489090d90;
+# The job controller <-> node agent plane (DESIGN.md "Lifecycle as implemented"): the commands a
+# job controller sends the node agent that owns the processes of one host, and the events the
+# agent sends back. In-process on one host (supervisor/node_agent.h InProcessLink); the same
+# messages are meant to travel over ZeroMQ between hosts. A process is named by its stage and
+# rank (layout::process_name). Not written to any file: no snapshot under tests/schema_snapshots
+# until a format version carries it between hosts.
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("megacpp::schema");
+using Common = import "common.capnp";
+using Control = import "control.capnp";
+
+struct StageRef {
+  stage @0 :Common.StageKind;
+  rank @1 :UInt32;
+}
+
+# Commands (controller -> agent).
+
+struct LaunchStage {
+  process @0 :StageRef;
+  generation @1 :UInt32;
+  reason @2 :Common.ChildReason;  # echoed in `started`
+  cause @3 :Text;                 # a restart's cause, echoed in `started`
+  # The stage's environment: the agent's own, unless tuneEnvironment, then the agent's with
+  # these GLIBC_TUNABLES entries (a value its environment sets is kept), plus extraEnv.
+  tuneEnvironment @4 :Bool;
+  tunables @5 :List(Text);
+  extraEnv @6 :List(Text);        # "K=V"
+}
+
+struct StopStage {
+  process @0 :StageRef;
+  reason @1 :Text;
+  afterCheckpoint @2 :Bool;       # a graceful stop: finish the step in flight, commit, exit
+  sigtermIfUnreachable @3 :Bool;  # its control socket is not connected: SIGTERM instead
+}
+
+struct AbortStageCollectives {
+  process @0 :StageRef;
+  reason @1 :Text;
+}
+
+struct TearDown {
+  # false: the teardown signal to every live process (SIGTERM; SIGKILL at once to one that is
+  # stopped or listed in `silent`); true: SIGKILL to every one still alive after graceSeconds.
+  kill @0 :Bool;
+  silent @1 :List(StageRef);
+  graceSeconds @2 :Float64;
+}
+
+struct RestartStage {
+  process @0 :StageRef;           # SIGKILL to its live generation; `exited` (restart) at the reap
+}
+
+struct SignalStage {
+  process @0 :StageRef;
+  signal @1 :Int32;
+}
+
+struct GiveUp {
+  process @0 :StageRef;           # outlived SIGKILL: never waited for again (`unkillable` once)
+  waitedSeconds @1 :Float64;
+}
+
+struct PrepareAttempt {
+  shmPrefix @0 :Text;             # the attempt's batch plane: one slot ring per rank
+  ranks @1 :UInt32;
+  ringSlots @2 :UInt32;
+  ringSlotBytes @3 :UInt64;
+}
+
+struct NodeCommand {
+  union {
+    launch @0 :LaunchStage;
+    stop @1 :StopStage;
+    abortCollectives @2 :AbortStageCollectives;
+    tearDown @3 :TearDown;
+    restartStage @4 :RestartStage;
+    signal @5 :SignalStage;
+    giveUp @6 :GiveUp;
+    prepareAttempt @7 :PrepareAttempt;
+    releaseAttempt @8 :Void;      # the attempt's rings and shm segments go
+    # A job restart: the generations killed for a restart that have exited are reaped (their
+    # `exited` events), then the attempt's processes are forgotten (an unkillable one stays so).
+    endAttempt @9 :Void;
+  }
+}
+
+# Events (agent -> controller).
+
+struct StageStarted {
+  process @0 :StageRef;
+  pid @1 :Int32;
+  generation @2 :UInt32;
+  reason @3 :Common.ChildReason;
+  cause @4 :Text;
+}
+
+struct StageExited {
+  process @0 :StageRef;
+  pid @1 :Int32;
+  generation @2 :UInt32;
+  exitCode @3 :Int32;             # -1 when it did not exit on its own
+  signal @4 :Int32;
+  restart @5 :Bool;               # the generation a restartStage killed
+}
+
+# What a stage said on the control plane, as it said it: hello, heartbeat (its progress),
+# failure, collectivesAborted.
+struct StageMessage {
+  peer @0 :Text;                  # the stage's control socket identity (its process name)
+  message @1 :Control.ControlMessage;
+}
+
+struct StageUnkillable {
+  process @0 :StageRef;
+  pid @1 :Int32;
+  waitedSeconds @2 :Float64;
+}
+
+struct NodeEvent {
+  union {
+    started @0 :StageStarted;
+    exited @1 :StageExited;
+    message @2 :StageMessage;
+    unkillable @3 :StageUnkillable;
+    stopRequested @4 :Int32;      # SIGINT or SIGTERM reached the supervisor: its number
+  }
+}
