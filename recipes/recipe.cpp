@@ -576,6 +576,58 @@ Recipe from_spec(schema::RecipeSpec::Reader s) {
   return r;
 }
 
+BatchGeometry resolve_batch(const ModelConfig& model, const TrainConfig& train, uint32_t world,
+                            uint32_t rank_batch) {
+  BatchGeometry g{
+      .slot = batch_spec(model, train), .world = world, .tensor_parallel = model.tensor_parallel()};
+  if (rank_batch != 0) g.slot.batch = rank_batch;
+  return g;
+}
+
+BatchGeometry resolve_batch(const Recipe& r, uint32_t world, uint32_t rank_batch) {
+  return resolve_batch(r.model, r.train, world, rank_batch);
+}
+
+void to_spec(const BatchGeometry& g, schema::BatchGeometry::Builder s) {
+  s.setRankBatch(g.slot.batch);
+  s.setSeqLen(g.slot.seq_len);
+  s.setTokenBytes(g.slot.token_bytes);
+  // The recipe rules keep a slot within kMaxBatchSlotBytes, which fits 32 bits.
+  s.setSlotBytes(static_cast<uint32_t>(g.slot.slot_bytes()));
+  s.setTensorParallel(g.tensor_parallel);
+  s.setDataRanks(g.data_ranks());
+  s.setWindowsPerStep(g.windows_per_step());
+}
+
+BatchGeometry batch_geometry(schema::LaunchContract::Reader l) {
+  const bool recorded = l.hasBatch();
+  const auto b = l.getBatch();
+  const BatchGeometry g =
+      recorded ? BatchGeometry{.slot = {.batch = b.getRankBatch(),
+                                        .seq_len = b.getSeqLen(),
+                                        .token_bytes = b.getTokenBytes()},
+                               .world = l.getWorld(),
+                               .tensor_parallel = b.getTensorParallel()}
+               : resolve_batch(model_config(l.getRecipe()), train_config(l.getRecipe().getTrain()),
+                               l.getWorld(), l.getResume().getRankBatch());
+  MEGACPP_CHECK(g.tensor_parallel >= 1 && g.world % g.tensor_parallel == 0,
+                ErrorKind::kInvalidArgument,
+                fmt::format("a world of {} does not divide into tensor-parallel groups of {}",
+                            g.world, g.tensor_parallel));
+  MEGACPP_CHECK(
+      !recorded || (g.slot.batch >= 1 && g.slot.seq_len >= 1 &&
+                    (g.slot.token_bytes == 2 || g.slot.token_bytes == 4) && g.slot.fits_slot() &&
+                    b.getSlotBytes() == g.slot.slot_bytes() && b.getDataRanks() == g.data_ranks() &&
+                    b.getWindowsPerStep() == g.windows_per_step()),
+      ErrorKind::kInvalidArgument,
+      fmt::format("launch contract: the batch geometry ({} rows of {} + 1 tokens of {} "
+                  "bytes per rank, {}-byte slots, {} data ranks, {} windows a step) "
+                  "does not hold together: relaunch the run",
+                  g.slot.batch, g.slot.seq_len, g.slot.token_bytes, b.getSlotBytes(),
+                  b.getDataRanks(), b.getWindowsPerStep()));
+  return g;
+}
+
 namespace {
 
 // The recipe's common part: name, hash, pattern, dims, training, optimizers, data.

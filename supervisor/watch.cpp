@@ -475,7 +475,7 @@ void Run::restart_job() {
   // A fresh batch plane under the next attempt's shm prefix, and its launch contract.
   shm_prefix_ = layout::shm_prefix(run_id_, attempt_);
   create_rings();
-  write_launch_contract(planned_);
+  write_launch_contract();
 
   reap_dying();
   children_.clear();

@@ -138,6 +138,61 @@ TEST(Recipe, BatchSlotLargerThanTheRingCanHoldIsRefused) {
   EXPECT_EQ(mc::recipe::batch_spec(r).slot_bytes(), 64 + uint64_t{65536} * 65537 * 2);
 }
 
+// The batch geometry is resolved once (resolve_batch) and recorded in the launch contract; the
+// stages read it back (batch_geometry) as it was recorded.
+TEST(BatchGeometry, ResolvedOnceAndReadBackFromTheLaunchContract) {
+  const auto r = mc::recipe::parse(kBase, "x.toml");
+  const auto g = mc::recipe::resolve_batch(r, 4, 0);
+  EXPECT_EQ(g.slot, mc::recipe::batch_spec(r));
+  EXPECT_EQ(g.data_ranks(), 4u);
+  EXPECT_EQ(g.windows_per_step(), 8u);
+  EXPECT_EQ(g.rank_rows(), 8u);
+  // A resume at another world size: its own rows per rank, the same slot otherwise.
+  const auto resumed = mc::recipe::resolve_batch(r, 1, 8);
+  EXPECT_EQ(resumed.slot.batch, 8u);
+  EXPECT_EQ(resumed.slot.slot_bytes(), 64 + uint64_t{8} * 33 * 2);
+  EXPECT_EQ(resumed.windows_per_step(), 8u);
+  // nemo_native: tensor-parallel pairs share a batch.
+  auto tp = r;
+  tp.model.mode = std::string(mc::recipe::kModeNemoNative);
+  tp = mc::recipe::rehash(tp);
+  const auto pairs = mc::recipe::resolve_batch(tp, 4, 0);
+  EXPECT_EQ(pairs.tensor_parallel, 2u);
+  EXPECT_EQ(pairs.data_ranks(), 2u);
+  EXPECT_EQ(pairs.windows_per_step(), 4u);
+  EXPECT_EQ(pairs.rank_rows(), 8u);
+
+  capnp::MallocMessageBuilder msg;
+  auto l = msg.initRoot<mc::schema::LaunchContract>();
+  l.setWorld(4);
+  mc::recipe::to_spec(tp, l.initRecipe());
+  // A contract written before the field: the recipe, the world and resume.rankBatch say it.
+  EXPECT_EQ(mc::recipe::batch_geometry(l.asReader()), pairs);
+  l.initResume().setRankBatch(3);
+  EXPECT_EQ(mc::recipe::batch_geometry(l.asReader()), mc::recipe::resolve_batch(tp, 4, 3));
+  // Recorded: read as recorded, not from the recipe.
+  const auto recorded = mc::recipe::resolve_batch(tp, 4, 5);
+  mc::recipe::to_spec(recorded, l.initBatch());
+  EXPECT_EQ(mc::recipe::batch_geometry(l.asReader()), recorded);
+  EXPECT_EQ(l.getBatch().getSlotBytes(), recorded.slot.slot_bytes());
+  EXPECT_EQ(l.getBatch().getWindowsPerStep(), 10u);
+
+  auto refused = [&](std::string_view says) {
+    try {
+      mc::recipe::batch_geometry(l.asReader());
+      ADD_FAILURE() << "accepted a geometry that should say " << says;
+    } catch (const mc::Error& e) {
+      EXPECT_EQ(e.kind(), mc::ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  l.getBatch().setSlotBytes(l.getBatch().getSlotBytes() - 2);
+  refused("does not hold together");
+  mc::recipe::to_spec(recorded, l.initBatch());
+  l.setWorld(3);
+  refused("a world of 3 does not divide into tensor-parallel groups of 2");
+}
+
 TEST(Recipe, ResolveByNameAndPath) {
   auto p = mc::recipe::resolve("tiny", MEGACPP_RECIPE_DIR);
   EXPECT_TRUE(std::filesystem::exists(p));
