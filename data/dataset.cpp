@@ -73,12 +73,12 @@ void write_check_cache(const std::filesystem::path& dir, const std::string& text
 
 }  // namespace
 
-ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesystem::path& data_dir,
-                                uint32_t world, unsigned threads) {
+ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const recipe::BatchGeometry& batch,
+                                const std::filesystem::path& data_dir, unsigned threads) {
   const auto& d = recipe.data;
   ResolvedDataset out;
   out.format = format_of(d.source);
-  out.slot_token_bytes = recipe::slot_token_bytes(recipe.model.vocab_size);
+  out.slot_token_bytes = batch.slot.token_bytes;
   std::vector<std::filesystem::path> paths =
       d.source == "builtin" ? ensure_builtin_corpus(data_dir, d.shards, d.shard_tokens)
                             : find_shards(data_dir, out.format, d.path, d.split);
@@ -187,9 +187,11 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesys
                          .max_token = checks[i].max_token,
                          .xxh3 = checks[i].xxh3});
   }
-  Sampler sampler(views, SamplerConfig{.seq_len = recipe.model.seq_len,
-                                       .batch = recipe.train.batch_size,
-                                       .world = world,
+  // The window rule at every rank of the world (not only the data ranks: a tensor-parallel
+  // group's ranks each count here, as they always have).
+  Sampler sampler(views, SamplerConfig{.seq_len = batch.slot.seq_len,
+                                       .batch = batch.slot.batch,
+                                       .world = batch.world,
                                        .token_bytes = out.slot_token_bytes,
                                        .seed = recipe.train.seed,
                                        .pack = d.pack});

@@ -1,7 +1,7 @@
 // megacpp::data::resolve_dataset — the pre-flight of a run's data: which files a recipe's
 // [data] names under --data-dir, each opened and validated completely (format, size, every
-// token below the vocabulary) with its XXH3, and the window rule checked at the run's world
-// size. The supervisor runs it before it creates the run directory, so a bad shard or an
+// token below the vocabulary) with its XXH3, and the window rule checked at the run's batch
+// geometry. The supervisor runs it before it creates the run directory, so a bad shard or an
 // empty data folder ends the command with one line and nothing written.
 //
 // Blocking: reads every byte of every file once (threads across files), except files whose
@@ -55,8 +55,10 @@ struct ResolvedDataset {
 // the size and XXH3 the manifest records, and its EOS id is used when the recipe sets none.
 // Throws Error{kInvalidArgument} (no files, mixed token widths, the window rule, a vocabulary
 // smaller than the data's) or Error{kCorruption} (a bad file), one line each.
-ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const std::filesystem::path& data_dir,
-                                uint32_t world, unsigned threads);
+// `batch` is the attempt's geometry (recipes/recipe.h resolve_batch): its rows per rank, seq_len,
+// slot token width and world are what the window rule is checked at.
+ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const recipe::BatchGeometry& batch,
+                                const std::filesystem::path& data_dir, unsigned threads);
 
 // The launch contract's form of a resolved dataset, and back.
 void to_spec(const ResolvedDataset& dataset, schema::Dataset::Builder out);

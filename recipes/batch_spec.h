@@ -62,6 +62,31 @@ struct BatchSpec {
   constexpr std::array<int64_t, 2> shape() const noexcept {
     return {int64_t{batch}, static_cast<int64_t>(row_tokens())};
   }
+  constexpr bool operator==(const BatchSpec&) const = default;
+};
+
+// The batch geometry of one attempt: every rank's slot and how the ranks share the data. The
+// supervisor resolves it once (recipes/recipe.h resolve_batch: the recipe, the world, a resume's
+// batch per rank) and records it in the launch contract (LaunchContract.batch); it sizes the
+// batch rings with it, the data pre-flight checks the window rule with it, and the data loader
+// and the trainers read it back (recipes/recipe.h batch_geometry), never the recipe's batchSize.
+struct BatchGeometry {
+  BatchSpec slot;                // one rank's slot of one step (slot.batch: rows per rank)
+  uint32_t world = 0;            // ranks
+  uint32_t tensor_parallel = 1;  // consecutive ranks of a group train on one batch
+
+  // Ranks with a batch of their own: rank r trains on data rank r / tensor_parallel.
+  constexpr uint32_t data_ranks() const noexcept {
+    return tensor_parallel ? world / tensor_parallel : 0;
+  }
+  // Windows one step takes from the data order: the global batch.
+  constexpr uint64_t windows_per_step() const noexcept {
+    return uint64_t{data_ranks()} * slot.batch;
+  }
+  // Rows over every rank, a tensor-parallel group's ranks each counted: what a resume at
+  // another world size splits again (ranks x batch per rank stays the run's).
+  constexpr uint64_t rank_rows() const noexcept { return uint64_t{world} * slot.batch; }
+  constexpr bool operator==(const BatchGeometry&) const = default;
 };
 
 }  // namespace megacpp::recipe

@@ -2,7 +2,10 @@
 
 #include <capnp/message.h>
 
+#include <array>
 #include <set>
+#include <tuple>
+#include <type_traits>
 
 #include <fmt/format.h>
 #include <toml++/toml.h>
@@ -30,61 +33,375 @@ void check_keys(const toml::table& t, const std::set<std::string>& allowed,
   }
 }
 
-template <typename T>
-void get_uint(const toml::table* t, std::string_view section, const char* key, T& out,
-              const std::filesystem::path& origin) {
-  if (t == nullptr) return;
-  const auto* node = t->get(key);
-  if (node == nullptr) return;
-  auto v = node->value<int64_t>();
-  if (!node->is_integer() || !v || *v < 0 || *v > int64_t{UINT32_MAX}) {
-    bad(origin, fmt::format("{}.{}", section, key), "must be a non-negative integer");
+// One value of a recipe, as TOML gives it at `where` ("section.key", or the key at the top).
+void parse_value(const toml::node& node, const std::string& where, uint32_t& out,
+                 const std::filesystem::path& origin) {
+  auto v = node.value<int64_t>();
+  if (!node.is_integer() || !v || *v < 0 || *v > int64_t{UINT32_MAX})
+    bad(origin, where, "must be a non-negative integer");
+  out = static_cast<uint32_t>(*v);
+}
+
+// data.eos_id: absent is -1 (none); present, a non-negative integer.
+void parse_value(const toml::node& node, const std::string& where, int64_t& out,
+                 const std::filesystem::path& origin) {
+  uint32_t v = 0;
+  parse_value(node, where, v, origin);
+  out = v;
+}
+
+void parse_value(const toml::node& node, const std::string& where, double& out,
+                 const std::filesystem::path& origin) {
+  auto v = node.value<double>();
+  if (!(node.is_floating_point() || node.is_integer()) || !v)
+    bad(origin, where, "must be a number");
+  out = *v;
+}
+
+void parse_value(const toml::node& node, const std::string& where, bool& out,
+                 const std::filesystem::path& origin) {
+  auto v = node.value<bool>();
+  if (!node.is_boolean() || !v) bad(origin, where, "must be a boolean");
+  out = *v;
+}
+
+void parse_value(const toml::node& node, const std::string& where, std::string& out,
+                 const std::filesystem::path& origin) {
+  auto v = node.value<std::string>();
+  if (!v) bad(origin, where, "must be a string");
+  out = *v;
+}
+
+// optim.muon_bf16: true | false | "auto" (the default, settled per device at launch).
+void parse_muon_bf16(const toml::node& node, const std::string& where, Recipe& r,
+                     const std::filesystem::path& origin) {
+  if (node.is_boolean()) {
+    r.train.optim.muon_bf16 = *node.value<bool>();
+    r.train.optim.muon_bf16_auto = false;
+  } else if (node.value<std::string>() != "auto") {
+    bad(origin, where, "must be true, false or \"auto\"");
   }
-  out = static_cast<T>(*v);
 }
 
-void get_double(const toml::table* t, std::string_view section, const char* key, double& out,
-                const std::filesystem::path& origin) {
-  if (t == nullptr) return;
-  const auto* node = t->get(key);
-  if (node == nullptr) return;
-  auto v = node->value<double>();
-  if (!(node->is_floating_point() || node->is_integer()) || !v) {
-    bad(origin, fmt::format("{}.{}", section, key), "must be a number");
+// The recipe's fields, each declared once: its TOML table and key, where a Recipe holds it, and
+// the launch contract's setter and getter. The TOML parse, to_spec, model_config, train_config
+// and from_spec are all walks of these tables; Recipe::validate holds the rules and describe the
+// sentences, which read several fields at once.
+enum class Section : uint8_t { kRoot, kModel, kMoe, kSsm, kRnn, kTrain, kOptim, kData };
+constexpr std::string_view section_name(Section s) {
+  constexpr std::array<std::string_view, 8> kNames = {"",    "model", "moe",   "ssm",
+                                                      "rnn", "train", "optim", "data"};
+  return kNames[static_cast<size_t>(s)];
+}
+
+using CustomParse = void (*)(const toml::node&, const std::string&, Recipe&,
+                             const std::filesystem::path&);
+
+// `at` is a generic lambda returning the Recipe's member (const or not, as the Recipe is).
+template <typename At, typename Set, typename Get>
+struct Field {
+  Section section;
+  std::string_view key;
+  At at;
+  Set set;                      // &schema::XSpec::Builder::setY
+  Get get;                      // &schema::XSpec::Reader::getY
+  CustomParse parse = nullptr;  // nullptr: parse_value of the member's type
+};
+template <typename At, typename Set, typename Get>
+constexpr Field<At, Set, Get> field(Section section, std::string_view key, At at, Set set, Get get,
+                                    CustomParse parse = nullptr) {
+  return {section, key, at, set, get, parse};
+}
+
+using RS = schema::RecipeSpec;
+using MS = schema::ModelSpec;
+using AS = schema::ArchSpec;
+using TS = schema::TrainSpec;
+using OS = schema::OptimSpec;
+using DS = schema::DataSpec;
+using enum Section;
+
+// RecipeSpec's declared fields (path, hash and layers are derived).
+constexpr auto kRecipeFields = std::tuple{
+    field(
+        kRoot, "name", [](auto& r) -> auto& { return r.name; }, &RS::Builder::setName,
+        &RS::Reader::getName),
+    field(
+        kRoot, "pattern", [](auto& r) -> auto& { return r.pattern; }, &RS::Builder::setPattern,
+        &RS::Reader::getPattern),
+};
+constexpr auto kModelFields = std::tuple{
+    field(
+        kModel, "vocab_size", [](auto& r) -> auto& { return r.model.vocab_size; },
+        &MS::Builder::setVocabSize, &MS::Reader::getVocabSize),
+    field(
+        kModel, "seq_len", [](auto& r) -> auto& { return r.model.seq_len; },
+        &MS::Builder::setSeqLen, &MS::Reader::getSeqLen),
+    field(
+        kModel, "d_model", [](auto& r) -> auto& { return r.model.d_model; },
+        &MS::Builder::setDModel, &MS::Reader::getDModel),
+    field(
+        kModel, "n_layers", [](auto& r) -> auto& { return r.model.n_layers; },
+        &MS::Builder::setNLayers, &MS::Reader::getNLayers),
+    field(
+        kModel, "n_heads", [](auto& r) -> auto& { return r.model.n_heads; },
+        &MS::Builder::setNHeads, &MS::Reader::getNHeads),
+    field(
+        kModel, "mlp_mult", [](auto& r) -> auto& { return r.model.mlp_mult; },
+        &MS::Builder::setMlpMult, &MS::Reader::getMlpMult),
+};
+// ModelSpec.arch: written only when a field differs from its default (plain_architecture).
+constexpr auto kArchFields = std::tuple{
+    field(
+        kRoot, "mode", [](auto& r) -> auto& { return r.model.mode; }, &AS::Builder::setMode,
+        &AS::Reader::getMode),
+    field(
+        kModel, "n_kv_heads", [](auto& r) -> auto& { return r.model.n_kv_heads; },
+        &AS::Builder::setNKvHeads, &AS::Reader::getNKvHeads),
+    field(
+        kModel, "rope_theta", [](auto& r) -> auto& { return r.model.rope_theta; },
+        &AS::Builder::setRopeTheta, &AS::Reader::getRopeTheta),
+    field(
+        kModel, "ffn_hidden", [](auto& r) -> auto& { return r.model.ffn_hidden; },
+        &AS::Builder::setFfnHidden, &AS::Reader::getFfnHidden),
+    field(
+        kMoe, "enabled", [](auto& r) -> auto& { return r.model.moe.enabled; },
+        &AS::Builder::setMoeEnabled, &AS::Reader::getMoeEnabled),
+    field(
+        kMoe, "n_experts", [](auto& r) -> auto& { return r.model.moe.n_experts; },
+        &AS::Builder::setMoeExperts, &AS::Reader::getMoeExperts),
+    field(
+        kMoe, "top_k", [](auto& r) -> auto& { return r.model.moe.top_k; }, &AS::Builder::setMoeTopK,
+        &AS::Reader::getMoeTopK),
+    field(
+        kMoe, "expert_hidden", [](auto& r) -> auto& { return r.model.moe.expert_hidden; },
+        &AS::Builder::setMoeExpertHidden, &AS::Reader::getMoeExpertHidden),
+    field(
+        kMoe, "shared_hidden", [](auto& r) -> auto& { return r.model.moe.shared_hidden; },
+        &AS::Builder::setMoeSharedHidden, &AS::Reader::getMoeSharedHidden),
+    field(
+        kMoe, "aux_loss_coef", [](auto& r) -> auto& { return r.model.moe.aux_loss_coef; },
+        &AS::Builder::setMoeAuxLossCoef, &AS::Reader::getMoeAuxLossCoef),
+    field(
+        kSsm, "d_state", [](auto& r) -> auto& { return r.model.ssm.d_state; },
+        &AS::Builder::setSsmDState, &AS::Reader::getSsmDState),
+    field(
+        kSsm, "head_dim", [](auto& r) -> auto& { return r.model.ssm.head_dim; },
+        &AS::Builder::setSsmHeadDim, &AS::Reader::getSsmHeadDim),
+    field(
+        kSsm, "expand", [](auto& r) -> auto& { return r.model.ssm.expand; },
+        &AS::Builder::setSsmExpand, &AS::Reader::getSsmExpand),
+    field(
+        kSsm, "conv_kernel", [](auto& r) -> auto& { return r.model.ssm.conv_kernel; },
+        &AS::Builder::setSsmConvKernel, &AS::Reader::getSsmConvKernel),
+    field(
+        kSsm, "chunk", [](auto& r) -> auto& { return r.model.ssm.chunk; },
+        &AS::Builder::setSsmChunk, &AS::Reader::getSsmChunk),
+    field(
+        kRnn, "width", [](auto& r) -> auto& { return r.model.rnn.width; },
+        &AS::Builder::setRnnWidth, &AS::Reader::getRnnWidth),
+    field(
+        kRnn, "conv_kernel", [](auto& r) -> auto& { return r.model.rnn.conv_kernel; },
+        &AS::Builder::setRnnConvKernel, &AS::Reader::getRnnConvKernel),
+};
+constexpr auto kTrainFields = std::tuple{
+    field(
+        kTrain, "batch_size", [](auto& r) -> auto& { return r.train.batch_size; },
+        &TS::Builder::setBatchSize, &TS::Reader::getBatchSize),
+    field(
+        kTrain, "min_lr_ratio", [](auto& r) -> auto& { return r.train.min_lr_ratio; },
+        &TS::Builder::setMinLrRatio, &TS::Reader::getMinLrRatio),
+    field(
+        kTrain, "warmup_steps", [](auto& r) -> auto& { return r.train.warmup_steps; },
+        &TS::Builder::setWarmupSteps, &TS::Reader::getWarmupSteps),
+    field(
+        kTrain, "grad_clip", [](auto& r) -> auto& { return r.train.grad_clip; },
+        &TS::Builder::setGradClip, &TS::Reader::getGradClip),
+    field(
+        kTrain, "seed", [](auto& r) -> auto& { return r.train.seed; }, &TS::Builder::setSeed,
+        &TS::Reader::getSeed),
+    field(
+        kTrain, "checkpoint_every", [](auto& r) -> auto& { return r.train.checkpoint_every; },
+        &TS::Builder::setCheckpointEvery, &TS::Reader::getCheckpointEvery),
+};
+constexpr auto kOptimFields = std::tuple{
+    field(
+        kOptim, "embed_lr", [](auto& r) -> auto& { return r.train.optim.embed_lr; },
+        &OS::Builder::setEmbedLr, &OS::Reader::getEmbedLr),
+    field(
+        kOptim, "head_lr", [](auto& r) -> auto& { return r.train.optim.head_lr; },
+        &OS::Builder::setHeadLr, &OS::Reader::getHeadLr),
+    field(
+        kOptim, "adam_lr", [](auto& r) -> auto& { return r.train.optim.adam_lr; },
+        &OS::Builder::setAdamLr, &OS::Reader::getAdamLr),
+    field(
+        kOptim, "adam_beta1", [](auto& r) -> auto& { return r.train.optim.adam_beta1; },
+        &OS::Builder::setAdamBeta1, &OS::Reader::getAdamBeta1),
+    field(
+        kOptim, "adam_beta2", [](auto& r) -> auto& { return r.train.optim.adam_beta2; },
+        &OS::Builder::setAdamBeta2, &OS::Reader::getAdamBeta2),
+    field(
+        kOptim, "adam_eps", [](auto& r) -> auto& { return r.train.optim.adam_eps; },
+        &OS::Builder::setAdamEps, &OS::Reader::getAdamEps),
+    field(
+        kOptim, "adam_weight_decay",
+        [](auto& r) -> auto& { return r.train.optim.adam_weight_decay; },
+        &OS::Builder::setAdamWeightDecay, &OS::Reader::getAdamWeightDecay),
+    field(
+        kOptim, "adamw_crossover", [](auto& r) -> auto& { return r.train.optim.adamw_crossover; },
+        &OS::Builder::setAdamwCrossover, &OS::Reader::getAdamwCrossover),
+    field(
+        kOptim, "muon_lr", [](auto& r) -> auto& { return r.train.optim.muon_lr; },
+        &OS::Builder::setMuonLr, &OS::Reader::getMuonLr),
+    field(
+        kOptim, "muon_momentum", [](auto& r) -> auto& { return r.train.optim.muon_momentum; },
+        &OS::Builder::setMuonMomentum, &OS::Reader::getMuonMomentum),
+    field(
+        kOptim, "muon_beta2", [](auto& r) -> auto& { return r.train.optim.muon_beta2; },
+        &OS::Builder::setMuonBeta2, &OS::Reader::getMuonBeta2),
+    field(
+        kOptim, "muon_weight_decay",
+        [](auto& r) -> auto& { return r.train.optim.muon_weight_decay; },
+        &OS::Builder::setMuonWeightDecay, &OS::Reader::getMuonWeightDecay),
+    field(
+        kOptim, "muon_orthogonalizer",
+        [](auto& r) -> auto& { return r.train.optim.muon_orthogonalizer; },
+        &OS::Builder::setMuonOrthogonalizer, &OS::Reader::getMuonOrthogonalizer),
+    field(
+        kOptim, "muon_ns_steps", [](auto& r) -> auto& { return r.train.optim.muon_ns_steps; },
+        &OS::Builder::setMuonNsSteps, &OS::Reader::getMuonNsSteps),
+    field(
+        kOptim, "muon_bf16", [](auto& r) -> auto& { return r.train.optim.muon_bf16; },
+        &OS::Builder::setMuonBf16, &OS::Reader::getMuonBf16, &parse_muon_bf16),
+    field(
+        kOptim, "qkv_split", [](auto& r) -> auto& { return r.train.optim.qkv_split; },
+        &OS::Builder::setQkvSplit, &OS::Reader::getQkvSplit),
+};
+constexpr auto kDataFields = std::tuple{
+    field(
+        kData, "source", [](auto& r) -> auto& { return r.data.source; }, &DS::Builder::setSource,
+        &DS::Reader::getSource),
+    field(
+        kData, "path", [](auto& r) -> auto& { return r.data.path; }, &DS::Builder::setPath,
+        &DS::Reader::getPath),
+    field(
+        kData, "split", [](auto& r) -> auto& { return r.data.split; }, &DS::Builder::setSplit,
+        &DS::Reader::getSplit),
+    field(
+        kData, "pack", [](auto& r) -> auto& { return r.data.pack; }, &DS::Builder::setPack,
+        &DS::Reader::getPack),
+    field(
+        kData, "eos_id", [](auto& r) -> auto& { return r.data.eos_id; }, &DS::Builder::setEosId,
+        &DS::Reader::getEosId),
+    field(
+        kData, "shard_tokens", [](auto& r) -> auto& { return r.data.shard_tokens; },
+        &DS::Builder::setShardTokens, &DS::Reader::getShardTokens),
+    field(
+        kData, "shards", [](auto& r) -> auto& { return r.data.shards; }, &DS::Builder::setShards,
+        &DS::Reader::getShards),
+};
+
+// Every field of every table, in this order (the parse's order within a TOML table).
+template <typename Fn>
+void for_each_field(Fn&& fn) {
+  const auto each = [&](const auto& table) {
+    std::apply([&](const auto&... f) { (fn(f), ...); }, table);
+  };
+  each(kRecipeFields);
+  each(kModelFields);
+  each(kArchFields);
+  each(kTrainFields);
+  each(kOptimFields);
+  each(kDataFields);
+}
+
+// The launch contract's struct `spec` from a table's fields of `r`.
+template <typename Table, typename Builder>
+void write_fields(const Table& table, const Recipe& r, Builder spec) {
+  std::apply(
+      [&](const auto&... f) {
+        (
+            [&] {
+              const auto& v = f.at(r);
+              if constexpr (std::is_same_v<std::decay_t<decltype(v)>, std::string>) {
+                (spec.*f.set)(capnp::Text::Reader(v.c_str(), v.size()));
+              } else {
+                (spec.*f.set)(v);
+              }
+            }(),
+            ...);
+      },
+      table);
+}
+
+// A table's fields of `r` from the launch contract's struct `spec`.
+template <typename Table, typename Reader>
+void read_fields(const Table& table, Reader spec, Recipe& r) {
+  std::apply(
+      [&](const auto&... f) {
+        (
+            [&] {
+              auto& out = f.at(r);
+              const auto v = (spec.*f.get)();
+              if constexpr (std::is_same_v<std::decay_t<decltype(out)>, std::string>) {
+                out.assign(v.cStr(), v.size());
+              } else {
+                out = v;
+              }
+            }(),
+            ...);
+      },
+      table);
+}
+
+std::string where(Section s, std::string_view key) {
+  return s == kRoot ? std::string(key) : fmt::format("{}.{}", section_name(s), key);
+}
+
+// A recipe's TOML tables by section (nullptr: absent).
+struct Tables {
+  const toml::table& root;
+  std::array<const toml::table*, 8> of = {};
+  const std::filesystem::path& origin;
+
+  // Finds `s`'s table: absent is nullptr, anything but a table is refused.
+  void find(Section s) {
+    const auto* node = root.get(section_name(s));
+    if (node == nullptr) return;
+    if (!node->is_table()) bad(origin, section_name(s), "must be a table");
+    of[static_cast<size_t>(s)] = node->as_table();
   }
-  out = *v;
-}
-
-void get_bool(const toml::table* t, std::string_view section, const char* key, bool& out,
-              const std::filesystem::path& origin) {
-  if (t == nullptr) return;
-  const auto* node = t->get(key);
-  if (node == nullptr) return;
-  auto v = node->value<bool>();
-  if (!node->is_boolean() || !v)
-    bad(origin, fmt::format("{}.{}", section, key), "must be a boolean");
-  out = *v;
-}
-
-void get_string(const toml::table* t, std::string_view section, const char* key, std::string& out,
-                const std::filesystem::path& origin) {
-  if (t == nullptr) return;
-  const auto* node = t->get(key);
-  if (node == nullptr) return;
-  auto v = node->value<std::string>();
-  if (!v)
-    bad(origin, section.empty() ? std::string(key) : fmt::format("{}.{}", section, key),
-        "must be a string");
-  out = *v;
-}
-
-const toml::table* section(const toml::table& root, const char* name,
-                           const std::filesystem::path& origin) {
-  const auto* node = root.get(name);
-  if (node == nullptr) return nullptr;
-  if (!node->is_table()) bad(origin, name, "must be a table");
-  return node->as_table();
-}
+  // The unknown keys of every section of `sections` first, then their values, in table order.
+  void read(std::initializer_list<Section> sections, Recipe& r) const {
+    for (Section s : sections) {
+      const toml::table* t = of[static_cast<size_t>(s)];
+      if (t == nullptr) continue;
+      std::set<std::string> allowed;
+      for_each_field([&](const auto& f) {
+        if (f.section == s) allowed.emplace(f.key);
+      });
+      if (s == kRoot) {
+        for (Section sub : {kModel, kMoe, kSsm, kRnn, kTrain, kOptim, kData})
+          allowed.emplace(section_name(sub));
+      }
+      check_keys(*t, allowed, origin, section_name(s));
+    }
+    for (Section s : sections) {
+      const toml::table* t = of[static_cast<size_t>(s)];
+      if (t == nullptr) continue;
+      for_each_field([&](const auto& f) {
+        if (f.section != s) return;
+        const toml::node* node = t->get(f.key);
+        if (node == nullptr) return;
+        if (f.parse != nullptr) {
+          f.parse(*node, where(s, f.key), r, origin);
+        } else {
+          parse_value(*node, where(s, f.key), f.at(r), origin);
+        }
+      });
+    }
+  }
+};
 
 std::string canonical(const Recipe& r) {
   capnp::MallocMessageBuilder msg;
@@ -217,114 +534,17 @@ Recipe parse(const std::string& text, const std::filesystem::path& origin) {
   }
   Recipe r;
   r.path = origin;
-  check_keys(root,
-             {"name", "pattern", "mode", "model", "moe", "ssm", "rnn", "train", "optim", "data"},
-             origin, "");
-  get_string(&root, "", "name", r.name, origin);
-  get_string(&root, "", "pattern", r.pattern, origin);
-  get_string(&root, "", "mode", r.model.mode, origin);
-  const auto* m = section(root, "model", origin);
-  const auto* moe = section(root, "moe", origin);
-  const auto* ssm = section(root, "ssm", origin);
-  const auto* rnn = section(root, "rnn", origin);
-  if (moe) {
-    check_keys(*moe,
-               {"enabled", "n_experts", "top_k", "expert_hidden", "shared_hidden", "aux_loss_coef"},
-               origin, "moe");
-  }
-  if (ssm)
-    check_keys(*ssm, {"d_state", "head_dim", "expand", "conv_kernel", "chunk"}, origin, "ssm");
-  if (rnn) check_keys(*rnn, {"width", "conv_kernel"}, origin, "rnn");
-  get_bool(moe, "moe", "enabled", r.model.moe.enabled, origin);
-  get_uint(moe, "moe", "n_experts", r.model.moe.n_experts, origin);
-  get_uint(moe, "moe", "top_k", r.model.moe.top_k, origin);
-  get_uint(moe, "moe", "expert_hidden", r.model.moe.expert_hidden, origin);
-  get_uint(moe, "moe", "shared_hidden", r.model.moe.shared_hidden, origin);
-  get_double(moe, "moe", "aux_loss_coef", r.model.moe.aux_loss_coef, origin);
-  get_uint(ssm, "ssm", "d_state", r.model.ssm.d_state, origin);
-  get_uint(ssm, "ssm", "head_dim", r.model.ssm.head_dim, origin);
-  get_uint(ssm, "ssm", "expand", r.model.ssm.expand, origin);
-  get_uint(ssm, "ssm", "conv_kernel", r.model.ssm.conv_kernel, origin);
-  get_uint(ssm, "ssm", "chunk", r.model.ssm.chunk, origin);
-  get_uint(rnn, "rnn", "width", r.model.rnn.width, origin);
-  get_uint(rnn, "rnn", "conv_kernel", r.model.rnn.conv_kernel, origin);
-  const auto* t = section(root, "train", origin);
-  const auto* o = section(root, "optim", origin);
-  const auto* d = section(root, "data", origin);
-  if (m)
-    check_keys(*m,
-               {"vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_mult", "n_kv_heads",
-                "rope_theta", "ffn_hidden"},
-               origin, "model");
-  if (t) {
-    check_keys(
-        *t, {"batch_size", "min_lr_ratio", "warmup_steps", "grad_clip", "seed", "checkpoint_every"},
-        origin, "train");
-  }
-  if (o) {
-    check_keys(
-        *o,
-        {"embed_lr", "head_lr", "adam_lr", "adam_beta1", "adam_beta2", "adam_eps",
-         "adam_weight_decay", "adamw_crossover", "muon_lr", "muon_momentum", "muon_beta2",
-         "muon_weight_decay", "muon_orthogonalizer", "muon_ns_steps", "muon_bf16", "qkv_split"},
-        origin, "optim");
-  }
-  if (d)
-    check_keys(*d, {"source", "path", "split", "pack", "eos_id", "shard_tokens", "shards"}, origin,
-               "data");
-  get_uint(m, "model", "vocab_size", r.model.vocab_size, origin);
-  get_uint(m, "model", "seq_len", r.model.seq_len, origin);
-  get_uint(m, "model", "d_model", r.model.d_model, origin);
-  get_uint(m, "model", "n_layers", r.model.n_layers, origin);
-  get_uint(m, "model", "n_heads", r.model.n_heads, origin);
-  get_uint(m, "model", "mlp_mult", r.model.mlp_mult, origin);
-  get_uint(m, "model", "n_kv_heads", r.model.n_kv_heads, origin);
-  get_double(m, "model", "rope_theta", r.model.rope_theta, origin);
-  get_uint(m, "model", "ffn_hidden", r.model.ffn_hidden, origin);
-  get_uint(t, "train", "batch_size", r.train.batch_size, origin);
-  get_double(t, "train", "min_lr_ratio", r.train.min_lr_ratio, origin);
-  get_uint(t, "train", "warmup_steps", r.train.warmup_steps, origin);
-  get_double(t, "train", "grad_clip", r.train.grad_clip, origin);
-  get_uint(t, "train", "seed", r.train.seed, origin);
-  get_uint(t, "train", "checkpoint_every", r.train.checkpoint_every, origin);
-  OptimConfig& op = r.train.optim;
-  get_double(o, "optim", "embed_lr", op.embed_lr, origin);
-  get_double(o, "optim", "head_lr", op.head_lr, origin);
-  get_double(o, "optim", "adam_lr", op.adam_lr, origin);
-  get_double(o, "optim", "adam_beta1", op.adam_beta1, origin);
-  get_double(o, "optim", "adam_beta2", op.adam_beta2, origin);
-  get_double(o, "optim", "adam_eps", op.adam_eps, origin);
-  get_double(o, "optim", "adam_weight_decay", op.adam_weight_decay, origin);
-  get_uint(o, "optim", "adamw_crossover", op.adamw_crossover, origin);
-  get_double(o, "optim", "muon_lr", op.muon_lr, origin);
-  get_double(o, "optim", "muon_momentum", op.muon_momentum, origin);
-  get_double(o, "optim", "muon_beta2", op.muon_beta2, origin);
-  get_double(o, "optim", "muon_weight_decay", op.muon_weight_decay, origin);
-  get_string(o, "optim", "muon_orthogonalizer", op.muon_orthogonalizer, origin);
-  get_uint(o, "optim", "muon_ns_steps", op.muon_ns_steps, origin);
-  // true | false | "auto" (the default): "auto" is settled per device at launch.
-  op.muon_bf16_auto = true;
-  if (o != nullptr && o->get("muon_bf16") != nullptr) {
-    const auto* node = o->get("muon_bf16");
-    if (node->is_boolean()) {
-      op.muon_bf16 = *node->value<bool>();
-      op.muon_bf16_auto = false;
-    } else if (node->value<std::string>() != "auto") {
-      bad(origin, "optim.muon_bf16", "must be true, false or \"auto\"");
-    }
-  }
-  get_bool(o, "optim", "qkv_split", op.qkv_split, origin);
-  get_string(d, "data", "source", r.data.source, origin);
-  get_string(d, "data", "path", r.data.path, origin);
-  get_string(d, "data", "split", r.data.split, origin);
-  get_bool(d, "data", "pack", r.data.pack, origin);
-  if (d != nullptr && d->get("eos_id") != nullptr) {
-    uint32_t eos = 0;
-    get_uint(d, "data", "eos_id", eos, origin);
-    r.data.eos_id = eos;
-  }
-  get_uint(d, "data", "shard_tokens", r.data.shard_tokens, origin);
-  get_uint(d, "data", "shards", r.data.shards, origin);
+  r.train.optim.muon_bf16_auto = true;  // muon_bf16 absent: "auto"
+  // This order (the top level; the model, moe, ssm and rnn tables' kinds; moe, ssm and rnn;
+  // then the other tables' kinds; model, train, optim and data) decides which error a recipe
+  // with several is refused with, as it always has.
+  Tables tables{.root = root, .origin = origin};
+  tables.of[static_cast<size_t>(kRoot)] = &root;
+  tables.read({kRoot}, r);
+  for (Section s : {kModel, kMoe, kSsm, kRnn}) tables.find(s);
+  tables.read({kMoe, kSsm, kRnn}, r);
+  for (Section s : {kTrain, kOptim, kData}) tables.find(s);
+  tables.read({kModel, kTrain, kOptim, kData}, r);
   return rehash(std::move(r));
 }
 
@@ -424,156 +644,104 @@ Recipe load(const std::filesystem::path& path) {
 }
 
 void to_spec(const Recipe& r, schema::RecipeSpec::Builder s) {
-  s.setName(r.name);
+  write_fields(kRecipeFields, r, s);
   s.setPath(r.path.string());
   s.setHash(r.hash);
-  s.setPattern(r.pattern);
   auto layers = s.initLayers(static_cast<unsigned>(r.layers.size()));
   for (size_t i = 0; i < r.layers.size(); ++i) layers.set(static_cast<unsigned>(i), r.layers[i]);
   auto m = s.initModel();
-  m.setVocabSize(r.model.vocab_size);
-  m.setSeqLen(r.model.seq_len);
-  m.setDModel(r.model.d_model);
-  m.setNLayers(r.model.n_layers);
-  m.setNHeads(r.model.n_heads);
-  m.setMlpMult(r.model.mlp_mult);
-  if (!r.model.plain_architecture()) {
-    const ModelConfig& c = r.model;
-    auto a = m.initArch();
-    a.setMode(c.mode);
-    a.setNKvHeads(c.n_kv_heads);
-    a.setRopeTheta(c.rope_theta);
-    a.setFfnHidden(c.ffn_hidden);
-    a.setMoeEnabled(c.moe.enabled);
-    a.setMoeExperts(c.moe.n_experts);
-    a.setMoeTopK(c.moe.top_k);
-    a.setMoeExpertHidden(c.moe.expert_hidden);
-    a.setMoeSharedHidden(c.moe.shared_hidden);
-    a.setMoeAuxLossCoef(c.moe.aux_loss_coef);
-    a.setSsmDState(c.ssm.d_state);
-    a.setSsmHeadDim(c.ssm.head_dim);
-    a.setSsmExpand(c.ssm.expand);
-    a.setSsmConvKernel(c.ssm.conv_kernel);
-    a.setSsmChunk(c.ssm.chunk);
-    a.setRnnWidth(c.rnn.width);
-    a.setRnnConvKernel(c.rnn.conv_kernel);
-  }
+  write_fields(kModelFields, r, m);
+  if (!r.model.plain_architecture()) write_fields(kArchFields, r, m.initArch());
   auto t = s.initTrain();
-  t.setBatchSize(r.train.batch_size);
-  t.setMinLrRatio(r.train.min_lr_ratio);
-  t.setWarmupSteps(r.train.warmup_steps);
-  t.setGradClip(r.train.grad_clip);
-  t.setSeed(r.train.seed);
-  t.setCheckpointEvery(r.train.checkpoint_every);
-  const OptimConfig& o = r.train.optim;
-  auto os = t.initOptim();
-  os.setEmbedLr(o.embed_lr);
-  os.setHeadLr(o.head_lr);
-  os.setAdamLr(o.adam_lr);
-  os.setAdamBeta1(o.adam_beta1);
-  os.setAdamBeta2(o.adam_beta2);
-  os.setAdamEps(o.adam_eps);
-  os.setAdamWeightDecay(o.adam_weight_decay);
-  os.setAdamwCrossover(o.adamw_crossover);
-  os.setMuonLr(o.muon_lr);
-  os.setMuonMomentum(o.muon_momentum);
-  os.setMuonBeta2(o.muon_beta2);
-  os.setMuonWeightDecay(o.muon_weight_decay);
-  os.setMuonOrthogonalizer(o.muon_orthogonalizer);
-  os.setMuonNsSteps(o.muon_ns_steps);
-  os.setMuonBf16(o.muon_bf16);
-  os.setQkvSplit(o.qkv_split);
-  auto d = s.initData();
-  d.setSource(r.data.source);
-  d.setPath(r.data.path);
-  d.setSplit(r.data.split);
-  d.setPack(r.data.pack);
-  d.setEosId(r.data.eos_id);
-  d.setShardTokens(r.data.shard_tokens);
-  d.setShards(r.data.shards);
+  write_fields(kTrainFields, r, t);
+  write_fields(kOptimFields, r, t.initOptim());
+  write_fields(kDataFields, r, s.initData());
 }
 
 ModelConfig model_config(schema::RecipeSpec::Reader spec) {
+  Recipe r;
   const auto m = spec.getModel();
-  ModelConfig c{.vocab_size = m.getVocabSize(),
-                .seq_len = m.getSeqLen(),
-                .d_model = m.getDModel(),
-                .n_layers = m.getNLayers(),
-                .n_heads = m.getNHeads(),
-                .mlp_mult = m.getMlpMult()};
-  if (m.hasArch()) {
-    const auto a = m.getArch();
-    c.mode = a.getMode();
-    c.n_kv_heads = a.getNKvHeads();
-    c.rope_theta = a.getRopeTheta();
-    c.ffn_hidden = a.getFfnHidden();
-    c.moe = MoeConfig{.enabled = a.getMoeEnabled(),
-                      .n_experts = a.getMoeExperts(),
-                      .top_k = a.getMoeTopK(),
-                      .expert_hidden = a.getMoeExpertHidden(),
-                      .shared_hidden = a.getMoeSharedHidden(),
-                      .aux_loss_coef = a.getMoeAuxLossCoef()};
-    c.ssm = SsmConfig{.d_state = a.getSsmDState(),
-                      .head_dim = a.getSsmHeadDim(),
-                      .expand = a.getSsmExpand(),
-                      .conv_kernel = a.getSsmConvKernel(),
-                      .chunk = a.getSsmChunk()};
-    c.rnn = RnnConfig{.width = a.getRnnWidth(), .conv_kernel = a.getRnnConvKernel()};
-  }
+  read_fields(kModelFields, m, r);
+  if (m.hasArch()) read_fields(kArchFields, m.getArch(), r);
+  ModelConfig& c = r.model;
   c.blocks = expand_blocks(std::string(spec.getPattern()), c.n_layers, c.mode, c.moe.enabled);
-  return c;
+  return std::move(c);
 }
 
 TrainConfig train_config(schema::TrainSpec::Reader t) {
-  TrainConfig c;
-  c.batch_size = t.getBatchSize();
-  c.min_lr_ratio = t.getMinLrRatio();
-  c.warmup_steps = t.getWarmupSteps();
-  c.grad_clip = t.getGradClip();
-  c.seed = t.getSeed();
-  c.checkpoint_every = t.getCheckpointEvery();
-  const auto o = t.getOptim();
-  c.optim = OptimConfig{.embed_lr = o.getEmbedLr(),
-                        .head_lr = o.getHeadLr(),
-                        .adam_lr = o.getAdamLr(),
-                        .adam_beta1 = o.getAdamBeta1(),
-                        .adam_beta2 = o.getAdamBeta2(),
-                        .adam_eps = o.getAdamEps(),
-                        .adam_weight_decay = o.getAdamWeightDecay(),
-                        .adamw_crossover = o.getAdamwCrossover(),
-                        .muon_lr = o.getMuonLr(),
-                        .muon_momentum = o.getMuonMomentum(),
-                        .muon_beta2 = o.getMuonBeta2(),
-                        .muon_weight_decay = o.getMuonWeightDecay(),
-                        .muon_orthogonalizer = o.getMuonOrthogonalizer(),
-                        .muon_ns_steps = o.getMuonNsSteps(),
-                        .muon_bf16 = o.getMuonBf16(),
-                        .qkv_split = o.getQkvSplit()};
-  return c;
+  Recipe r;
+  read_fields(kTrainFields, t, r);
+  read_fields(kOptimFields, t.getOptim(), r);
+  return std::move(r.train);
 }
 
 Recipe from_spec(schema::RecipeSpec::Reader s) {
   Recipe r;
-  r.name = s.getName();
+  read_fields(kRecipeFields, s, r);
   r.path = std::string(s.getPath());
-  r.pattern = s.getPattern();
   for (auto l : s.getLayers()) r.layers.emplace_back(l.cStr());
   r.model = model_config(s);
   r.train = train_config(s.getTrain());
-  const auto d = s.getData();
-  r.data.source = d.getSource();
-  r.data.path = d.getPath();
-  r.data.split = d.getSplit();
-  r.data.pack = d.getPack();
-  r.data.eos_id = d.getEosId();
-  r.data.shard_tokens = d.getShardTokens();
-  r.data.shards = d.getShards();
+  read_fields(kDataFields, s.getData(), r);
   const std::string recorded = s.getHash();
   r = rehash(std::move(r));
   MEGACPP_CHECK(r.hash == recorded, ErrorKind::kCorruption,
                 fmt::format("recipe {} as recorded hashes to {}, not its recorded {}", r.name,
                             r.hash, recorded));
   return r;
+}
+
+BatchGeometry resolve_batch(const ModelConfig& model, const TrainConfig& train, uint32_t world,
+                            uint32_t rank_batch) {
+  BatchGeometry g{
+      .slot = batch_spec(model, train), .world = world, .tensor_parallel = model.tensor_parallel()};
+  if (rank_batch != 0) g.slot.batch = rank_batch;
+  return g;
+}
+
+BatchGeometry resolve_batch(const Recipe& r, uint32_t world, uint32_t rank_batch) {
+  return resolve_batch(r.model, r.train, world, rank_batch);
+}
+
+void to_spec(const BatchGeometry& g, schema::BatchGeometry::Builder s) {
+  s.setRankBatch(g.slot.batch);
+  s.setSeqLen(g.slot.seq_len);
+  s.setTokenBytes(g.slot.token_bytes);
+  // The recipe rules keep a slot within kMaxBatchSlotBytes, which fits 32 bits.
+  s.setSlotBytes(static_cast<uint32_t>(g.slot.slot_bytes()));
+  s.setTensorParallel(g.tensor_parallel);
+  s.setDataRanks(g.data_ranks());
+  s.setWindowsPerStep(g.windows_per_step());
+}
+
+BatchGeometry batch_geometry(schema::LaunchContract::Reader l) {
+  const bool recorded = l.hasBatch();
+  const auto b = l.getBatch();
+  const BatchGeometry g =
+      recorded ? BatchGeometry{.slot = {.batch = b.getRankBatch(),
+                                        .seq_len = b.getSeqLen(),
+                                        .token_bytes = b.getTokenBytes()},
+                               .world = l.getWorld(),
+                               .tensor_parallel = b.getTensorParallel()}
+               : resolve_batch(model_config(l.getRecipe()), train_config(l.getRecipe().getTrain()),
+                               l.getWorld(), l.getResume().getRankBatch());
+  MEGACPP_CHECK(g.tensor_parallel >= 1 && g.world % g.tensor_parallel == 0,
+                ErrorKind::kInvalidArgument,
+                fmt::format("a world of {} does not divide into tensor-parallel groups of {}",
+                            g.world, g.tensor_parallel));
+  // Whether the record holds together; the values' own bounds are the recipe's rules (the
+  // recipe in the contract passed them) and the sampler's and model's invariants.
+  MEGACPP_CHECK(
+      !recorded || ((g.slot.token_bytes == 2 || g.slot.token_bytes == 4) &&
+                    b.getSlotBytes() == g.slot.slot_bytes() && b.getDataRanks() == g.data_ranks() &&
+                    b.getWindowsPerStep() == g.windows_per_step()),
+      ErrorKind::kInvalidArgument,
+      fmt::format("launch contract: the batch geometry ({} rows of {} + 1 tokens of {} "
+                  "bytes per rank, {}-byte slots, {} data ranks, {} windows a step) "
+                  "does not hold together: relaunch the run",
+                  g.slot.batch, g.slot.seq_len, g.slot.token_bytes, b.getSlotBytes(),
+                  b.getDataRanks(), b.getWindowsPerStep()));
+  return g;
 }
 
 namespace {

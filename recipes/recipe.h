@@ -175,6 +175,21 @@ constexpr BatchSpec batch_spec(const ModelConfig& model, const TrainConfig& trai
 constexpr BatchSpec batch_spec(const Recipe& r) noexcept {
   return batch_spec(r.model, r.train);
 }
+// The batch geometry of an attempt of `world` ranks (recipes/batch_spec.h BatchGeometry): the
+// recipe's slot with `rank_batch` rows per rank (0: the recipe's train.batch_size; a resume at
+// another world size keeps the global batch with its own), its mode's tensor-parallel groups.
+// Pure: the recipe's rules (Recipe::validate) bound it; the caller checks the world.
+BatchGeometry resolve_batch(const ModelConfig& model, const TrainConfig& train, uint32_t world,
+                            uint32_t rank_batch);
+BatchGeometry resolve_batch(const Recipe& r, uint32_t world, uint32_t rank_batch);
+// The launch contract's record of the geometry (LaunchContract.batch).
+void to_spec(const BatchGeometry& batch, schema::BatchGeometry::Builder spec);
+// The geometry a launch contract records: what the data loader and the trainers use. A contract
+// written before the field gets what its supervisor resolved then (resolve_batch of its recipe,
+// world and resume.rankBatch). Throws Error{kInvalidArgument} when the record disagrees with
+// itself or with the world (no tensor-parallel grouping of the world, an empty batch, a slot
+// size that is not its rows').
+BatchGeometry batch_geometry(schema::LaunchContract::Reader launch);
 
 // `name_or_path`: a path to a .toml file, or the name of a recipe in `recipe_dir`.
 std::filesystem::path resolve(const std::string& name_or_path,

@@ -198,9 +198,7 @@ void JobController::adopt_previous_attempt() {
   attempt_ = previous_attempt_ + 1;
   // The global batch stays the run's whatever the world size (every attempt trains a step
   // on the same windows): the previous attempt's world times its batch per rank.
-  const uint32_t prev_rank_batch =
-      l.getResume().getRankBatch() != 0 ? l.getResume().getRankBatch() : recipe_.train.batch_size;
-  global_batch_ = static_cast<uint64_t>(l.getWorld()) * prev_rank_batch;
+  global_batch_ = recipe::batch_geometry(l).rank_rows();
   if (l.hasResume() && l.getResume().getDataPosition() != 0) {
     data_base_step_ = l.getResume().getStep();
     data_base_position_ = l.getResume().getDataPosition();
@@ -240,10 +238,7 @@ void JobController::adopt_previous_attempt() {
 
 uint64_t JobController::data_position_after(uint32_t step) const {
   // Windows a step takes: the data-parallel ranks' batches (a tensor-parallel group shares one).
-  const uint32_t rank_batch = rank_batch_ != 0 ? rank_batch_ : recipe_.train.batch_size;
-  const uint64_t per_step =
-      uint64_t{opt_.ranks / recipe_.model.tensor_parallel()} * uint64_t{rank_batch};
-  return data_base_position_ + uint64_t{step - data_base_step_} * per_step;
+  return data_base_position_ + uint64_t{step - data_base_step_} * batch_.windows_per_step();
 }
 
 void JobController::choose_checkpoint(std::string_view why) {
@@ -281,7 +276,7 @@ void JobController::journal_attempt_started(std::string_view reason) {
 
 void JobController::create_rings() {
   static_assert(recipe::kMaxBatchSlotBytes <= ipc::SlotRing::kMaxSlotBytes);
-  const uint64_t slot_bytes = recipe::batch_spec(planned_).slot_bytes();
+  const uint64_t slot_bytes = batch_.slot.slot_bytes();
   command([&](schema::NodeCommand::Builder cmd) {
     auto a = cmd.initPrepareAttempt();
     a.setShmPrefix(shm_prefix_);
@@ -326,11 +321,7 @@ void JobController::adopt_parent_checkpoint() {
   {
     schemas::JsonFile<schema::LaunchContract> parent(layout::launch_path(parent_run));
     const auto pl = parent.get();
-    const uint32_t parent_rank_batch = pl.hasResume() && pl.getResume().getRankBatch() != 0
-                                           ? pl.getResume().getRankBatch()
-                                           : pl.getRecipe().getTrain().getBatchSize();
-    const uint32_t parent_tp = recipe::model_config(pl.getRecipe()).tensor_parallel();
-    const uint64_t parent_global = uint64_t{pl.getWorld() / parent_tp} * parent_rank_batch;
+    const uint64_t parent_global = recipe::batch_geometry(pl).windows_per_step();
     uint32_t base_step = 0;
     uint64_t base_position = 0;
     if (pl.hasResume() && pl.getResume().getDataPosition() != 0) {
@@ -441,10 +432,9 @@ void JobController::prepare() {
     gates_ = plan.gates;
   }
   if (opt_.device == "cuda") check_cuda_devices();
-  // What this attempt's ranks train on: the recipe, with the per-rank batch a resume at
-  // another world size needs.
-  recipe::Recipe planned = recipe_;
-  if (rank_batch_) planned.train.batch_size = rank_batch_;
+  // What this attempt's ranks train on: the recipe's batch geometry, with the per-rank batch a
+  // resume at another world size needs. Resolved here once; everything after reads batch_.
+  batch_ = recipe::resolve_batch(recipe_, opt_.ranks, rank_batch_);
 
   if (opt_.data_dir.empty()) opt_.data_dir = run_.parent_path() / "data";
   opt_.data_dir = fs::absolute(opt_.data_dir).lexically_normal();
@@ -532,13 +522,13 @@ void JobController::prepare() {
   if (resuming) {
     // The same files as before, checked again: a file that changed since is refused.
     const auto& prev = previous_dataset_;
-    recipe::Recipe local = planned;
+    recipe::Recipe local = recipe_;
     fs::path dir = opt_.data_dir;
     if (!prev.staged_from.empty() && !prev.files.empty()) {
       local.data.path.clear();
       dir = prev.files.front().path.parent_path();
     }
-    dataset_ = data::resolve_dataset(local, dir, opt_.ranks, threads);
+    dataset_ = data::resolve_dataset(local, batch_, dir, threads);
     dataset_.staged_from = prev.staged_from;
     bool same = dataset_.files.size() == prev.files.size();
     for (size_t i = 0; same && i < prev.files.size(); ++i) {
@@ -557,7 +547,7 @@ void JobController::prepare() {
                    "restore the files or start a new run",
                    run_.string(), dataset_.files.size(), prev.files.size());
   } else if (opt_.stage_data.empty()) {
-    dataset_ = data::resolve_dataset(planned, opt_.data_dir, opt_.ranks, threads);
+    dataset_ = data::resolve_dataset(recipe_, batch_, opt_.data_dir, threads);
   } else {
     fs::path src = recipe_.data.path.empty() ? opt_.data_dir : fs::path(recipe_.data.path);
     if (src.is_relative()) src = opt_.data_dir / src;
@@ -571,9 +561,9 @@ void JobController::prepare() {
     const auto report = data::stage_dataset(src, hot);
     log_info("staged {} to {}: {} files copied ({:.1f} MB), {} unchanged files reused",
              src.string(), hot.string(), report.copied, report.bytes_copied / 1e6, report.reused);
-    recipe::Recipe local = planned;
+    recipe::Recipe local = recipe_;
     local.data.path.clear();
-    dataset_ = data::resolve_dataset(local, hot, opt_.ranks, threads);
+    dataset_ = data::resolve_dataset(local, batch_, hot, threads);
     dataset_.staged_from = src.string();
   }
 
@@ -633,9 +623,8 @@ void JobController::prepare() {
 
   store_ = std::make_unique<StoreServer>("127.0.0.1", 0, opt_.ranks);
 
-  planned_ = planned;
   create_rings();
-  write_launch_contract(planned_);
+  write_launch_contract();
 
   agent_->open_control(control_ep_);
   open_journals();
@@ -689,7 +678,7 @@ void JobController::begin_attempt() {
                        : "");
 }
 
-void JobController::write_launch_contract(const recipe::Recipe& planned) {
+void JobController::write_launch_contract() {
   capnp::MallocMessageBuilder msg;
   auto l = msg.initRoot<schema::LaunchContract>();
   l.setSchemaVersion(schema::SCHEMA_VERSION);
@@ -710,7 +699,8 @@ void JobController::write_launch_contract(const recipe::Recipe& planned) {
   l.setMuonPrecision(muon_precision_);
   l.setRingSlots(opt_.ring_slots);
   // The recipe rules keep it within kMaxBatchSlotBytes, which fits 32 bits.
-  l.setRingSlotBytes(static_cast<uint32_t>(recipe::batch_spec(planned).slot_bytes()));
+  l.setRingSlotBytes(static_cast<uint32_t>(batch_.slot.slot_bytes()));
+  recipe::to_spec(batch_, l.initBatch());
   l.setHeartbeatIntervalMs(opt_.heartbeat_interval_ms);
   recipe::to_spec(recipe_, l.initRecipe());
   auto gates = l.initGates(static_cast<unsigned>(gates_.size()));

@@ -470,7 +470,7 @@ void JobController::restart_job() {
   // A fresh batch plane under the next attempt's shm prefix, and its launch contract.
   shm_prefix_ = layout::shm_prefix(run_id_, attempt_);
   create_rings();
-  write_launch_contract(planned_);
+  write_launch_contract();
 
   command([](schema::NodeCommand::Builder cmd) { cmd.setEndAttempt(); });
   children_.clear();

@@ -41,33 +41,29 @@ int main(int argc, char** argv) {
       [](mc::stage::StageContext& ctx) {
         auto launch = ctx.launch();
         auto recipe = launch.getRecipe();
-        auto model = recipe.getModel();
         auto train = recipe.getTrain();
         auto data = recipe.getData();
         const uint32_t world = launch.getWorld();
         const uint32_t steps = launch.getSteps();
-        // The ranks of a tensor-parallel group (consecutive ranks, recipes/recipe.h mode) train
-        // on one batch: rank r's ring gets the batches of data rank r / tp of world / tp.
-        const uint32_t tp = mc::recipe::model_config(recipe).tensor_parallel();
-        MEGACPP_CHECK(world % tp == 0, mc::ErrorKind::kInvalidArgument,
-                      fmt::format("a world of {} does not divide into tensor-parallel groups of {}",
-                                  world, tp));
+        // The attempt's batch geometry, as the supervisor resolved it: rows per rank (a resume
+        // at another world size keeps the global batch with its own), seq_len, slot width. The
+        // ranks of a tensor-parallel group (consecutive ranks, recipes/recipe.h mode) train on
+        // one batch: rank r's ring gets the batches of data rank r / tp of world / tp.
+        const mc::recipe::BatchGeometry geometry = mc::recipe::batch_geometry(launch);
+        const uint32_t tp = geometry.tensor_parallel;
 
         const bool pack = data.getPack();
         const auto dataset = mc::data::from_spec(launch.getDataset());
         const auto shards = mc::data::open_dataset(dataset, pack);
         std::vector<const mc::data::Shard*> views;
         for (const auto& s : shards) views.push_back(s.get());
-        // A resumed attempt starts after its checkpoint's step, and a resume at another world
-        // size keeps the global batch with its own batch per rank: the same windows per step.
+        // A resumed attempt starts after its checkpoint's step.
         const auto resume = launch.getResume();
-        const uint32_t rank_batch =
-            resume.getRankBatch() != 0 ? resume.getRankBatch() : train.getBatchSize();
         mc::data::Sampler sampler(
-            views, {.seq_len = model.getSeqLen(),
-                    .batch = rank_batch,
-                    .world = world / tp,
-                    .token_bytes = dataset.slot_token_bytes,
+            views, {.seq_len = geometry.slot.seq_len,
+                    .batch = geometry.slot.batch,
+                    .world = geometry.data_ranks(),
+                    .token_bytes = geometry.slot.token_bytes,
                     .seed = train.getSeed(),
                     .pack = pack,
                     // Where this attempt's first step begins in the data

@@ -201,9 +201,11 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   const uint32_t steps = launch.getSteps();
   const ModelConfig model = model_config(launch.getRecipe());
   TrainConfig train = train_config(launch.getRecipe().getTrain());
-  // A resume at another world size keeps the global batch with its own batch per rank.
+  // The attempt's batch geometry, as the supervisor resolved it: a resume at another world size
+  // keeps the global batch with its own batch per rank.
+  const recipe::BatchGeometry geometry = recipe::batch_geometry(launch);
+  train.batch_size = geometry.slot.batch;
   const auto resume = launch.getResume();
-  if (resume.getRankBatch() != 0) train.batch_size = resume.getRankBatch();
   validate(model);
   MEGACPP_CHECK(world > 0 && rank < world, ErrorKind::kInvalidArgument,
                 fmt::format("rank {} outside world {}", rank, world));
@@ -365,7 +367,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   const std::string ring_name = layout::ring_shm_name(std::string(launch.getShmPrefix()), rank);
   auto ring = attach_ring(ctx, ring_name, store_timeout);
   if (!ring) return Outcome::kLeft;
-  const recipe::BatchSpec batch = recipe::batch_spec(model, train);
+  const recipe::BatchSpec& batch = geometry.slot;
   const int64_t B = batch.batch;
   const int64_t T = batch.seq_len;  // tokens trained on per row
   MEGACPP_CHECK(

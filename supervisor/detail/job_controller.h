@@ -153,7 +153,7 @@ class JobController {
   // that do not are logged (prefixed by `why`) into skipped_ / skipped_steps_.
   void choose_checkpoint(std::string_view why);
   void journal_attempt_started(std::string_view reason);  // attemptStarted of attempt_, synced
-  void create_rings();  // the batch plane of this attempt: shm_prefix_, planned_'s slots
+  void create_rings();  // the batch plane of this attempt: shm_prefix_, batch_'s slots
   // The supervisor's journal (ProcessStarted appended) and the checkpointer's, read for commits.
   void open_journals();
   void launch_attempt();
@@ -165,7 +165,7 @@ class JobController {
   // Ends the failed attempt in the journal and prepares the next one in this process: new
   // rings and launch contract, state reset; the stages are launched by launch_attempt().
   void restart_job();
-  void write_launch_contract(const recipe::Recipe& planned);
+  void write_launch_contract();
   void launch(StageKind stage, uint32_t rank, uint32_t generation, schema::ChildReason reason,
               const std::string& cause = {});
   void watch();
@@ -310,8 +310,8 @@ class JobController {
   uint32_t job_restarts_ = 0;
   std::optional<uint32_t> failed_progress_;    // this attempt's, once it failed
   std::optional<uint32_t> previous_progress_;  // the last attempt's, in this process
-  recipe::Recipe planned_;          // the recipe as this attempt's ranks train it (batch per rank)
-  std::optional<Failure> failure_;  // the first failure, once classified
+  recipe::BatchGeometry batch_;       // this attempt's batch geometry (launch contract batch)
+  std::optional<Failure> failure_;    // the first failure, once classified
   std::vector<double> step_samples_;  // trainer step seconds (for the median)
   bool done_ = false;
   // finish_ok() began: training ended with its final checkpoint committed, and the loader, the

@@ -242,6 +242,19 @@ class ResumeWorlds(Base):
         m = self.assert_ok_after_resume(p, run_dir)
         self.assertEqual(m["world"], to)
         self.assertEqual(m["attempts"][1]["world"], to)
+        # The batch geometry each attempt's stages read: the global batch kept (6 x world
+        # windows a step), split again over the new world.
+        for path, ranks in ((os.path.join(run_dir, "attempts", "0", "launch.json"), world),
+                            (os.path.join(run_dir, "launch.json"), to)):
+            with open(path) as f:
+                launch = json.load(f)
+            batch = launch["batch"]
+            self.assertEqual(batch["rankBatch"], 6 * world // ranks, path)
+            self.assertEqual(int(batch["windowsPerStep"]), 6 * world, path)
+            self.assertEqual(batch["dataRanks"], ranks, path)
+            self.assertEqual(batch["slotBytes"], launch["ringSlotBytes"], path)
+            self.assertEqual(batch["slotBytes"], 64 + batch["rankBatch"] * (batch["seqLen"] + 1) *
+                             batch["tokenBytes"], path)
         got, want = losses(run_dir), losses(straight)
         self.assertEqual([s for s, _ in got], [s for s, _ in want])
         worst = 0.0

@@ -505,7 +505,7 @@ TEST(Dataset, PreflightValidatesEveryFileAndRoundTripsTheContract) {
   r.train.batch_size = 2;
   r.data.source = "llmc";
   r.data.path = "shards";
-  auto d = md::resolve_dataset(r, dir.path(), 2, 2);
+  auto d = md::resolve_dataset(r, mc::recipe::resolve_batch(r, 2, 0), dir.path(), 2);
   ASSERT_EQ(d.files.size(), 3u);
   EXPECT_EQ(d.windows, 3u * (499 / 16));
   EXPECT_EQ(d.files[1].max_token, 299u);
@@ -520,17 +520,18 @@ TEST(Dataset, PreflightValidatesEveryFileAndRoundTripsTheContract) {
   EXPECT_EQ(md::open_dataset(back, r.data.pack).size(), 3u);
   // A vocabulary smaller than the data's, an empty folder, too little data: one line each.
   r.model.vocab_size = 299;
-  auto e = error_of([&] { md::resolve_dataset(r, dir.path(), 2, 2); });
+  auto e =
+      error_of([&] { md::resolve_dataset(r, mc::recipe::resolve_batch(r, 2, 0), dir.path(), 2); });
   EXPECT_NE(e.find("token 299"), std::string::npos) << e;
   EXPECT_NE(e.find("vocab_size 299"), std::string::npos) << e;
   r.model.vocab_size = 300;
   r.data.path = "nothing";
   fs::create_directories(dir.path() / "nothing");
-  e = error_of([&] { md::resolve_dataset(r, dir.path(), 2, 2); });
+  e = error_of([&] { md::resolve_dataset(r, mc::recipe::resolve_batch(r, 2, 0), dir.path(), 2); });
   EXPECT_NE(e.find("no llmc shards"), std::string::npos) << e;
   r.data.path = "shards";
   r.train.batch_size = 50;
-  e = error_of([&] { md::resolve_dataset(r, dir.path(), 2, 2); });
+  e = error_of([&] { md::resolve_dataset(r, mc::recipe::resolve_batch(r, 2, 0), dir.path(), 2); });
   EXPECT_NE(e.find("rule data.windows"), std::string::npos) << e;
 }
 
@@ -547,10 +548,10 @@ TEST(Dataset, ChecksAreCachedUntilAFileChanges) {
   r.train.batch_size = 2;
   r.data.source = "llmc";
   r.data.path = "s";
-  auto first = md::resolve_dataset(r, dir.path(), 1, 1);
+  auto first = md::resolve_dataset(r, mc::recipe::resolve_batch(r, 1, 0), dir.path(), 1);
   EXPECT_EQ(first.files_scanned, 2u);
   ASSERT_TRUE(fs::exists(dir.path() / "s" / md::kCheckCacheName));
-  auto second = md::resolve_dataset(r, dir.path(), 1, 1);
+  auto second = md::resolve_dataset(r, mc::recipe::resolve_batch(r, 1, 0), dir.path(), 1);
   EXPECT_EQ(second.files_scanned, 0u);
   EXPECT_EQ(second.files[1].xxh3, first.files[1].xxh3);
   EXPECT_EQ(second.files[1].max_token, 8u);
@@ -558,14 +559,16 @@ TEST(Dataset, ChecksAreCachedUntilAFileChanges) {
   std::vector<uint32_t> bad(400, 7);
   bad[10] = 400;
   md::write_llmc_shard(dir.path() / "s" / "a_train_1.bin", bad, md::TokenWidth::kU16);
-  auto e = error_of([&] { md::resolve_dataset(r, dir.path(), 1, 1); });
+  auto e =
+      error_of([&] { md::resolve_dataset(r, mc::recipe::resolve_batch(r, 1, 0), dir.path(), 1); });
   EXPECT_NE(e.find("token 400 at index 10"), std::string::npos) << e;
   // A smaller vocabulary than a cached largest token rescans (and names the offset).
   md::write_llmc_shard(dir.path() / "s" / "a_train_1.bin", std::vector<uint32_t>(400, 8),
                        md::TokenWidth::kU16);
-  EXPECT_EQ(md::resolve_dataset(r, dir.path(), 1, 1).files_scanned, 1u);
+  EXPECT_EQ(md::resolve_dataset(r, mc::recipe::resolve_batch(r, 1, 0), dir.path(), 1).files_scanned,
+            1u);
   r.model.vocab_size = 8;
-  e = error_of([&] { md::resolve_dataset(r, dir.path(), 1, 1); });
+  e = error_of([&] { md::resolve_dataset(r, mc::recipe::resolve_batch(r, 1, 0), dir.path(), 1); });
   EXPECT_NE(e.find("token 8 at index 0"), std::string::npos) << e;
 }
 
@@ -614,17 +617,19 @@ TEST(Dataset, CacheSeesAnInPlaceRewriteWithItsMtimeRestored) {
   const fs::path shard = dir.path() / "s" / "a_train_0.bin";
   md::write_llmc_shard(shard, std::vector<uint32_t>(400, 7), md::TokenWidth::kU16);
   const auto r = cache_recipe();
-  const auto first = md::resolve_dataset(r, dir.path(), 1, 1);
+  const auto first = md::resolve_dataset(r, mc::recipe::resolve_batch(r, 1, 0), dir.path(), 1);
   ASSERT_EQ(first.files_scanned, 1u);
-  ASSERT_EQ(md::resolve_dataset(r, dir.path(), 1, 1).files_scanned, 0u);
+  ASSERT_EQ(md::resolve_dataset(r, mc::recipe::resolve_batch(r, 1, 0), dir.path(), 1).files_scanned,
+            0u);
   std::vector<uint32_t> bad(400, 7);
   bad[10] = 400;
   rewrite_in_place_keeping_mtime(shard, bad);
-  auto e = error_of([&] { md::resolve_dataset(r, dir.path(), 1, 1); });
+  auto e =
+      error_of([&] { md::resolve_dataset(r, mc::recipe::resolve_batch(r, 1, 0), dir.path(), 1); });
   EXPECT_NE(e.find("token 400 at index 10"), std::string::npos) << e;
   // A good rewrite is rescanned and its new checksum recorded.
   rewrite_in_place_keeping_mtime(shard, std::vector<uint32_t>(400, 9));
-  const auto again = md::resolve_dataset(r, dir.path(), 1, 1);
+  const auto again = md::resolve_dataset(r, mc::recipe::resolve_batch(r, 1, 0), dir.path(), 1);
   EXPECT_EQ(again.files_scanned, 1u);
   EXPECT_NE(again.files[0].xxh3, first.files[0].xxh3);
   EXPECT_EQ(again.files[0].xxh3, md::xxh3_file_hex(shard));
@@ -648,19 +653,21 @@ TEST(Dataset, CacheNeverStandsInForTheDatasetManifestHash) {
                       md::llmc_file_bytes(400, md::TokenWidth::kU16), md::xxh3_file_hex(shard)});
   md::write_dataset_manifest(s, m);
   const auto r = cache_recipe();
-  EXPECT_EQ(md::resolve_dataset(r, dir.path(), 1, 1).files_scanned, 1u);
+  EXPECT_EQ(md::resolve_dataset(r, mc::recipe::resolve_batch(r, 1, 0), dir.path(), 1).files_scanned,
+            1u);
   std::string cache = bytes_of(s / md::kCheckCacheName);
   const auto hash_at = cache.find(m.shards[0].xxh3);
   ASSERT_NE(hash_at, std::string::npos) << cache;
   cache.replace(hash_at, 16, "0123456789abcdef");
   mc::write_file_atomic(s / md::kCheckCacheName, cache);
-  const auto second = md::resolve_dataset(r, dir.path(), 1, 1);
+  const auto second = md::resolve_dataset(r, mc::recipe::resolve_batch(r, 1, 0), dir.path(), 1);
   EXPECT_EQ(second.files_scanned, 1u)
       << "a file the dataset.json records a hash for is hashed on every pre-flight";
   EXPECT_EQ(second.files[0].xxh3, m.shards[0].xxh3);
   // The bytes rewritten in place, size and mtime kept: refused against dataset.json.
   rewrite_in_place_keeping_mtime(shard, std::vector<uint32_t>(400, 9));
-  auto e = error_of([&] { md::resolve_dataset(r, dir.path(), 1, 1); });
+  auto e =
+      error_of([&] { md::resolve_dataset(r, mc::recipe::resolve_batch(r, 1, 0), dir.path(), 1); });
   EXPECT_NE(e.find("does not match"), std::string::npos) << e;
   EXPECT_NE(e.find(m.shards[0].xxh3), std::string::npos) << e;
 }

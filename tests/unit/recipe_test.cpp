@@ -7,6 +7,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "recipes/plan.h"
 
@@ -136,6 +137,175 @@ TEST(Recipe, BatchSlotLargerThanTheRingCanHoldIsRefused) {
   r.train.batch_size = 65536;
   r.model.seq_len = 65536;
   EXPECT_EQ(mc::recipe::batch_spec(r).slot_bytes(), 64 + uint64_t{65536} * 65537 * 2);
+}
+
+// The batch geometry is resolved once (resolve_batch) and recorded in the launch contract; the
+// stages read it back (batch_geometry) as it was recorded.
+TEST(BatchGeometry, ResolvedOnceAndReadBackFromTheLaunchContract) {
+  const auto r = mc::recipe::parse(kBase, "x.toml");
+  const auto g = mc::recipe::resolve_batch(r, 4, 0);
+  EXPECT_EQ(g.slot, mc::recipe::batch_spec(r));
+  EXPECT_EQ(g.data_ranks(), 4u);
+  EXPECT_EQ(g.windows_per_step(), 8u);
+  EXPECT_EQ(g.rank_rows(), 8u);
+  // A resume at another world size: its own rows per rank, the same slot otherwise.
+  const auto resumed = mc::recipe::resolve_batch(r, 1, 8);
+  EXPECT_EQ(resumed.slot.batch, 8u);
+  EXPECT_EQ(resumed.slot.slot_bytes(), 64 + uint64_t{8} * 33 * 2);
+  EXPECT_EQ(resumed.windows_per_step(), 8u);
+  // nemo_native: tensor-parallel pairs share a batch.
+  auto tp = r;
+  tp.model.mode = std::string(mc::recipe::kModeNemoNative);
+  tp = mc::recipe::rehash(tp);
+  const auto pairs = mc::recipe::resolve_batch(tp, 4, 0);
+  EXPECT_EQ(pairs.tensor_parallel, 2u);
+  EXPECT_EQ(pairs.data_ranks(), 2u);
+  EXPECT_EQ(pairs.windows_per_step(), 4u);
+  EXPECT_EQ(pairs.rank_rows(), 8u);
+
+  capnp::MallocMessageBuilder msg;
+  auto l = msg.initRoot<mc::schema::LaunchContract>();
+  l.setWorld(4);
+  mc::recipe::to_spec(tp, l.initRecipe());
+  // A contract written before the field: the recipe, the world and resume.rankBatch say it.
+  EXPECT_EQ(mc::recipe::batch_geometry(l.asReader()), pairs);
+  l.initResume().setRankBatch(3);
+  EXPECT_EQ(mc::recipe::batch_geometry(l.asReader()), mc::recipe::resolve_batch(tp, 4, 3));
+  // Recorded: read as recorded, not from the recipe.
+  const auto recorded = mc::recipe::resolve_batch(tp, 4, 5);
+  mc::recipe::to_spec(recorded, l.initBatch());
+  EXPECT_EQ(mc::recipe::batch_geometry(l.asReader()), recorded);
+  EXPECT_EQ(l.getBatch().getSlotBytes(), recorded.slot.slot_bytes());
+  EXPECT_EQ(l.getBatch().getWindowsPerStep(), 10u);
+
+  auto refused = [&](std::string_view says) {
+    try {
+      mc::recipe::batch_geometry(l.asReader());
+      ADD_FAILURE() << "accepted a geometry that should say " << says;
+    } catch (const mc::Error& e) {
+      EXPECT_EQ(e.kind(), mc::ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  l.getBatch().setSlotBytes(l.getBatch().getSlotBytes() - 2);
+  refused("does not hold together");
+  mc::recipe::to_spec(recorded, l.initBatch());
+  l.setWorld(3);
+  refused("a world of 3 does not divide into tensor-parallel groups of 2");
+}
+
+// Every key of every table is read from TOML, written to the launch contract and read back
+// (recipe.cpp's one table of fields): each is given a value other than its default here.
+TEST(Recipe, EveryFieldIsParsedWrittenAndReadBack) {
+  const char* text = R"(
+name = "every"
+pattern = "AEMR"
+mode = "author_dp"
+[model]
+vocab_size = 300
+seq_len = 48
+d_model = 96
+n_layers = 5
+n_heads = 6
+mlp_mult = 3
+n_kv_heads = 3
+rope_theta = 5000.0
+ffn_hidden = 200
+[moe]
+enabled = true
+n_experts = 4
+top_k = 2
+expert_hidden = 40
+shared_hidden = 24
+aux_loss_coef = 0.02
+[ssm]
+d_state = 8
+head_dim = 16
+expand = 3
+conv_kernel = 3
+chunk = 32
+[rnn]
+width = 72
+conv_kernel = 2
+[train]
+batch_size = 3
+min_lr_ratio = 0.2
+warmup_steps = 7
+grad_clip = 0.5
+seed = 99
+checkpoint_every = 11
+[optim]
+embed_lr = 0.3
+head_lr = 0.005
+adam_lr = 0.006
+adam_beta1 = 0.7
+adam_beta2 = 0.9
+adam_eps = 1e-9
+adam_weight_decay = 0.01
+adamw_crossover = 1000
+muon_lr = 0.03
+muon_momentum = 0.9
+muon_beta2 = 0.9
+muon_weight_decay = 0.02
+muon_orthogonalizer = "newton_schulz"
+muon_ns_steps = 7
+muon_bf16 = false
+qkv_split = false
+[data]
+source = "llmc"
+path = "shards/*.bin"
+split = "val"
+pack = false
+eos_id = 7
+shard_tokens = 5000
+shards = 3
+)";
+  const auto r = mc::recipe::parse(text, "every.toml");
+  const auto check = [](const mc::recipe::Recipe& x) {
+    const auto& m = x.model;
+    EXPECT_EQ(x.name, "every");
+    EXPECT_EQ(x.pattern, "AEMR");
+    EXPECT_EQ(m.mode, "author_dp");
+    EXPECT_EQ(std::tie(m.vocab_size, m.seq_len, m.d_model, m.n_layers, m.n_heads, m.mlp_mult,
+                       m.n_kv_heads, m.ffn_hidden),
+              std::make_tuple(300u, 48u, 96u, 5u, 6u, 3u, 3u, 200u));
+    EXPECT_EQ(m.rope_theta, 5000.0);
+    EXPECT_EQ(m.moe, (mc::recipe::MoeConfig{true, 4, 2, 40, 24, 0.02}));
+    EXPECT_EQ(m.ssm, (mc::recipe::SsmConfig{8, 16, 3, 3, 32}));
+    EXPECT_EQ(m.rnn, (mc::recipe::RnnConfig{72, 2}));
+    const auto& t = x.train;
+    EXPECT_EQ(std::tie(t.batch_size, t.warmup_steps, t.seed, t.checkpoint_every),
+              std::make_tuple(3u, 7u, 99u, 11u));
+    EXPECT_EQ(std::tie(t.min_lr_ratio, t.grad_clip), std::make_tuple(0.2, 0.5));
+    const auto& o = t.optim;
+    EXPECT_EQ(std::tie(o.embed_lr, o.head_lr, o.adam_lr, o.adam_beta1, o.adam_beta2, o.adam_eps,
+                       o.adam_weight_decay, o.muon_lr, o.muon_momentum, o.muon_beta2,
+                       o.muon_weight_decay),
+              std::make_tuple(0.3, 0.005, 0.006, 0.7, 0.9, 1e-9, 0.01, 0.03, 0.9, 0.9, 0.02));
+    EXPECT_EQ(std::tie(o.adamw_crossover, o.muon_ns_steps), std::make_tuple(1000u, 7u));
+    EXPECT_EQ(o.muon_orthogonalizer, "newton_schulz");
+    EXPECT_FALSE(o.muon_bf16);
+    EXPECT_FALSE(o.muon_bf16_auto);
+    EXPECT_FALSE(o.qkv_split);
+    const auto& d = x.data;
+    EXPECT_EQ(std::tie(d.source, d.path, d.split), std::make_tuple("llmc", "shards/*.bin", "val"));
+    EXPECT_FALSE(d.pack);
+    EXPECT_EQ(d.eos_id, 7);
+    EXPECT_EQ(std::tie(d.shard_tokens, d.shards), std::make_tuple(5000u, 3u));
+  };
+  check(r);
+  capnp::MallocMessageBuilder msg;
+  auto spec = msg.initRoot<mc::schema::RecipeSpec>();
+  mc::recipe::to_spec(r, spec);
+  const auto back = mc::recipe::from_spec(spec.asReader());
+  check(back);
+  EXPECT_EQ(back.hash, r.hash);
+  EXPECT_EQ(mc::recipe::describe(back), mc::recipe::describe(r));
+  // Absent keys keep their defaults, muon_bf16 its "auto".
+  const auto plain = mc::recipe::parse(kBase, "x.toml");
+  EXPECT_TRUE(plain.train.optim.muon_bf16_auto);
+  EXPECT_EQ(plain.model.rope_theta, mc::recipe::ModelConfig{}.rope_theta);
+  EXPECT_EQ(plain.data.eos_id, -1);
 }
 
 TEST(Recipe, ResolveByNameAndPath) {

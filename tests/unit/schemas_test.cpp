@@ -131,6 +131,14 @@ void fill_launch(schema::LaunchContract::Builder c) {
   gate.setReason("every rank belongs to exactly one whole tensor-parallel group");
   gate.setRetires("never: a partial tensor-parallel group cannot hold a layer");
   c.setMuonPrecision("bfloat16 (auto: cuda)");
+  auto batch = c.initBatch();
+  batch.setRankBatch(8);
+  batch.setSeqLen(64);
+  batch.setTokenBytes(2);
+  batch.setSlotBytes(64 + 8 * 65 * 2);
+  batch.setTensorParallel(1);
+  batch.setDataRanks(2);
+  batch.setWindowsPerStep(16);
 }
 
 // Offsets of `"name":` for each top-level field, in schema order; -1 when absent. Top-level
@@ -174,6 +182,8 @@ TEST(SchemasJsonTest, LaunchContractRoundTrip) {
   EXPECT_EQ(c.getCheckpointPolicy().getKeep(), 3u);
   EXPECT_EQ(c.getCheckpointPolicy().getKeepEvery(), 100u);
   EXPECT_EQ(std::string(c.getDevice().cStr()), "cuda");
+  EXPECT_EQ(c.getBatch().getSlotBytes(), 64u + 8 * 65 * 2);
+  EXPECT_EQ(c.getBatch().getWindowsPerStep(), 16u);
   // Encoding the decoded document reproduces the text byte for byte.
   EXPECT_EQ(schemas::to_json(c), json);
 }

@@ -149,6 +149,11 @@ struct ResumePoint {
   # at another world size keeps the global batch (recipe batch x the run's first world), so
   # every step trains on the same windows. 0: the recipe's.
   rankBatch @3 :UInt32;
+  # The global data position where step + 1 begins (windows of the permuted order taken before
+  # it): where the run's data order stood after `step`, also across a branch (`--from`) to
+  # another world or batch size. 0 in contracts written before the field: step x the global
+  # batch, which held while a run could only continue at its own global batch.
+  dataPosition @4 :UInt64;
 }
 
 # A run started from another run's checkpoint (`megacpp run --from CKPT`).
@@ -184,6 +189,20 @@ struct CollectivePolicy {
                                         # communicator and the rank's wait throws
   ncclEnableMonitoring @5 :Bool;
   ncclHeartbeatTimeoutSeconds @6 :Int32;
+}
+
+# One attempt's batch geometry (recipes/batch_spec.h BatchGeometry), resolved once by the
+# supervisor from the recipe, the world and a resume's batch per rank. The data loader and the
+# trainers read it, never the recipe's batchSize. Absent in contracts written before the field:
+# the recipe, world and resume.rankBatch then say it (recipes/recipe.h batch_geometry).
+struct BatchGeometry {
+  rankBatch @0 :UInt32;         # rows per rank and step
+  seqLen @1 :UInt32;            # tokens trained on per row; a row holds seqLen + 1
+  tokenBytes @2 :UInt32;        # batch slot token width: 2 or 4
+  slotBytes @3 :UInt32;         # one rank's slot: 64-byte header, rankBatch x (seqLen + 1) tokens
+  tensorParallel @4 :UInt32;    # consecutive ranks of a group train on one batch
+  dataRanks @5 :UInt32;         # world / tensorParallel: ranks with a batch of their own
+  windowsPerStep @6 :UInt64;    # the global batch: dataRanks x rankBatch
 }
 
 struct LaunchContract {
@@ -236,6 +255,13 @@ struct LaunchContract {
   # The plan's gates this launch passed (recipes/plan.h; DESIGN.md "Hybrid recipes"), for the
   # recipe's mode and this world. Empty in contracts written before the field existed.
   gates @36 :List(GateVerdict);
+  # The precision DistMuon orthogonalizes in and how it was chosen (recipe optim.muon_bf16:
+  # true, false, or "auto" settled for this device), e.g. "bfloat16 (auto: cpu with amx_bf16)".
+  # Empty in contracts written before the field existed (the recipe's muonBf16 then says it).
+  muonPrecision @37 :Text;
+  # This attempt's batch geometry; ringSlotBytes is its slotBytes. Absent in contracts written
+  # before the field existed.
+  batch @38 :BatchGeometry;
 }
 
 struct GateVerdict {            # recipes/plan.h Gate
