@@ -10,7 +10,7 @@
 
 #include <fmt/format.h>
 
-#include "core/util.h"
+#include "core/clock.h"
 
 namespace megacpp {
 
