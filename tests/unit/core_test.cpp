@@ -1,8 +1,10 @@
-// core/: the owned descriptor (core/fd.h). Torch-free; runs in the sanitizer builds too.
+// core/: what every ErrorKind tells its catcher to do (core/error.h action_of) and the owned
+// descriptor (core/fd.h). Torch-free; runs in the sanitizer builds too.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <map>
 #include <utility>
 
 #include "core/error.h"
@@ -24,6 +26,47 @@ int open_null() {
 }
 
 }  // namespace
+
+// Every kind, one answer each; the table is the contract DESIGN.md "Failure model as
+// implemented" states for the restart policy.
+TEST(ErrorAction, EveryKindHasItsAction) {
+  const std::map<ErrorKind, ErrorAction> expected{
+      {ErrorKind::kInvalidArgument, ErrorAction::kGiveUp},
+      {ErrorKind::kSystem, ErrorAction::kRetry},
+      {ErrorKind::kZmq, ErrorAction::kReconnect},
+      {ErrorKind::kProtocol, ErrorAction::kGiveUp},
+      {ErrorKind::kCorruption, ErrorAction::kGiveUp},
+      {ErrorKind::kTimeout, ErrorAction::kRetry},
+      {ErrorKind::kPeerFailure, ErrorAction::kReconnect},
+      {ErrorKind::kInterrupted, ErrorAction::kGiveUp},
+      {ErrorKind::kInternal, ErrorAction::kGiveUp},
+      {ErrorKind::kDiverged, ErrorAction::kGiveUp},
+  };
+  ASSERT_EQ(expected.size(), static_cast<size_t>(kErrorKindCount));
+  for (int i = 0; i < kErrorKindCount; ++i) {
+    const auto kind = static_cast<ErrorKind>(i);
+    ASSERT_TRUE(expected.contains(kind)) << "ErrorKind " << i << " has no expected action";
+    EXPECT_EQ(action_of(kind), expected.at(kind)) << to_string(kind);
+    EXPECT_NE(to_string(action_of(kind)), "unknown") << to_string(kind);
+  }
+}
+
+// kErrorKindCount is exact: the value after the last kind is not a kind.
+TEST(ErrorAction, KindCountIsExact) {
+  EXPECT_NE(to_string(static_cast<ErrorKind>(kErrorKindCount - 1)), "unknown");
+  EXPECT_EQ(to_string(static_cast<ErrorKind>(kErrorKindCount)), "unknown");
+  EXPECT_THROW((void)action_of(static_cast<ErrorKind>(kErrorKindCount)), Error);
+}
+
+TEST(ErrorAction, AnErrorCarriesItsKindsAction) {
+  try {
+    MEGACPP_FAIL(ErrorKind::kPeerFailure, "rank {} went away", 1);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.action(), ErrorAction::kReconnect);
+    return;
+  }
+  FAIL() << "MEGACPP_FAIL did not throw";
+}
 
 TEST(Fd, ClosesOnDestruction) {
   int raw = open_null();
