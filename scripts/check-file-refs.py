@@ -48,8 +48,9 @@ SCANNED_SUFFIXES = {".cpp", ".h", ".cu", ".cuh", ".py", ".md", ".capnp", ".txt",
                     ".cmake", ".toml"}
 SCANNED_NAMES = {"Makefile"}
 # A name: path segments, then the extension; not preceded by what makes it part of a longer
-# token, a template (${x}_test.cpp), a glob (*.cpp) or a system include (<x.h>).
-NAME = re.compile(r"(?<![\w./${}*<-])((?:[\w.-]+/)*[\w-]+(?:\.[\w-]+)*\.(?:cpp|h|py|capnp))(?![\w/])")
+# token, a template (${x}_test.cpp, <module>_test.cpp), a glob (*.cpp) or a system include
+# (<x.h>).
+NAME = re.compile(r"(?<![\w./${}*<>-])((?:[\w.-]+/)*[\w-]+(?:\.[\w-]+)*\.(?:cpp|h|py|capnp))(?![\w/])")
 INCLUDE_LINE = re.compile(r"^\s*#\s*include\s*[<\"].*$", re.M)
 EXT = re.compile(r"\.(cpp|h|py|capnp)$")
 
