@@ -2,6 +2,7 @@
 # venv outside the clone), configure and build incrementally, and are idempotent.
 BUILD      ?= build
 BUILD_SAN  ?= build-asan
+BUILD_TSAN ?= build-tsan
 JOBS       ?= $(shell nproc)
 WERROR     := $(if $(MEGACPP_WERROR),ON,OFF)
 RUN_DIR    ?= runs/run-$(shell date +%Y%m%d-%H%M%S)
@@ -10,7 +11,7 @@ RANKS      ?= 2
 CTEST_ARGS ?=
 MEGACPP_FUZZ_SECONDS ?= 300
 
-.PHONY: all setup configure build build-run run run-cpp test test-full test-unit test-sanitize build-sanitize fuzz chaos format format-check bench bench-train-step bench-failure bench-recovery device-prep device-test device-check clean
+.PHONY: all setup configure build build-run run run-cpp test test-full test-unit test-sanitize build-sanitize test-tsan build-tsan fuzz chaos format format-check bench bench-train-step bench-failure bench-recovery device-prep device-test device-check clean
 
 all: build
 
@@ -46,11 +47,12 @@ run-cpp: build-run
 	@$(BUILD)/bin/megacpp run cpp-tiny --ranks $(RANKS) --steps $(STEPS) --run-dir $(RUN_DIR) --data-dir runs/data
 
 # Every test: format check, the full build's ctest (unit, integration, e2e, the bounded chaos
-# sample), and an ASan+UBSan build of the torch-free libraries with their unit tests and a
-# 10 s run of each fuzz target.
+# sample), an ASan+UBSan build of the torch-free libraries with their unit tests and a 10 s
+# run of each fuzz target, and a ThreadSanitizer build of the unit tests that run threads.
 test: build format-check
 	@ctest --test-dir $(BUILD) --output-on-failure -j 2 -LE full $(CTEST_ARGS)
 	@$(MAKE) --no-print-directory test-sanitize
+	@$(MAKE) --no-print-directory test-tsan
 
 # The sanitizer build is clang's: ASan+UBSan on the torch-free libraries, and the libFuzzer
 # targets of tests/fuzz.
@@ -68,6 +70,24 @@ build-sanitize: setup
 
 test-sanitize: build-sanitize
 	@ASAN_OPTIONS=detect_leaks=1 ctest --test-dir $(BUILD_SAN) --output-on-failure -j 2 -L unit
+
+# The ThreadSanitizer build (clang, as the ASan build is): torch-free, only the unit tests
+# labelled tsan (the ipc modules' threads and forked peers, the control client's thread,
+# /metrics' HTTP threads, the dataset check and prepare thread pools). Any report fails the test; tests/tsan.supp holds the suppressions,
+# each with its reason.
+build-tsan: setup
+	@if [ -f $(BUILD_TSAN)/CMakeCache.txt ] && \
+	  ! grep -q '^CMAKE_CXX_COMPILER:[A-Z]*=.*clang++$$' $(BUILD_TSAN)/CMakeCache.txt; then \
+	  echo "$(BUILD_TSAN) was built by another compiler: removing it for the clang build"; \
+	  rm -rf $(BUILD_TSAN); fi
+	@cmake -S . -B $(BUILD_TSAN) -G Ninja -DMEGACPP_WERROR=$(WERROR) -DMEGACPP_WITH_TORCH=OFF \
+	  -DMEGACPP_BUILD_BENCH=OFF -DMEGACPP_SANITIZE=thread -DCMAKE_BUILD_TYPE=Debug \
+	  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+	  > $(BUILD_TSAN).configure.log 2>&1 || (cat $(BUILD_TSAN).configure.log; exit 1)
+	@cmake --build $(BUILD_TSAN) -j $(JOBS) --target tsan_tests
+
+test-tsan: build-tsan
+	@ctest --test-dir $(BUILD_TSAN) --output-on-failure -j 2 -L tsan
 
 # Each fuzz target for MEGACPP_FUZZ_SECONDS (300) from the committed seeds plus what earlier
 # runs found (kept under $(BUILD_SAN)); a crash leaves its input in
@@ -127,4 +147,5 @@ bench-recovery: build
 	@.venv/bin/python bench/recovery.py
 
 clean:
-	rm -rf $(BUILD) $(BUILD_SAN) $(BUILD).configure.log $(BUILD_SAN).configure.log
+	rm -rf $(BUILD) $(BUILD_SAN) $(BUILD_TSAN) $(BUILD).configure.log $(BUILD_SAN).configure.log \
+	  $(BUILD_TSAN).configure.log

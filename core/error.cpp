@@ -10,7 +10,7 @@
 
 #include <fmt/format.h>
 
-#include "core/util.h"
+#include "core/clock.h"
 
 namespace megacpp {
 
@@ -36,6 +36,40 @@ std::string_view to_string(ErrorKind kind) {
       return "internal";
     case ErrorKind::kDiverged:
       return "diverged";
+  }
+  return "unknown";
+}
+
+// One answer per kind; no default, so a new kind does not compile (-Wswitch, -Werror) until
+// it is given one.
+ErrorAction action_of(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::kSystem:   // ENOSPC, EMFILE, EIO: the next generation may find it gone
+    case ErrorKind::kTimeout:  // an invariant deadline: the other side was slow, not gone
+      return ErrorAction::kRetry;
+    case ErrorKind::kZmq:          // the transport failed under the call
+    case ErrorKind::kPeerFailure:  // another process failed: a victim, not the cause
+      return ErrorAction::kReconnect;
+    case ErrorKind::kInvalidArgument:  // the same input fails the same way
+    case ErrorKind::kProtocol:         // the same peer sends the same malformed message
+    case ErrorKind::kCorruption:       // durable data does not heal itself
+    case ErrorKind::kInterrupted:      // a stop that was asked for is not undone
+    case ErrorKind::kInternal:         // a bug
+    case ErrorKind::kDiverged:         // the same step from the same state diverges again
+      return ErrorAction::kGiveUp;
+  }
+  MEGACPP_FAIL(ErrorKind::kInternal, "action_of: ErrorKind {} is not an enumerator",
+               static_cast<int>(kind));
+}
+
+std::string_view to_string(ErrorAction action) {
+  switch (action) {
+    case ErrorAction::kRetry:
+      return "retry";
+    case ErrorAction::kReconnect:
+      return "reconnect";
+    case ErrorAction::kGiveUp:
+      return "give_up";
   }
   return "unknown";
 }

@@ -31,7 +31,28 @@ enum class ErrorKind {
   kDiverged,         // training produced a non-finite loss, gradient or parameter
 };
 
+// How many ErrorKinds there are (the enumerators are 0 .. kErrorKindCount - 1).
+inline constexpr int kErrorKindCount = static_cast<int>(ErrorKind::kDiverged) + 1;
+
 std::string_view to_string(ErrorKind kind);
+
+// What whoever catches an Error (or reads a stage's Failure) should do about it, the shape of
+// KJ's exception types: retrying, reconnecting and giving up are the only three answers a
+// restart policy needs, and each ErrorKind has exactly one (action_of).
+enum class ErrorAction : uint8_t {
+  // KJ OVERLOADED: the operation may succeed if tried again unchanged, after a pause (a
+  // deadline passed, a resource ran short: a full disk, too many files). Retry within a budget.
+  kRetry,
+  // KJ DISCONNECTED: a peer process or a connection went away. Re-establish it (restart or
+  // rejoin the peer) and go on from the last durable state.
+  kReconnect,
+  // KJ FAILED: repeating cannot help (bad input, corrupt data, a bug, a diverged model, or a
+  // stop that was asked for). Report it, with the user's line, and stop.
+  kGiveUp,
+};
+
+ErrorAction action_of(ErrorKind kind);
+std::string_view to_string(ErrorAction action);
 
 // Every Error records, at construction, when it was raised (CLOCK_MONOTONIC, the evidence
 // time of a first failure) and the raw return addresses of the native stack (at most
@@ -53,6 +74,7 @@ class Error : public std::runtime_error {
   Error(ErrorKind kind, std::string message, std::string logged, const char* file, int line,
         int sys_errno);
   ErrorKind kind() const noexcept { return kind_; }
+  ErrorAction action() const { return action_of(kind_); }
   const std::string& message() const noexcept { return message_; }
   const std::string& file() const noexcept { return file_; }
   int line() const noexcept { return line_; }

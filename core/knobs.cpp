@@ -4,7 +4,6 @@
 #include <string>
 
 #include "core/error.h"
-#include "core/util.h"
 
 namespace megacpp {
 
@@ -18,6 +17,34 @@ const KnobSpec& typed(Knob k, KnobType type, bool computed) {
 }
 
 }  // namespace
+
+std::optional<std::string> env_knob(std::string_view name) {
+  MEGACPP_CHECK(find_knob(name) != nullptr, ErrorKind::kInternal,
+                fmt::format("environment knob {} is not declared in core/knobs.h", name));
+  const char* v = std::getenv(std::string(name).c_str());
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+int64_t env_knob_int(std::string_view name, int64_t fallback) {
+  auto v = env_knob(name);
+  if (!v) return fallback;
+  try {
+    return std::stoll(*v);
+  } catch (const std::exception&) {
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{}={} is not an integer", name, *v);
+  }
+}
+
+double env_knob_double(std::string_view name, double fallback) {
+  auto v = env_knob(name);
+  if (!v) return fallback;
+  try {
+    return std::stod(*v);
+  } catch (const std::exception&) {
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{}={} is not a number", name, *v);
+  }
+}
 
 std::optional<std::string> foreign_env(std::string_view name) {
   const char* v = std::getenv(std::string(name).c_str());

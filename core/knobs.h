@@ -6,6 +6,8 @@
 // Variables read only by the build and test scripts (MEGACPP_WERROR, MEGACPP_BIN, ...) are not
 // knobs of the binaries and are not declared here; README.md lists them in a table of their
 // own, "Build and test variables".
+//
+// Layer: above core/error.h (a bad value throws), below core/util.h; it includes no utility.
 #pragma once
 
 #include <array>
@@ -104,6 +106,13 @@ std::string knob_string(Knob k);                // value, else the default ("" f
 int64_t knob_int(Knob k);
 double knob_seconds(Knob k);
 double knob_seconds(Knob k, double fallback);
+
+// The untyped reads under the accessors above. `name` must be declared in kKnobs (checked:
+// Error{kInternal} otherwise); a value that does not parse is Error{kInvalidArgument} naming
+// the variable. Call sites use the typed accessors; these stay public for the knobs test.
+std::optional<std::string> env_knob(std::string_view name);
+int64_t env_knob_int(std::string_view name, int64_t fallback);
+double env_knob_double(std::string_view name, double fallback);
 
 // A variable of a library megacpp configures (TORCH_NCCL_* for ProcessGroupNCCL), read only so
 // that a value the user set is kept and recorded; nullopt when unset or empty.

@@ -4,7 +4,6 @@
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/utsname.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -14,73 +13,19 @@
 #include <xxhash.h>
 
 #include "core/error.h"
-#include "core/knobs.h"
 
 namespace megacpp {
 
 namespace {
-int64_t clock_ns(clockid_t id) {
-  timespec ts{};
-  clock_gettime(id, &ts);
-  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
-}
 std::string& log_prefix() {
   static std::string prefix = "megacpp";
   return prefix;
 }
 }  // namespace
 
-int64_t mono_ns() {
-  return clock_ns(CLOCK_MONOTONIC);
-}
-int64_t wall_ns() {
-  return clock_ns(CLOCK_REALTIME);
-}
-
-std::string rfc3339(int64_t ns) {
-  time_t secs = ns / 1'000'000'000;
-  int ms = static_cast<int>((ns / 1'000'000) % 1000);
-  tm t{};
-  gmtime_r(&secs, &t);
-  char buf[40];
-  strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%S", &t);
-  return fmt::format("{}.{:03d}Z", buf, ms);
-}
-
-std::optional<std::string> env_knob(std::string_view name) {
-  MEGACPP_CHECK(find_knob(name) != nullptr, ErrorKind::kInternal,
-                fmt::format("environment knob {} is not declared in core/knobs.h", name));
-  const char* v = std::getenv(std::string(name).c_str());
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  return std::string(v);
-}
-
-int64_t env_knob_int(std::string_view name, int64_t fallback) {
-  auto v = env_knob(name);
-  if (!v) return fallback;
-  try {
-    return std::stoll(*v);
-  } catch (const std::exception&) {
-    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{}={} is not an integer", name, *v);
-  }
-}
-
-double env_knob_double(std::string_view name, double fallback) {
-  auto v = env_knob(name);
-  if (!v) return fallback;
-  try {
-    return std::stod(*v);
-  } catch (const std::exception&) {
-    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{}={} is not a number", name, *v);
-  }
-}
-
 void fsync_path(const std::filesystem::path& path) {
-  int fd = SYSCALL_CHECK_PATH(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "open", path.string());
-  int rc = ::fsync(fd);
-  int err = errno;
-  ::close(fd);
-  if (rc != 0) detail::throw_syscall_path("fsync", path.string(), "fsync", err, __FILE__, __LINE__);
+  Fd fd(SYSCALL_CHECK_PATH(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "open", path.string()));
+  SYSCALL_CHECK_PATH(::fsync(fd.get()), "fsync", path.string());
 }
 
 void write_file_atomic(const std::filesystem::path& path, std::string_view bytes) {
@@ -88,43 +33,36 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view bytes
   tmp += fmt::format(".tmp.{}", ::getpid());
   // O_NOFOLLOW: a link planted at the temporary name is not written through (the rename then
   // replaces a link at `path` itself rather than writing where it points).
-  int fd = SYSCALL_CHECK_PATH(
+  Fd fd(SYSCALL_CHECK_PATH(
       ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644), "create",
-      tmp.string());
+      tmp.string()));
   size_t off = 0;
   try {
     while (off < bytes.size()) {
-      ssize_t n = SYSCALL_CHECK_PATH(::write(fd, bytes.data() + off, bytes.size() - off), "write",
-                                     tmp.string());
+      ssize_t n = SYSCALL_CHECK_PATH(::write(fd.get(), bytes.data() + off, bytes.size() - off),
+                                     "write", tmp.string());
       off += static_cast<size_t>(n);
     }
-    SYSCALL_CHECK_PATH(::fsync(fd), "fsync", tmp.string());
+    SYSCALL_CHECK_PATH(::fsync(fd.get()), "fsync", tmp.string());
   } catch (...) {
-    ::close(fd);
+    fd.reset();
     ::unlink(tmp.c_str());
     throw;
   }
-  ::close(fd);
+  fd.reset();
   SYSCALL_CHECK_PATH(::rename(tmp.c_str(), path.c_str()), "replace", path.string());
   fsync_path(path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path());
 }
 
 std::string read_file(const std::filesystem::path& path) {
-  int fd = SYSCALL_CHECK_PATH(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "open", path.string());
+  Fd fd(SYSCALL_CHECK_PATH(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "open", path.string()));
   std::string out;
   char buf[1 << 16];
   for (;;) {
-    ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      int err = errno;
-      ::close(fd);
-      detail::throw_syscall_path("read", path.string(), "read", err, __FILE__, __LINE__);
-    }
+    const ssize_t n = SYSCALL_CHECK_PATH(::read(fd.get(), buf, sizeof buf), "read", path.string());
     if (n == 0) break;
     out.append(buf, static_cast<size_t>(n));
   }
-  ::close(fd);
   return out;
 }
 
@@ -224,16 +162,6 @@ void log_line(std::string_view level, std::string_view text) {
     std::fflush(stderr);
   else
     std::clearerr(stderr);
-}
-
-Fd::~Fd() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
-void Fd::close_checked() {
-  int fd = fd_;
-  fd_ = -1;
-  SYSCALL_CHECK(::close(fd));
 }
 
 }  // namespace megacpp

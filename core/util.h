@@ -1,4 +1,6 @@
-// Small process-wide utilities: clocks, environment knobs, durable file writes, logging.
+// Small process-wide utilities: durable file writes, checksums, host facts, logging. The top
+// file of core/: it re-exports the lower ones (clock.h, fd.h, knobs.h) for its callers, and
+// none of them includes it.
 #pragma once
 
 #include <cstdint>
@@ -9,38 +11,11 @@
 
 #include <fmt/format.h>
 
+#include "core/clock.h"
+#include "core/fd.h"
 #include "core/knobs.h"
 
 namespace megacpp {
-
-// CLOCK_MONOTONIC nanoseconds: comparable across processes on one host (first-failure order).
-int64_t mono_ns();
-// CLOCK_REALTIME nanoseconds since the epoch.
-int64_t wall_ns();
-// RFC 3339 UTC text with milliseconds for a wall_ns() value.
-std::string rfc3339(int64_t wall_ns);
-
-// The one way to read an environment knob. `name` must be declared in core/knobs.h (checked);
-// call sites use that table's typed accessors (knob_int(Knob::k...), ...), which come here.
-std::optional<std::string> env_knob(std::string_view name);
-int64_t env_knob_int(std::string_view name, int64_t fallback);
-double env_knob_double(std::string_view name, double fallback);
-
-// An open file descriptor, closed on destruction. Neither copyable nor movable.
-class Fd {
- public:
-  explicit Fd(int fd) noexcept : fd_(fd) {}
-  ~Fd();
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const noexcept { return fd_; }
-  // Closes now and throws Error{kSystem} for a failed close (a deferred write error on some
-  // filesystems: the last chance to see it).
-  void close_checked();
-
- private:
-  int fd_;
-};
 
 // Durable writes. write_file_atomic: write `path.tmp.<pid>`, fsync, rename over `path`,
 // fsync the parent directory. A crash leaves either the old file or the new one.

@@ -69,10 +69,11 @@ void write_full(int fd, const char* buf, size_t n, const fs::path& path) {
   }
 }
 
-int open_read(const fs::path& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) MEGACPP_FAIL_SYS(errno, "cannot open {}: {}", path.string(), std::strerror(errno));
-  ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+Fd open_read(const fs::path& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid())
+    MEGACPP_FAIL_SYS(errno, "cannot open {}: {}", path.string(), std::strerror(errno));
+  ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
   return fd;
 }
 
@@ -265,7 +266,7 @@ void write_dataset_manifest(const fs::path& dir, const DatasetManifest& m) {
 }
 
 std::string xxh3_file_hex(const fs::path& path) {
-  Fd fd(open_read(path));
+  Fd fd = open_read(path);
   XxhState h;
   std::vector<char> buf(kChunkBytes);
   for (;;) {
@@ -301,12 +302,11 @@ uint64_t copy_verified(const fs::path& src, const fs::path& dst, const std::stri
       if (armed) fs::remove(p, ec);
     }
   } guard{tmp};
-  Fd in(open_read(src));
-  int out_fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (out_fd < 0) {
+  Fd in = open_read(src);
+  Fd out(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!out.valid()) {
     MEGACPP_FAIL_SYS(errno, "cannot create {}: {}", tmp.string(), std::strerror(errno));
   }
-  Fd out(out_fd);
   XxhState h;
   std::vector<char> buf(kChunkBytes);
   uint64_t total = 0;

@@ -120,33 +120,24 @@ Shard::~Shard() {
 }
 
 void Shard::map(const std::filesystem::path& file) {
-  int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
+  const int raw = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (raw < 0) {
     int err = errno;
     MEGACPP_FAIL(ErrorKind::kInvalidArgument, "cannot open shard {}: {}", file.string(),
                  std::strerror(err));
   }
+  const Fd fd(raw);  // the mapping outlives it
   struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    SYSCALL_FAIL("fstat", err);
-  }
+  if (::fstat(fd.get(), &st) != 0) SYSCALL_FAIL("fstat", errno);
   if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
     MEGACPP_FAIL(ErrorKind::kInvalidArgument, "shard {} is not a regular file", file.string());
   }
   map_bytes_ = static_cast<size_t>(st.st_size);
-  if (map_bytes_ == 0) {
-    ::close(fd);
-    return;
-  }
-  map_ = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_SHARED, fd, 0);
-  int err = errno;
-  ::close(fd);
+  if (map_bytes_ == 0) return;
+  map_ = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_SHARED, fd.get(), 0);
   if (map_ == MAP_FAILED) {
     map_ = nullptr;
-    SYSCALL_FAIL("mmap", err);
+    SYSCALL_FAIL("mmap", errno);
   }
 }
 

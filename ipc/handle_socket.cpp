@@ -44,16 +44,10 @@ bool wait_ready(int fd, short events, Millis timeout) {
 
 }  // namespace
 
-ReceivedHandles::~ReceivedHandles() {
-  for (int fd : fds_) {
-    if (fd >= 0) ::close(fd);
-  }
-}
-
-int ReceivedHandles::take(size_t i) {
-  const int fd = fds_.at(i);
-  fds_.at(i) = -1;
-  return fd;
+ReceivedHandles::ReceivedHandles(std::string payload, const std::vector<int>& fds)
+    : payload_(std::move(payload)) {
+  fds_.reserve(fds.size());
+  for (int fd : fds) fds_.emplace_back(fd);
 }
 
 std::unique_ptr<HandleConnection> HandleConnection::connect(const std::filesystem::path& path,
@@ -70,10 +64,6 @@ std::unique_ptr<HandleConnection> HandleConnection::connect(const std::filesyste
     if (detail::Clock::now() >= deadline) return nullptr;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-}
-
-HandleConnection::~HandleConnection() {
-  if (fd_ >= 0) ::close(fd_);
 }
 
 bool HandleConnection::send(std::string_view payload, std::span<const int> fds, Millis timeout) {
@@ -102,20 +92,20 @@ bool HandleConnection::send(std::string_view payload, std::span<const int> fds, 
   }
   const auto deadline = detail::Clock::now() + timeout;
   for (;;) {
-    const ssize_t n = ::sendmsg(fd_, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t n = ::sendmsg(fd_.get(), &m, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n >= 0) return true;
     if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN) {
       gone_ = true;
       return false;
     }
     if (errno != EAGAIN && errno != EINTR) SYSCALL_FAIL("sendmsg", errno);
-    if (errno == EAGAIN && !wait_ready(fd_, POLLOUT, Millis(detail::remaining_ms(deadline))))
+    if (errno == EAGAIN && !wait_ready(fd_.get(), POLLOUT, Millis(detail::remaining_ms(deadline))))
       return false;
   }
 }
 
 std::optional<ReceivedHandles> HandleConnection::receive(Millis timeout) {
-  if (gone_ || !wait_ready(fd_, POLLIN, timeout)) return std::nullopt;
+  if (gone_ || !wait_ready(fd_.get(), POLLIN, timeout)) return std::nullopt;
   std::string buffer(kMaxHandlePayload + 2, '\0');
   iovec iov{buffer.data(), buffer.size()};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxHandleFds)] = {};
@@ -124,7 +114,7 @@ std::optional<ReceivedHandles> HandleConnection::receive(Millis timeout) {
   m.msg_iovlen = 1;
   m.msg_control = control;
   m.msg_controllen = sizeof control;
-  const ssize_t n = SYSCALL_CHECK(::recvmsg(fd_, &m, MSG_CMSG_CLOEXEC | MSG_DONTWAIT));
+  const ssize_t n = SYSCALL_CHECK(::recvmsg(fd_.get(), &m, MSG_CMSG_CLOEXEC | MSG_DONTWAIT));
   std::vector<int> fds;
   for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
@@ -136,7 +126,7 @@ std::optional<ReceivedHandles> HandleConnection::receive(Millis timeout) {
     }
   }
   // Owned from here, whatever follows.
-  ReceivedHandles received(std::string(), std::move(fds));
+  ReceivedHandles received(std::string(), fds);
   if (n == 0) {
     gone_ = true;
     return std::nullopt;
@@ -145,10 +135,8 @@ std::optional<ReceivedHandles> HandleConnection::receive(Millis timeout) {
                 ErrorKind::kProtocol,
                 "handle socket: a truncated or foreign message (more than the payload or "
                 "descriptor limit, or not framed by this protocol)");
-  std::vector<int> owned;
-  for (size_t i = 0; i < received.count(); ++i) owned.push_back(received.take(i));
-  return std::optional<ReceivedHandles>(std::in_place, buffer.substr(1, static_cast<size_t>(n) - 1),
-                                        std::move(owned));
+  received.payload_ = buffer.substr(1, static_cast<size_t>(n) - 1);
+  return received;
 }
 
 HandleListener::HandleListener(std::filesystem::path path) : path_(std::move(path)) {
@@ -161,22 +149,24 @@ HandleListener::HandleListener(std::filesystem::path path) : path_(std::move(pat
   SYSCALL_CHECK(::bind(fd.get(), reinterpret_cast<const sockaddr*>(&a), sizeof a));
   SYSCALL_CHECK(::chmod(path_.c_str(), 0600));
   SYSCALL_CHECK(::listen(fd.get(), 64));
-  fd_ = fd.release();
+  fd_ = std::move(fd);
 }
 
 HandleListener::~HandleListener() {
-  if (fd_ >= 0) ::close(fd_);
+  fd_.reset();
   ::unlink(path_.c_str());
 }
 
 std::unique_ptr<HandleConnection> HandleListener::accept(Millis timeout) {
-  if (!wait_ready(fd_, POLLIN, timeout)) return nullptr;
-  const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-  if (fd < 0) {
+  if (!wait_ready(fd_.get(), POLLIN, timeout)) return nullptr;
+  Fd fd(::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  if (!fd.valid()) {
     if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) return nullptr;
     SYSCALL_FAIL("accept4", errno);
   }
-  return std::make_unique<HandleConnection>(fd);
+  auto connection = std::make_unique<HandleConnection>(fd.get());
+  fd.release();  // owned by the connection
+  return connection;
 }
 
 }  // namespace megacpp::ipc

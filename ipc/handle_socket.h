@@ -22,6 +22,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/fd.h"
 #include "ipc/millis.h"
 
 namespace megacpp::ipc {
@@ -34,22 +35,22 @@ inline constexpr size_t kMaxHandleFds = 16;
 // descriptor of this process, close-on-exec, closed with this object unless taken).
 class ReceivedHandles {
  public:
-  ReceivedHandles(std::string payload, std::vector<int> fds) noexcept
-      : payload_(std::move(payload)), fds_(std::move(fds)) {}
-  ~ReceivedHandles();
-  ReceivedHandles(const ReceivedHandles&) = delete;
-  ReceivedHandles& operator=(const ReceivedHandles&) = delete;
+  // Takes ownership of every descriptor in `fds`.
+  ReceivedHandles(std::string payload, const std::vector<int>& fds);
+  ReceivedHandles(ReceivedHandles&&) noexcept = default;
+  ReceivedHandles& operator=(ReceivedHandles&&) noexcept = default;
 
   const std::string& payload() const noexcept { return payload_; }
   size_t count() const noexcept { return fds_.size(); }
   // The i-th descriptor, still owned here (-1 once taken).
-  int fd(size_t i) const { return fds_.at(i); }
+  int fd(size_t i) const { return fds_.at(i).get(); }
   // Hands the i-th descriptor to the caller, who closes it.
-  int take(size_t i);
+  int take(size_t i) { return fds_.at(i).release(); }
 
  private:
+  friend class HandleConnection;  // receive() sets the payload once the descriptors are owned
   std::string payload_;
-  std::vector<int> fds_;
+  std::vector<Fd> fds_;
 };
 
 class HandleConnection {
@@ -58,8 +59,8 @@ class HandleConnection {
   // listener being restarted) until `timeout`; nullptr then.
   static std::unique_ptr<HandleConnection> connect(const std::filesystem::path& path,
                                                    Millis timeout);
+  // Takes ownership of the connected socket `fd`.
   explicit HandleConnection(int fd) noexcept : fd_(fd) {}
-  ~HandleConnection();
   HandleConnection(const HandleConnection&) = delete;
   HandleConnection& operator=(const HandleConnection&) = delete;
 
@@ -70,10 +71,10 @@ class HandleConnection {
   // The next message; nullopt on a timeout or when the peer is gone (then peer_gone()).
   std::optional<ReceivedHandles> receive(Millis timeout);
   bool peer_gone() const noexcept { return gone_; }
-  int fd() const noexcept { return fd_; }
+  int fd() const noexcept { return fd_.get(); }
 
  private:
-  int fd_;
+  Fd fd_;
   bool gone_ = false;
 };
 
@@ -92,7 +93,7 @@ class HandleListener {
 
  private:
   std::filesystem::path path_;
-  int fd_ = -1;
+  Fd fd_;
 };
 
 }  // namespace megacpp::ipc

@@ -56,7 +56,7 @@ void write_all(int fd, const char* data, size_t size) {
 
 // ---------------------------------------------------------------------------------------
 
-JournalWriter::JournalWriter(const std::filesystem::path& path) : path_(path), fd_(-1) {
+JournalWriter::JournalWriter(const std::filesystem::path& path) : path_(path) {
   if (path_.has_parent_path()) {
     std::error_code ec;
     std::filesystem::create_directories(path_.parent_path(), ec);
@@ -76,12 +76,10 @@ JournalWriter::JournalWriter(const std::filesystem::path& path) : path_(path), f
     char zeros[kAlign] = {};
     write_all(fd.get(), zeros, kAlign - rem);
   }
-  fd_ = fd.release();
+  fd_ = std::move(fd);
 }
 
-JournalWriter::~JournalWriter() {
-  ::close(fd_);
-}
+JournalWriter::~JournalWriter() = default;
 
 void JournalWriter::set_identity(schema::StageKind stage, uint32_t rank) {
   stage_ = stage;
@@ -116,11 +114,11 @@ void JournalWriter::append_raw(capnp::MessageBuilder& message) {
   std::memcpy(frame.data() + 8, &checksum, 8);
   std::memcpy(frame.data() + kFrameHeader, payload.begin(), payload.size());
   // One write: a concurrent reader sees a record whole or as a (retried) partial tail.
-  write_all(fd_, frame.data(), frame.size());
+  write_all(fd_.get(), frame.data(), frame.size());
 }
 
 void JournalWriter::sync() {
-  SYSCALL_CHECK(::fdatasync(fd_));
+  SYSCALL_CHECK(::fdatasync(fd_.get()));
 }
 
 // ---------------------------------------------------------------------------------------

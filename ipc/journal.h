@@ -18,6 +18,7 @@
 #include <capnp/message.h>
 #include <capnp/serialize.h>
 
+#include "core/fd.h"
 #include "schemas/common.capnp.h"
 #include "schemas/journal.capnp.h"
 
@@ -46,7 +47,7 @@ class JournalWriter {
 
  private:
   std::filesystem::path path_;
-  int fd_;
+  Fd fd_;
   schema::StageKind stage_ = schema::StageKind::SUPERVISOR;
   uint32_t rank_ = 0;
   uint32_t attempt_ = 0;

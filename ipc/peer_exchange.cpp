@@ -126,12 +126,12 @@ struct PeerExchange::Peer {
   std::unique_ptr<ShmRegion> region;
   Outbox box;
   pid_t pid = 0;
-  std::unique_ptr<detail::Fd> pidfd;  // null where pidfd_open is unavailable: kill(pid, 0)
+  detail::Fd pidfd;  // none where pidfd_open is unavailable: kill(pid, 0)
 
   bool exited() const {
-    if (pidfd) {
+    if (pidfd.valid()) {
       struct pollfd p {
-        pidfd->get(), POLLIN, 0
+        pidfd.get(), POLLIN, 0
       };
       return ::poll(&p, 1, 0) > 0;
     }
@@ -202,7 +202,7 @@ void PeerExchange::attach(uint32_t rank, std::string_view token) {
                   fmt::format("peer exchange: cannot watch rank {}'s process {}: {}", rank, h.pid,
                               std::strerror(errno)));
   } else {
-    peer->pidfd = std::make_unique<detail::Fd>(static_cast<int>(fd));
+    peer->pidfd.reset(static_cast<int>(fd));
   }
   peers_[rank] = std::move(peer);
 }

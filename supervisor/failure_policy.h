@@ -1,7 +1,7 @@
 // megacpp::supervisor failure policy — the rules that turn what the supervisor observes into
 // events, and events into roles (first failure, victim, torn down). Pure functions of their
 // arguments: no clock, no processes, no I/O, so each rule is a case of a table-driven unit
-// test (tests/unit/supervisor_test.cpp). The watch loop (run.cpp) measures; this file judges.
+// test (tests/unit/supervisor_test.cpp). The watch loop (watch.cpp) measures; this file judges.
 //
 // Times are CLOCK_MONOTONIC nanoseconds (comparable across the processes of one host);
 // budgets are seconds.

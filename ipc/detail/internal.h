@@ -1,37 +1,18 @@
 // Internals shared by the ipc translation units. Not part of the public API.
 #pragma once
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 
 #include <capnp/message.h>
 
+#include "core/fd.h"
+
 namespace megacpp::ipc::detail {
 
-// Owns one file descriptor; closes it on destruction. Close errors are ignored: by then the
-// descriptor is released either way and a destructor must not throw.
-class Fd {
- public:
-  explicit Fd(int fd = -1) noexcept : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const noexcept { return fd_; }
-  // Gives up ownership (the caller closes it).
-  int release() noexcept {
-    int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-
- private:
-  int fd_;
-};
+// The one owned-descriptor type (core/fd.h), under the name the ipc sources use.
+using Fd = ::megacpp::Fd;
 
 using Clock = std::chrono::steady_clock;
 
