@@ -13,6 +13,7 @@
 #include "ipc/channel.h"
 #include "ipc/control_client.h"
 #include "ipc/detail/internal.h"
+#include "schemas/enums.h"
 #include "schemas/run_layout.h"
 
 namespace megacpp::ipc {
@@ -44,7 +45,7 @@ struct ControlClient::State {
   std::atomic<bool> quit{false};
 
   struct PendingFailure {
-    std::string kind;
+    schema::FailureReport report;
     std::string message;
     schema::ErrorKind error_kind;
     int64_t met_ns;  // CLOCK_MONOTONIC
@@ -109,14 +110,16 @@ struct ControlClient::State {
       auto f = m.root().initFailure();
       f.setStage(identity.stage);
       f.setRank(identity.rank);
-      f.setKind(failure.kind);
+      f.setReport(failure.report);
+      f.setKind(std::string(schemas::name(failure.report)));
       f.setMessage(failure.message);
       f.setPhase(static_cast<schema::Phase>(phase.load(std::memory_order_relaxed)));
       f.setStep(step.load(std::memory_order_acquire));
       f.setMonoNs(failure.met_ns);
       f.setErrorKind(failure.error_kind);
       if (!channel.send(m.message(), Millis(0))) {
-        log_warn("control client: could not queue failure report '{}'", failure.kind);
+        log_warn("control client: could not queue failure report '{}'",
+                 schemas::name(failure.report));
       }
       // The process is probably on its way down: give closing a bounded chance to deliver
       // the report instead of discarding it (linger 0).
@@ -245,11 +248,11 @@ std::string ControlClient::stop_reason() const {
   return state_->stop_reason;
 }
 
-void ControlClient::report_failure(const std::string& kind, const std::string& message,
+void ControlClient::report_failure(schema::FailureReport report, const std::string& message,
                                    schema::ErrorKind error_kind, int64_t met_ns) {
   {
     std::lock_guard lock(state_->mu);
-    state_->failures.push_back({kind, message, error_kind, met_ns != 0 ? met_ns : mono_ns()});
+    state_->failures.push_back({report, message, error_kind, met_ns != 0 ? met_ns : mono_ns()});
   }
   state_->wake();
 }

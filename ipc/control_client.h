@@ -82,7 +82,7 @@ class ControlClient {
   // `error_kind`: what was thrown (schemas::to_schema of a megacpp::Error's kind, or the
   // foreign kinds), NONE when the failure is no exception;
   // `mono_ns` is when the process met the failure (0: now).
-  void report_failure(const std::string& kind, const std::string& message,
+  void report_failure(schema::FailureReport report, const std::string& message,
                       schema::ErrorKind error_kind = schema::ErrorKind::NONE, int64_t mono_ns = 0);
 
  private:

@@ -49,6 +49,13 @@ enum FailureKind {
   diverged @12;                                # a non-finite loss, gradient or parameter
 }
 
+# How a process met its own failure, as it reports it (control Failure, failure dump).
+enum FailureReport {
+  exception @0;                                # an exception left the stage's body
+  terminate @1;                                # std::terminate (e.g. one escaped a thread)
+  signal @2;                                   # a fatal signal (the crash handler's dump)
+}
+
 # The role the supervisor assigned a failed process once teardown was over.
 enum FailureRole {
   none @0 $Json.name("");

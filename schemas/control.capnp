@@ -40,12 +40,13 @@ struct Stop {
 struct Failure {
   stage @0 :Common.StageKind;
   rank @1 :UInt32;
-  kind @2 :Text;
+  kind @2 :Text;                # the name of `report`, for readers of schema 1 (not read)
   message @3 :Text;
   phase @4 :Common.Phase;
   step @5 :UInt32;
   monoNs @6 :Int64;             # when the process met the failure (CLOCK_MONOTONIC)
   errorKind @7 :Common.ErrorKind = none;  # what was thrown (peerFailure / timeout mark a victim)
+  report @8 :Common.FailureReport;        # how the process met the failure
 }
 
 struct TensorEntry {

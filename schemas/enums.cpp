@@ -55,6 +55,9 @@ std::string_view name(schema::ChildReason reason) {
 std::string_view name(schema::RunState state) {
   return json_name(state);
 }
+std::string_view name(schema::FailureReport report) {
+  return json_name(report);
+}
 
 std::optional<schema::FailureKind> failure_kind_named(std::string_view name) {
   return named<schema::FailureKind>(name);

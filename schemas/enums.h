@@ -19,7 +19,8 @@ std::string_view name(schema::FailureRole role);
 std::string_view name(schema::ProcessState state);
 std::string_view name(schema::ErrorKind kind);
 std::string_view name(schema::ChildReason reason);
-std::string_view name(schema::RunState state);  // "launched", "ok", "interrupted", ...
+std::string_view name(schema::RunState state);
+std::string_view name(schema::FailureReport report);  // "launched", "ok", "interrupted", ...
 
 // The reverse, for the obsolete Text fields of journals written before the enums; nullopt
 // for a name that is no enumerant's.

@@ -129,10 +129,10 @@ std::string demangled_type_name(const std::type_info& type) {
 }  // namespace
 
 // What an in-flight exception says about itself. Never throws.
-DumpFields classify(std::exception_ptr ep, std::string kind) noexcept {
+DumpFields classify(std::exception_ptr ep, schema::FailureReport report) noexcept {
   DumpFields f;
   try {
-    f.kind = std::move(kind);
+    f.kind = report;
     f.mono_ns = mono_ns();
     try {
       std::rethrow_exception(ep);
@@ -174,7 +174,7 @@ void write_failure_dump(const StageContext* ctx, schema::StageKind stage, uint32
     d.setStage(stage);
     d.setRank(rank);
     d.setPid(::getpid());
-    d.setKind(f.kind);
+    d.setKind(std::string(schemas::name(f.kind)));
     d.setErrorKind(f.error_kind_name());
     d.setMessage(f.message);
     if (ctx != nullptr) {
@@ -460,13 +460,13 @@ void on_fatal_signal(int sig, siginfo_t* info, void*) {
   if (!g_crash.dumping.exchange(true)) {
     DumpFields f;
     if (auto ep = std::current_exception()) {
-      f = classify(ep, "terminate");
+      f = classify(ep, schema::FailureReport::TERMINATE);
       try {
         f.message = "uncaught exception: " + f.message;
       } catch (...) {
       }
     } else {
-      f.kind = "terminate";
+      f.kind = schema::FailureReport::TERMINATE;
       f.error_kind = schema::ErrorKind::UNKNOWN;
       f.message = "std::terminate called without an active exception";
       f.mono_ns = mono_ns();

@@ -137,7 +137,7 @@ int run_stage_main(int argc, char** argv, schema::StageKind kind, std::string_vi
     ctx->journal().sync();
     return 0;
   } catch (...) {
-    failure = detail::classify(std::current_exception(), "exception");
+    failure = detail::classify(std::current_exception(), schema::FailureReport::EXCEPTION);
   }
   detail::log_failure(failure);
   detail::write_failure_dump(ctx.get(), kind, args.rank, dump_path, failure);

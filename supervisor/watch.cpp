@@ -77,10 +77,11 @@ void JobController::on_message(const std::string& peer, schema::ControlMessage::
     case schema::ControlMessage::FAILURE: {
       auto f = root.getFailure();
       const schema::ErrorKind error_kind = f.getErrorKind();
+      const std::string_view report = schemas::name(f.getReport());
       const std::string said = error_kind == schema::ErrorKind::NONE
-                                   ? std::string(f.getKind().cStr())
+                                   ? std::string(report)
                                    : std::string(schemas::name(error_kind));
-      log_warn("{} reports {} ({}): {}", c->name, f.getKind().cStr(), said, f.getMessage().cStr());
+      log_warn("{} reports {} ({}): {}", c->name, report, said, f.getMessage().cStr());
       // A restartable stage's failure is acted on when it exits (restart or fail).
       if (policy::restartable(c->stage)) break;
       // A rank that failed because a peer or a collective did is a victim, not a cause

@@ -18,7 +18,7 @@ namespace megacpp::stage::detail {
 
 // A failure met in-process, described for the log, the failure dump and the supervisor.
 struct DumpFields {
-  std::string kind;  // exception | terminate
+  schema::FailureReport kind = schema::FailureReport::EXCEPTION;  // exception | terminate
   // The thrown megacpp::ErrorKind, or capnp / c10 / std / unknown for a foreign exception;
   // nullopt only when describing the failure ran out of memory.
   std::optional<schema::ErrorKind> error_kind;
@@ -32,7 +32,7 @@ struct DumpFields {
 
 // Describes the exception in flight (`ep`) as a DumpFields of `kind` ("exception",
 // "terminate"); never throws (a description that runs out of memory says so).
-DumpFields classify(std::exception_ptr ep, std::string kind) noexcept;
+DumpFields classify(std::exception_ptr ep, schema::FailureReport report) noexcept;
 // Logs the message and backtrace; never throws.
 void log_failure(const DumpFields& f) noexcept;
 // Writes RUN/failures/<stage>-<rank>.json atomically; an error is logged, never thrown.

@@ -102,11 +102,12 @@ TEST(ControlClientTest, HelloHeartbeatsStopAndFailure) {
   EXPECT_EQ(client.stop_reason(), "teardown: trainer-0 exited");
 
   client.set_step(6);
-  client.report_failure("exception", "boom");
+  client.report_failure(schema::FailureReport::EXCEPTION, "boom");
   auto failure = receive_until(router, [](Received& r) { return r.root().isFailure(); });
   ASSERT_NE(failure, nullptr);
   auto f = failure->root().getFailure();
-  EXPECT_EQ(std::string(f.getKind().cStr()), "exception");
+  EXPECT_EQ(f.getReport(), schema::FailureReport::EXCEPTION);
+  EXPECT_EQ(std::string(f.getKind().cStr()), "exception");  // its name, for schema-1 readers
   EXPECT_EQ(std::string(f.getMessage().cStr()), "boom");
   EXPECT_EQ(f.getRank(), 1u);
   EXPECT_EQ(f.getStep(), 6u);
@@ -205,11 +206,12 @@ TEST(ControlClientTest, PendingFailureIsFlushedByDestructor) {
   {
     // A long interval: only the destructor's flush can deliver the report in time.
     ControlClient client(endpoint, {schema::StageKind::DATA_LOADER, 0, 1}, Millis(60000));
-    client.report_failure("signal", "SIGSEGV");
+    client.report_failure(schema::FailureReport::SIGNAL, "SIGSEGV");
   }
   auto failure = receive_until(router, [](Received& r) { return r.root().isFailure(); });
   ASSERT_NE(failure, nullptr);
   EXPECT_EQ(failure->peer(), "data_loader-0");
+  EXPECT_EQ(failure->root().getFailure().getReport(), schema::FailureReport::SIGNAL);
   EXPECT_EQ(std::string(failure->root().getFailure().getKind().cStr()), "signal");
 }
 
@@ -222,7 +224,7 @@ TEST(ControlClientTest, AbsentSupervisorNeverBlocks) {
     for (uint32_t i = 0; i < 50; ++i)
       client.publish({.step = i, .tokens = static_cast<double>(i), .loss = 0.0f});
     std::this_thread::sleep_for(Millis(50));
-    client.report_failure("exception", "nobody listens");
+    client.report_failure(schema::FailureReport::EXCEPTION, "nobody listens");
     EXPECT_FALSE(client.stop_requested());
   }
   EXPECT_TRUE(fs::is_empty(dir.path()));
