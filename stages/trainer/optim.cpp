@@ -14,8 +14,8 @@
 
 #include "core/error.h"
 #include "ipc/peer_exchange.h"
+#include "ops/optim_kernels.h"
 #include "stages/trainer/collective.h"
-#include "stages/trainer/optim_internal.h"
 
 namespace megacpp::trainer {
 
@@ -171,8 +171,8 @@ void exchange_reduce_scatter(const Pg& pg, at::Tensor& flat, at::Tensor& scratch
     auto* o = static_cast<float*>(own.data_ptr());
     const auto* t = static_cast<const float*>(part(1 - rank).const_data_ptr());
     const auto m = static_cast<size_t>(mean_prefix);
-    detail::sum_and_divide(o, t, 2.0f, m);
-    detail::sum_and_divide(o + m, t + m, 1.0f, static_cast<size_t>(seg) - m);
+    ops::sum_and_divide(o, t, 2.0f, m);
+    ops::sum_and_divide(o + m, t + m, 1.0f, static_cast<size_t>(seg) - m);
     return;
   }
   sum_in_rank_order(own, rank, world, part);
@@ -336,7 +336,7 @@ namespace detail {
 namespace {
 
 // Both contiguous CPU tensors of one shape and dtype, float32 or bfloat16: what the fused loops
-// of optim_internal.h take.
+// of ops/optim_kernels.h take.
 bool fusable(const at::Tensor& x, const at::Tensor& y) {
   return x.is_cpu() && y.is_cpu() && x.scalar_type() == y.scalar_type() &&
          (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
@@ -354,9 +354,9 @@ at::Tensor fused_scaled_sum(at::Tensor A, const at::Tensor& AA, double b, double
   const auto n = static_cast<size_t>(A.numel());
   const auto fb = static_cast<float>(b), fc = static_cast<float>(c);
   if (A.scalar_type() == at::kFloat)
-    scaled_sum(data_of<float>(A), data_of<float>(AA), fb, fc, n);
+    ops::scaled_sum(data_of<float>(A), data_of<float>(AA), fb, fc, n);
   else
-    scaled_sum(data_of<uint16_t>(A), data_of<uint16_t>(AA), fb, fc, n);
+    ops::scaled_sum(data_of<uint16_t>(A), data_of<uint16_t>(AA), fb, fc, n);
   return A;
 }
 
@@ -365,9 +365,9 @@ at::Tensor fused_scale_add(at::Tensor x, const at::Tensor& y, double a) {
   if (!fusable(x, y)) return a * x + y;
   const auto n = static_cast<size_t>(x.numel());
   if (x.scalar_type() == at::kFloat)
-    scale_add(data_of<float>(x), data_of<float>(y), static_cast<float>(a), n);
+    ops::scale_add(data_of<float>(x), data_of<float>(y), static_cast<float>(a), n);
   else
-    scale_add(data_of<uint16_t>(x), data_of<uint16_t>(y), static_cast<float>(a), n);
+    ops::scale_add(data_of<uint16_t>(x), data_of<uint16_t>(y), static_cast<float>(a), n);
   return x;
 }
 

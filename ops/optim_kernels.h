@@ -1,5 +1,5 @@
-// megacpp::trainer optimizer internals: the fused element-wise loops of the orthogonalization
-// (optim_kernels.cpp). Not part of the trainer's public interface.
+// The optimizer's fused element-wise loops (the trainer's orthogonalization and world-2
+// exchange call them; optim_kernels.cpp). Torch-free: raw pointers, float32 or bfloat16 bits.
 //
 // Each loop computes what a sequence of torch's element-wise operations on float32 or
 // bfloat16 tensors computes, to the bit: every operation in float32 (torch's opmath for both),
@@ -12,7 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace megacpp::trainer::detail {
+namespace megacpp::ops {
 
 // A = b*A + c*AA (torch: `b * A + c * AA`), in place; AA does not alias A.
 void scaled_sum(float* A, const float* AA, float b, float c, size_t n);
@@ -24,4 +24,4 @@ void scale_add(uint16_t* x, const uint16_t* y, float a, size_t n);
 // world-2 sum in rank order either way round), in place; theirs does not alias own.
 void sum_and_divide(float* own, const float* theirs, float divisor, size_t n);
 
-}  // namespace megacpp::trainer::detail
+}  // namespace megacpp::ops
