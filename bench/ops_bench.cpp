@@ -8,7 +8,11 @@
 // Then stream_copy (the snapshot copy): --copy-mb of data copied as --copy-pieces separate
 // copies, with stream_copy and with memcpy per piece, against one memcpy of the whole (the
 // bound: a copy that large gets glibc's streaming stores); ratios to that bound.
+// Then the optimizer's fused loops (optim_kernels.h) over --optim-mb of float32 and of
+// bfloat16: each reads two arrays and writes one, against a memcpy of the same array (one
+// read, one write); the ratio is the loop's GB/s over memcpy's (1.0 = as fast as a copy).
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -23,6 +27,7 @@
 
 #include "core/error.h"
 #include "ops/ops.h"
+#include "ops/optim_kernels.h"
 
 #if defined(MEGACPP_HAVE_CUDA) && MEGACPP_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -42,6 +47,7 @@ struct Config {
   int iters = 20;
   int warmup = 3;
   float eps = 1e-6f;
+  size_t optim_mb = 64;
 };
 
 double gbps(double bytes, double ms) {
@@ -198,13 +204,62 @@ void bench_stream_copy(const Config& cfg) {
              stream_ms, gbps(b, stream_ms), stream_ms / whole_ms);
 }
 
+// GB/s counts the bytes each side moves: the loop reads x and y and writes x (3 arrays), the
+// memcpy reads one and writes one (2). Coefficients below 1 keep the in-place iterations
+// bounded and away from subnormals (which would time the FPU's slow path, not the loop).
+template <typename T, typename F>
+void bench_optim_loop(const Config& cfg, const char* op, const char* dtype, F&& f) {
+  const size_t n = (cfg.optim_mb << 20) / sizeof(T);
+  std::vector<T> x(n), y(n), copy(n);
+  std::mt19937 gen(2);
+  std::uniform_int_distribution<uint32_t> bits(0x3E000000u, 0x3F800000u);  // [0.125, 1)
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t a = bits(gen), b = bits(gen);
+    if constexpr (sizeof(T) == 4) {
+      x[i] = std::bit_cast<T>(a);
+      y[i] = std::bit_cast<T>(b);
+    } else {
+      x[i] = static_cast<T>(a >> 16);
+      y[i] = static_cast<T>(b >> 16);
+    }
+  }
+  const double op_ms = cpu_ms_per_iter(cfg, [&] { f(x.data(), y.data(), n); });
+  const double peer_ms =
+      cpu_ms_per_iter(cfg, [&] { std::memcpy(copy.data(), y.data(), n * sizeof(T)); });
+  const double b = static_cast<double>(n * sizeof(T));
+  const double op_gbps = gbps(3 * b, op_ms), peer_gbps = gbps(2 * b, peer_ms);
+  fmt::print(
+      "cpu   {:<15} {:<8} {:9.4f} ms {:8.2f} GB/s | memcpy {:9.4f} ms {:8.2f} GB/s | ratio "
+      "{:.3f}\n",
+      op, dtype, op_ms, op_gbps, peer_ms, peer_gbps, op_gbps / peer_gbps);
+}
+
+void bench_optim(const Config& cfg) {
+  fmt::print("\nops_bench optim_kernels {} MB per array\n", cfg.optim_mb);
+  bench_optim_loop<float>(cfg, "scaled_sum", "float32", [](float* x, const float* y, size_t n) {
+    ops::scaled_sum(x, y, 0.5f, 0.25f, n);
+  });
+  bench_optim_loop<uint16_t>(
+      cfg, "scaled_sum", "bfloat16",
+      [](uint16_t* x, const uint16_t* y, size_t n) { ops::scaled_sum(x, y, 0.5f, 0.25f, n); });
+  bench_optim_loop<float>(cfg, "scale_add", "float32", [](float* x, const float* y, size_t n) {
+    ops::scale_add(x, y, 0.5f, n);
+  });
+  bench_optim_loop<uint16_t>(
+      cfg, "scale_add", "bfloat16",
+      [](uint16_t* x, const uint16_t* y, size_t n) { ops::scale_add(x, y, 0.5f, n); });
+  bench_optim_loop<float>(cfg, "sum_and_divide", "float32", [](float* x, const float* y, size_t n) {
+    ops::sum_and_divide(x, y, 2.0f, n);
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Config cfg;
   CLI::App app{
       "ops kernels vs their physical peer: RMSNorm vs a copy of the same bytes (CPU: memcpy, "
-      "GPU: cudaMemcpy D2D), stream_copy vs memcpy"};
+      "GPU: cudaMemcpy D2D), stream_copy vs memcpy, the optimizer loops vs memcpy"};
   app.add_option("--rows", cfg.rows, "rows")->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
   app.add_option("--cols", cfg.cols, "columns")->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
   app.add_option("--iters", cfg.iters, "timed iterations per side")->check(CLI::Range(1, 1 << 20));
@@ -212,6 +267,8 @@ int main(int argc, char** argv) {
   app.add_option("--copy-mb", cfg.copy_mb, "stream_copy: MB copied per call")
       ->check(CLI::Range(size_t{1}, size_t{1} << 16));
   app.add_option("--copy-pieces", cfg.copy_pieces, "stream_copy: separate copies per call")
+      ->check(CLI::Range(size_t{1}, size_t{1} << 16));
+  app.add_option("--optim-mb", cfg.optim_mb, "optimizer loops: MB per array")
       ->check(CLI::Range(size_t{1}, size_t{1} << 16));
   CLI11_PARSE(app, argc, argv);
 
@@ -236,6 +293,7 @@ int main(int argc, char** argv) {
     fmt::print("cuda: skipped: built without CUDA\n");
 #endif
     bench_stream_copy(cfg);
+    bench_optim(cfg);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ops_bench: %s\n", e.what());
     return 1;

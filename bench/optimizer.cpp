@@ -583,7 +583,7 @@ void section_bytes(const Config& c, const mc::forked_world::ForkedWorld& world,
   for (const ShapeSet& s : sets) print_bytes(c, s);
   fmt::print(
       "On Gloo our reduce-scatter is issued as an all-reduce of the whole buffer followed by a\n"
-      "narrow (stages/trainer/optim.cpp, reduce_scatter_sum), hence the Gloo column.\n");
+      "narrow (stages/trainer/optim_exchange.cpp, reduce_scatter_sum), hence the Gloo column.\n");
   const json probe = run_ranks(c, world, "probe", [&](const Pg& pg, uint32_t rank) {
     return probe_rank(pg, rank, c.world);
   });

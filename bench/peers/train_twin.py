@@ -133,7 +133,7 @@ DEFAULTS = {
               "qkv_split": True},
 }
 IGNORED_SECTIONS = ("moe", "ssm", "rnn", "data")
-NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)  # optim.cpp kNewtonSchulz; torch Muon's default
+NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)  # optim_internal.h kNewtonSchulz; torch Muon's default
 WARM_STEP = 5  # the summary's medians are over steps after this one
 
 

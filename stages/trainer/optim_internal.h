@@ -1,27 +1,79 @@
-// megacpp::trainer optimizer internals: the fused element-wise loops of the orthogonalization
-// (optim_kernels.cpp). Not part of the trainer's public interface.
-//
-// Each loop computes what a sequence of torch's element-wise operations on float32 or
-// bfloat16 tensors computes, to the bit: every operation in float32 (torch's opmath for both),
-// each result rounded to the tensors' dtype (bfloat16: round to nearest even) before the next,
-// in one pass instead of one pass (and one allocation) per operation. Their translation unit is
-// built with -ffp-contract=off: a multiply and an add stay two roundings, as they are in torch.
-// Blocking: pure loops. Failure: none (the callers check dtypes, sizes and contiguity).
+// megacpp::trainer optimizer internals shared by the optimizer's translation units
+// (optim_exchange.cpp, orthogonalize.cpp, optim_state.cpp, dist_adamw.cpp, dist_muon.cpp).
+// Not part of the trainer's public interface (optim.h). Contracts as in optim.h; blocking and
+// failure of the exchange functions are those of run_collective and ipc/peer_exchange.h.
 #pragma once
 
-#include <cstddef>
+#include <array>
+#include <chrono>
 #include <cstdint>
+#include <string>
+#include <vector>
+
+#include "stages/trainer/optim.h"
 
 namespace megacpp::trainer::detail {
 
-// A = b*A + c*AA (torch: `b * A + c * AA`), in place; AA does not alias A.
-void scaled_sum(float* A, const float* AA, float b, float c, size_t n);
-void scaled_sum(uint16_t* A, const uint16_t* AA, float b, float c, size_t n);
-// x = a*x + y (torch: `x = a * x + y`), in place; y does not alias x.
-void scale_add(float* x, const float* y, float a, size_t n);
-void scale_add(uint16_t* x, const uint16_t* y, float a, size_t n);
-// own = (own + theirs) / divisor (torch: `own.add_(theirs).div_(divisor)`; the sum is the
-// world-2 sum in rank order either way round), in place; theirs does not alias own.
-void sum_and_divide(float* own, const float* theirs, float divisor, size_t n);
+using Pg = c10::intrusive_ptr<c10d::Backend>;
+
+// Adds the wall time since the previous lap (or construction) to the field a lap names; does
+// nothing, not even read the clock, without `times`.
+class PhaseClock {
+ public:
+  explicit PhaseClock(OptimizerPhaseTimes* times) : times_(times) {
+    if (times_ != nullptr) last_ = std::chrono::steady_clock::now();
+  }
+  void lap(double OptimizerPhaseTimes::*field) {
+    if (times_ == nullptr) return;
+    const auto now = std::chrono::steady_clock::now();
+    times_->*field += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  OptimizerPhaseTimes* times_;
+  std::chrono::steady_clock::time_point last_;
+};
+
+// --- optim_exchange.cpp: the collectives of the step, Gloo / shared memory / other c10d.
+
+at::Tensor scalar_tensor(double v, const at::Device& device);
+std::string shape_str(at::IntArrayRef s);
+bool is_gloo(const Pg& pg);
+void all_reduce(const Pg& pg, at::Tensor& t, c10d::ReduceOp op);
+at::Tensor reduce_scatter_sum(const Pg& pg, at::Tensor& full, uint32_t rank, uint32_t world);
+void exchange_reduce_scatter(const Pg& pg, at::Tensor& flat, at::Tensor& scratch, uint32_t rank,
+                             uint32_t world, int64_t mean_prefix = 0);
+void exchange_all_gather(const Pg& pg, at::Tensor& flat, uint32_t rank, uint32_t world);
+void exchange_all_reduce(const Pg& pg, at::Tensor& flat, at::Tensor& scratch, uint32_t rank,
+                         uint32_t world);
+void all_gather(const Pg& pg, at::Tensor& out, at::Tensor& slice);
+at::Tensor global_mask(const Pg& pg, const std::vector<at::Tensor>& params,
+                       const at::Device& device);
+void rank_and_world(const Pg& pg, uint32_t& rank, uint32_t& world);
+
+// --- orthogonalize.cpp: the coefficients of the orthogonalizers (DistMuon checks ns_steps
+// against kPolarExpress's length).
+
+inline constexpr std::array<std::array<double, 3>, 5> kPolarExpress{{
+    {8.156554524902461, -22.48329292557795, 15.878769915207462},
+    {4.042929935166739, -2.808917465908714, 0.5000178451051316},
+    {3.8916678022926607, -2.772484153217685, 0.5060648178503393},
+    {3.285753657755655, -2.3681294933425376, 0.46449024233003106},
+    {2.3465413258596377, -1.7097828382687081, 0.42323551169305323},
+}};
+inline constexpr std::array<double, 3> kNewtonSchulz{3.4445, -4.7750, 2.0315};
+
+// --- optim_state.cpp: state dict entries and keys.
+
+// One entry of a state dict while it is being collected: `value` is the live tensor.
+using Entries = std::vector<OptimizerStateEntry>;
+
+void load_entries(const std::string& kind, uint32_t rank, uint32_t world, const Entries& live,
+                  const OptimizerState& state);
+void add_scalar_entry(Entries& out, StateKey key, const at::Tensor& t);
+StateKey param_key(size_t param, StateField field);
+StateKey group_key(size_t group, StateField field);
+StateKey stack_key(size_t group, size_t stack, StateField field);
 
 }  // namespace megacpp::trainer::detail

@@ -2,14 +2,17 @@
 // the CPU reference. The OpsCuda.* cases carry the ctest label "gpu" and skip with the reason
 // when the build has no CUDA or the host has no device.
 #include "ops/ops.h"
+#include "ops/optim_kernels.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -167,6 +170,133 @@ TEST(OpsCpu, StreamCopyEqualsMemcpyAtEveryAlignment) {
         mc::ops::stream_copy(dst.data() + kGuard + dof, src.data() + so, n);
         EXPECT_TRUE(dst == want) << "n=" << n << " src+" << so << " dst+" << dof;
       }
+    }
+  }
+}
+
+namespace {
+
+// Scalar references for optim_kernels.h, written independently of the kernels: every
+// operation's result is stored through a volatile float (no contraction, whatever this TU's
+// flags), and bfloat16 rounding is spelled as "truncate, then round up when the dropped half is
+// above the midpoint or at it with an odd kept half" (nearest even, torch's rounding).
+float ref_from_bf16(uint16_t h) {
+  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
+uint16_t ref_to_bf16(float v) {
+  const uint32_t u = std::bit_cast<uint32_t>(v);
+  const uint32_t kept = u >> 16, dropped = u & 0xFFFFu;
+  const bool up = dropped > 0x8000u || (dropped == 0x8000u && (kept & 1u));
+  return static_cast<uint16_t>(kept + (up ? 1u : 0u));
+}
+float ref_mul(float a, float b) {
+  volatile float r = a * b;
+  return r;
+}
+float ref_add(float a, float b) {
+  volatile float r = a + b;
+  return r;
+}
+float ref_div(float a, float b) {
+  volatile float r = a / b;
+  return r;
+}
+
+// Values that stress the roundings: random magnitudes over many binades, exact bfloat16
+// midpoints, subnormals, zeros of both signs, infinities.
+std::vector<float> optim_values(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> mant(-2.0f, 2.0f);
+  std::uniform_int_distribution<int> expo(-30, 30);
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    switch (i % 8) {
+      case 0:
+        v[i] = std::bit_cast<float>((static_cast<uint32_t>(rng()) & 0xFFFF0000u) |
+                                    0x8000u);  // a bf16 midpoint
+        break;
+      case 1:
+        v[i] = std::ldexp(mant(rng), -140);  // subnormal
+        break;
+      default:
+        v[i] = std::ldexp(mant(rng), expo(rng));
+    }
+  }
+  if (n > 3) {
+    v[0] = -0.0f;
+    v[1] = std::numeric_limits<float>::infinity();
+    v[2] = 0.0f;
+  }
+  return v;
+}
+
+std::vector<uint16_t> to_bf16_all(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = ref_to_bf16(v[i]);
+  return out;
+}
+
+// Bit equality, so that -0 vs +0 and NaN payloads count.
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// Lengths across the vector widths' tails (1..17) and a vectorized body.
+constexpr size_t kOptimLengths[] = {0, 1, 7, 8, 15, 16, 17, 33, 1000, 4099};
+
+}  // namespace
+
+// The contract is bit-exact (torch's separate roundings, in float32 opmath): no tolerance.
+TEST(OpsCpu, ScaledSumMatchesScalarReferenceBitExact) {
+  const float b = -4.7750f, c = 2.0315f;
+  for (size_t n : kOptimLengths) {
+    const auto A = optim_values(n, 1), AA = optim_values(n, 2);
+    std::vector<float> got = A, want(n);
+    ops::scaled_sum(got.data(), AA.data(), b, c, n);
+    for (size_t i = 0; i < n; ++i) want[i] = ref_add(ref_mul(b, A[i]), ref_mul(c, AA[i]));
+    EXPECT_TRUE(same_bits(got, want)) << "float n " << n;
+
+    const auto Ah = to_bf16_all(A), AAh = to_bf16_all(AA);
+    std::vector<uint16_t> goth = Ah, wanth(n);
+    ops::scaled_sum(goth.data(), AAh.data(), b, c, n);
+    for (size_t i = 0; i < n; ++i) {
+      const float left = ref_from_bf16(ref_to_bf16(ref_mul(b, ref_from_bf16(Ah[i]))));
+      const float right = ref_from_bf16(ref_to_bf16(ref_mul(c, ref_from_bf16(AAh[i]))));
+      wanth[i] = ref_to_bf16(ref_add(left, right));
+    }
+    EXPECT_TRUE(same_bits(goth, wanth)) << "bfloat16 n " << n;
+  }
+}
+
+TEST(OpsCpu, ScaleAddMatchesScalarReferenceBitExact) {
+  const float a = 3.4445f;
+  for (size_t n : kOptimLengths) {
+    const auto x = optim_values(n, 3), y = optim_values(n, 4);
+    std::vector<float> got = x, want(n);
+    ops::scale_add(got.data(), y.data(), a, n);
+    for (size_t i = 0; i < n; ++i) want[i] = ref_add(ref_mul(a, x[i]), y[i]);
+    EXPECT_TRUE(same_bits(got, want)) << "float n " << n;
+
+    const auto xh = to_bf16_all(x), yh = to_bf16_all(y);
+    std::vector<uint16_t> goth = xh, wanth(n);
+    ops::scale_add(goth.data(), yh.data(), a, n);
+    for (size_t i = 0; i < n; ++i) {
+      const float scaled = ref_from_bf16(ref_to_bf16(ref_mul(a, ref_from_bf16(xh[i]))));
+      wanth[i] = ref_to_bf16(ref_add(scaled, ref_from_bf16(yh[i])));
+    }
+    EXPECT_TRUE(same_bits(goth, wanth)) << "bfloat16 n " << n;
+  }
+}
+
+TEST(OpsCpu, SumAndDivideMatchesScalarReferenceBitExact) {
+  for (const float divisor : {2.0f, 1.0f, 3.0f}) {
+    for (size_t n : kOptimLengths) {
+      const auto own = optim_values(n, 5), theirs = optim_values(n, 6);
+      std::vector<float> got = own, want(n);
+      ops::sum_and_divide(got.data(), theirs.data(), divisor, n);
+      for (size_t i = 0; i < n; ++i) want[i] = ref_div(ref_add(own[i], theirs[i]), divisor);
+      EXPECT_TRUE(same_bits(got, want)) << "divisor " << divisor << " n " << n;
     }
   }
 }

@@ -22,8 +22,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "core/error.h"
+#include "ops/optim_kernels.h"
 #include "stages/trainer/optim.h"
-#include "stages/trainer/optim_internal.h"
 #include "stages/trainer/rendezvous.h"
 #include "tests/unit/test_support.h"
 
@@ -546,7 +546,7 @@ bool same_bits(const at::Tensor& a, const at::Tensor& b) {
   return std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
 }
 
-// optim_internal.h's loops against the torch operations they replace, in float32 and bfloat16,
+// ops/optim_kernels.h's loops against the torch operations they replace, in float32 and bfloat16,
 // at lengths around every vector width (the vector body and the scalar tail), bit for bit.
 TEST_F(OptimTest, FusedLoopsMatchTorchBitForBit) {
   uint64_t seed = 100;
@@ -561,19 +561,21 @@ TEST_F(OptimTest, FusedLoopsMatchTorchBitForBit) {
         at::Tensor got = A.clone();
         const auto fb = static_cast<float>(b), fc = static_cast<float>(c);
         if (dtype == at::kFloat)
-          detail::scaled_sum(got.data_ptr<float>(), AA.data_ptr<float>(), fb, fc, n);
+          megacpp::ops::scaled_sum(got.data_ptr<float>(), AA.data_ptr<float>(), fb, fc, n);
         else
-          detail::scaled_sum(static_cast<uint16_t*>(got.data_ptr()),
-                             static_cast<const uint16_t*>(AA.data_ptr()), fb, fc, n);
+          megacpp::ops::scaled_sum(static_cast<uint16_t*>(got.data_ptr()),
+                                   static_cast<const uint16_t*>(AA.data_ptr()), fb, fc, n);
         EXPECT_TRUE(same_bits(got, want)) << "scaled_sum " << dtype << " n " << n;
 
         const at::Tensor want2 = a * A + AA;
         at::Tensor got2 = A.clone();
         if (dtype == at::kFloat)
-          detail::scale_add(got2.data_ptr<float>(), AA.data_ptr<float>(), static_cast<float>(a), n);
+          megacpp::ops::scale_add(got2.data_ptr<float>(), AA.data_ptr<float>(),
+                                  static_cast<float>(a), n);
         else
-          detail::scale_add(static_cast<uint16_t*>(got2.data_ptr()),
-                            static_cast<const uint16_t*>(AA.data_ptr()), static_cast<float>(a), n);
+          megacpp::ops::scale_add(static_cast<uint16_t*>(got2.data_ptr()),
+                                  static_cast<const uint16_t*>(AA.data_ptr()),
+                                  static_cast<float>(a), n);
         EXPECT_TRUE(same_bits(got2, want2)) << "scale_add " << dtype << " n " << n;
       }
     }
@@ -585,7 +587,7 @@ TEST_F(OptimTest, FusedLoopsMatchTorchBitForBit) {
       const at::Tensor want = own.clone().add_(theirs).div_(divisor);
       const at::Tensor want_other = theirs.clone().add_(own).div_(divisor);
       at::Tensor got = own.clone();
-      detail::sum_and_divide(got.data_ptr<float>(), theirs.data_ptr<float>(), divisor, n);
+      megacpp::ops::sum_and_divide(got.data_ptr<float>(), theirs.data_ptr<float>(), divisor, n);
       EXPECT_TRUE(same_bits(got, want)) << "sum_and_divide n " << n;
       EXPECT_TRUE(same_bits(got, want_other)) << "sum_and_divide n " << n;
     }

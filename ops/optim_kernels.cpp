@@ -1,12 +1,12 @@
-// The fused element-wise loops of optim_internal.h. Built with -O3 -ffp-contract=off
-// (CMakeLists): vectorized, and a contracted multiply-add would round once where torch's
+// The fused element-wise loops of optim_kernels.h. Built with -O3 -ffp-contract=off
+// (ops/CMakeLists.txt): vectorized, and a contracted multiply-add would round once where torch's
 // separate operations round twice. The two arrays of a call never alias.
 #include <bit>
 #include <cstdint>
 
-#include "stages/trainer/optim_internal.h"
+#include "ops/optim_kernels.h"
 
-namespace megacpp::trainer::detail {
+namespace megacpp::ops {
 
 namespace {
 
@@ -76,4 +76,4 @@ void sum_and_divide(float* __restrict own, const float* __restrict theirs, float
   }
 }
 
-}  // namespace megacpp::trainer::detail
+}  // namespace megacpp::ops

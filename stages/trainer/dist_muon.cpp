@@ -1,0 +1,543 @@
+// DistMuon (README.md "Distributed optimizer"); contract in optim.h.
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <map>
+#include <optional>
+#include <tuple>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "stages/trainer/optim_internal.h"
+
+namespace megacpp::trainer {
+
+using detail::add_scalar_entry;
+using detail::all_gather;
+using detail::all_reduce;
+using detail::Entries;
+using detail::exchange_all_gather;
+using detail::exchange_all_reduce;
+using detail::exchange_reduce_scatter;
+using detail::global_mask;
+using detail::group_key;
+using detail::is_gloo;
+using detail::kPolarExpress;
+using detail::load_entries;
+using detail::param_key;
+using detail::Pg;
+using detail::PhaseClock;
+using detail::rank_and_world;
+using detail::reduce_scatter_sum;
+using detail::scalar_tensor;
+using detail::shape_str;
+using detail::stack_key;
+
+// =======================================================================================
+// DistMuon
+
+struct DistMuon::Stack {
+  std::vector<at::Tensor> params;
+  std::vector<size_t> members;  // index of each params entry in its group's given order
+  int64_t rows = 0, cols = 0, chunk = 0;
+  int red_dim = -1;
+  at::Tensor momentum;  // (chunk, rows, cols): this rank's entries [rank*chunk, ...)
+  at::Tensor second;    // (chunk, rows, 1) or (chunk, 1, cols)
+};
+
+struct DistMuon::Group {
+  MuonScalars s;
+  std::vector<int64_t> qkv;
+  std::vector<Stack> stacks;
+};
+
+// A stack's update between begin_update and finish_update (below).
+struct DistMuon::Update {
+  Group* g = nullptr;
+  Stack* s = nullptr;
+  int64_t owned = 0;
+  at::Tensor P, m, mom, mom_new, sec;
+  bool every = false, no_decay = false;
+  std::vector<int64_t> slices;  // row slices, each a matrix of its own
+  std::vector<at::Tensor> u_parts, p_parts, sec_parts;
+  std::vector<at::Tensor> ortho;  // orthogonalize(u_parts[i]) in P's dtype (orthogonalize_all)
+};
+
+DistMuon::DistMuon(std::vector<MuonParamGroup> groups, Pg pg, DistMuonOptions options)
+    : pg_(std::move(pg)), options_(options) {
+  rank_and_world(pg_, rank_, world_);
+  MEGACPP_CHECK(
+      options_.ns_steps >= 1 && (options_.orthogonalizer == Orthogonalizer::kNewtonSchulz ||
+                                 options_.ns_steps <= static_cast<int>(kPolarExpress.size())),
+      ErrorKind::kInvalidArgument,
+      fmt::format("DistMuon ns_steps {} out of range", options_.ns_steps));
+  MEGACPP_CHECK(!groups.empty(), ErrorKind::kInvalidArgument, "DistMuon without groups");
+  for (auto& g : groups) add_param_group(std::move(g));
+}
+
+DistMuon::~DistMuon() = default;
+
+void DistMuon::add_param_group(MuonParamGroup group) {
+  const size_t gi = groups_.size();
+  MEGACPP_CHECK(!group.params.empty(), ErrorKind::kInvalidArgument,
+                fmt::format("DistMuon group {} has no parameters", gi));
+  const at::Tensor& first = group.params.front();
+  for (size_t i = 0; i < group.params.size(); ++i) {
+    const at::Tensor& p = group.params[i];
+    MEGACPP_CHECK(p.defined(), ErrorKind::kInvalidArgument,
+                  fmt::format("DistMuon group {} parameter {} is undefined", gi, i));
+    MEGACPP_CHECK(p.dim() == 2, ErrorKind::kInvalidArgument,
+                  fmt::format("DistMuon takes 2-D parameters only: group {} parameter {} has "
+                              "shape {} ({}-D); give it to AdamW or reshape it to a matrix",
+                              gi, i, shape_str(p.sizes()), p.dim()));
+    MEGACPP_CHECK(p.is_floating_point() && p.is_contiguous() && p.device() == first.device() &&
+                      p.scalar_type() == first.scalar_type(),
+                  ErrorKind::kInvalidArgument,
+                  fmt::format("DistMuon group {}: parameters must be contiguous floating-point "
+                              "tensors of one dtype and device",
+                              gi));
+    if (!groups_.empty()) {
+      const at::Tensor& any = groups_.front().stacks.front().params.front();
+      MEGACPP_CHECK(p.device() == any.device(), ErrorKind::kInvalidArgument,
+                    "DistMuon parameters on different devices");
+    }
+    if (!group.qkv_split_sizes.empty()) {
+      int64_t sum = 0;
+      for (int64_t v : group.qkv_split_sizes) {
+        MEGACPP_CHECK(v > 0, ErrorKind::kInvalidArgument, "qkv_split_sizes must be positive");
+        sum += v;
+      }
+      MEGACPP_CHECK(sum == p.size(0), ErrorKind::kInvalidArgument,
+                    fmt::format("qkv_split_sizes sum to {} but group {} parameter {} has shape {}",
+                                sum, gi, i, shape_str(p.sizes())));
+    }
+  }
+  Group g;
+  const at::Device device = first.device();
+  g.s.lr = scalar_tensor(group.lr, device);
+  g.s.momentum = scalar_tensor(group.momentum, device);
+  g.s.beta2 = scalar_tensor(group.beta2, device);
+  g.s.weight_decay = scalar_tensor(group.weight_decay, device);
+  g.qkv = group.qkv_split_sizes;
+  std::map<std::pair<int64_t, int64_t>, std::vector<size_t>> by_shape;  // sorted shapes
+  for (size_t i = 0; i < group.params.size(); ++i)
+    by_shape[{group.params[i].size(0), group.params[i].size(1)}].push_back(i);
+  for (auto& [shape, members] : by_shape) {
+    Stack s;
+    s.rows = shape.first;
+    s.cols = shape.second;
+    for (size_t i : members) s.params.push_back(group.params[i]);
+    s.members = std::move(members);
+    const auto n = static_cast<int64_t>(s.params.size());
+    s.chunk = options_.replicated ? n : (n + world_ - 1) / world_;
+    s.red_dim = !g.qkv.empty() || s.rows >= s.cols ? -1 : -2;
+    const auto opts = first.options().requires_grad(false);
+    s.momentum = at::zeros({s.chunk, s.rows, s.cols}, opts);
+    s.second = s.red_dim == -1 ? at::zeros({s.chunk, s.rows, 1}, opts)
+                               : at::zeros({s.chunk, 1, s.cols}, opts);
+    g.stacks.push_back(std::move(s));
+  }
+  groups_.push_back(std::move(g));
+}
+
+size_t DistMuon::num_groups() const {
+  return groups_.size();
+}
+size_t DistMuon::num_stacks(size_t group) const {
+  return groups_.at(group).stacks.size();
+}
+int64_t DistMuon::chunk_size(size_t group, size_t stack) const {
+  return groups_.at(group).stacks.at(stack).chunk;
+}
+std::vector<size_t> DistMuon::stack_members(size_t group, size_t stack) const {
+  return groups_.at(group).stacks.at(stack).members;
+}
+int64_t DistMuon::stack_len(size_t group, size_t stack) const {
+  return static_cast<int64_t>(groups_.at(group).stacks.at(stack).params.size());
+}
+MuonScalars& DistMuon::scalars(size_t group) {
+  return groups_.at(group).s;
+}
+void DistMuon::set_lr(size_t group, double lr) {
+  groups_.at(group).s.lr.fill_(lr);
+}
+void DistMuon::set_momentum(size_t group, double m) {
+  groups_.at(group).s.momentum.fill_(m);
+}
+void DistMuon::set_weight_decay(size_t group, double wd) {
+  groups_.at(group).s.weight_decay.fill_(wd);
+}
+
+// One step of every stack with two collectives for all of them: the stacked gradients of every
+// stack share one buffer laid out rank-major — rank q's segment holds entries [q*c, (q+1)*c) of
+// each stack, c = ceil(n / world) — so a single reduce-scatter hands each rank the gradients of
+// the entries it owns, and a single all-gather of the segments returns every updated entry.
+// The replicated placement all-reduces the same buffer and reads every segment.
+//
+// On Gloo those are the point-to-point exchanges above, and every segment also carries each
+// rank's has-grad flags for all entries (1 or 0; summed, > 0 is "some rank had one"), so the
+// mask needs no collective of its own. Elsewhere the backend's native collectives, after a
+// has-grad mask of their own. The buffers are allocated once and reused: a step allocates
+// nothing of their size.
+void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> riders) {
+  at::NoGradGuard ng;
+  PhaseClock clock(times);
+  std::vector<at::Tensor> all;
+  for (const Group& g : groups_)
+    for (const Stack& s : g.stacks) all.insert(all.end(), s.params.begin(), s.params.end());
+  const bool distributed = pg_ && world_ > 1;
+  const bool sharded = !options_.replicated && distributed;
+  const bool p2p = distributed && is_gloo(pg_);
+  const at::Device device = all.front().device();
+  at::Tensor mask = p2p ? at::Tensor() : global_mask(pg_, all, device);
+
+  struct Slot {
+    Group* g;
+    Stack* s;
+    int64_t n, c, numel, off, base;  // entries, entries per segment, entry size, offsets
+  };
+  std::vector<Slot> slots;
+  int64_t seg = 0, base = 0;
+  for (Group& g : groups_) {
+    for (Stack& s : g.stacks) {
+      const auto n = static_cast<int64_t>(s.params.size());
+      const int64_t c = (n + world_ - 1) / world_;
+      slots.push_back({&g, &s, n, c, s.rows * s.cols, seg, base});
+      seg += c * s.rows * s.cols;
+      base += n;
+    }
+  }
+  const int64_t flags = p2p ? base : 0;  // per segment, after its entries
+  int64_t rider_numel = 0;
+  for (const at::Tensor& r : riders) {
+    MEGACPP_CHECK(
+        r.dim() == 1 && r.is_contiguous() && r.scalar_type() == at::kFloat && r.device() == device,
+        ErrorKind::kInvalidArgument,
+        "DistMuon riders must be contiguous 1-D float32 tensors on the parameters' device");
+    rider_numel += r.numel();
+  }
+  const int64_t ride = p2p ? rider_numel : 0;  // per segment, after the flags
+  const int64_t stride = seg + flags + ride;
+  const auto opts = all.front().options().requires_grad(false);
+  if (grad_buf_.numel() != stride * world_) {
+    // Padding entries are zero from here on: packing never writes them, and sums and copies
+    // of zeros keep them zero.
+    grad_buf_ = at::zeros({stride * world_}, opts);
+    param_buf_ = sharded ? at::zeros({seg * world_}, opts) : at::Tensor();
+    recv_buf_ = p2p ? at::empty({stride * (world_ - 1)}, opts) : at::Tensor();
+  }
+  at::Tensor& flat = grad_buf_;
+  std::vector<float> had(static_cast<size_t>(flags), 0.0f);
+  for (const Slot& sl : slots) {
+    for (int64_t i = 0; i < sl.n; ++i) {
+      const at::Tensor& grad = sl.s->params[static_cast<size_t>(i)].grad();
+      const int64_t at_ = (i / sl.c) * stride + sl.off + (i % sl.c) * sl.numel;
+      at::Tensor dst = flat.narrow(0, at_, sl.numel);
+      if (grad.defined()) {
+        dst.copy_(grad.detach().reshape({-1}));
+        if (p2p) had[static_cast<size_t>(sl.base + i)] = 1.0f;
+      } else {
+        dst.zero_();
+      }
+    }
+  }
+  if (p2p) {
+    const at::Tensor local =
+        at::from_blob(had.data(), {flags}, at::TensorOptions().dtype(at::kFloat)).to(opts);
+    for (uint32_t q = 0; q < world_; ++q) {
+      flat.narrow(0, q * stride + seg, flags).copy_(local);
+      int64_t at_ = q * stride + seg + flags;
+      for (const at::Tensor& r : riders) {
+        flat.narrow(0, at_, r.numel()).copy_(r);
+        at_ += r.numel();
+      }
+    }
+  } else if (distributed) {
+    for (const at::Tensor& r : riders) {
+      at::Tensor t = r;
+      all_reduce(pg_, t, c10d::ReduceOp::SUM);
+    }
+  }
+  // After the reduction: the riders' sums, out of segment `q` of the reduced buffer.
+  auto unload_riders = [&](uint32_t q) {
+    int64_t at_ = q * stride + seg + flags;
+    for (const at::Tensor& r : riders) {
+      at::Tensor(r).copy_(flat.narrow(0, at_, r.numel()));
+      at_ += r.numel();
+    }
+  };
+  at::Tensor mine = flat;  // sharded: this rank's segment; otherwise the whole buffer
+  if (sharded) {
+    if (p2p) {
+      exchange_reduce_scatter(pg_, flat, recv_buf_, rank_, world_, /*mean_prefix=*/seg);
+      mask = flat.narrow(0, rank_ * stride + seg, flags) > 0;
+      unload_riders(rank_);
+      mine = flat.narrow(0, rank_ * stride, stride);
+    } else {
+      mine = reduce_scatter_sum(pg_, flat, rank_, world_) / static_cast<double>(world_);
+    }
+  } else if (distributed) {
+    if (p2p) {
+      exchange_reduce_scatter(pg_, flat, recv_buf_, rank_, world_);
+      exchange_all_gather(pg_, flat, rank_, world_);
+      mask = flat.narrow(0, seg, flags) > 0;
+      unload_riders(0);
+    } else {
+      all_reduce(pg_, flat, c10d::ReduceOp::SUM);
+    }
+    mine = flat.div_(static_cast<double>(world_));
+  }
+  clock.lap(&OptimizerPhaseTimes::reduce);
+
+  // Every stack's element-wise math before the orthogonalization, the orthogonalization of
+  // all of them together, then every stack's math after it (phases `update`, `orthogonalize`).
+  at::Tensor out_seg = sharded ? param_buf_.narrow(0, rank_ * seg, seg) : at::Tensor();
+  std::vector<Update> updates;
+  std::vector<const Slot*> updated_slots;
+  for (const Slot& sl : slots) {
+    const int64_t start = sharded ? rank_ * sl.c : 0;
+    const int64_t owned = std::clamp<int64_t>(sl.n - start, 0, sharded ? sl.c : sl.n);
+    if (owned == 0) continue;
+    at::Tensor grad;
+    if (sharded) {
+      grad = mine.narrow(0, sl.off, owned * sl.numel);
+    } else {
+      std::vector<at::Tensor> parts;
+      for (int64_t q = 0; q * sl.c < sl.n; ++q)
+        parts.push_back(
+            mine.narrow(0, q * stride + sl.off, std::min(sl.c, sl.n - q * sl.c) * sl.numel));
+      grad = at::cat(parts);
+    }
+    grad = grad.view({owned, sl.s->rows, sl.s->cols});
+    updates.push_back(
+        begin_update(*sl.g, *sl.s, grad, mask.narrow(0, sl.base + start, owned), start, owned));
+    updated_slots.push_back(&sl);
+  }
+  clock.lap(&OptimizerPhaseTimes::update);
+  orthogonalize_all(updates);
+  clock.lap(&OptimizerPhaseTimes::orthogonalize);
+  for (size_t k = 0; k < updates.size(); ++k) {
+    const Slot& sl = *updated_slots[k];
+    at::Tensor dest =
+        sharded ? out_seg.narrow(0, sl.off, updates[k].owned * sl.numel) : at::Tensor();
+    const at::Tensor updated = finish_update(updates[k], dest);
+    if (sharded) {
+      if (!updated.is_same(dest)) dest.copy_(updated.reshape({-1}));
+    } else {
+      for (int64_t i = 0; i < updates[k].owned; ++i)
+        sl.s->params[static_cast<size_t>(i)].detach().copy_(updated[i]);
+    }
+  }
+  clock.lap(&OptimizerPhaseTimes::update);
+  if (!sharded) return;
+  clock = PhaseClock(times);
+  at::Tensor gathered = param_buf_;
+  if (p2p) {
+    exchange_all_gather(pg_, gathered, rank_, world_);
+  } else {
+    at::Tensor slice = out_seg.clone();  // the native all-gather's input must not alias it
+    all_gather(pg_, gathered, slice);
+  }
+  for (const Slot& sl : slots) {
+    for (int64_t i = 0; i < sl.n; ++i) {
+      const int64_t at_ = (i / sl.c) * seg + sl.off + (i % sl.c) * sl.numel;
+      sl.s->params[static_cast<size_t>(i)].detach().view({-1}).copy_(
+          gathered.narrow(0, at_, sl.numel));
+    }
+  }
+  clock.lap(&OptimizerPhaseTimes::gather);
+}
+
+// A stack's update in two halves around the orthogonalization, which step() runs for every
+// stack at once (orthogonalize_all): `owned` entries starting at entry `start` (their state is
+// rows [0, owned) of the stack's state tensors), from their averaged gradients [owned, rows,
+// cols] (a scratch view this may overwrite); `mask` says which of them some rank had a
+// gradient for. finish_update returns the new values.
+//
+// On the CPU, when every entry had a gradient somewhere (the usual step) and the weight decay
+// is 0 (the recipes' default), the same arithmetic runs in place and without the masks'
+// selects: each kept operation is the one the general path runs, on the same operands, so the
+// results are the same bits (but for the sign of a parameter that is exactly zero before and
+// after). Elsewhere the decisions stay on tensors: no host synchronisation on a device.
+
+DistMuon::Update DistMuon::begin_update(Group& g, Stack& s, const at::Tensor& gr,
+                                        const at::Tensor& mask, int64_t start, int64_t owned) {
+  Update u;
+  u.g = &g;
+  u.s = &s;
+  u.owned = owned;
+  std::vector<at::Tensor> mine(s.params.begin() + start, s.params.begin() + start + owned);
+  for (auto& t : mine) t = t.detach();
+  // One entry (a rank's share of a small stack) is a view of the parameter: no copy.
+  u.P = owned == 1 ? mine.front().unsqueeze(0) : at::stack(mine);
+  u.m = mask.view({owned, 1, 1});
+  const bool host = u.m.is_cpu();
+  u.every = host && u.m.all().item<bool>();
+  u.no_decay = host && g.s.weight_decay.item<float>() == 0.0f;
+  u.mom = s.momentum.narrow(0, 0, owned);
+  u.sec = s.second.narrow(0, 0, owned);
+  const at::Tensor mu = g.s.momentum.to(u.P.scalar_type());
+
+  // Nesterov momentum.
+  u.mom_new = u.every ? u.mom.lerp_(gr, 1 - mu) : u.mom.lerp(gr, 1 - mu);
+  at::Tensor upd = at::Tensor(gr).lerp_(u.mom_new, mu);
+
+  // Each matrix, or each row slice of a split group, is a matrix of its own from here on:
+  // orthogonalized alone, variance-reduced preserving its own Frobenius norm, and stepped with
+  // the lr scale of its own shape. The second moment of a split group is per row (each row
+  // lies in one slice), so its slices share the state tensor without sharing a statistic.
+  u.slices = g.qkv.empty() ? std::vector<int64_t>{s.rows} : std::vector<int64_t>(g.qkv);
+  // Slices of one size (q, k and v without grouped-query attention) are matrices of one
+  // stack: on the in-place path they go through each part below once, as [owned x slices]
+  // matrices, instead of once per slice.
+  const bool uniform = u.every && u.no_decay && u.slices.size() > 1 &&
+                       std::all_of(u.slices.begin(), u.slices.end(),
+                                   [&](int64_t r) { return r == u.slices.front(); });
+  at::Tensor Pv = u.P, sec = u.sec;
+  if (uniform) {
+    const auto k = static_cast<int64_t>(u.slices.size());
+    const int64_t r = u.slices.front();
+    upd = upd.view({owned * k, r, s.cols});
+    Pv = u.P.view({owned * k, r, s.cols});
+    sec = sec.view({owned * k, r, 1});
+    u.slices = {r};
+  }
+  u.u_parts = upd.split_with_sizes(u.slices, -2);
+  u.p_parts = Pv.split_with_sizes(u.slices, -2);
+  u.sec_parts = s.red_dim == -1 ? sec.split_with_sizes(u.slices, -2) : std::vector<at::Tensor>{sec};
+  return u;
+}
+
+// Orthogonalizes the u_parts of every update, matrices of one shape together: the batched
+// products compute each matrix as they would alone (the same bits), in fewer, larger calls.
+void DistMuon::orthogonalize_all(std::vector<Update>& updates) const {
+  std::map<std::pair<int64_t, int64_t>, std::vector<std::pair<size_t, size_t>>> by_shape;
+  for (size_t k = 0; k < updates.size(); ++k) {
+    updates[k].ortho.resize(updates[k].u_parts.size());
+    for (size_t i = 0; i < updates[k].u_parts.size(); ++i) {
+      const at::Tensor& part = updates[k].u_parts[i];
+      by_shape[{part.size(-2), part.size(-1)}].push_back({k, i});
+    }
+  }
+  for (const auto& [shape, members] : by_shape) {
+    std::vector<at::Tensor> parts;
+    for (const auto& [k, i] : members) parts.push_back(updates[k].u_parts[i]);
+    const at::Tensor out = detail::orthogonalize(parts.size() == 1 ? parts.front() : at::cat(parts),
+                                                 options_.orthogonalizer, options_.ns_steps,
+                                                 options_.bf16_orthogonalization);
+    int64_t at_ = 0;
+    for (const auto& [k, i] : members) {
+      const int64_t n = updates[k].u_parts[i].size(0);
+      updates[k].ortho[i] = out.narrow(0, at_, n).to(updates[k].P.scalar_type());
+      at_ += n;
+    }
+  }
+}
+
+at::Tensor DistMuon::finish_update(Update& u, at::Tensor dest) {
+  const Group& g = *u.g;
+  const Stack& s = *u.s;
+  const at::Tensor beta2 = g.s.beta2.to(u.P.scalar_type());
+  const at::Tensor wd = g.s.weight_decay.to(u.P.scalar_type());
+  std::vector<at::Tensor> sec_new_parts, p_new_parts;
+  for (size_t i = 0; i < u.slices.size(); ++i) {
+    at::Tensor ui = u.ortho[i];
+
+    // Variance reduction (factored second moment, norm preserving).
+    const at::Tensor v_mean = ui.to(at::kFloat).square().mean(s.red_dim, /*keepdim=*/true);
+    const double red_size = static_cast<double>(ui.size(s.red_dim));
+    const at::Tensor v_norm = (v_mean.sum({-2, -1}, true) * red_size).sqrt();
+    at::Tensor seci = u.sec_parts[s.red_dim == -1 ? i : 0];
+    const at::Tensor sec_new = u.every ? seci.lerp_(v_mean.to(seci.scalar_type()), 1 - beta2)
+                                       : seci.lerp(v_mean.to(seci.scalar_type()), 1 - beta2);
+    const at::Tensor step_size = sec_new.clamp_min(1e-10).rsqrt();
+    const at::Tensor scaled_sq_sum = (v_mean * red_size) * step_size.to(at::kFloat).square();
+    const at::Tensor v_norm_new = scaled_sq_sum.sum({-2, -1}, true).sqrt();
+    const at::Tensor final_scale = step_size * (v_norm / v_norm_new.clamp_min(1e-10));
+    ui.mul_(final_scale.to(ui.scalar_type()));
+
+    // Cautious weight decay (parameter-sign agreement gates the decay, never the update:
+    // DESIGN.md "Decisions": the cautious gate) and the update.
+    const double aspect = std::sqrt(std::max(1.0, static_cast<double>(u.slices[i]) / s.cols));
+    const at::Tensor lr = (g.s.lr * aspect).to(u.P.scalar_type());
+    const at::Tensor& Pi = u.p_parts[i];
+    if (u.no_decay && u.every && u.slices.size() == 1 && dest.defined()) {
+      // The only slice, into its destination: the subtraction's own output, no copy after.
+      at::Tensor into = dest.view(Pi.sizes());
+      at::sub_out(into, Pi, ui.mul_(lr));
+      return dest;
+    }
+    if (u.no_decay) {
+      p_new_parts.push_back(Pi - ui.mul_(lr));
+    } else {
+      const at::Tensor cautious = (ui * Pi) >= 0;
+      p_new_parts.push_back(Pi - (lr * ui + lr * wd * Pi * cautious));
+    }
+    sec_new_parts.push_back(sec_new);
+  }
+  const at::Tensor P_new =
+      p_new_parts.size() == 1 ? p_new_parts[0].view(u.P.sizes()) : at::cat(p_new_parts, -2);
+  at::Tensor out = P_new;
+  if (!u.every) {
+    const at::Tensor sec_new =
+        sec_new_parts.size() == 1 ? sec_new_parts[0] : at::cat(sec_new_parts, -2);
+    u.mom.copy_(at::where(u.m, u.mom_new, u.mom));
+    u.sec.copy_(at::where(u.m, sec_new, u.sec));
+    out = at::where(u.m, P_new, u.P);
+  }
+  return out;
+}
+
+OptimizerState DistMuon::state_dict() const {
+  OptimizerState s = state_view();
+  for (auto& e : s.entries) e.value = e.value.detach().clone();
+  return s;
+}
+
+OptimizerState DistMuon::state_view() const {
+  Entries live;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const Group& g = groups_[gi];
+    for (size_t si = 0; si < g.stacks.size(); ++si) {
+      const Stack& s = g.stacks[si];
+      const int64_t padded = options_.replicated ? s.chunk : s.chunk * world_;
+      const int64_t off = options_.replicated ? 0 : rank_ * s.chunk;
+      live.push_back(OptimizerStateEntry{.key = stack_key(gi, si, StateField::kMomentum),
+                                         .value = s.momentum,
+                                         .full_shape = {padded, s.rows, s.cols},
+                                         .offset = off,
+                                         .replicated = options_.replicated});
+      std::vector<int64_t> second_full = s.second.sizes().vec();
+      second_full[0] = padded;
+      live.push_back(OptimizerStateEntry{.key = stack_key(gi, si, StateField::kSecondMomentum),
+                                         .value = s.second,
+                                         .full_shape = second_full,
+                                         .offset = off,
+                                         .replicated = options_.replicated});
+    }
+    add_scalar_entry(live, group_key(gi, StateField::kLr), g.s.lr);
+    add_scalar_entry(live, group_key(gi, StateField::kMomentum), g.s.momentum);
+    add_scalar_entry(live, group_key(gi, StateField::kBeta2), g.s.beta2);
+    add_scalar_entry(live, group_key(gi, StateField::kWeightDecay), g.s.weight_decay);
+  }
+  return OptimizerState{.kind = "dist_muon", .rank = rank_, .world = world_, .entries = live};
+}
+
+void DistMuon::load_state_dict(const OptimizerState& state) {
+  OptimizerState live = state_dict();
+  size_t k = 0;
+  for (Group& g : groups_) {
+    for (Stack& s : g.stacks) {
+      live.entries[k++].value = s.momentum;
+      live.entries[k++].value = s.second;
+    }
+    for (const at::Tensor& t : {g.s.lr, g.s.momentum, g.s.beta2, g.s.weight_decay})
+      live.entries[k++].value = t;
+  }
+  load_entries("dist_muon", rank_, world_, live.entries, state);
+}
+
+}  // namespace megacpp::trainer
