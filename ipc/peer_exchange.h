@@ -1,5 +1,5 @@
 // megacpp::ipc peer exchange: point-to-point messages between the ranks of one host through
-// shared memory, for the optimizer's exchanges (stages/trainer/optim.cpp).
+// shared memory, for the optimizer's exchanges (stages/trainer/optim_exchange.cpp).
 //
 // Every rank creates one region, its outbox: for each peer two slots (a message larger than a
 // slot streams through them in chunks, double-buffered) and the counters of what it published
