@@ -239,7 +239,9 @@ std::vector<uint16_t> to_bf16_all(const std::vector<float>& v) {
 // Bit equality, so that -0 vs +0 and NaN payloads count.
 template <typename T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+  // An empty vector's data() may be null, which memcmp must not be given even for 0 bytes.
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
 // Lengths across the vector widths' tails (1..17) and a vectorized body.
