@@ -493,16 +493,18 @@ void print_bytes(const Config& c, const ShapeSet& s) {
   }
   mag.elements = mrs.elements;
   mask.elements = static_cast<double>(s.adamw.size() + s.muon().size());
-  for (Traffic* t : {&mask, &rep}) t->gloo = t->native = ar * 4 * t->elements;
-  for (Traffic* t : {&rs, &mrs}) {
-    t->gloo = ar * 4 * t->elements;  // Gloo: all-reduce of the whole buffer, then a narrow
-    t->native = half * 4 * t->elements;
-  }
+  // Rank-ordered (Gloo, shared memory; stages/trainer/exchange.h): the has-grad flags ride in
+  // the gradient buffers (a few bytes, not counted), a reduce-scatter sends each other rank
+  // its segment once.
+  mask.gloo = 0;
+  mask.native = ar * 4 * mask.elements;
+  rep.gloo = rep.native = ar * 4 * rep.elements;
+  for (Traffic* t : {&rs, &mrs}) t->gloo = t->native = half * 4 * t->elements;
   for (Traffic* t : {&ag, &mag}) t->gloo = t->native = half * 4 * t->elements;
 
   fmt::print("{}: {}\n", s.label, placement);
-  fmt::print("  {:<40} {:>11} {:>17} {:>17}\n", "collective", "elements", "as issued on Gloo",
-             "native RS (NCCL)");
+  fmt::print("  {:<40} {:>11} {:>17} {:>17}\n", "collective", "elements", "rank-ordered",
+             "native (NCCL)");
   Traffic total{"megacpp total", 0, 0, 0};
   for (const Traffic* t : {&mask, &rep, &rs, &ag, &mrs, &mag}) {
     fmt::print("  {:<40} {:>11.0f} {:>17} {:>17}\n", t->what, t->elements, mib(t->gloo),
@@ -582,8 +584,8 @@ void section_bytes(const Config& c, const mc::forked_world::ForkedWorld& world,
       c.world);
   for (const ShapeSet& s : sets) print_bytes(c, s);
   fmt::print(
-      "On Gloo our reduce-scatter is issued as an all-reduce of the whole buffer followed by a\n"
-      "narrow (stages/trainer/optim_exchange.cpp, reduce_scatter_sum), hence the Gloo column.\n");
+      "Rank-ordered: the exchanges of stages/trainer/exchange.h on Gloo and shared memory (the\n"
+      "has-grad flags ride in the gradient buffers); native: the backend's own collectives.\n");
   const json probe = run_ranks(c, world, "probe", [&](const Pg& pg, uint32_t rank) {
     return probe_rank(pg, rank, c.world);
   });

@@ -211,6 +211,12 @@ void PeerExchange::unlink() {
   own_->unlink();
 }
 
+void PeerExchange::forget(uint32_t rank) {
+  MEGACPP_CHECK(rank < world_ && rank != rank_, ErrorKind::kInvalidArgument,
+                fmt::format("peer exchange: no peer rank {} in a world of {}", rank, world_));
+  peers_[rank].reset();
+}
+
 void PeerExchange::abort() noexcept {
   aborted_.store(true, std::memory_order_seq_cst);
   auto* bell = reinterpret_cast<Bell*>(own_->data() + kBellOffset);

@@ -1,5 +1,6 @@
 // megacpp::ipc peer exchange: point-to-point messages between the ranks of one host through
-// shared memory, for the optimizer's exchanges (stages/trainer/optim_exchange.cpp).
+// shared memory, for the optimizer's exchanges (stages/trainer/exchange.h), link by link:
+// the peers of a group that share this host attach each other; others are reached elsewhere.
 //
 // Every rank creates one region, its outbox: for each peer two slots (a message larger than a
 // slot streams through them in chunks, double-buffered) and the counters of what it published
@@ -60,6 +61,13 @@ class PeerExchange {
   void attach(uint32_t rank, std::string_view token);
   // Removes this outbox's name (every peer has attached it); the mappings stay.
   void unlink();
+  // Drops peer `rank`'s attachment: from here on messages to and from it go another way
+  // (the group agreed that this link is not shared: the peer could not attach this outbox).
+  void forget(uint32_t rank);
+  // Whether peer `rank` is attached: its messages can go through shared memory.
+  bool reaches(uint32_t rank) const noexcept {
+    return rank < peers_.size() && peers_[rank] != nullptr;
+  }
 
   // One message to and one from each listed peer; `send` and `recv` of one peer have the
   // sizes the peer gives to its own `recv` and `send` for this rank. Collective: every rank

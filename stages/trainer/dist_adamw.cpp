@@ -11,30 +11,19 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "stages/trainer/exchange.h"
 #include "stages/trainer/optim_internal.h"
 
 namespace megacpp::trainer {
 
 using detail::add_scalar_entry;
-using detail::all_gather;
-using detail::all_reduce;
 using detail::Entries;
-using detail::exchange_all_gather;
-using detail::exchange_all_reduce;
-using detail::exchange_reduce_scatter;
-using detail::global_mask;
 using detail::group_key;
-using detail::is_gloo;
-using detail::kPolarExpress;
 using detail::load_entries;
 using detail::param_key;
-using detail::Pg;
 using detail::PhaseClock;
-using detail::rank_and_world;
-using detail::reduce_scatter_sum;
 using detail::scalar_tensor;
 using detail::shape_str;
-using detail::stack_key;
 
 // =======================================================================================
 // DistAdamW
@@ -51,9 +40,10 @@ struct DistAdamW::Param {
   at::Tensor exp_avg, exp_avg_sq, step;
 };
 
-DistAdamW::DistAdamW(std::vector<AdamWParamGroup> groups, Pg pg, DistAdamWOptions options)
-    : pg_(std::move(pg)) {
-  rank_and_world(pg_, rank_, world_);
+DistAdamW::DistAdamW(std::vector<AdamWParamGroup> groups, Exchange::Pg pg, DistAdamWOptions options)
+    : exchange_(Exchange::over(std::move(pg))),
+      rank_(exchange_->rank()),
+      world_(exchange_->world()) {
   MEGACPP_CHECK(!groups.empty(), ErrorKind::kInvalidArgument, "DistAdamW without groups");
   MEGACPP_CHECK(options.crossover_numel >= 0, ErrorKind::kInvalidArgument,
                 "DistAdamW crossover_numel must be >= 0");
@@ -116,7 +106,7 @@ bool DistAdamW::is_sharded(size_t index) const {
 }
 
 bool DistAdamW::exchanges_by_point_to_point() const {
-  return pg_ && world_ > 1 && is_gloo(pg_) &&
+  return exchange_->rank_ordered() &&
          std::all_of(params_.begin(), params_.end(),
                      [](const Param& q) { return q.p.scalar_type() == at::kFloat; });
 }
@@ -128,7 +118,6 @@ void DistAdamW::pack_bucket() {
   const auto opts = params_.front().p.options().dtype(at::kFloat).requires_grad(false);
   if (bucket_.numel() != total) {
     bucket_ = at::empty({total}, opts);
-    bucket_scratch_ = at::empty({total * (world_ - 1)}, opts);
   }
   std::vector<float> had(static_cast<size_t>(n), 0.0f);
   int64_t off = n;
@@ -159,11 +148,11 @@ at::Tensor DistAdamW::pack_for_exchange() {
 void DistAdamW::step(OptimizerPhaseTimes* times) {
   at::NoGradGuard ng;
   PhaseClock clock(times);
-  // On Gloo every gradient and the has-grad flags travel in one buffer, all-reduced by one
-  // exchange (summed in rank order, so a parameter's sums do not depend on what else is in
-  // the buffer: the sharded placement and its replicated mirror agree bit for bit) or by the
-  // caller's (pack_for_exchange); a sharded parameter then steps its own rows and all-gathers
-  // them. Elsewhere one has-grad mask, then one collective per parameter.
+  // On a rank-ordered exchange (Gloo, shared memory) every gradient and the has-grad flags
+  // travel in one buffer, all-reduced by one exchange (summed in rank order, so a parameter's sums
+  // do not depend on what else is in the buffer: the sharded placement and its replicated mirror
+  // agree bit for bit) or by the caller's (pack_for_exchange); a sharded parameter then steps its
+  // own rows and all-gathers them. Elsewhere one has-grad mask, then one collective per parameter.
   const bool p2p = exchanges_by_point_to_point();
   const auto n = static_cast<int64_t>(params_.size());
   at::Tensor mask;
@@ -171,7 +160,7 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
   if (p2p) {
     if (!packed_) {
       pack_bucket();
-      exchange_all_reduce(pg_, bucket_, bucket_scratch_, rank_, world_);
+      exchange_->all_reduce(bucket_);
     }
     packed_ = false;
     bucket = bucket_;
@@ -180,7 +169,7 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
     std::vector<at::Tensor> ps;
     ps.reserve(params_.size());
     for (const auto& q : params_) ps.push_back(q.p);
-    mask = global_mask(pg_, ps, params_.front().p.device());
+    mask = exchange_->has_grad_mask(ps, params_.front().p.device());
   }
   clock.lap(&OptimizerPhaseTimes::reduce);
 
@@ -209,10 +198,13 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
       at::Tensor full = grad.defined() ? grad.detach().to(q.p.dtype()).contiguous().clone()
                                        : at::zeros_like(q.p.detach());
       if (q.sharded) {
-        g = reduce_scatter_sum(pg_, full, rank_, world_);
+        std::vector<int64_t> rows = full.sizes().vec();
+        rows[0] = q.rows;
+        at::Tensor flat = full.view({-1});
+        g = exchange_->reduce_scatter(flat).view(rows);
         p_owned = q.p.detach().narrow(0, rank_ * q.rows, q.rows);
       } else {
-        if (pg_ && world_ > 1) all_reduce(pg_, full, c10d::ReduceOp::SUM);
+        exchange_->all_reduce(full);
         g = full;
         p_owned = q.p.detach();
       }
@@ -254,14 +246,8 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
       clock.lap(&OptimizerPhaseTimes::update);
     }
     if (q.sharded) {
-      if (p2p) {
-        at::Tensor rows = q.p.detach().view({-1});
-        exchange_all_gather(pg_, rows, rank_, world_);
-      } else {
-        at::Tensor slice = p_owned.clone();
-        at::Tensor out = q.p.detach();
-        all_gather(pg_, out, slice);
-      }
+      at::Tensor rows = q.p.detach().view({-1});
+      exchange_->all_gather(rows);
       clock.lap(&OptimizerPhaseTimes::gather);
     }
   }

@@ -11,27 +11,17 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "stages/trainer/exchange.h"
 #include "stages/trainer/optim_internal.h"
 
 namespace megacpp::trainer {
 
 using detail::add_scalar_entry;
-using detail::all_gather;
-using detail::all_reduce;
 using detail::Entries;
-using detail::exchange_all_gather;
-using detail::exchange_all_reduce;
-using detail::exchange_reduce_scatter;
-using detail::global_mask;
 using detail::group_key;
-using detail::is_gloo;
 using detail::kPolarExpress;
 using detail::load_entries;
-using detail::param_key;
-using detail::Pg;
 using detail::PhaseClock;
-using detail::rank_and_world;
-using detail::reduce_scatter_sum;
 using detail::scalar_tensor;
 using detail::shape_str;
 using detail::stack_key;
@@ -66,9 +56,11 @@ struct DistMuon::Update {
   std::vector<at::Tensor> ortho;  // orthogonalize(u_parts[i]) in P's dtype (orthogonalize_all)
 };
 
-DistMuon::DistMuon(std::vector<MuonParamGroup> groups, Pg pg, DistMuonOptions options)
-    : pg_(std::move(pg)), options_(options) {
-  rank_and_world(pg_, rank_, world_);
+DistMuon::DistMuon(std::vector<MuonParamGroup> groups, Exchange::Pg pg, DistMuonOptions options)
+    : exchange_(Exchange::over(std::move(pg))),
+      options_(options),
+      rank_(exchange_->rank()),
+      world_(exchange_->world()) {
   MEGACPP_CHECK(
       options_.ns_steps >= 1 && (options_.orthogonalizer == Orthogonalizer::kNewtonSchulz ||
                                  options_.ns_steps <= static_cast<int>(kPolarExpress.size())),
@@ -188,11 +180,11 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
   std::vector<at::Tensor> all;
   for (const Group& g : groups_)
     for (const Stack& s : g.stacks) all.insert(all.end(), s.params.begin(), s.params.end());
-  const bool distributed = pg_ && world_ > 1;
+  const bool distributed = world_ > 1;
   const bool sharded = !options_.replicated && distributed;
-  const bool p2p = distributed && is_gloo(pg_);
+  const bool p2p = exchange_->rank_ordered();
   const at::Device device = all.front().device();
-  at::Tensor mask = p2p ? at::Tensor() : global_mask(pg_, all, device);
+  at::Tensor mask = p2p ? at::Tensor() : exchange_->has_grad_mask(all, device);
 
   struct Slot {
     Group* g;
@@ -227,7 +219,6 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
     // of zeros keep them zero.
     grad_buf_ = at::zeros({stride * world_}, opts);
     param_buf_ = sharded ? at::zeros({seg * world_}, opts) : at::Tensor();
-    recv_buf_ = p2p ? at::empty({stride * (world_ - 1)}, opts) : at::Tensor();
   }
   at::Tensor& flat = grad_buf_;
   std::vector<float> had(static_cast<size_t>(flags), 0.0f);
@@ -258,7 +249,7 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
   } else if (distributed) {
     for (const at::Tensor& r : riders) {
       at::Tensor t = r;
-      all_reduce(pg_, t, c10d::ReduceOp::SUM);
+      exchange_->all_reduce(t);
     }
   }
   // After the reduction: the riders' sums, out of segment `q` of the reduced buffer.
@@ -271,22 +262,19 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
   };
   at::Tensor mine = flat;  // sharded: this rank's segment; otherwise the whole buffer
   if (sharded) {
+    mine = exchange_->reduce_scatter(flat, /*mean_prefix=*/seg);
     if (p2p) {
-      exchange_reduce_scatter(pg_, flat, recv_buf_, rank_, world_, /*mean_prefix=*/seg);
       mask = flat.narrow(0, rank_ * stride + seg, flags) > 0;
       unload_riders(rank_);
-      mine = flat.narrow(0, rank_ * stride, stride);
-    } else {
-      mine = reduce_scatter_sum(pg_, flat, rank_, world_) / static_cast<double>(world_);
     }
   } else if (distributed) {
     if (p2p) {
-      exchange_reduce_scatter(pg_, flat, recv_buf_, rank_, world_);
-      exchange_all_gather(pg_, flat, rank_, world_);
+      exchange_->reduce_scatter(flat);
+      exchange_->all_gather(flat);
       mask = flat.narrow(0, seg, flags) > 0;
       unload_riders(0);
     } else {
-      all_reduce(pg_, flat, c10d::ReduceOp::SUM);
+      exchange_->all_reduce(flat);
     }
     mine = flat.div_(static_cast<double>(world_));
   }
@@ -335,12 +323,7 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
   if (!sharded) return;
   clock = PhaseClock(times);
   at::Tensor gathered = param_buf_;
-  if (p2p) {
-    exchange_all_gather(pg_, gathered, rank_, world_);
-  } else {
-    at::Tensor slice = out_seg.clone();  // the native all-gather's input must not alias it
-    all_gather(pg_, gathered, slice);
-  }
+  exchange_->all_gather(gathered);
   for (const Slot& sl : slots) {
     for (int64_t i = 0; i < sl.n; ++i) {
       const int64_t at_ = (i / sl.c) * seg + sl.off + (i % sl.c) * sl.numel;

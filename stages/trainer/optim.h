@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -135,6 +136,8 @@ struct AdamWScalars {
   at::Tensor lr, beta1, beta2, eps, weight_decay;  // 0-D float32
 };
 
+class Exchange;
+
 class DistAdamW {
  public:
   // Throws Error{kInvalidArgument} for an empty group, an undefined parameter, or
@@ -177,17 +180,16 @@ class DistAdamW {
  private:
   struct Group;
   struct Param;
-  c10::intrusive_ptr<c10d::Backend> pg_;
+  std::unique_ptr<Exchange> exchange_;  // exchange.h: the collectives over the group
   uint32_t rank_ = 0;
   uint32_t world_ = 1;
   bool exchanges_by_point_to_point() const;
   void pack_bucket();
   std::vector<Group> groups_;
   std::vector<Param> params_;
-  // step()'s buffers on Gloo, kept from one step to the next: the has-grad flags and every
-  // gradient, and the exchange's receive buffer. packed_: pack_for_exchange() handed the
-  // bucket out for this step.
-  at::Tensor bucket_, bucket_scratch_;
+  // step()'s buffer on a rank-ordered exchange, kept from one step to the next: the has-grad
+  // flags and every gradient. packed_: pack_for_exchange() handed the bucket out for this step.
+  at::Tensor bucket_;
   bool packed_ = false;
 };
 
@@ -295,14 +297,14 @@ class DistMuon {
   // The new values; written into `dest` (contiguous, the entries' size) and returned as it
   // where that saves a copy, else a tensor of their own.
   at::Tensor finish_update(Update& u, at::Tensor dest);
-  c10::intrusive_ptr<c10d::Backend> pg_;
+  std::unique_ptr<Exchange> exchange_;  // exchange.h: the collectives over the group
   DistMuonOptions options_;
   uint32_t rank_ = 0;
   uint32_t world_ = 1;
   std::vector<Group> groups_;
-  // step()'s buffers, kept from one step to the next: the rank-major stacked gradients, the
-  // updated entries to all-gather (sharded), and a ring step's receive buffer (Gloo).
-  at::Tensor grad_buf_, param_buf_, recv_buf_;
+  // step()'s buffers, kept from one step to the next: the rank-major stacked gradients and
+  // the updated entries to all-gather (sharded).
+  at::Tensor grad_buf_, param_buf_;
 };
 
 namespace detail {

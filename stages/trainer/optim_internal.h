@@ -1,7 +1,8 @@
 // megacpp::trainer optimizer internals shared by the optimizer's translation units
-// (optim_exchange.cpp, orthogonalize.cpp, optim_state.cpp, dist_adamw.cpp, dist_muon.cpp).
+// (orthogonalize.cpp, optim_state.cpp, dist_adamw.cpp, dist_muon.cpp; their collectives are
+// exchange.h's).
 // Not part of the trainer's public interface (optim.h). Contracts as in optim.h; blocking and
-// failure of the exchange functions are those of run_collective and ipc/peer_exchange.h.
+// failure of the collectives are exchange.h's.
 #pragma once
 
 #include <array>
@@ -35,22 +36,10 @@ class PhaseClock {
   std::chrono::steady_clock::time_point last_;
 };
 
-// --- optim_exchange.cpp: the collectives of the step, Gloo / shared memory / other c10d.
+// --- optim_state.cpp: small helpers of the optimizers.
 
 at::Tensor scalar_tensor(double v, const at::Device& device);
 std::string shape_str(at::IntArrayRef s);
-bool is_gloo(const Pg& pg);
-void all_reduce(const Pg& pg, at::Tensor& t, c10d::ReduceOp op);
-at::Tensor reduce_scatter_sum(const Pg& pg, at::Tensor& full, uint32_t rank, uint32_t world);
-void exchange_reduce_scatter(const Pg& pg, at::Tensor& flat, at::Tensor& scratch, uint32_t rank,
-                             uint32_t world, int64_t mean_prefix = 0);
-void exchange_all_gather(const Pg& pg, at::Tensor& flat, uint32_t rank, uint32_t world);
-void exchange_all_reduce(const Pg& pg, at::Tensor& flat, at::Tensor& scratch, uint32_t rank,
-                         uint32_t world);
-void all_gather(const Pg& pg, at::Tensor& out, at::Tensor& slice);
-at::Tensor global_mask(const Pg& pg, const std::vector<at::Tensor>& params,
-                       const at::Device& device);
-void rank_and_world(const Pg& pg, uint32_t& rank, uint32_t& world);
 
 // --- orthogonalize.cpp: the coefficients of the orthogonalizers (DistMuon checks ns_steps
 // against kPolarExpress's length).

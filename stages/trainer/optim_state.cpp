@@ -11,6 +11,14 @@ namespace megacpp::trainer {
 
 namespace detail {
 
+at::Tensor scalar_tensor(double v, const at::Device& device) {
+  return at::full({}, v, at::TensorOptions().dtype(at::kFloat).device(device));
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  return c10::str(s);
+}
+
 void load_entries(const std::string& kind, uint32_t rank, uint32_t world, const Entries& live,
                   const OptimizerState& state) {
   MEGACPP_CHECK(state.kind == kind, ErrorKind::kInvalidArgument,

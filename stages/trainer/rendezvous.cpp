@@ -124,10 +124,12 @@ class AbortableGloo final : public c10d::ProcessGroupGloo,
   std::unique_ptr<ipc::PeerExchange> exchange_;
 };
 
-// Collective over `store`: every rank creates its outbox, publishes its token, attaches every
-// peer's and says whether it could; only when all could do they keep the exchange (and unlink
-// the names: from here on only the mappings hold the segments). A rank that cannot says so
-// instead of failing, so the group falls back to Gloo together. Store errors propagate.
+// Collective over `store`: every rank creates its outbox and publishes its token and host;
+// each attaches the outboxes of the peers that name the same host and publishes which it
+// could. A link goes through shared memory only when both of its ranks attached each other,
+// so both sides agree on every link; the others go through Gloo (exchange.h chooses per link).
+// A rank that cannot create or attach says so instead of failing. Null when no link is shared.
+// Store errors propagate.
 std::unique_ptr<ipc::PeerExchange> connect_peer_exchange(c10d::Store& store, const GlooOptions& o) {
   std::unique_ptr<ipc::PeerExchange> x;
   std::string why;
@@ -145,35 +147,48 @@ std::unique_ptr<ipc::PeerExchange> connect_peer_exchange(c10d::Store& store, con
     const std::vector<uint8_t> v = store.get(key);
     return std::string(v.begin(), v.end());
   };
+  store.set(fmt::format("peer_exchange/host/{}", o.rank), to_bytes(o.peer_exchange_host));
   store.set(fmt::format("peer_exchange/token/{}", o.rank), to_bytes(x ? x->token() : "-"));
+  std::string attached(o.world, '0');
+  std::vector<bool> same_host(o.world, false);
   for (uint32_t q = 0; q < o.world; ++q) {
     if (q == o.rank) continue;
+    same_host[q] = get(fmt::format("peer_exchange/host/{}", q)) == o.peer_exchange_host;
     const std::string token = get(fmt::format("peer_exchange/token/{}", q));
-    if (!x) continue;
+    if (!x || !same_host[q]) continue;
     if (token == "-") {
       why = fmt::format("rank {} could not create its outbox", q);
-      x.reset();
       continue;
     }
     try {
       x->attach(q, token);
+      attached[q] = '1';
     } catch (const Error& e) {
       why = fmt::format("rank {}'s outbox: {}", q, e.what());
-      x.reset();
     }
   }
-  store.set(fmt::format("peer_exchange/attached/{}", o.rank), to_bytes(x ? "1" : "0"));
-  uint32_t failed = 0;
-  for (uint32_t q = 0; q < o.world; ++q)
-    if (get(fmt::format("peer_exchange/attached/{}", q)) != "1") ++failed;
-  if (failed > 0) {
-    if (why.empty()) why = fmt::format("{} other rank(s) could not attach every outbox", failed);
-    log_warn(
-        "rank {}: the optimizer exchanges go through Gloo, not shared memory ({}); expected "
-        "when the ranks do not share a host",
-        o.rank, why);
-    return nullptr;
+  store.set(fmt::format("peer_exchange/attached/{}", o.rank), to_bytes(attached));
+  uint32_t shared = 0, fell_back = 0;
+  for (uint32_t q = 0; q < o.world; ++q) {
+    if (q == o.rank || !same_host[q]) continue;
+    const std::string theirs = get(fmt::format("peer_exchange/attached/{}", q));
+    const bool both = attached[q] == '1' && theirs.size() == o.world && theirs[o.rank] == '1';
+    if (both) {
+      ++shared;
+    } else {
+      if (x && attached[q] == '1') x->forget(q);
+      ++fell_back;
+    }
   }
+  if (fell_back > 0) {
+    if (why.empty())
+      why = fmt::format("{} peer(s) of this host could not attach this outbox", fell_back);
+    log_warn(
+        "rank {}: {} optimizer exchange link(s) to ranks of this host go through Gloo, not "
+        "shared memory ({})",
+        o.rank, fell_back, why);
+  }
+  if (shared == 0) return nullptr;
   x->unlink();
   return x;
 }

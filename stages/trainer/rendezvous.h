@@ -33,10 +33,15 @@ struct GlooOptions {
   // so a store shared by several groups or generations never mixes their rendezvous.
   std::string store_prefix;
   // Non-empty: the optimizers' point-to-point exchanges go through shared memory
-  // (ipc/peer_exchange.h; rank r's outbox is the shm segment "<prefix><r>") when every rank
-  // of the group can map every other's, that is when they share a host; otherwise through
-  // Gloo's send and receive, with a warning naming why. Empty: always Gloo.
+  // (ipc/peer_exchange.h; rank r's outbox is the shm segment "<prefix><r>") on every link
+  // between two ranks that name the same peer_exchange_host and could map each other's
+  // outbox; every other link through Gloo's send and receive (exchange.h), with a warning
+  // naming why when a link of one host could not be shared. Empty: always Gloo.
   std::string peer_exchange_prefix;
+  // The host this rank runs on, as the job names it (its node): ranks of different hosts
+  // never share memory, even where their /dev/shm happens to be one (namespaces as hosts).
+  // Empty on every rank: one host.
+  std::string peer_exchange_host;
   size_t peer_exchange_slot_bytes = 0;  // 0: PeerExchange's default (tests stream small slots)
 };
 c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooOptions& options);

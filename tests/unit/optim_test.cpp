@@ -22,7 +22,9 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "core/error.h"
+#include "ipc/peer_exchange.h"
 #include "ops/optim_kernels.h"
+#include "stages/trainer/collective.h"
 #include "stages/trainer/optim.h"
 #include "stages/trainer/rendezvous.h"
 #include "tests/unit/test_support.h"
@@ -655,6 +657,103 @@ TEST_F(OptimTest, OrthogonalizationIsTheOperationSequenceBitForBit) {
       EXPECT_TRUE(same_bits(both.narrow(0, 3, 1), detail::orthogonalize(b, which, 5, bf16)));
     }
   }
+}
+
+// The exchange chooses its transport per link (exchange.h): at world 4, all links through
+// Gloo, all through shared memory, and two hosts of two ranks (shared memory inside a host,
+// Gloo between them) must give the same parameters bit for bit, on every rank. DistAdamW's
+// bucket takes the reduce-scatter + all-gather path (>= 65536 elements, divisible by 4), its
+// sharded parameters the per-parameter ones; DistMuon runs sharded and replicated; gradients
+// are absent on some ranks at some steps.
+TEST_F(OptimTest, ExchangeLinksDoNotChangeTheBits) {
+  constexpr uint32_t kWorld = 4, kLinkSteps = 5;
+  const std::vector<std::vector<int64_t>> adam_shapes = {{256, 256}, {16}, {33, 64}, {}, {6}};
+  const std::vector<std::vector<int64_t>> muon_shapes = {{32, 16}, {32, 16}, {32, 16},
+                                                         {16, 48}, {16, 48}, {24, 24}};
+  char tmpl[] = "/tmp/megacpp-optim-links-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const fs::path dir(tmpl);
+  const std::string shm = fmt::format("/megacpp-optim-links-{}-", getpid());
+  const std::vector<std::string> links = {"gloo", "shm", "mixed"};
+  for (const std::string& link : links) {
+    const forked_world::ForkedWorld world(kWorld, std::chrono::seconds(30));
+    const uint16_t port = world.store_port();
+    const auto rank_body = [&](uint32_t rank) {
+      try {
+        GlooOptions go;
+        go.store_port = port;
+        go.rank = rank;
+        go.world = kWorld;
+        go.store_timeout = std::chrono::seconds(30);
+        go.collective_timeout = std::chrono::seconds(30);
+        go.store_prefix = "optim_links/";
+        if (link != "gloo") go.peer_exchange_prefix = shm + link + "-";
+        go.peer_exchange_slot_bytes = 4096;  // messages stream through several chunks
+        if (link == "mixed") go.peer_exchange_host = rank < 2 ? "host-a" : "host-b";
+        const Pg pg = connect_gloo(go);
+        const ipc::PeerExchange* x = peer_exchange_of(pg);
+        for (uint32_t q = 0; q < kWorld; ++q) {
+          if (q == rank) continue;
+          const bool want = link == "shm" || (link == "mixed" && (q < 2) == (rank < 2));
+          if ((x != nullptr && x->reaches(q)) != want) {
+            fprintf(stderr, "rank %u (%s): link to %u is not as configured\n", rank, link.c_str(),
+                    q);
+            return 6;
+          }
+        }
+        auto ap = make_params(adam_shapes, 11);
+        auto mp = make_params(muon_shapes, 12);
+        auto rp = make_params(muon_shapes, 13);
+        DistAdamW adam({AdamWParamGroup{.params = ap, .lr = 1e-2, .weight_decay = 0.1}}, pg,
+                       DistAdamWOptions{.crossover_numel = 1024});
+        DistMuon muon({MuonParamGroup{.params = mp, .weight_decay = 0.1}}, pg);
+        DistMuon replicated({MuonParamGroup{.params = rp}}, pg,
+                            DistMuonOptions{.replicated = true});
+        if (!adam.is_sharded(0) || adam.is_sharded(1)) return 7;
+        for (uint32_t step = 0; step < kLinkSteps; ++step) {
+          auto grads = [&](std::vector<at::Tensor>& ps) {
+            for (size_t i = 0; i < ps.size(); ++i) {
+              if ((step + i + rank) % 3 == 0)
+                ps[i].mutable_grad() = at::Tensor();
+              else
+                set_grad(ps[i], rank_grad(ps[i], i, step, rank));
+            }
+          };
+          grads(ap);
+          grads(mp);
+          grads(rp);
+          adam.step();
+          muon.step();
+          replicated.step();
+        }
+        std::vector<at::Tensor> all = ap;
+        all.insert(all.end(), mp.begin(), mp.end());
+        all.insert(all.end(), rp.begin(), rp.end());
+        write_floats(dir / fmt::format("{}-{}.bin", link, rank), flat(all));
+        return 0;
+      } catch (const std::exception& e) {
+        fprintf(stderr, "rank %u (%s): %s\n", rank, link.c_str(), e.what());
+        return 2;
+      }
+    };
+    const std::vector<int> status =
+        test_support::run_ranks_within(world, rank_body, std::chrono::seconds(120));
+    for (uint32_t r = 0; r < kWorld; ++r)
+      ASSERT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
+          << link << " rank " << r << " exit status " << WEXITSTATUS(status[r]);
+  }
+  const std::vector<float> want = read_floats(dir / "gloo-0.bin");
+  ASSERT_FALSE(want.empty());
+  for (const std::string& link : links) {
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      const std::vector<float> got = read_floats(dir / fmt::format("{}-{}.bin", link, r));
+      ASSERT_EQ(got.size(), want.size()) << link << " rank " << r;
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
+          << link << " rank " << r << " differs from Gloo rank 0 (max |diff| "
+          << max_abs_diff(got, want) << ")";
+    }
+  }
+  fs::remove_all(dir);
 }
 
 TEST_F(OptimTest, MuonRefusesNon2DParameters) {
