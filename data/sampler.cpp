@@ -95,8 +95,8 @@ Sampler::Sampler(std::span<const Shard* const> shards, const SamplerConfig& conf
     : shards_(shards.begin(), shards.end()),
       config_(config),
       spec_{.batch = config.batch, .seq_len = config.seq_len, .token_bytes = config.token_bytes} {
-  MEGACPP_CHECK(config.seq_len >= 1 && config.batch >= 1 && config.world >= 1,
-                ErrorKind::kInvalidArgument, "sampler needs seq_len, batch and world >= 1");
+  MEGACPP_CHECK(config.batch >= 1 && config.world >= 1, ErrorKind::kInvalidArgument,
+                "sampler needs batch and world >= 1");
   MEGACPP_CHECK(config.token_bytes == 2 || config.token_bytes == 4, ErrorKind::kInvalidArgument,
                 "slot tokens are 2 or 4 bytes");
   const uint64_t T = config.seq_len;

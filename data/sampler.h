@@ -28,6 +28,8 @@
 namespace megacpp::data {
 
 struct SamplerConfig {
+  // The batch geometry's (recipe::resolve_batch, recipe::batch_geometry): >= 2, bounded by the
+  // recipe rule model.seq_len and not checked again here.
   uint32_t seq_len = 0;
   uint32_t batch = 0;  // rows per rank and step
   uint32_t world = 1;

@@ -729,10 +729,12 @@ BatchGeometry batch_geometry(schema::LaunchContract::Reader l) {
                 ErrorKind::kInvalidArgument,
                 fmt::format("a world of {} does not divide into tensor-parallel groups of {}",
                             g.world, g.tensor_parallel));
-  // Whether the record holds together; the values' own bounds are the recipe's rules (the
-  // recipe in the contract passed them) and the sampler's and model's invariants.
+  // Whether the record holds together, and with the recorded recipe's seq_len: the values' own
+  // bounds are the recipe's rules (the recipe in the contract passed them), checked once there;
+  // the sampler and the model take seq_len as given.
   MEGACPP_CHECK(
       !recorded || ((g.slot.token_bytes == 2 || g.slot.token_bytes == 4) &&
+                    g.slot.seq_len == l.getRecipe().getModel().getSeqLen() &&
                     b.getSlotBytes() == g.slot.slot_bytes() && b.getDataRanks() == g.data_ranks() &&
                     b.getWindowsPerStep() == g.windows_per_step()),
       ErrorKind::kInvalidArgument,

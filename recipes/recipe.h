@@ -187,8 +187,9 @@ void to_spec(const BatchGeometry& batch, schema::BatchGeometry::Builder spec);
 // The geometry a launch contract records: what the data loader and the trainers use. A contract
 // written before the field gets what its supervisor resolved then (resolve_batch of its recipe,
 // world and resume.rankBatch). Throws Error{kInvalidArgument} when the record disagrees with
-// itself or with the world (no tensor-parallel grouping of the world, an empty batch, a slot
-// size that is not its rows').
+// itself, with the world (no tensor-parallel grouping of the world) or with the recorded recipe
+// (a seq_len other than its model.seq_len, which Recipe::validate bounds: the one seq_len rule),
+// or a slot size is not its rows'.
 BatchGeometry batch_geometry(schema::LaunchContract::Reader launch);
 
 // `name_or_path`: a path to a .toml file, or the name of a recipe in `recipe_dir`.

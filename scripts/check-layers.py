@@ -38,10 +38,18 @@ LAYERS = {
     # The checkpoint library (format, storage, store, reader, verify, export, resume choice).
     "checkpoint":  ["core", "schemas"],
     # The processes: stage processes, then the supervisor that launches them: its process
-    # primitives, the run-directory commands (no live job), then the job controller and node agent.
+    # primitives and failure rules, the run-directory commands (no live job), the node agent
+    # and its link, then the job controller (every other file of supervisor/).
     "stages":      ["core", "schemas", "ipc", "recipes", "data", "ops", "checkpoint"],
     "supervisor/process":  ["core", "schemas"],
+    "supervisor/failure_policy": ["core", "schemas"],
     "supervisor/commands": ["core", "schemas", "ipc", "stages", "supervisor/process"],
+    # The node agent owns one host's processes and decides nothing: it hears the job controller
+    # only through the link's commands, so it includes no controller header (supervisor.h,
+    # detail/job_controller.h): the controller can then move to another host.
+    "supervisor/node_agent_link": ["core", "schemas"],
+    "supervisor/node_agent": ["core", "schemas", "ipc", "supervisor/process",
+                              "supervisor/failure_policy", "supervisor/node_agent_link"],
     "supervisor":  ["core", "schemas", "ipc", "recipes", "data", "ops", "prepare", "checkpoint",
                     "stages", "supervisor/process", "supervisor/commands"],
     # Programs and tests over all of it.

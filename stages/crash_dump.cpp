@@ -25,6 +25,7 @@
 #include <kj/exception.h>
 
 #include "core/error.h"
+#include "core/fd.h"
 #include "core/util.h"
 #include "schemas/enums.h"
 #include "schemas/journal.capnp.h"
@@ -335,24 +336,23 @@ void write_all(int fd, const char* p, size_t n) {
 // The symbolised frames as backtrace_symbols_fd prints them, read back through a memfd;
 // the raw addresses when that is not possible. Returns the bytes in g_crash.frames.
 size_t symbolised_frames(void* const* frames, int count) {
-  const int fd = ::memfd_create("megacpp-backtrace", MFD_CLOEXEC);
-  if (fd < 0) return 0;
-  ::backtrace_symbols_fd(frames, count, fd);
+  const Fd fd(::memfd_create("megacpp-backtrace", MFD_CLOEXEC));
+  if (!fd.valid()) return 0;
+  ::backtrace_symbols_fd(frames, count, fd.get());
   size_t n = 0;
-  if (::lseek(fd, 0, SEEK_SET) == 0) {
+  if (::lseek(fd.get(), 0, SEEK_SET) == 0) {
     while (n < sizeof g_crash.frames) {
-      const ssize_t r = ::read(fd, g_crash.frames + n, sizeof g_crash.frames - n);
+      const ssize_t r = ::read(fd.get(), g_crash.frames + n, sizeof g_crash.frames - n);
       if (r < 0 && errno == EINTR) continue;
       if (r <= 0) break;
       n += static_cast<size_t>(r);
     }
   }
-  ::close(fd);
   return n;
 }
 
 // The minimal dump of a fatal signal: async-signal-safe calls only (open, write, fsync,
-// rename, memfd, backtrace after it was warmed up at start-up).
+// rename, memfd, backtrace after it was warmed up at start-up; Fd's destructor is a close).
 void write_signal_dump(int sig, const siginfo_t* info, void* const* frames, int count) {
   SigBuf b{g_crash.out, sizeof g_crash.out};
   b.str(g_crash.prefix);
@@ -416,11 +416,12 @@ void write_signal_dump(int sig, const siginfo_t* info, void* const* frames, int 
   b.str("]}\n");
 
   ::mkdir(g_crash.dir, 0755);
-  const int fd = ::open(g_crash.tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return;
-  write_all(fd, b.p, b.n);
-  ::fsync(fd);
-  ::close(fd);
+  {
+    const Fd fd(::open(g_crash.tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd.valid()) return;
+    write_all(fd.get(), b.p, b.n);
+    ::fsync(fd.get());
+  }  // closed before the rename publishes the dump
   ::rename(g_crash.tmp, g_crash.path);
 }
 

@@ -9,11 +9,14 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/fd.h"
+#include "supervisor/process.h"
 #include "supervisor/supervisor.h"
 
 namespace megacpp::supervisor {
@@ -33,9 +36,9 @@ void write_all(int fd, const char* p, size_t n) {
 }  // namespace
 
 int run_detached(RunOptions options) {
-  int out[2], err[2];
-  if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0)
-    MEGACPP_FAIL(ErrorKind::kSystem, "--detach: pipe: {}", std::strerror(errno));
+  std::optional<detail::Pipe> out = detail::open_pipe();
+  std::optional<detail::Pipe> err = out ? detail::open_pipe() : std::nullopt;
+  if (!out || !err) MEGACPP_FAIL(ErrorKind::kSystem, "--detach: pipe: {}", std::strerror(errno));
   std::fflush(stdout);
   std::fflush(stderr);
   const pid_t pid = ::fork();
@@ -51,12 +54,19 @@ int run_detached(RunOptions options) {
     struct sigaction ign {};
     ign.sa_handler = SIG_IGN;
     ::sigaction(SIGPIPE, &ign, nullptr);
-    const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
-    ::dup2(out[1], STDOUT_FILENO);
-    ::dup2(err[1], STDERR_FILENO);
-    for (int fd : {out[0], out[1], err[0], err[1], devnull})
-      if (fd > STDERR_FILENO) ::close(fd);
+    Fd devnull(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    if (devnull.valid()) ::dup2(devnull.get(), STDIN_FILENO);
+    ::dup2(out->write.get(), STDOUT_FILENO);
+    ::dup2(err->write.get(), STDERR_FILENO);
+    // A descriptor that came out as 0, 1 or 2 (the launcher had closed it) is now the
+    // supervisor's stdio: kept, not closed.
+    for (Fd* fd : {&out->read, &out->write, &err->read, &err->write, &devnull}) {
+      if (fd->get() > STDERR_FILENO) {
+        fd->reset();
+      } else {
+        fd->release();
+      }
+    }
     options.detach = true;
     options.progress = "none";
     int rc = 1;
@@ -73,13 +83,14 @@ int run_detached(RunOptions options) {
     std::fflush(stderr);
     ::_exit(rc);
   }
-  ::close(out[1]);
-  ::close(err[1]);
+  out->write.reset();
+  err->write.reset();
   // Relay the supervisor's output until it says it detached (kDetachedMarker on stdout) or
   // both pipes close; the marker line itself is not shown.
   bool detached = false;
   std::string pending;
-  pollfd fds[2] = {{out[0], POLLIN, 0}, {err[0], POLLIN, 0}};
+  Fd* const reads[2] = {&out->read, &err->read};
+  pollfd fds[2] = {{out->read.get(), POLLIN, 0}, {err->read.get(), POLLIN, 0}};
   int open_pipes = 2;
   char buf[4096];
   while (open_pipes > 0) {
@@ -92,7 +103,7 @@ int run_detached(RunOptions options) {
       const ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
-        ::close(fds[i].fd);
+        reads[i]->reset();
         fds[i].fd = -1;
         --open_pipes;
         continue;

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/fd.h"
 #include "schemas/enums.h"
 #include "schemas/run_layout.h"
 
@@ -175,16 +176,15 @@ std::string bind_failure_reason(const std::string& host, uint16_t port) {
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(found, &::freeaddrinfo);
   std::string reason = "no address to bind";
   for (addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) {
-    int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-    if (fd < 0) {
+    const Fd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+    if (!fd.valid()) {
       reason = std::strerror(errno);
       continue;
     }
     int yes = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-    bool ok = ::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 1) == 0;
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    bool ok = ::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd.get(), 1) == 0;
     int err = errno;
-    ::close(fd);
     if (ok) return "the address could not be bound, but is free now";
     reason = std::strerror(err);
   }

@@ -19,7 +19,6 @@
 #include "schemas/run_layout.h"
 #include "supervisor/failure_policy.h"
 #include "supervisor/process.h"
-#include "supervisor/supervisor.h"
 
 namespace megacpp::supervisor {
 

@@ -30,21 +30,17 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& l
   std::vector<char*> envp;
   for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
   envp.push_back(nullptr);
-  int log_fd = SYSCALL_CHECK(
-      ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644));
+  const Fd log_fd(SYSCALL_CHECK(
+      ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644)));
   pid_t parent = ::getpid();
   pid_t pid = ::fork();
-  if (pid < 0) {
-    int err = errno;
-    ::close(log_fd);
-    SYSCALL_FAIL("fork", err);
-  }
+  if (pid < 0) SYSCALL_FAIL("fork", errno);
   if (pid == 0) {
-    // Child: only async-signal-safe calls until exec.
+    // Child: only async-signal-safe calls until exec (no destructor runs: exec or _exit).
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(126);
-    ::dup2(log_fd, STDOUT_FILENO);
-    ::dup2(log_fd, STDERR_FILENO);
+    ::dup2(log_fd.get(), STDOUT_FILENO);
+    ::dup2(log_fd.get(), STDERR_FILENO);
     int devnull = ::open("/dev/null", O_RDONLY);
     if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
     sigset_t none;
@@ -62,7 +58,6 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& l
     }
     ::_exit(127);
   }
-  ::close(log_fd);
   return pid;
 }
 
@@ -94,31 +89,33 @@ std::vector<std::string> environment_with_tunables(const std::vector<std::string
   return env;
 }
 
-int block_signals_to_fd() {
+Fd block_signals_to_fd() {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGCHLD);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
   SYSCALL_CHECK(::sigprocmask(SIG_BLOCK, &set, nullptr));
-  return SYSCALL_CHECK(::signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC));
+  return Fd(SYSCALL_CHECK(::signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC)));
+}
+
+std::optional<Pipe> open_pipe() {
+  int ends[2];
+  if (::pipe2(ends, O_CLOEXEC) != 0) return std::nullopt;
+  return Pipe{Fd(ends[0]), Fd(ends[1])};
 }
 
 std::optional<std::string> capture_output(const std::vector<std::string>& argv, double timeout_s) {
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
-  int out[2];
-  if (::pipe2(out, O_CLOEXEC) != 0) return std::nullopt;
+  std::optional<Pipe> out = open_pipe();
+  if (!out) return std::nullopt;
   const pid_t pid = ::fork();
-  if (pid < 0) {
-    ::close(out[0]);
-    ::close(out[1]);
-    return std::nullopt;
-  }
+  if (pid < 0) return std::nullopt;
   if (pid == 0) {
-    // Child: only async-signal-safe calls until exec.
-    ::dup2(out[1], STDOUT_FILENO);
+    // Child: only async-signal-safe calls until exec (no destructor runs: exec or _exit).
+    ::dup2(out->write.get(), STDOUT_FILENO);
     int devnull = ::open("/dev/null", O_RDWR);
     if (devnull >= 0) {
       ::dup2(devnull, STDIN_FILENO);
@@ -130,20 +127,20 @@ std::optional<std::string> capture_output(const std::vector<std::string>& argv, 
     ::execvp(args[0], args.data());
     ::_exit(127);
   }
-  ::close(out[1]);
+  out->write.reset();
   const int64_t deadline = mono_ns() + static_cast<int64_t>(timeout_s * 1e9);
   std::string text;
   for (;;) {
     const int64_t left_ms = (deadline - mono_ns()) / 1'000'000;
     if (left_ms <= 0) break;
-    pollfd p{out[0], POLLIN, 0};
+    pollfd p{out->read.get(), POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(left_ms)) <= 0) continue;
     char buf[4096];
-    const ssize_t n = ::read(out[0], buf, sizeof buf);
+    const ssize_t n = ::read(out->read.get(), buf, sizeof buf);
     if (n <= 0) break;
     text.append(buf, static_cast<size_t>(n));
   }
-  ::close(out[0]);
+  out->read.reset();  // a command still writing now gets SIGPIPE, not a full pipe
   int status = 0;
   auto reaped_by = [&](int64_t until) {
     for (;;) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/fd.h"
 #include "schemas/common.capnp.h"
 
 namespace megacpp::supervisor::detail {
@@ -27,8 +28,16 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& l
 std::vector<std::string> environment_with_tunables(const std::vector<std::string>& tunables);
 
 // Blocks SIGCHLD, SIGINT, SIGTERM in the calling thread and returns a signalfd for them.
-// The caller owns the fd. Children get the original mask back before exec.
-int block_signals_to_fd();
+// Children get the original mask back before exec.
+Fd block_signals_to_fd();
+
+// Both ends of a pipe, close-on-exec.
+struct Pipe {
+  Fd read;
+  Fd write;
+};
+// nullopt when pipe2 fails (errno says why).
+std::optional<Pipe> open_pipe();
 
 // Runs `argv` (PATH searched) with stdout captured and stdin/stderr on /dev/null, and
 // returns its stdout if it exits 0 within `timeout_s`. Bounded: a command still running at

@@ -10,12 +10,15 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "core/fd.h"
+
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 
 namespace {
 
@@ -25,9 +28,9 @@ struct Store {
 
 // A listening TCP socket bound to `host` itself. c10d's TCPStore server, given only a port,
 // binds the wildcard address (all interfaces, IPv4 and IPv6) whatever host it is handed; an
-// unauthenticated rendezvous must be reachable only where it was asked to be. -2: `host` does
-// not resolve; -1: no socket could be bound (`why` says why).
-int listen_on(const char* host, uint16_t port, std::string& why) {
+// unauthenticated rendezvous must be reachable only where it was asked to be. None held when
+// `host` does not resolve (`unresolved` set) or no socket could be bound; `why` says why.
+megacpp::Fd listen_on(const char* host, uint16_t port, bool& unresolved, std::string& why) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -35,24 +38,26 @@ int listen_on(const char* host, uint16_t port, std::string& why) {
   addrinfo* found = nullptr;
   const std::string service = std::to_string(port);
   if (int rc = ::getaddrinfo(host, service.c_str(), &hints, &found); rc != 0) {
+    unresolved = true;
     why = ::gai_strerror(rc);
-    return -2;
+    return {};
   }
   why = "no address";
-  int fd = -1;
-  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
-    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
+  megacpp::Fd fd;
+  for (addrinfo* a = found; a != nullptr && !fd.valid(); a = a->ai_next) {
+    megacpp::Fd candidate(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+    if (!candidate.valid()) {
       why = std::strerror(errno);
       continue;
     }
     int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+    ::setsockopt(candidate.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(candidate.get(), a->ai_addr, a->ai_addrlen) != 0 ||
+        ::listen(candidate.get(), SOMAXCONN) != 0) {
       why = std::strerror(errno);
-      ::close(fd);
-      fd = -1;
+      continue;
     }
+    fd = std::move(candidate);
   }
   ::freeaddrinfo(found);
   return fd;
@@ -76,22 +81,23 @@ __attribute__((visibility("default"))) void* megacpp_store_create(const char* ho
                                                                   uint32_t world, int* code,
                                                                   char* error, size_t error_len) {
   std::string why;
-  const int fd = listen_on(host, port, why);
-  if (fd < 0) {
-    *code = fd == -2 ? 2 : 1;
+  bool unresolved = false;
+  megacpp::Fd fd = listen_on(host, port, unresolved, why);
+  if (!fd.valid()) {
+    *code = unresolved ? 2 : 1;
     std::snprintf(error, error_len, "%s%s:%u: %s",
-                  fd == -2 ? "rendezvous host " : "could not listen for the rendezvous on ", host,
+                  unresolved ? "rendezvous host " : "could not listen for the rendezvous on ", host,
                   static_cast<unsigned>(port), why.c_str());
     return nullptr;
   }
   c10d::TCPStoreOptions o;
-  o.port = bound_port(fd);
+  o.port = bound_port(fd.get());
   o.isServer = true;
   o.numWorkers = static_cast<int>(world);
   o.waitWorkers = false;
   o.timeout = std::chrono::seconds(60);
   // The store takes the socket over (both backends) and closes it when destroyed.
-  o.masterListenFd = fd;
+  o.masterListenFd = fd.release();
   try {
     auto s = std::make_unique<Store>();
     s->store = c10::make_intrusive<c10d::TCPStore>(host, o);

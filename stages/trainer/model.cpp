@@ -12,10 +12,12 @@
 namespace megacpp::trainer {
 
 void validate(const ModelConfig& m) {
-  MEGACPP_CHECK(m.vocab_size > 0 && m.seq_len > 0 && m.d_model > 0 && m.n_layers > 0 &&
-                    m.n_heads > 0 && m.mlp_mult > 0,
-                ErrorKind::kInvalidArgument,
-                "model: vocabSize, seqLen, dModel, nLayers, nHeads and mlpMult must be > 0");
+  // seq_len is the recipe rule's (model.seq_len >= 2, checked once when the recipe is resolved;
+  // forward() refuses a sequence longer than it).
+  MEGACPP_CHECK(
+      m.vocab_size > 0 && m.d_model > 0 && m.n_layers > 0 && m.n_heads > 0 && m.mlp_mult > 0,
+      ErrorKind::kInvalidArgument,
+      "model: vocabSize, dModel, nLayers, nHeads and mlpMult must be > 0");
   MEGACPP_CHECK(
       m.d_model % m.n_heads == 0, ErrorKind::kInvalidArgument,
       fmt::format("model: dModel {} must be a multiple of nHeads {}", m.d_model, m.n_heads));

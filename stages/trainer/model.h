@@ -26,7 +26,8 @@ namespace megacpp::trainer {
 using ModelConfig = recipe::ModelConfig;
 
 using recipe::model_config;
-// Throws Error{kInvalidArgument} naming the rule: every size > 0, d_model % n_heads == 0,
+// Throws Error{kInvalidArgument} naming the rule: every size > 0 but seq_len (the recipe rule
+// model.seq_len bounds it, once; forward() refuses a longer sequence), d_model % n_heads == 0,
 // an even head dimension (RoPE rotates pairs), n_kv_heads dividing n_heads, one block per layer,
 // and a valid configuration for each block kind the layers use.
 void validate(const ModelConfig& model);

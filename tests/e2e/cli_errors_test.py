@@ -113,6 +113,21 @@ class CliErrors(unittest.TestCase):
         missing = self.path("missing.toml")
         self.assert_one_line(megacpp("plan", missing), missing, code=2)
 
+    def test_a_bad_seq_len_is_refused_once_by_the_recipe_rule(self):
+        # The one seq_len rule (Recipe::validate); the sampler and the model do not check again.
+        # `run` refuses it before anything is written (and before the store plugin loads).
+        with open(os.path.join(HERE, "..", "..", "recipes", "tiny.toml")) as f:
+            text = f.read()
+        self.assertIn("seq_len = 64\n", text)
+        bad = self.path("bad.toml")
+        with open(bad, "w") as f:
+            f.write(text.replace("seq_len = 64\n", "seq_len = 1\n"))
+        line = self.assert_one_line(megacpp("plan", bad), "model.seq_len", code=2)
+        self.assertIn(bad, line)
+        run_dir = self.path("run")
+        self.assert_one_line(megacpp("run", bad, "--run-dir", run_dir), "model.seq_len", code=2)
+        self.assertFalse(os.path.exists(run_dir))
+
     def test_a_refused_plan_exits_1_and_a_runnable_one_0(self):
         p = megacpp("plan", "tiny", "--memory-budget", "0.0001")
         self.assertIn("verdict: refused by memory-budget", p.stdout)

@@ -22,6 +22,7 @@
 #include "schemas/journal.capnp.h"
 #include "schemas/run_layout.h"
 #include "supervisor/detail/job_controller.h"
+#include "tests/unit/supervisor_test_support.h"
 #include "tests/unit/temp_dir.h"
 
 namespace {
@@ -38,6 +39,10 @@ using megacpp::supervisor::NodeAgentLink;
 using megacpp::supervisor::RingLevel;
 using megacpp::supervisor::RunOptions;
 using megacpp::supervisor::detail::JobController;
+using megacpp::supervisor::test::name_of;
+using megacpp::supervisor::test::ref_of;
+using megacpp::supervisor::test::set_ref;
+using megacpp::supervisor::test::with_message;
 namespace layout = megacpp::layout;
 using megacpp::test_support::TempDir;
 
@@ -160,23 +165,9 @@ class ScriptedLink final : public NodeAgentLink {
   }
 
  private:
-  static std::string name_of(megacpp::schema::StageRef::Reader r) {
-    return layout::process_name(r.getStage(), r.getRank());
-  }
-  static std::pair<StageKind, uint32_t> ref_of(const std::string& name) {
-    for (auto s : {StageKind::TRAINER, StageKind::DATA_LOADER, StageKind::COLLECTOR,
-                   StageKind::CHECKPOINTER}) {
-      for (uint32_t r = 0; r < 8; ++r)
-        if (layout::process_name(s, r) == name) return {s, r};
-    }
-    ADD_FAILURE() << "no such process " << name;
-    return {StageKind::SUPERVISOR, 0};
-  }
   template <class F>
   void say(F&& build) {
-    capnp::MallocMessageBuilder msg;
-    build(msg.initRoot<NodeEvent>());
-    deliver(msg.getRoot<NodeEvent>().asReader());
+    with_message<NodeEvent>(build, [&](NodeEvent::Reader e) { deliver(e); });
   }
   template <class F>
   void message(const std::string& name, F&& build) {
@@ -191,8 +182,7 @@ class ScriptedLink final : public NodeAgentLink {
     const std::pair<StageKind, uint32_t> ref = ref_of(name);
     say([&](NodeEvent::Builder e) {
       auto x = e.initExited();
-      x.getProcess().setStage(ref.first);
-      x.getProcess().setRank(ref.second);
+      set_ref(x.getProcess(), ref.first, ref.second);
       x.setPid(pid);
       x.setExitCode(exit_code);
       x.setSignal(signal);

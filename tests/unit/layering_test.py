@@ -47,6 +47,14 @@ expect({"data/x.cpp": '#include "../stages/s.h"\n', "stages/s.h": ""}, 1,
 # A folder with no row fails.
 expect({"cluster/agent.h": '#include "core/util.h"\n', "core/util.h": ""}, 1,
        "cluster/ has no row in LAYERS")
+# The node agent includes no job-controller header; the job controller includes the agent.
+expect({"supervisor/node_agent.cpp": '#include "supervisor/detail/job_controller.h"\n'}, 1,
+       'supervisor/node_agent.cpp:1: includes "supervisor/detail/job_controller.h"')
+expect({"supervisor/node_agent_link.h": '#include "supervisor/supervisor.h"\n'}, 1,
+       "supervisor/node_agent_link may include only core, schemas")
+expect({"supervisor/detail/job_controller.h": '#include "supervisor/node_agent.h"\n',
+        "supervisor/node_agent.h": '#include "supervisor/node_agent_link.h"\n'}, 0,
+       "none from a lower")
 # System headers in quotes are not ours.
 expect({"ops/k.cu": '#include "crt/host_defines.h"\n'}, 0, "none from a lower")
 # The table must stay acyclic: a row that lets schemas include ipc (which includes schemas)

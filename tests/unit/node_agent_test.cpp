@@ -14,6 +14,7 @@
 
 #include "schemas/run_layout.h"
 #include "supervisor/node_agent.h"
+#include "tests/unit/supervisor_test_support.h"
 #include "tests/unit/temp_dir.h"
 
 namespace {
@@ -25,6 +26,9 @@ using megacpp::schema::NodeEvent;
 using megacpp::schema::StageKind;
 using megacpp::supervisor::NodeAgent;
 using megacpp::supervisor::Spawner;
+using megacpp::supervisor::test::name_of;
+using megacpp::supervisor::test::set_ref;
+using megacpp::supervisor::test::with_message;
 namespace layout = megacpp::layout;
 using megacpp::test_support::TempDir;
 
@@ -89,7 +93,7 @@ class NodeAgentTest : public ::testing::Test {
       switch (e.which()) {
         case NodeEvent::STARTED: {
           auto x = e.getStarted();
-          s.process = layout::process_name(x.getProcess().getStage(), x.getProcess().getRank());
+          s.process = name_of(x.getProcess());
           s.pid = x.getPid();
           s.generation = x.getGeneration();
           s.reason = x.getReason();
@@ -98,7 +102,7 @@ class NodeAgentTest : public ::testing::Test {
         }
         case NodeEvent::EXITED: {
           auto x = e.getExited();
-          s.process = layout::process_name(x.getProcess().getStage(), x.getProcess().getRank());
+          s.process = name_of(x.getProcess());
           s.pid = x.getPid();
           s.generation = x.getGeneration();
           s.exit_code = x.getExitCode();
@@ -108,7 +112,7 @@ class NodeAgentTest : public ::testing::Test {
         }
         case NodeEvent::UNKILLABLE: {
           auto x = e.getUnkillable();
-          s.process = layout::process_name(x.getProcess().getStage(), x.getProcess().getRank());
+          s.process = name_of(x.getProcess());
           s.pid = x.getPid();
           break;
         }
@@ -121,15 +125,12 @@ class NodeAgentTest : public ::testing::Test {
 
   template <class F>
   bool command(F&& build) {
-    capnp::MallocMessageBuilder msg;
-    build(msg.initRoot<NodeCommand>());
-    return agent.handle(msg.getRoot<NodeCommand>().asReader());
+    return with_message<NodeCommand>(build, [&](NodeCommand::Reader c) { return agent.handle(c); });
   }
   pid_t launch(StageKind stage, uint32_t rank, uint32_t generation = 0) {
     command([&](NodeCommand::Builder c) {
       auto l = c.initLaunch();
-      l.getProcess().setStage(stage);
-      l.getProcess().setRank(rank);
+      set_ref(l.getProcess(), stage, rank);
       l.setGeneration(generation);
       l.setReason(generation == 0 ? ChildReason::LAUNCH : ChildReason::RESTART);
     });
@@ -137,11 +138,7 @@ class NodeAgentTest : public ::testing::Test {
   }
   template <class Init>
   bool on(StageKind stage, uint32_t rank, Init&& init) {
-    return command([&](NodeCommand::Builder c) {
-      auto p = init(c);
-      p.setStage(stage);
-      p.setRank(rank);
-    });
+    return command([&](NodeCommand::Builder c) { set_ref(init(c), stage, rank); });
   }
 
   TempDir dir;
@@ -153,8 +150,7 @@ class NodeAgentTest : public ::testing::Test {
 TEST_F(NodeAgentTest, LaunchSpawnsTheStageWithItsGenerationAndSaysStarted) {
   command([&](NodeCommand::Builder c) {
     auto l = c.initLaunch();
-    l.getProcess().setStage(StageKind::TRAINER);
-    l.getProcess().setRank(1);
+    set_ref(l.getProcess(), StageKind::TRAINER, 1);
     l.setGeneration(2);
     l.setReason(ChildReason::RESTART);
     l.setCause("generation 1: hung");
@@ -239,9 +235,7 @@ TEST_F(NodeAgentTest, TheTeardownSignalsByPolicyThenKillsWhatIsLeft) {
   spawner.exits = {{gone, W_EXITCODE(0, 0)}};
   agent.reap();
   command([](NodeCommand::Builder c) {
-    auto s = c.initTearDown().initSilent(1);
-    s[0].setStage(StageKind::DATA_LOADER);
-    s[0].setRank(0);
+    set_ref(c.initTearDown().initSilent(1)[0], StageKind::DATA_LOADER, 0);
   });
   EXPECT_EQ(spawner.signals, (std::vector<std::pair<pid_t, int>>{
                                  {running, SIGTERM}, {stopped, SIGKILL}, {silent, SIGKILL}}));

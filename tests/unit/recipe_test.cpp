@@ -189,6 +189,13 @@ TEST(BatchGeometry, ResolvedOnceAndReadBackFromTheLaunchContract) {
   };
   l.getBatch().setSlotBytes(l.getBatch().getSlotBytes() - 2);
   refused("does not hold together");
+  // seq_len is bounded once, by the recipe's rule (model.seq_len >= 2; the sampler and the
+  // model do not check it again): a recorded geometry carries the recorded recipe's seq_len,
+  // however well its own sizes agree.
+  auto other_seq = recorded;
+  other_seq.slot.seq_len = 0;
+  mc::recipe::to_spec(other_seq, l.initBatch());
+  refused("does not hold together");
   mc::recipe::to_spec(recorded, l.initBatch());
   l.setWorld(3);
   refused("a world of 3 does not divide into tensor-parallel groups of 2");
