@@ -41,9 +41,11 @@ LAYERS = {
     # primitives, the run-directory commands (no live job), then the job controller and node agent.
     "stages":      ["core", "schemas", "ipc", "recipes", "data", "ops", "checkpoint"],
     "supervisor/process":  ["core", "schemas"],
+    "supervisor/placement": ["core"],
     "supervisor/commands": ["core", "schemas", "ipc", "stages", "supervisor/process"],
     "supervisor":  ["core", "schemas", "ipc", "recipes", "data", "ops", "prepare", "checkpoint",
-                    "stages", "supervisor/process", "supervisor/commands"],
+                    "stages", "supervisor/process", "supervisor/commands",
+                    "supervisor/placement"],
     # Programs and tests over all of it.
     "tools":       [ANY],
     "bench":       [ANY],
