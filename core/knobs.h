@@ -32,6 +32,9 @@ enum class Knob : uint8_t {
   kTraceBatches,
   kTestUnkillable,
   kFault,
+  kMasterPort,
+  kNodes,
+  kHostPattern,
 };
 
 enum class KnobType : uint8_t {
@@ -79,6 +82,13 @@ inline constexpr std::array kKnobs{
            "test hook: the supervisor's teardown signals to this process are not sent"},
   KnobSpec{Knob::kFault, "MEGACPP_FAULT", KnobType::kString, "—", false,
            "fault injection for tests (see stages/stage.h)"},
+  // Placement (supervisor/placement.h), read from the environment map the resolver is given.
+  KnobSpec{Knob::kMasterPort, "MEGACPP_MASTER_PORT", KnobType::kInt, "29500", false,
+           "the port of node 0 in a job across nodes (over MASTER_PORT)"},
+  KnobSpec{Knob::kNodes, "MEGACPP_NODES", KnobType::kInt, "— (--nodes)", true,
+           "the node count of a Kubernetes Indexed Job / JobSet; with it, JOB_COMPLETION_INDEX is the node rank"},
+  KnobSpec{Knob::kHostPattern, "MEGACPP_HOST_PATTERN", KnobType::kString, "—", false,
+           "Kubernetes: every node's host name, {index} standing for its node rank (node 0's is the master)"},
 };
 // clang-format on
 

@@ -205,6 +205,22 @@ struct BatchGeometry {
   windowsPerStep @6 :UInt64;    # the global batch: dataRanks x rankBatch
 }
 
+# This node's place in its job (supervisor/placement.h; DESIGN.md "Joining a job across
+# nodes"): which engine placed it and what it said. Absent in contracts written before the field
+# (one node, placed by nothing).
+struct Placement {
+  source @0 :Text;              # "flags", "torchrun", "slurm", "kubernetes" or "single"
+  nodes @1 :UInt32;
+  nodeRank @2 :UInt32;
+  masterHost @3 :Text;          # node 0's address; empty with source "single"
+  masterPort @4 :UInt32;        # 0 when there is no master
+  hosts @5 :List(Text);         # every node's host, by node rank, when the engine names them
+  jobId @6 :Text;               # the engine's job id (SLURM_JOB_ID, TORCHELASTIC_RUN_ID, ...)
+  attempt @7 :UInt32;           # the engine's restart count (not the run's attempt)
+  iface @8 :Text;               # the interface named for cross-node traffic; empty: default
+  nodesFrom @9 :Text;           # what stated the node count: "SLURM_NNODES=4", "--nodes 2"
+}
+
 struct LaunchContract {
   schemaVersion @0 :UInt32;
   runId @1 :Text;
@@ -262,6 +278,7 @@ struct LaunchContract {
   # This attempt's batch geometry; ringSlotBytes is its slotBytes. Absent in contracts written
   # before the field existed.
   batch @38 :BatchGeometry;
+  placement @39 :Placement;
 }
 
 struct GateVerdict {            # recipes/plan.h Gate

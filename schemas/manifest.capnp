@@ -230,6 +230,7 @@ struct RuntimeProvenance {
   dataset @11 :Launch.Dataset;          # its files' XXH3 digests when data came from a manifest
   device @12 :Text;
   attempt @13 :UInt32;
+  placement @14 :Launch.Placement;  # this node's place in its job (absent before the field)
 }
 
 # receipts/first_forward.json: per rank of the current attempt, seconds from the attempt's

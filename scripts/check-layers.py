@@ -43,6 +43,7 @@ LAYERS = {
     "stages":      ["core", "schemas", "ipc", "recipes", "data", "ops", "checkpoint"],
     "supervisor/process":  ["core", "schemas"],
     "supervisor/failure_policy": ["core", "schemas"],
+    "supervisor/placement": ["core"],
     "supervisor/commands": ["core", "schemas", "ipc", "stages", "supervisor/process"],
     # The node agent owns one host's processes and decides nothing: it hears the job controller
     # only through the link's commands, so it includes no controller header (supervisor.h,
@@ -51,7 +52,9 @@ LAYERS = {
     "supervisor/node_agent": ["core", "schemas", "ipc", "supervisor/process",
                               "supervisor/failure_policy", "supervisor/node_agent_link"],
     "supervisor":  ["core", "schemas", "ipc", "recipes", "data", "ops", "prepare", "checkpoint",
-                    "stages", "supervisor/process", "supervisor/commands"],
+                    "stages", "supervisor/process", "supervisor/commands",
+                    "supervisor/placement", "supervisor/failure_policy",
+                    "supervisor/node_agent_link", "supervisor/node_agent"],
     # Programs and tests over all of it.
     "tools":       [ANY],
     "bench":       [ANY],

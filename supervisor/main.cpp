@@ -162,6 +162,29 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   run->add_option("--progress", ro.progress, "Console progress: auto | tty | plain | none")
       ->capture_default_str();
+  // A node's place in a job (DESIGN.md "Joining a job across nodes"): taken as text, so a bad
+  // value is refused in the same words as a bad variable of the engine's.
+  std::string ro_nodes, ro_node_rank, ro_master, ro_iface;
+  auto* nodes_opt = run->add_option("--nodes", ro_nodes,
+                                    "Nodes in the job, one `megacpp run` on each (default: the "
+                                    "engine's, Slurm, torchrun or "
+                                    "Kubernetes MEGACPP_NODES; else 1). This build runs one node")
+                        ->type_name("N");
+  auto* node_rank_opt =
+      run->add_option("--node-rank", ro_node_rank,
+                      "This node's place in the job, 0..nodes-1 (default: the engine's)")
+          ->type_name("R");
+  auto* master_opt =
+      run->add_option("--master", ro_master,
+                      "ADDR[:PORT] of node 0 (default: the engine's MASTER_ADDR/MASTER_PORT, or "
+                      "Slurm's first host; port MEGACPP_MASTER_PORT, else 29500)")
+          ->type_name("ADDR[:PORT]");
+  auto* iface_opt =
+      run->add_option(
+             "--iface", ro_iface,
+             "Network interface for traffic between nodes (default: GLOO_SOCKET_IFNAME, else "
+             "NCCL_SOCKET_IFNAME)")
+          ->type_name("NAME");
   bool ro_detach = false;
   run->add_flag("--detach", ro_detach,
                 "Return once the stage graph is up; the supervisor goes on in its own session, "
@@ -329,6 +352,10 @@ int main(int argc, char** argv) {
         }
         if (run->count("--ranks") == 0) ro.ranks = 0;
       }
+      if (*nodes_opt) ro.placement.nodes = ro_nodes;
+      if (*node_rank_opt) ro.placement.node_rank = ro_node_rank;
+      if (*master_opt) ro.placement.master = ro_master;
+      if (*iface_opt) ro.placement.iface = ro_iface;
       ro.argv.assign(argv, argv + argc);
       return ro_detach ? mc::supervisor::run_detached(ro) : mc::supervisor::run(ro);
     }

@@ -385,6 +385,10 @@ void JobController::prepare() {
   // Before any thread exists (TCPStore, ZeroMQ): NodeAgent::block_signals.
   agent_->block_signals();
   opt_.validate();
+  // This node's place in its job, before anything else is read or written: a bad flag or
+  // variable, or a job across nodes this build cannot run yet, is refused first.
+  placement_ = resolve_placement(opt_.placement, environment_of(environ));
+  refuse_cross_node_job(placement_);
   plan_collectives();
   const bool resuming = !opt_.resume.empty();
   if (resuming) {
@@ -799,6 +803,18 @@ void JobController::write_launch_contract() {
   auto policy = l.initCheckpointPolicy();
   policy.setKeep(opt_.keep_checkpoints);
   policy.setKeepEvery(opt_.keep_every);
+  auto place = l.initPlacement();
+  place.setSource(placement_.source);
+  place.setNodes(placement_.nodes);
+  place.setNodeRank(placement_.node_rank);
+  place.setMasterHost(placement_.master_host);
+  place.setMasterPort(placement_.master_port);
+  auto hosts = place.initHosts(static_cast<unsigned>(placement_.hosts.size()));
+  for (unsigned i = 0; i < hosts.size(); ++i) hosts.set(i, placement_.hosts[i]);
+  place.setJobId(placement_.job_id);
+  place.setAttempt(placement_.attempt);
+  place.setIface(placement_.iface);
+  place.setNodesFrom(placement_.nodes_from);
   write_file_atomic(layout::launch_path(run_), schemas::to_json(l.asReader()));
 }
 

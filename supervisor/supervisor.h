@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "supervisor/placement.h"
+
 namespace megacpp::supervisor {
 
 // Everything `megacpp run` takes. validate() is the one place the rules live; a violation is
@@ -90,7 +92,11 @@ struct RunOptions {
   std::string metrics_addr = "127.0.0.1:0";  // HOST:PORT of /metrics; port 0 = any free port
   double metrics_linger_s = 0;               // keep serving /metrics this long after the run ends
   std::string progress = "auto";             // auto | tty | plain | none
-  std::vector<std::string> argv;             // recorded in the launch contract
+  // --nodes, --node-rank, --master, --iface as typed: with the environment (Slurm, torchrun,
+  // Kubernetes) they resolve this node's place in its job at start-up (placement.h), recorded
+  // in the launch contract. This build refuses a place in a job of more than one node.
+  PlacementFlags placement;
+  std::vector<std::string> argv;  // recorded in the launch contract
   // Set by run_detached in the supervisor it forks: once every stage has said hello, the
   // supervisor prints kDetachedMarker and moves its stdout and stderr to RUN/logs/supervisor.log.
   bool detach = false;

@@ -243,6 +243,7 @@ class JobController {
   // contract: e.g. "bfloat16 (auto: cpu with amx_bf16)".
   std::string muon_precision_;
   std::vector<recipe::Gate> gates_;  // the plan's verdicts for recipe_ at this world (all passed)
+  NodePlacement placement_;          // this node's place in its job, resolved in prepare()
   // Attempts (DESIGN.md "Resume and recovery"): 0 for a run's first launch.
   struct ResumeInfo {
     uint32_t step = 0;

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <capnp/message.h>
+#include <fmt/format.h>
 
 #include <functional>
 #include <set>
@@ -45,6 +46,8 @@ struct LaunchFacts {
   uint32_t steps = 3;
   uint32_t attempt = 1;  // a job restart from scratch: the identity's attempt is not 0
   std::string device = "cuda";
+  bool placed = false;         // the contract records a placement (Slurm's, one node)
+  bool placed_single = false;  // ... a placement by nothing: empty host, no hosts
 };
 
 // A fold state fed from memory: launch.json's contract, then records with chosen timestamps
@@ -75,6 +78,29 @@ class Script {
     p.setCpuModel("Test CPU");
     p.setCpuCount(16);
     l.initDataset().setFormat("llmc");
+    if (f.placed_single) {
+      auto place = l.initPlacement();
+      place.setSource("single");
+      place.setNodes(1);
+      place.setMasterHost("");
+      place.initHosts(0);
+      place.setJobId("");
+      place.setIface("");
+      place.setNodesFrom("");
+    }
+    if (f.placed) {
+      auto place = l.initPlacement();
+      place.setSource("slurm");
+      place.setNodes(1);
+      place.setNodeRank(0);
+      place.setMasterHost("gpu17");
+      place.setMasterPort(29500);
+      place.initHosts(1).set(0, "gpu17");
+      place.setJobId("4242");
+      place.setAttempt(2);
+      place.setIface("ib0");
+      place.setNodesFrom("SLURM_NNODES=1");
+    }
     state.read_launch(l.asReader());
   }
 
@@ -370,6 +396,43 @@ TEST(CollectorDocuments, RuntimeProvenanceCopiesTheLaunchContract) {
   EXPECT_EQ(s(p.r.getCpuModel()), "Test CPU");
   EXPECT_EQ(p.r.getCpuCount(), 16u);
   EXPECT_EQ(s(p.r.getDataset().getFormat()), "llmc");
+}
+
+// The node's place in its job (supervisor/placement.h) reaches the receipt as the launch
+// contract recorded it; a contract from before the field gives a receipt without one.
+TEST(CollectorDocuments, RuntimeProvenanceCarriesThePlacement) {
+  Script run({.placed = true});
+  run.whole_run();
+  const std::string text = runtime_provenance_document(run.state, view_of(run.state));
+  Parsed<schema::RuntimeProvenance> p(text);
+  ASSERT_TRUE(p.r.hasPlacement()) << text;
+  const auto place = p.r.getPlacement();
+  EXPECT_EQ(s(place.getSource()), "slurm");
+  EXPECT_EQ(place.getNodes(), 1u);
+  EXPECT_EQ(place.getNodeRank(), 0u);
+  EXPECT_EQ(s(place.getMasterHost()), "gpu17");
+  EXPECT_EQ(place.getMasterPort(), 29500u);
+  ASSERT_EQ(place.getHosts().size(), 1u);
+  EXPECT_EQ(s(place.getHosts()[0]), "gpu17");
+  EXPECT_EQ(s(place.getJobId()), "4242");
+  EXPECT_EQ(place.getAttempt(), 2u);
+  EXPECT_EQ(s(place.getIface()), "ib0");
+  EXPECT_EQ(s(place.getNodesFrom()), "SLURM_NNODES=1");
+
+  Script old;
+  old.whole_run();
+  const std::string before = runtime_provenance_document(old.state, view_of(old.state));
+  EXPECT_FALSE(Parsed<schema::RuntimeProvenance>(before).r.hasPlacement());
+  EXPECT_EQ(before.find("placement"), std::string::npos) << before;
+
+  // Every key is written for a single node too (empty values, an empty list): the receipt's
+  // key paths do not depend on the source (tests/golden/tiny_keys.json pins them).
+  Script single({.placed_single = true});
+  single.whole_run();
+  const std::string one = runtime_provenance_document(single.state, view_of(single.state));
+  for (const char* key : {"source", "nodes", "nodeRank", "masterHost", "masterPort", "hosts",
+                          "jobId", "attempt", "iface", "nodesFrom"})
+    EXPECT_NE(one.find(fmt::format("\"{}\"", key)), std::string::npos) << key << ": " << one;
 }
 
 // Seconds from the attempt's launch (its first childStarted, t = 1 ms) to each milestone.

@@ -425,6 +425,8 @@ std::string runtime_provenance_document(const FoldState& s, const RunView&) {
   rp.setCpuCount(launch.getProvenance().getCpuCount());
   rp.setVolumes(launch.getVolumes());
   rp.setDataset(launch.getDataset());
+  // Contracts written before the field have none; their receipt stays as it was.
+  if (launch.hasPlacement()) rp.setPlacement(launch.getPlacement());
   return schemas::to_json(rp.asReader());
 }
 
