@@ -108,9 +108,11 @@ uint64_t ZmqNodeAgentLink::take(ipc::ReceivedFrame& frame, bool& delivered) {
     log_dropped("node link", ++dropped_, node_, why);
     return 0;
   }
+  // Any frame the node's key let through shows it connected: a controller that came back on
+  // the same port never sees the hello the node said to its predecessor.
+  connected_ = true;
   switch (root.which()) {
     case NodeLinkFrame::HELLO:
-      connected_ = true;
       return 0;
     case NodeLinkFrame::EVENT:
       deliver(root.getEvent());

@@ -84,7 +84,8 @@ class ZmqNodeAgentLink final : public NodeAgentLink {
   ZmqNodeAgentLink(const ZmqNodeAgentLink&) = delete;
   ZmqNodeAgentLink& operator=(const ZmqNodeAgentLink&) = delete;
 
-  // Waits up to timeout_ms for the node's hello (events that arrive meanwhile reach the sink).
+  // Waits up to timeout_ms for the node's hello, or any other frame it sends (events that
+  // arrive meanwhile reach the sink).
   bool wait_connected(int timeout_ms);
   bool connected() const noexcept { return connected_; }
 

@@ -366,6 +366,23 @@ TEST(NodeLink, FramesThatFailToDecodeAreDroppedAndCountedAtTheController) {
   EXPECT_EQ(delivered, 0);
 }
 
+TEST(NodeLink, AnyFrameFromTheNodeShowsItConnectedNotOnlyItsHello) {
+  // A controller that comes back on the same port after the node said hello to its
+  // predecessor: the node's next frame (here its ring levels) is the sign it is there.
+  const JobKeys keys = generate_job_keys();
+  JobControlEndpoint endpoint(keys, kLoopback);
+  ZmqNodeAgentLink link(endpoint, "node-1");
+  CurveDealer node(keys, endpoint.endpoint(), "node-1");
+  capnp::MallocMessageBuilder rings;
+  auto frame = rings.initRoot<NodeLinkFrame>();
+  frame.setVersion(kNodeLinkVersion);
+  frame.initRings(1)[0].setSlots(8);
+  ASSERT_TRUE(node.send(rings));
+  ASSERT_TRUE(link.wait_connected(5000));
+  ASSERT_EQ(link.ring_levels().size(), 1u);
+  EXPECT_EQ(link.ring_levels()[0].slots, 8u);
+}
+
 // Records what reaches it as the node's local link; events only when told to.
 class RecordingLink final : public NodeAgentLink {
  public:
