@@ -123,130 +123,56 @@ void Channel::set_linger(Millis linger) {
   set_int(socket_, ZMQ_LINGER, static_cast<int>(linger.count()));
 }
 
-namespace {
-
-// One attempt-and-wait loop shared by send and send_to. `peer` is empty for a DEALER.
-bool send_words(void* socket, bool router, std::string_view peer, capnp::MessageBuilder& message,
-                Millis timeout) {
-  kj::Array<capnp::word> words = capnp::messageToFlatArray(message);
-  auto bytes = words.asBytes();
-  auto deadline = detail::Clock::now() + timeout;
-  for (;;) {
-    int rc;
-    if (router) {
-      rc = zmq_send(socket, peer.data(), peer.size(), ZMQ_SNDMORE | ZMQ_DONTWAIT);
-      // Once the identity frame is accepted the route is writable: the payload follows.
-      if (rc >= 0) {
-        ZMQ_CHECK(zmq_send(socket, bytes.begin(), bytes.size(), ZMQ_DONTWAIT));
-        return true;
-      }
-    } else {
-      rc = zmq_send(socket, bytes.begin(), bytes.size(), ZMQ_DONTWAIT);
-      if (rc >= 0) return true;
-    }
-    int err = zmq_errno();
-    if (err == EHOSTUNREACH) return false;  // ROUTER: no such peer connected
-    if (!transient(err)) ZMQ_FAIL("zmq_send", err);
-    long left = detail::remaining_ms(deadline);
-    if (left == 0) return false;
-    if (router) {
-      // A ROUTER's POLLOUT says nothing about one particular peer's queue: retry shortly.
-      std::this_thread::sleep_for(Millis(1));
-    } else {
-      zmq_pollitem_t item{socket, 0, ZMQ_POLLOUT, 0};
-      ZMQ_CHECK(zmq_poll(&item, 1, left));
-    }
-  }
-}
-
-}  // namespace
-
 bool Channel::send(capnp::MessageBuilder& message, Millis timeout) {
   MEGACPP_CHECK(kind_ == Kind::kDealer, ErrorKind::kInternal,
                 "Channel::send on a ROUTER (use send_to)");
-  return send_words(socket_, false, {}, message, timeout);
+  return detail::send_frame(socket_, false, {}, message, timeout);
 }
 
 bool Channel::send_to(std::string_view peer, capnp::MessageBuilder& message, Millis timeout) {
   MEGACPP_CHECK(kind_ == Kind::kRouter, ErrorKind::kInternal,
                 "Channel::send_to on a DEALER (use send)");
   if (peer.empty()) return false;
-  return send_words(socket_, true, peer, message, timeout);
+  return detail::send_frame(socket_, true, peer, message, timeout);
 }
 
 std::unique_ptr<Received> Channel::receive(Millis timeout) {
   auto deadline = detail::Clock::now() + timeout;
   for (;;) {
-    zmq_pollitem_t item{socket_, 0, ZMQ_POLLIN, 0};
-    const int ready = zmq_poll(&item, 1, detail::remaining_ms(deadline));
-    // A signal (SIGTERM: stop) ends the wait early, so the caller's stop check runs now
-    // rather than after the rest of the timeout.
-    if (ready == -1 && zmq_errno() == EINTR) return nullptr;
-    if (ready == -1) ZMQ_FAIL("zmq_poll", zmq_errno());
-    if (ready == 0) return nullptr;
-
-    Msg part;
-    if (zmq_msg_recv(&part.m, socket_, ZMQ_DONTWAIT) == -1) {
-      int err = zmq_errno();
-      if (transient(err)) continue;
-      ZMQ_FAIL("zmq_msg_recv", err);
-    }
-    // ROUTER: [identity, payload]; DEALER: [payload]. Anything else is malformed, and every
-    // part of a multipart message is drained so the next receive starts on a boundary.
-    const size_t payload_index = kind_ == Kind::kRouter ? 1 : 0;
-    std::string peer;
-    kj::Array<capnp::word> words;
-    std::string_view problem;
-    for (size_t index = 0;; ++index) {
-      size_t size = zmq_msg_size(&part.m);
-      const void* data = zmq_msg_data(&part.m);
-      if (kind_ == Kind::kRouter && index == 0) {
-        peer.assign(static_cast<const char*>(data), size);
-      } else if (index == payload_index) {
-        if (size == 0 || size % sizeof(capnp::word) != 0) {
-          problem = "frame size is not a positive multiple of 8";
-        } else {
-          words = kj::heapArray<capnp::word>(size / sizeof(capnp::word));
-          std::memcpy(words.begin(), data, size);
-        }
-      } else {
-        problem = "unexpected extra frame";
-      }
-      if (!zmq_msg_more(&part.m)) {
-        if (index < payload_index) problem = "missing payload frame";
-        break;
-      }
-      ZMQ_CHECK(zmq_msg_recv(&part.m, socket_, 0));
-    }
-
-    std::unique_ptr<Received> received;
+    detail::Frame frame;
     std::string detail_text;
-    if (problem.empty()) {
-      try {
-        received = std::make_unique<Received>(peer, std::move(words));
-        auto root = received->root();
-        root.totalSize();  // walks every pointer: bounds are checked now, not in the caller
-        uint32_t version = root.getSchemaVersion();
-        if (version == 0 || version > schema::SCHEMA_VERSION) {
-          detail_text = fmt::format("schema version {} (this build reads 1..{})", version,
-                                    schema::SCHEMA_VERSION);
+    switch (detail::receive_frame(socket_, kind_ == Kind::kRouter,
+                                  Millis(detail::remaining_ms(deadline)), frame, detail_text)) {
+      case detail::FrameResult::kNone:
+        return nullptr;
+      case detail::FrameResult::kMalformed:
+        break;
+      case detail::FrameResult::kFrame: {
+        std::unique_ptr<Received> received;
+        try {
+          received = std::make_unique<Received>(frame.peer, std::move(frame.words));
+          auto root = received->root();
+          root.totalSize();  // walks every pointer: bounds are checked now, not in the caller
+          uint32_t version = root.getSchemaVersion();
+          if (version == 0 || version > schema::SCHEMA_VERSION) {
+            detail_text = fmt::format("schema version {} (this build reads 1..{})", version,
+                                      schema::SCHEMA_VERSION);
+            received.reset();
+          }
+        } catch (const kj::Exception& e) {
+          detail_text = e.getDescription().cStr();
           received.reset();
         }
-      } catch (const kj::Exception& e) {
-        detail_text = e.getDescription().cStr();
-        received.reset();
+        if (received) return received;
+        break;
       }
-    } else {
-      detail_text = problem;
     }
-    if (received) return received;
-
     ++malformed_;
     // Counted always; logged for the first few and then sparsely so a noisy peer cannot
     // flood the log.
     if (malformed_ <= 10 || malformed_ % 1000 == 0) {
-      log_warn("control channel: skipped malformed message #{} from '{}': {}", malformed_, peer,
-               detail_text);
+      log_warn("control channel: skipped malformed message #{} from '{}': {}", malformed_,
+               frame.peer, detail_text);
     }
   }
 }
@@ -300,6 +226,83 @@ bool Poller::readable(size_t index) const {
 // ---------------------------------------------------------------------------------------
 
 namespace detail {
+
+bool send_frame(void* socket, bool router, std::string_view peer, capnp::MessageBuilder& message,
+                Millis timeout) {
+  kj::Array<capnp::word> words = capnp::messageToFlatArray(message);
+  auto bytes = words.asBytes();
+  auto deadline = Clock::now() + timeout;
+  for (;;) {
+    int rc;
+    if (router) {
+      rc = zmq_send(socket, peer.data(), peer.size(), ZMQ_SNDMORE | ZMQ_DONTWAIT);
+      // Once the identity frame is accepted the route is writable: the payload follows.
+      if (rc >= 0) {
+        ZMQ_CHECK(zmq_send(socket, bytes.begin(), bytes.size(), ZMQ_DONTWAIT));
+        return true;
+      }
+    } else {
+      rc = zmq_send(socket, bytes.begin(), bytes.size(), ZMQ_DONTWAIT);
+      if (rc >= 0) return true;
+    }
+    int err = zmq_errno();
+    if (err == EHOSTUNREACH) return false;  // ROUTER: no such peer connected
+    if (!transient(err)) ZMQ_FAIL("zmq_send", err);
+    long left = remaining_ms(deadline);
+    if (left == 0) return false;
+    if (router) {
+      // A ROUTER's POLLOUT says nothing about one particular peer's queue: retry shortly.
+      std::this_thread::sleep_for(Millis(1));
+    } else {
+      zmq_pollitem_t item{socket, 0, ZMQ_POLLOUT, 0};
+      ZMQ_CHECK(zmq_poll(&item, 1, left));
+    }
+  }
+}
+
+FrameResult receive_frame(void* socket, bool router, Millis timeout, Frame& frame,
+                          std::string& problem) {
+  const auto deadline = Clock::now() + timeout;
+  Msg part;
+  for (;;) {
+    zmq_pollitem_t item{socket, 0, ZMQ_POLLIN, 0};
+    const int ready = zmq_poll(&item, 1, remaining_ms(deadline));
+    // A signal (SIGTERM: stop) ends the wait early, so the caller's stop check runs now
+    // rather than after the rest of the timeout.
+    if (ready == -1 && zmq_errno() == EINTR) return FrameResult::kNone;
+    if (ready == -1) ZMQ_FAIL("zmq_poll", zmq_errno());
+    if (ready == 0) return FrameResult::kNone;
+    if (zmq_msg_recv(&part.m, socket, ZMQ_DONTWAIT) != -1) break;
+    const int err = zmq_errno();
+    if (!transient(err)) ZMQ_FAIL("zmq_msg_recv", err);
+  }
+  // ROUTER: [identity, payload]; DEALER: [payload]. Anything else is malformed, and every
+  // part of a multipart message is drained so the next receive starts on a boundary.
+  const size_t payload_index = router ? 1 : 0;
+  problem.clear();
+  for (size_t index = 0;; ++index) {
+    size_t size = zmq_msg_size(&part.m);
+    const void* data = zmq_msg_data(&part.m);
+    if (router && index == 0) {
+      frame.peer.assign(static_cast<const char*>(data), size);
+    } else if (index == payload_index) {
+      if (size == 0 || size % sizeof(capnp::word) != 0) {
+        problem = "frame size is not a positive multiple of 8";
+      } else {
+        frame.words = kj::heapArray<capnp::word>(size / sizeof(capnp::word));
+        std::memcpy(frame.words.begin(), data, size);
+      }
+    } else {
+      problem = "unexpected extra frame";
+    }
+    if (!zmq_msg_more(&part.m)) {
+      if (index < payload_index) problem = "missing payload frame";
+      break;
+    }
+    ZMQ_CHECK(zmq_msg_recv(&part.m, socket, 0));
+  }
+  return problem.empty() ? FrameResult::kFrame : FrameResult::kMalformed;
+}
 
 void throw_zmq(const char* expr, int err, const char* file, int line) {
   throw Error(ErrorKind::kZmq,

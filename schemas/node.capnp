@@ -1,10 +1,12 @@
 @0xc4a73dc489090d90;
 # The job controller <-> node agent plane (DESIGN.md "Lifecycle as implemented"): the commands a
 # job controller sends the node agent that owns the processes of one host, and the events the
-# agent sends back. In-process on one host (supervisor/node_agent.h InProcessLink); the same
-# messages are meant to travel over ZeroMQ between hosts. A process is named by its stage and
-# rank (layout::process_name). Not written to any file: no snapshot under tests/schema_snapshots
-# until a format version carries it between hosts.
+# agent sends back. In-process on one host (supervisor/node_agent.h InProcessLink); between
+# hosts the same messages travel in NodeLinkFrames over ZeroMQ with CURVE
+# (supervisor/zmq_node_link.h). A process is named by its stage and rank
+# (layout::process_name). Not written to any file: no snapshot under tests/schema_snapshots;
+# both ends of a link run the same build (the job checks it), and a frame of another
+# NodeLinkFrame version is dropped and counted.
 using Cxx = import "/capnp/c++.capnp";
 $Cxx.namespace("megacpp::schema");
 using Common = import "common.capnp";
@@ -127,4 +129,30 @@ struct NodeEvent {
     unkillable @3 :StageUnkillable;
     stopRequested @4 :Int32;      # SIGINT or SIGTERM reached the supervisor: its number
   }
+}
+
+# Between hosts (supervisor/zmq_node_link.h): one frame per ZeroMQ message, each way.
+
+struct RingLevelReport {
+  depth @0 :UInt32;
+  slots @1 :UInt32;
+}
+
+struct CommandDone {
+  sequence @0 :UInt64;            # the command's
+  delivered @1 :Bool;             # NodeAgentLink::command's result
+}
+
+struct NodeLinkFrame {
+  version @0 :UInt32;             # kNodeLinkVersion (supervisor/zmq_node_link.h)
+  union {
+    # node -> controller, once per connection: the node's name (its DEALER identity).
+    hello @1 :Text;
+    # controller -> node; answered by the events it causes, then `done` with its sequence.
+    command @2 :NodeCommand;
+    event @3 :NodeEvent;          # node -> controller
+    done @4 :CommandDone;         # node -> controller
+    rings @5 :List(RingLevelReport);  # node -> controller: the attempt's rings, when they change
+  }
+  sequence @6 :UInt64;            # a command's (controller -> node)
 }

@@ -6,6 +6,11 @@
 #include <zmq.h>
 
 #include <cerrno>
+#include <string>
+#include <string_view>
+
+#include <capnp/message.h>
+#include <kj/array.h>
 
 #include "ipc/channel.h"
 
@@ -13,6 +18,24 @@ namespace megacpp::ipc::detail {
 
 // Throws Error{kZmq} "<expr> failed: <zmq_strerror(err)> (<file>:<line>)".
 [[noreturn]] void throw_zmq(const char* expr, int err, const char* file, int line);
+
+// One message as it came off a socket: the sender's identity (a ROUTER's; empty on a DEALER)
+// and the payload copied into word-aligned memory (ZeroMQ frames are not aligned).
+struct Frame {
+  std::string peer;
+  kj::Array<capnp::word> words;
+};
+enum class FrameResult { kNone, kFrame, kMalformed };
+
+// Sends `message` as one flat-array frame (a ROUTER prefixes `peer`'s identity frame), waiting
+// at most `timeout` for room. False: not queued in time, or (ROUTER) no such peer connected.
+bool send_frame(void* socket, bool router, std::string_view peer, capnp::MessageBuilder& message,
+                Millis timeout);
+// Waits at most `timeout` for one message: kNone when none came (or a signal interrupted the
+// wait), kMalformed (and `problem` says why) when its frames are not [identity,] payload with
+// a payload of whole words. Does not look inside the payload.
+FrameResult receive_frame(void* socket, bool router, Millis timeout, Frame& frame,
+                          std::string& problem);
 
 struct ZmqAccess {
   static void* context(ZmqContext& ctx) noexcept { return ctx.ctx_; }
