@@ -139,6 +139,14 @@ void fill_launch(schema::LaunchContract::Builder c) {
   batch.setTensorParallel(1);
   batch.setDataRanks(2);
   batch.setWindowsPerStep(16);
+  auto placement = c.initPlacement();
+  placement.setSource("slurm");
+  placement.setNodes(1);
+  placement.setMasterHost("node01");
+  placement.setMasterPort(29500);
+  placement.initHosts(1).set(0, "node01");
+  placement.setJobId("4242");
+  placement.setNodesFrom("SLURM_NNODES=1");
 }
 
 // Offsets of `"name":` for each top-level field, in schema order; -1 when absent. Top-level
@@ -184,6 +192,7 @@ TEST(SchemasJsonTest, LaunchContractRoundTrip) {
   EXPECT_EQ(std::string(c.getDevice().cStr()), "cuda");
   EXPECT_EQ(c.getBatch().getSlotBytes(), 64u + 8 * 65 * 2);
   EXPECT_EQ(c.getBatch().getWindowsPerStep(), 16u);
+  EXPECT_EQ(std::string(c.getPlacement().getHosts()[0].cStr()), "node01");
   // Encoding the decoded document reproduces the text byte for byte.
   EXPECT_EQ(schemas::to_json(c), json);
 }
