@@ -93,9 +93,11 @@ bool SnapshotPlane::take(uint32_t step, bool final) {
                               options_.peer_name, prev, options_.lease_timeout.count() / 1000.0,
                               last_error_note(), step));
   }
-  // The region holds the share, then the step stamp (ipc/staging_stamp.h StagingStamp).
-  share_bytes_ = std::max(ts_.snapshot_layout().total_bytes, kSnapshotAlignment);
+  // The region holds the share, then the step stamp (ipc/staging_stamp.h StagingStamp). Sized
+  // once, by the first snapshot's layout: a rank's share keeps its layout for the run (the
+  // copy refuses a share that outgrew the region, naming both sizes).
   if (!region_) {
+    share_bytes_ = std::max(ts_.snapshot_layout().total_bytes, kSnapshotAlignment);
     region_ = std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{}, options_.region_name,
                                                share_bytes_ + ipc::kStagingStampBytes);
   }
