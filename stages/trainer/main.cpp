@@ -253,6 +253,9 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
         collective_s > 0 ? std::chrono::milliseconds(static_cast<int64_t>(collective_s * 1e3))
                          : knob_millis(Knob::kCollectiveTimeoutS);
     go.device_hostname = knob_string(Knob::kGlooHostname);
+    // Ranks of different nodes never exchange through shared memory, even where namespaces as
+    // nodes share one /dev/shm (a contract written before placement: one node).
+    go.peer_exchange_host = fmt::format("node{}", launch.getPlacement().getNodeRank());
     const std::string prefix = fmt::format("megacpp/{}/a{}/g{}/", launch.getRunId().cStr(),
                                            launch.getAttempt(), launch.getGeneration());
     // One group per call; without tensor parallelism the data-parallel group is the world,
