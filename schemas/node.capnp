@@ -153,6 +153,10 @@ struct NodeLinkFrame {
     event @3 :NodeEvent;          # node -> controller
     done @4 :CommandDone;         # node -> controller
     rings @5 :List(RingLevelReport);  # node -> controller: the attempt's rings, when they change
+    # node -> controller, every beat interval, from the node's beat thread on a connection of
+    # its own (identity "<node>/beat"): the count of beats sent. Silence beyond the link's
+    # limit is a lost node.
+    beat @7 :UInt64;
   }
   sequence @6 :UInt64;            # a command's (controller -> node)
 }

@@ -41,6 +41,8 @@ void log_dropped(std::string_view where, uint64_t count, const std::string& peer
   }
 }
 
+constexpr std::string_view kBeatSuffix = "/beat";
+
 long ms_left(Clock::time_point deadline) {
   const auto left = deadline - Clock::now();
   if (left <= Clock::duration::zero()) return 0;
@@ -58,10 +60,31 @@ void JobControlEndpoint::attach(const std::string& node) {
   const bool fresh = queues_.try_emplace(node).second;
   MEGACPP_CHECK(fresh, ErrorKind::kInternal,
                 fmt::format("node '{}' already has a link on this endpoint", node));
+  heard_[node] = Clock::now();
 }
 
 void JobControlEndpoint::detach(const std::string& node) {
   queues_.erase(node);
+  heard_.erase(node);
+}
+
+bool JobControlEndpoint::sort(std::unique_ptr<ipc::ReceivedFrame> f) {
+  std::string node = f->peer();
+  const bool beat = node.ends_with(kBeatSuffix);
+  if (beat) node.resize(node.size() - kBeatSuffix.size());
+  const auto it = queues_.find(node);
+  if (it == queues_.end()) {
+    ++strangers_;
+    log_dropped("node link", strangers_, f->peer(), "no node of this job by that name");
+    return false;
+  }
+  heard_[node] = Clock::now();
+  if (!beat) it->second.push_back(std::move(f));
+  return true;
+}
+
+void JobControlEndpoint::drain() {
+  while (auto f = router_.receive(ipc::Millis(0))) sort(std::move(f));
 }
 
 std::unique_ptr<ipc::ReceivedFrame> JobControlEndpoint::next(const std::string& node,
@@ -75,13 +98,11 @@ std::unique_ptr<ipc::ReceivedFrame> JobControlEndpoint::next(const std::string& 
   for (;;) {
     auto f = router_.receive(ipc::Millis(ms_left(deadline)));
     if (!f) return nullptr;
-    if (f->peer() == node) return f;
-    const auto it = queues_.find(f->peer());
-    if (it != queues_.end()) {
-      it->second.push_back(std::move(f));
-    } else {
-      ++strangers_;
-      log_dropped("node link", strangers_, f->peer(), "no node of this job by that name");
+    sort(std::move(f));
+    if (!mine.empty()) {
+      auto g = std::move(mine.front());
+      mine.pop_front();
+      return g;
     }
   }
 }
@@ -113,6 +134,7 @@ uint64_t ZmqNodeAgentLink::take(ipc::ReceivedFrame& frame, bool& delivered) {
   connected_ = true;
   switch (root.which()) {
     case NodeLinkFrame::HELLO:
+    case NodeLinkFrame::BEAT:  // heard, which is all a beat says
       return 0;
     case NodeLinkFrame::EVENT:
       deliver(root.getEvent());
@@ -175,13 +197,35 @@ void ZmqNodeAgentLink::poll(int timeout_ms) {
     take(*f, unused);
     f = endpoint_.next(node_, Clock::now());  // what else has come, without waiting
   }
+  check_silence();
+}
+
+void ZmqNodeAgentLink::check_silence() {
+  if (!connected_ || lost_) return;
+  // Every frame already in the socket counts as heard now, not when this link next reads it:
+  // a controller that was busy must not take its own delay for the node's silence.
+  endpoint_.drain();
+  const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(
+      Clock::now() - endpoint_.last_heard(node_));
+  if (silent <= options_.silence_limit) return;
+  lost_ = Loss{silent};
+  log_error(
+      "node link: node '{}' lost: silent for {} ms (limit {} ms): its processes died, it "
+      "hangs, or the link to it is cut",
+      node_, silent.count(), options_.silence_limit.count());
 }
 
 // ---------------------------------------------------------------------------------------
 
 NodeAgentServer::NodeAgentServer(NodeAgentLink& local, const ipc::JobKeys& keys,
-                                 const std::string& controller_endpoint, const std::string& node)
+                                 const std::string& controller_endpoint, const std::string& node,
+                                 Options options)
     : local_(local), dealer_(keys, controller_endpoint, node) {
+  if (options.beat_interval.count() > 0) {
+    beat_thread_ = std::thread([this, keys, controller_endpoint, node, options] {
+      beat(keys, controller_endpoint, node, options.beat_interval);
+    });
+  }
   capnp::MallocMessageBuilder hello;
   auto frame = hello.initRoot<NodeLinkFrame>();
   frame.setVersion(kNodeLinkVersion);
@@ -197,7 +241,37 @@ NodeAgentServer::NodeAgentServer(NodeAgentLink& local, const ipc::JobKeys& keys,
 }
 
 NodeAgentServer::~NodeAgentServer() {
+  {
+    std::lock_guard lock(beat_mu_);
+    beat_stop_ = true;
+  }
+  beat_cv_.notify_all();
+  if (beat_thread_.joinable()) beat_thread_.join();
   local_.connect({});
+}
+
+void NodeAgentServer::beat(const ipc::JobKeys& keys, const std::string& endpoint,
+                           const std::string& node, std::chrono::milliseconds interval) {
+  try {
+    ipc::CurveDealer dealer(keys, endpoint, node + std::string(kBeatSuffix));
+    uint64_t count = 0;
+    std::unique_lock lock(beat_mu_);
+    while (!beat_stop_) {
+      lock.unlock();
+      capnp::MallocMessageBuilder message;
+      auto frame = message.initRoot<NodeLinkFrame>();
+      frame.setVersion(kNodeLinkVersion);
+      frame.setBeat(++count);
+      // A beat that cannot be queued within its interval is one missed beat, not a wait: the
+      // controller counts silence, and a late beat would only hide it.
+      dealer.send(message, ipc::Millis(interval.count()));
+      lock.lock();
+      beat_cv_.wait_for(lock, interval, [this] { return beat_stop_; });
+    }
+  } catch (const std::exception& e) {
+    // Without beats the controller declares this node lost: the failure is named there.
+    log_error("node link: the beat thread of node '{}' stopped: {}", node, e.what());
+  }
 }
 
 void NodeAgentServer::send(capnp::MessageBuilder& message) {

@@ -15,18 +15,32 @@
 // Not wired into `megacpp run` yet: the job controller drives an InProcessLink. This is the
 // seam the multi-node launch plugs in.
 //
+// Liveness: the node's beat thread sends a `beat` every Options::beat_interval on a connection
+// of its own (identity "<node>/beat"), whatever the node's serve loop is doing (a command that
+// blocks it for seconds, a teardown waiting out a grace). The controller records the time of
+// every frame from a node, beats included, as it receives it, and a link whose node has been
+// silent for longer than its silence_limit is lost (lost()): a node whose processes were
+// killed, a hung node (its supervisor stopped), a cut link — all are silence; TCP tells
+// nothing of the last two. The link says so once and stays lost: a node that speaks again
+// has lost its place in the attempt (the controller restarts the job, it does not re-admit).
+//
 // Failure: a frame that fails to decode (not a NodeLinkFrame, another version, a direction
 // that makes no sense) is dropped and counted in dropped(), never thrown; a peer without the
 // job's keys never gets a frame through (ipc::CurveRouter refuses it). A node that does not
 // answer a command within Options::command_timeout makes command() return false.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ipc/curve_channel.h"
@@ -61,9 +75,16 @@ class JobControlEndpoint {
   // nodes that arrive meanwhile are queued for them).
   std::unique_ptr<ipc::ReceivedFrame> next(const std::string& node, Clock::time_point deadline);
   bool send_to(const std::string& node, capnp::MessageBuilder& message);
+  // When a frame from `node` (or its beat connection) last arrived; the attach time before any.
+  Clock::time_point last_heard(const std::string& node) const { return heard_.at(node); }
+  // Every frame waiting in the socket, sorted to its node's queue (beats recorded and dropped).
+  void drain();
+  // Queues `f` for its node, or records its beat; false for a stranger's frame (dropped).
+  bool sort(std::unique_ptr<ipc::ReceivedFrame> f);
 
   ipc::CurveRouter router_;
   std::map<std::string, std::deque<std::unique_ptr<ipc::ReceivedFrame>>> queues_;
+  std::map<std::string, Clock::time_point> heard_;
   uint64_t strangers_ = 0;
 };
 
@@ -73,6 +94,14 @@ class ZmqNodeAgentLink final : public NodeAgentLink {
   struct Options {
     // How long command() waits for the node's `done`.
     std::chrono::milliseconds command_timeout{5000};
+    // Silence after which the node is lost: ten beats of NodeAgentServer's default interval,
+    // the goal for a dead node (<= 1 s) and well inside the heartbeat budget for a hung
+    // node or a cut link (<= 10 s).
+    std::chrono::milliseconds silence_limit{1000};
+  };
+  // Why a node was declared lost.
+  struct Loss {
+    std::chrono::milliseconds silent{0};  // silence when it was declared
   };
 
   // `node`: the node's name, the identity its NodeAgentServer connects with. The endpoint
@@ -98,7 +127,11 @@ class ZmqNodeAgentLink final : public NodeAgentLink {
   // Frames from this node that failed to decode.
   uint64_t dropped() const noexcept { return dropped_; }
 
+  // Set by poll() once the node has been silent beyond silence_limit after it connected.
+  const std::optional<Loss>& lost() const noexcept { return lost_; }
+
  private:
+  void check_silence();
   // Decodes and acts on one frame; returns the sequence of a `done` (and its result in
   // `delivered`), 0 for anything else.
   uint64_t take(ipc::ReceivedFrame& frame, bool& delivered);
@@ -110,6 +143,7 @@ class ZmqNodeAgentLink final : public NodeAgentLink {
   uint64_t sequence_ = 0;
   uint64_t dropped_ = 0;
   std::vector<RingLevel> rings_;
+  std::optional<Loss> lost_;
 };
 
 // The node's end: connects to the job controller's endpoint, hands each command to the local
@@ -117,8 +151,16 @@ class ZmqNodeAgentLink final : public NodeAgentLink {
 // One thread calls serve(); the local link is used on that thread only.
 class NodeAgentServer {
  public:
+  struct Options {
+    // Between two beats of the beat thread; 0: no beat thread (a node the controller cannot
+    // tell from a lost one — for tests of the frames alone).
+    std::chrono::milliseconds beat_interval{100};
+  };
   NodeAgentServer(NodeAgentLink& local, const ipc::JobKeys& keys,
-                  const std::string& controller_endpoint, const std::string& node);
+                  const std::string& controller_endpoint, const std::string& node, Options options);
+  NodeAgentServer(NodeAgentLink& local, const ipc::JobKeys& keys,
+                  const std::string& controller_endpoint, const std::string& node)
+      : NodeAgentServer(local, keys, controller_endpoint, node, Options{}) {}
   ~NodeAgentServer();
   NodeAgentServer(const NodeAgentServer&) = delete;
   NodeAgentServer& operator=(const NodeAgentServer&) = delete;
@@ -138,8 +180,16 @@ class NodeAgentServer {
   void send(capnp::MessageBuilder& message);
   void report_rings();
 
+  // The beat thread's loop: its own dealer, so it never shares a socket with serve().
+  void beat(const ipc::JobKeys& keys, const std::string& endpoint, const std::string& node,
+            std::chrono::milliseconds interval);
+
   NodeAgentLink& local_;
   ipc::CurveDealer dealer_;
+  std::mutex beat_mu_;
+  std::condition_variable beat_cv_;
+  bool beat_stop_ = false;
+  std::thread beat_thread_;
   std::vector<RingLevel> rings_sent_;
   uint64_t dropped_ = 0;
   uint64_t commands_ = 0;

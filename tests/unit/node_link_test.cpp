@@ -4,6 +4,10 @@
 // gets nothing through and the node's link goes on; frames that fail to decode are dropped
 // and counted at either end. The node runs on a thread of its own, as it would on its host.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include <atomic>
@@ -402,7 +406,9 @@ TEST(NodeLink, FramesThatFailToDecodeAreDroppedAndCountedAtTheNode) {
   CurveRouter controller(keys, kLoopback);
   RecordingLink local;
   std::optional<NodeAgentServer> server;
-  server.emplace(local, keys, controller.endpoint(), "node-1");
+  // No beat thread: this test reads the node's frames one by one.
+  server.emplace(local, keys, controller.endpoint(), "node-1",
+                 NodeAgentServer::Options{.beat_interval = std::chrono::milliseconds(0)});
   // The node's hello names it.
   std::unique_ptr<megacpp::ipc::ReceivedFrame> hello;
   for (int i = 0; i < 100 && !hello; ++i) {
@@ -456,3 +462,116 @@ TEST(NodeLink, TheControllerListensOnlyOnAnInterfaceItIsGiven) {
 }
 
 }  // namespace
+
+// ---- Liveness: silence beyond the link's limit is a lost node, whatever caused it.
+
+// A node in a process of its own (its local link records commands), killed with the guard.
+class NodeProcess {
+ public:
+  NodeProcess(const JobKeys& keys, const std::string& endpoint) {
+    pid_ = fork();
+    if (pid_ == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      RecordingLink local;
+      NodeAgentServer server(local, keys, endpoint, "node-1");
+      for (;;) server.serve(100);
+    }
+  }
+  ~NodeProcess() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    kill(pid_, SIGCONT);
+    waitpid(pid_, nullptr, 0);
+  }
+  NodeProcess(const NodeProcess&) = delete;
+  NodeProcess& operator=(const NodeProcess&) = delete;
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+// Polls `link` until it declares its node lost or `bound` passes; the time it took.
+std::optional<std::chrono::milliseconds> time_to_lost(ZmqNodeAgentLink& link,
+                                                      std::chrono::seconds bound) {
+  const auto start = Clock::now();
+  while (!link.lost()) {
+    if (Clock::now() - start > bound) return std::nullopt;
+    link.poll(20);
+  }
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+}
+
+constexpr std::chrono::milliseconds kSilenceLimit{500};
+
+TEST(NodeLiveness, ANodeThatBeatsIsNeverLostEvenWhileACommandBlocksIt) {
+  const JobKeys keys = generate_job_keys();
+  JobControlEndpoint endpoint(keys, kLoopback);
+  ZmqNodeAgentLink link(
+      endpoint, "node-1",
+      {.command_timeout = std::chrono::seconds(10), .silence_limit = kSilenceLimit});
+  // The node's serve loop is busy for 3 silence limits in one command (a teardown waiting out
+  // its grace does that); its beat thread goes on.
+  class SlowLink final : public NodeAgentLink {
+   public:
+    bool command(NodeCommand::Reader) override {
+      std::this_thread::sleep_for(3 * kSilenceLimit);
+      return true;
+    }
+    void poll(int timeout_ms) override {
+      std::this_thread::sleep_for(std::chrono::milliseconds(timeout_ms));
+    }
+    std::vector<RingLevel> ring_levels() const override { return {}; }
+  };
+  std::atomic<bool> stop{false};
+  std::thread node([&] {
+    SlowLink local;
+    NodeAgentServer server(local, keys, endpoint.endpoint(), "node-1");
+    while (!stop.load()) server.serve(10);
+  });
+  ASSERT_TRUE(link.wait_connected(5000));
+  capnp::MallocMessageBuilder msg;
+  msg.initRoot<NodeCommand>().setReleaseAttempt();
+  EXPECT_TRUE(link.command(msg.getRoot<NodeCommand>().asReader()));
+  const auto until = Clock::now() + 4 * kSilenceLimit;
+  while (Clock::now() < until) link.poll(20);
+  EXPECT_FALSE(link.lost()) << "silent for " << link.lost()->silent.count() << " ms";
+  stop.store(true);
+  node.join();
+}
+
+TEST(NodeLiveness, AKilledNodeIsLost) {
+  const JobKeys keys = generate_job_keys();
+  JobControlEndpoint endpoint(keys, kLoopback);
+  ZmqNodeAgentLink link(endpoint, "node-1", {.silence_limit = kSilenceLimit});
+  NodeProcess node(keys, endpoint.endpoint());
+  ASSERT_GT(node.pid(), 0);
+  ASSERT_TRUE(link.wait_connected(5000));
+  for (int i = 0; i < 10; ++i) link.poll(50);  // beating: not lost
+  ASSERT_FALSE(link.lost());
+  ASSERT_EQ(kill(node.pid(), SIGKILL), 0);
+  const auto took = time_to_lost(link, std::chrono::seconds(10));
+  ASSERT_TRUE(took) << "a killed node was never declared lost";
+  EXPECT_GT(link.lost()->silent, kSilenceLimit);
+  printf("killed node declared lost after %lld ms (silence limit %lld ms)\n",
+         static_cast<long long>(took->count()), static_cast<long long>(kSilenceLimit.count()));
+}
+
+TEST(NodeLiveness, AHungNodeIsLost) {
+  // Every process of the node stopped (SIGSTOP): its connections stay open, so TCP says
+  // nothing; only the silence does.
+  const JobKeys keys = generate_job_keys();
+  JobControlEndpoint endpoint(keys, kLoopback);
+  ZmqNodeAgentLink link(endpoint, "node-1", {.silence_limit = kSilenceLimit});
+  NodeProcess node(keys, endpoint.endpoint());
+  ASSERT_GT(node.pid(), 0);
+  ASSERT_TRUE(link.wait_connected(5000));
+  for (int i = 0; i < 10; ++i) link.poll(50);
+  ASSERT_FALSE(link.lost());
+  ASSERT_EQ(kill(node.pid(), SIGSTOP), 0);
+  const auto took = time_to_lost(link, std::chrono::seconds(10));
+  ASSERT_TRUE(took) << "a stopped node was never declared lost";
+  EXPECT_GT(link.lost()->silent, kSilenceLimit);
+  printf("stopped node declared lost after %lld ms (silence limit %lld ms)\n",
+         static_cast<long long>(took->count()), static_cast<long long>(kSilenceLimit.count()));
+}
