@@ -21,6 +21,19 @@
 
 namespace megacpp::supervisor::detail {
 
+// In a forked child before exec: closes every descriptor above stderr, so a process started
+// here holds only its standard three — not the supervisor's sockets, signalfd or log files,
+// nor what the supervisor itself inherited without close-on-exec (a descriptor a stage held
+// would keep what it names open as long as the stage lives). Async-signal-safe: one system
+// call, or a loop of close() where the kernel lacks close_range (before Linux 5.9).
+namespace {
+void close_inherited() {
+  if (::syscall(SYS_close_range, 3U, ~0U, 0U) == 0) return;
+  const long max = ::sysconf(_SC_OPEN_MAX);
+  for (long fd = 3; fd < (max > 0 ? max : 1024); ++fd) ::close(static_cast<int>(fd));
+}
+}  // namespace
+
 pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& log,
             const std::vector<std::string>& env) {
   std::vector<char*> args;
@@ -43,6 +56,7 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& l
     ::dup2(log_fd.get(), STDERR_FILENO);
     int devnull = ::open("/dev/null", O_RDONLY);
     if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
+    close_inherited();
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -121,6 +135,7 @@ std::optional<std::string> capture_output(const std::vector<std::string>& argv, 
       ::dup2(devnull, STDIN_FILENO);
       ::dup2(devnull, STDERR_FILENO);
     }
+    close_inherited();
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <filesystem>
 #include <fstream>
 
 #include <algorithm>
@@ -163,4 +164,35 @@ TEST(SignalProcess, APidReusedAfterTheCheckIsNotSignalled) {
   EXPECT_NE(code, 11) << "the process that took the pid after the check was signalled";
   EXPECT_NE(code, 12) << "the signal to the exited process was not reported as gone";
   EXPECT_EQ(code, 0);
+}
+
+namespace {
+
+// The descriptors of a spawned `ls`, as it lists them: its standard three and the one it
+// reads /proc/self/fd through (3).
+std::string descriptors_of_a_spawned_ls() {
+  char tmpl[] = "/tmp/megacpp-spawn-fds-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) return "mkdtemp failed";
+  const std::string log = std::string(tmpl) + "/log";
+  const pid_t pid = sd::spawn({"/bin/ls", "-1", "/proc/self/fd"}, log, {});
+  int status = 0;
+  waitpid(pid, &status, 0);
+  std::ifstream in(log);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::filesystem::remove_all(tmpl);
+  return text;
+}
+
+}  // namespace
+
+TEST(Spawn, AStageInheritsOnlyItsStandardDescriptors) {
+  // stdin is /dev/null, stdout and stderr the log; nothing else crosses exec (a descriptor
+  // left open in every stage would keep what it names alive as long as the stage).
+  EXPECT_EQ(descriptors_of_a_spawned_ls(), "0\n1\n2\n3\n");
+}
+
+TEST(CaptureOutput, TheCommandInheritsOnlyItsStandardDescriptors) {
+  const auto out = sd::capture_output({"ls", "-1", "/proc/self/fd"}, 10);
+  ASSERT_TRUE(out);
+  EXPECT_EQ(*out, "0\n1\n2\n3\n");
 }
