@@ -56,16 +56,30 @@ long ms_left(Clock::time_point deadline) {
 JobControlEndpoint::JobControlEndpoint(const ipc::JobKeys& keys, const std::string& endpoint)
     : router_(keys, endpoint) {}
 
-void JobControlEndpoint::attach(const std::string& node) {
+void JobControlEndpoint::attach(const std::string& node, ZmqNodeAgentLink* link) {
   const bool fresh = queues_.try_emplace(node).second;
   MEGACPP_CHECK(fresh, ErrorKind::kInternal,
                 fmt::format("node '{}' already has a link on this endpoint", node));
   heard_[node] = Clock::now();
+  links_[node] = link;
 }
 
 void JobControlEndpoint::detach(const std::string& node) {
   queues_.erase(node);
   heard_.erase(node);
+  links_.erase(node);
+}
+
+void JobControlEndpoint::poll(int timeout_ms) {
+  const bool queued = std::ranges::any_of(queues_, [](const auto& q) { return !q.second.empty(); });
+  if (!queued) {
+    if (auto f = router_.receive(ipc::Millis(std::max(timeout_ms, 0)))) sort(std::move(f));
+  }
+  drain();
+  for (auto& [node, link] : links_) {
+    link->take_queued();
+    link->check_silence();
+  }
 }
 
 bool JobControlEndpoint::sort(std::unique_ptr<ipc::ReceivedFrame> f) {
@@ -115,7 +129,7 @@ bool JobControlEndpoint::send_to(const std::string& node, capnp::MessageBuilder&
 
 ZmqNodeAgentLink::ZmqNodeAgentLink(JobControlEndpoint& endpoint, std::string node, Options options)
     : endpoint_(endpoint), node_(std::move(node)), options_(options) {
-  endpoint_.attach(node_);
+  endpoint_.attach(node_, this);
 }
 
 ZmqNodeAgentLink::~ZmqNodeAgentLink() {
@@ -198,6 +212,13 @@ void ZmqNodeAgentLink::poll(int timeout_ms) {
     f = endpoint_.next(node_, Clock::now());  // what else has come, without waiting
   }
   check_silence();
+}
+
+void ZmqNodeAgentLink::take_queued() {
+  while (auto f = endpoint_.next(node_, Clock::now())) {
+    bool unused = false;
+    take(*f, unused);
+  }
 }
 
 void ZmqNodeAgentLink::check_silence() {

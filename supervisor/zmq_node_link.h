@@ -53,6 +53,8 @@ namespace megacpp::supervisor {
 // NodeLinkFrame.version this build speaks; a frame with another is dropped.
 constexpr uint32_t kNodeLinkVersion = 1;
 
+class ZmqNodeAgentLink;
+
 // The controller's ROUTER that every node of the job connects to, and the sorting of what
 // arrives into one queue per node. One thread uses it and its links.
 class JobControlEndpoint {
@@ -66,10 +68,16 @@ class JobControlEndpoint {
   // Frames dropped: malformed, or from a peer that is no node of a link here.
   uint64_t dropped() const noexcept { return router_.malformed() + strangers_; }
 
+  // One wait over every node of the job: up to timeout_ms for the first frame of any node,
+  // then everything that has come is delivered to its link's sink, and every link judges its
+  // node's silence (ZmqNodeAgentLink::lost). The watch loop of a job across nodes calls this
+  // instead of each link's poll(), which waits on its own node only.
+  void poll(int timeout_ms);
+
  private:
   friend class ZmqNodeAgentLink;
   using Clock = std::chrono::steady_clock;
-  void attach(const std::string& node);
+  void attach(const std::string& node, ZmqNodeAgentLink* link);
   void detach(const std::string& node);
   // The next frame from `node`, waiting until `deadline` at most (frames of other attached
   // nodes that arrive meanwhile are queued for them).
@@ -85,6 +93,7 @@ class JobControlEndpoint {
   ipc::CurveRouter router_;
   std::map<std::string, std::deque<std::unique_ptr<ipc::ReceivedFrame>>> queues_;
   std::map<std::string, Clock::time_point> heard_;
+  std::map<std::string, ZmqNodeAgentLink*> links_;
   uint64_t strangers_ = 0;
 };
 
@@ -131,7 +140,10 @@ class ZmqNodeAgentLink final : public NodeAgentLink {
   const std::optional<Loss>& lost() const noexcept { return lost_; }
 
  private:
+  friend class JobControlEndpoint;
   void check_silence();
+  // Takes every frame already queued for this node (no wait).
+  void take_queued();
   // Decodes and acts on one frame; returns the sequence of a `done` (and its result in
   // `delivered`), 0 for anything else.
   uint64_t take(ipc::ReceivedFrame& frame, bool& delivered);

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -574,4 +575,64 @@ TEST(NodeLiveness, AHungNodeIsLost) {
   EXPECT_GT(link.lost()->silent, kSilenceLimit);
   printf("stopped node declared lost after %lld ms (silence limit %lld ms)\n",
          static_cast<long long>(took->count()), static_cast<long long>(kSilenceLimit.count()));
+}
+
+TEST(NodeLiveness, OneWaitOverEveryNodeDeliversEachNodesEventsAndNamesTheOneLost) {
+  // Two nodes on one endpoint, polled together: each node's frames reach its own link, and
+  // killing one makes that link lost while the other stays alive.
+  const JobKeys keys = generate_job_keys();
+  JobControlEndpoint endpoint(keys, kLoopback);
+  std::map<std::string, std::unique_ptr<ZmqNodeAgentLink>> links;
+  std::map<std::string, int> hellos;
+  for (const char* name : {"node-0", "node-1"}) {
+    links[name] = std::make_unique<ZmqNodeAgentLink>(
+        endpoint, name, ZmqNodeAgentLink::Options{.silence_limit = kSilenceLimit});
+  }
+  // Node 0 on a thread (a real agent: a stage's hello comes up as an event), node 1 in a
+  // process of its own, to be killed.
+  NodeHost node0(keys, endpoint.endpoint(), "node-0");
+  class NodeProcessNamed {
+   public:
+    NodeProcessNamed(const JobKeys& keys, const std::string& endpoint, const std::string& name) {
+      pid_ = fork();
+      if (pid_ == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        RecordingLink local;
+        NodeAgentServer server(local, keys, endpoint, name);
+        for (;;) server.serve(100);
+      }
+    }
+    ~NodeProcessNamed() {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    pid_t pid_ = -1;
+  } node1(keys, endpoint.endpoint(), "node-1");
+  ASSERT_GT(node1.pid_, 0);
+  links["node-0"]->connect([&](NodeEvent::Reader e) {
+    if (e.isMessage()) ++hellos["node-0"];
+  });
+  links["node-1"]->connect([&](NodeEvent::Reader) { ++hellos["node-1"]; });
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (!(links["node-0"]->connected() && links["node-1"]->connected()) && Clock::now() < deadline)
+    endpoint.poll(20);
+  ASSERT_TRUE(links["node-0"]->connected() && links["node-1"]->connected());
+
+  // A stage of node 0 says hello on its agent's control socket: the event reaches node 0's
+  // link through the endpoint's poll.
+  megacpp::ipc::ZmqContext ctx;
+  megacpp::ipc::Channel stage(ctx, megacpp::ipc::Channel::Kind::kDealer, node0.control(),
+                              "trainer-0");
+  megacpp::ipc::ControlMessageBuilder hello;
+  hello.root().initHello().setRank(0);
+  ASSERT_TRUE(stage.send(hello.message()));
+  while (hellos["node-0"] == 0 && Clock::now() < deadline) endpoint.poll(20);
+  EXPECT_EQ(hellos["node-0"], 1);
+  EXPECT_EQ(hellos["node-1"], 0);
+
+  ASSERT_EQ(kill(node1.pid_, SIGKILL), 0);
+  while (!links["node-1"]->lost() && Clock::now() < deadline + std::chrono::seconds(5))
+    endpoint.poll(20);
+  EXPECT_TRUE(links["node-1"]->lost());
+  EXPECT_FALSE(links["node-0"]->lost());
 }
