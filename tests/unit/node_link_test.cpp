@@ -466,16 +466,21 @@ TEST(NodeLink, TheControllerListensOnlyOnAnInterfaceItIsGiven) {
 
 // ---- Liveness: silence beyond the link's limit is a lost node, whatever caused it.
 
-// A node in a process of its own (its local link records commands), killed with the guard.
+// A node in a process of its own (node_link_node beside this test's binary, exec'd), killed
+// with the guard.
 class NodeProcess {
  public:
-  NodeProcess(const JobKeys& keys, const std::string& endpoint) {
+  NodeProcess(const JobKeys& keys, const std::string& endpoint,
+              const std::string& name = "node-1") {
+    const fs::path keyfile = dir_.path() / "job.keys";
+    megacpp::ipc::write_job_keys(keyfile, keys);
+    const fs::path exe = fs::read_symlink("/proc/self/exe").parent_path() / "node_link_node";
+    const std::string key_arg = keyfile.string(), exe_arg = exe.string();
     pid_ = fork();
     if (pid_ == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      RecordingLink local;
-      NodeAgentServer server(local, keys, endpoint, "node-1");
-      for (;;) server.serve(100);
+      execl(exe_arg.c_str(), exe_arg.c_str(), key_arg.c_str(), endpoint.c_str(), name.c_str(),
+            static_cast<char*>(nullptr));
+      _exit(127);
     }
   }
   ~NodeProcess() {
@@ -489,6 +494,7 @@ class NodeProcess {
   pid_t pid() const { return pid_; }
 
  private:
+  TempDir dir_;
   pid_t pid_ = -1;
 };
 
@@ -591,24 +597,8 @@ TEST(NodeLiveness, OneWaitOverEveryNodeDeliversEachNodesEventsAndNamesTheOneLost
   // Node 0 on a thread (a real agent: a stage's hello comes up as an event), node 1 in a
   // process of its own, to be killed.
   NodeHost node0(keys, endpoint.endpoint(), "node-0");
-  class NodeProcessNamed {
-   public:
-    NodeProcessNamed(const JobKeys& keys, const std::string& endpoint, const std::string& name) {
-      pid_ = fork();
-      if (pid_ == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        RecordingLink local;
-        NodeAgentServer server(local, keys, endpoint, name);
-        for (;;) server.serve(100);
-      }
-    }
-    ~NodeProcessNamed() {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    pid_t pid_ = -1;
-  } node1(keys, endpoint.endpoint(), "node-1");
-  ASSERT_GT(node1.pid_, 0);
+  NodeProcess node1(keys, endpoint.endpoint(), "node-1");
+  ASSERT_GT(node1.pid(), 0);
   links["node-0"]->connect([&](NodeEvent::Reader e) {
     if (e.isMessage()) ++hellos["node-0"];
   });
@@ -630,7 +620,7 @@ TEST(NodeLiveness, OneWaitOverEveryNodeDeliversEachNodesEventsAndNamesTheOneLost
   EXPECT_EQ(hellos["node-0"], 1);
   EXPECT_EQ(hellos["node-1"], 0);
 
-  ASSERT_EQ(kill(node1.pid_, SIGKILL), 0);
+  ASSERT_EQ(kill(node1.pid(), SIGKILL), 0);
   while (!links["node-1"]->lost() && Clock::now() < deadline + std::chrono::seconds(5))
     endpoint.poll(20);
   EXPECT_TRUE(links["node-1"]->lost());
