@@ -11,7 +11,7 @@ RANKS      ?= 2
 CTEST_ARGS ?=
 MEGACPP_FUZZ_SECONDS ?= 300
 
-.PHONY: all setup configure build build-run run run-cpp test test-full test-unit test-sanitize build-sanitize test-tsan build-tsan fuzz chaos format format-check bench bench-train-step bench-failure bench-recovery device-prep device-test device-check clean
+.PHONY: all setup configure build build-run run run-cpp test test-full test-unit test-sanitize build-sanitize test-tsan build-tsan fuzz chaos multinode format format-check bench bench-train-step bench-failure bench-recovery device-prep device-test device-check clean
 
 all: build
 
@@ -101,8 +101,15 @@ fuzz: build-sanitize
 test-full: build
 	@ctest --test-dir $(BUILD) --output-on-failure -L full
 
+# `make chaos`: every chaos case of one host, then every multinode test (root only).
 chaos: build
 	@ctest --test-dir $(BUILD) --output-on-failure -R 'chaos_full|checkpoint_kills_full'
+	@ctest --test-dir $(BUILD) --output-on-failure -L multinode
+
+# Every multinode test (root only): hosts as network namespaces, a real Slurm cluster of them and
+# torchrun's c10d rendezvous across them, at 2 and 4 nodes. `make test` runs the 2-node ones.
+multinode: build
+	@ctest --test-dir $(BUILD) --output-on-failure -L multinode
 
 # The GPU machine has torch and nvcc but no package registry: device-prep (here) unpacks the
 # build's Debian packages into build-device/prefix (<= 64 MiB, carried there); device-test (there)

@@ -18,13 +18,21 @@ APT_PACKAGES=(
   nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libfmt-dev libxxhash-dev
   libgloo-dev libcpp-httplib-dev prometheus clang-format python3-venv
   libsentencepiece-dev clang libclang-rt-14-dev chromium
+  # The multinode tests' hosts on one machine (tests/multinode): network namespaces, packet
+  # loss through nftables, ping, and a real Slurm cluster (its daemons are never started by
+  # the packages: the cluster runs its own, configured under a temp dir).
+  iproute2 nftables iputils-ping util-linux slurmd slurmctld slurm-client munge
 )
 
+# One dpkg-query for every package (a second run stays well under a second); a package it does
+# not list as installed is missing.
+declare -A installed=()
+while read -r name status; do
+  [ "$status" = "installed" ] && installed[$name]=1
+done < <(dpkg-query -W -f='${Package} ${db:Status-Status}\n' "${APT_PACKAGES[@]}" 2>/dev/null || true)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$p")
-  fi
+  [ -n "${installed[$p]:-}" ] || missing+=("$p")
 done
 if ((${#missing[@]})); then
   echo "setup: installing Debian packages: ${missing[*]}"
