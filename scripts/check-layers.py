@@ -44,6 +44,10 @@ LAYERS = {
     "supervisor/process":  ["core", "schemas"],
     "supervisor/failure_policy": ["core", "schemas"],
     "supervisor/placement": ["core"],
+    # Node 0's store and its clients (through the dlopen'd plugin), and a job's membership
+    # over them: torch-free, below the job controller that will call join_job.
+    "supervisor/rendezvous": ["core", "supervisor/process"],
+    "supervisor/membership": ["core", "supervisor/placement", "supervisor/rendezvous"],
     "supervisor/commands": ["core", "schemas", "ipc", "stages", "supervisor/process"],
     # The node agent owns one host's processes and decides nothing: it hears the job controller
     # only through the link's commands, so it includes no controller header (supervisor.h,
@@ -53,7 +57,8 @@ LAYERS = {
                               "supervisor/failure_policy", "supervisor/node_agent_link"],
     "supervisor":  ["core", "schemas", "ipc", "recipes", "data", "ops", "prepare", "checkpoint",
                     "stages", "supervisor/process", "supervisor/commands",
-                    "supervisor/placement", "supervisor/failure_policy",
+                    "supervisor/placement", "supervisor/rendezvous",
+                    "supervisor/membership", "supervisor/failure_policy",
                     "supervisor/node_agent_link", "supervisor/node_agent"],
     # Programs and tests over all of it.
     "tools":       [ANY],

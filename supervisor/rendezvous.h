@@ -1,12 +1,16 @@
 // The c10d TCPStore the trainer ranks rendezvous through, hosted in the supervisor process by
-// libmegacpp_store.so (store_plugin.cpp), loaded beside the executable when a run starts. No
+// libmegacpp_store.so (store_plugin.cpp), loaded beside the executable when a run starts, and a
+// client of such a store (a node joining its job through node 0's store: membership.h). No
 // supervisor translation unit sees torch, and the `megacpp` command links none: only `run` needs
 // the library (and through it libtorch).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 
 namespace megacpp::supervisor {
 
@@ -21,6 +25,34 @@ class StoreServer {
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
   uint16_t port() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// A connection to a TCPStore (node 0's, or any c10d store). Every call blocks this thread; a
+// client is for one thread at a time. The store has no authentication: whoever reaches its
+// port reads and writes every key (DESIGN.md "Joining a job across nodes").
+class StoreClient {
+ public:
+  // Connects to host:port, retrying for at most `timeout` (which then bounds each call but
+  // get's own wait). Throws Error{kTimeout} when nothing answered in time (no server there,
+  // or not yet), Error{kInvalidArgument} when libmegacpp_store.so does not load, and
+  // Error{kSystem} otherwise; each message names host:port.
+  StoreClient(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
+  ~StoreClient();
+  StoreClient(const StoreClient&) = delete;
+  StoreClient& operator=(const StoreClient&) = delete;
+
+  // Throws Error{kSystem} (the store went away, ...); no message names the key.
+  void set(const std::string& key, std::string_view value);
+  // The value of `key` once it is set, waiting at most `timeout` (0: not at all); nullopt when
+  // it was not set in time (an expected answer: the connection stays usable). Throws
+  // Error{kSystem} when the store fails.
+  std::optional<std::string> get(const std::string& key, std::chrono::milliseconds timeout);
+  // Adds `delta` to the counter `key` (0 before its first add); returns its new value.
+  int64_t add(const std::string& key, int64_t delta);
 
  private:
   struct Impl;
