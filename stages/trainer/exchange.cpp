@@ -158,12 +158,13 @@ class RankOrdered final : public Exchange {
     const uint32_t rank = this->rank(), world = this->world();
     const Pg& pg = group();
     ipc::PeerExchange* shared = peer_exchange_of(pg);
+    auto via_shared_memory = [&](uint32_t q) { return shared != nullptr && shared->reaches(q); };
     std::vector<at::Tensor> keep;
     std::vector<ipc::PeerExchange::Transfer> near;
     std::vector<uint32_t> far;
     for (uint32_t k = 1; k < world; ++k) {
       const uint32_t q = (rank + k) % world;
-      if (shared == nullptr || !shared->reaches(q)) {
+      if (!via_shared_memory(q)) {
         far.push_back(q);
         continue;
       }
@@ -198,7 +199,7 @@ class RankOrdered final : public Exchange {
       std::vector<c10::intrusive_ptr<c10d::Work>> works;
       for (uint32_t k = 1; k < world; ++k) {
         const uint32_t src = (rank + world - k) % world;
-        if (shared != nullptr && shared->reaches(src)) continue;
+        if (via_shared_memory(src)) continue;
         ins.push_back({recv_from(src)});
         works.push_back(pg->recv(ins.back(), static_cast<int>(src), tag));
       }

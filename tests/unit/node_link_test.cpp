@@ -547,7 +547,9 @@ TEST(NodeLiveness, ANodeThatBeatsIsNeverLostEvenWhileACommandBlocksIt) {
   node.join();
 }
 
-TEST(NodeLiveness, AKilledNodeIsLost) {
+// A node in a process of its own, beating and not lost, then sent `sig`: declared lost once
+// silent beyond the limit. `what` names the node's state in the messages.
+void expect_lost_after(int sig, const char* what) {
   const JobKeys keys = generate_job_keys();
   JobControlEndpoint endpoint(keys, kLoopback);
   ZmqNodeAgentLink link(endpoint, "node-1", {.silence_limit = kSilenceLimit});
@@ -556,31 +558,22 @@ TEST(NodeLiveness, AKilledNodeIsLost) {
   ASSERT_TRUE(link.wait_connected(5000));
   for (int i = 0; i < 10; ++i) link.poll(50);  // beating: not lost
   ASSERT_FALSE(link.lost());
-  ASSERT_EQ(kill(node.pid(), SIGKILL), 0);
+  ASSERT_EQ(kill(node.pid(), sig), 0);
   const auto took = time_to_lost(link, std::chrono::seconds(10));
-  ASSERT_TRUE(took) << "a killed node was never declared lost";
+  ASSERT_TRUE(took) << "a " << what << " node was never declared lost";
   EXPECT_GT(link.lost()->silent, kSilenceLimit);
-  printf("killed node declared lost after %lld ms (silence limit %lld ms)\n",
+  printf("%s node declared lost after %lld ms (silence limit %lld ms)\n", what,
          static_cast<long long>(took->count()), static_cast<long long>(kSilenceLimit.count()));
+}
+
+TEST(NodeLiveness, AKilledNodeIsLost) {
+  expect_lost_after(SIGKILL, "killed");
 }
 
 TEST(NodeLiveness, AHungNodeIsLost) {
   // Every process of the node stopped (SIGSTOP): its connections stay open, so TCP says
   // nothing; only the silence does.
-  const JobKeys keys = generate_job_keys();
-  JobControlEndpoint endpoint(keys, kLoopback);
-  ZmqNodeAgentLink link(endpoint, "node-1", {.silence_limit = kSilenceLimit});
-  NodeProcess node(keys, endpoint.endpoint());
-  ASSERT_GT(node.pid(), 0);
-  ASSERT_TRUE(link.wait_connected(5000));
-  for (int i = 0; i < 10; ++i) link.poll(50);
-  ASSERT_FALSE(link.lost());
-  ASSERT_EQ(kill(node.pid(), SIGSTOP), 0);
-  const auto took = time_to_lost(link, std::chrono::seconds(10));
-  ASSERT_TRUE(took) << "a stopped node was never declared lost";
-  EXPECT_GT(link.lost()->silent, kSilenceLimit);
-  printf("stopped node declared lost after %lld ms (silence limit %lld ms)\n",
-         static_cast<long long>(took->count()), static_cast<long long>(kSilenceLimit.count()));
+  expect_lost_after(SIGSTOP, "stopped");
 }
 
 TEST(NodeLiveness, OneWaitOverEveryNodeDeliversEachNodesEventsAndNamesTheOneLost) {
