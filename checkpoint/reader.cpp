@@ -65,6 +65,14 @@ CheckpointReader::CheckpointReader(const fs::path& dir) : dir_(dir) {
   recipe_hash_ = manifest.getRecipeHash();
   mode_ = manifest.getMode().size() ? std::string(manifest.getMode()) : std::string("author_dp");
   tensor_parallel_ = manifest.getTensorParallel() ? manifest.getTensorParallel() : 1;
+  // A node's part of a job's checkpoint (a job across nodes) holds that node's ranks only;
+  // reassembling parameters or optimizer state needs every rank.
+  MEGACPP_CHECK(manifest.getRanks() == 0, ErrorKind::kInvalidArgument,
+                fmt::format("checkpoint {} holds ranks {}..{} of world {} (one node's part of a "
+                            "job across nodes): loading it needs every node's part, which this "
+                            "build does not assemble yet",
+                            dir.string(), manifest.getFirstRank(),
+                            manifest.getFirstRank() + manifest.getRanks() - 1, world_));
   if (world_ == 0 || manifest.getFiles().size() != world_)
     corrupt(manifest_path,
             fmt::format("lists {} files for world {}", manifest.getFiles().size(), world_));

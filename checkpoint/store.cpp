@@ -111,6 +111,12 @@ const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, ui
                                                std::string_view layout) {
   MEGACPP_CHECK(world > 0 && rank < world, ErrorKind::kProtocol,
                 fmt::format("snapshot of step {} from rank {} of world {}", step, rank, world));
+  MEGACPP_CHECK(ranks_ == 0 || (rank >= first_rank_ && rank - first_rank_ < ranks_ &&
+                                first_rank_ + ranks_ <= world),
+                ErrorKind::kProtocol,
+                fmt::format("snapshot of step {} from rank {}: this node commits ranks {}..{} "
+                            "of world {}",
+                            step, rank, first_rank_, first_rank_ + ranks_ - 1, world));
   const fs::path tmp = tmp_dir(step);
   auto it = pending_.find(step);
   if (it == pending_.end()) {
@@ -155,7 +161,8 @@ const WrittenFile& CheckpointStore::write_rank(uint32_t step, uint32_t world, ui
 
 bool CheckpointStore::complete(uint32_t step) const {
   auto it = pending_.find(step);
-  return it != pending_.end() && it->second.files.size() == it->second.world;
+  return it != pending_.end() &&
+         it->second.files.size() == (ranks_ != 0 ? ranks_ : it->second.world);
 }
 
 bool CheckpointStore::committed(uint32_t step) const {
@@ -180,6 +187,10 @@ CommittedCheckpoint CheckpointStore::commit(uint32_t step) {
   manifest.setRecipeHash(recipe_hash_);
   manifest.setMode(mode_);
   manifest.setTensorParallel(tensor_parallel_);
+  if (ranks_ != 0 && ranks_ != p.world) {
+    manifest.setFirstRank(first_rank_);
+    manifest.setRanks(ranks_);
+  }
   auto files = manifest.initFiles(static_cast<unsigned>(p.files.size()));
   uint64_t bytes = 0;
   unsigned i = 0;

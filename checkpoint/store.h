@@ -72,6 +72,14 @@ class CheckpointStore {
     tensor_parallel_ = tensor_parallel;
   }
 
+  // The ranks this store commits: ranks first .. first + count - 1 of every step's world (a
+  // node of a job across nodes commits its own ranks; the manifest records which). Unset: every
+  // rank of the world.
+  void set_ranks(uint32_t first, uint32_t count) {
+    first_rank_ = first;
+    ranks_ = count;
+  }
+
   // Writes (or rewrites) rank_<rank>.safetensors of `step` into the step's tmp directory and
   // fsyncs it. `layout` (the rank's reassembly JSON, may be empty) is stored verbatim as the
   // "megacpp.layout" metadata entry. Throws Error{kProtocol} if `world` disagrees with an
@@ -79,7 +87,7 @@ class CheckpointStore {
   // running out of space as the class comment says (the step is then no longer pending).
   const WrittenFile& write_rank(uint32_t step, uint32_t world, uint32_t rank,
                                 std::span<const TensorView> tensors, std::string_view layout = {});
-  bool complete(uint32_t step) const;  // every rank of the step written
+  bool complete(uint32_t step) const;  // every rank of the step this store commits written
   // The step's committed directory exists (committed by this or an earlier process).
   bool committed(uint32_t step) const;
   // Commits a complete step: checkpoint.json, fsyncs, rename, fsync of RUN/checkpoints, and
@@ -120,6 +128,8 @@ class CheckpointStore {
   std::string recipe_hash_;
   std::string mode_ = "author_dp";
   uint32_t tensor_parallel_ = 1;
+  uint32_t first_rank_ = 0;
+  uint32_t ranks_ = 0;  // 0: every rank of the world
   RetentionPolicy retention_;
   std::map<uint32_t, Pending> pending_;
   std::optional<uint32_t> latest_;

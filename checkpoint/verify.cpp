@@ -44,9 +44,19 @@ VerifyResult verify_checkpoint(const fs::path& dir) {
         dir_name != layout::checkpoint_dir_name(manifest.getStep())) {
       problem(fmt::format("{} records step {}", dir_name, manifest.getStep()));
     }
-    if (manifest.getFiles().size() != manifest.getWorld()) {
-      problem(fmt::format("{} lists {} files for world {}", kManifestName,
-                          manifest.getFiles().size(), manifest.getWorld()));
+    // A node's part of a job's checkpoint lists its own ranks only.
+    const bool part = manifest.getRanks() != 0;
+    if (part && (manifest.getRanks() > manifest.getWorld() ||
+                 manifest.getFirstRank() > manifest.getWorld() - manifest.getRanks())) {
+      problem(fmt::format("{} holds ranks {}..{} of world {}", kManifestName,
+                          manifest.getFirstRank(),
+                          manifest.getFirstRank() + manifest.getRanks() - 1, manifest.getWorld()));
+    } else if (manifest.getFiles().size() != (part ? manifest.getRanks() : manifest.getWorld())) {
+      problem(part ? fmt::format("{} lists {} files for ranks {}..{}", kManifestName,
+                                 manifest.getFiles().size(), manifest.getFirstRank(),
+                                 manifest.getFirstRank() + manifest.getRanks() - 1)
+                   : fmt::format("{} lists {} files for world {}", kManifestName,
+                                 manifest.getFiles().size(), manifest.getWorld()));
     }
     for (auto f : manifest.getFiles()) {
       const std::string name = f.getName();

@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include <fmt/format.h>
+#include <sodium.h>
 #include <zmq.h>
 
 #include "core/error.h"
@@ -90,6 +91,8 @@ void write_job_keys(const std::filesystem::path& path, const JobKeys& keys) {
 JobKeys read_job_keys(const std::filesystem::path& path) {
   const int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (raw == -1 && errno == ELOOP) refuse(path, "is a symbolic link; name the file itself");
+  if (raw == -1 && errno == ENOENT)
+    refuse(path, "does not exist; create the job's keys once with `megacpp keys FILE`");
   Fd fd(SYSCALL_CHECK_PATH(raw, "open", path.string()));
   struct stat st {};
   SYSCALL_CHECK_PATH(::fstat(fd.get(), &st), "stat", path.string());
@@ -134,6 +137,19 @@ JobKeys read_job_keys(const std::filesystem::path& path) {
     if (k->empty()) refuse(path, "lacks a key; write it again with a new job's keys");
   }
   return keys;
+}
+
+std::string job_store_prefix(const JobKeys& keys) {
+  MEGACPP_CHECK(sodium_init() >= 0, ErrorKind::kInternal, "libsodium did not initialise");
+  constexpr std::string_view kContext = "megacpp job store prefix v1";
+  unsigned char digest[16];
+  crypto_generichash(digest, sizeof digest,
+                     reinterpret_cast<const unsigned char*>(keys.client.secret_key.data()),
+                     keys.client.secret_key.size(),
+                     reinterpret_cast<const unsigned char*>(kContext.data()), kContext.size());
+  std::string out = "megacpp-job-";
+  for (unsigned char b : digest) out += fmt::format("{:02x}", b);
+  return out;
 }
 
 }  // namespace megacpp::ipc

@@ -48,4 +48,11 @@ void write_job_keys(const std::filesystem::path& path, const JobKeys& keys);
 // key: a file group or others may read or write, one another user owns, a symbolic link.
 JobKeys read_job_keys(const std::filesystem::path& path);
 
+// The prefix of every key a job across nodes writes to node 0's c10d store (the membership and
+// the ranks' rendezvous): "megacpp-job-" and 32 hex digits of a keyed BLAKE2b of the client
+// secret key. Every node derives the same prefix from the same key file, so no second secret
+// travels; one-way, so the prefix (which the store's plain-text traffic and its listKeys give
+// away) tells nothing of the key. Distinct jobs get distinct prefixes.
+std::string job_store_prefix(const JobKeys& keys);
+
 }  // namespace megacpp::ipc

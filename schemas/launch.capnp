@@ -279,6 +279,15 @@ struct LaunchContract {
   # before the field existed.
   batch @38 :BatchGeometry;
   placement @39 :Placement;
+  # This node's ranks of the world: firstRank .. firstRank + localRanks - 1 (global rank = node
+  # rank x ranks per node + local rank). localRanks 0, as in contracts written before the
+  # fields: every rank of the world, on this node.
+  firstRank @40 :UInt32;
+  localRanks @41 :UInt32;
+  # Every key the ranks write to the store starts with it (a job across nodes: the job's
+  # secret prefix, the same on every node). Empty, as in contracts written before the field:
+  # "megacpp/<runId>/".
+  storePrefix @42 :Text;
 }
 
 struct GateVerdict {            # recipes/plan.h Gate

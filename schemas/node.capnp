@@ -70,6 +70,7 @@ struct PrepareAttempt {
   ranks @1 :UInt32;
   ringSlots @2 :UInt32;
   ringSlotBytes @3 :UInt64;
+  firstRank @4 :UInt32;           # the rings are ranks firstRank .. firstRank + ranks - 1
 }
 
 struct NodeCommand {

@@ -13,7 +13,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
-  libzmq3-dev capnproto libcapnp-dev
+  libzmq3-dev libsodium-dev capnproto libcapnp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libfmt-dev libxxhash-dev
   libgloo-dev libcpp-httplib-dev prometheus clang-format python3-venv

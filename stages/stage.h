@@ -123,6 +123,20 @@ class StageContext {
 // Returns true when a nan fault fired here (the caller poisons its values), else false.
 bool fault_point(StageContext& ctx, std::string_view point, uint32_t step);
 
+// This node's ranks of the job's world, as the launch contract says: first .. first + count - 1
+// (a job across nodes: node rank x ranks per node onwards). A contract written before the
+// fields: every rank of the world.
+struct LocalRanks {
+  uint32_t first = 0;
+  uint32_t count = 0;
+  uint32_t end() const noexcept { return first + count; }
+  bool contains(uint32_t rank) const noexcept { return rank >= first && rank - first < count; }
+};
+inline LocalRanks local_ranks(schema::LaunchContract::Reader launch) {
+  if (launch.getLocalRanks() == 0) return {0, launch.getWorld()};
+  return {launch.getFirstRank(), launch.getLocalRanks()};
+}
+
 // The main() of a stage executable. Parses --run-dir, --rank, --generation (and --help).
 int run_stage_main(int argc, char** argv, schema::StageKind kind, std::string_view description,
                    const std::function<void(StageContext&)>& body);

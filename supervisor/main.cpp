@@ -19,6 +19,7 @@
 #include "checkpoint/verify.h"
 #include "core/error.h"
 #include "core/util.h"
+#include "ipc/job_keys.h"
 #include "prepare/prepare.h"
 #include "recipes/plan.h"
 #include "recipes/recipe.h"
@@ -168,7 +169,7 @@ int main(int argc, char** argv) {
   auto* nodes_opt = run->add_option("--nodes", ro_nodes,
                                     "Nodes in the job, one `megacpp run` on each (default: the "
                                     "engine's, Slurm, torchrun or "
-                                    "Kubernetes MEGACPP_NODES; else 1). This build runs one node")
+                                    "Kubernetes MEGACPP_NODES; else 1)")
                         ->type_name("N");
   auto* node_rank_opt =
       run->add_option("--node-rank", ro_node_rank,
@@ -185,6 +186,10 @@ int main(int argc, char** argv) {
              "Network interface for traffic between nodes (default: GLOO_SOCKET_IFNAME, else "
              "NCCL_SOCKET_IFNAME)")
           ->type_name("NAME");
+  run->add_option("--job-keys", ro.job_keys,
+                  "The job's key file (`megacpp keys FILE`), the same on every node of a job "
+                  "across nodes; mode 0600")
+      ->type_name("FILE");
   bool ro_detach = false;
   run->add_flag("--detach", ro_detach,
                 "Return once the stage graph is up; the supervisor goes on in its own session, "
@@ -272,6 +277,11 @@ int main(int argc, char** argv) {
   plan->add_option("--device", plan_device, "cpu | cuda: the device the feature-built gate checks")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
+
+  fs::path keys_path;
+  auto* keys_cmd = app.add_subcommand(
+      "keys", "Write fresh keys for a job across nodes (0600; give every node the same file)");
+  keys_cmd->add_option("file", keys_path, "The key file to create (must not exist)")->required();
 
   fs::path verify_path;
   auto* verify_cmd =
@@ -403,6 +413,14 @@ int main(int argc, char** argv) {
       return p.refusal() != nullptr ? 1 : 0;
     }
     if (*verify_cmd) return verify(verify_path);
+    if (*keys_cmd) {
+      mc::ipc::write_job_keys(keys_path, mc::ipc::generate_job_keys());
+      fmt::print(
+          "wrote the job's keys to {}: give every node of the job this file "
+          "(`megacpp run --job-keys {}`), readable by the job's user only\n",
+          keys_path.string(), keys_path.string());
+      return 0;
+    }
     if (*export_cmd) {
       const fs::path dir = mc::checkpoint::resolve_checkpoint_dir(export_path);
       const auto verdict = mc::checkpoint::verify_checkpoint(dir);

@@ -327,7 +327,7 @@ void NodeAgent::create_rings(schema::PrepareAttempt::Reader a) {
   shm_prefix_ = a.getShmPrefix();
   ipc::unlink_shm(shm_prefix_);
   const uint64_t slot_bytes = a.getRingSlotBytes();
-  for (uint32_t r = 0; r < a.getRanks(); ++r) {
+  for (uint32_t r = a.getFirstRank(); r < a.getFirstRank() + a.getRanks(); ++r) {
     auto name = layout::ring_shm_name(shm_prefix_, r);
     rings_.push_back(std::make_unique<ipc::ShmRegion>(
         ipc::ShmRegion::Create{}, name, ipc::SlotRing::region_bytes(a.getRingSlots(), slot_bytes)));

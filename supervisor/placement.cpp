@@ -531,12 +531,4 @@ NodePlacement resolve_placement(const PlacementFlags& flags, const Environment& 
   return p;
 }
 
-void refuse_cross_node_job(const NodePlacement& placement) {
-  if (placement.nodes <= 1) return;
-  refuse(
-      fmt::format("a job across nodes is not supported by this build yet: {} ({}) placed "
-                  "this node as node {} of {}; run the job on one node",
-                  placement.source, placement.nodes_from, placement.node_rank, placement.nodes));
-}
-
 }  // namespace megacpp::supervisor

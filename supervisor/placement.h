@@ -76,10 +76,4 @@ NodePlacement resolve_placement(const PlacementFlags& flags, const Environment& 
 // Error{kInvalidArgument} naming `what` (the variable, e.g. "SLURM_JOB_NODELIST") and the list.
 std::vector<std::string> expand_hostlist(std::string_view list, std::string_view what);
 
-// TEMPORARY — the one place this build refuses a job across nodes (nodes > 1), until the
-// cross-node launch (issue 30's next parts: the job store on node 0, the node-to-job control
-// channel, hierarchical collectives) is built. Throws Error{kInvalidArgument} naming the source
-// and what it asked for; returns for a single-node placement.
-void refuse_cross_node_job(const NodePlacement& placement);
-
 }  // namespace megacpp::supervisor

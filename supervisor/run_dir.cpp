@@ -25,6 +25,7 @@
 #include "data/dataset_manifest.h"
 #include "data/shards.h"
 #include "ipc/channel.h"
+#include "ipc/job_keys.h"
 #include "ipc/journal.h"
 #include "ipc/shm.h"
 #include "ipc/slot_ring.h"
@@ -267,7 +268,7 @@ void JobController::journal_attempt_started(std::string_view reason) {
     a.setFromStep(resume_ ? resume_->step : 0);
     if (resume_) a.setCheckpoint(resume_->relative_path);
     a.setReason(std::string(reason));
-    a.setWorld(opt_.ranks);
+    a.setWorld(world_);
     auto sk = a.initSkipped(static_cast<unsigned>(skipped_.size()));
     for (size_t i = 0; i < skipped_.size(); ++i) sk.set(static_cast<unsigned>(i), skipped_[i]);
   });
@@ -281,6 +282,7 @@ void JobController::create_rings() {
     auto a = cmd.initPrepareAttempt();
     a.setShmPrefix(shm_prefix_);
     a.setRanks(opt_.ranks);
+    a.setFirstRank(first_rank_);
     a.setRingSlots(opt_.ring_slots);
     a.setRingSlotBytes(slot_bytes);
   });
@@ -386,9 +388,9 @@ void JobController::prepare() {
   agent_->block_signals();
   opt_.validate();
   // This node's place in its job, before anything else is read or written: a bad flag or
-  // variable, or a job across nodes this build cannot run yet, is refused first.
+  // variable, or what this build cannot run of a job across nodes, is refused first.
   placement_ = resolve_placement(opt_.placement, environment_of(environ));
-  refuse_cross_node_job(placement_);
+  check_job_across_nodes();
   plan_collectives();
   const bool resuming = !opt_.resume.empty();
   if (resuming) {
@@ -410,12 +412,15 @@ void JobController::prepare() {
     run_ = fs::absolute(opt_.run_dir).lexically_normal();
     if (!opt_.from.empty()) adopt_parent_checkpoint();
   }
+  // opt_.ranks is settled (a resume took the run's world): the job's world and this node's ranks.
+  world_ = opt_.ranks * placement_.nodes;
+  first_rank_ = opt_.ranks * placement_.node_rank;
   // The plan's gates, before anything is written: a refusal names its rule, the reason and
   // when the gate retires.
   {
     // Without --memory-budget, a CPU run's ranks get an equal part of this host's memory: a
     // plan beyond it cannot start (nam56r on a workstation), and says so before launching.
-    recipe::PlanOptions po{.ranks = opt_.ranks,
+    recipe::PlanOptions po{.ranks = world_,
                            .memory_budget_gib = opt_.memory_budget_gib,
                            .device = opt_.device,
                            .cuda_trainer_built = cuda_trainer_built()};
@@ -438,7 +443,7 @@ void JobController::prepare() {
   if (opt_.device == "cuda") check_cuda_devices();
   // What this attempt's ranks train on: the recipe's batch geometry, with the per-rank batch a
   // resume at another world size needs. Resolved here once; everything after reads batch_.
-  batch_ = recipe::resolve_batch(recipe_, opt_.ranks, rank_batch_);
+  batch_ = recipe::resolve_batch(recipe_, world_, rank_batch_);
 
   if (opt_.data_dir.empty()) opt_.data_dir = run_.parent_path() / "data";
   opt_.data_dir = fs::absolute(opt_.data_dir).lexically_normal();
@@ -625,7 +630,7 @@ void JobController::prepare() {
   control_ep_ = endpoints.control;
   checkpoint_ep_ = endpoints.checkpoint;
 
-  store_ = std::make_unique<StoreServer>("127.0.0.1", 0, opt_.ranks);
+  host_or_join_store();
 
   create_rings();
   write_launch_contract();
@@ -633,6 +638,69 @@ void JobController::prepare() {
   agent_->open_control(control_ep_);
   open_journals();
   if (resuming) journal_attempt_started("resume");
+}
+
+void JobController::check_job_across_nodes() {
+  if (placement_.nodes <= 1) return;
+  const std::string where =
+      fmt::format("{} ({}) placed this node as node {} of {}", placement_.source,
+                  placement_.nodes_from, placement_.node_rank, placement_.nodes);
+  auto refuse = [&](std::string_view why) {
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{}: {}", where, why);
+  };
+  if (opt_.job_keys.empty())
+    refuse(
+        "a job across nodes needs the job's keys: create them once with `megacpp keys FILE`, "
+        "give every node that file (mode 0600) and pass --job-keys FILE");
+  // Each line below is a part of a job across nodes this build does not run yet.
+  if (!opt_.resume.empty())
+    refuse("--resume of a job across nodes is not supported yet: start a new run");
+  if (!opt_.from.empty())
+    refuse("--from in a job across nodes is not supported yet: branch on one node");
+  if (opt_.max_job_restarts > 0)
+    refuse("--max-job-restarts in a job across nodes is not supported yet: pass 0");
+  if (static_cast<uint64_t>(opt_.ranks) * placement_.nodes > layout::kMaxRanks)
+    refuse(fmt::format("{} nodes x --ranks {} exceeds the {} ranks of a job", placement_.nodes,
+                       opt_.ranks, layout::kMaxRanks));
+  // Read before anything is written: a missing or unprotected key file is refused here.
+  job_prefix_ = ipc::job_store_prefix(ipc::read_job_keys(opt_.job_keys));
+}
+
+void JobController::host_or_join_store() {
+  if (placement_.nodes <= 1) {
+    store_ = std::make_unique<StoreServer>("127.0.0.1", 0, world_);
+    store_host_ = "127.0.0.1";
+    store_port_ = store_->port();
+    return;
+  }
+  NodeIdentity me;
+  bool dirty = false;
+  const std::string revision = git_revision(dirty);
+  // As `megacpp compare` names the build (commands/compare.cpp).
+  me.build = fmt::format("{}{} {} gcc {}.{}.{} torch {}", revision, dirty ? "+dirty" : "",
+                         MEGACPP_BUILD_TYPE, __GNUC__, __GNUC_MINOR__, __GNUC_PATCHLEVEL__,
+                         torch_version());
+  me.recipe_hash = recipe_.hash;
+  std::string data;
+  for (const auto& f : dataset_.files) data += fmt::format("{}:{};", f.xxh3, f.tokens);
+  me.dataset_xxh3 = data.empty() ? "-" : xxh3_hex(data);
+  me.ranks_per_node = opt_.ranks;
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  me.host = host;
+  const std::string& prefix = job_prefix_;
+  log_info("joining the job as node {} of {} through {}:{} ({})", placement_.node_rank,
+           placement_.nodes, placement_.master_host, placement_.master_port, placement_.source);
+  joined_ = std::make_unique<JoinedJob>(join_job(
+      placement_, me, prefix,
+      std::chrono::milliseconds(static_cast<int64_t>(knob_seconds(Knob::kStoreTimeoutS) * 1e3))));
+  log_info("every node of the job runs the same build, recipe and data; ranks {}..{} of {} here",
+           first_rank_, first_rank_ + opt_.ranks - 1, world_);
+  store_host_ = placement_.master_host;
+  store_port_ = static_cast<uint16_t>(placement_.master_port);
+  // The ranks' keys under the job's prefix, apart from the membership's (join_job: claim,
+  // identity, done); an attempt of the run names its own below it.
+  store_prefix_ = prefix + "/ranks/";
 }
 
 void JobController::open_journals() {
@@ -695,9 +763,12 @@ void JobController::write_launch_contract() {
   l.setShmPrefix(shm_prefix_);
   l.setControlEndpoint(control_ep_);
   l.setCheckpointEndpoint(checkpoint_ep_);
-  l.setStoreHost("127.0.0.1");
-  l.setStorePort(store_->port());
-  l.setWorld(opt_.ranks);
+  l.setStoreHost(store_host_);
+  l.setStorePort(store_port_);
+  l.setStorePrefix(store_prefix_);
+  l.setWorld(world_);
+  l.setFirstRank(first_rank_);
+  l.setLocalRanks(opt_.ranks);
   l.setSteps(opt_.steps);
   l.setDevice(opt_.device);
   l.setMuonPrecision(muon_precision_);

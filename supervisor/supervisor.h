@@ -94,8 +94,11 @@ struct RunOptions {
   std::string progress = "auto";             // auto | tty | plain | none
   // --nodes, --node-rank, --master, --iface as typed: with the environment (Slurm, torchrun,
   // Kubernetes) they resolve this node's place in its job at start-up (placement.h), recorded
-  // in the launch contract. This build refuses a place in a job of more than one node.
+  // in the launch contract. `ranks` is then the ranks of each node.
   PlacementFlags placement;
+  // A job across nodes: the job's key file (ipc/job_keys.h, `megacpp keys FILE`), the same on
+  // every node. Its store prefix keys the job's membership and rendezvous in node 0's store.
+  std::filesystem::path job_keys;
   std::vector<std::string> argv;  // recorded in the launch contract
   // Set by run_detached in the supervisor it forks: once every stage has said hello, the
   // supervisor prints kDetachedMarker and moves its stdout and stderr to RUN/logs/supervisor.log.

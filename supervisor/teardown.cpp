@@ -56,7 +56,7 @@ void JobController::abort_collectives() {
   std::vector<const Child*> asked;
   const int64_t sent_ns = mono_ns();
   for (const auto& c : children_) {
-    if (c.stage != StageKind::TRAINER || !c.alive || opt_.ranks <= 1) continue;
+    if (c.stage != StageKind::TRAINER || !c.alive || world_ <= 1) continue;
     // The agent does not ask a stopped rank (state 'T').
     const bool sent = command([&](schema::NodeCommand::Builder cmd) {
       auto a = cmd.initAbortCollectives();

@@ -239,10 +239,11 @@ void JobController::check_liveness() {
     const int64_t since = clock.since_ns;
     const double rank_budget = clock.budget_s;
     const double in_phase = static_cast<double>(now - since) / 1e9;
-    if (c.rank < rings.size()) {
+    // The agent's rings are this node's ranks, the first at first_rank_.
+    if (c.rank >= first_rank_ && c.rank - first_rank_ < rings.size()) {
       Child* loader = by_name(layout::process_name(StageKind::DATA_LOADER, 0));
-      if (policy::loader_starves_rank(budgets_, c.phase, rings[c.rank].depth, in_phase,
-                                      loader != nullptr && loader->alive)) {
+      if (policy::loader_starves_rank(budgets_, c.phase, rings[c.rank - first_rank_].depth,
+                                      in_phase, loader != nullptr && loader->alive)) {
         loader->heartbeat_ns = now;  // one restart per stall, not one per starving rank
         c.phase_started_ns = now;
         restart_or_fail(
@@ -354,7 +355,8 @@ void JobController::update_metrics() {
   }
   const std::vector<RingLevel> rings = link_->ring_levels();
   for (uint32_t r = 0; r < rings.size(); ++r) {
-    metrics_->set_queue(fmt::format("data_loader->trainer-{}", r), rings[r].depth, rings[r].slots);
+    metrics_->set_queue(fmt::format("data_loader->trainer-{}", global_rank(r)), rings[r].depth,
+                        rings[r].slots);
   }
   poll_commits();
 }
@@ -406,11 +408,11 @@ void JobController::launch_attempt() {
   launch(StageKind::CHECKPOINTER, 0, 0, schema::ChildReason::LAUNCH);
   launch(StageKind::DATA_LOADER, 0, 0, schema::ChildReason::LAUNCH);
   for (uint32_t r = 0; r < opt_.ranks; ++r) {
-    launch(StageKind::TRAINER, r, 0, schema::ChildReason::LAUNCH);
+    launch(StageKind::TRAINER, global_rank(r), 0, schema::ChildReason::LAUNCH);
   }
   journal_->append([&](schema::JournalRecord::Builder r) {
     auto s = r.initRunStarted();
-    s.setWorld(opt_.ranks);
+    s.setWorld(world_);
     s.setStepsPlanned(opt_.steps);
   });
 }
@@ -437,7 +439,7 @@ std::optional<std::string> JobController::job_restart_refusal() const {
 
 uint32_t JobController::journaled_progress() const {
   uint32_t progress = UINT32_MAX;
-  for (uint32_t r = 0; r < opt_.ranks; ++r) {
+  for (uint32_t r = first_rank_; r < first_rank_ + opt_.ranks; ++r) {
     uint32_t last = resume_ ? resume_->step : 0;
     ipc::JournalReader::read_all(layout::journal_path(run_, StageKind::TRAINER, r),
                                  [&](schema::JournalRecord::Reader rec) {
@@ -539,6 +541,7 @@ JobController::JobController(RunOptions o)
 
 JobController::JobController(RunOptions o, NodeAgentLink& link, const fs::path& run)
     : opt_(std::move(o)), budgets_(budgets_of(opt_)), run_(run), link_(&link) {
+  world_ = opt_.ranks;  // one node
   link_->connect([this](schema::NodeEvent::Reader e) { on_event(e); });
   metrics_ = std::make_unique<Metrics>(MEGACPP_VERSION, "test", "none");
   for (const auto& d : {layout::journal_dir(run_), layout::logs_dir(run_)})

@@ -33,6 +33,8 @@ void run(megacpp::stage::StageContext& ctx) {
                             retention);
   const auto model = megacpp::recipe::model_config(launch.getRecipe());
   store.set_layout(model.mode, model.tensor_parallel());
+  if (const auto local = megacpp::stage::local_ranks(launch); local.count != launch.getWorld())
+    store.set_ranks(local.first, local.count);
   megacpp::ipc::Channel router(ctx.zmq(), megacpp::ipc::Channel::Kind::kRouter,
                                launch.getCheckpointEndpoint());
   // A relaunched checkpointer binds the same endpoint under the same identity; the ranks

@@ -45,6 +45,8 @@ int main(int argc, char** argv) {
         auto data = recipe.getData();
         const uint32_t world = launch.getWorld();
         const uint32_t steps = launch.getSteps();
+        // The rings of this node's ranks (a job across nodes: each node's loader fills its own).
+        const mc::stage::LocalRanks local = mc::stage::local_ranks(launch);
         // The attempt's batch geometry, as the supervisor resolved it: rows per rank (a resume
         // at another world size keeps the global batch with its own), seq_len, slot width. The
         // ranks of a tensor-parallel group (consecutive ranks, recipes/recipe.h mode) train on
@@ -75,7 +77,7 @@ int main(int argc, char** argv) {
 
         std::vector<std::unique_ptr<mc::ipc::ShmRegion>> regions;
         std::vector<std::unique_ptr<mc::ipc::SlotRing>> rings;
-        for (uint32_t r = 0; r < world; ++r) {
+        for (uint32_t r = local.first; r < local.end(); ++r) {
           regions.push_back(std::make_unique<mc::ipc::ShmRegion>(
               mc::ipc::ShmRegion::Attach{},
               mc::layout::ring_shm_name(launch.getShmPrefix().cStr(), r)));
@@ -83,17 +85,19 @@ int main(int argc, char** argv) {
           MEGACPP_CHECK(rings.back()->slot_bytes() >= slot_bytes, mc::ErrorKind::kProtocol,
                         "ring slots are smaller than one batch");
         }
-        mc::log_info("{} {} files, {} windows of {} tokens per epoch; {} ranks x {} steps",
-                     shards.size(), mc::data::format_name(dataset.format), sampler.windows(),
-                     sampler.spec().row_tokens(), world, steps);
+        mc::log_info(
+            "{} {} files, {} windows of {} tokens per epoch; ranks {}..{} of {} x {} steps",
+            shards.size(), mc::data::format_name(dataset.format), sampler.windows(),
+            sampler.spec().row_tokens(), local.first, local.end() - 1, world, steps);
         uint64_t logged_epoch = 0;
 
         // A ring's produced() count is the cursor: the next step to produce is the attempt's
         // first step plus produced(). A restarted loader therefore resumes exactly where the
         // ranks' rings say it stopped.
         const uint32_t before = resume.getStep();
-        auto next_step = [&](uint32_t r) {
-          return before + static_cast<uint32_t>(rings[r]->produced()) + 1;
+        // rings[i] is rank local.first + i.
+        auto next_step = [&](uint32_t i) {
+          return before + static_cast<uint32_t>(rings[i]->produced()) + 1;
         };
         // Progress is stamped at the end of each turn: every ring with room got its batch, or
         // none had room (nothing owed). A fill that never returns leaves the stamp to age, and
@@ -111,17 +115,18 @@ int main(int argc, char** argv) {
           bool produced = false, done = true;
           uint32_t min_next = UINT32_MAX;
           uint32_t queued = UINT32_MAX;  // the fewest batches a ring still owed any holds
-          for (uint32_t r = 0; r < world; ++r) {
-            uint32_t step = next_step(r);
+          for (uint32_t i = 0; i < local.count; ++i) {
+            const uint32_t r = local.first + i;
+            uint32_t step = next_step(i);
             min_next = std::min(min_next, step);
             if (step > steps) continue;
             done = false;
-            queued = std::min(queued, rings[r]->depth());
-            auto slot = rings[r]->try_acquire();
+            queued = std::min(queued, rings[i]->depth());
+            auto slot = rings[i]->try_acquire();
             if (!slot) continue;
             mc::stage::fault_point(ctx, "produce", step);
             const auto bytes = sampler.fill(step, r / tp, *slot);
-            rings[r]->publish(static_cast<uint32_t>(bytes), step);
+            rings[i]->publish(static_cast<uint32_t>(bytes), step);
             const uint64_t epoch = sampler.state_at(sampler.position(step, r / tp)).epoch;
             if (epoch > logged_epoch) {
               logged_epoch = epoch;

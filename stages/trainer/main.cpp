@@ -217,20 +217,26 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   torch::set_num_threads(static_cast<int>(threads));
   const auto store_timeout = knob_millis(Knob::kStoreTimeoutS);
 
-  // --device cuda: rank r on CUDA device r of those visible. The plugin is loaded before any
-  // tensor exists and lives as long as this function's tensors and group.
+  // --device cuda: this node's rank i (global rank first + i) on CUDA device i of those
+  // visible. The plugin is loaded before any tensor exists and lives as long as this
+  // function's tensors and group.
   const bool on_cuda = launch.getDevice() == "cuda";
   std::optional<CudaPlugin> cuda;
   at::Device device = at::kCPU;
+  const stage::LocalRanks local = stage::local_ranks(launch);
+  MEGACPP_CHECK(local.contains(rank), ErrorKind::kInvalidArgument,
+                fmt::format("rank {} is not one of this node's ranks {}..{}", rank, local.first,
+                            local.end() - 1));
+  const uint32_t local_rank = rank - local.first;
   if (on_cuda) {
     cuda.emplace(CudaPlugin::beside_executable());
     const int visible = cuda->api().device_count();
-    MEGACPP_CHECK(static_cast<int64_t>(rank) < visible, ErrorKind::kInvalidArgument,
-                  fmt::format("--device cuda: rank {} needs CUDA device {}, {} visible", rank, rank,
-                              visible));
-    cuda->api().set_device(static_cast<int>(rank));
-    device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(rank));
-    log_info("training on cuda:{} ({})", rank, cuda->api().versions());
+    MEGACPP_CHECK(static_cast<int64_t>(local_rank) < visible, ErrorKind::kInvalidArgument,
+                  fmt::format("--device cuda: rank {} needs CUDA device {}, {} visible", rank,
+                              local_rank, visible));
+    cuda->api().set_device(static_cast<int>(local_rank));
+    device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+    log_info("training on cuda:{} ({})", local_rank, cuda->api().versions());
   }
 
   // The layout (recipes/recipe.h mode): tensor-parallel groups of `tp` consecutive ranks that
@@ -253,11 +259,19 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
         collective_s > 0 ? std::chrono::milliseconds(static_cast<int64_t>(collective_s * 1e3))
                          : knob_millis(Knob::kCollectiveTimeoutS);
     go.device_hostname = knob_string(Knob::kGlooHostname);
+    // A job across nodes: Gloo's transport on the interface the job names (else the hostname
+    // knob's address, loopback by default).
+    go.device_iface = std::string(launch.getPlacement().getIface());
     // Ranks of different nodes never exchange through shared memory, even where namespaces as
     // nodes share one /dev/shm (a contract written before placement: one node).
     go.peer_exchange_host = fmt::format("node{}", launch.getPlacement().getNodeRank());
-    const std::string prefix = fmt::format("megacpp/{}/a{}/g{}/", launch.getRunId().cStr(),
-                                           launch.getAttempt(), launch.getGeneration());
+    // Every node of a job across nodes names the same prefix (the job's, from its key file);
+    // one node keys its ranks by its run id.
+    const std::string store_prefix = launch.hasStorePrefix() && launch.getStorePrefix().size() > 0
+                                         ? std::string(launch.getStorePrefix())
+                                         : fmt::format("megacpp/{}/", launch.getRunId().cStr());
+    const std::string prefix =
+        fmt::format("{}a{}/g{}/", store_prefix, launch.getAttempt(), launch.getGeneration());
     // One group per call; without tensor parallelism the data-parallel group is the world,
     // under the prefix it always had.
     auto join = [&](uint32_t group_rank, uint32_t group_world, std::string group_prefix,
@@ -272,8 +286,8 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       c10::intrusive_ptr<c10d::Backend> group;
       with_peers(fmt::format("rendezvous at {}:{}", go.store_host, go.store_port),
                  std::min(go.store_timeout, go.collective_timeout), [&] {
-                   group =
-                       on_cuda ? connect_nccl(go, *cuda, static_cast<int>(rank)) : connect_gloo(go);
+                   group = on_cuda ? connect_nccl(go, *cuda, static_cast<int>(local_rank))
+                                   : connect_gloo(go);
                  });
       return group;
     };
@@ -320,7 +334,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     b.setBackend(world == 1 ? "none" : on_cuda ? "nccl" : "gloo");
     b.setBackendVersion(on_cuda ? std::string(cuda->api().versions())
                                 : fmt::format("gloo (torch {})", TORCH_VERSION));
-    b.setDevice(on_cuda ? fmt::format("cuda:{}", rank) : std::string("cpu"));
+    b.setDevice(on_cuda ? fmt::format("cuda:{}", local_rank) : std::string("cpu"));
     b.setDeviceName(on_cuda ? std::string(cuda->api().versions()) : cpu_model());
     b.setThreads(static_cast<uint32_t>(threads));
     b.setTensorParallel(tp);

@@ -198,7 +198,9 @@ std::unique_ptr<ipc::PeerExchange> connect_peer_exchange(c10d::Store& store, con
 c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooOptions& o) {
   auto store = connect_store(o);
   auto opts = c10d::ProcessGroupGloo::Options::create(o.collective_timeout);
-  opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(o.device_hostname));
+  opts->devices.push_back(o.device_iface.empty()
+                              ? c10d::ProcessGroupGloo::createDeviceForHostname(o.device_hostname)
+                              : c10d::ProcessGroupGloo::createDeviceForInterface(o.device_iface));
   auto pg = c10::make_intrusive<AbortableGloo>(store, static_cast<int>(o.rank),
                                                static_cast<int>(o.world), opts);
   if (!o.peer_exchange_prefix.empty() && o.world > 1)

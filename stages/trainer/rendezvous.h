@@ -29,6 +29,9 @@ struct GlooOptions {
   std::chrono::milliseconds store_timeout{60'000};
   std::chrono::milliseconds collective_timeout{300'000};
   std::string device_hostname = "127.0.0.1";  // the interface Gloo's TCP transport binds
+  // Non-empty: Gloo's TCP transport binds this interface (a job across nodes, `--iface`) and
+  // device_hostname is not used.
+  std::string device_iface;
   // Keys of this group live under this prefix in the store (e.g. one per run generation),
   // so a store shared by several groups or generations never mixes their rendezvous.
   std::string store_prefix;

@@ -38,6 +38,7 @@
 #include "schemas/common.capnp.h"
 #include "supervisor/console.h"
 #include "supervisor/failure_policy.h"
+#include "supervisor/membership.h"
 #include "supervisor/metrics.h"
 #include "supervisor/node_agent.h"
 #include "supervisor/node_agent_link.h"
@@ -140,6 +141,13 @@ class JobController {
 
  private:
   void prepare();
+  // A job across nodes: what this build refuses of one (each in one line), in one place.
+  void check_job_across_nodes();
+  // The ranks' store: this host's own (one node), or node 0's after the job's nodes agreed on
+  // what they run (membership.h join_job).
+  void host_or_join_store();
+  // Global rank of this node's local rank `local`.
+  uint32_t global_rank(uint32_t local) const { return first_rank_ + local; }
   // --device cuda: the trainer's CUDA plugin is built and one device per rank is visible, or a
   // one-line Error{kInvalidArgument}.
   void check_cuda_devices() const;
@@ -244,6 +252,15 @@ class JobController {
   std::string muon_precision_;
   std::vector<recipe::Gate> gates_;  // the plan's verdicts for recipe_ at this world (all passed)
   NodePlacement placement_;          // this node's place in its job, resolved in prepare()
+  // The job's world (nodes x ranks per node) and this node's first global rank; opt_.ranks is
+  // the ranks of this node. Set in prepare() once the world is known.
+  uint32_t world_ = 0;
+  uint32_t first_rank_ = 0;
+  std::string store_host_;
+  uint16_t store_port_ = 0;
+  std::string store_prefix_;           // empty: one node ("megacpp/<run id>/")
+  std::string job_prefix_;             // a job across nodes: ipc::job_store_prefix of its key file
+  std::unique_ptr<JoinedJob> joined_;  // a job across nodes: the membership and node 0's store
   // Attempts (DESIGN.md "Resume and recovery"): 0 for a run's first launch.
   struct ResumeInfo {
     uint32_t step = 0;

@@ -60,7 +60,7 @@ class Placement(unittest.TestCase):
         self.assertFalse(os.path.exists(self.data))
         return lines[0]
 
-    def test_a_job_across_nodes_is_refused_naming_its_source(self):
+    def test_a_job_across_nodes_without_the_jobs_keys_is_refused_naming_its_source(self):
         cases = [
             ([ "--nodes", "2", "--node-rank", "1", "--master", "head:29600"], {},
              "flags (--nodes 2)"),
@@ -74,7 +74,7 @@ class Placement(unittest.TestCase):
         for flags, env, source in cases:
             with self.subTest(source=source):
                 self.refused(megacpp(self.run_args(*flags), env),
-                             "a job across nodes is not supported by this build yet", source)
+                             "a job across nodes needs the job's keys", "megacpp keys FILE", source)
 
     def test_bad_values_and_contradictions_are_one_line(self):
         cases = [

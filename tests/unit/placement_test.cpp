@@ -21,7 +21,6 @@ using megacpp::supervisor::expand_hostlist;
 using megacpp::supervisor::kDefaultMasterPort;
 using megacpp::supervisor::NodePlacement;
 using megacpp::supervisor::PlacementFlags;
-using megacpp::supervisor::refuse_cross_node_job;
 using megacpp::supervisor::resolve_placement;
 using Hosts = std::vector<std::string>;
 
@@ -149,7 +148,6 @@ TEST(Placement, NothingIsASingleNode) {
   EXPECT_EQ(p.job_id, "");
   EXPECT_EQ(p.attempt, 0u);
   EXPECT_EQ(p.nodes_from, "");
-  EXPECT_NO_THROW(refuse_cross_node_job(p));
   // A stray MASTER_ADDR alone places nothing.
   EXPECT_EQ(resolve_placement({}, {{"MASTER_ADDR", "10.0.0.1"}}).source, "single");
 }
@@ -210,7 +208,6 @@ TEST(Placement, SlurmSingleNodeRunsAndSaysSlurm) {
   EXPECT_EQ(p.source, "slurm");
   EXPECT_EQ(p.nodes, 1u);
   EXPECT_EQ(p.master(), "gpu17:29500");
-  EXPECT_NO_THROW(refuse_cross_node_job(p));
 }
 
 TEST(Placement, SlurmStepVariablesOverTheAllocations) {
@@ -487,18 +484,6 @@ TEST(Refusals, WhatAJobAcrossNodesLacks) {
     const std::string m = refusal(c.flags, c.env);
     EXPECT_NE(m.find(c.needle), std::string::npos) << "want: " << c.needle << "\ngot:  " << m;
   }
-}
-
-TEST(Refusals, ThisBuildRefusesAJobAcrossNodesNamingItsSource) {
-  std::string m =
-      refusal([] { refuse_cross_node_job(resolve_placement({}, slurm("2", "1", "n[1-2]"))); });
-  EXPECT_EQ(m,
-            "a job across nodes is not supported by this build yet: slurm (SLURM_NNODES=2) "
-            "placed this node as node 1 of 2; run the job on one node");
-  m = refusal([] {
-    refuse_cross_node_job(resolve_placement({.nodes = "3", .node_rank = "0", .master = "h"}, {}));
-  });
-  EXPECT_NE(m.find("not supported by this build yet: flags (--nodes 3)"), std::string::npos) << m;
 }
 
 }  // namespace

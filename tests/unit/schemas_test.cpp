@@ -147,6 +147,9 @@ void fill_launch(schema::LaunchContract::Builder c) {
   placement.initHosts(1).set(0, "node01");
   placement.setJobId("4242");
   placement.setNodesFrom("SLURM_NNODES=1");
+  c.setFirstRank(0);
+  c.setLocalRanks(2);
+  c.setStorePrefix("megacpp/20250101-120000-abcd/");
 }
 
 // Offsets of `"name":` for each top-level field, in schema order; -1 when absent. Top-level

@@ -76,7 +76,8 @@ void render_recovery(const FoldState& s, uint32_t a, schema::Recovery::Builder o
     out.setPrepareSeconds(seconds(f.detected_mono, started) - *prev->second.teardown_seconds);
   }
   // Every rank of the attempt must have spoken; the slowest one sets each boundary.
-  const uint32_t ranks = at.world;
+  // A node of a job across nodes (one attempt: it cannot resume yet) folds its own ranks.
+  const uint32_t ranks = s.run.ranks != s.run.world ? s.run.ranks : at.world;
   const bool from_checkpoint = s.from_step(a).value_or(0) > 0;
   int64_t ready = started;
   if (from_checkpoint) {
@@ -389,10 +390,11 @@ std::string bench_telemetry_document(const FoldState& s, const RunView& v) {
       set_phases(sp.initPhases(), mean);
     }
   }
-  auto ff = t.initFirstForwardSeconds(s.run.world);
-  for (uint32_t rank = 0; rank < s.run.world; ++rank) {
-    auto it = s.first_forward.find(rank);
-    ff.set(rank, it == s.first_forward.end() ? 0.0 : it->second);
+  // This node's ranks, in order (the world on one node).
+  auto ff = t.initFirstForwardSeconds(s.run.ranks);
+  for (uint32_t i = 0; i < s.run.ranks; ++i) {
+    auto it = s.first_forward.find(s.run.first_rank + i);
+    ff.set(i, it == s.first_forward.end() ? 0.0 : it->second);
   }
   t.setTelemetryTruncated(s.truncated(v.effective));
   return schemas::to_json(t.asReader());
@@ -402,12 +404,13 @@ std::string backend_identity_document(const FoldState& s, const RunView&) {
   capnp::MallocMessageBuilder message;
   auto bi = message.initRoot<schema::BackendIdentityReceipt>();
   stamp_identity(bi, s.run);
-  auto ranks = bi.initRanks(s.run.world);
-  for (uint32_t rank = 0; rank < s.run.world; ++rank) {
-    ranks[rank].setRank(rank);
-    ranks[rank].setAttempt(s.run.attempt);
+  auto ranks = bi.initRanks(s.run.ranks);
+  for (uint32_t i = 0; i < s.run.ranks; ++i) {
+    const uint32_t rank = s.run.first_rank + i;
+    ranks[i].setRank(rank);
+    ranks[i].setAttempt(s.run.attempt);
     if (auto it = s.identities.find(rank); it != s.identities.end())
-      ranks[rank].setIdentity(it->second->getRoot<schema::BackendIdentity>().asReader());
+      ranks[i].setIdentity(it->second->getRoot<schema::BackendIdentity>().asReader());
   }
   return schemas::to_json(bi.asReader());
 }
@@ -434,21 +437,22 @@ std::string first_forward_document(const FoldState& s, const RunView&) {
   capnp::MallocMessageBuilder message;
   auto fr = message.initRoot<schema::FirstForwardReceipt>();
   stamp_identity(fr, s.run);
-  auto ranks = fr.initRanks(s.run.world);
+  auto ranks = fr.initRanks(s.run.ranks);
   auto since_launch = [&](const std::optional<int64_t>& at) {
     return at && s.launch_wall ? static_cast<double>(*at - *s.launch_wall) / 1e9 : -1.0;
   };
   int32_t slowest = -1;
   double fastest_backward = 0, slowest_backward = 0;
-  for (uint32_t rank = 0; rank < s.run.world; ++rank) {
+  for (uint32_t i = 0; i < s.run.ranks; ++i) {
+    const uint32_t rank = s.run.first_rank + i;
     const auto it = s.start_up.find(rank);
     const FoldState::StartUp su = it == s.start_up.end() ? FoldState::StartUp{} : it->second;
-    ranks[rank].setRank(rank);
-    ranks[rank].setProcessStartSeconds(since_launch(su.process));
-    ranks[rank].setRendezvousSeconds(since_launch(su.rendezvous));
-    ranks[rank].setFirstForwardSeconds(since_launch(su.forward));
+    ranks[i].setRank(rank);
+    ranks[i].setProcessStartSeconds(since_launch(su.process));
+    ranks[i].setRendezvousSeconds(since_launch(su.rendezvous));
+    ranks[i].setFirstForwardSeconds(since_launch(su.forward));
     const double backward = since_launch(su.backward);
-    ranks[rank].setFirstBackwardSeconds(backward);
+    ranks[i].setFirstBackwardSeconds(backward);
     if (backward < 0) continue;
     const bool first = slowest < 0;
     if (first || backward > slowest_backward) {

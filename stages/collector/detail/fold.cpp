@@ -59,6 +59,9 @@ void read_identity(schema::LaunchContract::Reader l, RunIdentity& id) {
   id.recipe = l.getRecipe().getName();
   id.recipe_hash = l.getRecipe().getHash();
   id.world = l.getWorld();
+  // Contracts written before the fields: one node, every rank.
+  id.first_rank = l.getLocalRanks() != 0 ? l.getFirstRank() : 0;
+  id.ranks = l.getLocalRanks() != 0 ? l.getLocalRanks() : l.getWorld();
   id.attempt = l.getAttempt();
   const recipe::ModelConfig model = recipe::model_config(l.getRecipe());
   id.mode = model.mode;
@@ -355,9 +358,9 @@ void FoldState::fold(schema::JournalRecord::Reader rec) {
 }
 
 uint32_t FoldState::steps_completed(const Series& eff) const {
-  if (run.world == 0) return 0;
+  if (run.ranks == 0) return 0;
   uint32_t out = std::numeric_limits<uint32_t>::max();
-  for (uint32_t r = 0; r < run.world; ++r) {
+  for (uint32_t r = run.first_rank; r < run.first_rank + run.ranks; ++r) {
     auto it = eff.find(r);
     out = std::min(out, it == eff.end() || it->second.empty() ? 0 : it->second.rbegin()->first);
   }
@@ -372,7 +375,7 @@ bool FoldState::truncated(const Series& eff) const {
   for (const auto& [r, s] : eff) {
     if (!s.empty()) most = std::max(most, s.rbegin()->first);
   }
-  for (uint32_t r = 0; r < run.world; ++r) {
+  for (uint32_t r = run.first_rank; r < run.first_rank + run.ranks; ++r) {
     auto it = eff.find(r);
     const uint32_t last = it == eff.end() || it->second.empty() ? 0 : it->second.rbegin()->first;
     if (last < most) return true;

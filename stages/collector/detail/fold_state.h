@@ -29,7 +29,11 @@ namespace megacpp::collector::detail {
 struct RunIdentity {
   std::string run_id;
   std::string recipe, recipe_hash;
-  uint32_t world = 0;        // the current attempt's
+  uint32_t world = 0;  // the current attempt's
+  // The ranks whose journals are here: this node's, first_rank .. first_rank + ranks - 1 (the
+  // whole world on one node; a node of a job across nodes folds its own ranks).
+  uint32_t first_rank = 0;
+  uint32_t ranks = 0;
   uint32_t attempt = 0;      // the current attempt (launch.json's)
   std::string mode, blocks;  // the recipe's mode and expanded pattern (launch contract)
   std::string device;        // launch.json's, "cpu" when it names none
