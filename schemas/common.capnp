@@ -47,6 +47,10 @@ enum FailureKind {
   incomplete @10;                              # finished short of the planned steps
   orphaned @11;                                # the supervisor vanished before the end
   diverged @12;                                # a non-finite loss, gradient or parameter
+  # A job across nodes (supervisor/job_watch.h): a node went silent (dead, hung or cut off), or
+  # another node's first failure ended the job.
+  nodeLost @13 $Json.name("node_lost");
+  nodeFailed @14 $Json.name("node_failed");
 }
 
 # How a process met its own failure, as it reports it (control Failure, failure dump).

@@ -46,6 +46,13 @@ void install_signal_handlers() {
   sigemptyset(&sa.sa_mask);
   SYSCALL_CHECK(sigaction(SIGTERM, &sa, nullptr));
   SYSCALL_CHECK(sigaction(SIGINT, &sa, nullptr));
+  // A write to a socket whose peer died (a Gloo peer on a node that was killed, a closed ZeroMQ
+  // or store connection) must be an error the stage reports (EPIPE: Gloo throws, naming the
+  // peer), not a SIGPIPE that kills it without a word.
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  SYSCALL_CHECK(sigaction(SIGPIPE, &ignore, nullptr));
 }
 
 }  // namespace

@@ -21,6 +21,10 @@ Evidence evidence_of(const Event& ev) {
     case FailureKind::UNKILLABLE:
     case FailureKind::STALLED:
     case FailureKind::DIVERGED:
+    // A job across nodes: the node that went silent, or the first failure another node had,
+    // is the cause for this node; its ranks that lost a peer only claim to be victims.
+    case FailureKind::NODE_LOST:
+    case FailureKind::NODE_FAILED:
       return Evidence::kOwn;
     case FailureKind::HUNG:
       return ev.own_progress ? Evidence::kOwn : Evidence::kHang;

@@ -701,6 +701,7 @@ void JobController::host_or_join_store() {
   // The ranks' keys under the job's prefix, apart from the membership's (join_job: claim,
   // identity, done); an attempt of the run names its own below it.
   store_prefix_ = prefix + "/ranks/";
+  job_watch_ = std::make_unique<JobWatch>(placement_, prefix + "/watch");
 }
 
 void JobController::open_journals() {

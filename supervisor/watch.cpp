@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -116,6 +117,11 @@ void JobController::record(Child& c, Event ev) {
     detected_ns_ = ev.detected_ns;
     detected_what_ = fmt::format("{} {}: {}", c.name, schemas::name(ev.kind), ev.message);
     log_error("failure detected: {}", detected_what_);
+    // Offered as the job's first failure: every other node reads it and tears down. A rank
+    // that lost a peer claims to be a victim: its claim waits for the job's verdict
+    // (adopt_job_verdict), or a rank of another node would be named for that node's failure.
+    if (job_watch_ && policy::evidence_of(ev) != policy::Evidence::kVictimClaim)
+      job_watch_->report(detected_what_);
   }
   // Keep the most telling event per process (policy::more_telling).
   if (!policy::admitted(ev, teardown_started_ns_)) return;
@@ -293,9 +299,54 @@ void JobController::pump(int timeout_ms) {
   link_->poll(timeout_ms);
 }
 
+Event JobController::job_verdict_event(const JobWatch::Verdict& v, int64_t now) const {
+  uint32_t step = 0;  // the newest step a rank of this node reported
+  for (const auto& c : children_)
+    if (c.stage == StageKind::TRAINER) step = std::max(step, c.step);
+  return Event{v.kind == JobWatch::Verdict::Kind::kNodeLost ? schema::FailureKind::NODE_LOST
+                                                            : schema::FailureKind::NODE_FAILED,
+               v.message,
+               std::min(v.evidence_ns, now),
+               now,
+               Phase::OPTIMIZER,
+               step};
+}
+
+void JobController::check_job_watch() {
+  if (!job_watch_ || detected_ns_ != 0) return;
+  const auto v = job_watch_->verdict();
+  if (!v) return;
+  const int64_t now = mono_ns();
+  detected_ns_ = now;
+  detected_what_ = v->message;
+  log_error("failure detected: {}", detected_what_);
+  events_["supervisor-0"] = job_verdict_event(*v, now);
+}
+
+void JobController::adopt_job_verdict() {
+  if (!job_watch_ || events_.contains("supervisor-0")) return;
+  // Only when no process of this node has evidence of its own: ranks that lost a peer claim
+  // to be victims, and the node whose silence caused it is named within the silence limit.
+  for (const auto& [name, ev] : events_)
+    if (policy::evidence_of(ev) == policy::Evidence::kOwn) return;
+  const JobWatch::Options o;
+  const int64_t deadline = mono_ns() + (o.silence_limit + 3 * o.beat).count() * 1'000'000;
+  std::optional<JobWatch::Verdict> v;
+  while (!(v = job_watch_->verdict()) && mono_ns() < deadline)
+    std::this_thread::sleep_for(o.beat / 5);
+  if (!v) {
+    job_watch_->report(detected_what_);  // no other node named a cause: this one is the job's
+    return;
+  }
+  log_error("the job's verdict: {}", v->message);
+  events_["supervisor-0"] = job_verdict_event(*v, mono_ns());
+}
+
 void JobController::watch() {
   for (;;) {
     pump(100);
+    if (detected_ns_ != 0) return;
+    check_job_watch();
     if (detected_ns_ != 0) return;
     check_liveness();
     if (detected_ns_ != 0) return;
@@ -319,7 +370,11 @@ void JobController::watch() {
       }
       console_->update(ranks, up, static_cast<uint32_t>(children_.size()));
     }
-    if (all_trainers_done()) return;
+    if (all_trainers_done()) {
+      // This node's part of the job is done: its silence from now on is no loss.
+      if (job_watch_) job_watch_->finish();
+      return;
+    }
     if (stop_signal_ != 0 && mono_ns() > stop_deadline_ns_) {
       const int64_t now = mono_ns();
       detected_ns_ = now;
@@ -557,6 +612,7 @@ std::optional<Failure> JobController::supervise() {
     if (detected_ns_ != 0) {
       journal_graph(stop_at_once_signal_ != 0 ? "stop at once" : "failure detected");
       teardown();
+      adopt_job_verdict();
       classify();
     }
     if (!failure_) break;
@@ -578,6 +634,10 @@ int JobController::execute() {
     fmt::print("megacpp: metrics at {}\n", metrics_endpoint_);
   supervise();
   if (console_) console_->finish();
+  // Node 0 of a job across nodes hosts the job's store: it stays until every node finished.
+  if (job_watch_ && placement_.node_rank == 0 && !failure_ &&
+      !job_watch_->wait_finished(std::chrono::seconds(60)))
+    log_warn("not every node of the job said it finished within 60 s; node 0's store goes");
   if (!failure_) {
     // The live collector folds the final state; the in-process fold below is the same pure
     // function, so it changes nothing when the collector finished.

@@ -38,6 +38,7 @@
 #include "schemas/common.capnp.h"
 #include "supervisor/console.h"
 #include "supervisor/failure_policy.h"
+#include "supervisor/job_watch.h"
 #include "supervisor/membership.h"
 #include "supervisor/metrics.h"
 #include "supervisor/node_agent.h"
@@ -197,6 +198,13 @@ class JobController {
   bool ask_to_stop(Child& c);
   void journal_child_exited(const Child& c, schema::ChildReason reason);
   void check_liveness();
+  // A job across nodes: another node's failure or a lost node (JobWatch's verdict) ends this
+  // node's attempt as the supervisor's event.
+  void check_job_watch();
+  // After this node's teardown for a failure only victims claim (a rank that lost a peer): the
+  // job's verdict, awaited up to the watch's silence limit, names the node that caused it.
+  void adopt_job_verdict();
+  Event job_verdict_event(const JobWatch::Verdict& v, int64_t now) const;
   void restart_or_fail(Child& c, const std::string& why, Event ev);
   void record(Child& c, Event ev);
   void finish_ok();
@@ -261,6 +269,7 @@ class JobController {
   std::string store_prefix_;           // empty: one node ("megacpp/<run id>/")
   std::string job_prefix_;             // a job across nodes: ipc::job_store_prefix of its key file
   std::unique_ptr<JoinedJob> joined_;  // a job across nodes: the membership and node 0's store
+  std::unique_ptr<JobWatch> job_watch_;  // a job across nodes: beats and the job's first failure
   // Attempts (DESIGN.md "Resume and recovery"): 0 for a run's first launch.
   struct ResumeInfo {
     uint32_t step = 0;

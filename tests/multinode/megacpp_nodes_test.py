@@ -133,6 +133,134 @@ class MegacppNodes(unittest.TestCase):
             print("%d nodes x %d ranks, %d steps: %.2f s (one node of %d ranks: %.2f s); %d tensors "
                   "bit-identical" % (n, RANKS, STEPS, t_job, RANKS * n, t_one, compared))
 
+    def start_nodes(self, hosts, steps, env=None):
+        """Starts one megacpp run per host for a long job; returns [(host, run, log path, Popen)]."""
+        keyfile = os.path.join(hosts.dir, "job.keys")
+        subprocess.run([MEGACPP, "keys", keyfile], check=True, capture_output=True)
+        procs = []
+        for i, host in enumerate(hosts.names):
+            run = os.path.join(hosts.dir, host, "run")
+            log = os.path.join(hosts.dir, "%s.log" % host)
+            argv = [MEGACPP, "run", "--ranks", str(RANKS), "--steps", str(steps), "--run-dir", run,
+                    "--nodes", str(self.N), "--node-rank", str(i),
+                    "--master", "%s:%d" % (hosts.addr(hosts.names[0]), PORT),
+                    "--iface", "eth0", "--progress", "plain", "--job-keys", keyfile]
+            with open(log, "w") as f:
+                procs.append((host, run, log, hosts.popen(host, argv, stdout=f, stderr=subprocess.STDOUT,
+                                                          env=dict(os.environ, **(env or {}).get(i, {})))))
+        return procs
+
+    def wait_training(self, procs, step=3, timeout=120):
+        """Until every node's manifest (the collector's, folded as the run goes) has `step` steps."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ok = 0
+            for _, run, log, p in procs:
+                if p.poll() is not None:
+                    with open(log) as f:
+                        self.fail("a node ended before the harm:\n" + f.read()[-3000:])
+                try:
+                    with open(os.path.join(run, "manifest.json")) as f:
+                        ok += json.load(f).get("stepsCompleted", 0) >= step
+                except (OSError, ValueError):
+                    pass
+            if ok == len(procs):
+                return
+            time.sleep(0.1)
+        self.fail("the job did not reach step %d" % step)
+
+    def failure_case(self, hurt, expect_kind, bound_s):
+        """A 2-node job training; `hurt(hosts)` harms node1; node0 must end within bound_s with
+        its manifest's first failure of kind expect_kind (a set) naming node 1, and no
+        process of the job may be left on any host."""
+        with Hosts(self.N) as hosts:
+            procs = self.start_nodes(hosts, steps=100000)
+            try:
+                self.wait_training(procs)
+                t0 = time.monotonic()
+                hurt(hosts)
+                _, run0, log0, p0 = procs[0]
+                try:
+                    rc = p0.wait(timeout=bound_s + 20)
+                except subprocess.TimeoutExpired:
+                    self.fail("node0 still running %d s after node1 was hurt:\n%s"
+                              % (bound_s + 20, open(log0).read()[-3000:]))
+                took = time.monotonic() - t0
+                text = open(log0).read()
+                self.assertNotEqual(rc, 0, text[-3000:])
+                with open(os.path.join(run0, "manifest.json")) as f:
+                    error = json.load(f).get("error", {})
+                self.assertIn(error.get("kind"), expect_kind, (error, text[-3000:]))
+                self.assertIn("node 1", error.get("message", ""), error)
+                self.assertLessEqual(took, bound_s, "node0 ended %.2f s after the harm" % took)
+                print("%s: node0 ended %.2f s after the harm; first failure %s: %s"
+                      % (self._testMethodName, took, error.get("kind"), error.get("message")))
+            finally:
+                for host in hosts.names:
+                    hosts.heal(host)
+                    for pid in hosts.pids(host):  # a stopped node resumes and ends itself
+                        try:
+                            os.kill(pid, 18)
+                        except ProcessLookupError:
+                            pass
+                for _, _, _, p in procs:
+                    try:
+                        p.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+            for host in hosts.names:
+                left = [pid for pid in hosts.pids(host)]
+                self.assertEqual(left, [], "%s: processes left" % host)
+
+    def test_a_killed_node_ends_the_job(self):
+        def kill_all(hosts):
+            for pid in hosts.pids("node1"):
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+        # Its peers' collectives fail at once (their sockets close); the node is silent after 1 s.
+        self.failure_case(kill_all, {"node_lost"}, bound_s=8)
+
+    def test_a_hung_node_is_lost_within_the_budget(self):
+        def stop_all(hosts):
+            for pid in hosts.pids("node1"):
+                try:
+                    os.kill(pid, 19)
+                except ProcessLookupError:
+                    pass
+        self.failure_case(stop_all, {"node_lost"}, bound_s=10)
+
+    def test_a_cut_link_is_a_lost_node(self):
+        self.failure_case(lambda hosts: hosts.cut("node1"), {"node_lost"}, bound_s=10)
+
+    def test_a_failure_on_one_node_is_the_jobs_first_failure_on_every_node(self):
+        # Rank 2 (node 1's first) exits at step 5; node 0 names it, through the job's store.
+        with Hosts(self.N) as hosts:
+            procs = self.start_nodes(hosts, steps=100000,
+                                     env={1: {"MEGACPP_FAULT": "trainer:2:backward:5:exit"}})
+            t0 = time.monotonic()
+            errors = {}
+            for host, run, log, p in procs:
+                try:
+                    rc = p.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    self.fail("%s did not end" % host)
+                self.assertNotEqual(rc, 0)
+                with open(os.path.join(run, "manifest.json")) as f:
+                    errors[host] = json.load(f).get("error", {})
+            took = time.monotonic() - t0
+            self.assertEqual((errors["node1"].get("kind"), errors["node1"].get("stage"),
+                              errors["node1"].get("rank")), ("exited", "trainer", 2), errors)
+            self.assertEqual(errors["node0"].get("kind"), "node_failed", errors)
+            self.assertIn("node 1", errors["node0"].get("message", ""), errors)
+            self.assertIn("trainer-2", errors["node0"].get("message", ""), errors)
+            for host in hosts.names:
+                self.assertEqual(hosts.pids(host), [], "%s: processes left" % host)
+            print("node 1's trainer-2 failed; both nodes ended within %.2f s of start; node 0: %s"
+                  % (took, errors["node0"].get("message")))
+
     def test_a_node_with_another_recipe_is_refused_on_every_node(self):
         with Hosts(self.N) as hosts:
             results = self.run_nodes(hosts, extra={1: ["--mode", "nemo_native"]}, timeout=120)

@@ -405,7 +405,9 @@ TEST(SchemasEnums, EveryEnumerantHasItsSnakeCaseName) {
       {schema::FailureKind::STALLED, "stalled"},
       {schema::FailureKind::INCOMPLETE, "incomplete"},
       {schema::FailureKind::ORPHANED, "orphaned"},
-      {schema::FailureKind::DIVERGED, "diverged"}};
+      {schema::FailureKind::DIVERGED, "diverged"},
+      {schema::FailureKind::NODE_LOST, "node_lost"},
+      {schema::FailureKind::NODE_FAILED, "node_failed"}};
   ASSERT_EQ(kinds.size(), capnp::Schema::from<schema::FailureKind>().getEnumerants().size());
   const std::vector<std::pair<schema::FailureRole, std::string>> roles = {
       {schema::FailureRole::NONE, ""},

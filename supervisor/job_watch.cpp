@@ -1,0 +1,226 @@
+#include "supervisor/job_watch.h"
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <memory>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "core/util.h"
+#include "supervisor/rendezvous.h"
+
+namespace megacpp::supervisor {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t mono_of(Clock::time_point t) {
+  // steady_clock is CLOCK_MONOTONIC on Linux: the same clock as mono_ns().
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+// The job's failure as `failure` holds it: "<kind> <node>\n<what>", kind "lost" (node 0 declared
+// <node> lost) or "failed" (<node> offered its own first failure).
+std::string encode(JobWatch::Verdict::Kind kind, uint32_t node, const std::string& what) {
+  return fmt::format("{} {}\n{}", kind == JobWatch::Verdict::Kind::kNodeLost ? "lost" : "failed",
+                     node, what);
+}
+
+std::optional<JobWatch::Verdict> decode(const std::string& text) {
+  const auto nl = text.find('\n');
+  const auto sp = text.find(' ');
+  if (nl == std::string::npos || sp == std::string::npos || sp > nl) return std::nullopt;
+  JobWatch::Verdict v;
+  const std::string kind = text.substr(0, sp);
+  if (kind == "lost") {
+    v.kind = JobWatch::Verdict::Kind::kNodeLost;
+  } else if (kind == "failed") {
+    v.kind = JobWatch::Verdict::Kind::kNodeFailed;
+  } else {
+    return std::nullopt;
+  }
+  try {
+    v.node = static_cast<uint32_t>(std::stoul(text.substr(sp + 1, nl - sp - 1)));
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  v.message = text.substr(nl + 1);
+  return v;
+}
+
+}  // namespace
+
+JobWatch::JobWatch(const NodePlacement& placement, std::string prefix, Options options)
+    : node_(placement.node_rank),
+      nodes_(placement.nodes),
+      prefix_(std::move(prefix)),
+      hosts_(placement.hosts),
+      options_(options),
+      peers_finished_(placement.nodes, false) {
+  MEGACPP_CHECK(nodes_ > 1 && node_ < nodes_ && !prefix_.empty(), ErrorKind::kInvalidArgument,
+                fmt::format("a job watch of node {} of {}", node_, nodes_));
+  thread_ = std::thread([this, host = placement.master_host,
+                         port = static_cast<uint16_t>(placement.master_port)] { run(host, port); });
+}
+
+JobWatch::~JobWatch() {
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void JobWatch::report(std::string what) {
+  {
+    std::lock_guard lk(mu_);
+    if (report_) return;
+    report_ = std::move(what);
+  }
+  cv_.notify_all();
+}
+
+std::optional<JobWatch::Verdict> JobWatch::verdict() const {
+  std::lock_guard lk(mu_);
+  return verdict_;
+}
+
+void JobWatch::finish() {
+  {
+    std::lock_guard lk(mu_);
+    finishing_ = true;
+  }
+  cv_.notify_all();
+}
+
+bool JobWatch::wait_finished(std::chrono::milliseconds timeout) {
+  std::unique_lock lk(mu_);
+  return cv_.wait_for(lk, timeout, [&] { return finished_ || stop_; }) && finished_;
+}
+
+void JobWatch::decide(Verdict v) {
+  std::lock_guard lk(mu_);
+  if (!verdict_ && !finishing_) verdict_ = std::move(v);
+}
+
+void JobWatch::run(std::string host, uint16_t port) {
+  // A write to node 0's store after it died is EPIPE for this thread, not a SIGPIPE that would
+  // end the supervisor (SIGPIPE from a write is directed at the writing thread).
+  sigset_t pipe;
+  sigemptyset(&pipe);
+  sigaddset(&pipe, SIGPIPE);
+  ::pthread_sigmask(SIG_BLOCK, &pipe, nullptr);
+  const std::string me = std::to_string(node_);
+  auto key = [&](std::string_view what) { return fmt::format("{}/{}", prefix_, what); };
+  auto host_of = [&](uint32_t k) {
+    return k < hosts_.size() ? fmt::format("node {} ({})", k, hosts_[k])
+                             : fmt::format("node {}", k);
+  };
+  Clock::time_point last_answer = Clock::now();
+  auto node0_lost = [&](const std::string& why) {
+    decide({Verdict::Kind::kNodeLost, 0,
+            fmt::format("node 0 ({}:{}, the job's store) unreachable: {}", host, port, why),
+            mono_of(last_answer + options_.beat)});
+  };
+  std::unique_ptr<StoreClient> store;
+  try {
+    store = std::make_unique<StoreClient>(host, port, options_.store_timeout);
+  } catch (const std::exception& e) {
+    node0_lost(std::string(user_message(e)));
+    return;
+  }
+  std::vector<int64_t> beats(nodes_, -1);
+  std::vector<Clock::time_point> changed(nodes_, Clock::now());
+  std::vector<bool> lost(nodes_, false);
+  bool reported = false, finished_self = false;
+  try {
+    for (;;) {
+      std::optional<std::string> report;
+      bool finishing = false;
+      {
+        std::unique_lock lk(mu_);
+        cv_.wait_for(lk, options_.beat, [&] {
+          return stop_ || (finishing_ && !finished_self) || (!reported && report_);
+        });
+        if (stop_) return;
+        finishing = finishing_;
+        if (!reported && report_) report = report_;
+      }
+      if (report) {
+        reported = true;
+        if (store->add(key("failures"), 1) == 1)
+          store->set(key("failure"), encode(Verdict::Kind::kNodeFailed, node_, *report));
+      }
+      if (finishing && !finished_self) {
+        store->set(key("finished/" + me), "1");
+        finished_self = true;
+      }
+      if (finishing) {
+        // Node 0 stays until every node that is not lost has finished; the others are done.
+        bool all = true;
+        if (node_ == 0) {
+          for (uint32_t k = 1; k < nodes_; ++k) {
+            if (lost[k] || peers_finished_[k]) continue;
+            if (store->get(key(fmt::format("finished/{}", k)), std::chrono::milliseconds(0)))
+              peers_finished_[k] = true;
+            else
+              all = false;
+          }
+        }
+        if (all) {
+          std::lock_guard lk(mu_);
+          finished_ = true;
+          cv_.notify_all();
+          return;
+        }
+        continue;
+      }
+      store->add(key("beat/" + me), 1);
+      last_answer = Clock::now();
+      if (auto f = store->get(key("failure"), std::chrono::milliseconds(0))) {
+        if (auto v = decode(*f);
+            v && !(v->kind == Verdict::Kind::kNodeFailed && v->node == node_)) {
+          if (v->kind == Verdict::Kind::kNodeFailed)
+            v->message = fmt::format("{} failed first: {}", host_of(v->node), v->message);
+          v->evidence_ns = mono_of(Clock::now());
+          decide(std::move(*v));
+        }
+      }
+      if (node_ != 0) continue;
+      for (uint32_t k = 1; k < nodes_; ++k) {
+        if (lost[k] || peers_finished_[k]) continue;
+        const int64_t b = store->add(key(fmt::format("beat/{}", k)), 0);
+        const Clock::time_point now = Clock::now();
+        if (b != beats[k]) {
+          beats[k] = b;
+          changed[k] = now;
+          continue;
+        }
+        if (now - changed[k] <= options_.silence_limit) continue;
+        if (store->get(key(fmt::format("finished/{}", k)), std::chrono::milliseconds(0))) {
+          peers_finished_[k] = true;
+          continue;
+        }
+        lost[k] = true;
+        const double silent = std::chrono::duration<double>(now - changed[k]).count();
+        const std::string what =
+            fmt::format("{} lost: no beat for {:.2f} s (dead, hung, or cut off from node 0)",
+                        host_of(k), silent);
+        // The job's first failure, unless a node offered one before.
+        if (store->add(key("failures"), 1) == 1)
+          store->set(key("failure"), encode(Verdict::Kind::kNodeLost, k, what));
+        decide({Verdict::Kind::kNodeLost, k, what, mono_of(changed[k] + options_.beat)});
+      }
+    }
+  } catch (const std::exception& e) {
+    // Node 0's own store failing under it is as fatal to the job as its loss.
+    node0_lost(std::string(user_message(e)));
+  }
+}
+
+}  // namespace megacpp::supervisor

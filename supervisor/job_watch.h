@@ -1,0 +1,96 @@
+// megacpp::supervisor JobWatch — a job across nodes watches itself through node 0's c10d store
+// (DESIGN.md "Failures across nodes"): every node beats, node 0 declares a node that goes silent
+// lost, and the first failure any node offers becomes the job's, which every other node reads
+// and tears down for. Torch-free (the store through libmegacpp_store.so, rendezvous.h).
+//
+// Keys, under the job's secret prefix: `beat/<r>` (a counter node r adds 1 to every beat),
+// `finished/<r>` (node r's trainers are done: silence after it is no loss), `failures` (a
+// counter: the node whose add returns 1 offers the job's first failure) and `failure`
+// ("<node>\n<what>", set once by that node).
+//
+// Threads: one of its own, with a StoreClient of its own (a client is for one thread); every
+// public call only takes a mutex. Blocking: the thread's store calls are bounded by the
+// client's timeout (Options::store_timeout), so a hung or unreachable node 0 is a verdict
+// after at most that long, never a hang.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "supervisor/placement.h"
+
+namespace megacpp::supervisor {
+
+class JobWatch {
+ public:
+  struct Options {
+    std::chrono::milliseconds beat{100};
+    // Node 0 declares a node lost after this long without a beat: ten beats, the goal
+    // for a dead node (<= 1 s), well inside the heartbeat budget for a hung node or a cut link.
+    std::chrono::milliseconds silence_limit{1000};
+    // Every store call of a node other than node 0 waits at most this long: node 0 hung or cut
+    // off is a verdict after it.
+    std::chrono::milliseconds store_timeout{2000};
+  };
+  struct Verdict {
+    enum class Kind : uint8_t {
+      kNodeLost,    // `node` went silent (node 0's view), or node 0 became unreachable
+      kNodeFailed,  // `node` offered the job's first failure (`message`)
+    };
+    Kind kind = Kind::kNodeLost;
+    uint32_t node = 0;
+    std::string message;  // one line, naming the node
+    // When the node's silence began (CLOCK_MONOTONIC ns: its last beat seen, plus one beat);
+    // for kNodeFailed, when this node read it.
+    int64_t evidence_ns = 0;
+  };
+
+  // Starts beating at once. `prefix` is the job's store prefix (ipc::job_store_prefix).
+  // Throws what StoreClient's constructor throws (node 0's store unreachable).
+  JobWatch(const NodePlacement& placement, std::string prefix, Options options);
+  JobWatch(const NodePlacement& placement, std::string prefix)
+      : JobWatch(placement, std::move(prefix), Options{}) {}
+  ~JobWatch();
+  JobWatch(const JobWatch&) = delete;
+  JobWatch& operator=(const JobWatch&) = delete;
+
+  // This node's first failure, offered as the job's (one line). Only the first call counts;
+  // the thread publishes it within one beat.
+  void report(std::string what);
+  // The job's verdict for this node, once there is one (then it does not change). Never this
+  // node's own reported failure.
+  std::optional<Verdict> verdict() const;
+  // This node's trainers are done: says so to node 0 and stops beating and judging (a node
+  // that finished is not lost, and node 0 going away after the job is no loss).
+  void finish();
+  // Node 0, at the end of the job: waits up to `timeout` for every node that is not lost to
+  // have finished, so that none loses node 0's store while it still needs it. False when some
+  // did not.
+  bool wait_finished(std::chrono::milliseconds timeout);
+
+ private:
+  void run(std::string host, uint16_t port);
+  void decide(Verdict v);
+
+  const uint32_t node_, nodes_;
+  const std::string prefix_;
+  const std::vector<std::string> hosts_;
+  const Options options_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  bool finishing_ = false;
+  bool finished_ = false;  // the thread set finished/<node> and ended
+  std::optional<std::string> report_;
+  std::optional<Verdict> verdict_;
+  std::vector<bool> peers_finished_;
+  std::thread thread_;
+};
+
+}  // namespace megacpp::supervisor

@@ -1,0 +1,116 @@
+// supervisor/job_watch.h: a job's nodes watching each other through node 0's c10d store, each
+// node a JobWatch of this process on 127.0.0.1 (the store is libmegacpp_store.so, loaded from
+// beside the test). Node 0 names a node that goes silent; the first failure a node offers is
+// every other node's verdict; a node that finished is not lost; node 0 gone is every node's.
+#include "supervisor/job_watch.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "supervisor/rendezvous.h"
+
+namespace {
+
+using megacpp::supervisor::JobWatch;
+using megacpp::supervisor::NodePlacement;
+using megacpp::supervisor::StoreServer;
+using Kind = JobWatch::Verdict::Kind;
+using Clock = std::chrono::steady_clock;
+
+NodePlacement place(uint32_t nodes, uint32_t rank, uint16_t port) {
+  NodePlacement p;
+  p.nodes = nodes;
+  p.node_rank = rank;
+  p.master_host = "127.0.0.1";
+  p.master_port = port;
+  p.source = "flags";
+  p.hosts = {"h0", "h1", "h2"};
+  return p;
+}
+
+// Polls `w` for a verdict for up to `limit`; the verdict and how long it took.
+std::pair<std::optional<JobWatch::Verdict>, double> await(const JobWatch& w,
+                                                          std::chrono::milliseconds limit) {
+  const auto t0 = Clock::now();
+  while (Clock::now() - t0 < limit) {
+    if (auto v = w.verdict()) return {v, std::chrono::duration<double>(Clock::now() - t0).count()};
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return {std::nullopt, std::chrono::duration<double>(limit).count()};
+}
+
+TEST(JobWatch, NodeZeroNamesANodeThatGoesSilent) {
+  StoreServer server("127.0.0.1", 0, 3);
+  JobWatch w0(place(3, 0, server.port()), "p");
+  JobWatch w1(place(3, 1, server.port()), "p");
+  auto w2 = std::make_unique<JobWatch>(place(3, 2, server.port()), "p");
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  EXPECT_FALSE(w0.verdict());  // every node beating: no verdict
+  w2.reset();                  // node 2 stops beating (its supervisor died)
+  const auto [v, took] = await(w0, std::chrono::milliseconds(3000));
+  ASSERT_TRUE(v);
+  EXPECT_EQ(v->kind, Kind::kNodeLost);
+  EXPECT_EQ(v->node, 2u);
+  EXPECT_NE(v->message.find("node 2 (h2) lost: no beat for"), std::string::npos) << v->message;
+  EXPECT_GE(took, 0.9);  // the silence limit (1 s), not sooner
+  // Node 1 reads the job's first failure from the store: node 0's verdict.
+  const auto [v1, took1] = await(w1, std::chrono::milliseconds(1000));
+  ASSERT_TRUE(v1);
+  EXPECT_EQ(v1->kind, Kind::kNodeLost);
+  EXPECT_EQ(v1->node, 2u);
+}
+
+TEST(JobWatch, TheFirstFailureOfferedIsEveryOtherNodesVerdict) {
+  StoreServer server("127.0.0.1", 0, 3);
+  JobWatch w0(place(3, 0, server.port()), "q");
+  JobWatch w1(place(3, 1, server.port()), "q");
+  JobWatch w2(place(3, 2, server.port()), "q");
+  w1.report("trainer-2 exited: code 3");
+  const auto [v0, t0] = await(w0, std::chrono::milliseconds(1000));
+  const auto [v2, t2] = await(w2, std::chrono::milliseconds(1000));
+  for (const auto& v : {v0, v2}) {
+    ASSERT_TRUE(v);
+    EXPECT_EQ(v->kind, Kind::kNodeFailed);
+    EXPECT_EQ(v->node, 1u);
+    EXPECT_EQ(v->message, "node 1 (h1) failed first: trainer-2 exited: code 3");
+  }
+  EXPECT_FALSE(w1.verdict());  // its own failure is no verdict for the node that had it
+  // A second failure is no longer the job's first.
+  w2.report("trainer-4 exception: peer_failure");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(w0.verdict()->node, 1u);
+}
+
+TEST(JobWatch, AFinishedNodeIsNotLostAndNodeZeroWaitsForIt) {
+  StoreServer server("127.0.0.1", 0, 2);
+  JobWatch w0(place(2, 0, server.port()), "r");
+  auto w1 = std::make_unique<JobWatch>(place(2, 1, server.port()), "r");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  w1->finish();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  w1.reset();  // finished, then gone
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  EXPECT_FALSE(w0.verdict());
+  w0.finish();
+  EXPECT_TRUE(w0.wait_finished(std::chrono::milliseconds(2000)));
+}
+
+TEST(JobWatch, NodeZeroGoneIsEveryNodesVerdict) {
+  auto server = std::make_unique<StoreServer>("127.0.0.1", 0, 2);
+  const uint16_t port = server->port();
+  JobWatch w1(place(2, 1, port), "s");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  server.reset();  // node 0 and its store die
+  const auto [v, took] = await(w1, std::chrono::milliseconds(4000));
+  ASSERT_TRUE(v);
+  EXPECT_EQ(v->kind, Kind::kNodeLost);
+  EXPECT_EQ(v->node, 0u);
+  EXPECT_NE(v->message.find("the job's store) unreachable"), std::string::npos) << v->message;
+}
+
+}  // namespace
