@@ -11,7 +11,7 @@ RANKS      ?= 2
 CTEST_ARGS ?=
 MEGACPP_FUZZ_SECONDS ?= 300
 
-.PHONY: all setup configure build build-run run run-cpp test test-full test-unit test-sanitize build-sanitize test-tsan build-tsan fuzz chaos multinode format format-check bench bench-train-step bench-failure bench-recovery device-prep device-test device-check clean
+.PHONY: all setup configure build build-run run run-cpp test test-full test-unit test-sanitize build-sanitize test-tsan build-tsan fuzz chaos multinode format format-check bench bench-train-step bench-failure bench-recovery bench-multinode device-prep device-test device-check clean
 
 all: build
 
@@ -152,6 +152,11 @@ bench-failure: build
 
 bench-recovery: build
 	@.venv/bin/python bench/recovery.py
+
+# A node lost (killed, or its link cut) on namespace hosts: megacpp's job watch against torchrun
+# multi-node on Gloo. Root only (sudo make bench-multinode).
+bench-multinode: build
+	@.venv/bin/python bench/multinode_failure.py --megacpp $(BUILD)/bin/megacpp
 
 clean:
 	rm -rf $(BUILD) $(BUILD_SAN) $(BUILD_TSAN) $(BUILD).configure.log $(BUILD_SAN).configure.log \

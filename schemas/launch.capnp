@@ -219,6 +219,7 @@ struct Placement {
   attempt @7 :UInt32;           # the engine's restart count (not the run's attempt)
   iface @8 :Text;               # the interface named for cross-node traffic; empty: default
   nodesFrom @9 :Text;           # what stated the node count: "SLURM_NNODES=4", "--nodes 2"
+  engineStore @10 :Bool;        # node 0's store is the engine's (torchrun's agent store)
 }
 
 struct LaunchContract {

@@ -216,7 +216,7 @@ JoinedJob join_job(const NodePlacement& placement, const NodeIdentity& identity,
   };
 
   std::unique_ptr<StoreServer> server;
-  if (me == 0)
+  if (me == 0 && !placement.engine_store)
     server = std::make_unique<StoreServer>(placement.master_host, placement.master_port, nodes);
   std::unique_ptr<StoreClient> client;
   try {

@@ -160,8 +160,9 @@ struct EngineView {
   std::optional<Said> host_pattern;
   std::string job_id;
   std::optional<Said> attempt;
-  std::string nodes_hint;  // how to give a missing node count, in the engine's terms
-  std::string rank_hint;   // how to give a missing node rank
+  std::string nodes_hint;     // how to give a missing node count, in the engine's terms
+  std::string rank_hint;      // how to give a missing node rank
+  bool engine_store = false;  // NodePlacement::engine_store
 };
 
 void read_master(const Environment& env, EngineView& e) {
@@ -204,6 +205,13 @@ EngineView read_torchrun(const Environment& env) {
   }
   e.attempt = variable(env, "TORCHELASTIC_RESTART_COUNT");
   read_master(env, e);
+  // torchrun's worker under its agent store: MASTER_ADDR:MASTER_PORT is torchrun's TCPStore on
+  // node 0, serving already; the job keeps its keys there (under its secret prefix) instead of
+  // hosting a second store on a port of its own (MEGACPP_MASTER_PORT chooses that instead).
+  if (auto agent = variable(env, "TORCHELASTIC_USE_AGENT_STORE");
+      agent && agent->value == "True" && variable(env, "GROUP_RANK") &&
+      !variable(env, knob_name(Knob::kMasterPort)))
+    e.engine_store = true;
   e.nodes_hint = "set PET_NNODES or pass --nodes";
   e.rank_hint = "set PET_NODE_RANK or pass --node-rank";
   return e;
@@ -526,6 +534,8 @@ NodePlacement resolve_placement(const PlacementFlags& flags, const Environment& 
     p.hosts = engine->hosts;
     p.job_id = engine->job_id;
     if (engine->attempt) p.attempt = whole_number(*engine->attempt);
+    p.engine_store = engine->engine_store && engine->master_addr &&
+                     p.master_host == host_of(*engine->master_addr);
   }
   p.iface = resolve_iface(flags, env);
   return p;

@@ -56,6 +56,10 @@ struct NodePlacement {
   // What stated the node count, as the user would write it ("SLURM_NNODES=4", "--nodes 2");
   // empty for "single". Refusals quote it.
   std::string nodes_from;
+  // Node 0's store is the engine's own: torchrun's agent store at MASTER_ADDR:MASTER_PORT
+  // (TORCHELASTIC_USE_AGENT_STORE=True, and no MEGACPP_MASTER_PORT). Every node, node 0
+  // included, connects to it; none hosts one.
+  bool engine_store = false;
 
   // "host:port" ("[v6]:port" for IPv6); empty when there is no master.
   std::string master() const;

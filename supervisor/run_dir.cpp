@@ -688,7 +688,9 @@ void JobController::host_or_join_store() {
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   me.host = host;
-  const std::string& prefix = job_prefix_;
+  // One join per engine attempt (a torchrun restart, a requeued Slurm job): a store that outlived
+  // the previous attempt holds its claims (membership.h).
+  const std::string prefix = fmt::format("{}/e{}", job_prefix_, placement_.attempt);
   log_info("joining the job as node {} of {} through {}:{} ({})", placement_.node_rank,
            placement_.nodes, placement_.master_host, placement_.master_port, placement_.source);
   joined_ = std::make_unique<JoinedJob>(join_job(
@@ -887,6 +889,7 @@ void JobController::write_launch_contract() {
   place.setAttempt(placement_.attempt);
   place.setIface(placement_.iface);
   place.setNodesFrom(placement_.nodes_from);
+  place.setEngineStore(placement_.engine_store);
   write_file_atomic(layout::launch_path(run_), schemas::to_json(l.asReader()));
 }
 

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import netns_hosts  # noqa: E402
 from netns_hosts import Hosts  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MEGACPP = None
 PORT = 29517
 RANKS = 2
@@ -260,6 +261,53 @@ class MegacppNodes(unittest.TestCase):
                 self.assertEqual(hosts.pids(host), [], "%s: processes left" % host)
             print("node 1's trainer-2 failed; both nodes ended within %.2f s of start; node 0: %s"
                   % (took, errors["node0"].get("message")))
+
+    def test_torchrun_starts_one_megacpp_per_node(self):
+        # torchrun's c10d rendezvous across the hosts, megacpp as its worker (--no-python); the
+        # job's keys live in torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE).
+        venv_py = os.path.join(ROOT, ".venv", "bin", "python")
+        with Hosts(self.N) as hosts:
+            keyfile = os.path.join(hosts.dir, "job.keys")
+            subprocess.run([MEGACPP, "keys", keyfile], check=True, capture_output=True)
+            worker = ('exec "$0" run tiny --ranks %d --steps %d --run-dir %s/$(hostname)/run '
+                      '--iface eth0 --job-keys %s --progress plain' % (RANKS, STEPS, hosts.dir, keyfile))
+            procs = []
+            t0 = time.monotonic()
+            for host in hosts.names:
+                log = open(os.path.join(hosts.dir, "torchrun-%s.log" % host), "w")
+                procs.append((host, log, hosts.popen(host, [
+                    venv_py, "-m", "torch.distributed.run", "--nnodes", str(self.N), "--nproc-per-node", "1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "%s:%d" % (hosts.addr(hosts.names[0]), 29400),
+                    "--rdzv-id", hosts.prefix, "--max-restarts", "0", "--no-python", "sh", "-c", worker, MEGACPP],
+                    stdout=log, stderr=subprocess.STDOUT)))
+            logs = ""
+            for host, log, p in procs:
+                try:
+                    rc = p.wait(timeout=240)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    rc = -9
+                log.close()
+                with open(log.name) as f:
+                    logs += "--- %s (rc %d)\n%s" % (host, rc, f.read()[-3000:])
+            took = time.monotonic() - t0
+            for host, _, p in procs:
+                self.assertEqual(p.returncode, 0, logs)
+            ranks = set()
+            for host in hosts.names:
+                run = os.path.join(hosts.dir, host, "run")
+                with open(os.path.join(run, "launch.json")) as f:
+                    launch = json.load(f)
+                place = launch["placement"]
+                self.assertEqual((place["source"], place["nodes"], place.get("engineStore")),
+                                 ("torchrun", self.N, True), place)
+                self.assertEqual(launch["storePort"], place["masterPort"])
+                ranks.add((launch.get("firstRank", 0), launch["localRanks"]))
+                v = subprocess.run([MEGACPP, "verify", latest(run)], capture_output=True, text=True)
+                self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
+            # torchrun's rendezvous chose the node ranks: every node got its own.
+            self.assertEqual(sorted(ranks), [(RANKS * i, RANKS) for i in range(self.N)])
+            print("torchrun, %d agents, one megacpp each: %.2f s" % (self.N, took))
 
     def test_a_node_with_another_recipe_is_refused_on_every_node(self):
         with Hosts(self.N) as hosts:

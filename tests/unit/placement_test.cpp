@@ -245,6 +245,30 @@ TEST(Placement, TorchrunWorker) {
   EXPECT_TRUE(p.hosts.empty());
 }
 
+TEST(Placement, TorchrunsAgentStoreIsTheJobsUnlessMegacppNamesAPort) {
+  Environment env = {{"GROUP_RANK", "0"},
+                     {"GROUP_WORLD_SIZE", "2"},
+                     {"LOCAL_WORLD_SIZE", "1"},
+                     {"MASTER_ADDR", "node0"},
+                     {"MASTER_PORT", "29400"},
+                     {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                     {"TORCHELASTIC_RUN_ID", "job7"}};
+  NodePlacement p = resolve_placement({}, env);
+  EXPECT_TRUE(p.engine_store);
+  EXPECT_EQ(p.master(), "node0:29400");
+  // Without the agent store, or with a port of megacpp's own, node 0 hosts the job's store.
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "False";
+  EXPECT_FALSE(resolve_placement({}, env).engine_store);
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  env["MEGACPP_MASTER_PORT"] = "29517";
+  p = resolve_placement({}, env);
+  EXPECT_FALSE(p.engine_store);
+  EXPECT_EQ(p.master(), "node0:29517");
+  // Slurm's and the flags' jobs never use an engine's store.
+  EXPECT_FALSE(
+      resolve_placement({.nodes = "2", .node_rank = "0", .master = "h:1"}, {}).engine_store);
+}
+
 TEST(Placement, PyTorchJobWithoutTorchrun) {
   const Environment env = {{"PET_NNODES", "3"},
                            {"PET_NODE_RANK", "2"},

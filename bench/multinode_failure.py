@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""A node lost: megacpp across namespace hosts vs torchrun multi-node, side by side in one run.
+
+Hosts are network namespaces on a bridge (tests/multinode/netns_hosts.py; root only). Each
+trial trains on N hosts x 2 ranks, waits until training is under way on every host, then harms
+the last host and measures, from the harm:
+
+  detect  node 0 ended its part of the job: its `megacpp run`, or its torchrun agent, exited
+          (megacpp: and its manifest names the lost node as the first failure)
+  gone    no process of the job is left on any host still reachable (the harmed host's too
+          for a kill; for a cut link, the others')
+
+Harms: `kill` (SIGKILL to every process of the host: the node dies), `cut` (the host's link
+down: the node lives, cut off). Trials alternate the two systems.
+
+megacpp   one `megacpp run tiny --ranks 2 --nodes N --node-rank R --master <node0>:PORT
+          --iface eth0 --job-keys K` per host; node 0's job watch (supervisor/job_watch.h).
+torchrun  one `python -m torch.distributed.run --nnodes N --nproc-per-node 2 --rdzv-backend c10d
+          --rdzv-endpoint <node0>:29400 --max-restarts 0 bench/peers/gloo_train.py` per host,
+          GLOO_SOCKET_IFNAME=eth0: the same model, batch and threads on Gloo at torchrun's and
+          Gloo's defaults (the collective timeout is Gloo's 30 min).
+
+Every measurement is capped (--cap-s); a system not done by then is printed "> cap" and killed.
+Timings are printed, never asserted; the goal (>= 10x faster detection than the peer) is printed
+beside the ratio. Usage: sudo .venv/bin/python bench/multinode_failure.py [--nodes 2] [--reps 2]
+[--cap-s 60]
+"""
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "multinode"))
+import netns_hosts  # noqa: E402
+from netns_hosts import Hosts  # noqa: E402
+
+VENV_PY = os.path.join(ROOT, ".venv", "bin", "python")
+PEER = os.path.join(ROOT, "bench", "peers", "gloo_train.py")
+PORT = 29517
+
+
+def cpu_name():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def harm(hosts, host, how):
+    if how == "cut":
+        hosts.cut(host)
+        return
+    for pid in hosts.pids(host):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def left(hosts, names):
+    return [p for h in names for p in hosts.pids(h)]
+
+
+def wait_until(pred, cap_s):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < cap_s:
+        if pred():
+            return time.monotonic() - t0
+        time.sleep(0.01)
+    return None
+
+
+def megacpp_trial(megacpp, n, how, cap_s):
+    with Hosts(n) as hosts:
+        keys = os.path.join(hosts.dir, "job.keys")
+        subprocess.run([megacpp, "keys", keys], check=True, capture_output=True)
+        procs = []
+        for i, host in enumerate(hosts.names):
+            run = os.path.join(hosts.dir, host, "run")
+            log = open(os.path.join(hosts.dir, host + ".log"), "w")
+            procs.append((run, hosts.popen(host, [
+                megacpp, "run", "tiny", "--ranks", "2", "--steps", "100000", "--run-dir", run,
+                "--nodes", str(n), "--node-rank", str(i), "--master", "%s:%d" % (hosts.addr(hosts.names[0]), PORT),
+                "--iface", "eth0", "--job-keys", keys, "--progress", "none"], stdout=log, stderr=subprocess.STDOUT)))
+
+        def training():
+            for run, _ in procs:
+                try:
+                    with open(os.path.join(run, "manifest.json")) as f:
+                        if json.load(f).get("stepsCompleted", 0) < 3:
+                            return False
+                except (OSError, ValueError):
+                    return False
+            return True
+
+        try:
+            if wait_until(training, 120) is None:
+                raise RuntimeError("megacpp did not start training")
+            victim = hosts.names[-1]
+            t0 = time.monotonic()
+            harm(hosts, victim, how)
+            detect = wait_until(lambda: procs[0][1].poll() is not None, cap_s)
+            reachable = hosts.names if how == "kill" else hosts.names[:-1]
+            gone = wait_until(lambda: not left(hosts, reachable), max(0.0, cap_s - (time.monotonic() - t0)))
+            if gone is not None:
+                gone = time.monotonic() - t0
+            first = ""
+            try:
+                with open(os.path.join(procs[0][0], "manifest.json")) as f:
+                    e = json.load(f).get("error", {})
+                first = "%s: %s" % (e.get("kind"), e.get("message"))
+            except (OSError, ValueError):
+                pass
+            return detect, gone, first
+        finally:
+            for h in hosts.names:
+                hosts.heal(h)
+            for _, p in procs:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+def torchrun_trial(n, how, cap_s):
+    with Hosts(n) as hosts:
+        procs = []
+        for host in hosts.names:
+            log = os.path.join(hosts.dir, host + ".log")
+            with open(log, "w") as f:
+                procs.append((log, hosts.popen(host, [
+                    VENV_PY, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", "2",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "%s:29400" % hosts.addr(hosts.names[0]),
+                    "--rdzv-id", hosts.prefix, "--max-restarts", "0", PEER, "--tag", hosts.prefix],
+                    env=dict(os.environ, GLOO_SOCKET_IFNAME="eth0"), stdout=f, stderr=subprocess.STDOUT)))
+
+        def training():
+            for log, _ in procs:
+                with open(log) as f:
+                    if f.read().count("step") < 3:
+                        return False
+            return True
+
+        try:
+            if wait_until(training, 180) is None:
+                raise RuntimeError("torchrun did not start training: " + open(procs[0][0]).read()[-2000:])
+            t0 = time.monotonic()
+            harm(hosts, hosts.names[-1], how)
+            detect = wait_until(lambda: procs[0][1].poll() is not None, cap_s)
+            reachable = hosts.names if how == "kill" else hosts.names[:-1]
+            gone = wait_until(lambda: not left(hosts, reachable), max(0.0, cap_s - (time.monotonic() - t0)))
+            if gone is not None:
+                gone = time.monotonic() - t0
+            return detect, gone, ""
+        finally:
+            for h in hosts.names:
+                hosts.heal(h)
+                for pid in hosts.pids(h):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+
+def fmt(x, cap_s):
+    return "> %.0f s (cap)" % cap_s if x is None else "%.2f s" % x
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--cap-s", type=float, default=60.0)
+    ap.add_argument("--megacpp", default=os.path.join(ROOT, "build", "bin", "megacpp"))
+    a = ap.parse_args()
+    netns_hosts.require_root()
+    print("node lost, %d namespace hosts x 2 ranks, tiny recipe, on %s" % (a.nodes, cpu_name()))
+    results = {}
+    for how in ("kill", "cut"):
+        for rep in range(a.reps):
+            for system in ("megacpp", "torchrun"):
+                if system == "megacpp":
+                    d, g, first = megacpp_trial(a.megacpp, a.nodes, how, a.cap_s)
+                else:
+                    d, g, first = torchrun_trial(a.nodes, how, a.cap_s)
+                results.setdefault((how, system), []).append(d)
+                print("  %-4s trial %d  %-8s  detect %-14s gone %-14s %s"
+                      % (how, rep + 1, system, fmt(d, a.cap_s), fmt(g, a.cap_s), first), flush=True)
+    print("median detect (node 0 ended), peer / megacpp (goal >= 10x):")
+    for how in ("kill", "cut"):
+        m = [x for x in results[(how, "megacpp")] if x is not None]
+        t = results[(how, "torchrun")]
+        mm = statistics.median(m) if m else None
+        capped = any(x is None for x in t)
+        tm = statistics.median([a.cap_s if x is None else x for x in t])
+        ratio = ("%s%.1fx" % (">= " if capped else "", tm / mm)) if mm else "n/a"
+        print("  %-4s megacpp %s  torchrun %s%s  ratio %s"
+              % (how, fmt(mm, a.cap_s), ">= " if capped else "", "%.2f s" % tm, ratio))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""megacpp across a real Slurm cluster of 2 namespace nodes (slurm_cluster.py): an `sbatch -N 2`
+job whose `srun` step starts one `megacpp run` per node. Each node reads its place from Slurm's
+own variables (SLURM_STEP_NUM_NODES, SLURM_NODEID, SLURM_STEP_NODELIST expanded to node0,node1;
+node 0 = node0, the default port), joins node 0's store and trains its 2 ranks of the world of 4.
+Checked: the job COMPLETED, each node's launch contract records source slurm with its ranks,
+each node's part of the final checkpoint verifies, and every rank's tensors equal a one-node
+run of 4 ranks. Then every process of node1 is killed in a second job: node0's megacpp ends
+with `node_lost` naming node 1, the Slurm job ends, no process of it is left.
+
+Usage: megacpp_slurm_test.py MEGACPP [unittest args]. Root only (label multinode).
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import netns_hosts  # noqa: E402
+import slurm_cluster  # noqa: E402
+from megacpp_nodes_test import latest, tensors  # noqa: E402
+from slurm_cluster import SlurmCluster  # noqa: E402
+
+MEGACPP = None
+STEPS = 6
+
+
+def is_megacpp(pid):
+    """A process of megacpp's own (its supervisor or a stage), by executable."""
+    try:
+        return os.path.basename(os.readlink("/proc/%d/exe" % pid)).startswith("megacpp")
+    except OSError:
+        return False
+
+JOB = """#!/bin/sh
+#SBATCH -J megacpp
+srun --ntasks-per-node 1 sh -c 'exec "$0" run tiny --ranks 2 --steps {steps} \\
+    --run-dir {d}/$(hostname)/run --iface eth0 --job-keys {keys} --progress plain' {megacpp}
+"""
+
+
+class MegacppSlurm(unittest.TestCase):
+    def submit(self, c, steps):
+        keys = os.path.join(c.dir, "job.keys")
+        if not os.path.exists(keys):
+            subprocess.run([MEGACPP, "keys", keys], check=True, capture_output=True)
+        job = os.path.join(c.dir, "megacpp.sh")
+        with open(job, "w") as f:
+            f.write(JOB.format(steps=steps, d=c.dir, keys=keys, megacpp=MEGACPP))
+        out = os.path.join(c.dir, "megacpp-%d.out" % steps)
+        p = c.run(["sbatch", "--parsable", "-N", "2", "-o", out, job])
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        return p.stdout.strip().split(";")[0], out
+
+    def test_sbatch_srun_trains_across_nodes(self):
+        with SlurmCluster(2) as c:
+            t0 = time.monotonic()
+            job_id, out = self.submit(c, STEPS)
+            state = c.wait_job(job_id, bound_s=240)
+            took = time.monotonic() - t0
+            with open(out) as f:
+                text = f.read()
+            self.assertEqual(state, "COMPLETED", text[-4000:])
+            one = os.path.join(c.dir, "one", "run")
+            ref = subprocess.run([MEGACPP, "run", "--ranks", "4", "--steps", str(STEPS), "--run-dir", one,
+                                  "--progress", "none"], capture_output=True, text=True, timeout=240)
+            self.assertEqual(ref.returncode, 0, ref.stdout + ref.stderr)
+            ref_ckpt = latest(one)
+            compared = 0
+            for i, node in enumerate(c.nodes):
+                run = os.path.join(c.dir, node, "run")
+                with open(os.path.join(run, "launch.json")) as f:
+                    launch = json.load(f)
+                place = launch["placement"]
+                self.assertEqual((place["source"], place["nodes"], place.get("nodeRank", 0),
+                                  place["masterHost"], place["hosts"]),
+                                 ("slurm", 2, i, "node0", c.nodes), place)
+                self.assertEqual((launch["world"], launch.get("firstRank", 0), launch["localRanks"]),
+                                 (4, 2 * i, 2))
+                ckpt = latest(run)
+                v = subprocess.run([MEGACPP, "verify", ckpt], capture_output=True, text=True)
+                self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
+                for r in (2 * i, 2 * i + 1):
+                    name = "rank_%d.safetensors" % r
+                    got, want = tensors(os.path.join(ckpt, name)), tensors(os.path.join(ref_ckpt, name))
+                    self.assertEqual(sorted(got), sorted(want))
+                    for t in want:
+                        self.assertTrue(got[t] == want[t], "%s %s differs from one node's" % (name, t))
+                        compared += 1
+            print("sbatch -N 2 + srun: job COMPLETED %.2f s after submission; %d tensors equal "
+                  "one node of 4 ranks" % (took, compared))
+
+    def test_a_killed_node_ends_the_slurm_job(self):
+        with SlurmCluster(2) as c:
+            job_id, out = self.submit(c, 100000)
+            run0 = os.path.join(c.dir, "node0", "run")
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    with open(os.path.join(run0, "manifest.json")) as f:
+                        if json.load(f).get("stepsCompleted", 0) >= 3:
+                            break
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.1)
+            else:
+                self.fail("the job did not train: " + open(out).read()[-3000:])
+            # Every megacpp process of node1 (its slurmd and slurmstepd stay: the node's host
+            # lives, its training dies).
+            t0 = time.monotonic()
+            for pid in c.hosts.pids("node1"):
+                if is_megacpp(pid):
+                    try:
+                        os.kill(pid, 9)
+                    except ProcessLookupError:
+                        pass
+            state = c.wait_job(job_id, bound_s=60)
+            took = time.monotonic() - t0
+            self.assertNotEqual(state, "COMPLETED")
+            with open(os.path.join(run0, "manifest.json")) as f:
+                error = json.load(f).get("error", {})
+            self.assertEqual(error.get("kind"), "node_lost", error)
+            self.assertIn("node 1 (node1) lost", error.get("message", ""), error)
+            for node in c.nodes:
+                left = [p for p in c.hosts.pids(node) if is_megacpp(p)]
+                self.assertEqual(left, [], node)
+            print("node1's megacpp killed: the Slurm job %s %.2f s later; node0: %s"
+                  % (state, took, error.get("message")))
+
+
+if __name__ == "__main__":
+    netns_hosts.require_root()
+    slurm_cluster.require_slurm()
+    if len(sys.argv) < 2 or not os.access(sys.argv[1], os.X_OK):
+        sys.exit("usage: megacpp_slurm_test.py MEGACPP: the megacpp executable of the build tree")
+    MEGACPP = os.path.abspath(sys.argv.pop(1))
+    unittest.main()
