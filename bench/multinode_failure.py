@@ -23,7 +23,7 @@ torchrun  one `python -m torch.distributed.run --nnodes N --nproc-per-node 2 --r
 Every measurement is capped (--cap-s); a system not done by then is printed "> cap" and killed.
 Timings are printed, never asserted; the goal (>= 10x faster detection than the peer) is printed
 beside the ratio. Usage: sudo .venv/bin/python bench/multinode_failure.py [--nodes 2] [--reps 2]
-[--cap-s 60]
+[--cap-s 60] [--harms kill,cut]
 """
 import argparse
 import json
@@ -177,12 +177,14 @@ def main():
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--cap-s", type=float, default=60.0)
+    ap.add_argument("--harms", default="kill,cut", help="comma-separated: kill, cut")
     ap.add_argument("--megacpp", default=os.path.join(ROOT, "build", "bin", "megacpp"))
     a = ap.parse_args()
     netns_hosts.require_root()
     print("node lost, %d namespace hosts x 2 ranks, tiny recipe, on %s" % (a.nodes, cpu_name()))
     results = {}
-    for how in ("kill", "cut"):
+    harms = [h for h in a.harms.split(",") if h]
+    for how in harms:
         for rep in range(a.reps):
             for system in ("megacpp", "torchrun"):
                 if system == "megacpp":
@@ -193,7 +195,7 @@ def main():
                 print("  %-4s trial %d  %-8s  detect %-14s gone %-14s %s"
                       % (how, rep + 1, system, fmt(d, a.cap_s), fmt(g, a.cap_s), first), flush=True)
     print("median detect (node 0 ended), peer / megacpp (goal >= 10x):")
-    for how in ("kill", "cut"):
+    for how in harms:
         m = [x for x in results[(how, "megacpp")] if x is not None]
         t = results[(how, "torchrun")]
         mm = statistics.median(m) if m else None

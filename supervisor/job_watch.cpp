@@ -90,6 +90,14 @@ std::optional<JobWatch::Verdict> JobWatch::verdict() const {
   return verdict_;
 }
 
+void JobWatch::suspect() {
+  {
+    std::lock_guard lk(mu_);
+    suspect_ = true;
+  }
+  cv_.notify_all();
+}
+
 void JobWatch::finish() {
   {
     std::lock_guard lk(mu_);
@@ -137,7 +145,8 @@ void JobWatch::run(std::string host, uint16_t port) {
   std::vector<int64_t> beats(nodes_, -1);
   std::vector<Clock::time_point> changed(nodes_, Clock::now());
   std::vector<bool> lost(nodes_, false);
-  bool reported = false, finished_self = false;
+  bool reported = false, finished_self = false, suspected = false, told_suspicion = false,
+       told_suspicion_store = false;
   try {
     for (;;) {
       std::optional<std::string> report;
@@ -145,11 +154,20 @@ void JobWatch::run(std::string host, uint16_t port) {
       {
         std::unique_lock lk(mu_);
         cv_.wait_for(lk, options_.beat, [&] {
-          return stop_ || (finishing_ && !finished_self) || (!reported && report_);
+          return stop_ || (finishing_ && !finished_self) || (!reported && report_) ||
+                 (suspect_ && !told_suspicion);
         });
         if (stop_) return;
         finishing = finishing_;
         if (!reported && report_) report = report_;
+        if (suspect_ && !told_suspicion) {
+          told_suspicion = true;
+          suspected = true;
+        }
+      }
+      if (suspected && node_ != 0 && !told_suspicion_store) {
+        told_suspicion_store = true;
+        store->set(key("suspect"), me);
       }
       if (report) {
         reported = true;
@@ -192,6 +210,9 @@ void JobWatch::run(std::string host, uint16_t port) {
         }
       }
       if (node_ != 0) continue;
+      if (!suspected && store->get(key("suspect"), std::chrono::milliseconds(0))) suspected = true;
+      const auto limit = suspected ? std::min(options_.silence_limit, options_.suspected_silence)
+                                   : options_.silence_limit;
       for (uint32_t k = 1; k < nodes_; ++k) {
         if (lost[k] || peers_finished_[k]) continue;
         const int64_t b = store->add(key(fmt::format("beat/{}", k)), 0);
@@ -201,7 +222,7 @@ void JobWatch::run(std::string host, uint16_t port) {
           changed[k] = now;
           continue;
         }
-        if (now - changed[k] <= options_.silence_limit) continue;
+        if (now - changed[k] <= limit) continue;
         if (store->get(key(fmt::format("finished/{}", k)), std::chrono::milliseconds(0))) {
           peers_finished_[k] = true;
           continue;

@@ -37,6 +37,8 @@ class JobWatch {
     // Every store call of a node other than node 0 waits at most this long: node 0 hung or cut
     // off is a verdict after it.
     std::chrono::milliseconds store_timeout{2000};
+    // The silence that makes a node lost once a node suspected one (suspect()): three beats.
+    std::chrono::milliseconds suspected_silence{300};
   };
   struct Verdict {
     enum class Kind : uint8_t {
@@ -66,6 +68,11 @@ class JobWatch {
   // The job's verdict for this node, once there is one (then it does not change). Never this
   // node's own reported failure.
   std::optional<Verdict> verdict() const;
+  // A rank of this node lost a peer (its collective's connection closed): some node may be
+  // dead. Node 0 then judges every node by a shorter silence (Options::suspected_silence), so
+  // a dead node is named within a few beats instead of the silence limit. Any node may call
+  // it; it travels through the store (`watch/suspect`).
+  void suspect();
   // This node's trainers are done: says so to node 0 and stops beating and judging (a node
   // that finished is not lost, and node 0 going away after the job is no loss).
   void finish();
@@ -87,6 +94,7 @@ class JobWatch {
   bool stop_ = false;
   bool finishing_ = false;
   bool finished_ = false;  // the thread set finished/<node> and ended
+  bool suspect_ = false;
   std::optional<std::string> report_;
   std::optional<Verdict> verdict_;
   std::vector<bool> peers_finished_;

@@ -329,6 +329,7 @@ void JobController::adopt_job_verdict() {
   // to be victims, and the node whose silence caused it is named within the silence limit.
   for (const auto& [name, ev] : events_)
     if (policy::evidence_of(ev) == policy::Evidence::kOwn) return;
+  job_watch_->suspect();  // a dead node is then named within a few beats
   const JobWatch::Options o;
   const int64_t deadline = mono_ns() + (o.silence_limit + 3 * o.beat).count() * 1'000'000;
   std::optional<JobWatch::Verdict> v;

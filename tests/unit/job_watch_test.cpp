@@ -65,6 +65,21 @@ TEST(JobWatch, NodeZeroNamesANodeThatGoesSilent) {
   EXPECT_EQ(v1->node, 2u);
 }
 
+TEST(JobWatch, ASuspicionNamesASilentNodeWithinAFewBeats) {
+  StoreServer server("127.0.0.1", 0, 3);
+  JobWatch w0(place(3, 0, server.port()), "t");
+  JobWatch w1(place(3, 1, server.port()), "t");
+  auto w2 = std::make_unique<JobWatch>(place(3, 2, server.port()), "t");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  w2.reset();
+  w1.suspect();  // a rank of node 1 lost its peer on node 2
+  const auto [v, took] = await(w0, std::chrono::milliseconds(3000));
+  ASSERT_TRUE(v);
+  EXPECT_EQ(v->node, 2u);
+  EXPECT_LT(took, 0.9);  // the suspected silence (0.3 s), not the silence limit (1 s)
+  EXPECT_FALSE(w1.verdict() && w1.verdict()->node != 2u);
+}
+
 TEST(JobWatch, TheFirstFailureOfferedIsEveryOtherNodesVerdict) {
   StoreServer server("127.0.0.1", 0, 3);
   JobWatch w0(place(3, 0, server.port()), "q");
