@@ -9,7 +9,8 @@ training its 2 ranks of the job's world, node 0 hosting the job's store. Checked
   field (the membership through node 0's store);
 - a node without the job's keys is refused before anything is written.
 
-Usage: megacpp_nodes_test.py MEGACPP [unittest args]. Root only (label multinode).
+Usage: megacpp_nodes_test.py MEGACPP [MegacppNodes | MegacppNodes4 | unittest args] (2 or 4
+hosts). Root only (label multinode).
 """
 import json
 import os
@@ -52,8 +53,8 @@ def latest(run):
         return os.path.join(run, "checkpoints", f.read().strip())
 
 
-class MegacppNodes(unittest.TestCase):
-    N = 2
+class MegacppNodesN:
+    N = 0
 
     def run_nodes(self, hosts, extra=None, keys=True, timeout=240):
         """Starts one megacpp run per host; returns [(host, rc, log text, run dir)]."""
@@ -327,6 +328,14 @@ class MegacppNodes(unittest.TestCase):
             self.assertNotEqual(p.returncode, 0)
             self.assertIn("needs the job's keys", p.stdout + p.stderr)
             self.assertFalse(os.path.exists(run))
+
+
+class MegacppNodes(MegacppNodesN, unittest.TestCase):
+    N = 2
+
+
+class MegacppNodes4(MegacppNodesN, unittest.TestCase):
+    N = 4
 
 
 if __name__ == "__main__":
