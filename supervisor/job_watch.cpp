@@ -111,6 +111,11 @@ bool JobWatch::wait_finished(std::chrono::milliseconds timeout) {
   return cv_.wait_for(lk, timeout, [&] { return finished_ || stop_; }) && finished_;
 }
 
+uint32_t JobWatch::lost_nodes() const {
+  std::lock_guard lk(mu_);
+  return lost_count_;
+}
+
 void JobWatch::decide(Verdict v) {
   std::lock_guard lk(mu_);
   if (!verdict_ && !finishing_) verdict_ = std::move(v);
@@ -228,6 +233,10 @@ void JobWatch::run(std::string host, uint16_t port) {
           continue;
         }
         lost[k] = true;
+        {
+          std::lock_guard lk(mu_);
+          ++lost_count_;
+        }
         const double silent = std::chrono::duration<double>(now - changed[k]).count();
         const std::string what =
             fmt::format("{} lost: no beat for {:.2f} s (dead, hung, or cut off from node 0)",

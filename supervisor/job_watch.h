@@ -80,6 +80,8 @@ class JobWatch {
   // have finished, so that none loses node 0's store while it still needs it. False when some
   // did not.
   bool wait_finished(std::chrono::milliseconds timeout);
+  // Nodes node 0 has declared lost (always 0 on other nodes).
+  uint32_t lost_nodes() const;
 
  private:
   void run(std::string host, uint16_t port);
@@ -95,6 +97,7 @@ class JobWatch {
   bool finishing_ = false;
   bool finished_ = false;  // the thread set finished/<node> and ended
   bool suspect_ = false;
+  uint32_t lost_count_ = 0;
   std::optional<std::string> report_;
   std::optional<Verdict> verdict_;
   std::vector<bool> peers_finished_;

@@ -84,6 +84,9 @@ struct MetricsState {
   double checkpoint_ts = 0;
   double collector_lag = 0;
   uint64_t job_restarts = 0;
+  uint32_t job_nodes = 0;  // 0: one node (no job series)
+  uint32_t job_node_rank = 0;
+  uint32_t job_nodes_up = 0;
 
   // Callers hold mu.
   StageSeries& stage(schema::StageKind kind, uint32_t rank) {
@@ -237,6 +240,13 @@ void Metrics::set_last_step(schema::StageKind stage, uint32_t rank, uint32_t ste
   auto& s = state_->stage(stage, rank);
   s.last_step = step;
   s.last_step_ts = unix_seconds;
+}
+
+void Metrics::set_job_nodes(uint32_t nodes, uint32_t node_rank, uint32_t nodes_up) {
+  std::lock_guard lock(state_->mu);
+  state_->job_nodes = nodes;
+  state_->job_node_rank = node_rank;
+  state_->job_nodes_up = nodes_up;
 }
 
 void Metrics::add_job_restart() {
@@ -401,6 +411,14 @@ std::string Metrics::render() const {
          "Times the supervisor relaunched the whole job from its newest committed checkpoint "
          "after a failure (--max-job-restarts).");
   sample(out, "megacpp_job_restarts_total", {}, std::to_string(s.job_restarts));
+  if (s.job_nodes > 0) {
+    const std::string node = std::to_string(s.job_node_rank);
+    header(out, "megacpp_job_nodes", "gauge", "Nodes of the job across nodes.");
+    sample(out, "megacpp_job_nodes", {{"node", node}}, std::to_string(s.job_nodes));
+    header(out, "megacpp_job_nodes_up", "gauge",
+           "Nodes of the job this node knows to be up (node 0: not declared lost).");
+    sample(out, "megacpp_job_nodes_up", {{"node", node}}, std::to_string(s.job_nodes_up));
+  }
   header(out, "megacpp_checkpoint_last_committed_step", "gauge",
          "Step of the last committed checkpoint (0 before the first).");
   sample(out, "megacpp_checkpoint_last_committed_step", {}, std::to_string(s.checkpoint_step));

@@ -63,6 +63,9 @@ class Metrics {
   // One automatic job restart (--max-job-restarts): the whole stage graph relaunched from the
   // newest committed checkpoint.
   void add_job_restart();
+  // A job across nodes: its node count, this node's rank, and how many nodes this node knows to
+  // be up (node 0: every node its job watch has not declared lost). Absent on one node.
+  void set_job_nodes(uint32_t nodes, uint32_t node_rank, uint32_t nodes_up);
 
   // Prometheus text exposition format 0.0.4. Deterministic: families in a fixed order, series
   // sorted by their labels (stage by name, rank numerically). Families without a series yet

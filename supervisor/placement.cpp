@@ -1,5 +1,9 @@
 #include "supervisor/placement.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -539,6 +543,21 @@ NodePlacement resolve_placement(const PlacementFlags& flags, const Environment& 
   }
   p.iface = resolve_iface(flags, env);
   return p;
+}
+
+std::optional<std::string> interface_address(const std::string& iface) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return std::nullopt;
+  std::optional<std::string> out;
+  for (ifaddrs* a = list; a != nullptr && !out; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET || iface != a->ifa_name)
+      continue;
+    char text[INET_ADDRSTRLEN] = {};
+    const auto* in = reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
+    if (::inet_ntop(AF_INET, &in->sin_addr, text, sizeof text) != nullptr) out = text;
+  }
+  ::freeifaddrs(list);
+  return out;
 }
 
 }  // namespace megacpp::supervisor

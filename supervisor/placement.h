@@ -65,6 +65,10 @@ struct NodePlacement {
   std::string master() const;
 };
 
+// The first IPv4 address of network interface `iface` (getifaddrs); nullopt when it has none
+// or does not exist.
+std::optional<std::string> interface_address(const std::string& iface);
+
 // Resolves this node's placement. Throws Error{kInvalidArgument} (one line) on a bad value
 // (an unparsable number, nodes 0, node_rank >= nodes, a port outside 1-65535, a bad host list,
 // a missing variable the engine needs) and on a flag that contradicts the engine.

@@ -15,6 +15,7 @@
 
 #include <capnp/message.h>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "checkpoint/reader.h"
 #include "checkpoint/resume.h"
@@ -581,6 +582,17 @@ void JobController::prepare() {
   {
     auto colon = opt_.metrics_addr.rfind(':');
     std::string host = opt_.metrics_addr.substr(0, colon);
+    // A job across nodes is scraped from elsewhere: by default /metrics binds the interface
+    // the job names (node 0's file_sd lists it), not loopback.
+    if (placement_.nodes > 1 && opt_.metrics_addr == RunOptions{}.metrics_addr &&
+        !placement_.iface.empty()) {
+      const auto address = interface_address(placement_.iface);
+      MEGACPP_CHECK(address, ErrorKind::kInvalidArgument,
+                    fmt::format("--iface {} has no IPv4 address on this node: name the interface "
+                                "that reaches the other nodes",
+                                placement_.iface));
+      host = *address;
+    }
     int port = -1;
     try {
       port = std::stoi(opt_.metrics_addr.substr(colon + 1));
@@ -704,6 +716,35 @@ void JobController::host_or_join_store() {
   // identity, done); an attempt of the run names its own below it.
   store_prefix_ = prefix + "/ranks/";
   job_watch_ = std::make_unique<JobWatch>(placement_, prefix + "/watch");
+  publish_metrics_targets(prefix);
+}
+
+void JobController::publish_metrics_targets(const std::string& prefix) {
+  // Every node's /metrics through the store; node 0 writes them as one Prometheus file_sd
+  // target file for the job (RUN/metrics_sd.json), each with its run, node and ranks.
+  const std::string target = metrics_endpoint_.substr(
+      metrics_endpoint_.find("//") + 2,
+      metrics_endpoint_.rfind("/metrics") - metrics_endpoint_.find("//") - 2);
+  StoreClient& store = joined_->store();
+  store.set(fmt::format("{}/metrics/{}", prefix, placement_.node_rank), target);
+  if (placement_.node_rank != 0) return;
+  nlohmann::json sd = nlohmann::json::array();
+  for (uint32_t k = 0; k < placement_.nodes; ++k) {
+    const auto t = store.get(fmt::format("{}/metrics/{}", prefix, k), std::chrono::seconds(10));
+    if (!t) {
+      log_warn("node {} did not say where its /metrics is within 10 s; not in the file_sd", k);
+      continue;
+    }
+    sd.push_back({{"targets", {*t}},
+                  {"labels",
+                   {{"run", run_id_},
+                    {"job", placement_.job_id},
+                    {"node", std::to_string(k)},
+                    {"ranks", fmt::format("{}-{}", k * opt_.ranks, (k + 1) * opt_.ranks - 1)}}}});
+  }
+  write_file_atomic(run_ / "metrics_sd.json", sd.dump(2) + "\n");
+  log_info("Prometheus file_sd of the job's {} nodes: {}", sd.size(),
+           (run_ / "metrics_sd.json").string());
 }
 
 void JobController::open_journals() {

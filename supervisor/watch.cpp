@@ -395,6 +395,9 @@ void JobController::watch() {
 void JobController::update_metrics() {
   const double now_wall = static_cast<double>(wall_ns()) / 1e9;
   const int64_t now = mono_ns();
+  if (job_watch_)
+    metrics_->set_job_nodes(placement_.nodes, placement_.node_rank,
+                            placement_.nodes - job_watch_->lost_nodes());
   for (const auto& c : children_) {
     metrics_->set_up(c.stage, c.rank, c.alive);
     metrics_->set_heartbeat(c.stage, c.rank,

@@ -147,6 +147,9 @@ class JobController {
   // The ranks' store: this host's own (one node), or node 0's after the job's nodes agreed on
   // what they run (membership.h join_job).
   void host_or_join_store();
+  // A job across nodes: this node's /metrics target into the store; node 0 writes them all as
+  // RUN/metrics_sd.json (Prometheus file_sd).
+  void publish_metrics_targets(const std::string& prefix);
   // Global rank of this node's local rank `local`.
   uint32_t global_rank(uint32_t local) const { return first_rank_ + local; }
   // --device cuda: the trainer's CUDA plugin is built and one device per rank is visible, or a

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import unittest
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import netns_hosts  # noqa: E402
@@ -132,6 +133,15 @@ class MegacppNodesN:
                                  (RANKS * n, RANKS * i, RANKS), host)
                 self.assertTrue(launch["storePrefix"].startswith("megacpp-job-"), launch["storePrefix"])
                 self.assertEqual(launch["storeHost"], hosts.addr(hosts.names[0]))
+            # Node 0's Prometheus file_sd: every node's /metrics on its own address.
+            with open(os.path.join(results[0][3], "metrics_sd.json")) as f:
+                sd = json.load(f)
+            self.assertEqual(len(sd), n, sd)
+            for i, entry in enumerate(sd):
+                self.assertEqual(len(entry["targets"]), 1, entry)
+                self.assertTrue(entry["targets"][0].startswith(hosts.addr(hosts.names[i]) + ":"), entry)
+                self.assertEqual((entry["labels"]["node"], entry["labels"]["ranks"]),
+                                 (str(i), "%d-%d" % (RANKS * i, RANKS * i + RANKS - 1)), entry)
             print("%d nodes x %d ranks, %d steps: %.2f s (one node of %d ranks: %.2f s); %d tensors "
                   "bit-identical" % (n, RANKS, STEPS, t_job, RANKS * n, t_one, compared))
 
@@ -179,6 +189,13 @@ class MegacppNodesN:
             procs = self.start_nodes(hosts, steps=100000)
             try:
                 self.wait_training(procs)
+                # Node 0's /metrics, scraped from outside its host: the job's series.
+                with open(os.path.join(procs[0][1], "launch.json")) as f:
+                    url = json.load(f)["metricsEndpoint"]
+                self.assertIn(hosts.addr(hosts.names[0]), url)
+                text = urllib.request.urlopen(url, timeout=5).read().decode()
+                self.assertIn('megacpp_job_nodes{node="0"} %d' % self.N, text)
+                self.assertIn('megacpp_job_nodes_up{node="0"} %d' % self.N, text)
                 t0 = time.monotonic()
                 hurt(hosts)
                 _, run0, log0, p0 = procs[0]

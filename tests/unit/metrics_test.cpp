@@ -286,6 +286,17 @@ megacpp_build_info{version="0.1.0",revision="abc123",torch="2.11.0"} 1
   EXPECT_EQ(m.render(), text) << "render is deterministic";
 }
 
+TEST(Metrics, AJobAcrossNodesHasItsNodeSeries) {
+  Metrics m("0.1.0", "abc123", "2.11.0");
+  EXPECT_EQ(m.render().find("megacpp_job_nodes"), std::string::npos);  // one node: none
+  m.set_job_nodes(4, 0, 3);
+  const std::string text = m.render();
+  EXPECT_NE(text.find("# TYPE megacpp_job_nodes gauge\nmegacpp_job_nodes{node=\"0\"} 4\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("megacpp_job_nodes_up{node=\"0\"} 3\n"), std::string::npos) << text;
+}
+
 TEST(Metrics, SeriesSortedByStageNameThenNumericRank) {
   Metrics m("v", "r", "t");
   m.declare_stage(StageKind::TRAINER, 10);
