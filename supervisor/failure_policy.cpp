@@ -64,6 +64,10 @@ bool more_telling(const Event& a, const Event& b) {
 }
 
 bool admitted(const Event& ev, int64_t teardown_started_ns) {
+  // A rank's non-finite loss, gradient or parameters are its own numbers: no teardown causes
+  // them, however late its report comes (a slower rank of a diverged step reports after the
+  // ranks that only learnt of it from the step's agreement).
+  if (ev.kind == schema::FailureKind::DIVERGED) return true;
   return teardown_started_ns == 0 || ev.evidence_ns < teardown_started_ns;
 }
 

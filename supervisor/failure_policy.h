@@ -50,7 +50,7 @@ bool more_telling(const Event& a, const Event& b);
 
 // Whether an event observed now is kept at all: once the teardown has begun, only a
 // process's own report of something it met before the first SIGTERM counts; everything
-// later is a consequence of the teardown.
+// later is a consequence of the teardown. A `diverged` report always counts.
 bool admitted(const Event& ev, int64_t teardown_started_ns);
 
 // The roles, once teardown is over. `events` holds the most telling event of each process

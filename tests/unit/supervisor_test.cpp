@@ -223,6 +223,8 @@ TEST(FailurePolicy, EventsAfterTheTeardownBeganAreItsConsequences) {
       << "a process's own report of something it met before the SIGTERM counts";
   EXPECT_FALSE(admitted(ev(FailureKind::SIGNALED, 10), teardown));
   EXPECT_FALSE(admitted(ev(FailureKind::EXITED, 11), teardown));
+  EXPECT_TRUE(admitted(ev(FailureKind::DIVERGED, 11), teardown))
+      << "a rank's own non-finite numbers are never a consequence of the teardown";
 }
 
 // ---------------------------------------------------------------------------------------
