@@ -20,6 +20,12 @@ torchrun  one `python -m torch.distributed.run --nnodes N --nproc-per-node 2 --r
           GLOO_SOCKET_IFNAME=eth0: the same model, batch and threads on Gloo at torchrun's and
           Gloo's defaults (the collective timeout is Gloo's 30 min).
 
+Under Slurm (--slurm-reps, a 2-node namespace Slurm cluster, tests/multinode/slurm_cluster.py):
+the same megacpp job started by `sbatch -N 2` + `srun`; every process of node1 killed, its
+slurmd included. Printed: when node 0's megacpp ended (megacpp's detection) and when the Slurm
+job left RUNNING (Slurm's own node-failure handling: its step waits for slurmctld to find the
+node not responding).
+
 Every measurement is capped (--cap-s); a system not done by then is printed "> cap" and killed.
 Timings are printed, never asserted; the goal (>= 10x faster detection than the peer) is printed
 beside the ratio. Usage: sudo .venv/bin/python bench/multinode_failure.py [--nodes 2] [--reps 2]
@@ -168,6 +174,61 @@ def torchrun_trial(n, how, cap_s):
                         pass
 
 
+SLURM_JOB = """#!/bin/sh
+srun --ntasks-per-node 1 sh -c 'exec "$0" run tiny --ranks 2 --steps 100000 \\
+    --run-dir {d}/$(hostname)/run --iface eth0 --job-keys {keys} --progress none' {megacpp}
+"""
+
+
+def slurm_trial(megacpp, cap_s):
+    """The megacpp job under sbatch + srun on a 2-node namespace Slurm cluster; every process of
+    node1 killed, slurmd included (the node dies). Returns (megacpp: node 0's megacpp ended,
+    Slurm: the job left RUNNING, node 0's first failure)."""
+    import slurm_cluster
+    with slurm_cluster.SlurmCluster(2) as c:
+        keys = os.path.join(c.dir, "job.keys")
+        subprocess.run([megacpp, "keys", keys], check=True, capture_output=True)
+        job = os.path.join(c.dir, "job.sh")
+        with open(job, "w") as f:
+            f.write(SLURM_JOB.format(d=c.dir, keys=keys, megacpp=megacpp))
+        p = c.run(["sbatch", "--parsable", "-N", "2", "-o", os.path.join(c.dir, "job.out"), job])
+        job_id = p.stdout.strip().split(";")[0]
+        run0 = os.path.join(c.dir, "node0", "run")
+
+        def training():
+            try:
+                with open(os.path.join(run0, "manifest.json")) as f:
+                    return json.load(f).get("stepsCompleted", 0) >= 3
+            except (OSError, ValueError):
+                return False
+
+        if wait_until(training, 120) is None:
+            raise RuntimeError("the Slurm job did not start training")
+        with open(os.path.join(run0, "launch.json")) as f:
+            supervisor = json.load(f)["supervisorPid"]
+        t0 = time.monotonic()
+        harm(c.hosts, "node1", "kill")
+        mega = wait_until(lambda: not os.path.exists("/proc/%d" % supervisor)
+                          or open("/proc/%d/stat" % supervisor).read().split(") ")[1][0] == "Z", cap_s)
+
+        def job_over():
+            q = c.run(["squeue", "-h", "-j", job_id, "-o", "%T"], timeout=10)
+            return q.stdout.strip() not in ("RUNNING", "COMPLETING", "PENDING", "CONFIGURING")
+
+        slurm = wait_until(job_over, max(0.0, cap_s - (time.monotonic() - t0)))
+        if slurm is not None:
+            slurm = time.monotonic() - t0
+        first = ""
+        try:
+            with open(os.path.join(run0, "manifest.json")) as f:
+                e = json.load(f).get("error", {})
+            first = "%s: %s" % (e.get("kind"), e.get("message"))
+        except (OSError, ValueError):
+            pass
+        c.run(["scancel", job_id], timeout=10)
+        return mega, slurm, first
+
+
 def fmt(x, cap_s):
     return "> %.0f s (cap)" % cap_s if x is None else "%.2f s" % x
 
@@ -178,6 +239,8 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--cap-s", type=float, default=60.0)
     ap.add_argument("--harms", default="kill,cut", help="comma-separated: kill, cut")
+    ap.add_argument("--slurm-reps", type=int, default=1,
+                    help="trials under Slurm (a killed node: megacpp against Slurm's own handling)")
     ap.add_argument("--megacpp", default=os.path.join(ROOT, "build", "bin", "megacpp"))
     a = ap.parse_args()
     netns_hosts.require_root()
@@ -194,6 +257,13 @@ def main():
                 results.setdefault((how, system), []).append(d)
                 print("  %-4s trial %d  %-8s  detect %-14s gone %-14s %s"
                       % (how, rep + 1, system, fmt(d, a.cap_s), fmt(g, a.cap_s), first), flush=True)
+    slurm_ratios = []
+    for rep in range(a.slurm_reps):
+        mega, slurm, first = slurm_trial(a.megacpp, a.cap_s)
+        print("  kill trial %d  slurm     megacpp's node 0 ended %-10s the Slurm job ended %-14s %s"
+              % (rep + 1, fmt(mega, a.cap_s), fmt(slurm, a.cap_s), first), flush=True)
+        if mega:
+            slurm_ratios.append((a.cap_s if slurm is None else slurm) / mega)
     print("median detect (node 0 ended), peer / megacpp (goal >= 10x):")
     for how in harms:
         m = [x for x in results[(how, "megacpp")] if x is not None]
@@ -204,6 +274,9 @@ def main():
         ratio = ("%s%.1fx" % (">= " if capped else "", tm / mm)) if mm else "n/a"
         print("  %-4s megacpp %s  torchrun %s%s  ratio %s"
               % (how, fmt(mm, a.cap_s), ">= " if capped else "", "%.2f s" % tm, ratio))
+    if slurm_ratios:
+        print("  kill under Slurm: the Slurm job's end / megacpp's node 0 end: %.1fx (median)"
+              % statistics.median(slurm_ratios))
 
 
 if __name__ == "__main__":
