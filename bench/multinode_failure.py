@@ -257,15 +257,16 @@ def main():
                 results.setdefault((how, system), []).append(d)
                 print("  %-4s trial %d  %-8s  detect %-14s gone %-14s %s"
                       % (how, rep + 1, system, fmt(d, a.cap_s), fmt(g, a.cap_s), first), flush=True)
-    slurm_ratios = []
+    slurm_ratios, slurm_capped = [], False
     for rep in range(a.slurm_reps):
         mega, slurm, first = slurm_trial(a.megacpp, a.cap_s)
         print("  kill trial %d  slurm     megacpp's node 0 ended %-10s the Slurm job ended %-14s %s"
               % (rep + 1, fmt(mega, a.cap_s), fmt(slurm, a.cap_s), first), flush=True)
         if mega:
             slurm_ratios.append((a.cap_s if slurm is None else slurm) / mega)
+            slurm_capped = slurm_capped or slurm is None
     print("median detect (node 0 ended), peer / megacpp (goal >= 10x):")
-    for how in harms:
+    for how in [h for h in harms if (h, "megacpp") in results]:
         m = [x for x in results[(how, "megacpp")] if x is not None]
         t = results[(how, "torchrun")]
         mm = statistics.median(m) if m else None
@@ -275,8 +276,8 @@ def main():
         print("  %-4s megacpp %s  torchrun %s%s  ratio %s"
               % (how, fmt(mm, a.cap_s), ">= " if capped else "", "%.2f s" % tm, ratio))
     if slurm_ratios:
-        print("  kill under Slurm: the Slurm job's end / megacpp's node 0 end: %.1fx (median)"
-              % statistics.median(slurm_ratios))
+        print("  kill under Slurm: the Slurm job's end / megacpp's node 0 end: %s%.1fx (median)"
+              % (">= " if slurm_capped else "", statistics.median(slurm_ratios)))
 
 
 if __name__ == "__main__":
