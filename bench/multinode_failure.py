@@ -43,6 +43,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "multinode"))
 import netns_hosts  # noqa: E402
+from megacpp_nodes_test import steps_completed  # noqa: E402
 from netns_hosts import Hosts  # noqa: E402
 
 VENV_PY = os.path.join(ROOT, ".venv", "bin", "python")
@@ -62,11 +63,17 @@ def harm(hosts, host, how):
     if how == "cut":
         hosts.cut(host)
         return
-    for pid in hosts.pids(host):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    hosts.signal(host, signal.SIGKILL)
+
+
+def first_failure(run):
+    """"kind: message" of the run's first failure, as its manifest says; "" without one."""
+    try:
+        with open(os.path.join(run, "manifest.json")) as f:
+            e = json.load(f).get("error", {})
+        return "%s: %s" % (e.get("kind"), e.get("message"))
+    except (OSError, ValueError):
+        return ""
 
 
 def left(hosts, names):
@@ -96,14 +103,7 @@ def megacpp_trial(megacpp, n, how, cap_s):
                 "--iface", "eth0", "--job-keys", keys, "--progress", "none"], stdout=log, stderr=subprocess.STDOUT)))
 
         def training():
-            for run, _ in procs:
-                try:
-                    with open(os.path.join(run, "manifest.json")) as f:
-                        if json.load(f).get("stepsCompleted", 0) < 3:
-                            return False
-                except (OSError, ValueError):
-                    return False
-            return True
+            return all(steps_completed(run) >= 3 for run, _ in procs)
 
         try:
             if wait_until(training, 120) is None:
@@ -116,14 +116,7 @@ def megacpp_trial(megacpp, n, how, cap_s):
             gone = wait_until(lambda: not left(hosts, reachable), max(0.0, cap_s - (time.monotonic() - t0)))
             if gone is not None:
                 gone = time.monotonic() - t0
-            first = ""
-            try:
-                with open(os.path.join(procs[0][0], "manifest.json")) as f:
-                    e = json.load(f).get("error", {})
-                first = "%s: %s" % (e.get("kind"), e.get("message"))
-            except (OSError, ValueError):
-                pass
-            return detect, gone, first
+            return detect, gone, first_failure(procs[0][0])
         finally:
             for h in hosts.names:
                 hosts.heal(h)
@@ -167,11 +160,7 @@ def torchrun_trial(n, how, cap_s):
         finally:
             for h in hosts.names:
                 hosts.heal(h)
-                for pid in hosts.pids(h):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                hosts.signal(h, signal.SIGKILL)
 
 
 SLURM_JOB = """#!/bin/sh
@@ -196,11 +185,7 @@ def slurm_trial(megacpp, cap_s):
         run0 = os.path.join(c.dir, "node0", "run")
 
         def training():
-            try:
-                with open(os.path.join(run0, "manifest.json")) as f:
-                    return json.load(f).get("stepsCompleted", 0) >= 3
-            except (OSError, ValueError):
-                return False
+            return steps_completed(run0) >= 3
 
         if wait_until(training, 120) is None:
             raise RuntimeError("the Slurm job did not start training")
@@ -218,15 +203,8 @@ def slurm_trial(megacpp, cap_s):
         slurm = wait_until(job_over, max(0.0, cap_s - (time.monotonic() - t0)))
         if slurm is not None:
             slurm = time.monotonic() - t0
-        first = ""
-        try:
-            with open(os.path.join(run0, "manifest.json")) as f:
-                e = json.load(f).get("error", {})
-            first = "%s: %s" % (e.get("kind"), e.get("message"))
-        except (OSError, ValueError):
-            pass
         c.run(["scancel", job_id], timeout=10)
-        return mega, slurm, first
+        return mega, slurm, first_failure(run0)
 
 
 def fmt(x, cap_s):

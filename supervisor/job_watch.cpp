@@ -59,8 +59,7 @@ JobWatch::JobWatch(const NodePlacement& placement, std::string prefix, Options o
       nodes_(placement.nodes),
       prefix_(std::move(prefix)),
       hosts_(placement.hosts),
-      options_(options),
-      peers_finished_(placement.nodes, false) {
+      options_(options) {
   MEGACPP_CHECK(nodes_ > 1 && node_ < nodes_ && !prefix_.empty(), ErrorKind::kInvalidArgument,
                 fmt::format("a job watch of node {} of {}", node_, nodes_));
   thread_ = std::thread([this, host = placement.master_host,
@@ -150,6 +149,7 @@ void JobWatch::run(std::string host, uint16_t port) {
   std::vector<int64_t> beats(nodes_, -1);
   std::vector<Clock::time_point> changed(nodes_, Clock::now());
   std::vector<bool> lost(nodes_, false);
+  std::vector<bool> peers_finished(nodes_, false);  // node 0: nodes that said they finished
   bool reported = false, finished_self = false, suspected = false, told_suspicion = false,
        told_suspicion_store = false;
   try {
@@ -188,9 +188,9 @@ void JobWatch::run(std::string host, uint16_t port) {
         bool all = true;
         if (node_ == 0) {
           for (uint32_t k = 1; k < nodes_; ++k) {
-            if (lost[k] || peers_finished_[k]) continue;
+            if (lost[k] || peers_finished[k]) continue;
             if (store->get(key(fmt::format("finished/{}", k)), std::chrono::milliseconds(0)))
-              peers_finished_[k] = true;
+              peers_finished[k] = true;
             else
               all = false;
           }
@@ -219,7 +219,7 @@ void JobWatch::run(std::string host, uint16_t port) {
       const auto limit = suspected ? std::min(options_.silence_limit, options_.suspected_silence)
                                    : options_.silence_limit;
       for (uint32_t k = 1; k < nodes_; ++k) {
-        if (lost[k] || peers_finished_[k]) continue;
+        if (lost[k] || peers_finished[k]) continue;
         const int64_t b = store->add(key(fmt::format("beat/{}", k)), 0);
         const Clock::time_point now = Clock::now();
         if (b != beats[k]) {
@@ -229,7 +229,7 @@ void JobWatch::run(std::string host, uint16_t port) {
         }
         if (now - changed[k] <= limit) continue;
         if (store->get(key(fmt::format("finished/{}", k)), std::chrono::milliseconds(0))) {
-          peers_finished_[k] = true;
+          peers_finished[k] = true;
           continue;
         }
         lost[k] = true;

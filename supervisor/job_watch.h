@@ -100,7 +100,6 @@ class JobWatch {
   uint32_t lost_count_ = 0;
   std::optional<std::string> report_;
   std::optional<Verdict> verdict_;
-  std::vector<bool> peers_finished_;
   std::thread thread_;
 };
 

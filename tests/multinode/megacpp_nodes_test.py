@@ -15,6 +15,7 @@ hosts). Root only (label multinode).
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -49,6 +50,16 @@ def tensors(path):
     return out
 
 
+def steps_completed(run):
+    """The steps the run's manifest (the collector's, folded as the run goes) says every rank of
+    its node completed; 0 before there is one."""
+    try:
+        with open(os.path.join(run, "manifest.json")) as f:
+            return json.load(f).get("stepsCompleted", 0)
+    except (OSError, ValueError):
+        return 0
+
+
 def latest(run):
     with open(os.path.join(run, "checkpoints", "LATEST")) as f:
         return os.path.join(run, "checkpoints", f.read().strip())
@@ -58,33 +69,15 @@ class MegacppNodesN:
     N = 0
 
     def run_nodes(self, hosts, extra=None, keys=True, timeout=240):
-        """Starts one megacpp run per host; returns [(host, rc, log text, run dir)]."""
-        keyfile = os.path.join(hosts.dir, "job.keys")
-        if keys and not os.path.exists(keyfile):
-            subprocess.run([MEGACPP, "keys", keyfile], check=True, capture_output=True)
-        procs = []
-        for i, host in enumerate(hosts.names):
-            run = os.path.join(hosts.dir, host, "run")
-            argv = [MEGACPP, "run", "--ranks", str(RANKS), "--steps", str(STEPS), "--run-dir", run,
-                    "--nodes", str(self.N), "--node-rank", str(i),
-                    "--master", "%s:%d" % (hosts.addr(hosts.names[0]), PORT),
-                    "--iface", "eth0", "--progress", "plain"]
-            if keys:
-                argv += ["--job-keys", keyfile]
-            argv += (extra or {}).get(i, [])
-            log = open(os.path.join(hosts.dir, "%s.log" % host), "w")
-            env = dict(os.environ, MEGACPP_STORE_TIMEOUT_S="60")
-            procs.append((host, run, log, hosts.popen(host, argv, env=env, stdout=log,
-                                                      stderr=subprocess.STDOUT)))
+        """Runs one megacpp per host to its end; returns [(host, rc, log text, run dir)]."""
         out = []
-        for host, run, log, p in procs:
+        for host, run, log, p in self.start_nodes(hosts, STEPS, extra=extra, keys=keys):
             try:
                 rc = p.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 p.kill()
                 rc = -9
-            log.close()
-            with open(log.name) as f:
+            with open(log) as f:
                 out.append((host, rc, f.read(), run))
         return out
 
@@ -145,10 +138,13 @@ class MegacppNodesN:
             print("%d nodes x %d ranks, %d steps: %.2f s (one node of %d ranks: %.2f s); %d tensors "
                   "bit-identical" % (n, RANKS, STEPS, t_job, RANKS * n, t_one, compared))
 
-    def start_nodes(self, hosts, steps, env=None):
-        """Starts one megacpp run per host for a long job; returns [(host, run, log path, Popen)]."""
+    def start_nodes(self, hosts, steps, env=None, extra=None, keys=True):
+        """Starts one megacpp run per host (node i with env[i] added to its environment and
+        extra[i] to its arguments; without `keys`, no --job-keys); returns [(host, run, log
+        path, Popen)]."""
         keyfile = os.path.join(hosts.dir, "job.keys")
-        subprocess.run([MEGACPP, "keys", keyfile], check=True, capture_output=True)
+        if keys and not os.path.exists(keyfile):
+            subprocess.run([MEGACPP, "keys", keyfile], check=True, capture_output=True)
         procs = []
         for i, host in enumerate(hosts.names):
             run = os.path.join(hosts.dir, host, "run")
@@ -156,7 +152,10 @@ class MegacppNodesN:
             argv = [MEGACPP, "run", "--ranks", str(RANKS), "--steps", str(steps), "--run-dir", run,
                     "--nodes", str(self.N), "--node-rank", str(i),
                     "--master", "%s:%d" % (hosts.addr(hosts.names[0]), PORT),
-                    "--iface", "eth0", "--progress", "plain", "--job-keys", keyfile]
+                    "--iface", "eth0", "--progress", "plain"]
+            if keys:
+                argv += ["--job-keys", keyfile]
+            argv += (extra or {}).get(i, [])
             with open(log, "w") as f:
                 procs.append((host, run, log, hosts.popen(host, argv, stdout=f, stderr=subprocess.STDOUT,
                                                           env=dict(os.environ, **(env or {}).get(i, {})))))
@@ -166,17 +165,11 @@ class MegacppNodesN:
         """Until every node's manifest (the collector's, folded as the run goes) has `step` steps."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            ok = 0
             for _, run, log, p in procs:
                 if p.poll() is not None:
                     with open(log) as f:
                         self.fail("a node ended before the harm:\n" + f.read()[-3000:])
-                try:
-                    with open(os.path.join(run, "manifest.json")) as f:
-                        ok += json.load(f).get("stepsCompleted", 0) >= step
-                except (OSError, ValueError):
-                    pass
-            if ok == len(procs):
+            if all(steps_completed(run) >= step for _, run, _, _ in procs):
                 return
             time.sleep(0.1)
         self.fail("the job did not reach step %d" % step)
@@ -217,38 +210,21 @@ class MegacppNodesN:
             finally:
                 for host in hosts.names:
                     hosts.heal(host)
-                    for pid in hosts.pids(host):  # a stopped node resumes and ends itself
-                        try:
-                            os.kill(pid, 18)
-                        except ProcessLookupError:
-                            pass
+                    hosts.signal(host, signal.SIGCONT)  # a stopped node resumes and ends itself
                 for _, _, _, p in procs:
                     try:
                         p.wait(timeout=30)
                     except subprocess.TimeoutExpired:
                         p.kill()
             for host in hosts.names:
-                left = [pid for pid in hosts.pids(host)]
-                self.assertEqual(left, [], "%s: processes left" % host)
+                self.assertEqual(hosts.pids(host), [], "%s: processes left" % host)
 
     def test_a_killed_node_ends_the_job(self):
-        def kill_all(hosts):
-            for pid in hosts.pids("node1"):
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
         # Its peers' collectives fail at once (their sockets close); the node is silent after 1 s.
-        self.failure_case(kill_all, {"node_lost"}, bound_s=8)
+        self.failure_case(lambda hosts: hosts.signal("node1", signal.SIGKILL), {"node_lost"}, bound_s=8)
 
     def test_a_hung_node_is_lost_within_the_budget(self):
-        def stop_all(hosts):
-            for pid in hosts.pids("node1"):
-                try:
-                    os.kill(pid, 19)
-                except ProcessLookupError:
-                    pass
-        self.failure_case(stop_all, {"node_lost"}, bound_s=10)
+        self.failure_case(lambda hosts: hosts.signal("node1", signal.SIGSTOP), {"node_lost"}, bound_s=10)
 
     def test_a_cut_link_is_a_lost_node(self):
         self.failure_case(lambda hosts: hosts.cut("node1"), {"node_lost"}, bound_s=10)

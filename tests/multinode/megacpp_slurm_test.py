@@ -11,6 +11,7 @@ Usage: megacpp_slurm_test.py MEGACPP [unittest args]. Root only (label multinode
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import netns_hosts  # noqa: E402
 import slurm_cluster  # noqa: E402
-from megacpp_nodes_test import latest, tensors  # noqa: E402
+from megacpp_nodes_test import latest, steps_completed, tensors  # noqa: E402
 from slurm_cluster import SlurmCluster  # noqa: E402
 
 MEGACPP = None
@@ -97,24 +98,15 @@ class MegacppSlurm(unittest.TestCase):
             run0 = os.path.join(c.dir, "node0", "run")
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
-                try:
-                    with open(os.path.join(run0, "manifest.json")) as f:
-                        if json.load(f).get("stepsCompleted", 0) >= 3:
-                            break
-                except (OSError, ValueError):
-                    pass
+                if steps_completed(run0) >= 3:
+                    break
                 time.sleep(0.1)
             else:
                 self.fail("the job did not train: " + open(out).read()[-3000:])
             # Every megacpp process of node1 (its slurmd and slurmstepd stay: the node's host
             # lives, its training dies).
             t0 = time.monotonic()
-            for pid in c.hosts.pids("node1"):
-                if is_megacpp(pid):
-                    try:
-                        os.kill(pid, 9)
-                    except ProcessLookupError:
-                        pass
+            c.hosts.signal("node1", signal.SIGKILL, only=is_megacpp)
             state = c.wait_job(job_id, bound_s=60)
             took = time.monotonic() - t0
             self.assertNotEqual(state, "COMPLETED")

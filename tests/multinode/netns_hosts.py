@@ -261,6 +261,17 @@ class Hosts:
     def pids(self, host):
         return _ns_pids(self.ns(host))
 
+    def signal(self, host, sig, only=None):
+        """Sends `sig` to every process of the host (those `only(pid)` accepts, when given); a
+        process that exits meanwhile is skipped."""
+        for pid in self.pids(host):
+            if only is not None and not only(pid):
+                continue
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
     # --- faults ------------------------------------------------------------------------------
     def cut(self, host):
         _sh(["ip", "link", "set", self.veth(host), "down"])
