@@ -12,6 +12,8 @@
 #include "core/error.h"
 #include "core/util.h"
 #include "ipc/channel.h"
+#include "schemas/enums.h"
+#include "schemas/json.h"
 #include "schemas/run_layout.h"
 
 namespace megacpp::supervisor {
@@ -28,6 +30,37 @@ void set_child_event(schema::ChildEvent::Builder e, const Child& c, schema::Chil
   e.setSignal(c.signal);
   e.setGeneration(c.generation);
   e.setChildReason(reason);
+}
+
+// What a process that exited with a code said before it left, when that was a victim's claim
+// (peer_failure, timeout): its failure dump, written before the exit. Its Failure message
+// says the same but may be read after the exit is reaped; judged by the exit alone, a rank
+// that only lost a peer would be taken for the cause (evidence of its own).
+std::optional<Event> victim_claim_in_dump(const fs::path& dump_path, const Child& c, int64_t now) {
+  std::error_code ec;
+  if (!fs::exists(dump_path, ec)) return std::nullopt;
+  try {
+    schemas::JsonFile<schema::FailureDump> file(dump_path);
+    auto d = file.get();
+    if (std::string_view(d.getKind().cStr()) != "exception") return std::nullopt;
+    const std::string_view said = d.getErrorKind().cStr();
+    schema::ErrorKind kind = schema::ErrorKind::NONE;
+    if (said == to_string(ErrorKind::kPeerFailure)) kind = schema::ErrorKind::PEER_FAILURE;
+    if (said == to_string(ErrorKind::kTimeout)) kind = schema::ErrorKind::TIMEOUT;
+    if (kind == schema::ErrorKind::NONE || d.getPid() != c.pid) return std::nullopt;
+    const int64_t at = d.getMonoNs();
+    Event ev{schema::FailureKind::EXCEPTION,
+             fmt::format("{}: {}", said, d.getMessage().cStr()),
+             at > 0 && at <= now ? at : now,
+             now,
+             d.getPhase(),
+             d.getStep()};
+    ev.error_kind = kind;
+    return ev;
+  } catch (const std::exception& e) {
+    log_warn("unreadable failure dump {}: {}", dump_path.string(), e.what());
+    return std::nullopt;
+  }
 }
 
 }  // namespace
@@ -161,6 +194,12 @@ void JobController::on_exited(schema::StageExited::Reader x) {
     // what its last heartbeat said (the step is the last one it completed; before its first
     // step of an attempt that began from a checkpoint, that checkpoint's step).
     const uint32_t step = c.step == 0 && resume_ ? resume_->step : c.step;
+    if (c.signal == 0 && !run_.empty()) {
+      if (auto claim = victim_claim_in_dump(layout::failure_path(run_, c.stage, c.rank), c, now)) {
+        restart_or_fail(c, what, std::move(*claim));
+        return;
+      }
+    }
     Event ev{c.signal != 0 ? schema::FailureKind::SIGNALED : schema::FailureKind::EXITED,
              fmt::format("{} (pid {}) {} after step {} (last reported phase {})", c.name, c.pid,
                          what, step, layout::phase_name(c.phase)),

@@ -20,6 +20,7 @@
 #include "core/util.h"
 #include "ipc/journal.h"
 #include "schemas/journal.capnp.h"
+#include "schemas/json.h"
 #include "schemas/run_layout.h"
 #include "supervisor/detail/job_controller.h"
 #include "tests/unit/supervisor_test_support.h"
@@ -159,6 +160,7 @@ class ScriptedLink final : public NodeAgentLink {
   void stop_requested(int signo) {
     say([&](NodeEvent::Builder e) { e.setStopRequested(signo); });
   }
+  pid_t pid(const std::string& name) const { return pids_.at(name); }
   size_t count(const std::string& prefix) const {
     return static_cast<size_t>(std::ranges::count_if(
         commands, [&](const std::string& c) { return c.starts_with(prefix); }));
@@ -330,6 +332,45 @@ TEST(JobController, AStageRestartUnderWayWhenAnotherProcessDiesIsNotCompleted) {
                                    "with code 1"))
       << j.started.back();
   EXPECT_TRUE(has(j.failures, "trainer-0 first"));
+}
+
+// A rank that only lost a peer writes its failure dump and exits 1; its Failure message is
+// not read before the exit is reaped. Its claim (peer_failure) is what the job records, not
+// an exit of its own: across nodes an exit would outrank the node whose death caused it.
+TEST(JobController, ARankThatExitsAfterLosingAPeerIsAVictimsClaimNotAnExitOfItsOwn) {
+  TempDir dir;
+  ScriptedLink link;
+  link.script = {
+      [&] {
+        for (const auto& s : kStages) link.hello(s);
+      },
+      [&] { link.heartbeat("trainer-0", 3, Phase::OPTIMIZER); },
+      [&] {
+        capnp::MallocMessageBuilder msg;
+        auto d = msg.initRoot<megacpp::schema::FailureDump>();
+        d.setStage(StageKind::TRAINER);
+        d.setRank(0);
+        d.setPid(link.pid("trainer-0"));
+        d.setKind("exception");
+        d.setErrorKind("peer_failure");
+        d.setMessage("Connection closed by peer");
+        d.setPhase(Phase::OPTIMIZER);
+        d.setStep(3);
+        d.setMonoNs(mono_ns());
+        const fs::path path = layout::failure_path(dir.path(), StageKind::TRAINER, 0);
+        fs::create_directories(path.parent_path());
+        megacpp::write_file_atomic(path, megacpp::schemas::to_json(d.asReader()));
+        link.exit("trainer-0", 1, 0);
+      },
+  };
+  JobController controller(options(), link, dir.path());
+  const auto failure = controller.supervise();
+
+  ASSERT_TRUE(failure.has_value());
+  EXPECT_EQ(failure->kind, FailureKind::EXCEPTION);
+  EXPECT_EQ(failure->rank, 0u);
+  EXPECT_NE(failure->message.find("peer_failure: Connection closed by peer"), std::string::npos)
+      << failure->message;
 }
 
 TEST(JobController, AStopDuringStartUpReachesTheRankThatConnectsLateOnItsHello) {
