@@ -65,19 +65,17 @@ CheckpointReader::CheckpointReader(const fs::path& dir) : dir_(dir) {
   recipe_hash_ = manifest.getRecipeHash();
   mode_ = manifest.getMode().size() ? std::string(manifest.getMode()) : std::string("author_dp");
   tensor_parallel_ = manifest.getTensorParallel() ? manifest.getTensorParallel() : 1;
-  // A node's part of a job's checkpoint (a job across nodes) holds that node's ranks only;
-  // reassembling parameters or optimizer state needs every rank.
-  MEGACPP_CHECK(manifest.getRanks() == 0, ErrorKind::kInvalidArgument,
-                fmt::format("checkpoint {} holds ranks {}..{} of world {} (one node's part of a "
-                            "job across nodes): loading it needs every node's part, which this "
-                            "build does not assemble yet",
-                            dir.string(), manifest.getFirstRank(),
-                            manifest.getFirstRank() + manifest.getRanks() - 1, world_));
-  if (world_ == 0 || manifest.getFiles().size() != world_)
+  // A node's part of a job's checkpoint (a job across nodes) holds that node's ranks only,
+  // with the replicated state once (its first rank's file): what those ranks resume from.
+  first_rank_ = manifest.getRanks() == 0 ? 0 : manifest.getFirstRank();
+  ranks_ = manifest.getRanks() == 0 ? world_ : manifest.getRanks();
+  if (world_ == 0 || ranks_ > world_ || first_rank_ > world_ - ranks_ ||
+      manifest.getFiles().size() != ranks_)
     corrupt(manifest_path,
-            fmt::format("lists {} files for world {}", manifest.getFiles().size(), world_));
+            fmt::format("lists {} files for ranks {}..{} of world {}", manifest.getFiles().size(),
+                        first_rank_, first_rank_ + ranks_ - 1, world_));
 
-  for (uint32_t rank = 0; rank < world_; ++rank) {
+  for (uint32_t rank = first_rank_; rank < first_rank_ + ranks_; ++rank) {
     const fs::path path = dir / fmt::format("rank_{}.safetensors", rank);
     auto& map = *files_.emplace_back(std::make_unique<Mapping>(path));
     if (map.size < 8) corrupt(path, "shorter than a safetensors header");
@@ -103,7 +101,7 @@ CheckpointReader::CheckpointReader(const fs::path& dir) : dir_(dir) {
                 fmt::format("megacpp.layout names rank {} of world {}, expected {} of {}",
                             layout.value("rank", ~0u), layout.value("world", 0u), rank, world_));
       try {
-        if (rank == 0 && layout.contains("muon_stacks")) {
+        if (muon_stacks_.empty() && layout.contains("muon_stacks")) {
           for (const auto& [stack, members] : layout.at("muon_stacks").items())
             muon_stacks_[stack] = members.get<std::vector<std::string>>();
         }
@@ -185,6 +183,11 @@ void CheckpointReader::read_rows(const StoredTensor& t, uint64_t row, uint64_t r
     at += n;
     if (at == end) return;
   }
+  if (at < real_rows && ranks_ < world_)
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "checkpoint {} is one node's part (ranks {}..{} of world {}): row {} of {} is in "
+                 "another node's part; resume the job with the same nodes and ranks per node",
+                 dir_.string(), first_rank_, first_rank_ + ranks_ - 1, world_, at, t.name);
   if (at < real_rows)
     MEGACPP_FAIL(ErrorKind::kCorruption, "checkpoint {}: {} has no stored row {} (of {})",
                  dir_.string(), t.name, at, real_rows);

@@ -49,6 +49,11 @@ class CheckpointReader {
   const fs::path& dir() const noexcept { return dir_; }
   uint32_t step() const noexcept { return step_; }
   uint32_t world() const noexcept { return world_; }
+  // The ranks whose files it holds: every rank of the world, or a node's part of a job across
+  // nodes (first_rank() .. first_rank() + ranks() - 1; reading a row only another node's part
+  // holds throws Error{kInvalidArgument}).
+  uint32_t first_rank() const noexcept { return first_rank_; }
+  uint32_t ranks() const noexcept { return ranks_; }
   const std::string& run_id() const noexcept { return run_id_; }
   const std::string& recipe_hash() const noexcept { return recipe_hash_; }
   // The model's execution layout: "author_dp", 1 for checkpoints written before it was recorded.
@@ -76,6 +81,8 @@ class CheckpointReader {
   fs::path dir_;
   uint32_t step_ = 0;
   uint32_t world_ = 0;
+  uint32_t first_rank_ = 0;
+  uint32_t ranks_ = 0;
   std::string run_id_;
   std::string recipe_hash_;
   std::string mode_;

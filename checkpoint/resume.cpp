@@ -8,7 +8,7 @@
 
 namespace megacpp::checkpoint {
 
-ResumeChoice select_resume_checkpoint(const fs::path& run_dir) {
+ResumeChoice select_resume_checkpoint(const fs::path& run_dir, std::optional<uint32_t> at_most) {
   ResumeChoice out;
   const fs::path dir = layout::checkpoints_dir(run_dir);
   std::vector<uint32_t> steps;
@@ -19,6 +19,7 @@ ResumeChoice select_resume_checkpoint(const fs::path& run_dir) {
   }
   std::sort(steps.rbegin(), steps.rend());
   for (uint32_t step : steps) {
+    if (at_most && step > *at_most) continue;
     const std::string name = layout::checkpoint_dir_name(step);
     const std::string relative = (fs::path("checkpoints") / name).string();
     VerifyResult v = verify_checkpoint(dir / name);

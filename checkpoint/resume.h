@@ -15,7 +15,8 @@ namespace fs = std::filesystem;
 
 // The checkpoints of RUN/checkpoints, newest first, and the first of them that verifies —
 // the one a resume starts from. A newer one that does not verify (torn, corrupt) is listed in
-// `skipped` with its problems and is never loaded.
+// `skipped` with its problems and is never loaded. `at_most`: steps after it are not
+// considered (a job across nodes resumes from a step every node's part has).
 struct ResumeChoice {
   std::optional<CommittedCheckpoint> chosen;
   struct Skipped {
@@ -25,6 +26,7 @@ struct ResumeChoice {
   };
   std::vector<Skipped> skipped;
 };
-ResumeChoice select_resume_checkpoint(const fs::path& run_dir);
+ResumeChoice select_resume_checkpoint(const fs::path& run_dir,
+                                      std::optional<uint32_t> at_most = std::nullopt);
 
 }  // namespace megacpp::checkpoint

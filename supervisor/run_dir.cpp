@@ -206,6 +206,22 @@ void JobController::adopt_previous_attempt() {
     data_base_position_ = l.getResume().getDataPosition();
   }
   opt_.steps = l.getSteps();
+  // A node's part of a job across nodes holds its own ranks only: the job resumes with the
+  // nodes and ranks per node it had, each node from its own part.
+  const uint32_t local_ranks =
+      l.getLocalRanks() != 0 ? l.getLocalRanks() : l.getWorld();  // before the field: every rank
+  if (placement_.nodes > 1 || local_ranks != l.getWorld()) {
+    if (opt_.ranks == 0) opt_.ranks = local_ranks;
+    if (opt_.ranks != local_ranks || uint64_t{opt_.ranks} * placement_.nodes != l.getWorld() ||
+        l.getFirstRank() != opt_.ranks * placement_.node_rank)
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "--resume {}: this node held ranks {}..{} of a job of {} ranks; placed now as "
+                   "node {} of {} with {} ranks each, it would hold others: resume the job with "
+                   "the nodes and ranks per node it had",
+                   run_.string(), l.getFirstRank(), l.getFirstRank() + local_ranks - 1,
+                   l.getWorld(), placement_.node_rank, placement_.nodes,
+                   opt_.ranks == 0 ? local_ranks : opt_.ranks);
+  }
   if (opt_.ranks == 0) opt_.ranks = l.getWorld();
   opt_.data_dir = std::string(l.getDataDir());
   previous_dataset_ = data::from_spec(l.getDataset());
@@ -228,13 +244,14 @@ void JobController::adopt_previous_attempt() {
                  "nothing to resume (branch from it with `megacpp run RECIPE --from {} --run-dir "
                  "NEW`)",
                  run_.string(), resume_->step, opt_.steps, resume_->dir.string());
-  if (global_batch_ % opt_.ranks != 0)
+  const uint32_t world = opt_.ranks * std::max<uint32_t>(placement_.nodes, 1);
+  if (global_batch_ % world != 0)
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                  "--resume {} --ranks {}: rule resume.global_batch: the run's global batch of {} "
                  "sequences per step cannot be split evenly over {} ranks; pick a world size "
                  "that divides it",
-                 run_.string(), opt_.ranks, global_batch_, opt_.ranks);
-  const auto rank_batch = static_cast<uint32_t>(global_batch_ / opt_.ranks);
+                 run_.string(), opt_.ranks, global_batch_, world);
+  const auto rank_batch = static_cast<uint32_t>(global_batch_ / world);
   if (rank_batch != recipe_.train.batch_size) rank_batch_ = rank_batch;
 }
 
@@ -243,8 +260,8 @@ uint64_t JobController::data_position_after(uint32_t step) const {
   return data_base_position_ + uint64_t{step - data_base_step_} * batch_.windows_per_step();
 }
 
-void JobController::choose_checkpoint(std::string_view why) {
-  auto choice = checkpoint::select_resume_checkpoint(run_);
+void JobController::choose_checkpoint(std::string_view why, std::optional<uint32_t> at_most) {
+  auto choice = checkpoint::select_resume_checkpoint(run_, at_most);
   skipped_.clear();
   skipped_steps_.clear();
   for (const auto& sk : choice.skipped) {
@@ -260,6 +277,55 @@ void JobController::choose_checkpoint(std::string_view why) {
     resume_ = ResumeInfo{choice.chosen->step, choice.chosen->dir, choice.chosen->relative_path,
                          ckpt.world()};
   }
+}
+
+void JobController::agree_checkpoint(std::string_view why) {
+  if (placement_.nodes <= 1 || !joined_) return;
+  // Each round every node offers its newest verified part no later than the round's bound
+  // (0: none) and reads every node's offer; the lowest bounds the next round. Offers only go
+  // down, and every node computes the same from the same offers, so all end on one step.
+  StoreClient& store = joined_->store();
+  const auto wait = std::chrono::milliseconds(
+      static_cast<int64_t>(std::max(60.0, knob_seconds(Knob::kStoreTimeoutS)) * 1e3));
+  const std::string prefix =
+      fmt::format("{}/e{}/resume/a{}", job_prefix_, placement_.attempt, attempt_);
+  for (uint32_t round = 0;; ++round) {
+    const uint32_t mine = resume_ ? resume_->step : 0;
+    store.set(fmt::format("{}/r{}/{}", prefix, round, placement_.node_rank), std::to_string(mine));
+    uint32_t lowest = mine;
+    bool same = true;
+    for (uint32_t k = 0; k < placement_.nodes; ++k) {
+      const auto v = store.get(fmt::format("{}/r{}/{}", prefix, round, k), wait);
+      MEGACPP_CHECK(v.has_value(), ErrorKind::kTimeout,
+                    fmt::format("{}: node {} did not say which checkpoint it has within {} s; "
+                                "start every node of the job",
+                                why, k, wait.count() / 1000));
+      const auto step = static_cast<uint32_t>(std::stoul(*v));
+      lowest = std::min(lowest, step);
+      same = same && step == mine;
+    }
+    if (same) break;
+    log_info("{}: another node's newest checkpoint is step {}; this node's part of it is used", why,
+             lowest);
+    choose_checkpoint(why, lowest);  // its part of `lowest` may not verify: the next round says
+  }
+  // This node's parts of later steps were not committed by every node: set aside with those
+  // that do not verify, so the resumed attempt commits those steps anew.
+  const uint32_t agreed = resume_ ? resume_->step : 0;
+  std::error_code ec;
+  const fs::path ckdir = layout::checkpoints_dir(run_);
+  for (fs::directory_iterator it(ckdir, ec), end; !ec && it != end; it.increment(ec)) {
+    const auto step = layout::checkpoint_dir_step(it->path().filename().string());
+    if (!step || *step <= agreed || !it->is_directory() ||
+        std::ranges::find(skipped_steps_, *step) != skipped_steps_.end())
+      continue;
+    log_warn("{}: {} is not a step every node of the job committed; it is set aside", why,
+             it->path().filename().string());
+    skipped_.push_back(fmt::format("checkpoints/{}: not committed by every node of the job",
+                                   it->path().filename().string()));
+    skipped_steps_.push_back(*step);
+  }
+  if (resume_) log_info("{}: every node resumes from step {}", why, resume_->step);
 }
 
 void JobController::journal_attempt_started(std::string_view reason) {
@@ -625,14 +691,23 @@ void JobController::prepare() {
         layout::checkpoints_dir(run_), layout::logs_dir(run_)}) {
     fs::create_directories(d);
   }
-  if (resuming) {
-    begin_attempt();
-  } else {
+  if (!resuming) {
     run_id_ = fmt::format("{}-{}", rfc3339(wall_ns()).substr(0, 19), random_hex(6));
     for (auto& ch : run_id_) {
       if (ch == ':') ch = '-';
     }
     created_at_ = rfc3339(wall_ns());
+  }
+  // Joined before the attempt begins: a job across nodes resumes from a step every node has.
+  host_or_join_store();
+  if (resuming) {
+    agree_checkpoint("--resume");
+    if (!resume_)
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "--resume {}: no step of the job has a part that verifies on every node: "
+                   "nothing to resume from; start a new run",
+                   run_.string());
+    begin_attempt();
   }
   shm_prefix_ = layout::shm_prefix(run_id_, attempt_);
 
@@ -641,8 +716,6 @@ void JobController::prepare() {
   sock_dir_ = endpoints.sock_dir;
   control_ep_ = endpoints.control;
   checkpoint_ep_ = endpoints.checkpoint;
-
-  host_or_join_store();
 
   create_rings();
   write_launch_contract();
@@ -665,8 +738,6 @@ void JobController::check_job_across_nodes() {
         "a job across nodes needs the job's keys: create them once with `megacpp keys FILE`, "
         "give every node that file (mode 0600) and pass --job-keys FILE");
   // Each line below is a part of a job across nodes this build does not run yet.
-  if (!opt_.resume.empty())
-    refuse("--resume of a job across nodes is not supported yet: start a new run");
   if (!opt_.from.empty())
     refuse("--from in a job across nodes is not supported yet: branch on one node");
   if (opt_.max_job_restarts > 0)

@@ -356,6 +356,8 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     return std::make_unique<TrainStep>(model, train, steps, pg, device,
                                        TensorParallel{.group = tp_pg, .rank = tp_rank, .size = tp});
   });
+  // Each node's part of a checkpoint holds the replicated state its ranks resume from.
+  ts->set_replicated_rank(local.first);
   // Resume: parameters and optimizer state from the checkpoint (every rank reads the files
   // itself; the data sequence and the LR schedule are functions of the step).
   const uint32_t first_step = resume.getStep() + 1;

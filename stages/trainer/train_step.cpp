@@ -61,7 +61,8 @@ struct TrainStep::Impl {
   TensorParallel tp;  // outlives every graph step() builds (tensor_parallel.h)
   uint32_t rank = 0;  // in the data-parallel group `pg`
   uint32_t world = 1;
-  uint32_t layout_rank = 0;  // in the job: rank * tp.size + tp.rank
+  uint32_t layout_rank = 0;      // in the job: rank * tp.size + tp.rank
+  uint32_t replicated_rank = 0;  // the job rank whose share holds the replicated state
   uint32_t layout_world = 1;
   Transformer model;
   std::vector<NamedTensor> params;  // registration order; alias the live parameters
@@ -272,7 +273,8 @@ struct TrainStep::Impl {
   std::vector<ShareEntry> share(std::array<OptimizerState, 2>& views) const {
     std::vector<ShareEntry> out;
     if (tp.rank != 0) return out;
-    if (rank == 0) {
+    const bool replicated_writer = layout_rank == replicated_rank;
+    if (replicated_writer) {
       for (const auto& [name, p] : params)
         out.push_back({"model." + name, p.detach(), nullptr, {}});
     }
@@ -282,7 +284,7 @@ struct TrainStep::Impl {
       for (const auto& e : views[k].entries) {
         const std::string logical = logical_name(k == 0, e.key);
         if (e.replicated) {
-          if (rank == 0) out.push_back({logical, e.value, &e, logical});
+          if (replicated_writer) out.push_back({logical, e.value, &e, logical});
         } else {
           out.push_back({fmt::format("{}.shard{}", logical, rank), e.value, &e, logical});
         }
@@ -298,6 +300,10 @@ TrainStep::TrainStep(const ModelConfig& model, const TrainConfig& train, uint32_
                                    std::move(tp))) {}
 
 TrainStep::~TrainStep() = default;
+
+void TrainStep::set_replicated_rank(uint32_t job_rank) noexcept {
+  impl_->replicated_rank = job_rank;
+}
 
 uint32_t TrainStep::rank() const noexcept {
   return impl_->layout_rank;

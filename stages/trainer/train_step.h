@@ -180,18 +180,23 @@ class TrainStep {
   std::optional<std::string> first_nonfinite_state() const;
 
   // This rank's share of state, in a fixed order; empty on a tensor-parallel rank other than
-  // 0, whose parameters and optimizer state are copies of its group's rank 0's. Rank 0:
-  // "model.<name>" for every parameter, then every optimizer entry held replicated (the same on
-  // every rank): "optim.adamw.<param>.{exp_avg,exp_avg_sq,step}" of all-reduced parameters and the
-  // groups' scalars "optim.{adamw,muon}.<group>.{lr,...}". Every rank: the slices it owns,
-  // suffixed ".shard<rank>": "optim.adamw.<param>.{exp_avg,exp_avg_sq}.shard<r>" (rows
-  // [offset, offset + rows) of the parameter's state) and
+  // 0, whose parameters and optimizer state are copies of its group's rank 0's. The replicated
+  // writer (rank 0, or set_replicated_rank's): "model.<name>" for every parameter, then every
+  // optimizer entry held replicated (the same on every rank):
+  // "optim.adamw.<param>.{exp_avg,exp_avg_sq,step}" of all-reduced parameters and the groups'
+  // scalars "optim.{adamw,muon}.<group>.{lr,...}". Every rank: the slices it owns, suffixed
+  // ".shard<rank>": "optim.adamw.<param>.{exp_avg,exp_avg_sq}.shard<r>" (rows [offset, offset +
+  // rows) of the parameter's state) and
   // "optim.muon.<group>.<rows>x<cols>.{momentum,second_momentum}.shard<r>" (entries of a
   // stack of same-shape matrices; rows past the stack length are padding).
   // snapshot_metadata() says how to reassemble them. Names are unique across the ranks of a
   // world, and names, shapes and sizes never change over a run (state exists, zero, from
   // construction). The tensors alias live parameters and optimizer state.
   std::vector<NamedTensor> snapshot_share() const;
+  // Which job rank's share holds the replicated entries (default 0). A job across nodes names
+  // each node's first rank, so every node's part of a checkpoint holds all its ranks resume
+  // from (the replicated state once per node). Before the first snapshot_share().
+  void set_replicated_rank(uint32_t job_rank) noexcept;
   SnapshotLayout snapshot_layout() const;
   // JSON, the same on every rank but for "rank": {"format": "megacpp.snapshot.v1", "rank",
   // "world" (rank() and world()), "shards": {<entry>: {"logical": <name without .shard<r>>,

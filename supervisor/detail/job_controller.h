@@ -161,9 +161,14 @@ class JobController {
   // The earlier attempt's contract and failure dumps to RUN/attempts/<previous_attempt_>/;
   // checkpoints that did not verify set aside; LATEST names the one resumed from.
   void archive_attempt();
-  // resume_ := the newest checkpoint of the run that verifies (none: reset); the newer ones
-  // that do not are logged (prefixed by `why`) into skipped_ / skipped_steps_.
-  void choose_checkpoint(std::string_view why);
+  // resume_ := the newest checkpoint of the run that verifies (none: reset), no later than
+  // `at_most`; the newer ones that do not are logged (prefixed by `why`) into skipped_ /
+  // skipped_steps_.
+  void choose_checkpoint(std::string_view why, std::optional<uint32_t> at_most = std::nullopt);
+  // A job across nodes: resume_ := the newest step whose part verifies on every node, agreed
+  // through the store (this node's newer parts are set aside with skipped_steps_). Blocks until
+  // every node offered (store timeout per round); no-op on one node.
+  void agree_checkpoint(std::string_view why);
   void journal_attempt_started(std::string_view reason);  // attemptStarted of attempt_, synced
   void create_rings();  // the batch plane of this attempt: shm_prefix_, batch_'s slots
   // The supervisor's journal (ProcessStarted appended) and the checkpointer's, read for commits.

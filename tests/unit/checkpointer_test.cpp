@@ -23,6 +23,7 @@
 
 #include <fmt/ranges.h>
 
+#include "checkpoint/reader.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/store.h"
 #include "checkpoint/verify.h"
@@ -414,6 +415,49 @@ bool in_order(const std::vector<std::string>& log, const std::vector<std::string
 
 // The store keeps every file of RUN/checkpoints in its Storage: a step written and committed
 // over a recording Storage goes through it in the protocol's order, and the result verifies.
+// A node's part of a job across nodes (ranks 2..3 of 4): its first rank's file holds the
+// replicated state, each rank its shard. The reader opens the part, reads what its ranks hold
+// and names another node's rows in the user's terms.
+TEST(CheckpointReader, ANodesPartIsReadForItsOwnRanks) {
+  TempDir run;
+  CheckpointStore store(run.path(), "run-x", "hash-y");
+  store.set_ranks(2, 2);
+  auto shard_layout = [](uint32_t rank) {
+    return fmt::format(
+        R"({{"format": "megacpp.snapshot.v1", "rank": {0}, "world": 4, "shards": {{"optim.m.shard{0}":
+        {{"logical": "optim.m", "full_shape": [4, 3], "offset": {0}}}}}}})",
+        rank);
+  };
+  FakeRegion r2;
+  r2.add<float>("model.w", "F32", {2, 3}, {1, 2, 3, 4, 5, 6});
+  r2.add<float>("optim.m.shard2", "F32", {1, 3}, {7, 8, 9});
+  store.write_rank(8, 4, 2, r2.finish(), shard_layout(2));
+  EXPECT_FALSE(store.complete(8));
+  FakeRegion r3;
+  r3.add<float>("optim.m.shard3", "F32", {1, 3}, {10, 11, 12});
+  store.write_rank(8, 4, 3, r3.finish(), shard_layout(3));
+  ASSERT_TRUE(store.complete(8));
+  const CommittedCheckpoint c = store.commit(8);
+  EXPECT_TRUE(verify_checkpoint(c.dir).ok);
+
+  const megacpp::checkpoint::CheckpointReader ckpt(c.dir);
+  EXPECT_EQ(ckpt.world(), 4u);
+  EXPECT_EQ(ckpt.first_rank(), 2u);
+  EXPECT_EQ(ckpt.ranks(), 2u);
+  std::vector<float> w(6), m(6), one(3);
+  ckpt.read_rows(*ckpt.find("model.w"), 0, 2, std::as_writable_bytes(std::span(w)));
+  EXPECT_EQ(w, (std::vector<float>{1, 2, 3, 4, 5, 6}));
+  ckpt.read_rows(*ckpt.find("optim.m"), 2, 2, std::as_writable_bytes(std::span(m)));
+  EXPECT_EQ(m, (std::vector<float>{7, 8, 9, 10, 11, 12}));
+  try {
+    ckpt.read_rows(*ckpt.find("optim.m"), 0, 1, std::as_writable_bytes(std::span(one)));
+    ADD_FAILURE() << "row 0 is another node's";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(e.message().find("in another node's part"), std::string::npos) << e.message();
+  }
+}
+
 TEST(CheckpointStore, EveryFileOperationGoesThroughItsStorage) {
   TempDir run;
   std::vector<std::string> log;
