@@ -271,8 +271,18 @@ std::vector<uint32_t> CheckpointStore::prune() {
   const std::vector<uint32_t> steps = committed_steps();
   if (steps.size() <= retention_.keep) return deleted;
   const size_t newest_kept = steps.size() - retention_.keep;  // steps[newest_kept..] stay
+  // A job across nodes: the job's newest step (JOB_LATEST) and later ones stay, and every step
+  // stays until the job named one.
+  std::optional<uint32_t> job_latest;
+  if (const fs::path f = dir_ / kJobLatestName; storage_->exists(f)) {
+    std::string name = storage_->read(f);
+    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    job_latest = layout::checkpoint_dir_step(name);
+  }
+  if (ranks_ != 0 && !job_latest) return deleted;
   for (size_t i = 0; i < newest_kept; ++i) {
     const uint32_t step = steps[i];
+    if (job_latest && step >= *job_latest) continue;
     if (retention_.keep_every != 0 && step % retention_.keep_every == 0) continue;
     if (latest_ && step == *latest_) continue;  // LATEST always names a committed checkpoint
     const std::string name = layout::checkpoint_dir_name(step);

@@ -27,6 +27,11 @@ namespace megacpp::checkpoint {
 
 namespace fs = std::filesystem;
 
+// RUN/checkpoints/JOB_LATEST: in a job across nodes, the newest step every node committed its
+// part of (the job's LATEST, written by the node's supervisor once the job agreed on it;
+// LATEST is this node's part). A resume of the job starts from a step every node has.
+inline constexpr std::string_view kJobLatestName = "JOB_LATEST";
+
 // The errnos of a write that failed for lack of space: the filesystem is full (ENOSPC), a
 // quota is (EDQUOT), or the file outgrew the process's RLIMIT_FSIZE (EFBIG).
 bool is_out_of_space(int err) noexcept;
@@ -74,7 +79,8 @@ class CheckpointStore {
 
   // The ranks this store commits: ranks first .. first + count - 1 of every step's world (a
   // node of a job across nodes commits its own ranks; the manifest records which). Unset: every
-  // rank of the world.
+  // rank of the world. Set, pruning keeps every step from JOB_LATEST's on (every step while
+  // there is none): a step this node committed may be the job's newest only later.
   void set_ranks(uint32_t first, uint32_t count) {
     first_rank_ = first;
     ranks_ = count;
@@ -95,7 +101,8 @@ class CheckpointStore {
   // committed directory already exists (a step re-sent after a restart), the tmp copy is
   // discarded and the existing one stands. Never deletes a committed checkpoint: prune() does.
   CommittedCheckpoint commit(uint32_t step);
-  // Deletes every committed checkpoint the retention policy does not keep, oldest first: each
+  // Deletes every committed checkpoint the retention policy does not keep (never the step
+  // JOB_LATEST names or a later one), oldest first: each
   // is renamed to "step_NNNNNNNN.deleting", RUN/checkpoints is fsynced, then the tree is
   // removed, so a crash leaves a whole checkpoint or a ".deleting" leftover, never a damaged
   // step_NNNNNNNN. Returns the steps deleted. Throws Error{kSystem} if a rename or removal

@@ -97,6 +97,16 @@ void JobWatch::suspect() {
   cv_.notify_all();
 }
 
+void JobWatch::committed(uint32_t step) {
+  std::lock_guard lk(mu_);
+  committed_ = std::max(committed_, step);
+}
+
+std::optional<uint32_t> JobWatch::job_committed() const {
+  std::lock_guard lk(mu_);
+  return job_committed_;
+}
+
 void JobWatch::finish() {
   {
     std::lock_guard lk(mu_);
@@ -146,6 +156,38 @@ void JobWatch::run(std::string host, uint16_t port) {
     node0_lost(std::string(user_message(e)));
     return;
   }
+  uint32_t published = 0;  // the step committed/<me> holds
+  auto publish_commit = [&] {
+    uint32_t mine = 0;
+    {
+      std::lock_guard lk(mu_);
+      mine = committed_;
+    }
+    if (mine > published) {
+      store->set(key("committed/" + me), std::to_string(mine));
+      published = mine;
+    }
+  };
+  auto set_job_committed = [&](uint32_t step) {
+    std::lock_guard lk(mu_);
+    if (step > 0 && (!job_committed_ || step > *job_committed_)) job_committed_ = step;
+  };
+  auto read_step = [&](const std::string& k) -> uint32_t {
+    const auto v = store->get(key(k), std::chrono::milliseconds(0));
+    return v ? static_cast<uint32_t>(std::stoul(*v)) : 0;
+  };
+  // Node 0: the newest step every node committed, published when it moves.
+  uint32_t job_published = 0;
+  auto fold_commits = [&] {
+    uint32_t lowest = published;
+    for (uint32_t k = 1; k < nodes_ && lowest > 0; ++k)
+      lowest = std::min(lowest, read_step(fmt::format("committed/{}", k)));
+    if (lowest > job_published) {
+      store->set(key("job_committed"), std::to_string(lowest));
+      job_published = lowest;
+      set_job_committed(lowest);
+    }
+  };
   std::vector<int64_t> beats(nodes_, -1);
   std::vector<Clock::time_point> changed(nodes_, Clock::now());
   std::vector<bool> lost(nodes_, false);
@@ -180,13 +222,19 @@ void JobWatch::run(std::string host, uint16_t port) {
           store->set(key("failure"), encode(Verdict::Kind::kNodeFailed, node_, *report));
       }
       if (finishing && !finished_self) {
+        publish_commit();  // its final step, before it says it finished
         store->set(key("finished/" + me), "1");
         finished_self = true;
       }
       if (finishing) {
-        // Node 0 stays until every node that is not lost has finished; the others are done.
+        // Node 0 stays until every node that is not lost has finished, then folds their final
+        // commits; the others wait for that fold to reach their own final step.
         bool all = true;
-        if (node_ == 0) {
+        if (node_ != 0) {
+          set_job_committed(read_step("job_committed"));
+          std::lock_guard lk(mu_);
+          all = committed_ == 0 || (job_committed_ && *job_committed_ >= committed_);
+        } else {
           for (uint32_t k = 1; k < nodes_; ++k) {
             if (lost[k] || peers_finished[k]) continue;
             if (store->get(key(fmt::format("finished/{}", k)), std::chrono::milliseconds(0)))
@@ -195,6 +243,7 @@ void JobWatch::run(std::string host, uint16_t port) {
               all = false;
           }
         }
+        if (all && node_ == 0) fold_commits();
         if (all) {
           std::lock_guard lk(mu_);
           finished_ = true;
@@ -205,6 +254,11 @@ void JobWatch::run(std::string host, uint16_t port) {
       }
       store->add(key("beat/" + me), 1);
       last_answer = Clock::now();
+      publish_commit();
+      if (node_ == 0)
+        fold_commits();
+      else
+        set_job_committed(read_step("job_committed"));
       if (auto f = store->get(key("failure"), std::chrono::milliseconds(0))) {
         if (auto v = decode(*f);
             v && !(v->kind == Verdict::Kind::kNodeFailed && v->node == node_)) {

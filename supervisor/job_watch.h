@@ -4,9 +4,11 @@
 // and tears down for. Torch-free (the store through libmegacpp_store.so, rendezvous.h).
 //
 // Keys, under the job's secret prefix: `beat/<r>` (a counter node r adds 1 to every beat),
-// `finished/<r>` (node r's trainers are done: silence after it is no loss), `failures` (a
-// counter: the node whose add returns 1 offers the job's first failure) and `failure`
-// ("<node>\n<what>", set once by that node).
+// `finished/<r>` (node r's part of the job is done: silence after it is no loss), `failures` (a
+// counter: the node whose add returns 1 offers the job's first failure), `failure`
+// ("<node>\n<what>", set once by that node), `committed/<r>` (the newest step node r committed
+// its part of) and `job_committed` (node 0: the newest step every node committed, the job's
+// LATEST — the second phase of a job's checkpoint).
 //
 // Threads: one of its own, with a StoreClient of its own (a client is for one thread); every
 // public call only takes a mutex. Blocking: the thread's store calls are bounded by the
@@ -73,12 +75,19 @@ class JobWatch {
   // a dead node is named within a few beats instead of the silence limit. Any node may call
   // it; it travels through the store (`watch/suspect`).
   void suspect();
-  // This node's trainers are done: says so to node 0 and stops beating and judging (a node
-  // that finished is not lost, and node 0 going away after the job is no loss).
+  // This node committed its part of `step` (the first phase of the job's checkpoint): published
+  // within a beat; node 0 folds every node's into job_committed().
+  void committed(uint32_t step);
+  // The newest step every node of the job committed its part of, once there is one.
+  std::optional<uint32_t> job_committed() const;
+  // This node's part of the job is done (its final checkpoint committed and passed to
+  // committed()): says so to node 0 and stops beating and judging (a node that finished is not
+  // lost, and node 0 going away after the job is no loss).
   void finish();
-  // Node 0, at the end of the job: waits up to `timeout` for every node that is not lost to
-  // have finished, so that none loses node 0's store while it still needs it. False when some
-  // did not.
+  // At the end of the job, after finish(): node 0 waits up to `timeout` for every node that is
+  // not lost to have finished, so that none loses node 0's store while it still needs it, and
+  // folds their final commits; another node waits for job_committed() to reach its own final
+  // step. False when that did not happen in time.
   bool wait_finished(std::chrono::milliseconds timeout);
   // Nodes node 0 has declared lost (always 0 on other nodes).
   uint32_t lost_nodes() const;
@@ -98,6 +107,8 @@ class JobWatch {
   bool finished_ = false;  // the thread set finished/<node> and ended
   bool suspect_ = false;
   uint32_t lost_count_ = 0;
+  uint32_t committed_ = 0;
+  std::optional<uint32_t> job_committed_;
   std::optional<std::string> report_;
   std::optional<Verdict> verdict_;
   std::thread thread_;

@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "checkpoint/store.h"
 #include "core/error.h"
 #include "core/util.h"
 #include "ipc/channel.h"
@@ -371,11 +372,8 @@ void JobController::watch() {
       }
       console_->update(ranks, up, static_cast<uint32_t>(children_.size()));
     }
-    if (all_trainers_done()) {
-      // This node's part of the job is done: its silence from now on is no loss.
-      if (job_watch_) job_watch_->finish();
-      return;
-    }
+    advance_job_latest();
+    if (all_trainers_done()) return;
     if (stop_signal_ != 0 && mono_ns() > stop_deadline_ns_) {
       const int64_t now = mono_ns();
       detected_ns_ = now;
@@ -425,10 +423,25 @@ void JobController::poll_commits() {
     if (rec.isCheckpointCommitted()) {
       auto c = rec.getCheckpointCommitted();
       if (rec.getAttempt() == attempt_) committed_step_ = std::max(committed_step_, c.getStep());
+      if (job_watch_ && rec.getAttempt() == attempt_) job_watch_->committed(committed_step_);
       metrics_->set_checkpoint(c.getStep(), c.getSeconds(),
                                static_cast<double>(rec.getWallNs()) / 1e9);
     }
   });
+}
+
+void JobController::advance_job_latest() {
+  if (!job_watch_) return;
+  const auto step = job_watch_->job_committed();
+  if (!step || *step <= job_latest_) return;
+  // Only a step this node holds: the fold is of what every node said it committed.
+  const fs::path ckdir = layout::checkpoints_dir(run_);
+  const std::string name = layout::checkpoint_dir_name(*step);
+  if (!fs::is_directory(ckdir / name)) return;
+  write_file_atomic(ckdir / checkpoint::kJobLatestName, name + "\n");
+  job_latest_ = *step;
+  log_info("step {} is committed on every node of the job ({} names it)", *step,
+           checkpoint::kJobLatestName);
 }
 
 void JobController::finish_ok() {
@@ -638,10 +651,20 @@ int JobController::execute() {
     fmt::print("megacpp: metrics at {}\n", metrics_endpoint_);
   supervise();
   if (console_) console_->finish();
-  // Node 0 of a job across nodes hosts the job's store: it stays until every node finished.
-  if (job_watch_ && placement_.node_rank == 0 && !failure_ &&
-      !job_watch_->wait_finished(std::chrono::seconds(60)))
-    log_warn("not every node of the job said it finished within 60 s; node 0's store goes");
+  // A job across nodes: this node's part is done once its final checkpoint is committed (its
+  // silence from then on is no loss). Node 0 hosts the job's store: it stays until every node
+  // finished; every node then names the job's final step in JOB_LATEST.
+  if (job_watch_ && !failure_) {
+    poll_commits();
+    job_watch_->finish();
+    if (!job_watch_->wait_finished(std::chrono::seconds(60)))
+      log_warn("{}", placement_.node_rank == 0
+                         ? "not every node of the job said it finished within 60 s; node 0's "
+                           "store goes"
+                         : "node 0 did not say within 60 s that every node committed the final "
+                           "step");
+    advance_job_latest();
+  }
   if (!failure_) {
     // The live collector folds the final state; the in-process fold below is the same pure
     // function, so it changes nothing when the collector finished.

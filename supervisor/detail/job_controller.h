@@ -231,6 +231,9 @@ class JobController {
   void journal_run_finished(bool process_finished = true);
   void update_metrics();
   void poll_commits();  // the checkpointer's journal: /metrics and committed_step_
+  // A job across nodes: RUN/checkpoints/JOB_LATEST names the newest step every node committed,
+  // once the job watch says it moved (the second phase of the job's checkpoint).
+  void advance_job_latest();
   void release_ipc();
   void release_attempt_ipc();  // the attempt's rings (and shm segments) only
   int report();
@@ -342,6 +345,7 @@ class JobController {
   int stop_at_once_signal_ = 0;
   int64_t stop_deadline_ns_ = 0;  // --stop-grace-s after it began
   uint32_t committed_step_ = 0;   // newest checkpoint this attempt committed
+  uint32_t job_latest_ = 0;       // the step JOB_LATEST names (a job across nodes)
   uint32_t job_restarts_ = 0;
   std::optional<uint32_t> failed_progress_;    // this attempt's, once it failed
   std::optional<uint32_t> previous_progress_;  // the last attempt's, in this process

@@ -103,6 +103,9 @@ class MegacppNodesN:
             for i, (host, _, _, run) in enumerate(results):
                 ckpt = latest(run)
                 compared += self.assert_part_matches(ckpt, ref_ckpt, i)
+                # The job's LATEST: the final step, committed by every node.
+                with open(os.path.join(run, "checkpoints", "JOB_LATEST")) as f:
+                    self.assertEqual(f.read(), os.path.basename(ckpt) + "\n")
                 # Every node's verify passes on its part.
                 v = subprocess.run([MEGACPP, "verify", ckpt], capture_output=True, text=True)
                 self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
@@ -210,7 +213,8 @@ class MegacppNodesN:
                     self.fail("node0 still running %d s after node1 was hurt:\n%s"
                               % (bound_s + 20, open(log0).read()[-3000:]))
                 took = time.monotonic() - t0
-                text = open(log0).read()
+                with open(log0) as f:
+                    text = f.read()
                 self.assertNotEqual(rc, 0, text[-3000:])
                 with open(os.path.join(run0, "manifest.json")) as f:
                     error = json.load(f).get("error", {})
@@ -287,6 +291,10 @@ class MegacppNodesN:
                 self.assertNotEqual(p.wait(timeout=180), 0, host)
             runs = [run for _, run, _, _ in procs]
             ck1 = os.path.join(runs[1], "checkpoints")
+            # Steps 4 and 8 committed on both nodes; the job's LATEST had reached one of them.
+            for run in runs:
+                with open(os.path.join(run, "checkpoints", "JOB_LATEST")) as f:
+                    self.assertIn(f.read(), ("step_00000004\n", "step_00000008\n"))
             self.assertTrue(os.path.isdir(os.path.join(ck1, "step_00000008")), os.listdir(ck1))
             shutil.rmtree(os.path.join(ck1, "step_00000008"))
             with open(os.path.join(ck1, "LATEST"), "w") as f:

@@ -1152,6 +1152,27 @@ TEST(CheckpointStore, RetentionOfOneKeepsOnlyTheStepLatestNames) {
   expect_latest_valid(run.path(), 12);
 }
 
+// A node's part in a job across nodes: no step is pruned before the job named its newest
+// (JOB_LATEST), and never that step or a later one: this node's newest part may be the
+// job's only later, or never.
+TEST(CheckpointStore, ANodesPartKeepsTheJobsLatestAndEveryLaterStep) {
+  TempDir run;
+  CheckpointStore store(run.path(), "r", "h", RetentionPolicy{1, 0});
+  store.set_ranks(0, 2);
+  for (uint32_t step : {10u, 20u, 30u}) {
+    commit_world2(store, step);
+    store.prune();  // as the checkpointer does after each commit
+  }
+  EXPECT_EQ(steps_on_disk(run.path()), (std::vector<uint32_t>{10, 20, 30}));
+  write_file_atomic(layout::checkpoints_dir(run.path()) / "JOB_LATEST", "step_00000020\n");
+  commit_world2(store, 40);
+  store.prune();
+  EXPECT_EQ(steps_on_disk(run.path()), (std::vector<uint32_t>{20, 30, 40}));
+  write_file_atomic(layout::checkpoints_dir(run.path()) / "JOB_LATEST", "step_00000040\n");
+  store.prune();
+  EXPECT_EQ(steps_on_disk(run.path()), (std::vector<uint32_t>{40}));
+}
+
 TEST(CheckpointStore, NoPolicyKeepsEveryCheckpoint) {
   TempDir run;
   CheckpointStore store(run.path(), "r", "h");

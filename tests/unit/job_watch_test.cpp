@@ -118,6 +118,39 @@ TEST(JobWatch, AFinishedNodeIsNotLostAndNodeZeroWaitsForIt) {
   EXPECT_TRUE(w0.wait_finished(std::chrono::milliseconds(2000)));
 }
 
+// The job's checkpoint in two phases: each node says which step it committed its part of; the
+// job's step is the newest every node has, on every node, and a node's final step reaches the
+// others through finish() and wait_finished().
+TEST(JobWatch, TheJobsCommittedStepIsTheNewestEveryNodeCommitted) {
+  StoreServer server("127.0.0.1", 0, 3);
+  JobWatch w0(place(3, 0, server.port()), "c");
+  JobWatch w1(place(3, 1, server.port()), "c");
+  JobWatch w2(place(3, 2, server.port()), "c");
+  auto settle = [] { std::this_thread::sleep_for(std::chrono::milliseconds(500)); };
+  w0.committed(8);
+  w1.committed(8);
+  settle();
+  EXPECT_FALSE(w0.job_committed()) << "node 2 committed nothing yet";
+  w2.committed(4);
+  settle();
+  for (const JobWatch* w : {&w0, &w1, &w2}) EXPECT_EQ(w->job_committed(), 4u);
+  w2.committed(8);
+  w0.committed(12);
+  w1.committed(12);
+  settle();
+  for (const JobWatch* w : {&w0, &w1, &w2}) EXPECT_EQ(w->job_committed(), 8u);
+  // The final step: committed, then finished.
+  w2.committed(12);
+  w1.finish();
+  w2.finish();
+  w0.finish();
+  EXPECT_TRUE(w0.wait_finished(std::chrono::milliseconds(3000)));
+  EXPECT_TRUE(w1.wait_finished(std::chrono::milliseconds(3000)));
+  EXPECT_TRUE(w2.wait_finished(std::chrono::milliseconds(3000)));
+  for (const JobWatch* w : {&w0, &w1, &w2}) EXPECT_EQ(w->job_committed(), 12u);
+  EXPECT_FALSE(w0.verdict());
+}
+
 TEST(JobWatch, NodeZeroGoneIsEveryNodesVerdict) {
   auto server = std::make_unique<StoreServer>("127.0.0.1", 0, 2);
   const uint16_t port = server->port();
