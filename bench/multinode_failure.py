@@ -11,7 +11,14 @@ the last host and measures, from the harm:
           for a kill; for a cut link, the others')
 
 Harms: `kill` (SIGKILL to every process of the host: the node dies), `cut` (the host's link
-down: the node lives, cut off). Trials alternate the two systems.
+down: the node lives, cut off), `restart` (the last host's first rank SIGKILLed, under
+megacpp's --max-job-restarts 1 and torchrun's --max-restarts 3, after the first checkpoint at
+step 20: seconds from the kill to the restarted job's first step — megacpp's every supervisor
+agreeing through the store and resuming from the step every node committed; torchrun's agents
+restarting every worker through a new rendezvous round, the peer resuming from its torch.save
+checkpoint, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torchrun's default shared store
+its restarted group read a previous round's Gloo addresses and never trained again here,
+pytorch/pytorch#135712). Trials alternate the two systems.
 
 megacpp   one `megacpp run tiny --ranks 2 --nodes N --node-rank R --master <node0>:PORT
           --iface eth0 --job-keys K` per host; node 0's job watch (supervisor/job_watch.h).
@@ -32,6 +39,7 @@ beside the ratio. Usage: sudo .venv/bin/python bench/multinode_failure.py [--nod
 [--cap-s 60] [--harms kill,cut]
 """
 import argparse
+import datetime
 import json
 import os
 import signal
@@ -43,7 +51,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "multinode"))
 import netns_hosts  # noqa: E402
-from megacpp_nodes_test import steps_completed  # noqa: E402
+from megacpp_nodes_test import steps_completed, trainer_pid  # noqa: E402
 from netns_hosts import Hosts  # noqa: E402
 
 VENV_PY = os.path.join(ROOT, ".venv", "bin", "python")
@@ -163,6 +171,130 @@ def torchrun_trial(n, how, cap_s):
                 hosts.signal(h, signal.SIGKILL)
 
 
+def first_step_after_restart(run):
+    """When (epoch seconds) every rank of the node's restarted attempt finished its first step,
+    as the manifest's recovery says (the ranks' own step records, not the fold's time); None
+    before."""
+    try:
+        with open(os.path.join(run, "manifest.json")) as f:
+            attempts = json.load(f).get("attempts", [])
+    except (OSError, ValueError):
+        return None
+    at = attempts[-1].get("recovery", {}).get("firstStepAt") if len(attempts) >= 2 else None
+    if not at:
+        return None
+    return datetime.datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
+
+
+def megacpp_restart_trial(megacpp, n, cap_s):
+    """A rank of the last node killed under --max-job-restarts 1: seconds from the kill to the
+    first step of the restarted attempt on every node (the manifest's recovery.firstStepAt: the
+    wall time of the slowest rank's first step record)."""
+    with Hosts(n) as hosts:
+        keys = os.path.join(hosts.dir, "job.keys")
+        subprocess.run([megacpp, "keys", keys], check=True, capture_output=True)
+        procs = []
+        for i, host in enumerate(hosts.names):
+            run = os.path.join(hosts.dir, host, "run")
+            log = open(os.path.join(hosts.dir, host + ".log"), "w")
+            procs.append((run, hosts.popen(host, [
+                megacpp, "run", "tiny", "--ranks", "2", "--steps", "100000", "--run-dir", run,
+                "--nodes", str(n), "--node-rank", str(i), "--master", "%s:%d" % (hosts.addr(hosts.names[0]), PORT),
+                "--iface", "eth0", "--job-keys", keys, "--progress", "none", "--max-job-restarts", "1"],
+                stdout=log, stderr=subprocess.STDOUT)))
+        try:
+            if wait_until(lambda: all(steps_completed(run) >= 25 for run, _ in procs), 180) is None:
+                raise RuntimeError("megacpp did not train past its first checkpoint")
+            victim = 2 * (n - 1)
+            pid = trainer_pid(procs[-1][0], victim)
+            t_kill = time.time()
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            took = None
+            if wait_until(lambda: all(first_step_after_restart(run) for run, _ in procs), cap_s) is not None:
+                took = max(first_step_after_restart(run) for run, _ in procs) - t_kill
+            with open(os.path.join(procs[0][0], "manifest.json")) as f:
+                attempts = json.load(f)["attempts"]
+            return took, "trainer-%d killed; attempt %d from step %s" % (
+                victim, len(attempts) - 1, attempts[-1].get("fromStep")), t0
+        finally:
+            for h in hosts.names:
+                hosts.signal(h, signal.SIGKILL)
+            for _, p in procs:
+                p.wait(timeout=20)
+
+
+def torchrun_restart_trial(n, cap_s):
+    """The same kill under torchrun --max-restarts 3 (the peer checkpoints every 20 steps, as
+    tiny does, and resumes from it): seconds from the kill to the restarted group's first step
+    (its rank 0's first_step event)."""
+    with Hosts(n) as hosts:
+        procs = []
+        events = os.path.join(hosts.dir, "events.jsonl")
+        ckpt = os.path.join(hosts.dir, "peer.pt")
+        for host in hosts.names:
+            log = os.path.join(hosts.dir, host + ".log")
+            with open(log, "w") as f:
+                procs.append((log, hosts.popen(host, [
+                    VENV_PY, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", "2",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "%s:29400" % hosts.addr(hosts.names[0]),
+                    "--rdzv-id", hosts.prefix, "--max-restarts", "3", PEER, "--tag", hosts.prefix,
+                    "--ckpt", ckpt, "--ckpt-every", "20", "--events", events],
+                    # The workers' own store, not the rendezvous's: with it shared (torchrun's
+                    # default) the restarted group reads a previous round's Gloo addresses and
+                    # never connects (pytorch/pytorch#135712; seen here with torch 2.11).
+                    env=dict(os.environ, GLOO_SOCKET_IFNAME="eth0", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+                    stdout=f, stderr=subprocess.STDOUT)))
+
+        def read_events():
+            try:
+                with open(events) as f:
+                    return [json.loads(x) for x in f if x.strip()]
+            except (OSError, ValueError):
+                return []
+
+        def victim_pid(rank):
+            for pid in hosts.pids(hosts.names[-1]):
+                try:
+                    with open("/proc/%d/cmdline" % pid, "rb") as f:
+                        cmd = f.read()
+                    with open("/proc/%d/environ" % pid, "rb") as f:
+                        env = f.read().split(b"\0")
+                except OSError:
+                    continue
+                if PEER.encode() in cmd and b"torch.distributed.run" not in cmd and ("RANK=%d" % rank).encode() in env:
+                    return pid
+            return None
+
+        try:
+            if wait_until(lambda: any(e["event"] == "saved" for e in read_events()), 240) is None:
+                raise RuntimeError("torchrun did not checkpoint: " + open(procs[0][0]).read()[-2000:])
+            victim = 2 * (n - 1)
+            pid = victim_pid(victim)
+            if pid is None:
+                raise RuntimeError("torchrun's rank %d not found" % victim)
+            t_kill = time.time()
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+
+            def restarted():
+                return [e for e in read_events() if e["event"] == "first_step" and e["restart"] >= 1]
+
+            if wait_until(lambda: restarted(), cap_s) is None:
+                tails = []
+                for log, _ in procs:
+                    with open(log) as f:
+                        tails.append(f.read()[-1500:])
+                return None, "no restarted step; node logs end:\n" + "\n---\n".join(tails), t0
+            first = min(restarted(), key=lambda e: e["t"])
+            return first["t"] - t_kill, "rank %d killed; restart 1 from step %d" % (victim, first["step"]), t0
+        finally:
+            for h in hosts.names:
+                hosts.signal(h, signal.SIGKILL)
+            for _, p in procs:
+                p.wait(timeout=20)
+
+
 SLURM_JOB = """#!/bin/sh
 srun --ntasks-per-node 1 sh -c 'exec "$0" run tiny --ranks 2 --steps 100000 \\
     --run-dir {d}/$(hostname)/run --iface eth0 --job-keys {keys} --progress none' {megacpp}
@@ -216,7 +348,9 @@ def main():
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--cap-s", type=float, default=60.0)
-    ap.add_argument("--harms", default="kill,cut", help="comma-separated: kill, cut")
+    ap.add_argument("--harms", default="kill,cut,restart",
+                    help="comma-separated: kill, cut, restart (a rank killed under "
+                         "--max-job-restarts 1 / torchrun --max-restarts 1)")
     ap.add_argument("--slurm-reps", type=int, default=1,
                     help="trials under Slurm (a killed node: megacpp against Slurm's own handling)")
     ap.add_argument("--megacpp", default=os.path.join(ROOT, "build", "bin", "megacpp"))
@@ -228,6 +362,14 @@ def main():
     for how in harms:
         for rep in range(a.reps):
             for system in ("megacpp", "torchrun"):
+                if how == "restart":
+                    trial = megacpp_restart_trial if system == "megacpp" else torchrun_restart_trial
+                    d, what, _ = (trial(a.megacpp, a.nodes, a.cap_s) if system == "megacpp"
+                                  else trial(a.nodes, a.cap_s))
+                    results.setdefault((how, system), []).append(d)
+                    print("  %-4s trial %d  %-8s  first step after the restart %-14s %s"
+                          % (how, rep + 1, system, fmt(d, a.cap_s), what), flush=True)
+                    continue
                 if system == "megacpp":
                     d, g, first = megacpp_trial(a.megacpp, a.nodes, how, a.cap_s)
                 else:
@@ -243,7 +385,8 @@ def main():
         if mega:
             slurm_ratios.append((a.cap_s if slurm is None else slurm) / mega)
             slurm_capped = slurm_capped or slurm is None
-    print("median detect (node 0 ended), peer / megacpp (goal >= 10x):")
+    print("median detect (node 0 ended; restart: the first step after the restart), "
+          "peer / megacpp (goal >= 10x):")
     for how in [h for h in harms if (h, "megacpp") in results]:
         m = [x for x in results[(how, "megacpp")] if x is not None]
         t = results[(how, "torchrun")]

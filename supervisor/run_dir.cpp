@@ -287,8 +287,7 @@ void JobController::agree_checkpoint(std::string_view why) {
   StoreClient& store = joined_->store();
   const auto wait = std::chrono::milliseconds(
       static_cast<int64_t>(std::max(60.0, knob_seconds(Knob::kStoreTimeoutS)) * 1e3));
-  const std::string prefix =
-      fmt::format("{}/e{}/resume/a{}", job_prefix_, placement_.attempt, attempt_);
+  const std::string prefix = fmt::format("{}/resume/a{}", engine_prefix_, attempt_);
   for (uint32_t round = 0;; ++round) {
     const uint32_t mine = resume_ ? resume_->step : 0;
     store.set(fmt::format("{}/r{}/{}", prefix, round, placement_.node_rank), std::to_string(mine));
@@ -325,7 +324,29 @@ void JobController::agree_checkpoint(std::string_view why) {
                                    it->path().filename().string()));
     skipped_steps_.push_back(*step);
   }
-  if (resume_) log_info("{}: every node resumes from step {}", why, resume_->step);
+  if (!resume_) return;
+  log_info("{}: every node resumes from step {}", why, resume_->step);
+  // The job's LATEST is where it resumes: a later step it named is set aside on some node.
+  write_file_atomic(ckdir / checkpoint::kJobLatestName,
+                    layout::checkpoint_dir_name(resume_->step) + "\n");
+  job_latest_ = resume_->step;
+}
+
+std::optional<std::string> JobController::agree_job_restart(std::optional<std::string> mine) {
+  if (placement_.nodes <= 1 || !joined_) return mine;
+  StoreClient& store = joined_->store();
+  const std::string prefix = fmt::format("{}/restart/a{}", engine_prefix_, attempt_);
+  store.set(fmt::format("{}/{}", prefix, placement_.node_rank), mine.value_or(""));
+  if (mine) return mine;
+  const auto wait = std::chrono::seconds(60);
+  for (uint32_t k = 0; k < placement_.nodes; ++k) {
+    if (k == placement_.node_rank) continue;
+    const auto v = store.get(fmt::format("{}/{}", prefix, k), wait);
+    if (!v)
+      return fmt::format("node {} did not say within {} s whether it can restart", k, wait.count());
+    if (!v->empty()) return fmt::format("node {} cannot restart: {}", k, *v);
+  }
+  return std::nullopt;
 }
 
 void JobController::journal_attempt_started(std::string_view reason) {
@@ -740,8 +761,6 @@ void JobController::check_job_across_nodes() {
   // Each line below is a part of a job across nodes this build does not run yet.
   if (!opt_.from.empty())
     refuse("--from in a job across nodes is not supported yet: branch on one node");
-  if (opt_.max_job_restarts > 0)
-    refuse("--max-job-restarts in a job across nodes is not supported yet: pass 0");
   if (static_cast<uint64_t>(opt_.ranks) * placement_.nodes > layout::kMaxRanks)
     refuse(fmt::format("{} nodes x --ranks {} exceeds the {} ranks of a job", placement_.nodes,
                        opt_.ranks, layout::kMaxRanks));
@@ -786,8 +805,16 @@ void JobController::host_or_join_store() {
   // The ranks' keys under the job's prefix, apart from the membership's (join_job: claim,
   // identity, done); an attempt of the run names its own below it.
   store_prefix_ = prefix + "/ranks/";
-  job_watch_ = std::make_unique<JobWatch>(placement_, prefix + "/watch");
+  engine_prefix_ = prefix;
+  start_job_watch();
   publish_metrics_targets(prefix);
+}
+
+void JobController::start_job_watch() {
+  // An attempt's watch of its own: the previous attempt's failure is not this one's.
+  job_watch_.reset();
+  job_watch_ =
+      std::make_unique<JobWatch>(placement_, fmt::format("{}/watch/a{}", engine_prefix_, attempt_));
 }
 
 void JobController::publish_metrics_targets(const std::string& prefix) {

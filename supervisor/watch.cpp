@@ -341,7 +341,8 @@ void JobController::adopt_job_verdict() {
     return;
   }
   log_error("the job's verdict: {}", v->message);
-  events_["supervisor-0"] = job_verdict_event(*v, mono_ns());
+  // Detected when this node began its teardown: a recovery is timed from there.
+  events_["supervisor-0"] = job_verdict_event(*v, detected_ns_ != 0 ? detected_ns_ : mono_ns());
 }
 
 void JobController::watch() {
@@ -503,6 +504,10 @@ std::optional<std::string> JobController::job_restart_refusal() const {
       break;
   }
   if (!unkillable_.empty()) return "a process outlived SIGKILL";
+  // A lost node's supervisor is dead or out of reach: it cannot restart its part. The engine
+  // restarts such a job (torchrun --max-restarts, a requeued Slurm job), each node resuming.
+  if (failure_->kind == schema::FailureKind::NODE_LOST)
+    return "a node was lost: restart the job through its engine, every node with --resume";
   if (previous_progress_ && failed_progress_ && *previous_progress_ == *failed_progress_)
     return fmt::format("repeating: the previous attempt failed after step {} too",
                        *failed_progress_);
@@ -533,6 +538,7 @@ void JobController::restart_job() {
   previous_attempt_ = attempt_;
   ++attempt_;
   ++job_restarts_;
+  agree_checkpoint("job restart");  // a job across nodes: a step every node's part has
   archive_attempt();
   metrics_->add_job_restart();
   log_warn("job restart {} of {}: {} {}-{} after step {}; relaunching every stage from {}",
@@ -557,6 +563,7 @@ void JobController::restart_job() {
   step_samples_.clear();
   committed_step_ = 0;
   failed_progress_.reset();
+  if (job_watch_) start_job_watch();
 }
 
 void JobController::detach_output() {
@@ -634,7 +641,7 @@ std::optional<Failure> JobController::supervise() {
     }
     if (!failure_) break;
     failed_progress_ = journaled_progress();
-    if (auto refusal = job_restart_refusal()) {
+    if (auto refusal = agree_job_restart(job_restart_refusal())) {
       if (opt_.max_job_restarts > 0) log_warn("no job restart: {}", *refusal);
       if (refusal->starts_with("repeating")) failure_->message += " (" + *refusal + ")";
       break;

@@ -169,6 +169,11 @@ class JobController {
   // through the store (this node's newer parts are set aside with skipped_steps_). Blocks until
   // every node offered (store timeout per round); no-op on one node.
   void agree_checkpoint(std::string_view why);
+  // A job across nodes restarts in place only when every node can (its refusal and theirs,
+  // through the store; a node that does not answer within 60 s refuses): the refusal, or
+  // nullopt to restart. One node: `mine`.
+  std::optional<std::string> agree_job_restart(std::optional<std::string> mine);
+  void start_job_watch();  // this attempt's JobWatch (keys under watch/a<attempt>)
   void journal_attempt_started(std::string_view reason);  // attemptStarted of attempt_, synced
   void create_rings();  // the batch plane of this attempt: shm_prefix_, batch_'s slots
   // The supervisor's journal (ProcessStarted appended) and the checkpointer's, read for commits.
@@ -279,6 +284,7 @@ class JobController {
   uint16_t store_port_ = 0;
   std::string store_prefix_;           // empty: one node ("megacpp/<run id>/")
   std::string job_prefix_;             // a job across nodes: ipc::job_store_prefix of its key file
+  std::string engine_prefix_;          // job_prefix_/e<the engine's attempt>: this start's keys
   std::unique_ptr<JoinedJob> joined_;  // a job across nodes: the membership and node 0's store
   std::unique_ptr<JobWatch> job_watch_;  // a job across nodes: beats and the job's first failure
   // Attempts (DESIGN.md "Resume and recovery"): 0 for a run's first launch.

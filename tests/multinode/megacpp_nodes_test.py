@@ -60,6 +60,14 @@ def steps_completed(run):
         return 0
 
 
+def trainer_pid(run, rank):
+    """The pid of the trainer of `rank` started for run directory `run`, or None."""
+    p = subprocess.run(["pgrep", "-f", "megacpp-trainer --run-dir %s --rank %d" % (run, rank)],
+                       capture_output=True, text=True)
+    found = [int(x) for x in p.stdout.split()]
+    return found[0] if found else None
+
+
 def latest(run):
     with open(os.path.join(run, "checkpoints", "LATEST")) as f:
         return os.path.join(run, "checkpoints", f.read().strip())
@@ -126,6 +134,36 @@ class MegacppNodesN:
                                  (str(i), "%d-%d" % (RANKS * i, RANKS * i + RANKS - 1)), entry)
             print("%d nodes x %d ranks, %d steps: %.2f s (one node of %d ranks: %.2f s); %d tensors "
                   "bit-identical" % (n, RANKS, STEPS, t_job, RANKS * n, t_one, compared))
+
+    def kill_hung_rank_once_committed(self, procs, rank, step):
+        """Rank `rank` hangs (MEGACPP_FAULT ...:hang); once every node committed its part of
+        `step`, it is killed (SIGKILL): the failure comes after that step, whatever the load."""
+        deadline = time.monotonic() + 120
+        name = "step_%08d" % step
+        while time.monotonic() < deadline:
+            for host, run, log, p in procs:
+                if p.poll() is not None:
+                    with open(log) as f:
+                        self.fail("%s ended before the kill:\n%s" % (host, f.read()[-3000:]))
+            if all(os.path.isdir(os.path.join(run, "checkpoints", name)) for _, run, _, _ in procs):
+                break
+            time.sleep(0.05)
+        else:
+            self.fail("step %d not committed on every node" % step)
+        run = procs[rank // RANKS][1]
+        pid = trainer_pid(run, rank)
+        self.assertTrue(pid, "trainer-%d not found" % rank)
+        os.kill(pid, signal.SIGKILL)
+
+    def tiny_every_4(self, hosts):
+        """The tiny recipe with a checkpoint every 4 steps, as a file every host reads."""
+        recipe = os.path.join(hosts.dir, "tiny4.toml")
+        with open(os.path.join(ROOT, "recipes", "tiny.toml")) as f:
+            text = f.read()
+        self.assertIn("checkpoint_every = 20", text)
+        with open(recipe, "w") as f:
+            f.write(text.replace("checkpoint_every = 20", "checkpoint_every = 4"))
+        return recipe
 
     def assert_part_matches(self, ckpt, ref_ckpt, i):
         """Node i's part of a checkpoint against a one-node checkpoint of the same world and
@@ -273,20 +311,16 @@ class MegacppNodesN:
                   % (took, errors["node0"].get("message")))
 
     def test_a_job_across_nodes_resumes_from_the_step_every_node_committed(self):
-        # Checkpoints every 4 steps; rank 2 (node 1) segfaults in step 11, after steps 4 and 8
-        # committed on both nodes. Node 1's part of step 8 is then removed: node 0 offers 8,
+        # Checkpoints every 4 steps; rank 2 (node 1) hangs in step 11 and is killed once steps 4
+        # and 8 are committed on both nodes. Node 1's part of step 8 is then removed: node 0 offers 8,
         # node 1 offers 4, and both resume from 4 (node 0's step 8 set aside). The final
         # checkpoint is bit-identical to one node's of the same world.
         n, steps = self.N, 14
         with Hosts(n) as hosts:
-            recipe = os.path.join(hosts.dir, "tiny4.toml")
-            with open(os.path.join(ROOT, "recipes", "tiny.toml")) as f:
-                text = f.read()
-            self.assertIn("checkpoint_every = 20", text)
-            with open(recipe, "w") as f:
-                f.write(text.replace("checkpoint_every = 20", "checkpoint_every = 4"))
+            recipe = self.tiny_every_4(hosts)
             procs = self.start_nodes(hosts, steps, extra={i: [recipe] for i in range(n)},
-                                     env={1: {"MEGACPP_FAULT": "trainer:%d:forward:11:segv" % RANKS}})
+                                     env={1: {"MEGACPP_FAULT": "trainer:%d:forward:11:hang" % RANKS}})
+            self.kill_hung_rank_once_committed(procs, RANKS, 8)
             for host, run, log, p in procs:
                 self.assertNotEqual(p.wait(timeout=180), 0, host)
             runs = [run for _, run, _, _ in procs]
@@ -328,6 +362,60 @@ class MegacppNodesN:
                            for i, run in enumerate(runs))
             print("resumed from step 4 on every node (node 0's step 8 set aside); %d tensors of step "
                   "%d bit-identical to one node of %d ranks" % (compared, steps, RANKS * n))
+
+    def test_a_job_restart_restarts_every_node_from_the_step_every_node_committed(self):
+        # --max-job-restarts 1: rank 2 (node 1) hangs in step 11 of the first attempt and is
+        # killed once step 8 is committed on both nodes; both
+        # supervisors agree to restart, both resume from step 8 (the newest step both
+        # committed), and the job ends ok with one node's bits of the same world.
+        n, steps = self.N, 14
+        with Hosts(n) as hosts:
+            recipe = self.tiny_every_4(hosts)
+            procs = self.start_nodes(hosts, steps,
+                                     extra={i: [recipe, "--max-job-restarts", "1"] for i in range(n)},
+                                     env={1: {"MEGACPP_FAULT": "trainer:%d:forward:11:hang" % RANKS}})
+            self.kill_hung_rank_once_committed(procs, RANKS, 8)
+            for host, run, log, p in procs:
+                rc = p.wait(timeout=240)
+                with open(log) as f:
+                    self.assertEqual(rc, 0, "%s:\n%s" % (host, f.read()[-4000:]))
+            runs = [run for _, run, _, _ in procs]
+            for i, run in enumerate(runs):
+                with open(os.path.join(run, "manifest.json")) as f:
+                    m = json.load(f)
+                self.assertEqual((m["state"], m["stepsCompleted"]), ("ok", steps), m.get("error"))
+                first, second = m["attempts"][0], m["attempts"][1]
+                self.assertEqual(first["error"]["kind"], "signaled" if i == 1 else "node_failed", first)
+                self.assertEqual((second["reason"], second["fromStep"]), ("job_restart", 8), second)
+            one = os.path.join(hosts.dir, "one", "run")
+            ref = subprocess.run([MEGACPP, "run", recipe, "--ranks", str(RANKS * n), "--steps", str(steps),
+                                  "--run-dir", one, "--progress", "none"],
+                                 capture_output=True, text=True, timeout=240)
+            self.assertEqual(ref.returncode, 0, ref.stdout + ref.stderr)
+            compared = sum(self.assert_part_matches(latest(run), latest(one), i)
+                           for i, run in enumerate(runs))
+            print("job restart on every node from step 8; %d tensors of step %d bit-identical to one "
+                  "node of %d ranks" % (compared, steps, RANKS * n))
+
+    def test_a_lost_node_is_not_restarted_in_place(self):
+        # Node 1 killed whole: its supervisor is gone, so node 0 does not restart the job in
+        # place (the engine does that); it ends with node_lost and says why.
+        with Hosts(self.N) as hosts:
+            procs = self.start_nodes(hosts, 100000,
+                                     extra={i: ["--max-job-restarts", "2"] for i in range(self.N)})
+            self.wait_training(procs)
+            hosts.signal("node1", signal.SIGKILL)
+            procs[1][3].wait(timeout=10)
+            _, run0, log0, p0 = procs[0]
+            rc = p0.wait(timeout=60)
+            with open(log0) as f:
+                text = f.read()
+            self.assertNotEqual(rc, 0, text[-3000:])
+            with open(os.path.join(run0, "manifest.json")) as f:
+                m = json.load(f)
+            self.assertEqual(m["error"]["kind"], "node_lost", m["error"])
+            self.assertEqual(len(m["attempts"]), 1, m["attempts"])
+            self.assertIn("no job restart: a node was lost", text)
 
     def test_torchrun_starts_one_megacpp_per_node(self):
         # torchrun's c10d rendezvous across the hosts, megacpp as its worker (--no-python); the

@@ -76,7 +76,7 @@ void render_recovery(const FoldState& s, uint32_t a, schema::Recovery::Builder o
     out.setPrepareSeconds(seconds(f.detected_mono, started) - *prev->second.teardown_seconds);
   }
   // Every rank of the attempt must have spoken; the slowest one sets each boundary.
-  // A node of a job across nodes (one attempt: it cannot resume yet) folds its own ranks.
+  // A node of a job across nodes folds its own ranks.
   const uint32_t ranks = s.run.ranks != s.run.world ? s.run.ranks : at.world;
   const bool from_checkpoint = s.from_step(a).value_or(0) > 0;
   int64_t ready = started;
