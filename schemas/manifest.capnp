@@ -1,5 +1,6 @@
 @0xaad75c7143265e0e;
-# RUN/manifest.json and RUN/receipts/*.json: written only by the collector's fold.
+# RUN/manifest.json and RUN/receipts/*.json: written only by the collector's fold (JobManifest,
+# RUN/job.json of a job across nodes, is node 0's supervisor's).
 #
 # Typed failures: these structs exist only as JSON documents (never as binary messages), and
 # a JSON key is its field's name and its position its ordinal. So StageSnapshot.state/role
@@ -250,4 +251,35 @@ struct RankFirstForward {
   rendezvousSeconds @2 :Float64;     # launch -> its process groups joined
   firstForwardSeconds @3 :Float64;   # launch -> first forward done
   firstBackwardSeconds @4 :Float64;  # launch -> first backward done
+}
+
+# RUN/job.json on node 0 of a job across nodes: the job-wide manifest, one section per node,
+# written by node 0's supervisor from what every node published through the job's store (its
+# job watch: beats, steps, committed parts), as the job goes and when it ends. Each node's own
+# RUN/manifest.json (the collector's) stays the record of its ranks.
+struct JobManifest {
+  schemaVersion @0 :UInt32;
+  runId @1 :Text;               # node 0's run
+  jobId @2 :Text;               # the engine's (SLURM_JOB_ID, TORCHELASTIC_RUN_ID, ...)
+  source @3 :Text;              # where the placement came from (slurm, torchrun, flags, ...)
+  state @4 :Text;               # running | ok | error
+  firstFailure @5 :Text;        # the job's first failure, naming its node ("" while none)
+  nodes @6 :UInt32;
+  ranksPerNode @7 :UInt32;
+  world @8 :UInt32;
+  attempt @9 :UInt32;           # the run's attempt (job restarts in place)
+  slowestStep @10 :UInt32;      # the newest step every rank of every node completed
+  jobLatest @11 :UInt32;        # the step RUN/checkpoints/JOB_LATEST names (0: none yet)
+  updatedAt @12 :Text;
+  nodeList @13 :List(JobNode);
+}
+struct JobNode {
+  node @0 :UInt32;
+  host @1 :Text;
+  firstRank @2 :UInt32;
+  ranks @3 :UInt32;
+  step @4 :UInt32;              # the newest step every rank of the node completed
+  committed @5 :UInt32;         # the newest step it committed its part of
+  state @6 :Text;               # running | finished | lost
+  metrics @7 :Text;             # its /metrics (host:port), as node 0's file_sd lists it
 }

@@ -107,6 +107,16 @@ std::optional<uint32_t> JobWatch::job_committed() const {
   return job_committed_;
 }
 
+void JobWatch::progress(uint32_t step) {
+  std::lock_guard lk(mu_);
+  progress_ = std::max(progress_, step);
+}
+
+std::vector<JobWatch::NodeView> JobWatch::nodes() const {
+  std::lock_guard lk(mu_);
+  return view_;
+}
+
 void JobWatch::finish() {
   {
     std::lock_guard lk(mu_);
@@ -156,16 +166,26 @@ void JobWatch::run(std::string host, uint16_t port) {
     node0_lost(std::string(user_message(e)));
     return;
   }
-  uint32_t published = 0;  // the step committed/<me> holds
+  uint32_t published = 0, published_progress = 0;  // what committed/<me>, progress/<me> hold
+  std::vector<NodeView> view(node_ == 0 ? nodes_ : 0);
   auto publish_commit = [&] {
-    uint32_t mine = 0;
+    uint32_t mine = 0, step = 0;
     {
       std::lock_guard lk(mu_);
       mine = committed_;
+      step = progress_;
     }
     if (mine > published) {
       store->set(key("committed/" + me), std::to_string(mine));
       published = mine;
+    }
+    if (step > published_progress) {
+      store->set(key("progress/" + me), std::to_string(step));
+      published_progress = step;
+    }
+    if (node_ == 0) {
+      view[0].step = step;
+      view[0].committed = mine;
     }
   };
   auto set_job_committed = [&](uint32_t step) {
@@ -180,13 +200,18 @@ void JobWatch::run(std::string host, uint16_t port) {
   uint32_t job_published = 0;
   auto fold_commits = [&] {
     uint32_t lowest = published;
-    for (uint32_t k = 1; k < nodes_ && lowest > 0; ++k)
-      lowest = std::min(lowest, read_step(fmt::format("committed/{}", k)));
+    for (uint32_t k = 1; k < nodes_; ++k) {
+      view[k].committed = read_step(fmt::format("committed/{}", k));
+      view[k].step = read_step(fmt::format("progress/{}", k));
+      lowest = std::min(lowest, view[k].committed);
+    }
     if (lowest > job_published) {
       store->set(key("job_committed"), std::to_string(lowest));
       job_published = lowest;
       set_job_committed(lowest);
     }
+    std::lock_guard lk(mu_);
+    view_ = view;
   };
   std::vector<int64_t> beats(nodes_, -1);
   std::vector<Clock::time_point> changed(nodes_, Clock::now());
@@ -225,6 +250,7 @@ void JobWatch::run(std::string host, uint16_t port) {
         publish_commit();  // its final step, before it says it finished
         store->set(key("finished/" + me), "1");
         finished_self = true;
+        if (node_ == 0) view[0].finished = true;
       }
       if (finishing) {
         // Node 0 stays until every node that is not lost has finished, then folds their final
@@ -238,7 +264,7 @@ void JobWatch::run(std::string host, uint16_t port) {
           for (uint32_t k = 1; k < nodes_; ++k) {
             if (lost[k] || peers_finished[k]) continue;
             if (store->get(key(fmt::format("finished/{}", k)), std::chrono::milliseconds(0)))
-              peers_finished[k] = true;
+              peers_finished[k] = view[k].finished = true;
             else
               all = false;
           }
@@ -283,13 +309,14 @@ void JobWatch::run(std::string host, uint16_t port) {
         }
         if (now - changed[k] <= limit) continue;
         if (store->get(key(fmt::format("finished/{}", k)), std::chrono::milliseconds(0))) {
-          peers_finished[k] = true;
+          peers_finished[k] = view[k].finished = true;
           continue;
         }
-        lost[k] = true;
+        lost[k] = view[k].lost = true;
         {
           std::lock_guard lk(mu_);
           ++lost_count_;
+          view_ = view;  // before the verdict: whoever reads the verdict sees the node lost
         }
         const double silent = std::chrono::duration<double>(now - changed[k]).count();
         const std::string what =

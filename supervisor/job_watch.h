@@ -7,8 +7,8 @@
 // `finished/<r>` (node r's part of the job is done: silence after it is no loss), `failures` (a
 // counter: the node whose add returns 1 offers the job's first failure), `failure`
 // ("<node>\n<what>", set once by that node), `committed/<r>` (the newest step node r committed
-// its part of) and `job_committed` (node 0: the newest step every node committed, the job's
-// LATEST — the second phase of a job's checkpoint).
+// its part of), `job_committed` (node 0: the newest step every node committed, the job's
+// LATEST — the second phase of a job's checkpoint) and `progress/<r>` (node r's newest step).
 //
 // Threads: one of its own, with a StoreClient of its own (a client is for one thread); every
 // public call only takes a mutex. Blocking: the thread's store calls are bounded by the
@@ -80,6 +80,16 @@ class JobWatch {
   void committed(uint32_t step);
   // The newest step every node of the job committed its part of, once there is one.
   std::optional<uint32_t> job_committed() const;
+  // The newest step every rank of this node completed: published within a beat (`progress/<r>`).
+  void progress(uint32_t step);
+  // Node 0's view of every node (its own included), as of its last beat; empty on other nodes.
+  struct NodeView {
+    uint32_t step = 0;       // its progress()
+    uint32_t committed = 0;  // its committed()
+    bool lost = false;       // declared lost by node 0
+    bool finished = false;   // said it finished
+  };
+  std::vector<NodeView> nodes() const;
   // This node's part of the job is done (its final checkpoint committed and passed to
   // committed()): says so to node 0 and stops beating and judging (a node that finished is not
   // lost, and node 0 going away after the job is no loss).
@@ -108,7 +118,9 @@ class JobWatch {
   bool suspect_ = false;
   uint32_t lost_count_ = 0;
   uint32_t committed_ = 0;
+  uint32_t progress_ = 0;
   std::optional<uint32_t> job_committed_;
+  std::vector<NodeView> view_;  // node 0
   std::optional<std::string> report_;
   std::optional<Verdict> verdict_;
   std::thread thread_;

@@ -87,6 +87,7 @@ struct MetricsState {
   uint32_t job_nodes = 0;  // 0: one node (no job series)
   uint32_t job_node_rank = 0;
   uint32_t job_nodes_up = 0;
+  std::vector<uint32_t> job_steps;  // node 0: every node's newest step
 
   // Callers hold mu.
   StageSeries& stage(schema::StageKind kind, uint32_t rank) {
@@ -247,6 +248,11 @@ void Metrics::set_job_nodes(uint32_t nodes, uint32_t node_rank, uint32_t nodes_u
   state_->job_nodes = nodes;
   state_->job_node_rank = node_rank;
   state_->job_nodes_up = nodes_up;
+}
+
+void Metrics::set_job_steps(std::vector<uint32_t> steps) {
+  std::lock_guard lock(state_->mu);
+  state_->job_steps = std::move(steps);
 }
 
 void Metrics::add_job_restart() {
@@ -418,6 +424,17 @@ std::string Metrics::render() const {
     header(out, "megacpp_job_nodes_up", "gauge",
            "Nodes of the job this node knows to be up (node 0: not declared lost).");
     sample(out, "megacpp_job_nodes_up", {{"node", node}}, std::to_string(s.job_nodes_up));
+    if (!s.job_steps.empty()) {
+      header(out, "megacpp_job_node_step", "gauge",
+             "The newest step every rank of a node completed, as node 0 last read it.");
+      for (size_t k = 0; k < s.job_steps.size(); ++k)
+        sample(out, "megacpp_job_node_step", {{"node", std::to_string(k)}},
+               std::to_string(s.job_steps[k]));
+      header(out, "megacpp_job_slowest_step", "gauge",
+             "The newest step every rank of every node completed (the slowest node's).");
+      sample(out, "megacpp_job_slowest_step", {},
+             std::to_string(*std::min_element(s.job_steps.begin(), s.job_steps.end())));
+    }
   }
   header(out, "megacpp_checkpoint_last_committed_step", "gauge",
          "Step of the last committed checkpoint (0 before the first).");

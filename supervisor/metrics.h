@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 #include "schemas/common.capnp.h"
 
@@ -66,6 +67,9 @@ class Metrics {
   // A job across nodes: its node count, this node's rank, and how many nodes this node knows to
   // be up (node 0: every node its job watch has not declared lost). Absent on one node.
   void set_job_nodes(uint32_t nodes, uint32_t node_rank, uint32_t nodes_up);
+  // Node 0 of a job across nodes: every node's newest step (its slowest rank's), as the job
+  // watch last read them: megacpp_job_node_step{node} and megacpp_job_slowest_step.
+  void set_job_steps(std::vector<uint32_t> steps);
 
   // Prometheus text exposition format 0.0.4. Deterministic: families in a fixed order, series
   // sorted by their labels (stage by name, rank numerically). Families without a series yet

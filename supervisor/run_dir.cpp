@@ -35,6 +35,7 @@
 #include "schemas/enums.h"
 #include "schemas/json.h"
 #include "schemas/launch.capnp.h"
+#include "schemas/manifest.capnp.h"
 #include "schemas/run_layout.h"
 #include "supervisor/commands/commands.h"
 #include "supervisor/metrics.h"
@@ -833,6 +834,8 @@ void JobController::publish_metrics_targets(const std::string& prefix) {
       log_warn("node {} did not say where its /metrics is within 10 s; not in the file_sd", k);
       continue;
     }
+    metrics_targets_.resize(placement_.nodes);
+    metrics_targets_[k] = *t;
     sd.push_back({{"targets", {*t}},
                   {"labels",
                    {{"run", run_id_},
@@ -843,6 +846,47 @@ void JobController::publish_metrics_targets(const std::string& prefix) {
   write_file_atomic(run_ / "metrics_sd.json", sd.dump(2) + "\n");
   log_info("Prometheus file_sd of the job's {} nodes: {}", sd.size(),
            (run_ / "metrics_sd.json").string());
+}
+
+void JobController::write_job_manifest(std::string_view state) {
+  if (!job_watch_ || placement_.node_rank != 0) return;
+  const int64_t now = mono_ns();
+  if (state == "running" && now - job_manifest_ns_ < 1'000'000'000) return;
+  job_manifest_ns_ = now;
+  const auto view = job_watch_->nodes();
+  capnp::MallocMessageBuilder msg;
+  auto j = msg.initRoot<schema::JobManifest>();
+  j.setSchemaVersion(schema::SCHEMA_VERSION);
+  j.setRunId(run_id_);
+  j.setJobId(placement_.job_id);
+  j.setSource(placement_.source);
+  j.setState(std::string(state));
+  if (failure_)
+    j.setFirstFailure(fmt::format("{}: {}", schemas::name(failure_->kind), failure_->message));
+  j.setNodes(placement_.nodes);
+  j.setRanksPerNode(opt_.ranks);
+  j.setWorld(world_);
+  j.setAttempt(attempt_);
+  uint32_t slowest = view.empty() ? 0 : UINT32_MAX;
+  for (const auto& n : view) slowest = std::min(slowest, n.step);
+  j.setSlowestStep(slowest);
+  j.setJobLatest(job_latest_);
+  j.setUpdatedAt(rfc3339(wall_ns()));
+  auto list = j.initNodeList(placement_.nodes);
+  for (uint32_t k = 0; k < placement_.nodes; ++k) {
+    auto n = list[k];
+    n.setNode(k);
+    if (k < placement_.hosts.size()) n.setHost(placement_.hosts[k]);
+    n.setFirstRank(k * opt_.ranks);
+    n.setRanks(opt_.ranks);
+    if (k < view.size()) {
+      n.setStep(view[k].step);
+      n.setCommitted(view[k].committed);
+      n.setState(view[k].lost ? "lost" : view[k].finished ? "finished" : "running");
+    }
+    if (k < metrics_targets_.size()) n.setMetrics(metrics_targets_[k]);
+  }
+  write_file_atomic(run_ / "job.json", schemas::to_json(j.asReader()));
 }
 
 void JobController::open_journals() {

@@ -394,9 +394,17 @@ void JobController::watch() {
 void JobController::update_metrics() {
   const double now_wall = static_cast<double>(wall_ns()) / 1e9;
   const int64_t now = mono_ns();
-  if (job_watch_)
+  if (job_watch_) {
     metrics_->set_job_nodes(placement_.nodes, placement_.node_rank,
                             placement_.nodes - job_watch_->lost_nodes());
+    publish_progress();
+    if (placement_.node_rank == 0) {
+      std::vector<uint32_t> steps;
+      for (const auto& n : job_watch_->nodes()) steps.push_back(n.step);
+      metrics_->set_job_steps(std::move(steps));
+      write_job_manifest("running");
+    }
+  }
   for (const auto& c : children_) {
     metrics_->set_up(c.stage, c.rank, c.alive);
     metrics_->set_heartbeat(c.stage, c.rank,
@@ -429,6 +437,14 @@ void JobController::poll_commits() {
                                static_cast<double>(rec.getWallNs()) / 1e9);
     }
   });
+}
+
+void JobController::publish_progress() {
+  if (!job_watch_) return;
+  uint32_t step = UINT32_MAX;  // this node's slowest rank's
+  for (const auto& c : children_)
+    if (c.stage == StageKind::TRAINER) step = std::min(step, c.step);
+  if (step != UINT32_MAX) job_watch_->progress(step);
 }
 
 void JobController::advance_job_latest() {
@@ -663,6 +679,8 @@ int JobController::execute() {
   // finished; every node then names the job's final step in JOB_LATEST.
   if (job_watch_ && !failure_) {
     poll_commits();
+    // The final step as the ranks journaled it: a rank's last heartbeat may precede it.
+    job_watch_->progress(journaled_progress());
     job_watch_->finish();
     if (!job_watch_->wait_finished(std::chrono::seconds(60)))
       log_warn("{}", placement_.node_rank == 0
@@ -672,6 +690,7 @@ int JobController::execute() {
                            "step");
     advance_job_latest();
   }
+  if (job_watch_) write_job_manifest(failure_ ? "error" : "ok");
   if (!failure_) {
     // The live collector folds the final state; the in-process fold below is the same pure
     // function, so it changes nothing when the collector finished.

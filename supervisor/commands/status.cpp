@@ -115,6 +115,26 @@ int status(const fs::path& run_dir) {
     fmt::print("  checkpoint {} (step {})\n", m.getLatestCheckpoint().cStr(),
                m.getLatestCheckpointStep());
   }
+  // Node 0 of a job across nodes: every node, as node 0 last heard from it (RUN/job.json).
+  if (const fs::path job_file = run_dir / "job.json"; fs::exists(job_file)) {
+    schemas::JsonFile<schema::JobManifest> doc(job_file);
+    auto j = doc.get();
+    fmt::print(
+        "  job        {} nodes x {} ranks ({}{}), {}, slowest node at step {}, job LATEST {}\n",
+        j.getNodes(), j.getRanksPerNode(), j.getSource().cStr(),
+        j.getJobId().size() > 0 ? fmt::format(" job {}", j.getJobId().cStr()) : "",
+        j.getState().cStr(), j.getSlowestStep(),
+        j.getJobLatest() > 0 ? fmt::format("step {}", j.getJobLatest()) : "none yet");
+    if (j.getFirstFailure().size() > 0)
+      fmt::print("    first failure of the job: {}\n", j.getFirstFailure().cStr());
+    for (auto n : j.getNodeList()) {
+      fmt::print("    node {:<3} {:<16} ranks {:>3}-{:<3} step {:<6} committed {:<6} {:<9} {}\n",
+                 n.getNode(), n.getHost().size() > 0 ? n.getHost().cStr() : "-", n.getFirstRank(),
+                 n.getFirstRank() + n.getRanks() - 1, n.getStep(), n.getCommitted(),
+                 n.getState().cStr(), n.getMetrics().cStr());
+    }
+    fmt::print("    (as of {})\n", j.getUpdatedAt().cStr());
+  }
   return 0;
 }
 

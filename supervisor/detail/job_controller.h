@@ -150,6 +150,9 @@ class JobController {
   // A job across nodes: this node's /metrics target into the store; node 0 writes them all as
   // RUN/metrics_sd.json (Prometheus file_sd).
   void publish_metrics_targets(const std::string& prefix);
+  // Node 0 of a job across nodes: RUN/job.json (schema::JobManifest), every node's section from
+  // its job watch's view; `state` running | ok | error. At most once a second while running.
+  void write_job_manifest(std::string_view state);
   // Global rank of this node's local rank `local`.
   uint32_t global_rank(uint32_t local) const { return first_rank_ + local; }
   // --device cuda: the trainer's CUDA plugin is built and one device per rank is visible, or a
@@ -239,6 +242,7 @@ class JobController {
   // A job across nodes: RUN/checkpoints/JOB_LATEST names the newest step every node committed,
   // once the job watch says it moved (the second phase of the job's checkpoint).
   void advance_job_latest();
+  void publish_progress();  // a job across nodes: this node's slowest rank's step to the watch
   void release_ipc();
   void release_attempt_ipc();  // the attempt's rings (and shm segments) only
   int report();
@@ -282,10 +286,12 @@ class JobController {
   uint32_t first_rank_ = 0;
   std::string store_host_;
   uint16_t store_port_ = 0;
-  std::string store_prefix_;           // empty: one node ("megacpp/<run id>/")
-  std::string job_prefix_;             // a job across nodes: ipc::job_store_prefix of its key file
-  std::string engine_prefix_;          // job_prefix_/e<the engine's attempt>: this start's keys
-  std::unique_ptr<JoinedJob> joined_;  // a job across nodes: the membership and node 0's store
+  std::string store_prefix_;   // empty: one node ("megacpp/<run id>/")
+  std::string job_prefix_;     // a job across nodes: ipc::job_store_prefix of its key file
+  std::string engine_prefix_;  // job_prefix_/e<the engine's attempt>: this start's keys
+  std::vector<std::string> metrics_targets_;  // node 0: every node's /metrics host:port
+  int64_t job_manifest_ns_ = 0;               // when job.json was last written
+  std::unique_ptr<JoinedJob> joined_;    // a job across nodes: the membership and node 0's store
   std::unique_ptr<JobWatch> job_watch_;  // a job across nodes: beats and the job's first failure
   // Attempts (DESIGN.md "Resume and recovery"): 0 for a run's first launch.
   struct ResumeInfo {

@@ -123,6 +123,19 @@ class MegacppNodesN:
                                  (RANKS * n, RANKS * i, RANKS), host)
                 self.assertTrue(launch["storePrefix"].startswith("megacpp-job-"), launch["storePrefix"])
                 self.assertEqual(launch["storeHost"], hosts.addr(hosts.names[0]))
+            # Node 0's job-wide manifest: every node finished the last step and committed it.
+            with open(os.path.join(results[0][3], "job.json")) as f:
+                job = json.load(f)
+            self.assertEqual((job["state"], job["nodes"], job["slowestStep"], job["jobLatest"]),
+                             ("ok", n, STEPS, STEPS), job)
+            for k, node in enumerate(job["nodeList"]):
+                self.assertEqual((node["node"], node["step"], node["committed"], node["state"]),
+                                 (k, STEPS, STEPS, "finished"), job)
+            status = subprocess.run([MEGACPP, "status", results[0][3]], capture_output=True, text=True)
+            self.assertEqual(status.returncode, 0, status.stderr)
+            self.assertIn("%d nodes x %d ranks" % (n, RANKS), status.stdout)
+            for k in range(n):
+                self.assertIn("node %-3d" % k, status.stdout)
             # Node 0's Prometheus file_sd: every node's /metrics on its own address.
             with open(os.path.join(results[0][3], "metrics_sd.json")) as f:
                 sd = json.load(f)
@@ -242,6 +255,10 @@ class MegacppNodesN:
                 text = urllib.request.urlopen(url, timeout=5).read().decode()
                 self.assertIn('megacpp_job_nodes{node="0"} %d' % self.N, text)
                 self.assertIn('megacpp_job_nodes_up{node="0"} %d' % self.N, text)
+                # The fleet's steps as node 0's job watch reads them: every node, the slowest.
+                for k in range(self.N):
+                    self.assertIn('megacpp_job_node_step{node="%d"}' % k, text)
+                self.assertIn("megacpp_job_slowest_step ", text)
                 t0 = time.monotonic()
                 hurt(hosts)
                 _, run0, log0, p0 = procs[0]
@@ -259,6 +276,13 @@ class MegacppNodesN:
                 self.assertIn(error.get("kind"), expect_kind, (error, text[-3000:]))
                 self.assertIn("node 1", error.get("message", ""), error)
                 self.assertLessEqual(took, bound_s, "node0 ended %.2f s after the harm" % took)
+                # The job-wide manifest on node 0 names the failure and the node.
+                with open(os.path.join(run0, "job.json")) as f:
+                    job = json.load(f)
+                self.assertEqual(job["state"], "error", job)
+                self.assertIn("node 1", job["firstFailure"], job)
+                if expect_kind == {"node_lost"}:
+                    self.assertEqual(job["nodeList"][1]["state"], "lost", job)
                 print("%s: node0 ended %.2f s after the harm; first failure %s: %s"
                       % (self._testMethodName, took, error.get("kind"), error.get("message")))
             finally:

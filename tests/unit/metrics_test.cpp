@@ -290,7 +290,10 @@ TEST(Metrics, AJobAcrossNodesHasItsNodeSeries) {
   Metrics m("0.1.0", "abc123", "2.11.0");
   EXPECT_EQ(m.render().find("megacpp_job_nodes"), std::string::npos);  // one node: none
   m.set_job_nodes(4, 0, 3);
+  m.set_job_steps({12, 9, 12, 11});
   const std::string text = m.render();
+  EXPECT_NE(text.find("megacpp_job_node_step{node=\"1\"} 9\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("megacpp_job_slowest_step 9\n"), std::string::npos) << text;
   EXPECT_NE(text.find("# TYPE megacpp_job_nodes gauge\nmegacpp_job_nodes{node=\"0\"} 4\n"),
             std::string::npos)
       << text;
