@@ -212,7 +212,7 @@ class MegacppNodesN:
         if keys and not os.path.exists(keyfile):
             subprocess.run([MEGACPP, "keys", keyfile], check=True, capture_output=True)
         procs = []
-        for i, host in enumerate(hosts.names):
+        for i, host in enumerate(hosts.names[:self.N]):
             run = os.path.join(hosts.dir, host, "run")
             log = os.path.join(hosts.dir, "%s.log" % host)
             argv = [MEGACPP, "run", "--ranks", str(RANKS), "--steps", str(steps), "--run-dir", run,
@@ -440,6 +440,47 @@ class MegacppNodesN:
             self.assertEqual(m["error"]["kind"], "node_lost", m["error"])
             self.assertEqual(len(m["attempts"]), 1, m["attempts"])
             self.assertIn("no job restart: a node was lost", text)
+
+    def test_a_peer_without_the_jobs_keys_is_refused_and_the_job_goes_on(self):
+        # On a host of its own, beside a running job: a megacpp that claims node 1 with other
+        # keys joins another prefix, finds no node 0 there and gives up; a raw c10d client
+        # writes the job's key names without the secret prefix. The job ends ok, untouched.
+        n = self.N
+        with Hosts(n + 1) as hosts:
+            intruder = hosts.names[n]
+            other = os.path.join(hosts.dir, "other.keys")
+            subprocess.run([MEGACPP, "keys", other], check=True, capture_output=True)
+            procs = self.start_nodes(hosts, 150)
+            self.wait_training(procs, step=2)
+            venv_py = os.path.join(ROOT, ".venv", "bin", "python")
+            raw = hosts.run(intruder, [venv_py, "-c", (
+                "import datetime, torch.distributed as d\n"
+                "s = d.TCPStore('%s', %d, is_master=False, wait_for_workers=False,"
+                " timeout=datetime.timedelta(seconds=5))\n"
+                "for k in ('claim/1', 'identity/1', 'watch/failure', 'watch/a0/failure', 'done/0'):\n"
+                "    s.set(k, 'lost 1\\nforged')\n"
+                "s.add('watch/failures', 1)\n"
+                "print('wrote')\n") % (hosts.addr(hosts.names[0]), PORT)],
+                capture_output=True, text=True, timeout=60)
+            self.assertIn("wrote", raw.stdout, raw.stderr[-2000:])
+            master = "%s:%d" % (hosts.addr(hosts.names[0]), PORT)
+            p = hosts.run(intruder, [MEGACPP, "run", "--ranks", str(RANKS), "--steps", "150", "--run-dir",
+                                     os.path.join(hosts.dir, intruder, "run"), "--nodes", str(n),
+                                     "--node-rank", "1", "--master", master, "--iface", "eth0",
+                                     "--job-keys", other, "--progress", "none"],
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, MEGACPP_STORE_TIMEOUT_S="3"))
+            self.assertNotEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.assertIn("node 0", p.stderr.strip().splitlines()[-1], p.stderr)
+            for host, run, log, proc in procs:
+                rc = proc.wait(timeout=180)
+                with open(log) as f:
+                    self.assertEqual(rc, 0, "%s:\n%s" % (host, f.read()[-3000:]))
+                with open(os.path.join(run, "manifest.json")) as f:
+                    m = json.load(f)
+                self.assertEqual((m["state"], m["stepsCompleted"]), ("ok", 150), m.get("error"))
+            print("another key file's node: %s; a raw store client's writes: no effect; the job "
+                  "ended ok" % p.stderr.strip().splitlines()[-1])
 
     def test_torchrun_starts_one_megacpp_per_node(self):
         # torchrun's c10d rendezvous across the hosts, megacpp as its worker (--no-python); the
