@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <exception>
 #include <optional>
+#include <random>
+#include <thread>
 #include <utility>
 
 #include <fmt/format.h>
@@ -190,7 +192,8 @@ JoinedJob::JoinedJob(JoinedJob&&) noexcept = default;
 JoinedJob& JoinedJob::operator=(JoinedJob&&) noexcept = default;
 
 JoinedJob join_job(const NodePlacement& placement, const NodeIdentity& identity,
-                   std::string_view secret_prefix, milliseconds timeout) {
+                   std::string_view secret_prefix, milliseconds timeout,
+                   std::string_view last_round) {
   const auto deadline = Clock::now() + timeout;
   const std::string master = placement.master();
   if (placement.master_host.empty())
@@ -210,7 +213,7 @@ JoinedJob join_job(const NodePlacement& placement, const NodeIdentity& identity,
 
   const uint32_t me = placement.node_rank;
   const uint32_t nodes = placement.nodes;
-  const std::string prefix(secret_prefix);
+  std::string prefix(secret_prefix);  // then the round's
   const auto key = [&](std::string_view what, uint32_t node) {
     return fmt::format("{}/{}/{}", prefix, what, node);
   };
@@ -227,6 +230,26 @@ JoinedJob join_job(const NodePlacement& placement, const NodeIdentity& identity,
     throw;
   }
   StoreClient& store = *client;
+
+  // This start's round (see the declaration): node 0's fresh nonce.
+  std::string round;
+  const std::string round_key = prefix + "/round";
+  if (me == 0) {
+    std::random_device rd;
+    round = fmt::format("{:08x}{:08x}", rd(), rd());
+    store.set(round_key, round);
+  } else {
+    for (;;) {
+      const auto v = store.get(round_key, left(deadline));
+      if (v && *v != last_round) {
+        round = *v;
+        break;
+      }
+      if (left(deadline) <= milliseconds(0)) throw NodesMissing({0}, master, timeout);
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+  }
+  prefix = fmt::format("{}/r{}", prefix, round);
 
   if (store.add(key("claim", me), 1) != 1)
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
@@ -277,7 +300,9 @@ JoinedJob join_job(const NodePlacement& placement, const NodeIdentity& identity,
         (void)store.get(key("done", r), left(linger));
   }
   if (verdict) std::rethrow_exception(verdict);
-  return JoinedJob(std::move(joined), std::move(server), std::move(client));
+  JoinedJob job(std::move(joined), std::move(server), std::move(client));
+  job.round_ = std::move(round);
+  return job;
 }
 
 }  // namespace megacpp::supervisor

@@ -16,8 +16,8 @@
 // no node loses the store before it has read what it needs to reach its verdict. A node that
 // starts after node 0's deadline finds no store and names node 0 as missing.
 //
-// One join per prefix: a job restarted against a store that outlived the previous attempt joins
-// under a new prefix (the attempt appended), else its claims count as duplicates.
+// One join per round: a job restarted against a store that outlived the previous start joins
+// under node 0's new round (join_job), else its claims would count as duplicates.
 #pragma once
 
 #include <chrono>
@@ -97,8 +97,14 @@ class JoinedJob {
 
   const std::vector<NodeIdentity>& nodes() const noexcept { return nodes_; }
   StoreClient& store() noexcept { return *client_; }
+  // The round this start of the job joined (node 0's nonce): every key of the job's start lives
+  // under `<secret_prefix>/r<round>/`.
+  const std::string& round() const noexcept { return round_; }
 
  private:
+  friend JoinedJob join_job(const NodePlacement&, const NodeIdentity&, std::string_view,
+                            std::chrono::milliseconds, std::string_view);
+  std::string round_;
   std::vector<NodeIdentity> nodes_;
   std::unique_ptr<StoreServer> server_;  // node 0 only
   std::unique_ptr<StoreClient> client_;
@@ -118,7 +124,15 @@ class JoinedJob {
 // a wildcard master address (0.0.0.0, ::), an empty prefix, a value holding a newline, or a
 // node rank claimed twice (this node was the second), Error{kProtocol} for an identity record
 // megacpp does not write, and what StoreServer/StoreClient throw (node 0's store lost midway).
+//
+// Rounds: an engine restarts a job's nodes against a store that may outlive the previous start
+// (torchrun's agent store), and its restart count is not the same on every node (torchrun
+// counts a node's own failures only). So node 0 sets `<secret_prefix>/round` to a fresh nonce
+// at every start, and every other node joins the newest round that is not `last_round` (the
+// one it joined last, which its caller keeps; empty: any), waiting for node 0 until the
+// deadline. A node that restarts alone waits for node 0's next start.
 JoinedJob join_job(const NodePlacement& placement, const NodeIdentity& identity,
-                   std::string_view secret_prefix, std::chrono::milliseconds timeout);
+                   std::string_view secret_prefix, std::chrono::milliseconds timeout,
+                   std::string_view last_round = {});
 
 }  // namespace megacpp::supervisor

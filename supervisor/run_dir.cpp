@@ -481,9 +481,37 @@ void JobController::prepare() {
   placement_ = resolve_placement(opt_.placement, environment_of(environ));
   check_job_across_nodes();
   plan_collectives();
+  // An engine's restart of the same command (torchrun --max-restarts, a requeued Slurm job, a
+  // restarted pod): the run directory holds this job's run, which continues from its newest
+  // checkpoint that every node has, as `--resume` would. Not judged by the engine's restart
+  // count: torchrun counts a node's own failures only, so a node restarted for another's
+  // failure still says 0.
+  bool engine_restart = false;
+  const bool engine = placement_.source == "torchrun" || placement_.source == "slurm" ||
+                      placement_.source == "kubernetes";
+  if (opt_.resume.empty() && engine && !opt_.run_dir.empty() &&
+      fs::exists(layout::launch_path(opt_.run_dir))) {
+    log_info("{} started the job again (its restart count: {}): resuming run {}", placement_.source,
+             placement_.attempt, opt_.run_dir.string());
+    opt_.resume = opt_.run_dir;
+    engine_restart = true;
+  }
   const bool resuming = !opt_.resume.empty();
   if (resuming) {
     adopt_previous_attempt();
+    // The command the engine restarted names the run's recipe, or it is another job's command.
+    if (engine_restart) {
+      recipe::Recipe given = recipe::load(recipe::resolve(opt_.recipe, MEGACPP_RECIPE_DIR));
+      if (!opt_.data_source.empty()) given.data.source = opt_.data_source;
+      if (!opt_.data_path.empty()) given.data.path = data::command_line_data_path(opt_.data_path);
+      if (!opt_.mode.empty()) given.model.mode = opt_.mode;
+      given = recipe::rehash(std::move(given));
+      if (given.hash != recipe_.hash)
+        MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                     "run directory {} holds run {} of recipe {} (hash {}), and this restarted "
+                     "command runs {} (hash {}): give the job a fresh --run-dir",
+                     run_.string(), run_id_, recipe_.name, recipe_.hash, given.name, given.hash);
+    }
   } else {
     auto recipe_path = recipe::resolve(opt_.recipe, MEGACPP_RECIPE_DIR);
     recipe_ = recipe::load(recipe_path);
@@ -791,19 +819,25 @@ void JobController::host_or_join_store() {
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   me.host = host;
-  // One join per engine attempt (a torchrun restart, a requeued Slurm job): a store that outlived
-  // the previous attempt holds its claims (membership.h).
-  const std::string prefix = fmt::format("{}/e{}", job_prefix_, placement_.attempt);
+  // One join per start of the job, under node 0's round (membership.h): an engine's restart
+  // may find a store that outlived the previous start, and its restart count may differ
+  // between nodes. The round this node joined last is kept in its run directory.
+  const fs::path round_file = run_ / "job_round";
+  std::string last_round;
+  if (fs::exists(round_file)) last_round = read_file(round_file);
   log_info("joining the job as node {} of {} through {}:{} ({})", placement_.node_rank,
            placement_.nodes, placement_.master_host, placement_.master_port, placement_.source);
   joined_ = std::make_unique<JoinedJob>(join_job(
-      placement_, me, prefix,
-      std::chrono::milliseconds(static_cast<int64_t>(knob_seconds(Knob::kStoreTimeoutS) * 1e3))));
+      placement_, me, job_prefix_,
+      std::chrono::milliseconds(static_cast<int64_t>(knob_seconds(Knob::kStoreTimeoutS) * 1e3)),
+      last_round));
+  write_file_atomic(round_file, joined_->round());
+  const std::string prefix = fmt::format("{}/r{}", job_prefix_, joined_->round());
   log_info("every node of the job runs the same build, recipe and data; ranks {}..{} of {} here",
            first_rank_, first_rank_ + opt_.ranks - 1, world_);
   store_host_ = placement_.master_host;
   store_port_ = static_cast<uint16_t>(placement_.master_port);
-  // The ranks' keys under the job's prefix, apart from the membership's (join_job: claim,
+  // The ranks' keys under the round's prefix, apart from the membership's (join_job: claim,
   // identity, done); an attempt of the run names its own below it.
   store_prefix_ = prefix + "/ranks/";
   engine_prefix_ = prefix;

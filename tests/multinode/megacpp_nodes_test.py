@@ -529,6 +529,58 @@ class MegacppNodesN:
             self.assertEqual(sorted(ranks), [(RANKS * i, RANKS) for i in range(self.N)])
             print("torchrun, %d agents, one megacpp each: %.2f s" % (self.N, took))
 
+    def test_torchrun_restarts_every_megacpp_which_resumes_the_job(self):
+        # torchrun --max-restarts 1 as the engine: rank 2 hangs in step 11 and is killed once
+        # step 8 is committed on every node; every megacpp ends (the job's first failure), every
+        # agent restarts its worker, and each megacpp, finding its run in its run directory,
+        # resumes from step 8 (TORCHELASTIC_RESTART_COUNT > 0). The job ends ok, with one node's
+        # bits of the same world.
+        n, steps = self.N, 14
+        venv_py = os.path.join(ROOT, ".venv", "bin", "python")
+        with Hosts(self.N) as hosts:
+            recipe = self.tiny_every_4(hosts)
+            keyfile = os.path.join(hosts.dir, "job.keys")
+            subprocess.run([MEGACPP, "keys", keyfile], check=True, capture_output=True)
+            worker = ('exec "$0" run %s --ranks %d --steps %d --run-dir %s/$(hostname)/run '
+                      '--iface eth0 --job-keys %s --progress plain' % (recipe, RANKS, steps, hosts.dir, keyfile))
+            procs = []
+            for i, host in enumerate(hosts.names):
+                log = os.path.join(hosts.dir, "torchrun-%s.log" % host)
+                env = dict(os.environ)
+                if i == 1:
+                    env["MEGACPP_FAULT"] = "trainer:%d:forward:11:hang" % RANKS
+                with open(log, "w") as f:
+                    procs.append((host, os.path.join(hosts.dir, host, "run"), log, hosts.popen(host, [
+                        venv_py, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", "1",
+                        "--rdzv-backend", "c10d", "--rdzv-endpoint", "%s:%d" % (hosts.addr(hosts.names[0]), 29400),
+                        "--rdzv-id", hosts.prefix, "--max-restarts", "1", "--no-python", "sh", "-c", worker,
+                        MEGACPP], stdout=f, stderr=subprocess.STDOUT, env=env)))
+            self.kill_hung_rank_once_committed(procs, RANKS, 8)
+            for host, run, log, p in procs:
+                try:
+                    rc = p.wait(timeout=240)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    rc = -9
+                with open(log) as f:
+                    self.assertEqual(rc, 0, "%s:\n%s" % (host, f.read()[-4000:]))
+            runs = [run for _, run, _, _ in procs]
+            for i, run in enumerate(runs):
+                with open(os.path.join(run, "manifest.json")) as f:
+                    m = json.load(f)
+                self.assertEqual((m["state"], m["stepsCompleted"]), ("ok", steps), m.get("error"))
+                self.assertEqual((m["attempts"][-1]["reason"], m["attempts"][-1]["fromStep"]),
+                                 ("resume", 8), m["attempts"])
+            one = os.path.join(hosts.dir, "one", "run")
+            ref = subprocess.run([MEGACPP, "run", recipe, "--ranks", str(RANKS * n), "--steps", str(steps),
+                                  "--run-dir", one, "--progress", "none"],
+                                 capture_output=True, text=True, timeout=240)
+            self.assertEqual(ref.returncode, 0, ref.stdout + ref.stderr)
+            compared = sum(self.assert_part_matches(latest(run), latest(one), i)
+                           for i, run in enumerate(runs))
+            print("torchrun restarted every megacpp; each resumed from step 8; %d tensors of step %d "
+                  "bit-identical to one node of %d ranks" % (compared, steps, RANKS * n))
+
     def test_a_node_with_another_recipe_is_refused_on_every_node(self):
         with Hosts(self.N) as hosts:
             results = self.run_nodes(hosts, extra={1: ["--mode", "nemo_native"]}, timeout=120)

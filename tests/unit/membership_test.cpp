@@ -246,8 +246,11 @@ TEST(Membership, AClientUnderAnotherPrefixSeesNothingOfTheJob) {
   ASSERT_TRUE(out[0].job && out[1].job);  // node 0's store is up while out lives
 
   StoreClient stranger("127.0.0.1", port, milliseconds(5000));
+  // Every node joined node 0's round, under the job's prefix.
+  EXPECT_EQ(out[0].job->round(), out[1].job->round());
+  const std::string round = std::string(kPrefix) + "/r" + out[0].job->round();
   // The job's key is there under the job's prefix (so a miss below is the prefix's doing) ...
-  EXPECT_TRUE(stranger.get(std::string(kPrefix) + "/identity/0", milliseconds(0)));
+  EXPECT_TRUE(stranger.get(round + "/identity/0", milliseconds(0)));
   // ... and nothing of it under any other.
   for (const std::string other : {"job-0000000000000000", "", "job"}) {
     for (const char* what : {"/identity/0", "/identity/1", "/claim/0", "/done/1"})
@@ -260,7 +263,21 @@ TEST(Membership, AClientUnderAnotherPrefixSeesNothingOfTheJob) {
   } catch (const NodesMissing& e) {
     EXPECT_EQ(e.missing(), std::vector<uint32_t>{0}) << e.message();
   }
-  EXPECT_EQ(out[0].job->store().add(std::string(kPrefix) + "/claim/1", 0), 1);
+  EXPECT_EQ(out[0].job->store().add(round + "/claim/1", 0), 1);
+}
+
+// A node that restarts alone does not rejoin the round it joined last (its claims are there):
+// it waits for node 0's next start, and names node 0 missing at the deadline.
+TEST(Membership, ANodeRestartedAloneWaitsForNodeZerosNextRound) {
+  const uint16_t port = free_port();
+  auto out = run_job(same(2), milliseconds(10000), port);
+  ASSERT_TRUE(out[0].job && out[1].job);
+  try {
+    join_job(place(2, 1, port), identity(1), kPrefix, milliseconds(500), out[1].job->round());
+    ADD_FAILURE() << "node 1 rejoined the round it had joined";
+  } catch (const NodesMissing& e) {
+    EXPECT_EQ(e.missing(), std::vector<uint32_t>{0}) << e.message();
+  }
 }
 
 TEST(Membership, ANodeRankClaimedTwiceIsRefusedOnTheSecond) {
