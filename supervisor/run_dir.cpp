@@ -120,6 +120,11 @@ fs::path nearest_existing(fs::path p) {
   return p.empty() ? fs::path("/") : p;
 }
 
+// The compiler as the launch contract's provenance records it.
+std::string compiler_name() {
+  return fmt::format("gcc {}.{}.{}", __GNUC__, __GNUC_MINOR__, __GNUC_PATCHLEVEL__);
+}
+
 std::string random_hex(size_t n) {
   std::random_device rd;
   std::string out;
@@ -721,7 +726,8 @@ void JobController::prepare() {
     bool dirty = false;
     metrics_ = std::make_unique<Metrics>(MEGACPP_VERSION, git_revision(dirty), torch_version());
     metrics_server_ = std::make_unique<MetricsServer>(*metrics_, host, static_cast<uint16_t>(port));
-    metrics_endpoint_ = fmt::format("http://{}:{}/metrics", host, metrics_server_->port());
+    metrics_target_ = fmt::format("{}:{}", host, metrics_server_->port());
+    metrics_endpoint_ = fmt::format("http://{}/metrics", metrics_target_);
   }
 
   std::error_code ec;
@@ -807,14 +813,12 @@ void JobController::host_or_join_store() {
   NodeIdentity me;
   bool dirty = false;
   const std::string revision = git_revision(dirty);
-  // As `megacpp compare` names the build (commands/compare.cpp).
-  me.build = fmt::format("{}{} {} gcc {}.{}.{} torch {}", revision, dirty ? "+dirty" : "",
-                         MEGACPP_BUILD_TYPE, __GNUC__, __GNUC_MINOR__, __GNUC_PATCHLEVEL__,
-                         torch_version());
+  // As `megacpp compare` names them (commands.h), from what the launch contract records.
+  me.build = build_name(revision, dirty, MEGACPP_BUILD_TYPE, compiler_name(), torch_version());
   me.recipe_hash = recipe_.hash;
-  std::string data;
-  for (const auto& f : dataset_.files) data += fmt::format("{}:{};", f.xxh3, f.tokens);
-  me.dataset_xxh3 = data.empty() ? "-" : xxh3_hex(data);
+  std::vector<DataFile> data;
+  for (const auto& f : dataset_.files) data.push_back({f.xxh3, f.tokens});
+  me.dataset_xxh3 = dataset_digest(data);
   me.ranks_per_node = opt_.ranks;
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
@@ -855,11 +859,8 @@ void JobController::start_job_watch() {
 void JobController::publish_metrics_targets(const std::string& prefix) {
   // Every node's /metrics through the store; node 0 writes them as one Prometheus file_sd
   // target file for the job (RUN/metrics_sd.json), each with its run, node and ranks.
-  const std::string target = metrics_endpoint_.substr(
-      metrics_endpoint_.find("//") + 2,
-      metrics_endpoint_.rfind("/metrics") - metrics_endpoint_.find("//") - 2);
   StoreClient& store = joined_->store();
-  store.set(fmt::format("{}/metrics/{}", prefix, placement_.node_rank), target);
+  store.set(fmt::format("{}/metrics/{}", prefix, placement_.node_rank), metrics_target_);
   if (placement_.node_rank != 0) return;
   nlohmann::json sd = nlohmann::json::array();
   for (uint32_t k = 0; k < placement_.nodes; ++k) {
@@ -1052,7 +1053,7 @@ void JobController::write_launch_contract() {
   p.setGitRevision(git_revision(dirty));
   p.setGitDirty(dirty);
   p.setBuildType(MEGACPP_BUILD_TYPE);
-  p.setCompiler(fmt::format("gcc {}.{}.{}", __GNUC__, __GNUC_MINOR__, __GNUC_PATCHLEVEL__));
+  p.setCompiler(compiler_name());
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   p.setHostname(host);

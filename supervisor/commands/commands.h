@@ -5,8 +5,10 @@
 // run's supervisor; none starts a stage (DESIGN.md "Layout additions").
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "schemas/manifest.capnp.h"
@@ -30,6 +32,18 @@ int watch_status(const std::filesystem::path& run_dir, double interval_s);
 // p50/p99, checkpoint stall, restarts and the loss at steps every run recorded. Each run must
 // have its receipts (ended).
 int compare_runs(const std::vector<std::filesystem::path>& runs, bool force);
+
+// How a comparison class names a run's build ("<revision>[+dirty] <build type> <compiler> torch
+// <version>") and its data (XXH3 over every file's XXH3 and token count, in order; "-" for
+// none). A job's nodes compare the same texts when they join (membership.h), so what `compare`
+// and a join call the same build cannot drift apart.
+std::string build_name(std::string_view revision, bool dirty, std::string_view build_type,
+                       std::string_view compiler, std::string_view torch_version);
+struct DataFile {
+  std::string xxh3;
+  uint64_t tokens = 0;
+};
+std::string dataset_digest(const std::vector<DataFile>& files);
 
 // `megacpp collect --all DIR`: reconciles and re-folds every run directly under DIR or one
 // folder below on `jobs` threads, then prints one summary line (runs collected, changed,

@@ -63,9 +63,9 @@ RunFacts read_run(const fs::path& run) {
   RunFacts f;
   f.name = run.filename().string();
   const auto p = l.getProvenance();
-  std::string data;
+  std::vector<DataFile> data;
   for (auto file : l.getDataset().getFiles())
-    data += fmt::format("{}:{};", file.getXxh3().cStr(), file.getTokens());
+    data.push_back({file.getXxh3().cStr(), static_cast<uint64_t>(file.getTokens())});
   const std::string mode = m.getMode().size() > 0 ? std::string(m.getMode()) : "author_dp";
   f.cls = {{"recipe",
             fmt::format("{} ({})", l.getRecipe().getName().cStr(), l.getRecipe().getHash().cStr())},
@@ -76,10 +76,9 @@ RunFacts read_run(const fs::path& run) {
            // In the recipe's hash too; named here so a refusal says what differs.
            {"orthogonalization",
             l.getRecipe().getTrain().getOptim().getMuonBf16() ? "bfloat16" : "float32"},
-           {"build", fmt::format("{}{} {} {} torch {}", p.getGitRevision().cStr(),
-                                 p.getGitDirty() ? "+dirty" : "", p.getBuildType().cStr(),
-                                 p.getCompiler().cStr(), p.getTorchVersion().cStr())},
-           {"data", data.empty() ? "-" : xxh3_hex(data)}};
+           {"build", build_name(p.getGitRevision().cStr(), p.getGitDirty(), p.getBuildType().cStr(),
+                                p.getCompiler().cStr(), p.getTorchVersion().cStr())},
+           {"data", dataset_digest(data)}};
   f.tokens_per_second = r.getTokensPerSecond();
   f.steps = m.getStepsCompleted();
   f.restarts = m.getRestarts() + (m.getAttempts().size() > 0 ? m.getAttempts().size() - 1 : 0);
@@ -112,6 +111,18 @@ std::string num(double v, const char* spec) {
 }
 
 }  // namespace
+
+std::string build_name(std::string_view revision, bool dirty, std::string_view build_type,
+                       std::string_view compiler, std::string_view torch_version) {
+  return fmt::format("{}{} {} {} torch {}", revision, dirty ? "+dirty" : "", build_type, compiler,
+                     torch_version);
+}
+
+std::string dataset_digest(const std::vector<DataFile>& files) {
+  std::string text;
+  for (const auto& f : files) text += fmt::format("{}:{};", f.xxh3, f.tokens);
+  return text.empty() ? "-" : xxh3_hex(text);
+}
 
 int compare_runs(const std::vector<fs::path>& runs, bool force) {
   if (runs.size() < 2)

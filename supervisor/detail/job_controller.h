@@ -332,6 +332,7 @@ class JobController {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<MetricsServer> metrics_server_;
   std::string metrics_endpoint_;
+  std::string metrics_target_;  // host:port of /metrics (the file_sd target)
   std::unique_ptr<StoreServer> store_;
   // This host's node agent and the link to it (`megacpp run`); a test's controller has only
   // link_, its own.

@@ -9,8 +9,8 @@ training its 2 ranks of the job's world, node 0 hosting the job's store. Checked
   field (the membership through node 0's store);
 - a node without the job's keys is refused before anything is written.
 
-Usage: megacpp_nodes_test.py MEGACPP [MegacppNodes | MegacppNodes4 | unittest args] (2 or 4
-hosts). Root only (label multinode).
+Usage: megacpp_nodes_test.py MEGACPP [MegacppNodesSample | MegacppNodes | MegacppNodes4 |
+unittest args] (2 or 4 hosts; the sample is `make test`'s). Root only (label multinode).
 """
 import json
 import os
@@ -601,6 +601,16 @@ class MegacppNodesN:
             self.assertFalse(os.path.exists(run))
 
 
+SAMPLE = [
+    "test_a_job_across_nodes_trains_the_bits_of_one_node",
+    "test_a_killed_node_ends_the_job",
+    "test_a_cut_link_is_a_lost_node",
+    "test_a_failure_on_one_node_is_the_jobs_first_failure_on_every_node",
+    "test_a_job_restart_restarts_every_node_from_the_step_every_node_committed",
+    "test_torchrun_restarts_every_megacpp_which_resumes_the_job",
+]
+
+
 class MegacppNodes(MegacppNodesN, unittest.TestCase):
     N = 2
 
@@ -614,4 +624,8 @@ if __name__ == "__main__":
     if len(sys.argv) < 2 or not os.access(sys.argv[1], os.X_OK):
         sys.exit("usage: megacpp_nodes_test.py MEGACPP: the megacpp executable of the build tree")
     MEGACPP = os.path.abspath(sys.argv.pop(1))
+    # `make test`'s bounded sample (ctest multinode_megacpp); MegacppNodes and MegacppNodes4
+    # run every case (label full: `make multinode`, `make chaos`).
+    if sys.argv[1:] == ["MegacppNodesSample"]:
+        sys.argv[1:] = ["MegacppNodes." + name for name in SAMPLE]
     unittest.main()

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "supervisor/rendezvous.h"
+#include "tests/unit/placement_test_support.h"
 
 namespace {
 
@@ -24,14 +25,7 @@ using Kind = JobWatch::Verdict::Kind;
 using Clock = std::chrono::steady_clock;
 
 NodePlacement place(uint32_t nodes, uint32_t rank, uint16_t port) {
-  NodePlacement p;
-  p.nodes = nodes;
-  p.node_rank = rank;
-  p.master_host = "127.0.0.1";
-  p.master_port = port;
-  p.source = "flags";
-  p.hosts = {"h0", "h1", "h2"};
-  return p;
+  return megacpp::supervisor::test::loopback_placement(nodes, rank, port, {"h0", "h1", "h2"});
 }
 
 // Polls `w` for a verdict for up to `limit`; the verdict and how long it took.

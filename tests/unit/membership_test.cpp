@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "core/fd.h"
 #include "supervisor/rendezvous.h"
+#include "tests/unit/placement_test_support.h"
 
 namespace {
 
@@ -51,13 +52,7 @@ uint16_t free_port() {
 }
 
 NodePlacement place(uint32_t nodes, uint32_t rank, uint16_t port) {
-  NodePlacement p;
-  p.nodes = nodes;
-  p.node_rank = rank;
-  p.master_host = "127.0.0.1";
-  p.master_port = port;
-  p.source = "flags";
-  return p;
+  return megacpp::supervisor::test::loopback_placement(nodes, rank, port);
 }
 
 // Every node its own host name: the full-membership tests also check that hosts are not
