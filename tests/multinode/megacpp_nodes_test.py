@@ -1,6 +1,9 @@
 """megacpp's own job across namespace hosts (netns_hosts.py): one `megacpp run` per host with
 `--nodes N --node-rank R --master <node0's address>:PORT --iface eth0 --job-keys K`, each node
-training its 2 ranks of the job's world, node 0 hosting the job's store. Checked:
+training its 2 ranks of the job's world, node 0 hosting the job's store. Checked (more in each
+test's comment: a killed, hung, cut-off node, a killed node supervisor, a failure on one node,
+--resume, --max-job-restarts and torchrun --max-restarts across nodes, a peer without the keys,
+torchrun as the launcher):
 
 - every node ends ok and commits its own ranks' part of the final checkpoint (its manifest names
   the ranks it holds), and the tensors of every rank are bit-identical to a one-node run of the
@@ -241,7 +244,7 @@ class MegacppNodesN:
         self.fail("the job did not reach step %d" % step)
 
     def failure_case(self, hurt, expect_kind, bound_s):
-        """A 2-node job training; `hurt(hosts)` harms node1; node0 must end within bound_s with
+        """A 2-node job training; `hurt(hosts, procs)` harms node1; node0 must end within bound_s with
         its manifest's first failure of kind expect_kind (a set) naming node 1, and no
         process of the job may be left on any host."""
         with Hosts(self.N) as hosts:
@@ -260,7 +263,7 @@ class MegacppNodesN:
                     self.assertIn('megacpp_job_node_step{node="%d"}' % k, text)
                 self.assertIn("megacpp_job_slowest_step ", text)
                 t0 = time.monotonic()
-                hurt(hosts)
+                hurt(hosts, procs)
                 _, run0, log0, p0 = procs[0]
                 try:
                     rc = p0.wait(timeout=bound_s + 20)
@@ -299,13 +302,20 @@ class MegacppNodesN:
 
     def test_a_killed_node_ends_the_job(self):
         # Its peers' collectives fail at once (their sockets close); the node is silent after 1 s.
-        self.failure_case(lambda hosts: hosts.signal("node1", signal.SIGKILL), {"node_lost"}, bound_s=8)
+        self.failure_case(lambda hosts, _: hosts.signal("node1", signal.SIGKILL), {"node_lost"}, bound_s=8)
 
     def test_a_hung_node_is_lost_within_the_budget(self):
-        self.failure_case(lambda hosts: hosts.signal("node1", signal.SIGSTOP), {"node_lost"}, bound_s=10)
+        self.failure_case(lambda hosts, _: hosts.signal("node1", signal.SIGSTOP), {"node_lost"}, bound_s=10)
 
     def test_a_cut_link_is_a_lost_node(self):
-        self.failure_case(lambda hosts: hosts.cut("node1"), {"node_lost"}, bound_s=10)
+        self.failure_case(lambda hosts, _: hosts.cut("node1"), {"node_lost"}, bound_s=10)
+
+    def test_a_killed_node_supervisor_takes_its_stages_and_is_a_lost_node(self):
+        # Only node 1's `megacpp run` is killed: its stages die with it (they ask for SIGKILL
+        # when their parent dies), its beats stop, and node 0 names node 1 lost; failure_case
+        # checks that no process is left on either host.
+        self.failure_case(lambda hosts, procs: os.kill(procs[1][3].pid, signal.SIGKILL), {"node_lost"},
+                          bound_s=8)
 
     def test_a_failure_on_one_node_is_the_jobs_first_failure_on_every_node(self):
         # Rank 2 (node 1's first) exits at step 5; node 0 names it, through the job's store.
@@ -440,6 +450,8 @@ class MegacppNodesN:
             self.assertEqual(m["error"]["kind"], "node_lost", m["error"])
             self.assertEqual(len(m["attempts"]), 1, m["attempts"])
             self.assertIn("no job restart: a node was lost", text)
+            for _, _, _, p in procs[2:]:
+                p.wait(timeout=30)
 
     def test_a_peer_without_the_jobs_keys_is_refused_and_the_job_goes_on(self):
         # On a host of its own, beside a running job: a megacpp that claims node 1 with other
