@@ -5,7 +5,8 @@ node 0 = node0, the default port), joins node 0's store and trains its 2 ranks o
 Checked: the job COMPLETED, each node's launch contract records source slurm with its ranks,
 each node's part of the final checkpoint verifies, and every rank's tensors equal a one-node
 run of 4 ranks. Then every process of node1 is killed in a second job: node0's megacpp ends
-with `node_lost` naming node 1, the Slurm job ends, no process of it is left.
+with `node_lost` naming node 1, the Slurm job ends, no process of it is left. And a job that
+failed after a checkpoint, requeued (`scontrol requeue`), resumes on every node and COMPLETED.
 
 Usage: megacpp_slurm_test.py MEGACPP [unittest args]. Root only (label multinode).
 """
@@ -20,7 +21,7 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import netns_hosts  # noqa: E402
 import slurm_cluster  # noqa: E402
-from megacpp_nodes_test import latest, steps_completed, tensors  # noqa: E402
+from megacpp_nodes_test import ROOT, latest, steps_completed, tensors, trainer_pid  # noqa: E402
 from slurm_cluster import SlurmCluster  # noqa: E402
 
 MEGACPP = None
@@ -36,21 +37,21 @@ def is_megacpp(pid):
 
 JOB = """#!/bin/sh
 #SBATCH -J megacpp
-srun --ntasks-per-node 1 sh -c 'exec "$0" run tiny --ranks 2 --steps {steps} \\
+srun --ntasks-per-node 1 sh -c 'exec "$0" run {recipe} --ranks 2 --steps {steps} \\
     --run-dir {d}/$(hostname)/run --iface eth0 --job-keys {keys} --progress plain' {megacpp}
 """
 
 
 class MegacppSlurm(unittest.TestCase):
-    def submit(self, c, steps):
+    def submit(self, c, steps, recipe="tiny", env=None):
         keys = os.path.join(c.dir, "job.keys")
         if not os.path.exists(keys):
             subprocess.run([MEGACPP, "keys", keys], check=True, capture_output=True)
         job = os.path.join(c.dir, "megacpp.sh")
         with open(job, "w") as f:
-            f.write(JOB.format(steps=steps, d=c.dir, keys=keys, megacpp=MEGACPP))
+            f.write(JOB.format(recipe=recipe, steps=steps, d=c.dir, keys=keys, megacpp=MEGACPP))
         out = os.path.join(c.dir, "megacpp-%d.out" % steps)
-        p = c.run(["sbatch", "--parsable", "-N", "2", "-o", out, job])
+        p = c.run(["sbatch", "--parsable", "-N", "2", "-o", out, job], env=env)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         return p.stdout.strip().split(";")[0], out
 
@@ -122,6 +123,49 @@ class MegacppSlurm(unittest.TestCase):
                 self.assertEqual(left, [], node)
             print("node1's megacpp killed: the Slurm job %s %.2f s later; node0: %s"
                   % (state, took, error.get("message")))
+
+    def test_a_requeued_job_resumes_on_every_node(self):
+        # Checkpoints every 4 steps; trainer-2 (node1) hangs in step 11 and is killed once step 8
+        # is committed on both nodes: both megacpps fail, the job FAILED. `scontrol requeue`
+        # starts the same script again (SLURM_RESTART_COUNT 1): each megacpp finds its run in its
+        # run directory and resumes from step 8; the job COMPLETED, each node's part of the last
+        # step equal to one node's.
+        steps = 14
+        with SlurmCluster(2) as c:
+            recipe = os.path.join(c.dir, "tiny4.toml")
+            with open(os.path.join(ROOT, "recipes", "tiny.toml")) as f:
+                text = f.read()
+            with open(recipe, "w") as f:
+                f.write(text.replace("checkpoint_every = 20", "checkpoint_every = 4"))
+            job_id, out = self.submit(c, steps, recipe=recipe,
+                                      env={"MEGACPP_FAULT": "trainer:2:forward:11:hang"})
+            runs = [os.path.join(c.dir, node, "run") for node in c.nodes]
+            deadline = time.monotonic() + 120
+            while not all(os.path.isdir(os.path.join(r, "checkpoints", "step_00000008")) for r in runs):
+                if time.monotonic() > deadline:
+                    self.fail("step 8 not committed on both nodes: " + open(out).read()[-3000:])
+                time.sleep(0.05)
+            pid = trainer_pid(runs[1], 2)
+            self.assertTrue(pid, "trainer-2 not found")
+            os.kill(pid, signal.SIGKILL)
+            self.assertNotEqual(c.wait_job(job_id, bound_s=60), "COMPLETED")
+            p = c.run(["scontrol", "requeue", job_id])
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            c.run(["scontrol", "update", "JobId=%s" % job_id, "StartTime=now"])
+            t0 = time.monotonic()
+            state = c.wait_job(job_id, bound_s=180)
+            with open(out) as f:
+                log = f.read()
+            self.assertEqual(state, "COMPLETED", log[-4000:])
+            for i, run in enumerate(runs):
+                with open(os.path.join(run, "manifest.json")) as f:
+                    m = json.load(f)
+                self.assertEqual((m["state"], m["stepsCompleted"]), ("ok", steps), m.get("error"))
+                self.assertEqual((m["attempts"][-1]["reason"], m["attempts"][-1]["fromStep"]),
+                                 ("resume", 8), m["attempts"])
+            self.assertIn("slurm started the job again", log)
+            print("requeued: the Slurm job COMPLETED %.2f s after the requeue, every node resumed "
+                  "from step 8" % (time.monotonic() - t0))
 
 
 if __name__ == "__main__":
