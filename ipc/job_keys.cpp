@@ -152,4 +152,23 @@ std::string job_store_prefix(const JobKeys& keys) {
   return out;
 }
 
+RecordSealer::RecordSealer(const JobKeys& keys) {
+  MEGACPP_CHECK(sodium_init() >= 0, ErrorKind::kInternal, "libsodium did not initialise");
+  constexpr std::string_view kContext = "megacpp job record seal v1";
+  crypto_generichash(key_.data(), key_.size(),
+                     reinterpret_cast<const unsigned char*>(keys.client.secret_key.data()),
+                     keys.client.secret_key.size(),
+                     reinterpret_cast<const unsigned char*>(kContext.data()), kContext.size());
+}
+
+std::string RecordSealer::operator()(std::string_view text) const {
+  unsigned char mac[32];
+  crypto_generichash(mac, sizeof mac, reinterpret_cast<const unsigned char*>(text.data()),
+                     text.size(), key_.data(), key_.size());
+  std::string out;
+  out.reserve(2 * sizeof mac);
+  for (unsigned char b : mac) out += fmt::format("{:02x}", b);
+  return out;
+}
+
 }  // namespace megacpp::ipc

@@ -9,8 +9,10 @@
 // zmq_curve_keypair is Error{kZmq}.
 #pragma once
 
+#include <array>
 #include <filesystem>
 #include <string>
+#include <string_view>
 
 namespace megacpp::ipc {
 
@@ -54,5 +56,17 @@ JobKeys read_job_keys(const std::filesystem::path& path);
 // travels; one-way, so the prefix (which the store's plain-text traffic and its listKeys give
 // away) tells nothing of the key. Distinct jobs get distinct prefixes.
 std::string job_store_prefix(const JobKeys& keys);
+
+// Seals a job's records on node 0's store (supervisor/rendezvous.h SealedRecords): a keyed
+// BLAKE2b (32 bytes, hex) of a text under a key derived from the job's client secret key with
+// its own context (not the store prefix's), so only a holder of the keys makes a valid seal.
+class RecordSealer {
+ public:
+  explicit RecordSealer(const JobKeys& keys);
+  std::string operator()(std::string_view text) const;
+
+ private:
+  std::array<unsigned char, 32> key_{};
+};
 
 }  // namespace megacpp::ipc

@@ -54,12 +54,14 @@ std::optional<JobWatch::Verdict> decode(const std::string& text) {
 
 }  // namespace
 
-JobWatch::JobWatch(const NodePlacement& placement, std::string prefix, Options options)
+JobWatch::JobWatch(const NodePlacement& placement, std::string prefix, Options options,
+                   SealedRecords::Seal seal)
     : node_(placement.node_rank),
       nodes_(placement.nodes),
       prefix_(std::move(prefix)),
       hosts_(placement.hosts),
-      options_(options) {
+      options_(options),
+      seal_(std::move(seal)) {
   MEGACPP_CHECK(nodes_ > 1 && node_ < nodes_ && !prefix_.empty(), ErrorKind::kInvalidArgument,
                 fmt::format("a job watch of node {} of {}", node_, nodes_));
   thread_ = std::thread([this, host = placement.master_host,
@@ -130,6 +132,11 @@ bool JobWatch::wait_finished(std::chrono::milliseconds timeout) {
   return cv_.wait_for(lk, timeout, [&] { return finished_ || stop_; }) && finished_;
 }
 
+uint64_t JobWatch::forged_records() const {
+  std::lock_guard lk(mu_);
+  return forged_;
+}
+
 uint32_t JobWatch::lost_nodes() const {
   std::lock_guard lk(mu_);
   return lost_count_;
@@ -166,6 +173,10 @@ void JobWatch::run(std::string host, uint16_t port) {
     node0_lost(std::string(user_message(e)));
     return;
   }
+  // Every record this watch reads or writes, but the `failures` and `suspect` markers, sealed
+  // with the job's keys (SealedRecords).
+  auto rec = std::make_unique<SealedRecords>(*store, seal_);
+  int64_t beat = 0;
   uint32_t published = 0, published_progress = 0;  // what committed/<me>, progress/<me> hold
   std::vector<NodeView> view(node_ == 0 ? nodes_ : 0);
   auto publish_commit = [&] {
@@ -176,11 +187,11 @@ void JobWatch::run(std::string host, uint16_t port) {
       step = progress_;
     }
     if (mine > published) {
-      store->set(key("committed/" + me), std::to_string(mine));
+      rec->set(key("committed/" + me), std::to_string(mine));
       published = mine;
     }
     if (step > published_progress) {
-      store->set(key("progress/" + me), std::to_string(step));
+      rec->set(key("progress/" + me), std::to_string(step));
       published_progress = step;
     }
     if (node_ == 0) {
@@ -193,7 +204,7 @@ void JobWatch::run(std::string host, uint16_t port) {
     if (step > 0 && (!job_committed_ || step > *job_committed_)) job_committed_ = step;
   };
   auto read_step = [&](const std::string& k) -> uint32_t {
-    const auto v = store->get(key(k), std::chrono::milliseconds(0));
+    const auto v = rec->get(key(k), std::chrono::milliseconds(0));
     return v ? static_cast<uint32_t>(std::stoul(*v)) : 0;
   };
   // Node 0: the newest step every node committed, published when it moves.
@@ -206,7 +217,7 @@ void JobWatch::run(std::string host, uint16_t port) {
       lowest = std::min(lowest, view[k].committed);
     }
     if (lowest > job_published) {
-      store->set(key("job_committed"), std::to_string(lowest));
+      rec->set(key("job_committed"), std::to_string(lowest));
       job_published = lowest;
       set_job_committed(lowest);
     }
@@ -244,11 +255,11 @@ void JobWatch::run(std::string host, uint16_t port) {
       if (report) {
         reported = true;
         if (store->add(key("failures"), 1) == 1)
-          store->set(key("failure"), encode(Verdict::Kind::kNodeFailed, node_, *report));
+          rec->set(key("failure"), encode(Verdict::Kind::kNodeFailed, node_, *report));
       }
       if (finishing && !finished_self) {
         publish_commit();  // its final step, before it says it finished
-        store->set(key("finished/" + me), "1");
+        rec->set(key("finished/" + me), "1");
         finished_self = true;
         if (node_ == 0) view[0].finished = true;
       }
@@ -263,7 +274,7 @@ void JobWatch::run(std::string host, uint16_t port) {
         } else {
           for (uint32_t k = 1; k < nodes_; ++k) {
             if (lost[k] || peers_finished[k]) continue;
-            if (store->get(key(fmt::format("finished/{}", k)), std::chrono::milliseconds(0)))
+            if (rec->get(key(fmt::format("finished/{}", k)), std::chrono::milliseconds(0)))
               peers_finished[k] = view[k].finished = true;
             else
               all = false;
@@ -278,14 +289,18 @@ void JobWatch::run(std::string host, uint16_t port) {
         }
         continue;
       }
-      store->add(key("beat/" + me), 1);
+      rec->set(key("beat/" + me), std::to_string(++beat));
       last_answer = Clock::now();
       publish_commit();
+      {
+        std::lock_guard lk(mu_);
+        forged_ = rec->forged();
+      }
       if (node_ == 0)
         fold_commits();
       else
         set_job_committed(read_step("job_committed"));
-      if (auto f = store->get(key("failure"), std::chrono::milliseconds(0))) {
+      if (auto f = rec->get(key("failure"), std::chrono::milliseconds(0))) {
         if (auto v = decode(*f);
             v && !(v->kind == Verdict::Kind::kNodeFailed && v->node == node_)) {
           if (v->kind == Verdict::Kind::kNodeFailed)
@@ -300,7 +315,11 @@ void JobWatch::run(std::string host, uint16_t port) {
                                    : options_.silence_limit;
       for (uint32_t k = 1; k < nodes_; ++k) {
         if (lost[k] || peers_finished[k]) continue;
-        const int64_t b = store->add(key(fmt::format("beat/{}", k)), 0);
+        // A beat counts only when it is the node's (sealed) and newer: a replayed older one
+        // does not hide a silence.
+        int64_t b = beats[k];
+        if (const auto v = rec->get(key(fmt::format("beat/{}", k)), std::chrono::milliseconds(0)))
+          b = std::max(b, static_cast<int64_t>(std::stoll(*v)));
         const Clock::time_point now = Clock::now();
         if (b != beats[k]) {
           beats[k] = b;
@@ -308,7 +327,7 @@ void JobWatch::run(std::string host, uint16_t port) {
           continue;
         }
         if (now - changed[k] <= limit) continue;
-        if (store->get(key(fmt::format("finished/{}", k)), std::chrono::milliseconds(0))) {
+        if (rec->get(key(fmt::format("finished/{}", k)), std::chrono::milliseconds(0))) {
           peers_finished[k] = view[k].finished = true;
           continue;
         }
@@ -324,7 +343,7 @@ void JobWatch::run(std::string host, uint16_t port) {
                         host_of(k), silent);
         // The job's first failure, unless a node offered one before.
         if (store->add(key("failures"), 1) == 1)
-          store->set(key("failure"), encode(Verdict::Kind::kNodeLost, k, what));
+          rec->set(key("failure"), encode(Verdict::Kind::kNodeLost, k, what));
         decide({Verdict::Kind::kNodeLost, k, what, mono_of(changed[k] + options_.beat)});
       }
     }

@@ -3,7 +3,7 @@
 // lost, and the first failure any node offers becomes the job's, which every other node reads
 // and tears down for. Torch-free (the store through libmegacpp_store.so, rendezvous.h).
 //
-// Keys, under the job's secret prefix: `beat/<r>` (a counter node r adds 1 to every beat),
+// Keys, under the job's secret prefix: `beat/<r>` (node r's beat number, raised every beat),
 // `finished/<r>` (node r's part of the job is done: silence after it is no loss), `failures` (a
 // counter: the node whose add returns 1 offers the job's first failure), `failure`
 // ("<node>\n<what>", set once by that node), `committed/<r>` (the newest step node r committed
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "supervisor/placement.h"
+#include "supervisor/rendezvous.h"
 
 namespace megacpp::supervisor {
 
@@ -57,7 +58,9 @@ class JobWatch {
 
   // Starts beating at once. `prefix` is the job's store prefix (ipc::job_store_prefix).
   // Throws what StoreClient's constructor throws (node 0's store unreachable).
-  JobWatch(const NodePlacement& placement, std::string prefix, Options options);
+  // `seal`: the job's record sealer (ipc::RecordSealer); empty, records go unsealed (tests).
+  JobWatch(const NodePlacement& placement, std::string prefix, Options options,
+           SealedRecords::Seal seal = {});
   JobWatch(const NodePlacement& placement, std::string prefix)
       : JobWatch(placement, std::move(prefix), Options{}) {}
   ~JobWatch();
@@ -101,6 +104,8 @@ class JobWatch {
   bool wait_finished(std::chrono::milliseconds timeout);
   // Nodes node 0 has declared lost (always 0 on other nodes).
   uint32_t lost_nodes() const;
+  // Records read whose seal was not the job's (a peer without the keys wrote them); ignored.
+  uint64_t forged_records() const;
 
  private:
   void run(std::string host, uint16_t port);
@@ -110,6 +115,7 @@ class JobWatch {
   const std::string prefix_;
   const std::vector<std::string> hosts_;
   const Options options_;
+  const SealedRecords::Seal seal_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
@@ -117,6 +123,7 @@ class JobWatch {
   bool finished_ = false;  // the thread set finished/<node> and ended
   bool suspect_ = false;
   uint32_t lost_count_ = 0;
+  uint64_t forged_ = 0;
   uint32_t committed_ = 0;
   uint32_t progress_ = 0;
   std::optional<uint32_t> job_committed_;

@@ -170,6 +170,51 @@ std::optional<std::string> StoreClient::get(const std::string& key,
   return value;
 }
 
+namespace {
+
+// Equal texts, compared in time independent of where they differ.
+bool same_seal(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    diff |= static_cast<unsigned char>(a[i]) ^ static_cast<unsigned char>(b[i]);
+  return diff == 0;
+}
+
+std::string sealed_text(const std::string& key, std::string_view value) {
+  std::string text = key;
+  text += '\n';
+  text += value;
+  return text;
+}
+
+}  // namespace
+
+void SealedRecords::set(const std::string& key, std::string_view value) {
+  if (!seal_) {
+    store_.set(key, value);
+    return;
+  }
+  std::string record(value);
+  record += ' ';
+  record += seal_(sealed_text(key, value));
+  store_.set(key, record);
+}
+
+std::optional<std::string> SealedRecords::get(const std::string& key,
+                                              std::chrono::milliseconds timeout) {
+  auto record = store_.get(key, timeout);
+  if (!record || !seal_) return record;
+  const auto space = record->rfind(' ');
+  if (space != std::string::npos) {
+    const std::string_view value = std::string_view(*record).substr(0, space);
+    if (same_seal(std::string_view(*record).substr(space + 1), seal_(sealed_text(key, value))))
+      return std::string(value);
+  }
+  ++forged_;
+  return std::nullopt;
+}
+
 int64_t StoreClient::add(const std::string& key, int64_t delta) {
   char error[512] = {};
   int64_t result = 0;

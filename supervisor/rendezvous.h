@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -57,6 +58,28 @@ class StoreClient {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+};
+
+// A job's records on a store, sealed: each value is stored as `<value> <seal>`, the seal a keyed
+// hash of key and value under the job's keys (ipc::RecordSealer), so a peer that reaches the
+// store but lacks the keys cannot forge a record; it can still delete, overwrite or replay one
+// (readers keep values monotonic where that matters, and every start has its own round in the
+// key), and load or crash the store. An empty `seal` seals nothing (tests). Same threading as
+// the StoreClient it wraps.
+class SealedRecords {
+ public:
+  using Seal = std::function<std::string(std::string_view)>;
+  SealedRecords(StoreClient& store, Seal seal) : store_(store), seal_(std::move(seal)) {}
+  void set(const std::string& key, std::string_view value);
+  // The value once set (waiting as StoreClient::get); nullopt when absent in time or when its
+  // seal is not the job's (counted in forged()).
+  std::optional<std::string> get(const std::string& key, std::chrono::milliseconds timeout);
+  uint64_t forged() const noexcept { return forged_; }
+
+ private:
+  StoreClient& store_;
+  Seal seal_;
+  uint64_t forged_ = 0;
 };
 
 // Throws what StoreServer's constructor throws when libmegacpp_store.so does not load: `run`

@@ -290,7 +290,7 @@ void JobController::agree_checkpoint(std::string_view why) {
   // Each round every node offers its newest verified part no later than the round's bound
   // (0: none) and reads every node's offer; the lowest bounds the next round. Offers only go
   // down, and every node computes the same from the same offers, so all end on one step.
-  StoreClient& store = joined_->store();
+  SealedRecords& store = *job_records_;
   const auto wait = std::chrono::milliseconds(
       static_cast<int64_t>(std::max(60.0, knob_seconds(Knob::kStoreTimeoutS)) * 1e3));
   const std::string prefix = fmt::format("{}/resume/a{}", engine_prefix_, attempt_);
@@ -340,7 +340,7 @@ void JobController::agree_checkpoint(std::string_view why) {
 
 std::optional<std::string> JobController::agree_job_restart(std::optional<std::string> mine) {
   if (placement_.nodes <= 1 || !joined_) return mine;
-  StoreClient& store = joined_->store();
+  SealedRecords& store = *job_records_;
   const std::string prefix = fmt::format("{}/restart/a{}", engine_prefix_, attempt_);
   store.set(fmt::format("{}/{}", prefix, placement_.node_rank), mine.value_or(""));
   if (mine) return mine;
@@ -800,7 +800,9 @@ void JobController::check_job_across_nodes() {
     refuse(fmt::format("{} nodes x --ranks {} exceeds the {} ranks of a job", placement_.nodes,
                        opt_.ranks, layout::kMaxRanks));
   // Read before anything is written: a missing or unprotected key file is refused here.
-  job_prefix_ = ipc::job_store_prefix(ipc::read_job_keys(opt_.job_keys));
+  const ipc::JobKeys keys = ipc::read_job_keys(opt_.job_keys);
+  job_prefix_ = ipc::job_store_prefix(keys);
+  job_seal_ = ipc::RecordSealer(keys);
 }
 
 void JobController::host_or_join_store() {
@@ -836,6 +838,7 @@ void JobController::host_or_join_store() {
       std::chrono::milliseconds(static_cast<int64_t>(knob_seconds(Knob::kStoreTimeoutS) * 1e3)),
       last_round));
   write_file_atomic(round_file, joined_->round());
+  job_records_ = std::make_unique<SealedRecords>(joined_->store(), job_seal_);
   const std::string prefix = fmt::format("{}/r{}", job_prefix_, joined_->round());
   log_info("every node of the job runs the same build, recipe and data; ranks {}..{} of {} here",
            first_rank_, first_rank_ + opt_.ranks - 1, world_);
@@ -853,13 +856,14 @@ void JobController::start_job_watch() {
   // An attempt's watch of its own: the previous attempt's failure is not this one's.
   job_watch_.reset();
   job_watch_ =
-      std::make_unique<JobWatch>(placement_, fmt::format("{}/watch/a{}", engine_prefix_, attempt_));
+      std::make_unique<JobWatch>(placement_, fmt::format("{}/watch/a{}", engine_prefix_, attempt_),
+                                 JobWatch::Options{}, job_seal_);
 }
 
 void JobController::publish_metrics_targets(const std::string& prefix) {
   // Every node's /metrics through the store; node 0 writes them as one Prometheus file_sd
   // target file for the job (RUN/metrics_sd.json), each with its run, node and ranks.
-  StoreClient& store = joined_->store();
+  SealedRecords& store = *job_records_;
   store.set(fmt::format("{}/metrics/{}", prefix, placement_.node_rank), metrics_target_);
   if (placement_.node_rank != 0) return;
   nlohmann::json sd = nlohmann::json::array();

@@ -288,10 +288,12 @@ class JobController {
   uint16_t store_port_ = 0;
   std::string store_prefix_;   // empty: one node ("megacpp/<run id>/")
   std::string job_prefix_;     // a job across nodes: ipc::job_store_prefix of its key file
-  std::string engine_prefix_;  // job_prefix_/e<the engine's attempt>: this start's keys
+  std::string engine_prefix_;  // job_prefix_/r<round>: this start's keys (membership.h)
   std::vector<std::string> metrics_targets_;  // node 0: every node's /metrics host:port
   int64_t job_manifest_ns_ = 0;               // when job.json was last written
-  std::unique_ptr<JoinedJob> joined_;    // a job across nodes: the membership and node 0's store
+  std::unique_ptr<JoinedJob> joined_;  // a job across nodes: the membership and node 0's store
+  SealedRecords::Seal job_seal_;       // a job across nodes: ipc::RecordSealer of its keys
+  std::unique_ptr<SealedRecords> job_records_;  // the agreements' records, over joined_'s store
   std::unique_ptr<JobWatch> job_watch_;  // a job across nodes: beats and the job's first failure
   // Attempts (DESIGN.md "Resume and recovery"): 0 for a run's first launch.
   struct ResumeInfo {

@@ -55,6 +55,26 @@ TEST(JobKeys, EveryGenerationMakesDistinctKeys) {
   EXPECT_NE(a.server.public_key, a.client.public_key);
 }
 
+// The store prefix and a record's seal: the same for every holder of the keys, different for
+// other keys, and neither shows the key (nor the prefix the seal, or the other way round).
+TEST(JobKeys, ThePrefixAndTheSealAreTheKeysOnly) {
+  const JobKeys a = generate_job_keys();
+  const JobKeys b = generate_job_keys();
+  EXPECT_EQ(megacpp::ipc::job_store_prefix(a), megacpp::ipc::job_store_prefix(a));
+  EXPECT_NE(megacpp::ipc::job_store_prefix(a), megacpp::ipc::job_store_prefix(b));
+  const megacpp::ipc::RecordSealer seal_a(a), seal_a2(a), seal_b(b);
+  const std::string text = "prefix/watch/failure\nlost 1\nnode 1 lost";
+  EXPECT_EQ(seal_a(text).size(), 64u);
+  EXPECT_EQ(seal_a(text), seal_a2(text));
+  EXPECT_NE(seal_a(text), seal_b(text));
+  EXPECT_NE(seal_a(text), seal_a(text + " "));
+  for (const auto& k : {a.client.secret_key, a.server.secret_key}) {
+    EXPECT_EQ(seal_a(text).find(k), std::string::npos);
+    EXPECT_EQ(megacpp::ipc::job_store_prefix(a).find(k), std::string::npos);
+  }
+  EXPECT_EQ(megacpp::ipc::job_store_prefix(a).find(seal_a("")), std::string::npos);
+}
+
 TEST(JobKeys, WrittenOnlyForThisUserAndReadBack) {
   TempDir dir;
   const fs::path path = job_keys_path(dir.path());

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -20,6 +21,7 @@ namespace {
 
 using megacpp::supervisor::JobWatch;
 using megacpp::supervisor::NodePlacement;
+using megacpp::supervisor::StoreClient;
 using megacpp::supervisor::StoreServer;
 using Kind = JobWatch::Verdict::Kind;
 using Clock = std::chrono::steady_clock;
@@ -143,6 +145,42 @@ TEST(JobWatch, TheJobsCommittedStepIsTheNewestEveryNodeCommitted) {
   EXPECT_TRUE(w2.wait_finished(std::chrono::milliseconds(3000)));
   for (const JobWatch* w : {&w0, &w1, &w2}) EXPECT_EQ(w->job_committed(), 12u);
   EXPECT_FALSE(w0.verdict());
+}
+
+// The job's records sealed (a stand-in for ipc::RecordSealer): a peer that writes the watch's
+// key names without the job's seal neither stops the job (a forged failure is no verdict) nor
+// hides a dead node (a forged "finished", or a replayed beat).
+TEST(JobWatch, ForgedRecordsAreNoVerdictAndHideNoLoss) {
+  StoreServer server("127.0.0.1", 0, 3);
+  const auto seal = [](std::string_view text) {
+    return "seal" + std::to_string(std::hash<std::string_view>{}(text));
+  };
+  const JobWatch::Options o;
+  JobWatch w0(place(3, 0, server.port()), "f", o, seal);
+  JobWatch w1(place(3, 1, server.port()), "f", o, seal);
+  auto w2 = std::make_unique<JobWatch>(place(3, 2, server.port()), "f", o, seal);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  StoreClient stranger("127.0.0.1", server.port(), std::chrono::milliseconds(2000));
+  stranger.set("f/failure", "lost 1\nforged by a peer without the keys");
+  stranger.set("f/failure", "lost 1\nforged by a peer without the keys sealbad");
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_FALSE(w0.verdict());
+  EXPECT_FALSE(w1.verdict());
+  EXPECT_GT(w1.forged_records(), 0u);
+  // Node 2 dies; its beat number replayed and a forged "finished" do not hide it.
+  const auto beat = stranger.get("f/beat/2", std::chrono::milliseconds(0));
+  ASSERT_TRUE(beat);
+  w2.reset();
+  stranger.set("f/finished/2", "1");
+  const auto t0 = Clock::now();
+  while (Clock::now() - t0 < std::chrono::milliseconds(1500) && !w0.verdict()) {
+    stranger.set("f/beat/2", *beat);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const auto [v, took] = await(w0, std::chrono::milliseconds(3000));
+  ASSERT_TRUE(v);
+  EXPECT_EQ(v->kind, Kind::kNodeLost);
+  EXPECT_EQ(v->node, 2u);
 }
 
 TEST(JobWatch, NodeZeroGoneIsEveryNodesVerdict) {
