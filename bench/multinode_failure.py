@@ -325,8 +325,15 @@ def slurm_trial(megacpp, cap_s):
             supervisor = json.load(f)["supervisorPid"]
         t0 = time.monotonic()
         harm(c.hosts, "node1", "kill")
-        mega = wait_until(lambda: not os.path.exists("/proc/%d" % supervisor)
-                          or open("/proc/%d/stat" % supervisor).read().split(") ")[1][0] == "Z", cap_s)
+        def ended(pid):
+            """Exited, or a zombie: reaped by its parent or not, it is over."""
+            try:
+                with open("/proc/%d/stat" % pid) as f:
+                    return f.read().split(") ")[1][0] == "Z"
+            except OSError:  # gone, even between two reads
+                return True
+
+        mega = wait_until(lambda: ended(supervisor), cap_s)
 
         def job_over():
             q = c.run(["squeue", "-h", "-j", job_id, "-o", "%T"], timeout=10)
