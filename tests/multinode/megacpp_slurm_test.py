@@ -42,6 +42,12 @@ srun --ntasks-per-node 1 sh -c 'exec "$0" run {recipe} --ranks 2 --steps {steps}
 """
 
 
+def job_state(c, job_id):
+    """The job's JobState as `scontrol show job` says it now."""
+    p = c.run(["scontrol", "show", "job", "-o", job_id], timeout=10)
+    return next((f.split("=", 1)[1] for f in p.stdout.split() if f.startswith("JobState=")), "")
+
+
 class MegacppSlurm(unittest.TestCase):
     def submit(self, c, steps, recipe="tiny", env=None):
         keys = os.path.join(c.dir, "job.keys")
@@ -151,12 +157,33 @@ class MegacppSlurm(unittest.TestCase):
             self.assertNotEqual(c.wait_job(job_id, bound_s=60), "COMPLETED")
             p = c.run(["scontrol", "requeue", job_id])
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-            c.run(["scontrol", "update", "JobId=%s" % job_id, "StartTime=now"])
             t0 = time.monotonic()
+            # The requeue takes effect on slurmctld's next pass: until the job left FAILED, its
+            # end is the first run's. slurmctld holds a requeued job back for its credential's
+            # lifetime (120 s by default); started by hand it must be a second or more after the
+            # previous run ended, or slurmd kills it ("Job credential revoked": revocations are
+            # kept with a one-second resolution).
+            deadline = time.monotonic() + 60
+            while job_state(c, job_id) in ("FAILED", "COMPLETING"):
+                self.assertLess(time.monotonic(), deadline, "the requeued job stayed FAILED")
+                time.sleep(0.05)
+            time.sleep(2.0)
+            c.run(["scontrol", "update", "JobId=%s" % job_id, "StartTime=now"])
             state = c.wait_job(job_id, bound_s=180)
             with open(out) as f:
                 log = f.read()
-            self.assertEqual(state, "COMPLETED", log[-4000:])
+            if state != "COMPLETED":
+                said = []
+                for run in runs:
+                    try:
+                        with open(os.path.join(run, "manifest.json")) as f:
+                            said.append(json.dumps(json.load(f).get("attempts"))[-1500:])
+                    except (OSError, ValueError) as e:
+                        said.append(str(e))
+                with open(os.path.join(c.dir, "log", "slurmctld.log"), errors="replace") as f:
+                    ctld = "".join(f.readlines()[-25:])
+                self.fail("the requeued job ended %s:\n%s\n%s\nslurmctld:\n%s"
+                          % (state, "\n".join(said), log[-1500:], ctld))
             for i, run in enumerate(runs):
                 with open(os.path.join(run, "manifest.json")) as f:
                     m = json.load(f)
