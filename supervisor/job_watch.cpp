@@ -1,14 +1,28 @@
 #include "supervisor/job_watch.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <fcntl.h>
+
+#include <cerrno>
+#include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
 #include <utility>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/fd.h"
 #include "core/util.h"
 #include "supervisor/rendezvous.h"
 
@@ -52,7 +66,144 @@ std::optional<JobWatch::Verdict> decode(const std::string& text) {
   return v;
 }
 
+// `host`'s first IPv4 address (a name or an address), with `port`.
+std::optional<sockaddr_in> resolve4(const std::string& host, uint16_t port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || res == nullptr)
+    return std::nullopt;
+  sockaddr_in a{};
+  std::memcpy(&a, res->ai_addr, sizeof a);
+  ::freeaddrinfo(res);
+  a.sin_port = htons(port);
+  return a;
+}
+
+bool same_text(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    diff |= static_cast<unsigned char>(a[i]) ^ static_cast<unsigned char>(b[i]);
+  return diff == 0;
+}
+
+// Node k's side: a connection to node 0's liveness port carrying its hello, then nothing; an
+// invalid Fd when node 0 cannot be reached within `timeout` (the silence still judges).
+Fd connect_liveness(const std::string& host, uint16_t port, std::string_view hello,
+                    std::chrono::milliseconds timeout) {
+  const auto addr = resolve4(host, port);
+  if (!addr) return Fd();
+  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (fd.get() < 0) return Fd();
+  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr) != 0) {
+    if (errno != EINPROGRESS) return Fd();
+    pollfd p{fd.get(), POLLOUT, 0};
+    int err = 0;
+    socklen_t len = sizeof err;
+    if (::poll(&p, 1, static_cast<int>(timeout.count())) != 1 ||
+        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0)
+      return Fd();
+  }
+  std::string line(hello);
+  line += '\n';
+  if (::send(fd.get(), line.data(), line.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(line.size()))
+    return Fd();
+  return fd;
+}
+
 }  // namespace
+
+// Node 0's side: a listening socket on the master address and a thread that accepts each
+// node's connection, checks its hello (node and seal) and reports the node when its connection
+// closes (EOF or an error: the process that held it is gone).
+class JobWatch::Liveness {
+ public:
+  Liveness(const std::string& host, std::function<std::optional<uint32_t>(std::string_view)> hello,
+           std::function<void(uint32_t, int64_t)> closed)
+      : hello_(std::move(hello)), closed_(std::move(closed)) {
+    const auto addr = resolve4(host, 0);
+    MEGACPP_CHECK(addr.has_value(), ErrorKind::kInvalidArgument,
+                  fmt::format("the job's master address {} does not resolve to IPv4", host));
+    listen_ = Fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    SYSCALL_CHECK(listen_.get());
+    SYSCALL_CHECK(::bind(listen_.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr));
+    SYSCALL_CHECK(::listen(listen_.get(), 64));
+    sockaddr_in bound{};
+    socklen_t len = sizeof bound;
+    SYSCALL_CHECK(::getsockname(listen_.get(), reinterpret_cast<sockaddr*>(&bound), &len));
+    port_ = ntohs(bound.sin_port);
+    int pipe_fds[2];
+    SYSCALL_CHECK(::pipe2(pipe_fds, O_CLOEXEC));
+    wake_read_ = Fd(pipe_fds[0]);
+    wake_write_ = Fd(pipe_fds[1]);
+    thread_ = std::thread([this] { run(); });
+  }
+  ~Liveness() {
+    const char c = 0;
+    if (::write(wake_write_.get(), &c, 1) < 0) {
+      // The pipe is ours and empty: a failed write leaves only the poll timeout below.
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+  Liveness(const Liveness&) = delete;
+  Liveness& operator=(const Liveness&) = delete;
+  uint16_t port() const noexcept { return port_; }
+
+ private:
+  void run() {
+    struct Peer {
+      Fd fd;
+      std::optional<uint32_t> node;  // once its hello checked
+      std::string hello;
+    };
+    std::map<int, Peer> peers;
+    for (;;) {
+      std::vector<pollfd> fds{{wake_read_.get(), POLLIN, 0}, {listen_.get(), POLLIN, 0}};
+      for (const auto& [fd, p] : peers) fds.push_back({fd, POLLIN, 0});
+      if (::poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) return;
+      if (fds[0].revents != 0) return;
+      if (fds[1].revents & POLLIN) {
+        Fd c(::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+        if (c.get() >= 0) {
+          const int fd = c.get();
+          peers[fd].fd = std::move(c);
+        }
+      }
+      for (size_t i = 2; i < fds.size(); ++i) {
+        if (fds[i].revents == 0) continue;
+        auto it = peers.find(fds[i].fd);
+        char buf[256];
+        const ssize_t n = ::recv(fds[i].fd, buf, sizeof buf, 0);
+        if (n > 0 && !it->second.node) {
+          it->second.hello.append(buf, static_cast<size_t>(n));
+          const auto nl = it->second.hello.find('\n');
+          if (nl != std::string::npos) {
+            it->second.node = hello_(std::string_view(it->second.hello).substr(0, nl));
+            if (!it->second.node) peers.erase(it);  // not a node of this job
+          } else if (it->second.hello.size() > 512) {
+            peers.erase(it);
+          }
+          continue;
+        }
+        if (n > 0) continue;  // a node says nothing after its hello
+        if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+        if (it->second.node) closed_(*it->second.node, mono_ns());
+        peers.erase(it);
+      }
+    }
+  }
+  std::function<std::optional<uint32_t>(std::string_view)> hello_;
+  std::function<void(uint32_t, int64_t)> closed_;
+  Fd listen_, wake_read_, wake_write_;
+  uint16_t port_ = 0;
+  std::thread thread_;
+};
+
+std::string JobWatch::hello_text(uint32_t node) const {
+  return fmt::format("liveness\n{}\n{}", prefix_, node);
+}
 
 JobWatch::JobWatch(const NodePlacement& placement, std::string prefix, Options options,
                    SealedRecords::Seal seal)
@@ -64,6 +215,39 @@ JobWatch::JobWatch(const NodePlacement& placement, std::string prefix, Options o
       seal_(std::move(seal)) {
   MEGACPP_CHECK(nodes_ > 1 && node_ < nodes_ && !prefix_.empty(), ErrorKind::kInvalidArgument,
                 fmt::format("a job watch of node {} of {}", node_, nodes_));
+  if (node_ == 0) {
+    try {
+      liveness_ = std::make_unique<Liveness>(
+          placement.master_host,
+          [this](std::string_view line) -> std::optional<uint32_t> {
+            const auto sp = line.find(' ');
+            uint32_t k = 0;
+            try {
+              k = static_cast<uint32_t>(std::stoul(std::string(line.substr(0, sp))));
+            } catch (const std::exception&) {
+              return std::nullopt;
+            }
+            if (k == 0 || k >= nodes_) return std::nullopt;
+            if (seal_ && (sp == std::string_view::npos ||
+                          !same_text(line.substr(sp + 1), seal_(hello_text(k)))))
+              return std::nullopt;
+            return k;
+          },
+          [this](uint32_t k, int64_t when) {
+            {
+              std::lock_guard lk(mu_);
+              closed_.emplace_back(k, when);
+            }
+            cv_.notify_all();
+          });
+    } catch (const std::exception& e) {
+      // Silence alone still judges every node; only the faster word on a killed one is lost.
+      log_warn(
+          "the job watch's liveness port on {} could not be opened ({}); a killed node is "
+          "named after its silence",
+          placement.master_host, user_message(e));
+    }
+  }
   thread_ = std::thread([this, host = placement.master_host,
                          port = static_cast<uint16_t>(placement.master_port)] { run(host, port); });
 }
@@ -176,6 +360,19 @@ void JobWatch::run(std::string host, uint16_t port) {
   // Every record this watch reads or writes, but the `failures` and `suspect` markers, sealed
   // with the job's keys (SealedRecords).
   auto rec = std::make_unique<SealedRecords>(*store, seal_);
+  if (liveness_) rec->set(key("liveness"), std::to_string(liveness_->port()));
+  Fd link;  // a node other than 0: its liveness connection to node 0, once made
+  uint32_t link_tries = 0;
+  auto connect_link = [&] {
+    if (node_ == 0 || !options_.liveness || link.get() >= 0 || link_tries >= 50) return;
+    ++link_tries;
+    const auto p = rec->get(key("liveness"), std::chrono::milliseconds(0));
+    if (!p) return;
+    const std::string hello =
+        seal_ ? fmt::format("{} {}", node_, seal_(hello_text(node_))) : std::to_string(node_);
+    link = connect_liveness(host, static_cast<uint16_t>(std::stoul(*p)), hello,
+                            std::chrono::milliseconds(100));
+  };
   int64_t beat = 0;
   uint32_t published = 0, published_progress = 0;  // what committed/<me>, progress/<me> hold
   std::vector<NodeView> view(node_ == 0 ? nodes_ : 0);
@@ -238,7 +435,7 @@ void JobWatch::run(std::string host, uint16_t port) {
         std::unique_lock lk(mu_);
         cv_.wait_for(lk, options_.beat, [&] {
           return stop_ || (finishing_ && !finished_self) || (!reported && report_) ||
-                 (suspect_ && !told_suspicion);
+                 (suspect_ && !told_suspicion) || (!closed_.empty() && !finishing_);
         });
         if (stop_) return;
         finishing = finishing_;
@@ -291,6 +488,7 @@ void JobWatch::run(std::string host, uint16_t port) {
       }
       rec->set(key("beat/" + me), std::to_string(++beat));
       last_answer = Clock::now();
+      connect_link();
       publish_commit();
       {
         std::lock_guard lk(mu_);
@@ -313,6 +511,49 @@ void JobWatch::run(std::string host, uint16_t port) {
       if (!suspected && store->get(key("suspect"), std::chrono::milliseconds(0))) suspected = true;
       const auto limit = suspected ? std::min(options_.silence_limit, options_.suspected_silence)
                                    : options_.silence_limit;
+      auto declare_lost = [&](uint32_t k, const std::string& what, int64_t evidence_ns) {
+        lost[k] = view[k].lost = true;
+        {
+          std::lock_guard lk(mu_);
+          ++lost_count_;
+          view_ = view;  // before the verdict: whoever reads the verdict sees the node lost
+        }
+        // The job's first failure, unless a node offered one before: then that one is the
+        // job's (a node that failed first and then closed its connection is named for its
+        // failure, not for the close). It is written just after its offer: wait a beat for it.
+        if (store->add(key("failures"), 1) != 1) {
+          if (auto f = rec->get(key("failure"), options_.beat)) {
+            if (auto v = decode(*f)) {
+              if (v->kind == Verdict::Kind::kNodeFailed)
+                v->message = fmt::format("{} failed first: {}", host_of(v->node), v->message);
+              v->evidence_ns = mono_of(Clock::now());
+              decide(std::move(*v));
+              return;
+            }
+          }
+        } else {
+          rec->set(key("failure"), encode(Verdict::Kind::kNodeLost, k, what));
+        }
+        decide({Verdict::Kind::kNodeLost, k, what, evidence_ns});
+      };
+      // A node whose liveness connection closed: its supervisor is gone, unless it finished.
+      std::vector<std::pair<uint32_t, int64_t>> closed;
+      {
+        std::lock_guard lk(mu_);
+        closed.swap(closed_);
+      }
+      for (const auto& [k, when] : closed) {
+        if (lost[k] || peers_finished[k]) continue;
+        if (rec->get(key(fmt::format("finished/{}", k)), std::chrono::milliseconds(0))) {
+          peers_finished[k] = view[k].finished = true;
+          continue;
+        }
+        declare_lost(k,
+                     fmt::format("{} lost: its supervisor's connection to node 0 closed (its "
+                                 "processes died)",
+                                 host_of(k)),
+                     when);
+      }
       for (uint32_t k = 1; k < nodes_; ++k) {
         if (lost[k] || peers_finished[k]) continue;
         // A beat counts only when it is the node's (sealed) and newer: a replayed older one
@@ -331,20 +572,12 @@ void JobWatch::run(std::string host, uint16_t port) {
           peers_finished[k] = view[k].finished = true;
           continue;
         }
-        lost[k] = view[k].lost = true;
-        {
-          std::lock_guard lk(mu_);
-          ++lost_count_;
-          view_ = view;  // before the verdict: whoever reads the verdict sees the node lost
-        }
         const double silent = std::chrono::duration<double>(now - changed[k]).count();
-        const std::string what =
-            fmt::format("{} lost: no beat for {:.2f} s (dead, hung, or cut off from node 0)",
-                        host_of(k), silent);
-        // The job's first failure, unless a node offered one before.
-        if (store->add(key("failures"), 1) == 1)
-          rec->set(key("failure"), encode(Verdict::Kind::kNodeLost, k, what));
-        decide({Verdict::Kind::kNodeLost, k, what, mono_of(changed[k] + options_.beat)});
+        declare_lost(k,
+                     fmt::format("{} lost: no beat for {:.2f} s (dead, hung, or cut off from "
+                                 "node 0)",
+                                 host_of(k), silent),
+                     mono_of(changed[k] + options_.beat));
       }
     }
   } catch (const std::exception& e) {

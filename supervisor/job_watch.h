@@ -10,6 +10,12 @@
 // its part of), `job_committed` (node 0: the newest step every node committed, the job's
 // LATEST — the second phase of a job's checkpoint) and `progress/<r>` (node r's newest step).
 //
+// Liveness: every other node's watch keeps one TCP connection to node 0's watch (its port in
+// `liveness`), opened with a sealed hello naming the node. The kernel closes it when the node's
+// supervisor dies, whatever killed it, so node 0 names a killed node as soon as the close
+// arrives instead of after its silence; a hung node or a cut link closes nothing and is judged
+// by its silence as before. A node that finished closes it too: `finished/<r>` is read first.
+//
 // Threads: one of its own, with a StoreClient of its own (a client is for one thread); every
 // public call only takes a mutex. Blocking: the thread's store calls are bounded by the
 // client's timeout (Options::store_timeout), so a hung or unreachable node 0 is a verdict
@@ -19,6 +25,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -42,6 +49,9 @@ class JobWatch {
     std::chrono::milliseconds store_timeout{2000};
     // The silence that makes a node lost once a node suspected one (suspect()): three beats.
     std::chrono::milliseconds suspected_silence{300};
+    // A node other than 0 keeps its liveness connection to node 0 (above); off, its death is
+    // judged by its silence alone (tests of the silence).
+    bool liveness = true;
   };
   struct Verdict {
     enum class Kind : uint8_t {
@@ -108,8 +118,10 @@ class JobWatch {
   uint64_t forged_records() const;
 
  private:
+  class Liveness;
   void run(std::string host, uint16_t port);
   void decide(Verdict v);
+  std::string hello_text(uint32_t node) const;  // what a node's liveness hello seals
 
   const uint32_t node_, nodes_;
   const std::string prefix_;
@@ -128,6 +140,9 @@ class JobWatch {
   uint32_t progress_ = 0;
   std::optional<uint32_t> job_committed_;
   std::vector<NodeView> view_;  // node 0
+  // Node 0: nodes whose liveness connection closed (node, when), not yet judged.
+  std::vector<std::pair<uint32_t, int64_t>> closed_;
+  std::unique_ptr<Liveness> liveness_;  // node 0
   std::optional<std::string> report_;
   std::optional<Verdict> verdict_;
   std::thread thread_;

@@ -45,10 +45,13 @@ TEST(JobWatch, NodeZeroNamesANodeThatGoesSilent) {
   StoreServer server("127.0.0.1", 0, 3);
   JobWatch w0(place(3, 0, server.port()), "p");
   JobWatch w1(place(3, 1, server.port()), "p");
-  auto w2 = std::make_unique<JobWatch>(place(3, 2, server.port()), "p");
+  // Without its liveness connection, as a hung node or a cut link: only its silence tells.
+  JobWatch::Options silent;
+  silent.liveness = false;
+  auto w2 = std::make_unique<JobWatch>(place(3, 2, server.port()), "p", silent);
   std::this_thread::sleep_for(std::chrono::milliseconds(400));
   EXPECT_FALSE(w0.verdict());  // every node beating: no verdict
-  w2.reset();                  // node 2 stops beating (its supervisor died)
+  w2.reset();                  // node 2 stops beating
   const auto [v, took] = await(w0, std::chrono::milliseconds(3000));
   ASSERT_TRUE(v);
   EXPECT_EQ(v->kind, Kind::kNodeLost);
@@ -62,11 +65,38 @@ TEST(JobWatch, NodeZeroNamesANodeThatGoesSilent) {
   EXPECT_EQ(v1->node, 2u);
 }
 
+// A node whose supervisor dies closes its liveness connection to node 0 (the kernel does, for
+// any death): node 0 names it as the close arrives, well inside the silence limit. One that
+// finished closes it too and is not lost.
+TEST(JobWatch, AKilledNodeIsNamedWhenItsConnectionToNodeZeroCloses) {
+  StoreServer server("127.0.0.1", 0, 3);
+  JobWatch w0(place(3, 0, server.port()), "k");
+  auto w1 = std::make_unique<JobWatch>(place(3, 1, server.port()), "k");
+  auto w2 = std::make_unique<JobWatch>(place(3, 2, server.port()), "k");
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  w1->finish();
+  ASSERT_TRUE(w1->wait_finished(std::chrono::milliseconds(2000)));
+  w1.reset();  // finished, then gone: no loss
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(w0.verdict());
+  w2.reset();  // gone without finishing
+  const auto [v, took] = await(w0, std::chrono::milliseconds(3000));
+  ASSERT_TRUE(v);
+  EXPECT_EQ(v->kind, Kind::kNodeLost);
+  EXPECT_EQ(v->node, 2u);
+  EXPECT_NE(v->message.find("node 2 (h2) lost: its supervisor's connection to node 0 closed"),
+            std::string::npos)
+      << v->message;
+  std::printf("a closed liveness connection named node 2 lost after %.3f s\n", took);
+}
+
 TEST(JobWatch, ASuspicionNamesASilentNodeWithinAFewBeats) {
   StoreServer server("127.0.0.1", 0, 3);
   JobWatch w0(place(3, 0, server.port()), "t");
   JobWatch w1(place(3, 1, server.port()), "t");
-  auto w2 = std::make_unique<JobWatch>(place(3, 2, server.port()), "t");
+  JobWatch::Options silent;  // a hung node: only its silence tells
+  silent.liveness = false;
+  auto w2 = std::make_unique<JobWatch>(place(3, 2, server.port()), "t", silent);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   w2.reset();
   w1.suspect();  // a rank of node 1 lost its peer on node 2
@@ -156,9 +186,11 @@ TEST(JobWatch, ForgedRecordsAreNoVerdictAndHideNoLoss) {
     return "seal" + std::to_string(std::hash<std::string_view>{}(text));
   };
   const JobWatch::Options o;
+  JobWatch::Options silent;  // node 2's death told by its silence only, the replay's target
+  silent.liveness = false;
   JobWatch w0(place(3, 0, server.port()), "f", o, seal);
   JobWatch w1(place(3, 1, server.port()), "f", o, seal);
-  auto w2 = std::make_unique<JobWatch>(place(3, 2, server.port()), "f", o, seal);
+  auto w2 = std::make_unique<JobWatch>(place(3, 2, server.port()), "f", silent, seal);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   StoreClient stranger("127.0.0.1", server.port(), std::chrono::milliseconds(2000));
   stranger.set("f/failure", "lost 1\nforged by a peer without the keys");
