@@ -97,18 +97,27 @@ def wait_until(pred, cap_s):
     return None
 
 
-def megacpp_trial(megacpp, n, how, cap_s):
-    with Hosts(n) as hosts:
-        keys = os.path.join(hosts.dir, "job.keys")
-        subprocess.run([megacpp, "keys", keys], check=True, capture_output=True)
-        procs = []
-        for i, host in enumerate(hosts.names):
-            run = os.path.join(hosts.dir, host, "run")
-            log = open(os.path.join(hosts.dir, host + ".log"), "w")
+def start_megacpp(megacpp, hosts, extra=()):
+    """One `megacpp run tiny --ranks 2` per host, node 0's store on the first host, the job's
+    keys made once; `extra` added to every command. Returns [(run directory, Popen)]."""
+    keys = os.path.join(hosts.dir, "job.keys")
+    subprocess.run([megacpp, "keys", keys], check=True, capture_output=True)
+    procs = []
+    for i, host in enumerate(hosts.names):
+        run = os.path.join(hosts.dir, host, "run")
+        with open(os.path.join(hosts.dir, host + ".log"), "w") as log:
             procs.append((run, hosts.popen(host, [
                 megacpp, "run", "tiny", "--ranks", "2", "--steps", "100000", "--run-dir", run,
-                "--nodes", str(n), "--node-rank", str(i), "--master", "%s:%d" % (hosts.addr(hosts.names[0]), PORT),
-                "--iface", "eth0", "--job-keys", keys, "--progress", "none"], stdout=log, stderr=subprocess.STDOUT)))
+                "--nodes", str(len(hosts.names)), "--node-rank", str(i),
+                "--master", "%s:%d" % (hosts.addr(hosts.names[0]), PORT),
+                "--iface", "eth0", "--job-keys", keys, "--progress", "none"] + list(extra),
+                stdout=log, stderr=subprocess.STDOUT)))
+    return procs
+
+
+def megacpp_trial(megacpp, n, how, cap_s):
+    with Hosts(n) as hosts:
+        procs = start_megacpp(megacpp, hosts)
 
         def training():
             return all(steps_completed(run) >= 3 for run, _ in procs)
@@ -191,17 +200,7 @@ def megacpp_restart_trial(megacpp, n, cap_s):
     first step of the restarted attempt on every node (the manifest's recovery.firstStepAt: the
     wall time of the slowest rank's first step record)."""
     with Hosts(n) as hosts:
-        keys = os.path.join(hosts.dir, "job.keys")
-        subprocess.run([megacpp, "keys", keys], check=True, capture_output=True)
-        procs = []
-        for i, host in enumerate(hosts.names):
-            run = os.path.join(hosts.dir, host, "run")
-            log = open(os.path.join(hosts.dir, host + ".log"), "w")
-            procs.append((run, hosts.popen(host, [
-                megacpp, "run", "tiny", "--ranks", "2", "--steps", "100000", "--run-dir", run,
-                "--nodes", str(n), "--node-rank", str(i), "--master", "%s:%d" % (hosts.addr(hosts.names[0]), PORT),
-                "--iface", "eth0", "--job-keys", keys, "--progress", "none", "--max-job-restarts", "1"],
-                stdout=log, stderr=subprocess.STDOUT)))
+        procs = start_megacpp(megacpp, hosts, ["--max-job-restarts", "1"])
         try:
             if wait_until(lambda: all(steps_completed(run) >= 25 for run, _ in procs), 180) is None:
                 raise RuntimeError("megacpp did not train past its first checkpoint")

@@ -8,17 +8,22 @@
 
 namespace megacpp::checkpoint {
 
-ResumeChoice select_resume_checkpoint(const fs::path& run_dir, std::optional<uint32_t> at_most) {
-  ResumeChoice out;
-  const fs::path dir = layout::checkpoints_dir(run_dir);
+std::vector<uint32_t> committed_steps(const fs::path& run_dir) {
   std::vector<uint32_t> steps;
   std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+  for (fs::directory_iterator it(layout::checkpoints_dir(run_dir), ec), end; !ec && it != end;
+       it.increment(ec)) {
     const auto step = layout::checkpoint_dir_step(it->path().filename().string());
     if (it->is_directory() && step) steps.push_back(*step);
   }
   std::sort(steps.rbegin(), steps.rend());
-  for (uint32_t step : steps) {
+  return steps;
+}
+
+ResumeChoice select_resume_checkpoint(const fs::path& run_dir, std::optional<uint32_t> at_most) {
+  ResumeChoice out;
+  const fs::path dir = layout::checkpoints_dir(run_dir);
+  for (uint32_t step : committed_steps(run_dir)) {
     if (at_most && step > *at_most) continue;
     const std::string name = layout::checkpoint_dir_name(step);
     const std::string relative = (fs::path("checkpoints") / name).string();

@@ -26,6 +26,10 @@ struct ResumeChoice {
   };
   std::vector<Skipped> skipped;
 };
+// The steps of RUN/checkpoints' committed directories (step_NNNNNNNN), newest first, verified
+// or not; none when there is no such directory.
+std::vector<uint32_t> committed_steps(const fs::path& run_dir);
+
 ResumeChoice select_resume_checkpoint(const fs::path& run_dir,
                                       std::optional<uint32_t> at_most = std::nullopt);
 

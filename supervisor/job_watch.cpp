@@ -81,14 +81,6 @@ std::optional<sockaddr_in> resolve4(const std::string& host, uint16_t port) {
   return a;
 }
 
-bool same_text(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    diff |= static_cast<unsigned char>(a[i]) ^ static_cast<unsigned char>(b[i]);
-  return diff == 0;
-}
-
 // Node k's side: a connection to node 0's liveness port carrying its hello, then nothing; an
 // invalid Fd when node 0 cannot be reached within `timeout` (the silence still judges).
 Fd connect_liveness(const std::string& host, uint16_t port, std::string_view hello,
@@ -229,7 +221,7 @@ JobWatch::JobWatch(const NodePlacement& placement, std::string prefix, Options o
             }
             if (k == 0 || k >= nodes_) return std::nullopt;
             if (seal_ && (sp == std::string_view::npos ||
-                          !same_text(line.substr(sp + 1), seal_(hello_text(k)))))
+                          !seal_matches(seal_, hello_text(k), line.substr(sp + 1))))
               return std::nullopt;
             return k;
           },

@@ -172,15 +172,6 @@ std::optional<std::string> StoreClient::get(const std::string& key,
 
 namespace {
 
-// Equal texts, compared in time independent of where they differ.
-bool same_seal(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    diff |= static_cast<unsigned char>(a[i]) ^ static_cast<unsigned char>(b[i]);
-  return diff == 0;
-}
-
 std::string sealed_text(const std::string& key, std::string_view value) {
   std::string text = key;
   text += '\n';
@@ -189,6 +180,15 @@ std::string sealed_text(const std::string& key, std::string_view value) {
 }
 
 }  // namespace
+
+bool seal_matches(const SealedRecords::Seal& seal, std::string_view text, std::string_view given) {
+  const std::string want = seal(text);
+  if (want.size() != given.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    diff |= static_cast<unsigned char>(want[i]) ^ static_cast<unsigned char>(given[i]);
+  return diff == 0;
+}
 
 void SealedRecords::set(const std::string& key, std::string_view value) {
   if (!seal_) {
@@ -208,7 +208,7 @@ std::optional<std::string> SealedRecords::get(const std::string& key,
   const auto space = record->rfind(' ');
   if (space != std::string::npos) {
     const std::string_view value = std::string_view(*record).substr(0, space);
-    if (same_seal(std::string_view(*record).substr(space + 1), seal_(sealed_text(key, value))))
+    if (seal_matches(seal_, sealed_text(key, value), std::string_view(*record).substr(space + 1)))
       return std::string(value);
   }
   ++forged_;

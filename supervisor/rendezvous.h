@@ -82,6 +82,10 @@ class SealedRecords {
   uint64_t forged_ = 0;
 };
 
+// Whether `given` is `seal`'s seal of `text`, compared in time independent of where it differs
+// (SealedRecords' records, a job watch's liveness hello).
+bool seal_matches(const SealedRecords::Seal& seal, std::string_view text, std::string_view given);
+
 // Throws what StoreServer's constructor throws when libmegacpp_store.so does not load: `run`
 // checks it before it writes anything.
 void check_store_plugin();

@@ -285,6 +285,18 @@ void JobController::choose_checkpoint(std::string_view why, std::optional<uint32
   }
 }
 
+recipe::Recipe JobController::command_line_recipe() const {
+  recipe::Recipe r = recipe::load(recipe::resolve(opt_.recipe, MEGACPP_RECIPE_DIR));
+  if (opt_.data_source.empty() && opt_.data_path.empty() && opt_.mode.empty()) return r;
+  // The CLI composes over the recipe: the overrides pass the same rules, and the recipe's hash
+  // covers what actually runs.
+  if (!opt_.data_source.empty()) r.data.source = opt_.data_source;
+  // Relative to the working directory, as every path on the command line.
+  if (!opt_.data_path.empty()) r.data.path = data::command_line_data_path(opt_.data_path);
+  if (!opt_.mode.empty()) r.model.mode = opt_.mode;
+  return recipe::rehash(std::move(r));
+}
+
 void JobController::agree_checkpoint(std::string_view why) {
   if (placement_.nodes <= 1 || !joined_) return;
   // Each round every node offers its newest verified part no later than the round's bound
@@ -317,18 +329,13 @@ void JobController::agree_checkpoint(std::string_view why) {
   // This node's parts of later steps were not committed by every node: set aside with those
   // that do not verify, so the resumed attempt commits those steps anew.
   const uint32_t agreed = resume_ ? resume_->step : 0;
-  std::error_code ec;
   const fs::path ckdir = layout::checkpoints_dir(run_);
-  for (fs::directory_iterator it(ckdir, ec), end; !ec && it != end; it.increment(ec)) {
-    const auto step = layout::checkpoint_dir_step(it->path().filename().string());
-    if (!step || *step <= agreed || !it->is_directory() ||
-        std::ranges::find(skipped_steps_, *step) != skipped_steps_.end())
-      continue;
-    log_warn("{}: {} is not a step every node of the job committed; it is set aside", why,
-             it->path().filename().string());
-    skipped_.push_back(fmt::format("checkpoints/{}: not committed by every node of the job",
-                                   it->path().filename().string()));
-    skipped_steps_.push_back(*step);
+  for (uint32_t step : checkpoint::committed_steps(run_)) {
+    if (step <= agreed || std::ranges::find(skipped_steps_, step) != skipped_steps_.end()) continue;
+    const std::string name = layout::checkpoint_dir_name(step);
+    log_warn("{}: {} is not a step every node of the job committed; it is set aside", why, name);
+    skipped_.push_back(fmt::format("checkpoints/{}: not committed by every node of the job", name));
+    skipped_steps_.push_back(step);
   }
   if (!resume_) return;
   log_info("{}: every node resumes from step {}", why, resume_->step);
@@ -506,11 +513,7 @@ void JobController::prepare() {
     adopt_previous_attempt();
     // The command the engine restarted names the run's recipe, or it is another job's command.
     if (engine_restart) {
-      recipe::Recipe given = recipe::load(recipe::resolve(opt_.recipe, MEGACPP_RECIPE_DIR));
-      if (!opt_.data_source.empty()) given.data.source = opt_.data_source;
-      if (!opt_.data_path.empty()) given.data.path = data::command_line_data_path(opt_.data_path);
-      if (!opt_.mode.empty()) given.model.mode = opt_.mode;
-      given = recipe::rehash(std::move(given));
+      const recipe::Recipe given = command_line_recipe();
       if (given.hash != recipe_.hash)
         MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                      "run directory {} holds run {} of recipe {} (hash {}), and this restarted "
@@ -518,17 +521,7 @@ void JobController::prepare() {
                      run_.string(), run_id_, recipe_.name, recipe_.hash, given.name, given.hash);
     }
   } else {
-    auto recipe_path = recipe::resolve(opt_.recipe, MEGACPP_RECIPE_DIR);
-    recipe_ = recipe::load(recipe_path);
-    if (!opt_.data_source.empty() || !opt_.data_path.empty() || !opt_.mode.empty()) {
-      // The CLI composes over the recipe: the overrides pass the same rules, and the recipe's
-      // hash covers what actually runs.
-      if (!opt_.data_source.empty()) recipe_.data.source = opt_.data_source;
-      // Relative to the working directory, as every path on the command line.
-      if (!opt_.data_path.empty()) recipe_.data.path = data::command_line_data_path(opt_.data_path);
-      if (!opt_.mode.empty()) recipe_.model.mode = opt_.mode;
-      recipe_ = recipe::rehash(std::move(recipe_));
-    }
+    recipe_ = command_line_recipe();
     // muon_bf16 = "auto": what this device does fast (the hash then covers it).
     muon_precision_ = recipe::resolve_muon_precision(recipe_, opt_.device, cpu_bf16_units());
     run_ = fs::absolute(opt_.run_dir).lexically_normal();

@@ -172,6 +172,9 @@ class JobController {
   // through the store (this node's newer parts are set aside with skipped_steps_). Blocks until
   // every node offered (store timeout per round); no-op on one node.
   void agree_checkpoint(std::string_view why);
+  // The recipe the command line names, with its overrides (--data-source, --data-path, --mode)
+  // composed over it and rehashed: a new run's, and what an engine's restart is checked against.
+  recipe::Recipe command_line_recipe() const;
   // A job across nodes restarts in place only when every node can (its refusal and theirs,
   // through the store; a node that does not answer within 60 s refuses): the refusal, or
   // nullopt to restart. One node: `mine`.

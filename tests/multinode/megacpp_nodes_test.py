@@ -71,6 +71,19 @@ def trainer_pid(run, rank):
     return found[0] if found else None
 
 
+def tiny_every_4(directory):
+    """The tiny recipe with a checkpoint every 4 steps, written to DIRECTORY/tiny4.toml (where
+    every host reads it); its path."""
+    with open(os.path.join(ROOT, "recipes", "tiny.toml")) as f:
+        text = f.read()
+    if "checkpoint_every = 20" not in text:
+        raise AssertionError("recipes/tiny.toml no longer checkpoints every 20 steps")
+    recipe = os.path.join(directory, "tiny4.toml")
+    with open(recipe, "w") as f:
+        f.write(text.replace("checkpoint_every = 20", "checkpoint_every = 4"))
+    return recipe
+
+
 def latest(run):
     with open(os.path.join(run, "checkpoints", "LATEST")) as f:
         return os.path.join(run, "checkpoints", f.read().strip())
@@ -102,14 +115,7 @@ class MegacppNodesN:
             for host, rc, _, _ in results:
                 self.assertEqual(rc, 0, logs)
             # The reference: the same world on one host.
-            one = os.path.join(hosts.dir, "one", "run")
-            t1 = time.monotonic()
-            ref = subprocess.run([MEGACPP, "run", "--ranks", str(RANKS * n), "--steps", str(STEPS),
-                                  "--run-dir", one, "--progress", "none"],
-                                 capture_output=True, text=True, timeout=240)
-            t_one = time.monotonic() - t1
-            self.assertEqual(ref.returncode, 0, ref.stdout + ref.stderr)
-            ref_ckpt = latest(one)
+            ref_ckpt, t_one = self.one_node(hosts, STEPS)
             compared = 0
             for i, (host, _, _, run) in enumerate(results):
                 ckpt = latest(run)
@@ -171,15 +177,24 @@ class MegacppNodesN:
         self.assertTrue(pid, "trainer-%d not found" % rank)
         os.kill(pid, signal.SIGKILL)
 
-    def tiny_every_4(self, hosts):
-        """The tiny recipe with a checkpoint every 4 steps, as a file every host reads."""
-        recipe = os.path.join(hosts.dir, "tiny4.toml")
-        with open(os.path.join(ROOT, "recipes", "tiny.toml")) as f:
-            text = f.read()
-        self.assertIn("checkpoint_every = 20", text)
-        with open(recipe, "w") as f:
-            f.write(text.replace("checkpoint_every = 20", "checkpoint_every = 4"))
-        return recipe
+    def one_node(self, hosts, steps, recipe=None):
+        """The reference: the job's world on one host (`--ranks` all of them), `steps` steps of
+        `recipe` (tiny by default). Returns its final checkpoint and how long it ran."""
+        one = os.path.join(hosts.dir, "one", "run")
+        t0 = time.monotonic()
+        ref = subprocess.run([MEGACPP, "run"] + ([recipe] if recipe else []) +
+                             ["--ranks", str(RANKS * self.N), "--steps", str(steps),
+                              "--run-dir", one, "--progress", "none"],
+                             capture_output=True, text=True, timeout=240)
+        took = time.monotonic() - t0
+        self.assertEqual(ref.returncode, 0, ref.stdout + ref.stderr)
+        return latest(one), took
+
+    def assert_bits_of_one_node(self, hosts, runs, steps, recipe=None):
+        """Every node's part of the final checkpoint (runs[i]: node i's run directory) against
+        one node's (one_node); returns the tensors compared."""
+        ref_ckpt, _ = self.one_node(hosts, steps, recipe)
+        return sum(self.assert_part_matches(latest(run), ref_ckpt, i) for i, run in enumerate(runs))
 
     def assert_part_matches(self, ckpt, ref_ckpt, i):
         """Node i's part of a checkpoint against a one-node checkpoint of the same world and
@@ -351,7 +366,7 @@ class MegacppNodesN:
         # checkpoint is bit-identical to one node's of the same world.
         n, steps = self.N, 14
         with Hosts(n) as hosts:
-            recipe = self.tiny_every_4(hosts)
+            recipe = tiny_every_4(hosts.dir)
             procs = self.start_nodes(hosts, steps, extra={i: [recipe] for i in range(n)},
                                      env={1: {"MEGACPP_FAULT": "trainer:%d:forward:11:hang" % RANKS}})
             self.kill_hung_rank_once_committed(procs, RANKS, 8)
@@ -387,13 +402,7 @@ class MegacppNodesN:
                 self.assertEqual(m["attempts"][1]["fromStep"], 4, m["attempts"][1])
             self.assertTrue(os.path.isdir(os.path.join(runs[0], "checkpoints",
                                                        "step_00000008.rejected-attempt1")))
-            one = os.path.join(hosts.dir, "one", "run")
-            ref = subprocess.run([MEGACPP, "run", recipe, "--ranks", str(RANKS * n), "--steps", str(steps),
-                                  "--run-dir", one, "--progress", "none"],
-                                 capture_output=True, text=True, timeout=240)
-            self.assertEqual(ref.returncode, 0, ref.stdout + ref.stderr)
-            compared = sum(self.assert_part_matches(latest(run), latest(one), i)
-                           for i, run in enumerate(runs))
+            compared = self.assert_bits_of_one_node(hosts, runs, steps, recipe)
             print("resumed from step 4 on every node (node 0's step 8 set aside); %d tensors of step "
                   "%d bit-identical to one node of %d ranks" % (compared, steps, RANKS * n))
 
@@ -404,7 +413,7 @@ class MegacppNodesN:
         # committed), and the job ends ok with one node's bits of the same world.
         n, steps = self.N, 14
         with Hosts(n) as hosts:
-            recipe = self.tiny_every_4(hosts)
+            recipe = tiny_every_4(hosts.dir)
             procs = self.start_nodes(hosts, steps,
                                      extra={i: [recipe, "--max-job-restarts", "1"] for i in range(n)},
                                      env={1: {"MEGACPP_FAULT": "trainer:%d:forward:11:hang" % RANKS}})
@@ -421,13 +430,7 @@ class MegacppNodesN:
                 first, second = m["attempts"][0], m["attempts"][1]
                 self.assertEqual(first["error"]["kind"], "signaled" if i == 1 else "node_failed", first)
                 self.assertEqual((second["reason"], second["fromStep"]), ("job_restart", 8), second)
-            one = os.path.join(hosts.dir, "one", "run")
-            ref = subprocess.run([MEGACPP, "run", recipe, "--ranks", str(RANKS * n), "--steps", str(steps),
-                                  "--run-dir", one, "--progress", "none"],
-                                 capture_output=True, text=True, timeout=240)
-            self.assertEqual(ref.returncode, 0, ref.stdout + ref.stderr)
-            compared = sum(self.assert_part_matches(latest(run), latest(one), i)
-                           for i, run in enumerate(runs))
+            compared = self.assert_bits_of_one_node(hosts, runs, steps, recipe)
             print("job restart on every node from step 8; %d tensors of step %d bit-identical to one "
                   "node of %d ranks" % (compared, steps, RANKS * n))
 
@@ -550,7 +553,7 @@ class MegacppNodesN:
         n, steps = self.N, 14
         venv_py = os.path.join(ROOT, ".venv", "bin", "python")
         with Hosts(self.N) as hosts:
-            recipe = self.tiny_every_4(hosts)
+            recipe = tiny_every_4(hosts.dir)
             keyfile = os.path.join(hosts.dir, "job.keys")
             subprocess.run([MEGACPP, "keys", keyfile], check=True, capture_output=True)
             worker = ('exec "$0" run %s --ranks %d --steps %d --run-dir %s/$(hostname)/run '
@@ -583,13 +586,7 @@ class MegacppNodesN:
                 self.assertEqual((m["state"], m["stepsCompleted"]), ("ok", steps), m.get("error"))
                 self.assertEqual((m["attempts"][-1]["reason"], m["attempts"][-1]["fromStep"]),
                                  ("resume", 8), m["attempts"])
-            one = os.path.join(hosts.dir, "one", "run")
-            ref = subprocess.run([MEGACPP, "run", recipe, "--ranks", str(RANKS * n), "--steps", str(steps),
-                                  "--run-dir", one, "--progress", "none"],
-                                 capture_output=True, text=True, timeout=240)
-            self.assertEqual(ref.returncode, 0, ref.stdout + ref.stderr)
-            compared = sum(self.assert_part_matches(latest(run), latest(one), i)
-                           for i, run in enumerate(runs))
+            compared = self.assert_bits_of_one_node(hosts, runs, steps, recipe)
             print("torchrun restarted every megacpp; each resumed from step 8; %d tensors of step %d "
                   "bit-identical to one node of %d ranks" % (compared, steps, RANKS * n))
 

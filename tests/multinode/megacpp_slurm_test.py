@@ -21,7 +21,7 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import netns_hosts  # noqa: E402
 import slurm_cluster  # noqa: E402
-from megacpp_nodes_test import ROOT, latest, steps_completed, tensors, trainer_pid  # noqa: E402
+from megacpp_nodes_test import latest, steps_completed, tensors, tiny_every_4, trainer_pid  # noqa: E402
 from slurm_cluster import SlurmCluster  # noqa: E402
 
 MEGACPP = None
@@ -138,11 +138,7 @@ class MegacppSlurm(unittest.TestCase):
         # step equal to one node's.
         steps = 14
         with SlurmCluster(2) as c:
-            recipe = os.path.join(c.dir, "tiny4.toml")
-            with open(os.path.join(ROOT, "recipes", "tiny.toml")) as f:
-                text = f.read()
-            with open(recipe, "w") as f:
-                f.write(text.replace("checkpoint_every = 20", "checkpoint_every = 4"))
+            recipe = tiny_every_4(c.dir)
             job_id, out = self.submit(c, steps, recipe=recipe,
                                       env={"MEGACPP_FAULT": "trainer:2:forward:11:hang"})
             runs = [os.path.join(c.dir, node, "run") for node in c.nodes]
