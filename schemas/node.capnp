@@ -87,6 +87,12 @@ struct NodeCommand {
     # A job restart: the generations killed for a restart that have exited are reaped (their
     # `exited` events), then the attempt's processes are forgotten (an unkillable one stays so).
     endAttempt @9 :Void;
+    # Start a spare of this process (a trainer): a process of its executable, with the
+    # environment and log of its current launch, loaded and waiting on its stdin. The process's
+    # next launch with the same environment hands the spare its generation instead of starting
+    # a process (no exec, no library load on a job restart's path). At most one per process;
+    # spares outlive an attempt's teardown and are killed with the node's processes at the end.
+    keepSpare @10 :StageRef;
   }
 }
 

@@ -8,6 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <csignal>
 #include <cstring>
 #include <exception>
@@ -107,6 +108,23 @@ bool StageContext::stop_requested() const {
   return g_stop_signal != 0 || control_->stop_requested();
 }
 
+std::optional<uint32_t> detail::read_spare_generation(int fd) {
+  std::string line;
+  char c = 0;
+  for (;;) {
+    const ssize_t n = ::read(fd, &c, 1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return std::nullopt;
+    if (c == '\n') break;
+    if (c < '0' || c > '9' || line.size() >= 10) return std::nullopt;
+    line += c;
+  }
+  if (line.empty()) return std::nullopt;
+  const uint64_t g = std::stoull(line);
+  if (g > UINT32_MAX) return std::nullopt;
+  return static_cast<uint32_t>(g);
+}
+
 int run_stage_main(int argc, char** argv, schema::StageKind kind, std::string_view description,
                    const std::function<void(StageContext&)>& body) {
   StageArgs args;
@@ -116,6 +134,10 @@ int run_stage_main(int argc, char** argv, schema::StageKind kind, std::string_vi
   app.add_option("--rank", args.rank, "Rank of this process within its stage kind")->default_val(0);
   app.add_option("--generation", args.generation, "Launch generation (restarts bump it)")
       ->default_val(0);
+  bool spare = false;
+  app.add_flag(
+      "--spare", spare,
+      "Start loaded and wait on stdin for the generation to run as (a supervisor's spare)");
   app.footer(
       "Stage processes are launched by `megacpp run`; they are not meant to be started by hand.\n"
       "MEGACPP_FAULT=<stage>:<rank>:<point>:<step>:<action>[,...] injects a fault (chaos tests).");
@@ -128,6 +150,12 @@ int run_stage_main(int argc, char** argv, schema::StageKind kind, std::string_vi
   // Die with the supervisor: a stage never outlives the process that launched it.
   pid_t parent = ::getppid();
   if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != parent) return 3;
+  if (spare) {
+    const auto generation = detail::read_spare_generation(STDIN_FILENO);
+    if (!generation) return 0;  // the supervisor let it go unused
+    args.generation = *generation;
+    args.activated = std::chrono::steady_clock::now();
+  }
   set_log_prefix(layout::process_name(kind, args.rank));
   const fs::path dump_path = layout::failure_path(args.run_dir, kind, args.rank);
 

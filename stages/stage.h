@@ -26,6 +26,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -43,6 +44,9 @@ struct StageArgs {
   std::filesystem::path run_dir;
   uint32_t rank = 0;
   uint32_t generation = 0;
+  // A spare (--spare): when its generation arrived on stdin. Its startup is timed from here,
+  // not from the process's start.
+  std::optional<std::chrono::steady_clock::time_point> activated;
 };
 
 namespace detail {
@@ -60,6 +64,9 @@ struct Fault {
 // offending entry.
 std::vector<Fault> parse_faults(std::string_view spec, schema::StageKind stage, uint32_t rank,
                                 uint32_t generation, uint32_t attempt = 0);
+// A spare's wait (--spare): blocks on `fd` for one line holding a generation number. None when
+// the input ends first or the line is not a number (the supervisor let the spare go).
+std::optional<uint32_t> read_spare_generation(int fd);
 }  // namespace detail
 
 class StageContext {
@@ -73,6 +80,10 @@ class StageContext {
   schema::StageKind kind() const noexcept { return kind_; }
   uint32_t rank() const noexcept { return args_.rank; }
   const std::filesystem::path& run_dir() const noexcept { return args_.run_dir; }
+  // Set for a spare: when it became this generation (StageArgs::activated).
+  std::optional<std::chrono::steady_clock::time_point> activated() const noexcept {
+    return args_.activated;
+  }
   schema::LaunchContract::Reader launch() { return launch_.get(); }
   ipc::ZmqContext& zmq() { return zmq_; }
   ipc::JournalWriter& journal() { return journal_; }
@@ -138,6 +149,9 @@ inline LocalRanks local_ranks(schema::LaunchContract::Reader launch) {
 }
 
 // The main() of a stage executable. Parses --run-dir, --rank, --generation (and --help).
+// --spare: the process was started ahead of its launch (keepSpare, schemas/node.capnp); it
+// waits on stdin for one line, its generation, and then runs as that generation's launch would
+// (launch.json is read after it). End of input without a line: it exits 0, never needed.
 int run_stage_main(int argc, char** argv, schema::StageKind kind, std::string_view description,
                    const std::function<void(StageContext&)>& body);
 

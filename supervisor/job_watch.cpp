@@ -7,6 +7,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -113,8 +114,8 @@ Fd connect_liveness(const std::string& host, uint16_t port, std::string_view hel
 class JobWatch::Liveness {
  public:
   Liveness(const std::string& host, std::function<std::optional<uint32_t>(std::string_view)> hello,
-           std::function<void(uint32_t, int64_t)> closed)
-      : hello_(std::move(hello)), closed_(std::move(closed)) {
+           std::function<void(uint32_t, int64_t)> closed, std::function<void()> nudged)
+      : hello_(std::move(hello)), closed_(std::move(closed)), nudged_(std::move(nudged)) {
     const auto addr = resolve4(host, 0);
     MEGACPP_CHECK(addr.has_value(), ErrorKind::kInvalidArgument,
                   fmt::format("the job's master address {} does not resolve to IPv4", host));
@@ -142,6 +143,13 @@ class JobWatch::Liveness {
   Liveness(const Liveness&) = delete;
   Liveness& operator=(const Liveness&) = delete;
   uint16_t port() const noexcept { return port_; }
+  // One byte to every node's connection (by the thread): a failure record to read now.
+  void nudge_all() {
+    const char c = 'N';
+    if (::write(wake_write_.get(), &c, 1) < 0) {
+      // Full pipe: nudges already queued do the same.
+    }
+  }
 
  private:
   void run() {
@@ -155,7 +163,13 @@ class JobWatch::Liveness {
       std::vector<pollfd> fds{{wake_read_.get(), POLLIN, 0}, {listen_.get(), POLLIN, 0}};
       for (const auto& [fd, p] : peers) fds.push_back({fd, POLLIN, 0});
       if (::poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) return;
-      if (fds[0].revents != 0) return;
+      if (fds[0].revents != 0) {
+        char cmd[64];
+        const ssize_t got = ::read(wake_read_.get(), cmd, sizeof cmd);
+        if (got <= 0 || std::memchr(cmd, 0, static_cast<size_t>(got)) != nullptr) return;
+        for (const auto& [fd, p] : peers)
+          if (p.node) ::send(fd, "F", 1, MSG_NOSIGNAL | MSG_DONTWAIT);  // lost: its beat's read
+      }
       if (fds[1].revents & POLLIN) {
         Fd c(::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
         if (c.get() >= 0) {
@@ -179,7 +193,10 @@ class JobWatch::Liveness {
           }
           continue;
         }
-        if (n > 0) continue;  // a node says nothing after its hello
+        if (n > 0) {  // after its hello, a node only nudges: it offered a failure
+          nudged_();
+          continue;
+        }
         if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
         if (it->second.node) closed_(*it->second.node, mono_ns());
         peers.erase(it);
@@ -188,6 +205,7 @@ class JobWatch::Liveness {
   }
   std::function<std::optional<uint32_t>(std::string_view)> hello_;
   std::function<void(uint32_t, int64_t)> closed_;
+  std::function<void()> nudged_;
   Fd listen_, wake_read_, wake_write_;
   uint16_t port_ = 0;
   std::thread thread_;
@@ -204,7 +222,9 @@ JobWatch::JobWatch(const NodePlacement& placement, std::string prefix, Options o
       prefix_(std::move(prefix)),
       hosts_(placement.hosts),
       options_(options),
-      seal_(std::move(seal)) {
+      seal_(std::move(seal)),
+      wake_(SYSCALL_CHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK))),
+      thread_wake_(SYSCALL_CHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK))) {
   MEGACPP_CHECK(nodes_ > 1 && node_ < nodes_ && !prefix_.empty(), ErrorKind::kInvalidArgument,
                 fmt::format("a job watch of node {} of {}", node_, nodes_));
   if (node_ == 0) {
@@ -231,6 +251,13 @@ JobWatch::JobWatch(const NodePlacement& placement, std::string prefix, Options o
               closed_.emplace_back(k, when);
             }
             cv_.notify_all();
+          },
+          [this] {
+            {
+              std::lock_guard lk(mu_);
+              nudge_ = true;
+            }
+            cv_.notify_all();
           });
     } catch (const std::exception& e) {
       // Silence alone still judges every node; only the faster word on a killed one is lost.
@@ -244,12 +271,18 @@ JobWatch::JobWatch(const NodePlacement& placement, std::string prefix, Options o
                          port = static_cast<uint16_t>(placement.master_port)] { run(host, port); });
 }
 
+void JobWatch::wake_thread() {
+  cv_.notify_all();
+  const uint64_t one = 1;
+  [[maybe_unused]] const auto n = ::write(thread_wake_.get(), &one, sizeof one);
+}
+
 JobWatch::~JobWatch() {
   {
     std::lock_guard lk(mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  wake_thread();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -259,7 +292,7 @@ void JobWatch::report(std::string what) {
     if (report_) return;
     report_ = std::move(what);
   }
-  cv_.notify_all();
+  wake_thread();
 }
 
 std::optional<JobWatch::Verdict> JobWatch::verdict() const {
@@ -272,7 +305,7 @@ void JobWatch::suspect() {
     std::lock_guard lk(mu_);
     suspect_ = true;
   }
-  cv_.notify_all();
+  wake_thread();
 }
 
 void JobWatch::committed(uint32_t step) {
@@ -300,7 +333,7 @@ void JobWatch::finish() {
     std::lock_guard lk(mu_);
     finishing_ = true;
   }
-  cv_.notify_all();
+  wake_thread();
 }
 
 bool JobWatch::wait_finished(std::chrono::milliseconds timeout) {
@@ -320,7 +353,11 @@ uint32_t JobWatch::lost_nodes() const {
 
 void JobWatch::decide(Verdict v) {
   std::lock_guard lk(mu_);
-  if (!verdict_ && !finishing_) verdict_ = std::move(v);
+  if (verdict_ || finishing_) return;
+  verdict_ = std::move(v);
+  const uint64_t one = 1;
+  // Cannot fail short of a counter at its maximum, which one write per verdict never reaches.
+  [[maybe_unused]] const auto n = ::write(wake_.get(), &one, sizeof one);
 }
 
 void JobWatch::run(std::string host, uint16_t port) {
@@ -354,9 +391,17 @@ void JobWatch::run(std::string host, uint16_t port) {
   auto rec = std::make_unique<SealedRecords>(*store, seal_);
   if (liveness_) rec->set(key("liveness"), std::to_string(liveness_->port()));
   Fd link;  // a node other than 0: its liveness connection to node 0, once made
+  constexpr uint32_t kLinkTries = 50;
   uint32_t link_tries = 0;
+  // Node 0: every node reads the job's failure record now instead of at its next beat.
+  bool told_all = false;
+  auto tell_all = [&] {
+    if (told_all || !liveness_) return;
+    told_all = true;
+    liveness_->nudge_all();
+  };
   auto connect_link = [&] {
-    if (node_ == 0 || !options_.liveness || link.get() >= 0 || link_tries >= 50) return;
+    if (node_ == 0 || !options_.liveness || link.get() >= 0 || link_tries >= kLinkTries) return;
     ++link_tries;
     const auto p = rec->get(key("liveness"), std::chrono::milliseconds(0));
     if (!p) return;
@@ -419,16 +464,41 @@ void JobWatch::run(std::string host, uint16_t port) {
   std::vector<bool> peers_finished(nodes_, false);  // node 0: nodes that said they finished
   bool reported = false, finished_self = false, suspected = false, told_suspicion = false,
        told_suspicion_store = false;
+  connect_link();  // at once when node 0's port is known: a death in the first beat closes it
   try {
     for (;;) {
       std::optional<std::string> report;
       bool finishing = false;
       {
         std::unique_lock lk(mu_);
-        cv_.wait_for(lk, options_.beat, [&] {
+        auto ready = [&] {
           return stop_ || (finishing_ && !finished_self) || (!reported && report_) ||
-                 (suspect_ && !told_suspicion) || (!closed_.empty() && !finishing_);
-        });
+                 (suspect_ && !told_suspicion) || (!closed_.empty() && !finishing_) || nudge_;
+        };
+        if (link.get() < 0) {
+          cv_.wait_for(lk, options_.beat, ready);
+        } else if (!ready()) {
+          // A node other than 0 also wakes for node 0's nudge on its liveness connection.
+          lk.unlock();
+          pollfd w[2] = {{thread_wake_.get(), POLLIN, 0}, {link.get(), POLLIN, 0}};
+          if (::poll(w, 2, static_cast<int>(options_.beat.count())) > 0) {
+            uint64_t n = 0;
+            if (w[0].revents != 0 && ::read(thread_wake_.get(), &n, sizeof n) < 0) {
+              // Drained already.
+            }
+            if (w[1].revents != 0) {
+              char b[64];
+              const ssize_t got = ::recv(link.get(), b, sizeof b, MSG_DONTWAIT);
+              // Node 0 closed it (its end, or its death: the store says which): no more nudges.
+              if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) {
+                link.reset();
+                link_tries = kLinkTries;
+              }
+            }
+          }
+          lk.lock();
+        }
+        nudge_ = false;
         if (stop_) return;
         finishing = finishing_;
         if (!reported && report_) report = report_;
@@ -443,8 +513,12 @@ void JobWatch::run(std::string host, uint16_t port) {
       }
       if (report) {
         reported = true;
-        if (store->add(key("failures"), 1) == 1)
+        if (store->add(key("failures"), 1) == 1) {
           rec->set(key("failure"), encode(Verdict::Kind::kNodeFailed, node_, *report));
+          // Node 0 reads it now, and tells every other node, instead of at their next beats.
+          if (link.get() >= 0) ::send(link.get(), "F", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+          tell_all();
+        }
       }
       if (finishing && !finished_self) {
         publish_commit();  // its final step, before it says it finished
@@ -497,6 +571,7 @@ void JobWatch::run(std::string host, uint16_t port) {
             v->message = fmt::format("{} failed first: {}", host_of(v->node), v->message);
           v->evidence_ns = mono_of(Clock::now());
           decide(std::move(*v));
+          tell_all();
         }
       }
       if (node_ != 0) continue;
@@ -525,6 +600,7 @@ void JobWatch::run(std::string host, uint16_t port) {
           }
         } else {
           rec->set(key("failure"), encode(Verdict::Kind::kNodeLost, k, what));
+          tell_all();
         }
         decide({Verdict::Kind::kNodeLost, k, what, evidence_ns});
       };

@@ -15,6 +15,10 @@
 // supervisor dies, whatever killed it, so node 0 names a killed node as soon as the close
 // arrives instead of after its silence; a hung node or a cut link closes nothing and is judged
 // by its silence as before. A node that finished closes it too: `finished/<r>` is read first.
+// The connection also carries nudges, one byte that says "read the job's failure record now":
+// a node that offered the job's first failure nudges node 0, node 0 then nudges every node, so
+// a failure reaches every node in a few round trips instead of a beat or two. A nudge carries
+// nothing to trust: what it makes a node read is the sealed record.
 //
 // Threads: one of its own, with a StoreClient of its own (a client is for one thread); every
 // public call only takes a mutex. Blocking: the thread's store calls are bounded by the
@@ -32,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/fd.h"
 #include "supervisor/placement.h"
 #include "supervisor/rendezvous.h"
 
@@ -83,6 +88,10 @@ class JobWatch {
   // The job's verdict for this node, once there is one (then it does not change). Never this
   // node's own reported failure.
   std::optional<Verdict> verdict() const;
+  // An eventfd that becomes readable when verdict() is first set: the supervisor's loop polls
+  // it beside its other descriptors, so a verdict is acted on at once instead of at the loop's
+  // next timeout. The reader drains it (read 8 bytes); verdict() stays the state.
+  int wake_fd() const { return wake_.get(); }
   // A rank of this node lost a peer (its collective's connection closed): some node may be
   // dead. Node 0 then judges every node by a shorter silence (Options::suspected_silence), so
   // a dead node is named within a few beats instead of the silence limit. Any node may call
@@ -121,6 +130,7 @@ class JobWatch {
   class Liveness;
   void run(std::string host, uint16_t port);
   void decide(Verdict v);
+  void wake_thread();  // cv_ and thread_wake_: a public call's news for the thread
   std::string hello_text(uint32_t node) const;  // what a node's liveness hello seals
 
   const uint32_t node_, nodes_;
@@ -145,6 +155,9 @@ class JobWatch {
   std::unique_ptr<Liveness> liveness_;  // node 0
   std::optional<std::string> report_;
   std::optional<Verdict> verdict_;
+  Fd wake_;             // wake_fd()
+  Fd thread_wake_;      // the thread's wait ends when written (wake_thread)
+  bool nudge_ = false;  // node 0: a node nudged on its liveness connection (its failure offered)
   std::thread thread_;
 };
 

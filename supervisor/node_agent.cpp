@@ -5,11 +5,14 @@
 
 #include <signal.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 
 #include <capnp/message.h>
 #include <fmt/format.h>
@@ -28,6 +31,11 @@ using schema::StageKind;
 pid_t SystemSpawner::spawn(const std::vector<std::string>& argv, const fs::path& log,
                            const std::vector<std::string>& env) {
   return detail::spawn(argv, log, env);
+}
+
+pid_t SystemSpawner::spawn_spare(const std::vector<std::string>& argv, const fs::path& log,
+                                 const std::vector<std::string>& env, int go_fd) {
+  return detail::spawn(argv, log, env, go_fd);
 }
 
 void SystemSpawner::signal(pid_t pid, int sig) {
@@ -121,6 +129,9 @@ bool NodeAgent::handle(schema::NodeCommand::Reader c) {
       reap_dying();
       processes_.clear();
       return true;
+    case schema::NodeCommand::KEEP_SPARE:
+      keep_spare(c.getKeepSpare());
+      return true;
   }
   return false;
 }
@@ -151,7 +162,9 @@ void NodeAgent::launch(schema::LaunchStage::Reader l) {
     env = spawner_.environment(tunables);
     for (auto e : l.getExtraEnv()) env.emplace_back(e.cStr());
   }
-  p->pid = spawner_.spawn(argv, layout::log_path(run_, stage, rank), env);
+  p->pid = take_spare(*p, generation, env);
+  if (p->pid < 0) p->pid = spawner_.spawn(argv, layout::log_path(run_, stage, rank), env);
+  p->env = std::move(env);
   p->generation = generation;
   p->alive = true;
   const pid_t pid = p->pid;
@@ -163,6 +176,51 @@ void NodeAgent::launch(schema::LaunchStage::Reader l) {
     s.setReason(l.getReason());
     s.setCause(l.getCause());
   });
+}
+
+void NodeAgent::keep_spare(schema::StageRef::Reader ref) {
+  const Process* p = find(ref);
+  if (p == nullptr) return;
+  for (const auto& s : spares_)
+    if (s.stage == p->stage && s.rank == p->rank) return;
+  int pair[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) {
+    log_warn("no spare of {}: socketpair: {}", p->name, std::strerror(errno));
+    return;
+  }
+  Fd go(pair[0]);
+  const Fd theirs(pair[1]);
+  std::string exe_name = "megacpp-" + std::string(layout::stage_name(p->stage));
+  std::replace(exe_name.begin(), exe_name.end(), '_', '-');
+  const std::vector<std::string> argv = {(detail::self_exe_dir() / exe_name).string(),
+                                         "--run-dir",
+                                         run_.string(),
+                                         "--rank",
+                                         std::to_string(p->rank),
+                                         "--spare"};
+  const pid_t pid =
+      spawner_.spawn_spare(argv, layout::log_path(run_, p->stage, p->rank), p->env, theirs.get());
+  if (pid < 0) return;
+  spares_.push_back(Spare{p->stage, p->rank, pid, std::move(go), p->env});
+}
+
+pid_t NodeAgent::take_spare(const Process& p, uint32_t generation,
+                            const std::vector<std::string>& env) {
+  const auto it = std::ranges::find_if(
+      spares_, [&](const Spare& s) { return s.stage == p.stage && s.rank == p.rank; });
+  if (it == spares_.end()) return -1;
+  Spare spare = std::move(*it);
+  spares_.erase(it);
+  const std::string line = fmt::format("{}\n", generation);
+  // MSG_NOSIGNAL: a spare that died is EPIPE here, not a SIGPIPE for the supervisor.
+  if (spare.env == env && ::send(spare.go.get(), line.data(), line.size(), MSG_NOSIGNAL) ==
+                              static_cast<ssize_t>(line.size())) {
+    log_info("{} (generation {}) is its spare, pid {}, already loaded", p.name, generation,
+             spare.pid);
+    return spare.pid;
+  }
+  spawner_.signal(spare.pid, SIGKILL);  // reaped as a pid of no process (reap)
+  return -1;
 }
 
 bool NodeAgent::send_stop(schema::StopStage::Reader s) {
@@ -257,6 +315,7 @@ void NodeAgent::reap() {
     int status = 0;
     const pid_t pid = spawner_.wait(-1, status);
     if (pid <= 0) return;
+    if (std::erase_if(spares_, [&](const Spare& sp) { return sp.pid == pid; }) > 0) continue;
     // By index: the controller may launch (and so add a process) while an event is handled.
     for (size_t i = 0; i < processes_.size(); ++i) {
       Process& p = processes_[i];
@@ -304,7 +363,12 @@ void NodeAgent::pump(int timeout_ms) {
   ipc::Poller poller;
   const size_t router = poller.add(*router_);
   const size_t signals = poller.add(sigfd_->get());
+  const size_t wake = wake_fd_ >= 0 ? poller.add(wake_fd_) : SIZE_MAX;
   if (poller.wait(ipc::Millis(timeout_ms)) == 0) return;
+  if (wake != SIZE_MAX && poller.readable(wake)) {
+    uint64_t n = 0;
+    [[maybe_unused]] const auto r = ::read(wake_fd_, &n, sizeof n);  // EAGAIN: drained already
+  }
   if (poller.readable(signals)) on_signals();
   if (poller.readable(router)) {
     while (auto m = router_->receive(ipc::Millis(0))) {
@@ -342,6 +406,11 @@ void NodeAgent::release_attempt() {
   if (!shm_prefix_.empty()) ipc::unlink_shm(shm_prefix_);
 }
 
+NodeAgent::~NodeAgent() {
+  release();
+  for (const auto& sp : spares_) spawner_.signal(sp.pid, SIGKILL);
+}
+
 void NodeAgent::release() {
   if (released_) return;
   released_ = true;
@@ -355,6 +424,8 @@ void NodeAgent::release() {
 }
 
 void NodeAgent::kill_remaining() {
+  // Spares first: closing `go` alone would end them too, SIGKILL does not wait for it.
+  for (const auto& sp : spares_) spawner_.signal(sp.pid, SIGKILL);
   std::vector<size_t> waiting;
   for (size_t i = 0; i < processes_.size(); ++i) {
     const Process& p = processes_[i];
@@ -372,9 +443,13 @@ void NodeAgent::kill_remaining() {
       return true;
     });
     reap_dying();
+    std::erase_if(spares_, [&](const Spare& sp) {
+      int status = 0;
+      return spawner_.wait(sp.pid, status) != 0;  // reaped, or not our child (ECHILD)
+    });
     const bool any_dying =
         std::ranges::any_of(processes_, [](const Process& p) { return p.dying_pid != 0; });
-    if ((waiting.empty() && !any_dying) || mono_ns() >= deadline) break;
+    if ((waiting.empty() && !any_dying && spares_.empty()) || mono_ns() >= deadline) break;
     ::usleep(10'000);
   }
   for (size_t i : waiting) give_up_on(Process(processes_[i]), kKillWaitS);

@@ -48,6 +48,13 @@ class Spawner {
   virtual char state(pid_t pid) = 0;
   // detail::environment_with_tunables.
   virtual std::vector<std::string> environment(const std::vector<std::string>& tunables) = 0;
+  // A spare (NodeAgent keepSpare): spawn() with `go_fd` as the child's stdin. -1: this spawner
+  // keeps no spares (the next launch starts a process as always).
+  virtual pid_t spawn_spare(const std::vector<std::string>& /*argv*/,
+                            const std::filesystem::path& /*log*/,
+                            const std::vector<std::string>& /*env*/, int /*go_fd*/) {
+    return -1;
+  }
 };
 
 // The real one: fork/exec, kill(2), waitpid(2), /proc.
@@ -59,6 +66,8 @@ class SystemSpawner final : public Spawner {
   pid_t wait(pid_t pid, int& status) override;
   char state(pid_t pid) override;
   std::vector<std::string> environment(const std::vector<std::string>& tunables) override;
+  pid_t spawn_spare(const std::vector<std::string>& argv, const std::filesystem::path& log,
+                    const std::vector<std::string>& env, int go_fd) override;
 };
 
 class NodeAgent {
@@ -66,7 +75,9 @@ class NodeAgent {
   using EventSink = NodeAgentLink::EventSink;
 
   explicit NodeAgent(Spawner& spawner) : spawner_(spawner) {}
-  ~NodeAgent() { release(); }
+  // Spares kill_remaining did not reap are killed (not waited for: they die with it anyway,
+  // PR_SET_PDEATHSIG).
+  ~NodeAgent();
   NodeAgent(const NodeAgent&) = delete;
   NodeAgent& operator=(const NodeAgent&) = delete;
 
@@ -90,8 +101,12 @@ class NodeAgent {
 
   // One command (schemas/node.capnp NodeCommand); see NodeAgentLink::command.
   bool handle(schema::NodeCommand::Reader c);
-  // One bounded wait over the control socket and the signalfd; events to the sink.
+  // One bounded wait over the control socket, the signalfd and the wake descriptor; events to
+  // the sink.
   void pump(int timeout_ms);
+  // A descriptor (an eventfd, not owned, outliving every pump) whose readiness ends pump()'s
+  // wait: the job watch's verdict. pump() drains it; -1: none.
+  void set_wake_fd(int fd) { wake_fd_ = fd; }
   // Every exited child reaped (non-blocking): an `exited` event for each one it launched.
   void reap();
   std::vector<RingLevel> ring_levels() const;
@@ -115,10 +130,24 @@ class NodeAgent {
     bool alive = false;
     // A restart in progress: SIGKILL sent to this generation, its reap not seen yet.
     pid_t dying_pid = 0;
+    std::vector<std::string> env = {};  // of its current launch (empty: the agent's own)
+  };
+  // A loaded process of a stage's executable waiting on `go` (its stdin, a socket) for the
+  // generation it becomes (keepSpare in schemas/node.capnp).
+  struct Spare {
+    schema::StageKind stage;
+    uint32_t rank;
+    pid_t pid;
+    Fd go;
+    std::vector<std::string> env;
   };
 
   Process* find(schema::StageRef::Reader ref);
   void launch(schema::LaunchStage::Reader l);
+  void keep_spare(schema::StageRef::Reader ref);
+  // The spare of `p` started with `env`, handed `generation`: its pid; -1 when there is none
+  // or it is gone (then it is killed and forgotten).
+  pid_t take_spare(const Process& p, uint32_t generation, const std::vector<std::string>& env);
   bool send_stop(schema::StopStage::Reader s);
   bool abort_collectives(schema::AbortStageCollectives::Reader a);
   void tear_down(schema::TearDown::Reader t);
@@ -137,8 +166,10 @@ class NodeAgent {
   EventSink sink_;
   std::filesystem::path run_;
   std::vector<Process> processes_;
+  std::vector<Spare> spares_;
   std::set<pid_t> unkillable_;  // outlived SIGKILL and kKillWaitS: never waited for again
   std::optional<Fd> sigfd_;
+  int wake_fd_ = -1;
   std::filesystem::path sock_dir_;
   bool sock_dir_private_ = false;
   std::unique_ptr<ipc::ZmqContext> zmq_;

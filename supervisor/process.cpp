@@ -35,7 +35,7 @@ void close_inherited() {
 }  // namespace
 
 pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& log,
-            const std::vector<std::string>& env) {
+            const std::vector<std::string>& env, int stdin_fd) {
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -54,8 +54,12 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& l
     if (::getppid() != parent) ::_exit(126);
     ::dup2(log_fd.get(), STDOUT_FILENO);
     ::dup2(log_fd.get(), STDERR_FILENO);
-    int devnull = ::open("/dev/null", O_RDONLY);
-    if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
+    if (stdin_fd >= 0) {
+      ::dup2(stdin_fd, STDIN_FILENO);
+    } else {
+      int devnull = ::open("/dev/null", O_RDONLY);
+      if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
+    }
     close_inherited();
     sigset_t none;
     sigemptyset(&none);

@@ -19,9 +19,10 @@ namespace megacpp::supervisor::detail {
 // fork + exec of `argv` with stdout and stderr appended to `log`, the signal mask reset,
 // and PR_SET_PDEATHSIG(SIGKILL) so the child never outlives the supervisor. `env` ("K=V"
 // entries) is the child's whole environment; empty: the supervisor's own.
+// `stdin_fd` >= 0 becomes the child's stdin (a spare's go socket), else /dev/null.
 // Throws Error{kSystem} if the fork fails; an exec failure shows as exit code 127.
 pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& log,
-            const std::vector<std::string>& env = {});
+            const std::vector<std::string>& env, int stdin_fd = -1);
 
 // The supervisor's environment with each of `tunables` ("glibc.malloc.hugetlb=1", ...) added to
 // GLIBC_TUNABLES, except those GLIBC_TUNABLES already sets (the user's value wins).

@@ -716,8 +716,8 @@ void JobController::prepare() {
       MEGACPP_FAIL(ErrorKind::kInvalidArgument, "--metrics-addr {}: the port must be in [0, 65535]",
                    opt_.metrics_addr);
     }
-    bool dirty = false;
-    metrics_ = std::make_unique<Metrics>(MEGACPP_VERSION, git_revision(dirty), torch_version());
+    metrics_ =
+        std::make_unique<Metrics>(MEGACPP_VERSION, source_revision().revision, torch_version());
     metrics_server_ = std::make_unique<MetricsServer>(*metrics_, host, static_cast<uint16_t>(port));
     metrics_target_ = fmt::format("{}:{}", host, metrics_server_->port());
     metrics_endpoint_ = fmt::format("http://{}/metrics", metrics_target_);
@@ -798,6 +798,15 @@ void JobController::check_job_across_nodes() {
   job_seal_ = ipc::RecordSealer(keys);
 }
 
+const JobController::SourceRevision& JobController::source_revision() {
+  if (!source_revision_) {
+    SourceRevision r;
+    r.revision = git_revision(r.dirty);
+    source_revision_ = std::move(r);
+  }
+  return *source_revision_;
+}
+
 void JobController::host_or_join_store() {
   if (placement_.nodes <= 1) {
     store_ = std::make_unique<StoreServer>("127.0.0.1", 0, world_);
@@ -806,8 +815,7 @@ void JobController::host_or_join_store() {
     return;
   }
   NodeIdentity me;
-  bool dirty = false;
-  const std::string revision = git_revision(dirty);
+  const auto& [revision, dirty] = source_revision();
   // As `megacpp compare` names them (commands.h), from what the launch contract records.
   me.build = build_name(revision, dirty, MEGACPP_BUILD_TYPE, compiler_name(), torch_version());
   me.recipe_hash = recipe_.hash;
@@ -847,10 +855,13 @@ void JobController::host_or_join_store() {
 
 void JobController::start_job_watch() {
   // An attempt's watch of its own: the previous attempt's failure is not this one's.
+  if (agent_) agent_->set_wake_fd(-1);  // before its descriptor closes
   job_watch_.reset();
   job_watch_ =
       std::make_unique<JobWatch>(placement_, fmt::format("{}/watch/a{}", engine_prefix_, attempt_),
                                  JobWatch::Options{}, job_seal_);
+  // Its verdict ends the loop's wait at once (watch()), not at the wait's timeout.
+  if (agent_) agent_->set_wake_fd(job_watch_->wake_fd());
 }
 
 void JobController::publish_metrics_targets(const std::string& prefix) {
@@ -1046,9 +1057,8 @@ void JobController::write_launch_contract() {
   }
   auto p = l.initProvenance();
   p.setVersion(MEGACPP_VERSION);
-  bool dirty = false;
-  p.setGitRevision(git_revision(dirty));
-  p.setGitDirty(dirty);
+  p.setGitRevision(source_revision().revision);
+  p.setGitDirty(source_revision().dirty);
   p.setBuildType(MEGACPP_BUILD_TYPE);
   p.setCompiler(compiler_name());
   char host[256] = {};

@@ -85,6 +85,11 @@ struct RunOptions {
   // checkpoint as the run's next attempt, at most this many times. A failure at the same step
   // as the previous attempt's is not retried (it is repeating).
   uint32_t max_job_restarts = 0;
+  // While a job restart is left: one spare per trainer (a trainer process loaded and waiting,
+  // keepSpare in schemas/node.capnp), started once every trainer finished its attempt's first
+  // step, so that the restart hands the spares their generation instead of starting processes.
+  // Each holds its executable's libraries in host memory, none on a device.
+  bool spare_trainers = true;
   // Checkpoint retention (launch contract `checkpointPolicy`): the newest keep_checkpoints
   // committed checkpoints stay, plus every step that is a multiple of keep_every (0: none).
   uint32_t keep_checkpoints = 3;

@@ -313,6 +313,29 @@ Event JobController::job_verdict_event(const JobWatch::Verdict& v, int64_t now) 
                step};
 }
 
+void JobController::keep_spares() {
+  // Not before every trainer finished a step of this attempt: a spare loading its libraries
+  // then would compete with the ranks' own start for the node's CPUs.
+  if (spares_kept_ || !opt_.spare_trainers || job_restarts_ >= opt_.max_job_restarts) return;
+  const uint32_t from = resume_ ? resume_->step : 0;
+  bool any = false;
+  for (const auto& c : children_) {
+    if (c.stage != StageKind::TRAINER) continue;
+    if (!c.alive || c.step <= from) return;
+    any = true;
+  }
+  if (!any) return;
+  spares_kept_ = true;
+  for (const auto& c : children_) {
+    if (c.stage != StageKind::TRAINER) continue;
+    command([&](schema::NodeCommand::Builder cmd) {
+      auto r = cmd.initKeepSpare();
+      r.setStage(c.stage);
+      r.setRank(c.rank);
+    });
+  }
+}
+
 void JobController::check_job_watch() {
   if (!job_watch_ || detected_ns_ != 0) return;
   const auto v = job_watch_->verdict();
@@ -353,6 +376,7 @@ void JobController::watch() {
     if (detected_ns_ != 0) return;
     check_liveness();
     if (detected_ns_ != 0) return;
+    keep_spares();
     update_metrics();
     if (opt_.detach && !detached_) {
       if (std::all_of(children_.begin(), children_.end(), [](const Child& c) { return c.seen; })) {
@@ -579,6 +603,7 @@ void JobController::restart_job() {
   step_samples_.clear();
   committed_step_ = 0;
   failed_progress_.reset();
+  spares_kept_ = false;
   if (job_watch_) start_job_watch();
 }
 

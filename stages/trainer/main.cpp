@@ -82,6 +82,13 @@ double seconds_since_process_start(Clock::time_point main_entry) {
   return seconds_since(main_entry);
 }
 
+// Seconds of this rank's start-up so far: from the process's start, or for a spare from when
+// it became this launch (its wait before that is no start-up of the launch).
+double startup_seconds(const stage::StageContext& ctx, Clock::time_point main_entry) {
+  if (const auto activated = ctx.activated()) return seconds_since(*activated);
+  return seconds_since_process_start(main_entry);
+}
+
 // Runs `fn`, turning a foreign exception (a c10::Error from torch, std::bad_alloc, ...) into
 // a typed megacpp::Error of the rank's own: kInternal, whatever the world size. Failures
 // inside a collective or the rendezvous arrive here already typed as a peer failure or a
@@ -326,7 +333,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   // Start-up receipts (receipts/first_forward.json, receipts/backend_identity.json): when the
   // groups were joined, and what this rank computes with.
   ctx.journal().append([&](schema::JournalRecord::Builder r) {
-    r.initRendezvousDone().setSeconds(seconds_since_process_start(main_entry));
+    r.initRendezvousDone().setSeconds(startup_seconds(ctx, main_entry));
   });
   ctx.journal().append([&](schema::JournalRecord::Builder r) {
     auto b = r.initBackendIdentity();
@@ -453,13 +460,13 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       if (const char* point = fault_point_of(p)) poison = stage::fault_point(ctx, point, step);
       if (p == Phase::OPTIMIZER && !first_backward_done) {
         first_backward_done = true;
-        const double s = seconds_since_process_start(main_entry);
+        const double s = startup_seconds(ctx, main_entry);
         ctx.journal().append(
             [&](schema::JournalRecord::Builder r) { r.initFirstBackward().setSeconds(s); });
       }
       if (p == Phase::BACKWARD && !first_forward_done) {
         first_forward_done = true;
-        const double s = seconds_since_process_start(main_entry);
+        const double s = startup_seconds(ctx, main_entry);
         ctx.journal().append(
             [&](schema::JournalRecord::Builder r) { r.initFirstForward().setSeconds(s); });
       }

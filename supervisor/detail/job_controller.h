@@ -217,6 +217,8 @@ class JobController {
   bool ask_to_stop(Child& c);
   void journal_child_exited(const Child& c, schema::ChildReason reason);
   void check_liveness();
+  // RunOptions::spare_trainers: asks the agent for one spare per trainer, once per attempt.
+  void keep_spares();
   // A job across nodes: another node's failure or a lost node (JobWatch's verdict) ends this
   // node's attempt as the supervisor's event.
   void check_job_watch();
@@ -365,6 +367,7 @@ class JobController {
   uint32_t committed_step_ = 0;   // newest checkpoint this attempt committed
   uint32_t job_latest_ = 0;       // the step JOB_LATEST names (a job across nodes)
   uint32_t job_restarts_ = 0;
+  bool spares_kept_ = false;                   // this attempt asked for its spares (keep_spares)
   std::optional<uint32_t> failed_progress_;    // this attempt's, once it failed
   std::optional<uint32_t> previous_progress_;  // the last attempt's, in this process
   recipe::BatchGeometry batch_;       // this attempt's batch geometry (launch contract batch)
@@ -379,6 +382,14 @@ class JobController {
   bool detached_ = false;  // RunOptions::detach: output moved to logs/supervisor.log
   bool released_ = false;
   bool cleaned_ = false;
+  // The source's git revision, read once (two git processes, tens of ms): the /metrics build
+  // info, the job's identity check and every attempt's launch contract name the same one.
+  struct SourceRevision {
+    std::string revision;
+    bool dirty = false;
+  };
+  std::optional<SourceRevision> source_revision_;
+  const SourceRevision& source_revision();
   std::unique_ptr<Console> console_;
 };
 

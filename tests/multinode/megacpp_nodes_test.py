@@ -418,10 +418,16 @@ class MegacppNodesN:
                                      extra={i: [recipe, "--max-job-restarts", "1"] for i in range(n)},
                                      env={1: {"MEGACPP_FAULT": "trainer:%d:forward:11:hang" % RANKS}})
             self.kill_hung_rank_once_committed(procs, RANKS, 8)
-            for host, run, log, p in procs:
+            for i, (host, run, log, p) in enumerate(procs):
                 rc = p.wait(timeout=240)
                 with open(log) as f:
-                    self.assertEqual(rc, 0, "%s:\n%s" % (host, f.read()[-4000:]))
+                    text = f.read()
+                self.assertEqual(rc, 0, "%s:\n%s" % (host, text[-4000:]))
+                # Every rank of the restart was its spare (started after the first attempt's
+                # first step, loaded and waiting), not a process started after the failure.
+                for r in range(RANKS):
+                    self.assertIn("trainer-%d (generation 0) is its spare" % (i * RANKS + r), text,
+                                  host)
             runs = [run for _, run, _, _ in procs]
             for i, run in enumerate(runs):
                 with open(os.path.join(run, "manifest.json")) as f:

@@ -228,4 +228,38 @@ TEST(JobWatch, NodeZeroGoneIsEveryNodesVerdict) {
   EXPECT_NE(v->message.find("the job's store) unreachable"), std::string::npos) << v->message;
 }
 
+// A failure travels by nudges on the liveness connections, not at the next beat: with a beat
+// of 30 s, node 1's offered failure is node 0's verdict and node 2's (through node 0's nudge)
+// long before any of them beats again; and node 0's own is every other node's.
+TEST(JobWatch, AnOfferedFailureReachesEveryNodeByNudgesNotAtTheNextBeat) {
+  JobWatch::Options slow;
+  slow.beat = std::chrono::seconds(30);
+  slow.silence_limit = std::chrono::seconds(120);
+  slow.suspected_silence = std::chrono::seconds(120);
+  for (uint32_t failing : {1u, 0u}) {
+    SCOPED_TRACE(failing);
+    StoreServer server("127.0.0.1", 0, 3);
+    const std::string prefix = "n" + std::to_string(failing);
+    JobWatch w0(place(3, 0, server.port()), prefix, slow);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // node 0's port published
+    JobWatch w1(place(3, 1, server.port()), prefix, slow);
+    JobWatch w2(place(3, 2, server.port()), prefix, slow);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // their connections made
+    JobWatch& offering = failing == 0 ? w0 : w1;
+    offering.report("trainer-2 signaled");
+    const auto t0 = Clock::now();
+    for (JobWatch* w : {&w0, &w1, &w2}) {
+      if (w == &offering) continue;
+      const auto [v, took] = await(*w, std::chrono::milliseconds(10000));
+      ASSERT_TRUE(v) << "no verdict within a third of a beat: the nudge did not arrive";
+      EXPECT_EQ(v->kind, Kind::kNodeFailed);
+      EXPECT_EQ(v->node, failing);
+      EXPECT_NE(v->message.find("trainer-2 signaled"), std::string::npos) << v->message;
+    }
+    std::printf("failure offered by node %u: every other node's verdict after %.3f s (beat 30 s)\n",
+                failing, std::chrono::duration<double>(Clock::now() - t0).count());
+    EXPECT_FALSE(offering.verdict()) << "a node's own failure is not its verdict";
+  }
+}
+
 }  // namespace

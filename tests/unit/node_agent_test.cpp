@@ -2,10 +2,13 @@
 // signals, and the events it says back (schemas/node.capnp), torch-free.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <capnp/message.h>
 
+#include <algorithm>
 #include <deque>
 #include <map>
 #include <string>
@@ -49,6 +52,18 @@ class FakeSpawner final : public Spawner {
               const std::vector<std::string>& env) override {
     spawned.push_back({argv, log, env});
     return next_pid++;
+  }
+  // Spares: what was asked, and the child's end of each go socket (read by the test).
+  std::vector<Spawned> spares;
+  std::vector<int> spare_go;
+  pid_t spawn_spare(const std::vector<std::string>& argv, const fs::path& log,
+                    const std::vector<std::string>& env, int go_fd) override {
+    spares.push_back({argv, log, env});
+    spare_go.push_back(::dup(go_fd));
+    return next_pid++;
+  }
+  ~FakeSpawner() override {
+    for (int fd : spare_go) ::close(fd);
   }
   void signal(pid_t pid, int sig) override { signals.emplace_back(pid, sig); }
   pid_t wait(pid_t pid, int& status) override {
@@ -312,3 +327,100 @@ TEST_F(NodeAgentTest, AJobRestartReapsTheDyingGenerationThenForgetsTheAttempt) {
 }
 
 }  // namespace
+
+// What a spare read on its stdin (the go socket) so far, without waiting.
+std::string read_go(int fd) {
+  std::string out;
+  char b[64];
+  ssize_t n = 0;
+  while ((n = ::recv(fd, b, sizeof b, MSG_DONTWAIT)) > 0) out.append(b, static_cast<size_t>(n));
+  return out;
+}
+
+TEST_F(NodeAgentTest,
+       ASpareIsStartedWithItsProcesssEnvironmentAndTheNextLaunchHandsItTheGeneration) {
+  command([&](NodeCommand::Builder c) {
+    auto l = c.initLaunch();
+    set_ref(l.getProcess(), StageKind::TRAINER, 1);
+    l.setTuneEnvironment(true);
+    l.initExtraEnv(1).set(0, "GLOO_SOCKET_IFNAME=eth0");
+  });
+  const pid_t first = events.back().pid;
+  ASSERT_TRUE(on(StageKind::TRAINER, 1, [](NodeCommand::Builder c) { return c.initKeepSpare(); }));
+  ASSERT_EQ(spawner.spares.size(), 1u);
+  const auto& sp = spawner.spares[0];
+  EXPECT_EQ(fs::path(sp.argv[0]).filename(), "megacpp-trainer");
+  EXPECT_EQ(std::vector<std::string>(sp.argv.begin() + 1, sp.argv.end()),
+            (std::vector<std::string>{"--run-dir", dir.path().string(), "--rank", "1", "--spare"}));
+  EXPECT_EQ(sp.log, layout::log_path(dir.path(), StageKind::TRAINER, 1));
+  EXPECT_EQ(sp.env, spawner.spawned[0].env);
+  const pid_t spare_pid = first + 1;
+  // One spare per process: asking again starts none.
+  on(StageKind::TRAINER, 1, [](NodeCommand::Builder c) { return c.initKeepSpare(); });
+  EXPECT_EQ(spawner.spares.size(), 1u);
+  EXPECT_EQ(read_go(spawner.spare_go[0]), "");
+
+  // The job restart: the attempt ends, the process's next launch (same environment) is the spare.
+  command([](NodeCommand::Builder c) { c.setEndAttempt(); });
+  events.clear();
+  command([&](NodeCommand::Builder c) {
+    auto l = c.initLaunch();
+    set_ref(l.getProcess(), StageKind::TRAINER, 1);
+    l.setGeneration(7);
+    l.setReason(ChildReason::RESTART);
+    l.setTuneEnvironment(true);
+    l.initExtraEnv(1).set(0, "GLOO_SOCKET_IFNAME=eth0");
+  });
+  EXPECT_EQ(spawner.spawned.size(), 1u) << "no process started: the spare became the launch";
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].process, "trainer-1");
+  EXPECT_EQ(events[0].pid, spare_pid);
+  EXPECT_EQ(events[0].generation, 7u);
+  EXPECT_EQ(read_go(spawner.spare_go[0]), "7\n");
+  // Used once: the launch after it starts a process.
+  command([](NodeCommand::Builder c) { c.setEndAttempt(); });
+  launch(StageKind::TRAINER, 1, 8);
+  EXPECT_EQ(spawner.spawned.size(), 2u);
+}
+
+TEST_F(NodeAgentTest, ASpareOfAnotherEnvironmentIsKilledAndTheLaunchStartsAProcess) {
+  const pid_t first = launch(StageKind::TRAINER, 0);
+  on(StageKind::TRAINER, 0, [](NodeCommand::Builder c) { return c.initKeepSpare(); });
+  ASSERT_EQ(spawner.spares.size(), 1u);
+  const pid_t spare_pid = first + 1;
+  command([](NodeCommand::Builder c) { c.setEndAttempt(); });
+  command([&](NodeCommand::Builder c) {
+    auto l = c.initLaunch();
+    set_ref(l.getProcess(), StageKind::TRAINER, 0);
+    l.setGeneration(1);
+    l.setTuneEnvironment(true);  // not the environment the spare was started with
+  });
+  EXPECT_EQ(spawner.spawned.size(), 2u);
+  EXPECT_NE(events.back().pid, spare_pid);
+  EXPECT_EQ(spawner.signals.back(), std::make_pair(spare_pid, SIGKILL));
+  EXPECT_EQ(read_go(spawner.spare_go[0]), "") << "a killed spare is told no generation";
+}
+
+TEST_F(NodeAgentTest, ASpareThatDiedIsForgottenAndTheEndKillsTheOnesLeft) {
+  launch(StageKind::TRAINER, 0);
+  launch(StageKind::TRAINER, 1);
+  on(StageKind::TRAINER, 0, [](NodeCommand::Builder c) { return c.initKeepSpare(); });
+  on(StageKind::TRAINER, 1, [](NodeCommand::Builder c) { return c.initKeepSpare(); });
+  ASSERT_EQ(spawner.spares.size(), 2u);
+  const pid_t spare0 = 1002, spare1 = 1003;
+  // Spare 0 dies on its own: its reap names no process, and the next launch starts one.
+  events.clear();
+  spawner.exits = {{spare0, SIGKILL}};
+  agent.reap();
+  EXPECT_TRUE(events.empty());
+  command([](NodeCommand::Builder c) { c.setEndAttempt(); });
+  launch(StageKind::TRAINER, 0, 1);
+  EXPECT_EQ(spawner.spawned.size(), 3u);
+  // The end of the run: the spare left is killed and waited for with the processes.
+  spawner.exits = {{spare1, SIGKILL}, {1004, SIGKILL}};
+  agent.kill_remaining();
+  EXPECT_NE(
+      std::find(spawner.signals.begin(), spawner.signals.end(), std::make_pair(spare1, SIGKILL)),
+      spawner.signals.end());
+  EXPECT_TRUE(spawner.exits.empty()) << "both reaped";
+}

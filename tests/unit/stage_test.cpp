@@ -538,5 +538,25 @@ TEST(StageMain, UncaughtExceptionInAThreadDumpsAndAborts) {
   EXPECT_TRUE(any_contains(d.getBacktrace(), "megacpp::stage_test::throw_from_here"));
 }
 
+TEST(SpareGeneration, OneLineIsTheGenerationAndAnythingElseLetsTheSpareGo) {
+  auto read_from = [](const std::string& text) {
+    int p[2];
+    EXPECT_EQ(::pipe(p), 0);
+    EXPECT_EQ(::write(p[1], text.data(), text.size()), static_cast<ssize_t>(text.size()));
+    ::close(p[1]);
+    const auto g = detail::read_spare_generation(p[0]);
+    ::close(p[0]);
+    return g;
+  };
+  EXPECT_EQ(read_from("7\n"), std::optional<uint32_t>(7));
+  EXPECT_EQ(read_from("4294967295\n"), std::optional<uint32_t>(UINT32_MAX));
+  EXPECT_EQ(read_from(""), std::nullopt) << "the supervisor closed it: never needed";
+  EXPECT_EQ(read_from("7"), std::nullopt) << "no whole line";
+  EXPECT_EQ(read_from("\n"), std::nullopt);
+  EXPECT_EQ(read_from("-1\n"), std::nullopt);
+  EXPECT_EQ(read_from("4294967296\n"), std::nullopt);
+  EXPECT_EQ(read_from("99999999999\n"), std::nullopt);
+}
+
 }  // namespace
 }  // namespace megacpp::stage
