@@ -550,6 +550,44 @@ class MegacppNodesN:
             self.assertEqual(sorted(ranks), [(RANKS * i, RANKS) for i in range(self.N)])
             print("torchrun, %d agents, one megacpp each: %.2f s" % (self.N, took))
 
+    def test_an_indexed_jobs_pods_place_themselves_from_their_environment(self):
+        # A Kubernetes Indexed Job's pods as each sees its environment (no Kubernetes here: the
+        # variables and names the Job and its headless service give a pod): the index in
+        # JOB_COMPLETION_INDEX, the node count in MEGACPP_NODES, node 0 from
+        # MEGACPP_HOST_PATTERN through the pods' name resolution (each namespace's /etc/hosts
+        # plays the headless service), the port in MEGACPP_MASTER_PORT, the interface in
+        # GLOO_SOCKET_IFNAME; no placement flag. The job trains the bits of one node.
+        with Hosts(self.N) as hosts:
+            keyfile = os.path.join(hosts.dir, "job.keys")
+            subprocess.run([MEGACPP, "keys", keyfile], check=True, capture_output=True)
+            pattern = hosts.names[0][:-1] + "{index}"
+            self.assertEqual(pattern.replace("{index}", "0"), hosts.names[0])
+            procs = []
+            for i, host in enumerate(hosts.names[:self.N]):
+                run = os.path.join(hosts.dir, host, "run")
+                log = os.path.join(hosts.dir, "%s.log" % host)
+                env = dict(os.environ, JOB_COMPLETION_INDEX=str(i), MEGACPP_NODES=str(self.N),
+                           MEGACPP_HOST_PATTERN=pattern, MEGACPP_MASTER_PORT=str(PORT),
+                           GLOO_SOCKET_IFNAME="eth0")
+                with open(log, "w") as f:
+                    procs.append((host, run, log, hosts.popen(host, [
+                        MEGACPP, "run", "--ranks", str(RANKS), "--steps", str(STEPS), "--run-dir", run,
+                        "--job-keys", keyfile, "--progress", "plain"],
+                        stdout=f, stderr=subprocess.STDOUT, env=env)))
+            for host, run, log, p in procs:
+                rc = p.wait(timeout=240)
+                with open(log) as f:
+                    self.assertEqual(rc, 0, "%s:\n%s" % (host, f.read()[-3000:]))
+                with open(os.path.join(run, "launch.json")) as f:
+                    place = json.load(f)["placement"]
+                self.assertEqual((place["source"], place["nodes"], place["masterHost"],
+                                  place["masterPort"]),
+                                 ("kubernetes", self.N, hosts.names[0], PORT), place)
+            runs = [run for _, run, _, _ in procs]
+            compared = self.assert_bits_of_one_node(hosts, runs, STEPS)
+            print("an Indexed Job's %d pods placed by their environment; %d tensors bit-identical "
+                  "to one node" % (self.N, compared))
+
     def test_torchrun_restarts_every_megacpp_which_resumes_the_job(self):
         # torchrun --max-restarts 1 as the engine: rank 2 hangs in step 11 and is killed once
         # step 8 is committed on every node; every megacpp ends (the job's first failure), every
