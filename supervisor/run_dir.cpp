@@ -238,13 +238,13 @@ void JobController::adopt_previous_attempt() {
                 : std::nullopt;
 
   choose_checkpoint("--resume");
-  if (!resume_)
+  if (!resume_ && !engine_restart_)
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                  "--resume {}: no checkpoint in {} verifies{}: nothing to resume from; start a "
                  "new run",
                  run_.string(), layout::checkpoints_dir(run_).string(),
                  skipped_.empty() ? "" : fmt::format(" ({} skipped)", skipped_.size()));
-  if (resume_->step >= opt_.steps)
+  if (resume_ && resume_->step >= opt_.steps)
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                  "--resume {}: its checkpoint of step {} is the last of the {} planned steps: "
                  "nothing to resume (branch from it with `megacpp run RECIPE --from {} --run-dir "
@@ -498,7 +498,7 @@ void JobController::prepare() {
   // checkpoint that every node has, as `--resume` would. Not judged by the engine's restart
   // count: torchrun counts a node's own failures only, so a node restarted for another's
   // failure still says 0.
-  bool engine_restart = false;
+  bool& engine_restart = engine_restart_;
   const bool engine = placement_.source == "torchrun" || placement_.source == "slurm" ||
                       placement_.source == "kubernetes";
   if (opt_.resume.empty() && engine && !opt_.run_dir.empty() &&
@@ -751,7 +751,7 @@ void JobController::prepare() {
   host_or_join_store();
   if (resuming) {
     agree_checkpoint("--resume");
-    if (!resume_)
+    if (!resume_ && !engine_restart_)
       MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                    "--resume {}: no step of the job has a part that verifies on every node: "
                    "nothing to resume from; start a new run",
@@ -972,6 +972,15 @@ void JobController::archive_attempt() {
 
 void JobController::begin_attempt() {
   archive_attempt();
+  if (!resume_) {
+    // An engine's restart of a job that failed before any step was committed on every node:
+    // training starts again from step 0, as this run's next attempt.
+    log_warn(
+        "{} restarted run {} before any checkpoint every node has: attempt {} trains from "
+        "step 0",
+        placement_.source, run_id_, attempt_);
+    return;
+  }
   log_info("resuming run {} as attempt {} from {} (step {} of {}) on {} ranks{}", run_id_, attempt_,
            resume_->relative_path, resume_->step, opt_.steps, opt_.ranks,
            rank_batch_ ? fmt::format(", {} sequences per rank (global batch {})", rank_batch_,

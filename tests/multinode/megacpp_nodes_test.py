@@ -588,6 +588,46 @@ class MegacppNodesN:
             print("an Indexed Job's %d pods placed by their environment; %d tensors bit-identical "
                   "to one node" % (self.N, compared))
 
+    def start_under_torchrun(self, hosts, recipe, steps, node1_env):
+        """One torchrun agent per host (c10d rendezvous on node 0, --max-restarts 1), each
+        starting one megacpp of `recipe` for `steps` steps; node 1's environment gets
+        `node1_env`. Returns [(host, run, log, Popen)]."""
+        venv_py = os.path.join(ROOT, ".venv", "bin", "python")
+        keyfile = os.path.join(hosts.dir, "job.keys")
+        subprocess.run([MEGACPP, "keys", keyfile], check=True, capture_output=True)
+        worker = ('exec "$0" run %s --ranks %d --steps %d --run-dir %s/$(hostname)/run '
+                  '--iface eth0 --job-keys %s --progress plain' % (recipe, RANKS, steps, hosts.dir, keyfile))
+        procs = []
+        for i, host in enumerate(hosts.names):
+            log = os.path.join(hosts.dir, "torchrun-%s.log" % host)
+            env = dict(os.environ, **(node1_env if i == 1 else {}))
+            with open(log, "w") as f:
+                procs.append((host, os.path.join(hosts.dir, host, "run"), log, hosts.popen(host, [
+                    venv_py, "-m", "torch.distributed.run", "--nnodes", str(self.N), "--nproc-per-node", "1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "%s:%d" % (hosts.addr(hosts.names[0]), 29400),
+                    "--rdzv-id", hosts.prefix, "--max-restarts", "1", "--no-python", "sh", "-c", worker,
+                    MEGACPP], stdout=f, stderr=subprocess.STDOUT, env=env)))
+        return procs
+
+    def wait_ok_under_torchrun(self, procs, steps):
+        """Every torchrun agent ends 0 and every node's manifest says ok after `steps` steps;
+        returns each node's manifest."""
+        for host, run, log, p in procs:
+            try:
+                rc = p.wait(timeout=240)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = -9
+            with open(log) as f:
+                self.assertEqual(rc, 0, "%s:\n%s" % (host, f.read()[-4000:]))
+        manifests = []
+        for _, run, _, _ in procs:
+            with open(os.path.join(run, "manifest.json")) as f:
+                m = json.load(f)
+            self.assertEqual((m["state"], m["stepsCompleted"]), ("ok", steps), m.get("error"))
+            manifests.append(m)
+        return manifests
+
     def test_torchrun_restarts_every_megacpp_which_resumes_the_job(self):
         # torchrun --max-restarts 1 as the engine: rank 2 hangs in step 11 and is killed once
         # step 8 is committed on every node; every megacpp ends (the job's first failure), every
@@ -595,44 +635,41 @@ class MegacppNodesN:
         # resumes from step 8 (TORCHELASTIC_RESTART_COUNT > 0). The job ends ok, with one node's
         # bits of the same world.
         n, steps = self.N, 14
-        venv_py = os.path.join(ROOT, ".venv", "bin", "python")
         with Hosts(self.N) as hosts:
             recipe = tiny_every_4(hosts.dir)
-            keyfile = os.path.join(hosts.dir, "job.keys")
-            subprocess.run([MEGACPP, "keys", keyfile], check=True, capture_output=True)
-            worker = ('exec "$0" run %s --ranks %d --steps %d --run-dir %s/$(hostname)/run '
-                      '--iface eth0 --job-keys %s --progress plain' % (recipe, RANKS, steps, hosts.dir, keyfile))
-            procs = []
-            for i, host in enumerate(hosts.names):
-                log = os.path.join(hosts.dir, "torchrun-%s.log" % host)
-                env = dict(os.environ)
-                if i == 1:
-                    env["MEGACPP_FAULT"] = "trainer:%d:forward:11:hang" % RANKS
-                with open(log, "w") as f:
-                    procs.append((host, os.path.join(hosts.dir, host, "run"), log, hosts.popen(host, [
-                        venv_py, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", "1",
-                        "--rdzv-backend", "c10d", "--rdzv-endpoint", "%s:%d" % (hosts.addr(hosts.names[0]), 29400),
-                        "--rdzv-id", hosts.prefix, "--max-restarts", "1", "--no-python", "sh", "-c", worker,
-                        MEGACPP], stdout=f, stderr=subprocess.STDOUT, env=env)))
+            procs = self.start_under_torchrun(hosts, recipe, steps,
+                                              {"MEGACPP_FAULT": "trainer:%d:forward:11:hang" % RANKS})
             self.kill_hung_rank_once_committed(procs, RANKS, 8)
-            for host, run, log, p in procs:
-                try:
-                    rc = p.wait(timeout=240)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    rc = -9
-                with open(log) as f:
-                    self.assertEqual(rc, 0, "%s:\n%s" % (host, f.read()[-4000:]))
-            runs = [run for _, run, _, _ in procs]
-            for i, run in enumerate(runs):
-                with open(os.path.join(run, "manifest.json")) as f:
-                    m = json.load(f)
-                self.assertEqual((m["state"], m["stepsCompleted"]), ("ok", steps), m.get("error"))
+            for m in self.wait_ok_under_torchrun(procs, steps):
                 self.assertEqual((m["attempts"][-1]["reason"], m["attempts"][-1]["fromStep"]),
                                  ("resume", 8), m["attempts"])
+            runs = [run for _, run, _, _ in procs]
             compared = self.assert_bits_of_one_node(hosts, runs, steps, recipe)
             print("torchrun restarted every megacpp; each resumed from step 8; %d tensors of step %d "
                   "bit-identical to one node of %d ranks" % (compared, steps, RANKS * n))
+
+    def test_torchrun_restarting_a_job_before_its_first_checkpoint_trains_from_step_0(self):
+        # Rank 2 exits in step 2 of the first attempt, before the first checkpoint (step 4):
+        # torchrun restarts every megacpp, each finds its run and no checkpoint, and the job
+        # trains again from step 0 as the run's next attempt, ending ok with one node's bits.
+        n, steps = self.N, 8
+        with Hosts(self.N) as hosts:
+            recipe = tiny_every_4(hosts.dir)
+            procs = self.start_under_torchrun(hosts, recipe, steps,
+                                              {"MEGACPP_FAULT": "trainer:%d:forward:2:exit" % RANKS})
+            for m in self.wait_ok_under_torchrun(procs, steps):
+                self.assertEqual(len(m["attempts"]), 2, m["attempts"])
+                self.assertEqual(m["attempts"][-1]["reason"], "resume", m["attempts"])
+                self.assertFalse(m["attempts"][-1].get("fromStep"), m["attempts"])
+            for _, _, log, _ in procs:
+                with open(log) as f:
+                    self.assertIn("before any checkpoint every node has: attempt 1 trains from step 0",
+                                  f.read())
+            runs = [run for _, run, _, _ in procs]
+            compared = self.assert_bits_of_one_node(hosts, runs, steps, recipe)
+            print("torchrun restarted every megacpp before the first checkpoint; each trained from "
+                  "step 0; %d tensors of step %d bit-identical to one node of %d ranks"
+                  % (compared, steps, RANKS * n))
 
     def test_a_node_with_another_recipe_is_refused_on_every_node(self):
         with Hosts(self.N) as hosts:
