@@ -2,8 +2,9 @@
 `--nodes N --node-rank R --master <node0's address>:PORT --iface eth0 --job-keys K`, each node
 training its 2 ranks of the job's world, node 0 hosting the job's store. Checked (more in each
 test's comment: a killed, hung, cut-off node, a killed node supervisor, a failure on one node,
---resume, --max-job-restarts and torchrun --max-restarts across nodes, a peer without the keys,
-torchrun as the launcher):
+--resume, --max-job-restarts (its ranks relaunched as their spares) and torchrun --max-restarts
+across nodes, before and after the first checkpoint, a peer without the keys, torchrun as the
+launcher, an Indexed Job's pods placed by their environment alone):
 
 - every node ends ok and commits its own ranks' part of the final checkpoint (its manifest names
   the ranks it holds), and the tensors of every rank are bit-identical to a one-node run of the
