@@ -10,6 +10,7 @@
 
 #include "checkpoint/reader.h"
 #include "checkpoint/safetensors.h"
+#include "checkpoint/store.h"
 #include "core/error.h"
 #include "core/util.h"
 #include "schemas/checkpoint.capnp.h"
@@ -201,6 +202,10 @@ fs::path resolve_checkpoint_dir(const fs::path& path) {
     return latest.parent_path() / name;
   };
   if (fs::exists(path / "launch.json") || fs::exists(layout::checkpoints_dir(path) / "LATEST")) {
+    // A node's run of a job across nodes: the job's LATEST (a step every node committed), not
+    // its own part's newest.
+    const fs::path job_latest = layout::checkpoints_dir(path) / kJobLatestName;
+    if (fs::exists(job_latest)) return follow(job_latest);
     const fs::path latest = layout::checkpoints_dir(path) / "LATEST";
     MEGACPP_CHECK(fs::exists(latest), ErrorKind::kInvalidArgument,
                   fmt::format("{}: the run has no committed checkpoint", path.string()));

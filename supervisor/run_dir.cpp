@@ -345,6 +345,39 @@ void JobController::agree_checkpoint(std::string_view why) {
   job_latest_ = resume_->step;
 }
 
+void JobController::agree_branch() {
+  if (placement_.nodes <= 1 || !joined_) return;
+  // Every node of a new job starts from the same place: no --from anywhere, or every node's
+  // --from of the same step of the same recipe (each node may name its own copy or part).
+  SealedRecords& store = *job_records_;
+  const auto wait = std::chrono::milliseconds(
+      static_cast<int64_t>(std::max(60.0, knob_seconds(Knob::kStoreTimeoutS)) * 1e3));
+  auto branch_of = [](const std::optional<ResumeInfo>& r, const std::optional<ParentInfo>& p,
+                      const std::string& hash) {
+    return r && p ? fmt::format("step {} of recipe hash {}", r->step, hash) : std::string("none");
+  };
+  std::string parent_hash;
+  if (resume_) parent_hash = checkpoint::CheckpointReader(resume_->dir).recipe_hash();
+  const std::string mine = branch_of(resume_, parent_, parent_hash);
+  const std::string prefix = engine_prefix_ + "/branch";
+  store.set(fmt::format("{}/{}", prefix, placement_.node_rank), mine);
+  for (uint32_t k = 0; k < placement_.nodes; ++k) {
+    if (k == placement_.node_rank) continue;
+    const auto v = store.get(fmt::format("{}/{}", prefix, k), wait);
+    MEGACPP_CHECK(v.has_value(), ErrorKind::kTimeout,
+                  fmt::format("node {} did not say where it starts within {} s; start every "
+                              "node of the job",
+                              k, wait.count() / 1000));
+    if (*v != mine)
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "node {} starts from {}, node {} (this one) from {}: give every node --from "
+                   "the same step of the same job (each its own copy or part), or none",
+                   k, *v == "none" ? "scratch (no --from)" : *v, placement_.node_rank,
+                   mine == "none" ? "scratch (no --from)" : mine);
+  }
+  if (resume_) log_info("every node of the job branches from step {}", resume_->step);
+}
+
 std::optional<std::string> JobController::agree_job_restart(std::optional<std::string> mine) {
   if (placement_.nodes <= 1 || !joined_) return mine;
   SealedRecords& store = *job_records_;
@@ -411,6 +444,19 @@ void JobController::adopt_parent_checkpoint() {
                  "checkpoints are resharded between layouts): pass --mode {}",
                  opt_.from.string(), ckpt.mode(), ckpt.tensor_parallel(), recipe_.model.mode,
                  ckpt.mode());
+  // A node's part of a job across nodes holds its own ranks only: a branch reads its ranks from
+  // it only when this node holds the same ranks of a job of the same world.
+  if (ckpt.ranks() < ckpt.world()) {
+    const uint64_t first = uint64_t{opt_.ranks} * placement_.node_rank;
+    const uint64_t world = uint64_t{opt_.ranks} * placement_.nodes;
+    if (ckpt.first_rank() != first || ckpt.ranks() != opt_.ranks || ckpt.world() != world)
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "--from {}: the checkpoint is a node's part, ranks {}..{} of a job of {} "
+                   "ranks, and this node holds ranks {}..{} of {}: give each node its own part "
+                   "of a job of the same nodes and ranks, or a checkpoint of every rank",
+                   opt_.from.string(), ckpt.first_rank(), ckpt.first_rank() + ckpt.ranks() - 1,
+                   ckpt.world(), first, first + opt_.ranks - 1, world);
+  }
   resume_ = ResumeInfo{ckpt.step(), dir, dir.string(), ckpt.world()};
   const fs::path parent_run = dir.parent_path().parent_path();
   // The branch's data continue where the parent's stood after the checkpoint's step: the
@@ -749,6 +795,7 @@ void JobController::prepare() {
   }
   // Joined before the attempt begins: a job across nodes resumes from a step every node has.
   host_or_join_store();
+  if (!resuming) agree_branch();
   if (resuming) {
     agree_checkpoint("--resume");
     if (!resume_ && !engine_restart_)
@@ -787,8 +834,6 @@ void JobController::check_job_across_nodes() {
         "a job across nodes needs the job's keys: create them once with `megacpp keys FILE`, "
         "give every node that file (mode 0600) and pass --job-keys FILE");
   // Each line below is a part of a job across nodes this build does not run yet.
-  if (!opt_.from.empty())
-    refuse("--from in a job across nodes is not supported yet: branch on one node");
   if (static_cast<uint64_t>(opt_.ranks) * placement_.nodes > layout::kMaxRanks)
     refuse(fmt::format("{} nodes x --ranks {} exceeds the {} ranks of a job", placement_.nodes,
                        opt_.ranks, layout::kMaxRanks));

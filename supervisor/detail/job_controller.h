@@ -178,6 +178,9 @@ class JobController {
   // A job across nodes restarts in place only when every node can (its refusal and theirs,
   // through the store; a node that does not answer within 60 s refuses): the refusal, or
   // nullopt to restart. One node: `mine`.
+  // A new job across nodes (not a resume): every node's --from, or its absence, is every other
+  // node's (through the store), else one line naming both.
+  void agree_branch();
   std::optional<std::string> agree_job_restart(std::optional<std::string> mine);
   void start_job_watch();  // this attempt's JobWatch (keys under watch/a<attempt>)
   void journal_attempt_started(std::string_view reason);  // attemptStarted of attempt_, synced

@@ -223,16 +223,16 @@ class MegacppNodesN:
                 compared += 1
         return compared
 
-    def start_nodes(self, hosts, steps, env=None, extra=None, keys=True):
+    def start_nodes(self, hosts, steps, env=None, extra=None, keys=True, run_name="run"):
         """Starts one megacpp run per host (node i with env[i] added to its environment and
-        extra[i] to its arguments; without `keys`, no --job-keys); returns [(host, run, log
-        path, Popen)]."""
+        extra[i] to its arguments; without `keys`, no --job-keys; its run directory
+        <host>/<run_name>); returns [(host, run, log path, Popen)]."""
         keyfile = os.path.join(hosts.dir, "job.keys")
         if keys and not os.path.exists(keyfile):
             subprocess.run([MEGACPP, "keys", keyfile], check=True, capture_output=True)
         procs = []
         for i, host in enumerate(hosts.names[:self.N]):
-            run = os.path.join(hosts.dir, host, "run")
+            run = os.path.join(hosts.dir, host, run_name)
             log = os.path.join(hosts.dir, "%s.log" % host)
             argv = [MEGACPP, "run", "--ranks", str(RANKS), "--steps", str(steps), "--run-dir", run,
                     "--nodes", str(self.N), "--node-rank", str(i),
@@ -440,6 +440,65 @@ class MegacppNodesN:
             compared = self.assert_bits_of_one_node(hosts, runs, steps, recipe)
             print("job restart on every node from step 8; %d tensors of step %d bit-identical to one "
                   "node of %d ranks" % (compared, steps, RANKS * n))
+
+    def test_a_job_across_nodes_branches_from_a_checkpoint(self):
+        # --from on every node: first a one-node run's checkpoint of every rank (step 4), then
+        # each node's own part of the branch's step 8. Each branch's final checkpoint is
+        # bit-identical to one node's branch from the same checkpoint; a job whose nodes start
+        # from different places is refused on every node.
+        with Hosts(self.N) as hosts:
+            recipe = tiny_every_4(hosts.dir)
+            self.one_node(hosts, 8, recipe)
+            one = os.path.join(hosts.dir, "one", "run")
+
+            def one_node_branch(name, parent, steps):
+                run = os.path.join(hosts.dir, name, "run")
+                p = subprocess.run([MEGACPP, "run", recipe, "--ranks", str(RANKS * self.N), "--steps",
+                                    str(steps), "--run-dir", run, "--from", parent, "--progress",
+                                    "none"], capture_output=True, text=True, timeout=240)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                return latest(run)
+
+            def nodes_branch(parents, steps, tag):
+                procs = self.start_nodes(hosts, steps, run_name=tag, extra={
+                    i: [recipe, "--from", parents[i]] for i in range(self.N)})
+                for host, _, log, p in procs:
+                    rc = p.wait(timeout=240)
+                    with open(log) as f:
+                        text = f.read()
+                    self.assertEqual(rc, 0, "%s:\n%s" % (host, text[-3000:]))
+                    self.assertIn("every node of the job branches from step", text)
+                return [run for _, run, _, _ in procs]
+
+            step4 = os.path.join(one, "checkpoints", "step_00000004")
+            ref = one_node_branch("oneb", step4, 12)
+            runs = nodes_branch([step4] * self.N, 12, "branch")
+            compared = sum(self.assert_part_matches(latest(run), ref, i) for i, run in enumerate(runs))
+            # Each node from its own part of the branch's step 8.
+            ref2 = one_node_branch("onec", os.path.join(os.path.dirname(ref), "step_00000008"), 12)
+            parts = [os.path.join(run, "checkpoints", "step_00000008") for run in runs]
+            runs2 = nodes_branch(parts, 12, "branch2")
+            compared += sum(self.assert_part_matches(latest(run), ref2, i) for i, run in enumerate(runs2))
+            # Node 0 with --from, the others without: refused on every node, naming both.
+            procs = self.start_nodes(hosts, 12, run_name="mixed", extra={
+                i: [recipe] + (["--from", step4] if i == 0 else []) for i in range(self.N)})
+            for host, _, log, p in procs:
+                rc = p.wait(timeout=120)
+                with open(log) as f:
+                    text = f.read()
+                self.assertNotEqual(rc, 0, text[-2000:])
+                self.assertIn("give every node --from the same step of the same job", text)
+            # Each node given another node's part: refused before it joins, naming both ranges.
+            procs = self.start_nodes(hosts, 12, run_name="swapped", extra={
+                i: [recipe, "--from", parts[(i + 1) % self.N]] for i in range(self.N)})
+            for host, _, log, p in procs:
+                rc = p.wait(timeout=120)
+                with open(log) as f:
+                    text = f.read()
+                self.assertNotEqual(rc, 0, text[-2000:])
+                self.assertIn("the checkpoint is a node's part", text)
+            print("a job across nodes branched from a one-node checkpoint and from its own parts; "
+                  "%d tensors bit-identical to one node's branches; a mixed start refused" % compared)
 
     def test_a_lost_node_is_not_restarted_in_place(self):
         # Node 1 killed whole: its supervisor is gone, so node 0 does not restart the job in

@@ -458,6 +458,20 @@ TEST(CheckpointReader, ANodesPartIsReadForItsOwnRanks) {
   }
 }
 
+// A run directory names its checkpoint through LATEST; a node's run of a job across nodes
+// through JOB_LATEST first (a step every node committed, not its own part's newest).
+TEST(CheckpointReader, ARunDirectoryResolvesToTheJobsLatestBeforeItsOwn) {
+  TempDir run;
+  const fs::path ck = layout::checkpoints_dir(run.path());
+  fs::create_directories(ck / "step_00000004");
+  fs::create_directories(ck / "step_00000008");
+  std::ofstream(ck / "LATEST") << "step_00000008\n";
+  EXPECT_EQ(resolve_checkpoint_dir(run.path()), ck / "step_00000008");
+  std::ofstream(ck / std::string(kJobLatestName)) << "step_00000004\n";
+  EXPECT_EQ(resolve_checkpoint_dir(run.path()), ck / "step_00000004");
+  EXPECT_EQ(resolve_checkpoint_dir(ck / "LATEST"), ck / "step_00000008") << "LATEST itself, asked";
+}
+
 TEST(CheckpointStore, EveryFileOperationGoesThroughItsStorage) {
   TempDir run;
   std::vector<std::string> log;
