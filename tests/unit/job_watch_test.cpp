@@ -4,7 +4,11 @@
 // every other node's verdict; a node that finished is not lost; node 0 gone is every node's.
 #include "supervisor/job_watch.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -213,6 +217,43 @@ TEST(JobWatch, ForgedRecordsAreNoVerdictAndHideNoLoss) {
   ASSERT_TRUE(v);
   EXPECT_EQ(v->kind, Kind::kNodeLost);
   EXPECT_EQ(v->node, 2u);
+}
+
+// Node 0's liveness port takes a node only with the job's seal on its hello: a peer without
+// the keys that connects as node 1 and closes (or nudges) is nobody, and the job goes on; the
+// real node 1's close is still named at once.
+TEST(JobWatch, ALivenessHelloWithoutTheJobsSealIsNoNode) {
+  StoreServer server("127.0.0.1", 0, 2);
+  const auto seal = [](std::string_view text) {
+    return "seal" + std::to_string(std::hash<std::string_view>{}(text));
+  };
+  JobWatch w0(place(2, 0, server.port()), "L", JobWatch::Options{}, seal);
+  auto w1 = std::make_unique<JobWatch>(place(2, 1, server.port()), "L", JobWatch::Options{}, seal);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  StoreClient stranger("127.0.0.1", server.port(), std::chrono::milliseconds(2000));
+  const auto record = stranger.get("L/liveness", std::chrono::milliseconds(2000));
+  ASSERT_TRUE(record);
+  const int port = std::stoi(record->substr(0, record->find(' ')));
+  for (const std::string hello : {"1 sealbad\n", "1\n", "1 sealbad\nF"}) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a), 0);
+    EXPECT_EQ(::send(fd, hello.data(), hello.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(hello.size()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ::close(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_FALSE(w0.verdict()) << w0.verdict()->message;
+  w1.reset();  // the real node 1's connection closes: named at once
+  const auto [v, took] = await(w0, std::chrono::milliseconds(3000));
+  ASSERT_TRUE(v);
+  EXPECT_EQ(v->node, 1u);
+  EXPECT_NE(v->message.find("connection to node 0 closed"), std::string::npos) << v->message;
 }
 
 TEST(JobWatch, NodeZeroGoneIsEveryNodesVerdict) {
