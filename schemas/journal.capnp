@@ -219,6 +219,10 @@ struct JournalRecord {
     rendezvousDone @23 :Milestone;
     firstBackward @24 :Milestone;
     backendIdentity @25 :BackendIdentity;
+    # Node 0's supervisor in a job across nodes: the job's manifest as its job watch sees every
+    # node (a JobManifest of manifest.capnp, as JSON: this file cannot import that one), at most
+    # once a second and at the job's end. The collector folds the newest into RUN/job.json.
+    jobView @26 :Text;
   }
   # The run attempt that wrote the record (launch.json's attempt; 0 in journals written
   # before attempts existed).

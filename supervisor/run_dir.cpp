@@ -939,7 +939,10 @@ void JobController::publish_metrics_targets(const std::string& prefix) {
 void JobController::write_job_manifest(std::string_view state) {
   if (!job_watch_ || placement_.node_rank != 0) return;
   const int64_t now = mono_ns();
-  if (state == "running" && now - job_manifest_ns_ < 1'000'000'000) return;
+  // While running, once a second per ten nodes at most: each view is a journal record of about
+  // 150 bytes per node (a 1,000-node job's view every 100 s: ~5 MB an hour).
+  const int64_t every_ns = std::max<int64_t>(1, placement_.nodes / 10) * 1'000'000'000;
+  if (state == "running" && now - job_manifest_ns_ < every_ns) return;
   job_manifest_ns_ = now;
   const auto view = job_watch_->nodes();
   capnp::MallocMessageBuilder msg;
@@ -974,7 +977,10 @@ void JobController::write_job_manifest(std::string_view state) {
     }
     if (k < metrics_targets_.size()) n.setMetrics(metrics_targets_[k]);
   }
-  write_file_atomic(run_ / "job.json", schemas::to_json(j.asReader()));
+  // Journaled; the collector folds the newest into RUN/job.json (the live collector as the job
+  // runs, the in-process fold at its end, `megacpp collect` again from the journals).
+  const std::string json = schemas::to_json(j.asReader());
+  journal_->append([&](schema::JournalRecord::Builder r) { r.setJobView(json); });
 }
 
 void JobController::open_journals() {

@@ -141,6 +141,15 @@ class MegacppNodesN:
             for k, node in enumerate(job["nodeList"]):
                 self.assertEqual((node["node"], node["step"], node["committed"], node["state"]),
                                  (k, STEPS, STEPS, "finished"), job)
+            # Folded by the collector from node 0's journal: `megacpp collect` makes it again.
+            job_file = os.path.join(results[0][3], "job.json")
+            with open(job_file) as f:
+                before = f.read()
+            os.remove(job_file)
+            c = subprocess.run([MEGACPP, "collect", results[0][3]], capture_output=True, text=True)
+            self.assertEqual(c.returncode, 0, c.stdout + c.stderr)
+            with open(job_file) as f:
+                self.assertEqual(f.read(), before)
             status = subprocess.run([MEGACPP, "status", results[0][3]], capture_output=True, text=True)
             self.assertEqual(status.returncode, 0, status.stderr)
             self.assertIn("%d nodes x %d ranks" % (n, RANKS), status.stdout)

@@ -241,6 +241,28 @@ TEST(Collector, StartUpReceiptsNameTheSlowestRank) {
   EXPECT_EQ(s(p.r.getRecipe()), "tiny");
 }
 
+// Node 0 of a job across nodes journals the job's view; the collector folds the newest into
+// RUN/job.json, and a run of one node has none.
+TEST(Collector, TheNewestJobViewIsTheJobsManifest) {
+  FakeRun run;
+  run.supervisor_start();
+  run.run_started();
+  {
+    Collector c(run.run());
+    c.poll();
+    EXPECT_FALSE(c.outputs().contains("job.json"));
+  }
+  run.rec(StageKind::SUPERVISOR, 0, 1500,
+          [&](auto rec) { rec.setJobView("{\"state\": \"running\"}"); });
+  run.rec(StageKind::TRAINER, 0, 1600,
+          [&](auto rec) { rec.setJobView("{\"not\": \"a supervisor's\"}"); });
+  run.rec(StageKind::SUPERVISOR, 0, 2500, [&](auto rec) { rec.setJobView("{\"state\": \"ok\"}"); });
+  run.run_finished(9000, true);
+  Collector c(run.run());
+  c.poll();
+  EXPECT_EQ(c.outputs().at("job.json"), "{\"state\": \"ok\"}");
+}
+
 // A rank that never got past its rendezvous reads -1 for what it did not reach, and is not the
 // slowest (nothing to compare).
 TEST(Collector, StartUpReceiptOfARankThatNeverComputed) {

@@ -471,6 +471,8 @@ std::map<std::string, std::string> render_documents(const FoldState& s, const fs
   std::map<std::string, std::string> out;
   // Keys are the layout's paths under an empty run directory: paths relative to the run.
   out[layout::manifest_path(fs::path()).string()] = manifest_document(s, v, run_dir);
+  // A job across nodes (node 0): the job's manifest, every node's section, as last journaled.
+  if (s.job_view) out["job.json"] = *s.job_view;
   if (v.terminal) {
     for (const Receipt& r : kReceipts)
       out[layout::receipt_path(fs::path(), r.name).string()] = r.render(s, v);

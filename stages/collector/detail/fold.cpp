@@ -352,6 +352,9 @@ void FoldState::fold(schema::JournalRecord::Reader rec) {
         identities[rank] = std::move(m);
       }
       break;
+    case schema::JournalRecord::JOB_VIEW:
+      if (stage == StageKind::SUPERVISOR) job_view = std::string(rec.getJobView().cStr());
+      break;
     default:  // a record kind newer than this collector: its header was still folded
       break;
   }

@@ -188,6 +188,8 @@ struct FoldState {
   std::optional<int64_t> launch_wall;
   // The current attempt's trainer ranks' BackendIdentity records (receipts/backend_identity.json).
   std::map<uint32_t, std::unique_ptr<capnp::MallocMessageBuilder>> identities;
+  // The supervisor's newest jobView record (a job across nodes, node 0): RUN/job.json.
+  std::optional<std::string> job_view;
   double teardown_seconds = 0;
   struct Graph {
     std::string reason;
