@@ -126,12 +126,15 @@ inline ReapResult reap(std::span<const pid_t> pids, const ReapOptions& options) 
 }
 
 // W ranks of this process and the c10d TCPStore they rendezvous through: a server on
-// 127.0.0.1 at a port the kernel picks, hosted here for as long as the ForkedWorld lives.
+// 127.0.0.1 at a port the kernel picks, in a process of its own forked by the constructor (so
+// the ranks are forked from a process without the server's thread), for as long as the
+// ForkedWorld lives; store() is this process's client of it.
 // run() may be called any number of times; each forks a fresh set of ranks.
 class ForkedWorld {
  public:
-  // Hosts the store; `store_timeout` bounds every store operation. Throws c10::Error (c10d's)
-  // when it cannot listen.
+  // Starts the store's process; `store_timeout` bounds every store operation. Throws
+  // std::system_error when it cannot listen or fork, c10::Error (c10d's) when its client
+  // cannot connect.
   ForkedWorld(uint32_t size, std::chrono::milliseconds store_timeout);
   ~ForkedWorld();
   ForkedWorld(const ForkedWorld&) = delete;
