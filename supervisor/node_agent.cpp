@@ -38,6 +38,15 @@ pid_t SystemSpawner::spawn_spare(const std::vector<std::string>& argv, const fs:
   return detail::spawn(argv, log, env, go_fd);
 }
 
+namespace {
+// The executable of a stage, beside this one: megacpp-<stage name, '_' as '-'>.
+fs::path stage_executable(StageKind stage) {
+  std::string name = "megacpp-" + std::string(layout::stage_name(stage));
+  std::replace(name.begin(), name.end(), '_', '-');
+  return detail::self_exe_dir() / name;
+}
+}  // namespace
+
 void SystemSpawner::signal(pid_t pid, int sig) {
   ::kill(pid, sig);
 }
@@ -145,10 +154,7 @@ void NodeAgent::launch(schema::LaunchStage::Reader l) {
     p = &processes_.back();
   }
   const uint32_t generation = l.getGeneration();
-  std::string exe_name = "megacpp-" + std::string(layout::stage_name(stage));
-  std::replace(exe_name.begin(), exe_name.end(), '_', '-');
-  auto exe = detail::self_exe_dir() / exe_name;
-  std::vector<std::string> argv = {exe.string(),
+  std::vector<std::string> argv = {stage_executable(stage).string(),
                                    "--run-dir",
                                    run_.string(),
                                    "--rank",
@@ -190,9 +196,7 @@ void NodeAgent::keep_spare(schema::StageRef::Reader ref) {
   }
   Fd go(pair[0]);
   const Fd theirs(pair[1]);
-  std::string exe_name = "megacpp-" + std::string(layout::stage_name(p->stage));
-  std::replace(exe_name.begin(), exe_name.end(), '_', '-');
-  const std::vector<std::string> argv = {(detail::self_exe_dir() / exe_name).string(),
+  const std::vector<std::string> argv = {stage_executable(p->stage).string(),
                                          "--run-dir",
                                          run_.string(),
                                          "--rank",

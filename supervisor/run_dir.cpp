@@ -352,13 +352,11 @@ void JobController::agree_branch() {
   SealedRecords& store = *job_records_;
   const auto wait = std::chrono::milliseconds(
       static_cast<int64_t>(std::max(60.0, knob_seconds(Knob::kStoreTimeoutS)) * 1e3));
-  auto branch_of = [](const std::optional<ResumeInfo>& r, const std::optional<ParentInfo>& p,
-                      const std::string& hash) {
-    return r && p ? fmt::format("step {} of recipe hash {}", r->step, hash) : std::string("none");
-  };
-  std::string parent_hash;
-  if (resume_) parent_hash = checkpoint::CheckpointReader(resume_->dir).recipe_hash();
-  const std::string mine = branch_of(resume_, parent_, parent_hash);
+  // A new run has a checkpoint to start from only through --from (adopt_parent_checkpoint).
+  const std::string mine =
+      resume_ ? fmt::format("step {} of recipe hash {}", resume_->step,
+                            checkpoint::CheckpointReader(resume_->dir).recipe_hash())
+              : std::string("none");
   const std::string prefix = engine_prefix_ + "/branch";
   store.set(fmt::format("{}/{}", prefix, placement_.node_rank), mine);
   for (uint32_t k = 0; k < placement_.nodes; ++k) {
@@ -544,7 +542,6 @@ void JobController::prepare() {
   // checkpoint that every node has, as `--resume` would. Not judged by the engine's restart
   // count: torchrun counts a node's own failures only, so a node restarted for another's
   // failure still says 0.
-  bool& engine_restart = engine_restart_;
   const bool engine = placement_.source == "torchrun" || placement_.source == "slurm" ||
                       placement_.source == "kubernetes";
   if (opt_.resume.empty() && engine && !opt_.run_dir.empty() &&
@@ -552,13 +549,13 @@ void JobController::prepare() {
     log_info("{} started the job again (its restart count: {}): resuming run {}", placement_.source,
              placement_.attempt, opt_.run_dir.string());
     opt_.resume = opt_.run_dir;
-    engine_restart = true;
+    engine_restart_ = true;
   }
   const bool resuming = !opt_.resume.empty();
   if (resuming) {
     adopt_previous_attempt();
     // The command the engine restarted names the run's recipe, or it is another job's command.
-    if (engine_restart) {
+    if (engine_restart_) {
       const recipe::Recipe given = command_line_recipe();
       if (given.hash != recipe_.hash)
         MEGACPP_FAIL(ErrorKind::kInvalidArgument,

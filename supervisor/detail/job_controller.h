@@ -370,10 +370,10 @@ class JobController {
   uint32_t committed_step_ = 0;   // newest checkpoint this attempt committed
   uint32_t job_latest_ = 0;       // the step JOB_LATEST names (a job across nodes)
   uint32_t job_restarts_ = 0;
-  bool spares_kept_ = false;
+  bool spares_kept_ = false;  // this attempt asked for its spares (keep_spares)
   // This start is an engine's restart of the run in --run-dir (prepare): it resumes, from step
   // 0 when no checkpoint is there yet.
-  bool engine_restart_ = false;                // this attempt asked for its spares (keep_spares)
+  bool engine_restart_ = false;
   std::optional<uint32_t> failed_progress_;    // this attempt's, once it failed
   std::optional<uint32_t> previous_progress_;  // the last attempt's, in this process
   recipe::BatchGeometry batch_;       // this attempt's batch geometry (launch contract batch)
