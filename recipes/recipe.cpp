@@ -118,6 +118,7 @@ using MS = schema::ModelSpec;
 using AS = schema::ArchSpec;
 using TS = schema::TrainSpec;
 using OS = schema::OptimSpec;
+using MemS = schema::MemorySpec;
 using DS = schema::DataSpec;
 using enum Section;
 
@@ -224,6 +225,19 @@ constexpr auto kTrainFields = std::tuple{
         kTrain, "checkpoint_every", [](auto& r) -> auto& { return r.train.checkpoint_every; },
         &TS::Builder::setCheckpointEvery, &TS::Reader::getCheckpointEvery),
 };
+// TrainSpec.memory: written only when a field differs from its default (default_memory), so
+// the hash of a recipe that does not name them is what it was before they existed.
+constexpr auto kMemoryFields = std::tuple{
+    field(
+        kTrain, "precision", [](auto& r) -> auto& { return r.train.precision; },
+        &MemS::Builder::setPrecision, &MemS::Reader::getPrecision),
+    field(
+        kTrain, "grad_reduce", [](auto& r) -> auto& { return r.train.grad_reduce; },
+        &MemS::Builder::setGradReduce, &MemS::Reader::getGradReduce),
+    field(
+        kTrain, "recompute", [](auto& r) -> auto& { return r.train.recompute; },
+        &MemS::Builder::setRecompute, &MemS::Reader::getRecompute),
+};
 constexpr auto kOptimFields = std::tuple{
     field(
         kOptim, "embed_lr", [](auto& r) -> auto& { return r.train.optim.embed_lr; },
@@ -311,6 +325,7 @@ void for_each_field(Fn&& fn) {
   each(kModelFields);
   each(kArchFields);
   each(kTrainFields);
+  each(kMemoryFields);
   each(kOptimFields);
   each(kDataFields);
 }
@@ -489,6 +504,13 @@ void Recipe::validate() const {
        "optim.muon_ns_steps", "must be in [1, 5] for polar_express, [1, 20] for newton_schulz");
   rule(train.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)");
   rule(train.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1");
+  rule(train.precision == "fp32" || train.precision == "bf16-mixed", "train.precision",
+       "must be \"fp32\" or \"bf16-mixed\"");
+  rule(train.grad_reduce == "fp32" || (train.grad_reduce == "bf16" && train.bf16_mixed()),
+       "train.grad_reduce",
+       "must be \"fp32\", or \"bf16\" with train.precision = \"bf16-mixed\"");
+  rule(train.recompute == "none" || train.recompute == "selective" || train.recompute == "full",
+       "train.recompute", "must be \"none\", \"selective\" or \"full\"");
   const bool builtin = data.source == "builtin";
   rule(builtin || data.source == "llmc" || data.source == "megatron", "data.source",
        "must be \"builtin\", \"llmc\" (llm.c .bin shards) or \"megatron\" (Megatron .idx/.bin)");
@@ -655,6 +677,7 @@ void to_spec(const Recipe& r, schema::RecipeSpec::Builder s) {
   auto t = s.initTrain();
   write_fields(kTrainFields, r, t);
   write_fields(kOptimFields, r, t.initOptim());
+  if (!r.train.default_memory()) write_fields(kMemoryFields, r, t.initMemory());
   write_fields(kDataFields, r, s.initData());
 }
 
@@ -672,6 +695,7 @@ TrainConfig train_config(schema::TrainSpec::Reader t) {
   Recipe r;
   read_fields(kTrainFields, t, r);
   read_fields(kOptimFields, t.getOptim(), r);
+  if (t.hasMemory()) read_fields(kMemoryFields, t.getMemory(), r);
   return std::move(r.train);
 }
 
@@ -807,6 +831,10 @@ std::string describe(const Recipe& r) {
     }
     if (m.blocks.find(kBlockRecurrent) != std::string::npos)
       arch += fmt::format("  rnn       width {}, conv {}\n", m.rnn_width(), m.rnn.conv_kernel);
+  }
+  if (!r.train.default_memory()) {
+    arch += fmt::format("  memory    precision {}, gradients reduced in {}, recompute {}\n",
+                        r.train.precision, r.train.grad_reduce, r.train.recompute);
   }
   return describe_base(r, layers) + arch;
 }

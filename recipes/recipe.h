@@ -133,6 +133,21 @@ struct TrainConfig {
   double grad_clip = 1.0;  // per-rank gradient norm clip before the optimizer; 0 disables
   uint32_t seed = 1234;
   uint32_t checkpoint_every = 20;
+  // Memory (README.md "Precision, recomputation and sharding"). precision: "fp32" (every
+  // tensor float32) or "bf16-mixed" (bfloat16 parameters, activations and gradients for
+  // compute; float32 master weights and optimizer state held only in the optimizers' shards;
+  // bfloat16 has float32's exponent range, so no loss scaling). grad_reduce: the dtype the
+  // gradients are summed in across data parallel, "fp32" or "bf16" (bf16-mixed only).
+  // recompute: activation recomputation, "none", "selective" (each block's element-wise tails
+  // — norms, activations, RoPE, the scans — recomputed, every matmul's output kept) or "full"
+  // (only each block's input kept, its forward run again in backward).
+  std::string precision = "fp32";
+  std::string grad_reduce = "fp32";
+  std::string recompute = "none";
+  bool default_memory() const {
+    return precision == "fp32" && grad_reduce == "fp32" && recompute == "none";
+  }
+  bool bf16_mixed() const { return precision == "bf16-mixed"; }
   OptimConfig optim;
 };
 

@@ -60,6 +60,14 @@ struct TrainSpec {
   seed @4 :UInt32;
   checkpointEvery @5 :UInt32;
   optim @6 :OptimSpec;
+  memory @7 :MemorySpec;        # written only when a field differs from its default
+}
+
+# recipe [train] precision, grad_reduce, recompute; see recipes/recipe.h TrainConfig
+struct MemorySpec {
+  precision @0 :Text;           # "fp32" | "bf16-mixed"
+  gradReduce @1 :Text;          # "fp32" | "bf16"
+  recompute @2 :Text;           # "none" | "selective" | "full"
 }
 
 struct DataSpec {                # recipe [data]; see recipes/recipe.h DataConfig

@@ -88,6 +88,15 @@ TEST(Recipe, RulesAreNamed) {
   EXPECT_NE(expect_invalid(std::string(kBase) + "[optim]\nqkv_split = 1\n")
                 .find("optim.qkv_split: must be a boolean"),
             std::string::npos);
+  EXPECT_NE(expect_invalid(std::string(kBase) + "precision = \"bf16\"\n")
+                .find("train.precision: must be \"fp32\" or \"bf16-mixed\""),
+            std::string::npos);
+  EXPECT_NE(expect_invalid(std::string(kBase) + "grad_reduce = \"bf16\"\n")
+                .find("train.grad_reduce: must be \"fp32\", or \"bf16\" with"),
+            std::string::npos);
+  EXPECT_NE(expect_invalid(std::string(kBase) + "recompute = \"some\"\n")
+                .find("train.recompute: must be"),
+            std::string::npos);
   std::string wrong_type = kBase;
   wrong_type.replace(wrong_type.find("seq_len = 32"), 12, "seq_len = \"32\"");
   EXPECT_NE(expect_invalid(wrong_type).find("model.seq_len"), std::string::npos);
@@ -241,6 +250,9 @@ warmup_steps = 7
 grad_clip = 0.5
 seed = 99
 checkpoint_every = 11
+precision = "bf16-mixed"
+grad_reduce = "bf16"
+recompute = "selective"
 [optim]
 embed_lr = 0.3
 head_lr = 0.005
@@ -284,6 +296,8 @@ shards = 3
     EXPECT_EQ(std::tie(t.batch_size, t.warmup_steps, t.seed, t.checkpoint_every),
               std::make_tuple(3u, 7u, 99u, 11u));
     EXPECT_EQ(std::tie(t.min_lr_ratio, t.grad_clip), std::make_tuple(0.2, 0.5));
+    EXPECT_EQ(std::tie(t.precision, t.grad_reduce, t.recompute),
+              std::make_tuple("bf16-mixed", "bf16", "selective"));
     const auto& o = t.optim;
     EXPECT_EQ(std::tie(o.embed_lr, o.head_lr, o.adam_lr, o.adam_beta1, o.adam_beta2, o.adam_eps,
                        o.adam_weight_decay, o.muon_lr, o.muon_momentum, o.muon_beta2,
@@ -353,6 +367,22 @@ TEST(HybridRecipe, PlainRecipesKeepTheirLaunchContractAndHash) {
   EXPECT_FALSE(spec.asReader().getModel().hasArch());
   EXPECT_EQ(r.model.blocks, "AA");
   EXPECT_EQ(mc::recipe::from_spec(spec.asReader()).hash, r.hash);
+  // So are precision, gradient reduction and recomputation at theirs; any other value is in
+  // the contract and the hash.
+  EXPECT_FALSE(spec.asReader().getTrain().hasMemory());
+  for (const auto& [key, value] : {std::pair{"precision", "bf16-mixed"},
+                                   std::pair{"recompute", "full"}}) {
+    auto changed = r;
+    if (std::string_view(key) == "precision") changed.train.precision = value;
+    else changed.train.recompute = value;
+    changed = mc::recipe::rehash(changed);
+    EXPECT_NE(changed.hash, r.hash) << key;
+    capnp::MallocMessageBuilder m2;
+    auto s2 = m2.initRoot<mc::schema::RecipeSpec>();
+    mc::recipe::to_spec(changed, s2);
+    EXPECT_TRUE(s2.asReader().getTrain().hasMemory()) << key;
+    EXPECT_EQ(mc::recipe::from_spec(s2.asReader()).hash, changed.hash) << key;
+  }
 }
 
 TEST(HybridRecipe, GoldenExpansionsOfTheHybridRecipes) {
