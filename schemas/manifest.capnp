@@ -131,6 +131,11 @@ struct Manifest {
   # M Mamba-2, R recurrence).
   mode @24 :Text;
   blocks @25 :Text;
+  # The recipe's memory settings (recipes/recipe.h TrainConfig): "fp32" | "bf16-mixed", the
+  # dtype gradients were summed in across data parallel, and the activation recomputation.
+  precision @26 :Text;
+  gradReduce @27 :Text;
+  recompute @28 :Text;
 }
 
 struct BenchResult {
@@ -157,6 +162,9 @@ struct BenchResult {
   collectives @15 :Launch.CollectivePolicy;
   mode @16 :Text;               # as Manifest.mode: the comparison class of these figures
   blocks @17 :Text;             # as Manifest.blocks
+  precision @18 :Text;          # as Manifest.precision, gradReduce and recompute
+  gradReduce @19 :Text;
+  recompute @20 :Text;
 }
 
 struct StepPoint {

@@ -36,8 +36,10 @@ struct DistAdamW::Param {
   at::Tensor p;
   size_t group = 0;
   bool sharded = false;
-  int64_t rows = 0;  // rows owned per rank when sharded
+  int64_t rows = 0;                    // rows owned per rank when sharded
+  at::ScalarType reduce = at::kFloat;  // the dtype its gradient is summed in
   at::Tensor exp_avg, exp_avg_sq, step;
+  at::Tensor master;  // master weights: float32 copy of the owned rows; else undefined
 };
 
 DistAdamW::DistAdamW(std::vector<AdamWParamGroup> groups, Exchange::Pg pg, DistAdamWOptions options)
@@ -53,7 +55,14 @@ DistAdamW::DistAdamW(std::vector<AdamWParamGroup> groups, Exchange::Pg pg, DistA
     const auto& g = groups[gi];
     MEGACPP_CHECK(!g.params.empty(), ErrorKind::kInvalidArgument,
                   fmt::format("DistAdamW group {} has no parameters", gi));
-    for (const auto& p : g.params) {
+    MEGACPP_CHECK(
+        g.masters.empty() || (options.master_weights && g.masters.size() == g.params.size()),
+        ErrorKind::kInvalidArgument,
+        fmt::format("DistAdamW group {}: masters need master_weights and one per "
+                    "parameter",
+                    gi));
+    for (size_t pi = 0; pi < g.params.size(); ++pi) {
+      const at::Tensor& p = g.params[pi];
       MEGACPP_CHECK(p.defined() && p.is_contiguous() && p.is_floating_point(),
                     ErrorKind::kInvalidArgument,
                     fmt::format("DistAdamW group {}: parameters must be defined, contiguous "
@@ -75,6 +84,16 @@ DistAdamW::DistAdamW(std::vector<AdamWParamGroup> groups, Exchange::Pg pg, DistA
       q.exp_avg = at::zeros(owned.sizes(), fopts);
       q.exp_avg_sq = at::zeros(owned.sizes(), fopts);
       q.step = scalar_tensor(0.0, p.device());
+      q.reduce = options.reduce_dtype.value_or(p.scalar_type());
+      if (options.master_weights) {
+        const at::Tensor& from = g.masters.empty() ? p : g.masters[pi];
+        MEGACPP_CHECK(from.sizes() == p.sizes(), ErrorKind::kInvalidArgument,
+                      fmt::format("DistAdamW group {} parameter {}: master of shape {} for a "
+                                  "parameter of shape {}",
+                                  gi, pi, shape_str(from.sizes()), shape_str(p.sizes())));
+        const at::Tensor whole = from.detach().to(p.device(), at::kFloat);
+        q.master = (q.sharded ? whole.narrow(0, rank_ * q.rows, q.rows) : whole).clone();
+      }
       params_.push_back(std::move(q));
     }
     Group grp;
@@ -108,7 +127,7 @@ bool DistAdamW::is_sharded(size_t index) const {
 bool DistAdamW::exchanges_by_point_to_point() const {
   return exchange_->rank_ordered() &&
          std::all_of(params_.begin(), params_.end(),
-                     [](const Param& q) { return q.p.scalar_type() == at::kFloat; });
+                     [](const Param& q) { return q.reduce == at::kFloat; });
 }
 
 void DistAdamW::pack_bucket() {
@@ -178,7 +197,7 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
   // exact). One host read of the mask and the decays per step.
   bool in_place = mask.is_cpu() && mask.all().item<bool>();
   for (const Param& q : params_)
-    in_place = in_place && q.p.scalar_type() == at::kFloat &&
+    in_place = in_place && (q.master.defined() || q.p.scalar_type() == at::kFloat) &&
                groups_[q.group].s.weight_decay.item<float>() == 0.0f;
 
   int64_t off = n;
@@ -195,8 +214,8 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
     } else {
       const at::Tensor& grad = q.p.grad();
       // A private, contiguous copy: collectives reduce in place and must not touch .grad.
-      at::Tensor full = grad.defined() ? grad.detach().to(q.p.dtype()).contiguous().clone()
-                                       : at::zeros_like(q.p.detach());
+      at::Tensor full = grad.defined() ? grad.detach().to(q.reduce).contiguous().clone()
+                                       : at::zeros_like(q.p.detach(), q.reduce);
       if (q.sharded) {
         std::vector<int64_t> rows = full.sizes().vec();
         rows[0] = q.rows;
@@ -204,15 +223,20 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
         g = exchange_->reduce_scatter(flat).view(rows);
         p_owned = q.p.detach().narrow(0, rank_ * q.rows, q.rows);
       } else {
-        exchange_->all_reduce(full);
+        at::Tensor flat = full.view({-1});  // the exchange takes 1-D buffers
+        exchange_->all_reduce(flat);
         g = full;
         p_owned = q.p.detach();
       }
     }
     if (world_ > 1) g = g / static_cast<double>(world_);
+    if (in_place && g.scalar_type() != at::kFloat) g = g.to(at::kFloat);
     clock.lap(&OptimizerPhaseTimes::reduce);
 
     const at::Tensor m = mask[static_cast<int64_t>(i)];
+    // With master weights the update runs on the float32 master; the parameter gets its cast.
+    at::Tensor compute_dest = p_owned;
+    if (q.master.defined()) p_owned = q.master;
     if (in_place) {
       // The same operations on the same operands as below, in place and without the selects
       // (m is true; the decay factor 1 - lr * 0 is exactly 1): the same bits.
@@ -245,6 +269,7 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
       q.step.copy_(t);
       clock.lap(&OptimizerPhaseTimes::update);
     }
+    if (q.master.defined()) compute_dest.copy_(q.master);
     if (q.sharded) {
       at::Tensor rows = q.p.detach().view({-1});
       exchange_->all_gather(rows);
@@ -274,6 +299,13 @@ OptimizerState DistAdamW::state_view() const {
                                          .offset = off,
                                          .replicated = !q.sharded});
     }
+    if (q.master.defined()) {
+      live.push_back(OptimizerStateEntry{.key = param_key(i, StateField::kMaster),
+                                         .value = q.master,
+                                         .full_shape = full,
+                                         .offset = off,
+                                         .replicated = !q.sharded});
+    }
     add_scalar_entry(live, param_key(i, StateField::kStep), q.step);
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
@@ -292,7 +324,10 @@ void DistAdamW::load_state_dict(const OptimizerState& state) {
   Entries targets;
   size_t k = 0;
   for (const Param& q : params_) {
-    for (const at::Tensor& t : {q.exp_avg, q.exp_avg_sq, q.step}) {
+    std::vector<at::Tensor> mine{q.exp_avg, q.exp_avg_sq};
+    if (q.master.defined()) mine.push_back(q.master);
+    mine.push_back(q.step);
+    for (const at::Tensor& t : mine) {
       OptimizerStateEntry e = live.entries[k++];
       e.value = t;
       targets.push_back(std::move(e));

@@ -36,6 +36,7 @@ struct DistMuon::Stack {
   int red_dim = -1;
   at::Tensor momentum;  // (chunk, rows, cols): this rank's entries [rank*chunk, ...)
   at::Tensor second;    // (chunk, rows, 1) or (chunk, 1, cols)
+  at::Tensor master;    // master weights: (chunk, rows, cols) float32 of the owned entries
 };
 
 struct DistMuon::Group {
@@ -81,6 +82,13 @@ void DistMuon::add_param_group(MuonParamGroup group) {
     const at::Tensor& p = group.params[i];
     MEGACPP_CHECK(p.defined(), ErrorKind::kInvalidArgument,
                   fmt::format("DistMuon group {} parameter {} is undefined", gi, i));
+    MEGACPP_CHECK(group.masters.empty() ||
+                      (options_.master_weights && group.masters.size() == group.params.size() &&
+                       group.masters[i].sizes() == p.sizes()),
+                  ErrorKind::kInvalidArgument,
+                  fmt::format("DistMuon group {}: masters need master_weights and one per "
+                              "parameter of its shape",
+                              gi));
     MEGACPP_CHECK(p.dim() == 2, ErrorKind::kInvalidArgument,
                   fmt::format("DistMuon takes 2-D parameters only: group {} parameter {} has "
                               "shape {} ({}-D); give it to AdamW or reshape it to a matrix",
@@ -126,10 +134,23 @@ void DistMuon::add_param_group(MuonParamGroup group) {
     const auto n = static_cast<int64_t>(s.params.size());
     s.chunk = options_.replicated ? n : (n + world_ - 1) / world_;
     s.red_dim = !g.qkv.empty() || s.rows >= s.cols ? -1 : -2;
-    const auto opts = first.options().requires_grad(false);
+    auto opts = first.options().requires_grad(false);
+    if (options_.master_weights) opts = opts.dtype(at::kFloat);
     s.momentum = at::zeros({s.chunk, s.rows, s.cols}, opts);
     s.second = s.red_dim == -1 ? at::zeros({s.chunk, s.rows, 1}, opts)
                                : at::zeros({s.chunk, 1, s.cols}, opts);
+    if (options_.master_weights) {
+      // The entries this rank will own (step(): sharded from rank * chunk, else all).
+      s.master = at::zeros({s.chunk, s.rows, s.cols}, opts);
+      const int64_t start = options_.replicated ? 0 : int64_t{rank_} * s.chunk;
+      const int64_t owned = std::clamp<int64_t>(n - start, 0, s.chunk);
+      for (int64_t e = 0; e < owned; ++e) {
+        const size_t member = s.members[static_cast<size_t>(start + e)];
+        const at::Tensor& from =
+            group.masters.empty() ? group.params[member] : group.masters[member];
+        s.master[e].copy_(from.detach());
+      }
+    }
     g.stacks.push_back(std::move(s));
   }
   groups_.push_back(std::move(g));
@@ -184,6 +205,9 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
   const bool sharded = !options_.replicated && distributed;
   const bool p2p = exchange_->rank_ordered();
   const at::Device device = all.front().device();
+  const at::ScalarType reduce = options_.reduce_dtype.value_or(all.front().scalar_type());
+  // Riders keep float32: in a buffer of another dtype they are summed on their own.
+  const bool riders_inside = p2p && reduce == at::kFloat;
   at::Tensor mask = p2p ? at::Tensor() : exchange_->has_grad_mask(all, device);
 
   struct Slot {
@@ -211,13 +235,13 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
         "DistMuon riders must be contiguous 1-D float32 tensors on the parameters' device");
     rider_numel += r.numel();
   }
-  const int64_t ride = p2p ? rider_numel : 0;  // per segment, after the flags
+  const int64_t ride = riders_inside ? rider_numel : 0;  // per segment, after the flags
   const int64_t stride = seg + flags + ride;
   const auto opts = all.front().options().requires_grad(false);
   if (grad_buf_.numel() != stride * world_) {
     // Padding entries are zero from here on: packing never writes them, and sums and copies
     // of zeros keep them zero.
-    grad_buf_ = at::zeros({stride * world_}, opts);
+    grad_buf_ = at::zeros({stride * world_}, opts.dtype(reduce));
     param_buf_ = sharded ? at::zeros({seg * world_}, opts) : at::Tensor();
   }
   at::Tensor& flat = grad_buf_;
@@ -237,16 +261,19 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
   }
   if (p2p) {
     const at::Tensor local =
-        at::from_blob(had.data(), {flags}, at::TensorOptions().dtype(at::kFloat)).to(opts);
+        at::from_blob(had.data(), {flags}, at::TensorOptions().dtype(at::kFloat))
+            .to(flat.options());
     for (uint32_t q = 0; q < world_; ++q) {
       flat.narrow(0, q * stride + seg, flags).copy_(local);
       int64_t at_ = q * stride + seg + flags;
       for (const at::Tensor& r : riders) {
+        if (!riders_inside) break;
         flat.narrow(0, at_, r.numel()).copy_(r);
         at_ += r.numel();
       }
     }
-  } else if (distributed) {
+  }
+  if (distributed && !riders_inside) {
     for (const at::Tensor& r : riders) {
       at::Tensor t = r;
       exchange_->all_reduce(t);
@@ -254,6 +281,7 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
   }
   // After the reduction: the riders' sums, out of segment `q` of the reduced buffer.
   auto unload_riders = [&](uint32_t q) {
+    if (!riders_inside) return;
     int64_t at_ = q * stride + seg + flags;
     for (const at::Tensor& r : riders) {
       at::Tensor(r).copy_(flat.narrow(0, at_, r.numel()));
@@ -311,6 +339,19 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
     const Slot& sl = *updated_slots[k];
     at::Tensor dest =
         sharded ? out_seg.narrow(0, sl.off, updates[k].owned * sl.numel) : at::Tensor();
+    if (sl.s->master.defined()) {
+      // The new values go to the master; the parameters (through the all-gather) get its cast.
+      const at::Tensor master = sl.s->master.narrow(0, 0, updates[k].owned);
+      const at::Tensor updated = finish_update(updates[k], master.view({-1}));
+      if (updated.data_ptr() != master.data_ptr()) master.copy_(updated.view(master.sizes()));
+      if (sharded) {
+        dest.copy_(master.reshape({-1}));
+      } else {
+        for (int64_t i = 0; i < updates[k].owned; ++i)
+          sl.s->params[static_cast<size_t>(i)].detach().copy_(master[i]);
+      }
+      continue;
+    }
     const at::Tensor updated = finish_update(updates[k], dest);
     if (sharded) {
       if (!updated.is_same(dest)) dest.copy_(updated.reshape({-1}));
@@ -352,10 +393,15 @@ DistMuon::Update DistMuon::begin_update(Group& g, Stack& s, const at::Tensor& gr
   u.g = &g;
   u.s = &s;
   u.owned = owned;
-  std::vector<at::Tensor> mine(s.params.begin() + start, s.params.begin() + start + owned);
-  for (auto& t : mine) t = t.detach();
-  // One entry (a rank's share of a small stack) is a view of the parameter: no copy.
-  u.P = owned == 1 ? mine.front().unsqueeze(0) : at::stack(mine);
+  if (s.master.defined()) {
+    // Master weights: the update runs on the float32 copies of the owned entries.
+    u.P = s.master.narrow(0, 0, owned);
+  } else {
+    std::vector<at::Tensor> mine(s.params.begin() + start, s.params.begin() + start + owned);
+    for (auto& t : mine) t = t.detach();
+    // One entry (a rank's share of a small stack) is a view of the parameter: no copy.
+    u.P = owned == 1 ? mine.front().unsqueeze(0) : at::stack(mine);
+  }
   u.m = mask.view({owned, 1, 1});
   const bool host = u.m.is_cpu();
   u.every = host && u.m.all().item<bool>();
@@ -364,9 +410,10 @@ DistMuon::Update DistMuon::begin_update(Group& g, Stack& s, const at::Tensor& gr
   u.sec = s.second.narrow(0, 0, owned);
   const at::Tensor mu = g.s.momentum.to(u.P.scalar_type());
 
-  // Nesterov momentum.
-  u.mom_new = u.every ? u.mom.lerp_(gr, 1 - mu) : u.mom.lerp(gr, 1 - mu);
-  at::Tensor upd = at::Tensor(gr).lerp_(u.mom_new, mu);
+  // Nesterov momentum (in the state's dtype: float32 with master weights).
+  const at::Tensor grad = gr.scalar_type() == u.mom.scalar_type() ? gr : gr.to(u.mom.scalar_type());
+  u.mom_new = u.every ? u.mom.lerp_(grad, 1 - mu) : u.mom.lerp(grad, 1 - mu);
+  at::Tensor upd = at::Tensor(grad).lerp_(u.mom_new, mu);
 
   // Each matrix, or each row slice of a split group, is a matrix of its own from here on:
   // orthogonalized alone, variance-reduced preserving its own Frobenius norm, and stepped with
@@ -500,6 +547,13 @@ OptimizerState DistMuon::state_view() const {
                                          .full_shape = second_full,
                                          .offset = off,
                                          .replicated = options_.replicated});
+      if (s.master.defined()) {
+        live.push_back(OptimizerStateEntry{.key = stack_key(gi, si, StateField::kMaster),
+                                           .value = s.master,
+                                           .full_shape = {padded, s.rows, s.cols},
+                                           .offset = off,
+                                           .replicated = options_.replicated});
+      }
     }
     add_scalar_entry(live, group_key(gi, StateField::kLr), g.s.lr);
     add_scalar_entry(live, group_key(gi, StateField::kMomentum), g.s.momentum);
@@ -516,6 +570,7 @@ void DistMuon::load_state_dict(const OptimizerState& state) {
     for (Stack& s : g.stacks) {
       live.entries[k++].value = s.momentum;
       live.entries[k++].value = s.second;
+      if (s.master.defined()) live.entries[k++].value = s.master;
     }
     for (const at::Tensor& t : {g.s.lr, g.s.momentum, g.s.beta2, g.s.weight_decay})
       live.entries[k++].value = t;

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -51,6 +52,7 @@ enum class StateField : uint8_t {
   kBeta2,
   kEps,
   kWeightDecay,
+  kMaster,  // both, beside the moments: the float32 master copy of a parameter's owned part
 };
 struct StateKey {
   StateScope scope = StateScope::kGroup;
@@ -71,7 +73,7 @@ struct StateKey {
   bool operator==(const StateKey&) const = default;
 };
 // "exp_avg", "exp_avg_sq", "step", "momentum", "second_momentum", "lr", "beta1", "beta2",
-// "eps", "weight_decay": the last component of entry names and of the snapshot's logical
+// "eps", "weight_decay", "master": the last component of entry names and of the snapshot's logical
 // names (TrainStep::snapshot_share).
 std::string_view field_name(StateField field);
 // The entry's name: "p<param>.<field>", "g<group>.<field>" or "g<group>.s<stack>.<field>".
@@ -119,6 +121,9 @@ struct OptimizerPhaseTimes {
 // every other parameter (0-D included) is replicated (all-reduce, replicated state).
 struct AdamWParamGroup {
   std::vector<at::Tensor> params = {};
+  // With master weights (DistAdamWOptions::master_weights): the float32 values the master
+  // copies start from, one per parameter of its shape; empty: the parameters' own values.
+  std::vector<at::Tensor> masters = {};
   double lr = 1e-3;
   double beta1 = 0.9;
   double beta2 = 0.999;
@@ -131,6 +136,14 @@ struct DistAdamWOptions {
   // Gloo has no native reduce-scatter). NCCL's crossover is not measured here (the design
   // note's geometry put it near 1024): set it per transport. Huge = all replicated.
   int64_t crossover_numel = 262144;
+  // Mixed precision (README.md "Precision, recomputation and sharding"): the parameters are a
+  // compute copy (bfloat16) and the optimizer keeps a float32 master copy of the rows it owns
+  // (a sharded parameter's rows, a replicated one whole), updates it with the float32 moments
+  // and writes its cast into the parameter, whose all-gather then moves the compute dtype.
+  bool master_weights = false;
+  // The dtype gradients are summed in across ranks; unset: each parameter's dtype. A float32
+  // reduction of bfloat16 gradients keeps the rank-ordered single-buffer exchange.
+  std::optional<at::ScalarType> reduce_dtype = std::nullopt;
 };
 struct AdamWScalars {
   at::Tensor lr, beta1, beta2, eps, weight_decay;  // 0-D float32
@@ -230,6 +243,9 @@ struct MuonParamGroup {
   // Row sizes of a fused projection (e.g. {q, k, v}), summing to every parameter's shape[0];
   // empty: each matrix is orthogonalized whole.
   std::vector<int64_t> qkv_split_sizes = {};
+  // With master weights (DistMuonOptions::master_weights): float32 starting values, one per
+  // parameter of its shape; empty: the parameters' own values.
+  std::vector<at::Tensor> masters = {};
 };
 struct DistMuonOptions {
   Orthogonalizer orthogonalizer = Orthogonalizer::kPolarExpress;
@@ -241,6 +257,13 @@ struct DistMuonOptions {
   // nothing is all-gathered. Same results as sharded; for checks (the stress harness compares
   // state across ranks with it) and for worlds where memory is no object.
   bool replicated = false;
+  // Mixed precision, as DistAdamWOptions::master_weights: a float32 master copy of the stack
+  // entries this rank owns, momentum and second moment in float32, the parameters (bfloat16)
+  // receiving the masters' cast through the all-gather.
+  bool master_weights = false;
+  // The dtype the stacked gradients are summed in; unset: the parameters' dtype. Not float32:
+  // the riders are summed by collectives of their own (they keep float32 precision).
+  std::optional<at::ScalarType> reduce_dtype = std::nullopt;
 };
 struct MuonScalars {
   at::Tensor lr, momentum, beta2, weight_decay;  // 0-D float32

@@ -85,6 +85,8 @@ std::string_view field_name(StateField field) {
       return "eps";
     case StateField::kWeightDecay:
       return "weight_decay";
+    case StateField::kMaster:
+      return "master";
   }
   MEGACPP_FAIL(ErrorKind::kInternal, "unknown optimizer state field {}", static_cast<int>(field));
 }

@@ -105,11 +105,25 @@ struct TrainStep::Impl {
     for (auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
     if (pg && world > 1) broadcast_parameters(pg);
     if (tp.size > 1) broadcast_parameters(tp.group);
-    build_optimizers();
+    // bf16-mixed: the optimizers' float32 masters start from the float32 initialisation; the
+    // model (parameters and buffers) computes in bfloat16 from here on.
+    std::map<std::string, at::Tensor> masters;
+    if (t.bf16_mixed()) {
+      for (const auto& [name, p] : params) masters.emplace(name, p.detach().clone());
+      model->to(at::kBFloat16);
+      params.clear();
+      for (auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
+    }
+    build_optimizers(masters);
   }
 
-  void build_optimizers() {
+  // `masters`: by parameter name, the float32 values the optimizers' master copies start from
+  // (bf16-mixed); empty: no master weights.
+  void build_optimizers(const std::map<std::string, at::Tensor>& masters) {
     const OptimConfig& o = train_cfg.optim;
+    const bool mixed = !masters.empty();
+    std::optional<at::ScalarType> reduce;
+    if (mixed) reduce = train_cfg.grad_reduce == "bf16" ? at::kBFloat16 : at::kFloat;
     // Fixed group order on every rank: it is the collective order.
     const std::array<std::pair<const char*, double>, 3> adam_groups{
         {{"embed", o.embed_lr}, {"head", o.head_lr}, {"other", o.adam_lr}}};
@@ -147,6 +161,7 @@ struct TrainStep::Impl {
                         .weight_decay = o.adam_weight_decay};
       for (size_t i : it->second) {
         g.params.push_back(params[i].second);
+        if (mixed) g.masters.push_back(masters.at(params[i].first));
         adam_names.push_back(params[i].first);
         adam_index.push_back(i);
       }
@@ -156,8 +171,10 @@ struct TrainStep::Impl {
     }
     for (const auto& g : ag)
       for (const auto& p : g.params) adam_numel += p.numel();
-    adamw = std::make_unique<DistAdamW>(std::move(ag), pg,
-                                        DistAdamWOptions{.crossover_numel = o.adamw_crossover});
+    adamw = std::make_unique<DistAdamW>(
+        std::move(ag), pg,
+        DistAdamWOptions{
+            .crossover_numel = o.adamw_crossover, .master_weights = mixed, .reduce_dtype = reduce});
     for (size_t k = 0; k < adam_index.size(); ++k)
       assignment[adam_index[k]].sharded = adamw->is_sharded(k);
 
@@ -175,6 +192,7 @@ struct TrainStep::Impl {
       std::vector<std::string> names;
       for (size_t i : it->second) {
         g.params.push_back(params[i].second);
+        if (mixed) g.masters.push_back(masters.at(params[i].first));
         names.push_back(params[i].first);
       }
       muon_names.push_back(std::move(names));
@@ -187,7 +205,9 @@ struct TrainStep::Impl {
                                               ? Orthogonalizer::kNewtonSchulz
                                               : Orthogonalizer::kPolarExpress,
                         .ns_steps = static_cast<int>(o.muon_ns_steps),
-                        .bf16_orthogonalization = o.muon_bf16});
+                        .bf16_orthogonalization = o.muon_bf16,
+                        .master_weights = mixed,
+                        .reduce_dtype = reduce});
   }
 
   // Every rank initialised from the same seed already; the broadcast makes rank 0's
@@ -227,7 +247,12 @@ struct TrainStep::Impl {
       if (p.grad().defined()) grads.push_back(p.grad());
     }
     if (grads.empty()) return 0.0;
-    const double norm = torch::stack(torch::_foreach_norm(grads)).norm().item<double>();
+    // In float32 whatever the gradients' dtype (bf16-mixed: bfloat16 gradients).
+    const double norm = torch::stack(grads.front().scalar_type() == at::kFloat
+                                         ? torch::_foreach_norm(grads)
+                                         : torch::_foreach_norm(grads, 2, at::kFloat))
+                            .norm()
+                            .item<double>();
     if (train_cfg.grad_clip > 0 && norm > train_cfg.grad_clip) {
       torch::_foreach_mul_(grads, train_cfg.grad_clip / (norm + 1e-6));
     }
@@ -379,14 +404,16 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
     const int64_t t = T / tp.size;
     const auto logits = forward_tensor_parallel(*s.model, on_device.narrow(1, 0, T), tp);
     loss = torch::nn::functional::cross_entropy(
-               logits.reshape({-1, V}), on_device.narrow(1, 1 + tp.rank * t, t).reshape({-1}),
+               logits.reshape({-1, V}).to(at::kFloat),
+               on_device.narrow(1, 1 + tp.rank * t, t).reshape({-1}),
                torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
            static_cast<double>(tokens.size(0) * T);
     torch::NoGradGuard no_grad;
     out.loss = all_reduce_sum(loss.detach(), tp).item<float>();
   } else {
     const auto logits = s.model->forward(on_device.narrow(1, 0, T));
-    loss = torch::nn::functional::cross_entropy(logits.reshape({-1, V}),
+    // The cross-entropy in float32 whatever the logits' dtype (bf16-mixed: bfloat16).
+    loss = torch::nn::functional::cross_entropy(logits.reshape({-1, V}).to(at::kFloat),
                                                 on_device.narrow(1, 1, T).reshape({-1}));
     out.loss = loss.item<float>();
   }

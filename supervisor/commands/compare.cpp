@@ -43,6 +43,20 @@ double percentile(std::vector<double> v, double q) {
   return v[lo] + (v[hi] - v[lo]) * (at - static_cast<double>(lo));
 }
 
+// The recipe's memory settings (recipes/recipe.h TrainConfig; a contract without them holds
+// the defaults): "fp32", or "bf16-mixed (gradients summed in fp32)"; ", recompute full" when
+// recomputing.
+std::string memory_class(schema::TrainSpec::Reader t) {
+  if (!t.hasMemory()) return "fp32";
+  const auto m = t.getMemory();
+  std::string out = m.getPrecision().cStr();
+  if (out == "bf16-mixed")
+    out += fmt::format(" (gradients summed in {})", m.getGradReduce().cStr());
+  if (std::string_view(m.getRecompute().cStr()) != "none")
+    out += fmt::format(", recompute {}", m.getRecompute().cStr());
+  return out;
+}
+
 RunFacts read_run(const fs::path& run) {
   if (!fs::exists(layout::launch_path(run)))
     MEGACPP_FAIL(ErrorKind::kInvalidArgument, "{} holds no run (no launch.json)", run.string());
@@ -76,6 +90,7 @@ RunFacts read_run(const fs::path& run) {
            // In the recipe's hash too; named here so a refusal says what differs.
            {"orthogonalization",
             l.getRecipe().getTrain().getOptim().getMuonBf16() ? "bfloat16" : "float32"},
+           {"precision", memory_class(l.getRecipe().getTrain())},
            {"build", build_name(p.getGitRevision().cStr(), p.getGitDirty(), p.getBuildType().cStr(),
                                 p.getCompiler().cStr(), p.getTorchVersion().cStr())},
            {"data", dataset_digest(data)}};

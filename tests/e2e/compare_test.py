@@ -4,7 +4,8 @@ Two runs of `tiny` on 2 ranks are one class (same recipe hash, mode, world, back
 build and data): the table prints tokens/s, step time p50/p99, checkpoint stall, restarts and the
 loss at steps both recorded (equal: the runs are bit-identical). A run on 1 rank is another class:
 refused in one line naming the field that differs (world), printed with --force under a
-cross-class label. Fewer than two runs, or a folder that is not a run, is one line and exit 2.
+cross-class label. A run of the same recipe in bf16-mixed is another class too: its recipe hash
+and its precision differ, and the manifest and bench_result.json name its precision. Fewer than two runs, or a folder that is not a run, is one line and exit 2.
 """
 import os
 import re
@@ -32,6 +33,16 @@ class Compare(unittest.TestCase):
                                      "--run-dir", d, "--data-dir", data, "--progress", "none"])
             assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
             cls.runs[name] = d
+        with open(cls.recipe) as f:
+            text = f.read()
+        cls.mixed_recipe = os.path.join(cls.tmp, "ck4-bf16.toml")
+        with open(cls.mixed_recipe, "w") as f:
+            f.write(text.replace("[train]\n", "[train]\nprecision = \"bf16-mixed\"\n", 1))
+        d = os.path.join(cls.tmp, "m")
+        p = run_harness.megacpp(["run", cls.mixed_recipe, "--ranks", "2", "--steps", str(STEPS),
+                                 "--run-dir", d, "--data-dir", data, "--progress", "none"])
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        cls.runs["m"] = d
 
     @classmethod
     def tearDownClass(cls):
@@ -63,6 +74,15 @@ class Compare(unittest.TestCase):
         self.assertEqual(forced.returncode, 0, forced.stderr)
         self.assertTrue(forced.stdout.startswith("CROSS-CLASS COMPARISON (--force): world 2 (a) vs 1 (c)"),
                         forced.stdout)
+
+    def test_a_mixed_precision_run_is_another_class(self):
+        for name, want in (("a", "fp32"), ("m", "bf16-mixed")):
+            manifest = run_harness.manifest(self.runs[name])
+            self.assertEqual((manifest["precision"], manifest["gradReduce"], manifest["recompute"]),
+                             (want, "fp32", "none"))
+        p = run_harness.megacpp(["compare", self.runs["a"], self.runs["m"]])
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("precision fp32 (a) vs bf16-mixed (gradients summed in fp32) (m)", p.stderr)
 
     def test_bad_input_is_one_line(self):
         for args in (["compare", self.runs["a"]], ["compare", self.runs["a"], self.tmp]):

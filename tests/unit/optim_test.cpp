@@ -13,6 +13,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <thread>
 #include <tuple>
 #include <utility>
@@ -770,6 +771,107 @@ TEST_F(OptimTest, MuonRefusesNon2DParameters) {
   DistMuon m({MuonParamGroup{.params = ok}}, nullptr);
   EXPECT_THROW(m.add_param_group(MuonParamGroup{.params = make_params({{8}}, 16)}), Error);
   EXPECT_THROW(m.add_param_group(MuonParamGroup{.params = ok, .qkv_split_sizes = {4, 3}}), Error);
+}
+
+// Master weights (bf16-mixed): bfloat16 parameters with bfloat16 gradients step exactly as
+// float32 parameters holding the masters' values would with those gradients widened: the
+// masters equal the float32 run's parameters bit for bit, the parameters are their cast, on
+// both ranks of a Gloo world, through sharded and replicated placements and steps where some
+// rank has no gradient. With gradients summed in bfloat16 the ranks still agree bit for bit.
+TEST_F(OptimTest, MasterWeightsStepAsFloat32ParametersWould) {
+  for (const bool bf16_reduce : {false, true}) {
+    const auto body = [&](const Pg& pg, uint32_t rank, const fs::path& d) -> int {
+      const std::vector<std::vector<int64_t>> adam_shapes{{64, 24}, {7, 5}, {40}};
+      const std::vector<std::vector<int64_t>> muon_shapes{{32, 16}, {32, 16}, {32, 16}, {16, 40}};
+      const std::vector<std::vector<int64_t>> qkv_shapes{{48, 16}, {48, 16}};
+      auto a32 = make_params(adam_shapes, 11), m32 = make_params(muon_shapes, 12),
+           q32 = make_params(qkv_shapes, 13);
+      const auto bf16_of = [](const std::vector<at::Tensor>& ps) {
+        std::vector<at::Tensor> out;
+        for (const auto& p : ps) out.push_back(p.detach().to(at::kBFloat16).requires_grad_(true));
+        return out;
+      };
+      auto ab = bf16_of(a32), mb = bf16_of(m32), qb = bf16_of(q32);
+      const std::optional<at::ScalarType> reduce =
+          bf16_reduce ? std::optional(at::kBFloat16) : std::optional(at::kFloat);
+      DistAdamW adam32({AdamWParamGroup{.params = a32, .lr = 0.01}}, pg,
+                       DistAdamWOptions{.crossover_numel = 64});
+      DistAdamW adamb(
+          {AdamWParamGroup{.params = ab, .masters = a32, .lr = 0.01}}, pg,
+          DistAdamWOptions{.crossover_numel = 64, .master_weights = true, .reduce_dtype = reduce});
+      const auto muon_groups = [](std::vector<at::Tensor> m, std::vector<at::Tensor> q,
+                                  std::vector<at::Tensor> mm, std::vector<at::Tensor> qm) {
+        return std::vector<MuonParamGroup>{
+            MuonParamGroup{.params = std::move(m), .masters = std::move(mm)},
+            MuonParamGroup{
+                .params = std::move(q), .qkv_split_sizes = {16, 16, 16}, .masters = std::move(qm)}};
+      };
+      DistMuon muon32(muon_groups(m32, q32, {}, {}), pg,
+                      DistMuonOptions{.bf16_orthogonalization = false});
+      DistMuon muonb(
+          muon_groups(mb, qb, m32, q32), pg,
+          DistMuonOptions{
+              .bf16_orthogonalization = false, .master_weights = true, .reduce_dtype = reduce});
+      // The masters were copied at construction: from here on the float32 run is the reference.
+      for (uint32_t step = 0; step < 8; ++step) {
+        for (auto* set : {&a32, &m32, &q32}) {
+          auto& mixed = set == &a32 ? ab : set == &m32 ? mb : qb;
+          for (size_t i = 0; i < set->size(); ++i) {
+            const bool has = present(step, rank) || (step % 4 == 3 && i == 0);
+            const at::Tensor g =
+                has ? rank_grad((*set)[i], i, step, rank).to(at::kBFloat16) : at::Tensor();
+            set_grad(mixed[i], g);
+            set_grad((*set)[i], g.defined() ? g.to(at::kFloat) : g);
+          }
+        }
+        adamb.step();
+        muonb.step();
+        if (!bf16_reduce) {
+          adam32.step();
+          muon32.step();
+        }
+      }
+      int rc = 0;
+      for (const auto& [mixed, ref] : {std::pair{&ab, &a32}, {&mb, &m32}, {&qb, &q32}}) {
+        for (size_t i = 0; i < mixed->size(); ++i) {
+          if ((*mixed)[i].scalar_type() != at::kBFloat16) rc = 3;
+          if (!bf16_reduce &&
+              !at::equal((*mixed)[i].detach(), (*ref)[i].detach().to(at::kBFloat16)))
+            rc = 4;
+        }
+      }
+      // The masters in the state dicts: the float32 run's owned parameter rows, bit for bit.
+      if (!bf16_reduce) {
+        for (const auto& e : adamb.state_dict().entries) {
+          if (e.key.field != StateField::kMaster) continue;
+          const at::Tensor& p = a32.at(e.key.param);
+          const at::Tensor want =
+              e.replicated ? p.detach() : p.detach().narrow(0, e.offset, e.value.size(0));
+          if (!at::equal(e.value, want)) rc = 5;
+        }
+        int masters = 0;
+        for (const auto& e : muonb.state_dict().entries)
+          masters += e.key.field == StateField::kMaster;
+        if (masters != 3) rc = 6;  // one per stack: {16x40}, {32x16} and the qkv stack
+      }
+      std::vector<at::Tensor> all = ab;
+      all.insert(all.end(), mb.begin(), mb.end());
+      all.insert(all.end(), qb.begin(), qb.end());
+      if (!write_floats(d / fmt::format("rank{}", rank), flat(all))) rc = 7;
+      return rc;
+    };
+    {
+      SCOPED_TRACE("world 1");
+      test_support::TempDir one;
+      EXPECT_EQ(body(Pg(), 0, one.path()), 0);
+    }
+    const fs::path dir = run_world2(body);
+    ASSERT_FALSE(dir.empty());
+    const auto r0 = read_floats(dir / "rank0"), r1 = read_floats(dir / "rank1");
+    EXPECT_FALSE(r0.empty());
+    EXPECT_TRUE(r0 == r1) << "bf16 reduce " << bf16_reduce;
+    fs::remove_all(dir);
+  }
 }
 
 }  // namespace

@@ -370,11 +370,13 @@ TEST(HybridRecipe, PlainRecipesKeepTheirLaunchContractAndHash) {
   // So are precision, gradient reduction and recomputation at theirs; any other value is in
   // the contract and the hash.
   EXPECT_FALSE(spec.asReader().getTrain().hasMemory());
-  for (const auto& [key, value] : {std::pair{"precision", "bf16-mixed"},
-                                   std::pair{"recompute", "full"}}) {
+  for (const auto& [key, value] :
+       {std::pair{"precision", "bf16-mixed"}, std::pair{"recompute", "full"}}) {
     auto changed = r;
-    if (std::string_view(key) == "precision") changed.train.precision = value;
-    else changed.train.recompute = value;
+    if (std::string_view(key) == "precision")
+      changed.train.precision = value;
+    else
+      changed.train.recompute = value;
     changed = mc::recipe::rehash(changed);
     EXPECT_NE(changed.hash, r.hash) << key;
     capnp::MallocMessageBuilder m2;

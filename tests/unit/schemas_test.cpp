@@ -284,6 +284,9 @@ TEST(SchemasJsonTest, ManifestRoundTrip) {
   m.setStopReason("stopped by SIGINT after step 12, its checkpoint committed");
   m.setMode("author_dp");
   m.setBlocks("AEMR");
+  m.setPrecision("bf16-mixed");
+  m.setGradReduce("fp32");
+  m.setRecompute("selective");
 
   std::string json = schemas::to_json(m.asReader());
   EXPECT_NE(json.find("\"state\": \"error\""), std::string::npos) << json;

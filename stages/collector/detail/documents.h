@@ -22,8 +22,8 @@
 namespace megacpp::collector::detail {
 
 // Sets on `doc` (a document's root builder) the schema version and each RunIdentity field its
-// schema declares: runId always; recipe, recipeHash, world, attempt, mode, blocks, device and
-// build where the document has them.
+// schema declares: runId always; recipe, recipeHash, world, attempt, mode, blocks, the memory
+// settings (precision, gradReduce, recompute), device and build where the document has them.
 template <typename Builder>
 void stamp_identity(Builder doc, const RunIdentity& id) {
   doc.setSchemaVersion(schema::SCHEMA_VERSION);
@@ -35,6 +35,11 @@ void stamp_identity(Builder doc, const RunIdentity& id) {
   if constexpr (requires { doc.setAttempt(uint32_t{}); }) doc.setAttempt(id.attempt);
   if constexpr (requires { doc.setMode(capnp::Text::Reader()); }) doc.setMode(id.mode);
   if constexpr (requires { doc.setBlocks(capnp::Text::Reader()); }) doc.setBlocks(id.blocks);
+  if constexpr (requires { doc.setPrecision(capnp::Text::Reader()); }) {
+    doc.setPrecision(id.precision);
+    doc.setGradReduce(id.grad_reduce);
+    doc.setRecompute(id.recompute);
+  }
   if constexpr (requires { doc.setDevice(capnp::Text::Reader()); }) doc.setDevice(id.device);
   if constexpr (requires { doc.setBuild(schema::Provenance::Reader()); }) doc.setBuild(id.build());
 }

@@ -66,6 +66,10 @@ void read_identity(schema::LaunchContract::Reader l, RunIdentity& id) {
   const recipe::ModelConfig model = recipe::model_config(l.getRecipe());
   id.mode = model.mode;
   id.blocks = model.blocks;
+  const recipe::TrainConfig train = recipe::train_config(l.getRecipe().getTrain());
+  id.precision = train.precision;
+  id.grad_reduce = train.grad_reduce;
+  id.recompute = train.recompute;
   const capnp::Text::Reader device = l.getDevice();
   id.device = device.size() > 0 ? std::string(device.begin(), device.size()) : "cpu";
   id.build_copy.setRoot(l.getProvenance());
