@@ -165,6 +165,10 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
   p.sequence_parallel = p.tp > 1;
   p.dp = std::max<uint32_t>(1, o.ranks / p.tp);
   p.memory_budget_gib = o.memory_budget_gib;
+  p.precision = r.train.bf16_mixed()
+                    ? fmt::format("bf16-mixed, gradients summed in {}", r.train.grad_reduce)
+                    : r.train.precision;
+  if (r.train.recompute != "none") p.precision += ", recompute " + r.train.recompute;
   const bool qkv_split = r.train.optim.qkv_split;
 
   p.globals.push_back(ParamShape{.name = "embed.weight",
@@ -210,30 +214,53 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
   for (const ParamShape& g : p.globals) all.push_back(&g);
   for (const LayerPlan& l : p.layers)
     for (const ParamShape& s : l.params) all.push_back(&s);
+  const bool mixed = r.train.bf16_mixed();
+  const uint64_t c = mixed ? 2 : 4;                                    // compute dtype bytes
+  const uint64_t rb = mixed && r.train.grad_reduce == "bf16" ? 2 : 4;  // reduction dtype bytes
+  const bool gloo = o.device != "cuda";
   uint64_t held = 0;
   std::map<std::tuple<std::string, int64_t, int64_t>, uint64_t> stacks;  // -> entries
-  uint64_t adam_bytes = 0;
+  uint64_t adam_bytes = 0, adam_owned = 0, adam_elements = 0;
   for (const ParamShape* s : all) {
     held += s->numel();
     if (s->optimizer == "muon") {
       ++stacks[{s->group, s->shape[0], s->shape[1]}];
     } else {
-      const bool sharded = s->numel() >= r.train.optim.adamw_crossover && !s->shape.empty() &&
-                           s->shape[0] % static_cast<int64_t>(dp) == 0;
+      const bool sharded = dp > 1 && s->numel() >= r.train.optim.adamw_crossover &&
+                           !s->shape.empty() && s->shape[0] % static_cast<int64_t>(dp) == 0;
       adam_bytes += ceil_div(8 * s->numel(), sharded ? dp : 1);
+      adam_owned += ceil_div(s->numel(), sharded ? dp : 1);
+      adam_elements += s->numel();
     }
   }
-  uint64_t muon_bytes = 0;
+  uint64_t muon_bytes = 0, muon_owned = 0, muon_padded = 0;
   for (const auto& [key, entries] : stacks) {
     const auto& [group, rows, cols] = key;
     const uint64_t second = (group == "qkv" || rows >= cols) ? rows : cols;
-    const uint64_t per_entry = (static_cast<uint64_t>(rows * cols) + second) * 4;
-    muon_bytes += ceil_div(entries, dp) * per_entry;
+    const uint64_t numel = static_cast<uint64_t>(rows * cols);
+    muon_bytes += ceil_div(entries, dp) * (numel + second) * 4;
+    muon_owned += ceil_div(entries, dp) * numel;
+    muon_padded += ceil_div(entries, dp) * dp * numel;
   }
-  p.memory.parameters = 4 * held;
-  p.memory.gradients = 4 * held;
+  p.memory.parameters = c * held;
+  p.memory.gradients = c * held;
+  p.memory.master = mixed ? 4 * (adam_owned + muon_owned) : 0;
   p.memory.optimizer = muon_bytes + adam_bytes;
-  p.memory.activations = ceil_div(uint64_t{r.train.batch_size} * m.seq_len * act_per_token * 4, tp);
+  uint64_t buffers = rb * muon_padded;  // DistMuon's stacked gradients
+  if (dp > 1) {
+    buffers += c * muon_padded;  // its gathered parameters
+    buffers += gloo ? rb * muon_padded * (dp - 1) / dp : rb * muon_padded / dp;
+    if (gloo && rb == 4) {
+      // DistAdamW's bucket; it rides in every segment of DistMuon's exchange (and so in its
+      // receive space) at dp <= 2 or up to 2^20 elements, else is all-reduced on its own.
+      // Elsewhere DistAdamW reduces a parameter at a time (nothing kept).
+      const bool rides = dp <= 2 || adam_elements <= (uint64_t{1} << 20);
+      buffers +=
+          4 * adam_elements + 4 * adam_elements * (dp - 1) + (rides ? 4 * adam_elements * dp : 0);
+    }
+  }
+  p.memory.buffers = buffers;
+  p.memory.activations = ceil_div(uint64_t{r.train.batch_size} * m.seq_len * act_per_token * c, tp);
 
   // Gates.
   const auto gate = [&](std::string rule, bool passed, std::string detail, std::string reason,
@@ -284,7 +311,10 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
          "a rank over its memory fails in its first step, after the whole launch",
          "never: raise --memory-budget, add ranks or shrink the batch");
   } else {
-    gate("memory-budget", true, "no --memory-budget given",
+    gate("memory-budget", true,
+         o.device == "cuda" ? "--device cuda: no CUDA device visible here to read its memory, and "
+                              "no --memory-budget given"
+                            : "no --memory-budget given",
          "a rank over its memory fails in its first step, after the whole launch",
          "never: raise --memory-budget, add ranks or shrink the batch", false);
   }
@@ -347,10 +377,11 @@ std::string format_plan(const Plan& p) {
   out += fmt::format("  total {} ({}), active per token {} ({})\n\n", p.params_total,
                      count(p.params_total), p.params_active, count(p.params_active));
   out += fmt::format(
-      "  memory per rank (float32; estimate): parameters {}, gradients {}, optimizer {}, "
-      "activations {}: {}\n\n",
-      gib(p.memory.parameters), gib(p.memory.gradients), gib(p.memory.optimizer),
-      gib(p.memory.activations), gib(p.memory.total()));
+      "  memory per rank ({}; estimate): parameters {}, gradients {}, master weights {}, "
+      "optimizer state {}, exchange buffers {}, activations {}: {}\n\n",
+      p.precision, gib(p.memory.parameters), gib(p.memory.gradients), gib(p.memory.master),
+      gib(p.memory.optimizer), gib(p.memory.buffers), gib(p.memory.activations),
+      gib(p.memory.total()));
   out += "  gates:\n";
   for (const Gate& g : p.gates) {
     out += fmt::format("    {:<8} {:<22} {}\n",

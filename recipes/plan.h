@@ -7,16 +7,28 @@
 // The parameter shapes are the trainer's own (stages/trainer/model.h names them); a unit test
 // builds the torch model and compares every name and shape.
 //
-// Memory model (bytes per rank, every tensor float32; tp = the mode's tensor-parallel degree,
-// dp = ranks / tp), as this build allocates it: a tensor-parallel rank computes with slices of
-// the parameters but holds them whole (stages/trainer/tensor_parallel.h), so only activations
-// divide by tp:
-//   parameters and gradients  4 B per element of every parameter
+// Memory model (bytes per rank; tp = the mode's tensor-parallel degree, dp = ranks / tp; c =
+// the compute dtype's bytes, 4 for train.precision fp32 and 2 for bf16-mixed; r = the bytes of
+// the dtype gradients are summed in, train.grad_reduce; the moments and masters are float32), as
+// this build allocates it: a tensor-parallel rank computes with slices of the parameters but
+// holds them whole (stages/trainer/tensor_parallel.h), so only activations divide by tp:
+//   parameters and gradients  c B per element of every parameter
+//   master weights            bf16-mixed: 4 B per element the rank's optimizers own (a sharded
+//                             DistAdamW parameter's rows, a replicated one whole, DistMuon's
+//                             ceil(n / dp) entries of each stack)
 //   DistMuon state            per stack of same-shape matrices in a group, ceil(n / dp) owned
 //                             entries x (rows x cols momentum + the factored second moment: rows
 //                             when rows >= cols or the group is qkv-split, else cols) x 4 B
 //   DistAdamW state           8 B per element (two moments), / dp when the tensor is sharded
 //                             (numel >= adamw_crossover and shape[0] % dp == 0)
+//   exchange buffers          kept from one step to the next (stages/trainer/optim.h): DistMuon's
+//                             stacked gradients, r B x P (P = every stack padded to ceil(n / dp) x
+//                             dp entries), its gathered parameters c B x P when dp > 1, the
+//                             exchange's receive space r B x P (dp - 1) / dp (Gloo) or P / dp
+//                             (NCCL); on Gloo with float32 sums DistAdamW's gradient bucket 4 B x
+//                             A (A = its elements), its receive space 4 B x A (dp - 1) and, when
+//                             it rides in DistMuon's exchange (dp <= 2 or A <= 2^20), 4 B x A x
+//                             dp more there; nothing at dp 1 (no exchange)
 //   activations               batch_size x seq_len tokens x (sum over layers of the block's
 //                             activation_floats estimate + 2 x vocab for the logits) x 4 B, / tp
 //                             (sequence parallelism shards what tensor parallelism does not)
@@ -65,9 +77,15 @@ struct Gate {
 struct MemoryPlan {  // bytes per rank
   uint64_t parameters = 0;
   uint64_t gradients = 0;
-  uint64_t optimizer = 0;
+  uint64_t master = 0;     // bf16-mixed: the float32 master weights
+  uint64_t optimizer = 0;  // the moments
+  uint64_t buffers = 0;    // the optimizers' exchange buffers
   uint64_t activations = 0;
-  uint64_t total() const { return parameters + gradients + optimizer + activations; }
+  // Everything at once: an upper bound (gradients grow in backward while activations are
+  // released).
+  uint64_t total() const {
+    return parameters + gradients + master + optimizer + buffers + activations;
+  }
 };
 
 struct PlanOptions {
@@ -100,6 +118,7 @@ struct Plan {
   };
   std::vector<Family> families;
   MemoryPlan memory;
+  std::string precision;  // the memory settings the figures assume, e.g. "fp32"
   std::vector<Gate> gates;
   double memory_budget_gib = 0;
 

@@ -6,9 +6,11 @@
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/sysmacros.h>
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <random>
 #include <thread>
@@ -63,6 +65,22 @@ double host_memory_gib() {
 
 bool cuda_trainer_built() {
   return std::filesystem::exists(detail::self_exe_dir() / "libmegacpp_trainer_cuda.so");
+}
+
+double cuda_device_memory_gib() {
+  if (!cuda_trainer_built()) return 0;
+  const std::string path = (detail::self_exe_dir() / "libmegacpp_trainer_cuda.so").string();
+  // Never closed: torch's CUDA backend, once registered, cannot be unregistered (cuda_plugin.h).
+  void* library = ::dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+  if (library == nullptr) return 0;
+  using Query = int (*)(uint64_t*, int);
+  const auto query = reinterpret_cast<Query>(::dlsym(library, "megacpp_cuda_device_memory"));
+  if (query == nullptr) return 0;
+  std::array<uint64_t, 64> bytes{};
+  const int n = std::min(query(bytes.data(), static_cast<int>(bytes.size())), 64);
+  if (n <= 0) return 0;
+  const uint64_t smallest = *std::min_element(bytes.begin(), bytes.begin() + n);
+  return static_cast<double>(smallest) / static_cast<double>(1ull << 30);
 }
 
 void RunOptions::validate() const {
@@ -582,6 +600,13 @@ void JobController::prepare() {
                            .memory_budget_gib = opt_.memory_budget_gib,
                            .device = opt_.device,
                            .cuda_trainer_built = cuda_trainer_built()};
+    if (po.memory_budget_gib <= 0 && opt_.device == "cuda") {
+      if (const double device = cuda_device_memory_gib(); device > 0) {
+        po.memory_budget_gib = device;
+        po.memory_budget_source = fmt::format(
+            "the smallest visible CUDA device's {:.1f} GiB; --memory-budget sets another", device);
+      }
+    }
     if (po.memory_budget_gib <= 0 && opt_.device == "cpu") {
       const double host = host_memory_gib();
       const uint32_t ranks = std::max<uint32_t>(opt_.ranks, 1);

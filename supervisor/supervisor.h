@@ -125,5 +125,10 @@ inline constexpr const char* kDetachedMarker = "megacpp: detached";
 // Whether the CUDA trainer plugin was built beside this executable: the feature-built gate of
 // --device cuda (recipes/plan.h).
 bool cuda_trainer_built();
+// The memory of the smallest CUDA device visible to this process, in GiB, as the CUDA plugin
+// reads it (loading the plugin, and with it torch's CUDA libraries, into this process); 0 when
+// the plugin is not built or no device is visible. The memory-budget gate's default for
+// --device cuda.
+double cuda_device_memory_gib();
 
 }  // namespace megacpp::supervisor

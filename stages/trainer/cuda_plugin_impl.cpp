@@ -1,6 +1,7 @@
 // libmegacpp_trainer_cuda.so: the CUDA side of a trainer rank (cuda_plugin.h). Built only where
 // torch has CUDA and NCCL's headers are found; it links libtorch_cuda, so loading it registers
 // torch's CUDA backend in the process.
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/NCCLUtils.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -51,4 +52,19 @@ constexpr CudaPluginApi kApi{
 
 extern "C" __attribute__((visibility("default"))) const CudaPluginApi* megacpp_cuda_plugin() {
   return &kApi;
+}
+
+// The supervisor's query (supervisor.h cuda_device_memory_gib), torch-free on its side: the
+// total memory of each visible device, in bytes, into `bytes[0, max)`; returns how many devices
+// are visible (0 without a driver or a device). Never throws.
+extern "C" __attribute__((visibility("default"))) int megacpp_cuda_device_memory(uint64_t* bytes,
+                                                                                 int max) {
+  try {
+    const int n = static_cast<int>(c10::cuda::device_count());
+    for (int i = 0; i < n && i < max; ++i)
+      bytes[i] = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(i))->totalGlobalMem;
+    return n;
+  } catch (const std::exception&) {
+    return 0;
+  }
 }

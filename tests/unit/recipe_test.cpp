@@ -526,6 +526,29 @@ TEST(Plan, PerRankMemoryByHand) {
   // H hd + 3F with D 64, H = KV = 4, hd 16, F 256) x 4 bytes
   const uint64_t a = 2 * 64 + 12 * 16 + 2 * 8 * 16 + 4 * 16 + 3 * 256;
   EXPECT_EQ(p.memory.activations, 2 * 32 * (512 + a) * 4);
+  EXPECT_EQ(p.memory.master, 0u);
+  // Exchange buffers at dp 2 on Gloo: DistMuon's stacks padded to 2 entries each (P), its
+  // gradients, gathered parameters and half of P of receive space; DistAdamW's bucket (A), its
+  // receive space and its ride in both segments of DistMuon's exchange.
+  const uint64_t P = 2 * (12288 + 4096 + 16384 + 16384), A = 16384 * 2;
+  EXPECT_EQ(p.memory.buffers, 4 * P + 4 * P + 4 * P / 2 + 4 * A * (1 + 1 + 2));
+  // bf16-mixed: parameters, gradients and activations at 2 bytes; float32 masters of what the
+  // rank owns (one entry of each stack, both replicated DistAdamW tensors); the moments as
+  // before; the gathered parameters at 2 bytes.
+  auto rb = r;
+  rb.train.precision = "bf16-mixed";
+  rb = mc::recipe::rehash(std::move(rb));
+  const auto mixed = mc::recipe::make_plan(rb, {.ranks = 2});
+  EXPECT_EQ(mixed.memory.parameters, 2 * held);
+  EXPECT_EQ(mixed.memory.gradients, 2 * held);
+  EXPECT_EQ(mixed.memory.master, 4 * (A + P / 2));
+  EXPECT_EQ(mixed.memory.optimizer, muon + adam);
+  EXPECT_EQ(mixed.memory.buffers, 4 * P + 2 * P + 4 * P / 2 + 4 * A * (1 + 1 + 2));
+  EXPECT_EQ(mixed.memory.activations, 2 * 32 * (512 + a) * 2);
+  // Gradients summed in bfloat16: DistMuon's buffers at 2 bytes, DistAdamW a tensor at a time.
+  rb.train.grad_reduce = "bf16";
+  rb = mc::recipe::rehash(std::move(rb));
+  EXPECT_EQ(mc::recipe::make_plan(rb, {.ranks = 2}).memory.buffers, 2 * P + 2 * P + 2 * P / 2);
   // Tensor parallel 2 on the same 2 ranks (one data-parallel group): parameters, gradients and
   // optimizer state are held whole by both ranks of the group (this build); the activations
   // of a sequence shard are half.
