@@ -2,11 +2,11 @@
 // rendezvous prepared, launch.json written.
 #include "supervisor/detail/job_controller.h"
 
+#include <dlfcn.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/sysmacros.h>
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
