@@ -507,8 +507,7 @@ void Recipe::validate() const {
   rule(train.precision == "fp32" || train.precision == "bf16-mixed", "train.precision",
        "must be \"fp32\" or \"bf16-mixed\"");
   rule(train.grad_reduce == "fp32" || (train.grad_reduce == "bf16" && train.bf16_mixed()),
-       "train.grad_reduce",
-       "must be \"fp32\", or \"bf16\" with train.precision = \"bf16-mixed\"");
+       "train.grad_reduce", "must be \"fp32\", or \"bf16\" with train.precision = \"bf16-mixed\"");
   rule(train.recompute == "none" || train.recompute == "selective" || train.recompute == "full",
        "train.recompute", "must be \"none\", \"selective\" or \"full\"");
   const bool builtin = data.source == "builtin";
@@ -635,6 +634,16 @@ std::string expand_blocks(std::string_view pattern, uint32_t n_layers, std::stri
     }
   }
   return out;
+}
+
+Recompute recompute_mode(std::string_view value) {
+  if (value == "none") return Recompute::kNone;
+  if (value == "selective") return Recompute::kSelective;
+  MEGACPP_CHECK(
+      value == "full", ErrorKind::kInvalidArgument,
+      fmt::format("train.recompute: must be \"none\", \"selective\" or \"full\", got \"{}\"",
+                  value));
+  return Recompute::kFull;
 }
 
 std::string_view block_name(char block) {
