@@ -112,33 +112,46 @@ std::vector<ParamShape> layer_params(const ModelConfig& m, char block, bool qkv_
   return out;
 }
 
-uint64_t activation_floats(const ModelConfig& m, char block) {
+uint64_t activation_floats(const ModelConfig& m, char block, Recompute recompute) {
   const uint64_t D = m.d_model, F = m.ffn();
+  // full: the block's input; its working set in backward is make_plan's, once.
+  if (recompute == Recompute::kFull) return D;
+  const bool selective = recompute == Recompute::kSelective;
   switch (block) {
     case kBlockAttention: {
-      // two norm outputs; qkv; q and k after QK-norm and after RoPE; the attention output;
-      // the MLP's fc output, relu and square
+      // none: two norm outputs; qkv; q and k after QK-norm and after RoPE; the attention
+      // output; the MLP's fc output, relu and square. selective: the two norms' inputs for
+      // their outputs, q and k after RoPE only, the fc output only.
       const uint64_t hd = m.head_dim(), H = m.n_heads, KV = m.kv_heads();
+      if (selective) return 2 * D + (H + 2 * KV) * hd + (H + KV) * hd + H * hd + F;
       return 2 * D + (H + 2 * KV) * hd + 2 * (H + KV) * hd + H * hd + 3 * F;
     }
     case kBlockMlp:
-      return D + 3 * F;
+      return D + (selective ? F : 3 * F);
     case kBlockMoe: {
       // norm output, router logits and probabilities, per assignment the gathered token,
-      // the expert's fc/relu/square and its weight; the shared expert's fc/relu/square
+      // the expert's fc/relu/square and its weight; the shared expert's fc/relu/square.
+      // selective: of each expert (and the shared one) the fc output only.
       const uint64_t E = m.moe.n_experts, k = m.moe.top_k, h = m.moe.expert_hidden;
-      return D + 2 * E + k * (D + 3 * h + 1) + 3 * uint64_t{m.moe.shared_hidden};
+      const uint64_t s = m.moe.shared_hidden;
+      if (selective) return D + 2 * E + k * (D + h + 1) + s;
+      return D + 2 * E + k * (D + 3 * h + 1) + 3 * s;
     }
     case kBlockMamba: {
       // norm output, in_proj output, conv output and its SiLU, dt, the chunk's decay matrix
-      // row per head, the scan output, the gated product and the inner norm's output
+      // row per head, the scan output, the gated product and the inner norm's output.
+      // selective: the norm's input for its output, and in_proj's output.
       const uint64_t I = uint64_t{m.ssm.expand} * D, N = m.ssm.d_state, H = I / m.ssm.head_dim;
+      if (selective) return D + (2 * I + 2 * N + H);
       return D + (2 * I + 2 * N + H) + 2 * (I + 2 * N) + H + uint64_t{m.ssm.chunk} * H + 3 * I;
     }
     case kBlockRecurrent: {
       // norm output; gate and its GeLU; in_proj, conv; r, i and their pre-activations; log a,
-      // the scale, the scan input; the chunk's decay row per channel; h and gate * h
+      // the scale, the scan input; the chunk's decay row per channel; h and gate * h.
+      // selective: the norm's input for its output; gate_proj's and in_proj's outputs, the conv
+      // output and the two gate projections.
       const uint64_t W = m.rnn_width();
+      if (selective) return D + 5 * W;
       return D + 13 * W + uint64_t{m.ssm.chunk} * W;
     }
     default:
@@ -183,6 +196,8 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
   p.params_active = p.params_total;
 
   uint64_t act_per_token = 2ull * m.vocab_size;
+  const Recompute recompute = recompute_mode(r.train.recompute);
+  uint64_t working_set = 0;  // full: the largest block's unrecomputed figure, once
   for (uint32_t i = 0; i < m.n_layers; ++i) {
     LayerPlan l;
     l.index = i;
@@ -195,8 +210,10 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
       const uint64_t per_expert = 2ull * m.moe.expert_hidden * m.d_model;
       l.params_active -= uint64_t{m.moe.n_experts - m.moe.top_k} * per_expert;
     }
-    l.activation_floats = activation_floats(m, l.block);
+    l.activation_floats = activation_floats(m, l.block, recompute);
     act_per_token += l.activation_floats;
+    if (recompute == Recompute::kFull)
+      working_set = std::max(working_set, activation_floats(m, l.block, Recompute::kNone));
     p.params_total += l.params_total;
     p.params_active += l.params_active;
     const std::string name(block_name(l.block));
@@ -207,6 +224,8 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
     fam->params += l.params_total;
     p.layers.push_back(std::move(l));
   }
+
+  act_per_token += working_set;
 
   // Memory per rank.
   const uint64_t tp = p.tp, dp = p.dp;

@@ -33,7 +33,11 @@
 //                             activation_floats estimate + 2 x vocab for the logits) x 4 B, / tp
 //                             (sequence parallelism shards what tensor parallelism does not)
 // The activation figures are estimates counted by hand from each block's forward (the tensors
-// autograd keeps for backward), not measurements.
+// autograd keeps for backward), not measurements. They follow train.recompute
+// (stages/trainer/model.h): none, everything autograd saves; selective, every matrix product's
+// output and the inputs of the recomputed norms, not the element-wise tails between products;
+// full, each block's input (d_model) per layer plus, once, the largest block's none figure: the
+// working set of the one block whose forward runs again during backward.
 #pragma once
 
 #include <cstdint>
@@ -129,8 +133,10 @@ struct Plan {
 // The parameters of one layer's block, with the trainer's names and shapes; `qkv_split` is the
 // recipe's optim.qkv_split (the attention's fused projection then forms DistMuon's qkv group).
 std::vector<ParamShape> layer_params(const ModelConfig& model, char block, bool qkv_split);
-// Estimate of the floats a block keeps for backward per token (see the memory model above).
-uint64_t activation_floats(const ModelConfig& model, char block);
+// Estimate of the floats a block keeps for backward per token under train.recompute (see the
+// memory model above); under full, the block's input only.
+uint64_t activation_floats(const ModelConfig& model, char block,
+                           Recompute recompute = Recompute::kNone);
 
 // `recipe` as parsed (its mode and blocks already expanded). Throws Error{kInvalidArgument} for
 // ranks == 0; a gate that fails is a verdict in the plan, not an exception.

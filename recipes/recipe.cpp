@@ -636,6 +636,16 @@ std::string expand_blocks(std::string_view pattern, uint32_t n_layers, std::stri
   return out;
 }
 
+Recompute recompute_mode(std::string_view value) {
+  if (value == "none") return Recompute::kNone;
+  if (value == "selective") return Recompute::kSelective;
+  MEGACPP_CHECK(
+      value == "full", ErrorKind::kInvalidArgument,
+      fmt::format("train.recompute: must be \"none\", \"selective\" or \"full\", got \"{}\"",
+                  value));
+  return Recompute::kFull;
+}
+
 std::string_view block_name(char block) {
   switch (block) {
     case kBlockAttention:

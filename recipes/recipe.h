@@ -151,6 +151,12 @@ struct TrainConfig {
   OptimConfig optim;
 };
 
+// train.recompute parsed once: the trainer's model (stages/trainer/model.h) and the plan's
+// activation estimate (recipes/plan.h) take this, not the string.
+enum class Recompute { kNone, kSelective, kFull };
+// "none" | "selective" | "full"; anything else is Error{kInvalidArgument} naming the rule.
+Recompute recompute_mode(std::string_view value);
+
 // The recipe's [data]: where the token shards come from and how windows are cut from them
 // (data/shards.h, data/sampler.h). A window is model.seq_len + 1 tokens.
 struct DataConfig {

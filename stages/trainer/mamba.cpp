@@ -1,10 +1,12 @@
 #include "stages/trainer/mamba.h"
 
 #include <cmath>
+#include <vector>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "stages/trainer/recompute.h"
 #include "stages/trainer/ssd.h"
 
 namespace megacpp::trainer {
@@ -62,10 +64,23 @@ void MambaImpl::initialise(at::Generator& gen, bool zero_out) {
 }
 
 at::Tensor MambaImpl::forward(const at::Tensor& x, bool sequential) {
+  return from_in_proj(in_proj(x), sequential);
+}
+
+at::Tensor MambaImpl::from_in_proj(const at::Tensor& zxbcdt, bool sequential) {
+  if (!selective_) return out_proj(mix(zxbcdt, sequential));
+  return detail::recompute_into_linear(
+      [this, sequential](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+        return {mix(in[0], sequential)};
+      },
+      {zxbcdt, conv->weight, conv->bias, dt_bias, A_log, D, norm_weight}, {out_proj->weight})[0];
+}
+
+at::Tensor MambaImpl::mix(const at::Tensor& zxbcdt, bool sequential) {
   const MambaConfig& c = config_;
-  const int64_t B = x.size(0), T = x.size(1);
+  const int64_t B = zxbcdt.size(0), T = zxbcdt.size(1);
   const int64_t H = c.n_heads(), P = c.head_dim, N = c.d_state, I = c.d_inner();
-  const auto parts = in_proj(x).split_with_sizes({I, I + 2 * N, H}, -1);
+  const auto parts = zxbcdt.split_with_sizes({I, I + 2 * N, H}, -1);
   const at::Tensor& z = parts[0];
   // Causal: padded K-1 on both sides, the first T outputs see only positions <= t.
   const at::Tensor xbc =
@@ -80,9 +95,8 @@ at::Tensor MambaImpl::forward(const at::Tensor& x, bool sequential) {
   const at::Tensor a = dt * A;
   const SsdResult r =
       sequential ? ssd_sequential(xs, a, b, cc) : ssd_chunked(xs, a, b, cc, c.chunk);
-  at::Tensor y = (r.y + u * D.view({1, 1, H, 1})).reshape({B, T, I});
-  y = at::rms_norm(y * at::silu(z), {I}, norm_weight, 1e-6);
-  return out_proj(y);
+  const at::Tensor y = (r.y + u * D.view({1, 1, H, 1})).reshape({B, T, I});
+  return at::rms_norm(y * at::silu(z), {I}, norm_weight, 1e-6);
 }
 
 }  // namespace megacpp::trainer

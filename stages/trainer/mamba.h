@@ -39,6 +39,11 @@ class MambaImpl : public torch::nn::Module {
   // x: [B, T, d_model] -> [B, T, d_model]. `sequential` runs the step-by-step recurrence
   // instead of the chunked scan (the reference of the tests).
   at::Tensor forward(const at::Tensor& x, bool sequential = false);
+  // The rest of forward after in_proj: zxbcdt [B, T, 2 d_inner + 2N + H].
+  at::Tensor from_in_proj(const at::Tensor& zxbcdt, bool sequential = false);
+  // Recompute conv, SiLU, the scan and the gated norm with out_proj, keeping in_proj's output
+  // (model.h "selective").
+  void set_selective(bool on) noexcept { selective_ = on; }
   // Draws the parameters from `gen` as Mamba-2 initialises them: dt's softplus in
   // [1e-3, 1e-1] log-uniformly, A in [1, 16], D = 1, the conv and projections
   // U(+-sqrt(1 / fan_in)), out_proj zero when `zero_out` (a residual block starts as identity).
@@ -51,7 +56,11 @@ class MambaImpl : public torch::nn::Module {
   at::Tensor dt_bias, A_log, D, norm_weight;
 
  private:
+  // conv, SiLU, the scan, the gating and the inner norm: out_proj's input.
+  at::Tensor mix(const at::Tensor& zxbcdt, bool sequential);
+
   MambaConfig config_;
+  bool selective_ = false;
 };
 TORCH_MODULE(Mamba);
 

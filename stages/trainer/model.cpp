@@ -2,12 +2,16 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
 #include "stages/trainer/model.h"
 #include "stages/trainer/model_internal.h"
+#include "stages/trainer/recompute.h"
 
 namespace megacpp::trainer {
 
@@ -47,22 +51,26 @@ AttentionImpl::AttentionImpl(const ModelConfig& c)
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
                                   const at::Tensor& sin) {
-  const int64_t B = x.size(0), T = x.size(1);
+  return from_qkv(qkv(x), cos, sin);
+}
+
+at::Tensor AttentionImpl::from_qkv(const at::Tensor& qkv_out, const at::Tensor& cos,
+                                   const at::Tensor& sin) {
+  const int64_t B = qkv_out.size(0), T = qkv_out.size(1);
   const int64_t q_width = n_heads_ * head_dim_, kv_width = n_kv_heads_ * head_dim_;
   at::Tensor q, k, v;
   if (n_kv_heads_ == n_heads_) {
     // [B, T, 3, H, hd] -> 3 x [B, H, T, hd]
     const auto parts =
-        qkv(x).view({B, T, 3, n_heads_, head_dim_}).permute({2, 0, 3, 1, 4}).unbind(0);
+        qkv_out.view({B, T, 3, n_heads_, head_dim_}).permute({2, 0, 3, 1, 4}).unbind(0);
     q = parts[0], k = parts[1], v = parts[2];
   } else {
-    const auto parts = qkv(x).split_with_sizes({q_width, kv_width, kv_width}, -1);
+    const auto parts = qkv_out.split_with_sizes({q_width, kv_width, kv_width}, -1);
     q = parts[0].view({B, T, n_heads_, head_dim_}).transpose(1, 2);
     k = parts[1].view({B, T, n_kv_heads_, head_dim_}).transpose(1, 2);
     v = parts[2].view({B, T, n_kv_heads_, head_dim_}).transpose(1, 2);
   }
-  q = rope(rms_norm(q), cos, sin);
-  k = rope(rms_norm(k), cos, sin);
+  std::tie(q, k) = detail::qk_norm_rope(q, k, cos, sin, selective_);
   const auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                                   /*is_causal=*/true, /*scale=*/{},
                                                   /*enable_gqa=*/n_kv_heads_ != n_heads_);
@@ -117,7 +125,29 @@ void BlockImpl::initialise(at::Generator& gen) {
   }
 }
 
+void BlockImpl::set_recompute(recipe::Recompute mode) {
+  recompute_ = mode;
+  const bool selective = mode == recipe::Recompute::kSelective;
+  if (attn) attn->set_selective(selective);
+  if (mlp) mlp->set_selective(selective);
+  if (moe) moe->set_selective(selective);
+  if (mamba) mamba->set_selective(selective);
+  if (rnn) rnn->set_selective(selective);
+}
+
 at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  switch (recompute_) {
+    case recipe::Recompute::kFull:
+      return forward_full(x, cos, sin);
+    case recipe::Recompute::kSelective:
+      return forward_selective(x, cos, sin);
+    default:
+      return forward_none(x, cos, sin);
+  }
+}
+
+at::Tensor BlockImpl::forward_none(const at::Tensor& x, const at::Tensor& cos,
+                                   const at::Tensor& sin) {
   switch (kind_) {
     case recipe::kBlockAttention: {
       const auto h = x + attn(rms_norm(x), cos, sin);
@@ -132,6 +162,54 @@ at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, const 
     default:
       return x + rnn(rms_norm(x));
   }
+}
+
+at::Tensor BlockImpl::forward_selective(const at::Tensor& x, const at::Tensor& cos,
+                                        const at::Tensor& sin) {
+  using detail::norm_linear;
+  // norm_linear's last output is x passed through for the residual.
+  switch (kind_) {
+    case recipe::kBlockAttention: {
+      const auto a = norm_linear(x, {attn->qkv->weight});
+      const auto h = a[1] + attn->from_qkv(a[0], cos, sin);
+      const auto m = norm_linear(h, {mlp->fc->weight});
+      return m[1] + mlp->from_fc(m[0]);
+    }
+    case recipe::kBlockMoe:
+      return x + moe(rms_norm(x));
+    case recipe::kBlockMlp: {
+      const auto m = norm_linear(x, {mlp->fc->weight});
+      return m[1] + mlp->from_fc(m[0]);
+    }
+    case recipe::kBlockMamba: {
+      const auto m = norm_linear(x, {mamba->in_proj->weight});
+      return m[1] + mamba->from_in_proj(m[0]);
+    }
+    default: {
+      const auto p = norm_linear(x, {rnn->gate_proj->weight, rnn->in_proj->weight});
+      return p[2] + rnn->from_projections(p[0], p[1]);
+    }
+  }
+}
+
+at::Tensor BlockImpl::forward_full(const at::Tensor& x, const at::Tensor& cos,
+                                   const at::Tensor& sin) {
+  std::vector<at::Tensor> inputs{x, cos, sin};
+  for (const at::Tensor& p : parameters()) inputs.push_back(p);
+  // The MoE layer's aux loss is the region's second output; the recomputation in backward
+  // puts back the one this forward recorded.
+  const auto out = detail::recompute(
+      [this](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+        if (!moe) return {forward_none(in[0], in[1], in[2])};
+        const at::Tensor recorded = moe->aux_loss();
+        at::Tensor y = forward_none(in[0], in[1], in[2]);
+        at::Tensor aux = moe->aux_loss();
+        moe->set_aux_loss(recorded);
+        return {std::move(y), std::move(aux)};
+      },
+      std::move(inputs));
+  if (moe) moe->set_aux_loss(out[1]);
+  return out[0];
 }
 
 TransformerImpl::TransformerImpl(const ModelConfig& c, uint32_t seed) : config_(c) {
@@ -155,6 +233,11 @@ TransformerImpl::TransformerImpl(const ModelConfig& c, uint32_t seed) : config_(
   embed->weight.normal_(0.0, 1.0, gen);
   for (const auto& block : *blocks) block->as<Block>()->initialise(gen);
   head->weight.normal_(0.0, 0.001, gen);
+}
+
+void TransformerImpl::set_recompute(recipe::Recompute mode) {
+  recompute_ = mode;
+  for (const auto& block : *blocks) block->as<Block>()->set_recompute(mode);
 }
 
 at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "stages/trainer/model_internal.h"
+#include "stages/trainer/recompute.h"
 
 namespace megacpp::trainer {
 
@@ -37,7 +38,12 @@ MlpImpl::MlpImpl(int64_t d_model, int64_t hidden) {
 }
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
-  return proj(torch::relu(fc(x)).square());
+  return from_fc(fc(x));
+}
+
+at::Tensor MlpImpl::from_fc(const at::Tensor& f) {
+  if (selective_) return detail::relu2_linear(f, proj->weight, true);
+  return proj(torch::relu(f).square());
 }
 
 MoeImpl::MoeImpl(int64_t d_model, const recipe::MoeConfig& c) : config_(c) {
@@ -50,6 +56,11 @@ MoeImpl::MoeImpl(int64_t d_model, const recipe::MoeConfig& c) : config_(c) {
   experts = register_module("experts", torch::nn::ModuleList());
   for (uint32_t e = 0; e < c.n_experts; ++e) experts->push_back(Mlp(d_model, c.expert_hidden));
   if (c.shared_hidden > 0) shared = register_module("shared", Mlp(d_model, c.shared_hidden));
+}
+
+void MoeImpl::set_selective(bool on) {
+  for (const auto& e : *experts) e->as<Mlp>()->set_selective(on);
+  if (shared) shared->set_selective(on);
 }
 
 at::Tensor MoeImpl::forward(const at::Tensor& x) {

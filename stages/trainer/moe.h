@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
@@ -34,9 +35,17 @@ class MlpImpl : public torch::nn::Module {
  public:
   MlpImpl(int64_t d_model, int64_t hidden);
   at::Tensor forward(const at::Tensor& x);
+  // The rest of forward after fc: proj(relu(f)^2).
+  at::Tensor from_fc(const at::Tensor& f);
+  // Recompute relu^2 with proj, keeping the fc output (model.h "selective").
+  void set_selective(bool on) noexcept { selective_ = on; }
+  bool selective() const noexcept { return selective_; }
 
   torch::nn::Linear fc{nullptr};
   torch::nn::Linear proj{nullptr};
+
+ private:
+  bool selective_ = false;
 };
 TORCH_MODULE(Mlp);
 
@@ -54,6 +63,11 @@ class MoeImpl : public torch::nn::Module {
   // int64 [E]: how many of the last forward's token assignments each expert received.
   const at::Tensor& tokens_per_expert() const noexcept { return tokens_per_expert_; }
   const recipe::MoeConfig& config() const noexcept { return config_; }
+  // Every expert's and the shared expert's relu^2 recomputed (MlpImpl::set_selective).
+  void set_selective(bool on);
+  // Replaces aux_loss(): a block recomputed whole (model.h "full") takes its aux loss from its
+  // region's output, and its recomputation in backward puts back the one forward recorded.
+  void set_aux_loss(at::Tensor aux) { aux_loss_ = std::move(aux); }
 
   // The routing of `flat` [N, D]: its N * top_k assignments sorted by expert (stable: token
   // order within an expert), so expert e's assignments are one run of count[e]. Sets aux_loss()

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "core/error.h"
+#include "stages/trainer/recompute.h"
 #include "stages/trainer/ssd.h"
 
 namespace megacpp::trainer {
@@ -75,30 +77,46 @@ void RecurrentImpl::initialise(at::Generator& gen, bool zero_out) {
 }
 
 at::Tensor RecurrentImpl::forward(const at::Tensor& x, bool sequential) {
-  const int64_t B = x.size(0), T = x.size(1), W = config_.width;
+  if (selective_) return from_projections(gate_proj(x), in_proj(x), sequential);
+  const int64_t T = x.size(1);
   const at::Tensor gate = at::gelu(gate_proj(x), "tanh");
   const at::Tensor u = conv(in_proj(x).transpose(1, 2)).narrow(2, 0, T).transpose(1, 2);
   const at::Tensor r = at::sigmoid(rec_gate(u));
   const at::Tensor i = at::sigmoid(in_gate(u));
+  return out_proj(gate * recur(u, r, i, sequential));
+}
+
+at::Tensor RecurrentImpl::from_projections(const at::Tensor& gate_in, const at::Tensor& in,
+                                           bool sequential) {
+  const int64_t T = in.size(1);
+  const at::Tensor u = conv(in.transpose(1, 2)).narrow(2, 0, T).transpose(1, 2);
+  const at::Tensor r_in = rec_gate(u);
+  const at::Tensor i_in = in_gate(u);
+  return detail::recompute_into_linear(
+      [this, sequential](const std::vector<at::Tensor>& v) -> std::vector<at::Tensor> {
+        const at::Tensor gate = at::gelu(v[0], "tanh");
+        return {gate * recur(v[1], at::sigmoid(v[2]), at::sigmoid(v[3]), sequential)};
+      },
+      {gate_in, u, r_in, i_in, lambda}, {out_proj->weight})[0];
+}
+
+at::Tensor RecurrentImpl::recur(const at::Tensor& u, const at::Tensor& r, const at::Tensor& i,
+                                bool sequential) {
+  const int64_t B = u.size(0), T = u.size(1), W = config_.width;
   const at::Tensor log_a = -kC * r * at::softplus(-lambda);  // < 0
   // sqrt(1 - a^2) from expm1 (exact near a = 1); bounded below so its gradient stays finite
   // where a rounds to 1.
   const at::Tensor scale = at::sqrt(at::clamp_min(-at::expm1(2 * log_a), 1e-12));
   const at::Tensor v = scale * i * u;  // [B, T, W]
-  at::Tensor h;
-  if (sequential) {
-    std::vector<at::Tensor> hs;
-    hs.reserve(static_cast<size_t>(T));
-    at::Tensor state = at::zeros({B, W}, x.options());
-    for (int64_t t = 0; t < T; ++t) {
-      state = log_a.select(1, t).exp() * state + v.select(1, t);
-      hs.push_back(state);
-    }
-    h = at::stack(hs, 1);
-  } else {
-    h = ssd_diagonal(v, log_a, diagonal_chunk(T, config_.chunk));
+  if (!sequential) return ssd_diagonal(v, log_a, diagonal_chunk(T, config_.chunk));
+  std::vector<at::Tensor> hs;
+  hs.reserve(static_cast<size_t>(T));
+  at::Tensor state = at::zeros({B, W}, u.options());
+  for (int64_t t = 0; t < T; ++t) {
+    state = log_a.select(1, t).exp() * state + v.select(1, t);
+    hs.push_back(state);
   }
-  return out_proj(gate * h);
+  return at::stack(hs, 1);
 }
 
 }  // namespace megacpp::trainer

@@ -33,6 +33,12 @@ class RecurrentImpl : public torch::nn::Module {
   explicit RecurrentImpl(const RecurrentConfig& config);
   // x: [B, T, d_model] -> [B, T, d_model]; `sequential`: the step-by-step recurrence.
   at::Tensor forward(const at::Tensor& x, bool sequential = false);
+  // forward from the two input projections, gate_proj(x) and in_proj(x), with the gates, the
+  // scan and the gating recomputed with out_proj (model.h "selective"); the conv output u and
+  // the gate projections rec_gate(u), in_gate(u) are kept.
+  at::Tensor from_projections(const at::Tensor& gate_in, const at::Tensor& in,
+                              bool sequential = false);
+  void set_selective(bool on) noexcept { selective_ = on; }
   // Projections U(+-sqrt(1 / fan_in)) (out_proj zero when `zero_out`), gate biases zero,
   // lambda such that a = sigmoid(lambda)^c lies in [0.9, 0.999] (Griffin's range).
   void initialise(at::Generator& gen, bool zero_out);
@@ -43,7 +49,11 @@ class RecurrentImpl : public torch::nn::Module {
   at::Tensor lambda;
 
  private:
+  // h [B, T, W] from the conv output u and the gates r, i (sigmoids of their projections).
+  at::Tensor recur(const at::Tensor& u, const at::Tensor& r, const at::Tensor& i, bool sequential);
+
   RecurrentConfig config_;
+  bool selective_ = false;
 };
 TORCH_MODULE(Recurrent);
 

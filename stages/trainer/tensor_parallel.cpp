@@ -1,6 +1,8 @@
 #include "stages/trainer/tensor_parallel.h"
 
 #include <cmath>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -8,6 +10,7 @@
 #include "core/error.h"
 #include "stages/trainer/collective.h"
 #include "stages/trainer/model_internal.h"
+#include "stages/trainer/recompute.h"
 #include "stages/trainer/ssd.h"
 
 namespace megacpp::trainer {
@@ -108,8 +111,9 @@ at::Tensor attention(const AttentionImpl& attn, const ModelConfig& c, const at::
       at::cat({rows(w, tp.rank * hq * hd, hq * hd), rows(w, (H + tp.rank * hk) * hd, hk * hd),
                rows(w, (H + KV + tp.rank * hk) * hd, hk * hd)});
   const auto parts = at::linear(hf, w_local).split_with_sizes({hq * hd, hk * hd, hk * hd}, -1);
-  const at::Tensor q = rope(rms_norm(parts[0].view({B, T, hq, hd}).transpose(1, 2)), cos, sin);
-  const at::Tensor k = rope(rms_norm(parts[1].view({B, T, hk, hd}).transpose(1, 2)), cos, sin);
+  const auto [q, k] = detail::qk_norm_rope(parts[0].view({B, T, hq, hd}).transpose(1, 2),
+                                           parts[1].view({B, T, hk, hd}).transpose(1, 2), cos, sin,
+                                           attn.selective());
   const at::Tensor v = parts[2].view({B, T, hk, hd}).transpose(1, 2);
   const at::Tensor y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, {},
                                                         /*enable_gqa=*/hq != hk);
@@ -121,6 +125,9 @@ at::Tensor mlp(const MlpImpl& m, const at::Tensor& hf, const TensorParallel& tp)
   const int64_t hidden = m.fc->weight.size(0);
   require(hidden % tp.size == 0, fmt::format("MLP hidden {} over {} ranks", hidden, tp.size));
   const int64_t h = hidden / tp.size;
+  if (m.selective())
+    return detail::relu2_linear(at::linear(hf, rows(m.fc->weight, tp.rank * h, h)),
+                                m.proj->weight.narrow(1, tp.rank * h, h), true);
   return at::linear(at::relu(at::linear(hf, rows(m.fc->weight, tp.rank * h, h))).square(),
                     m.proj->weight.narrow(1, tp.rank * h, h));
 }
@@ -138,7 +145,11 @@ at::Tensor moe(MoeImpl& moe, const at::Tensor& hf, const TensorParallel& tp) {
 }
 
 // Whole heads of the Mamba-2 mixer; B and C (one group shared by every head) on every rank.
-at::Tensor mamba(const MambaImpl& m, const at::Tensor& hf, const TensorParallel& tp) {
+// The gated norm's all-reduce splits it in two regions: in_proj's output (selective; full: the
+// gathered input) to the gated product g and its sum of squares, and g with the mean of squares
+// through the norm to out_proj (kept: g and the mean).
+at::Tensor mamba(const MambaImpl& m, const at::Tensor& hf, const TensorParallel& tp,
+                 recipe::Recompute mode) {
   const MambaConfig& c = m.config();
   const int64_t H = c.n_heads(), P = c.head_dim, N = c.d_state, I = c.d_inner();
   require(H % tp.size == 0, fmt::format("{} Mamba heads over {} ranks", H, tp.size));
@@ -147,29 +158,80 @@ at::Tensor mamba(const MambaImpl& m, const at::Tensor& hf, const TensorParallel&
   const at::Tensor& w = m.in_proj->weight;  // rows: z [I], x [I], B [N], C [N], dt [H]
   const at::Tensor w_local = at::cat({rows(w, r * il, il), rows(w, I + r * il, il),
                                       rows(w, 2 * I, 2 * N), rows(w, 2 * I + 2 * N + r * hl, hl)});
-  const auto parts = at::linear(hf, w_local).split_with_sizes({il, il + 2 * N, hl}, -1);
   const at::Tensor& cw = m.conv->weight;  // channels: x [I], B [N], C [N]
   const at::Tensor conv_w = at::cat({rows(cw, r * il, il), rows(cw, I, 2 * N)});
   const at::Tensor conv_b = at::cat({rows(m.conv->bias, r * il, il), rows(m.conv->bias, I, 2 * N)});
-  const at::Tensor xbc = at::silu(
-      at::conv1d(parts[1].transpose(1, 2), conv_w, conv_b, 1, c.conv_kernel - 1, 1, il + 2 * N)
-          .narrow(2, 0, T)
-          .transpose(1, 2));
-  const auto xbc_parts = xbc.split_with_sizes({il, N, N}, -1);
-  const at::Tensor u = xbc_parts[0].reshape({B, T, hl, P});
-  const at::Tensor dt = at::softplus(parts[2] + m.dt_bias.narrow(0, r * hl, hl));
-  const at::Tensor A = -m.A_log.narrow(0, r * hl, hl).exp();
-  const at::Tensor b = xbc_parts[1].unsqueeze(2).expand({B, T, hl, N});
-  const at::Tensor cc = xbc_parts[2].unsqueeze(2).expand({B, T, hl, N});
-  const SsdResult s = ssd_chunked(u * dt.unsqueeze(-1), dt * A, b, cc, c.chunk);
-  const at::Tensor y =
-      (s.y + u * m.D.narrow(0, r * hl, hl).view({1, 1, hl, 1})).reshape({B, T, il});
-  const at::Tensor g = y * at::silu(parts[0]);
+  const at::Tensor dt_bias = m.dt_bias.narrow(0, r * hl, hl);
+  const at::Tensor A_log = m.A_log.narrow(0, r * hl, hl);
+  const at::Tensor D = m.D.narrow(0, r * hl, hl);
+  // in: the in_proj output, conv weight and bias, dt_bias, A_log, D (this rank's slices).
+  const auto gated = [=](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+    const auto parts = in[0].split_with_sizes({il, il + 2 * N, hl}, -1);
+    const at::Tensor xbc = at::silu(
+        at::conv1d(parts[1].transpose(1, 2), in[1], in[2], 1, c.conv_kernel - 1, 1, il + 2 * N)
+            .narrow(2, 0, T)
+            .transpose(1, 2));
+    const auto xbc_parts = xbc.split_with_sizes({il, N, N}, -1);
+    const at::Tensor u = xbc_parts[0].reshape({B, T, hl, P});
+    const at::Tensor dt = at::softplus(parts[2] + in[3]);
+    const at::Tensor A = -in[4].exp();
+    const at::Tensor b = xbc_parts[1].unsqueeze(2).expand({B, T, hl, N});
+    const at::Tensor cc = xbc_parts[2].unsqueeze(2).expand({B, T, hl, N});
+    const SsdResult s = ssd_chunked(u * dt.unsqueeze(-1), dt * A, b, cc, c.chunk);
+    const at::Tensor y = (s.y + u * in[5].view({1, 1, hl, 1})).reshape({B, T, il});
+    at::Tensor g = y * at::silu(parts[0]);
+    at::Tensor sum_sq = g.square().sum(-1, true);
+    return {std::move(g), std::move(sum_sq)};
+  };
+  std::vector<at::Tensor> g;
+  switch (mode) {
+    case recipe::Recompute::kNone:
+      g = gated({at::linear(hf, w_local), conv_w, conv_b, dt_bias, A_log, D});
+      break;
+    case recipe::Recompute::kSelective:
+      g = detail::recompute(gated, {at::linear(hf, w_local), conv_w, conv_b, dt_bias, A_log, D});
+      break;
+    case recipe::Recompute::kFull:
+      g = detail::recompute(
+          [gated](const std::vector<at::Tensor>& in) {
+            return gated({at::linear(in[0], in[1]), in[2], in[3], in[4], in[5], in[6]});
+          },
+          {hf, w_local, conv_w, conv_b, dt_bias, A_log, D});
+      break;
+  }
   // RMSNorm over all I channels: the mean of squares is summed across the group.
-  const at::Tensor mean_sq =
-      AllReduceSum::apply(g.square().sum(-1, true), address(tp)) / static_cast<double>(I);
-  const at::Tensor yn = g * at::rsqrt(mean_sq + 1e-6) * m.norm_weight.narrow(0, r * il, il);
-  return at::linear(yn, m.out_proj->weight.narrow(1, r * il, il));
+  const at::Tensor mean_sq = AllReduceSum::apply(g[1], address(tp)) / static_cast<double>(I);
+  const at::Tensor norm_w = m.norm_weight.narrow(0, r * il, il);
+  const at::Tensor out_w = m.out_proj->weight.narrow(1, r * il, il);
+  const auto normed = [](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+    return {in[0] * at::rsqrt(in[1] + 1e-6) * in[2]};
+  };
+  if (mode == recipe::Recompute::kNone)
+    return at::linear(normed({g[0], mean_sq, norm_w})[0], out_w);
+  return detail::recompute_into_linear(normed, {g[0], mean_sq, norm_w}, {out_w})[0];
+}
+
+// "full": a branch's local compute between its gather and its reduce-scatter is one region, its
+// inputs the gathered input and the block's parameters; the collectives stay outside it
+// (recompute.h). `body` must capture by value what it reads (it runs again in backward). The MoE
+// layer's aux loss is the region's second output, as in BlockImpl's full forward.
+at::Tensor full_branch(BlockImpl& block, const at::Tensor& hf,
+                       std::function<at::Tensor(const at::Tensor&)> body) {
+  std::vector<at::Tensor> inputs{hf};
+  for (const at::Tensor& p : block.parameters()) inputs.push_back(p);
+  MoeImpl* moe = block.moe ? block.moe.get() : nullptr;
+  const auto out = detail::recompute(
+      [body = std::move(body), moe](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+        if (!moe) return {body(in[0])};
+        const at::Tensor recorded = moe->aux_loss();
+        at::Tensor y = body(in[0]);
+        at::Tensor aux = moe->aux_loss();
+        moe->set_aux_loss(recorded);
+        return {std::move(y), std::move(aux)};
+      },
+      std::move(inputs));
+  if (moe) moe->set_aux_loss(out[1]);
+  return out[0];
 }
 
 }  // namespace
@@ -191,29 +253,40 @@ at::Tensor forward_tensor_parallel(TransformerImpl& model, const at::Tensor& tok
   require(tp.group && tp.size > 1 && tp.rank < tp.size, "needs a group of 2 or more ranks");
   require(T % tp.size == 0, fmt::format("sequence {} over {} ranks", T, tp.size));
   const int64_t t = T / tp.size;
-  const auto [cos, sin] = model.rope(T);
+  const auto tables = model.rope(T);
+  const at::Tensor cos = tables.first, sin = tables.second;
   at::Tensor x = rms_norm(model.embed(tokens.narrow(1, tp.rank * t, t)));
+  const bool full = model.recompute() == recipe::Recompute::kFull;
   for (const auto& item : *model.blocks) {
     BlockImpl& block = *item->as<Block>();
-    const auto branch = [&](const auto& body) {
-      return reduce_scatter_sequence(body(gather_sequence(rms_norm(x), tp)), tp);
+    const auto branch = [&](std::function<at::Tensor(const at::Tensor&)> body) {
+      const at::Tensor hf = gather_sequence(rms_norm(x), tp);
+      return reduce_scatter_sequence(full ? full_branch(block, hf, std::move(body)) : body(hf), tp);
     };
+    // The bodies capture by value (a "full" region runs its body again in backward); the
+    // model, its blocks and `tp` outlive the graph.
+    const TensorParallel* g = &tp;
+    const ModelConfig* mc = &c;
+    BlockImpl* bp = &block;
     switch (block.kind()) {
       case recipe::kBlockAttention:
-        x = x + branch([&](const at::Tensor& hf) {
-              return attention(*block.attn, c, hf, cos, sin, tp);
+        x = x + branch([=](const at::Tensor& hf) {
+              return attention(*bp->attn, *mc, hf, cos, sin, *g);
             });
-        x = x + branch([&](const at::Tensor& hf) { return mlp(*block.mlp, hf, tp); });
+        x = x + branch([=](const at::Tensor& hf) { return mlp(*bp->mlp, hf, *g); });
         break;
       case recipe::kBlockMlp:
-        x = x + branch([&](const at::Tensor& hf) { return mlp(*block.mlp, hf, tp); });
+        x = x + branch([=](const at::Tensor& hf) { return mlp(*bp->mlp, hf, *g); });
         break;
       case recipe::kBlockMoe:
-        x = x + branch([&](const at::Tensor& hf) { return moe(*block.moe, hf, tp); });
+        x = x + branch([=](const at::Tensor& hf) { return moe(*bp->moe, hf, *g); });
         break;
-      case recipe::kBlockMamba:
-        x = x + branch([&](const at::Tensor& hf) { return mamba(*block.mamba, hf, tp); });
+      case recipe::kBlockMamba: {
+        // Its all-reduce splits it: mamba() places its own regions.
+        const at::Tensor hf = gather_sequence(rms_norm(x), tp);
+        x = x + reduce_scatter_sequence(mamba(*block.mamba, hf, tp, model.recompute()), tp);
         break;
+      }
       default:
         require(false,
                 "the recurrence block (R) has no tensor-parallel form; nemo_native runs R "

@@ -23,6 +23,13 @@
 // run_collective's (Error{kPeerFailure} / {kTimeout}). The TensorParallel object must outlive
 // every autograd graph built with it (its backward functions issue collectives on the group).
 // The recurrence block (R) has no tensor-parallel form: nemo_native runs R on the Mamba block.
+//
+// Recomputation (model.h, recompute.h) keeps every collective outside its regions, so backward
+// issues the collectives it issues without it. full: each branch's local compute between its
+// gather and its reduce-scatter is one region (kept: the block input, the gathered normed input;
+// the Mamba branch, split by its norm's all-reduce, also keeps the gated product and the mean of
+// squares). selective: the tails of the one-rank model but the block norms, whose output only
+// the all-gather reads and nothing keeps.
 #pragma once
 
 #include <cstdint>

@@ -99,6 +99,7 @@ struct TrainStep::Impl {
                               tp.group->getRank() == static_cast<int>(tp.rank))),
         ErrorKind::kInvalidArgument,
         fmt::format("tensor-parallel rank {} of {} does not match its group", tp.rank, tp.size));
+    model->set_recompute(recipe::recompute_mode(t.recompute));
     layout_rank = rank * tp.size + tp.rank;
     layout_world = world * tp.size;
     if (!device.is_cpu()) model->to(device);

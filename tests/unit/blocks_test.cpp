@@ -24,6 +24,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/Allocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/torch.h>
 
 #include "core/error.h"
@@ -644,6 +646,256 @@ TEST(HybridModel, NemoNativeTensorParallelEqualsOneRank) {
   }
   EXPECT_LT(want.back(), want.front());
   std::filesystem::remove_all(dir);
+}
+
+// ---------------------------------------------------------------------------------------
+// Activation recomputation (train.recompute; model.h, recompute.h).
+
+using recipe::Recompute;
+
+constexpr Recompute kModes[] = {Recompute::kNone, Recompute::kSelective, Recompute::kFull};
+const char* mode_name(Recompute m) {
+  return m == Recompute::kNone ? "none" : m == Recompute::kSelective ? "selective" : "full";
+}
+
+// A toy model of the given blocks: two chunks of the scans per sequence, grouped-query heads,
+// experts with a shared one.
+ModelConfig recompute_config(const std::string& blocks) {
+  ModelConfig c;
+  c.vocab_size = 64;
+  c.seq_len = 16;
+  c.d_model = 32;
+  c.n_layers = static_cast<uint32_t>(blocks.size());
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.mlp_mult = 2;
+  c.moe = {.enabled = true, .n_experts = 4, .top_k = 2, .expert_hidden = 24, .shared_hidden = 16};
+  c.ssm = {.d_state = 8, .head_dim = 8, .expand = 2, .conv_kernel = 4, .chunk = 8};
+  c.rnn = {.width = 24, .conv_kernel = 4};
+  c.blocks = blocks;
+  return c;
+}
+
+// The model from `seed` with every parameter moved off its initial value (residual outputs
+// start at zero, which would leave the mixers' gradients zero and the comparison empty).
+Transformer perturbed_model(const ModelConfig& c, at::ScalarType dtype) {
+  Transformer model(c, 7);
+  torch::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(8);
+  for (auto& p : model->parameters()) p.add_(at::randn(p.sizes(), gen) * 0.1);
+  model->to(dtype);
+  return model;
+}
+
+at::Tensor recompute_tokens(const ModelConfig& c, int64_t batch, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return torch::randint(c.vocab_size, {batch, int64_t{c.seq_len} + 1}, gen, torch::kInt64);
+}
+
+// The loss (cross-entropy + the MoE aux loss) and every parameter's gradient, in registration
+// order (an undefined gradient as an empty tensor).
+struct LossAndGrads {
+  at::Tensor loss;
+  std::vector<at::Tensor> grads;
+};
+
+LossAndGrads loss_and_grads(Transformer& model, const at::Tensor& tokens, Recompute mode) {
+  model->set_recompute(mode);
+  model->zero_grad(/*set_to_none=*/true);
+  const int64_t T = tokens.size(1) - 1, V = model->config().vocab_size;
+  const at::Tensor logits = model->forward(tokens.narrow(1, 0, T));
+  at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, V}).to(at::kFloat),
+                                                         tokens.narrow(1, 1, T).reshape({-1}));
+  if (const at::Tensor aux = model->aux_loss(); aux.defined()) loss = loss + aux;
+  loss.backward();
+  LossAndGrads out{loss.detach(), {}};
+  for (const auto& p : model->parameters())
+    out.grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+  return out;
+}
+
+void expect_bit_identical(const LossAndGrads& got, const LossAndGrads& want,
+                          const std::string& what) {
+  EXPECT_TRUE(torch::equal(got.loss, want.loss))
+      << what << ": loss " << got.loss.item<double>() << " vs " << want.loss.item<double>();
+  ASSERT_EQ(got.grads.size(), want.grads.size());
+  for (size_t i = 0; i < got.grads.size(); ++i) {
+    ASSERT_EQ(got.grads[i].defined(), want.grads[i].defined()) << what << ": gradient #" << i;
+    if (!want.grads[i].defined()) continue;
+    EXPECT_TRUE(torch::equal(got.grads[i], want.grads[i]))
+        << what << ": gradient #" << i << " differs by "
+        << (got.grads[i].to(at::kDouble) - want.grads[i].to(at::kDouble))
+               .abs()
+               .max()
+               .item<double>();
+  }
+}
+
+// Selective and full run the same ops on the same values: losses and every parameter's gradient
+// equal none's bit for bit, per block family and for a hybrid, in float32 and in bfloat16.
+TEST(Recompute, EveryBlockFamilyEqualsNoneBitForBit) {
+  for (const std::string blocks : {"A", "E", "F", "M", "R", "AEMR"}) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      const ModelConfig c = recompute_config(blocks + blocks);
+      Transformer model = perturbed_model(c, dtype);
+      const at::Tensor tokens = recompute_tokens(c, 3, 11);
+      const LossAndGrads none = loss_and_grads(model, tokens, Recompute::kNone);
+      int nonzero = 0;
+      for (const at::Tensor& g : none.grads)
+        nonzero += g.defined() && g.abs().max().item<double>() > 0;
+      EXPECT_EQ(nonzero, static_cast<int>(none.grads.size())) << blocks;
+      for (const Recompute mode : {Recompute::kSelective, Recompute::kFull}) {
+        expect_bit_identical(
+            loss_and_grads(model, tokens, mode), none,
+            fmt::format("{} {} {}", blocks, c10::toString(dtype), mode_name(mode)));
+      }
+    }
+  }
+}
+
+// Counts the CPU allocator's bytes allocated and freed on this thread while it is installed
+// (c10's memory reporting: the profiler's hook, called by the default CPU allocator).
+struct AllocationCounter : c10::MemoryReportingInfoBase {
+  int64_t current = 0;
+  int64_t peak = 0;
+  void reportMemoryUsage(void*, int64_t bytes, size_t, size_t, c10::Device device) override {
+    if (!device.is_cpu()) return;
+    current += bytes;
+    peak = std::max(peak, current);
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+};
+
+struct MemoryKept {
+  int64_t after_forward = 0;  // bytes allocated in forward and still held when backward starts
+  int64_t peak = 0;           // the highest held over forward and backward
+};
+
+MemoryKept measure(Transformer& model, const at::Tensor& tokens, Recompute mode) {
+  model->set_recompute(mode);
+  model->zero_grad(true);
+  const int64_t T = tokens.size(1) - 1, V = model->config().vocab_size;
+  const auto counter = std::make_shared<AllocationCounter>();
+  MemoryKept out;
+  {
+    c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, counter);
+    at::Tensor loss = torch::nn::functional::cross_entropy(
+        model->forward(tokens.narrow(1, 0, T)).reshape({-1, V}),
+        tokens.narrow(1, 1, T).reshape({-1}));
+    if (const at::Tensor aux = model->aux_loss(); aux.defined()) loss = loss + aux;
+    out.after_forward = counter->current;
+    loss.backward();
+  }
+  out.peak = counter->peak;
+  return out;
+}
+
+// What recomputation is for: the activations held between forward and backward. A hybrid of
+// every family at d_model 64 and 64 positions: full keeps each block's input, selective every
+// product's output, none everything autograd saves.
+TEST(Recompute, KeepsLessBetweenForwardAndBackward) {
+  const int threads = torch::get_num_threads();
+  torch::set_num_threads(1);  // the counter sees this thread's allocations
+  ModelConfig c = recompute_config("AEMRAEMR");
+  c.d_model = 64;
+  c.seq_len = 64;
+  c.rnn.width = 64;
+  Transformer model = perturbed_model(c, at::kFloat);
+  const at::Tensor tokens = recompute_tokens(c, 4, 12);
+  std::map<Recompute, MemoryKept> kept;
+  for (const Recompute mode : kModes) kept[mode] = measure(model, tokens, mode);
+  torch::set_num_threads(threads);
+  for (const Recompute mode : kModes)
+    std::printf("recompute %-9s kept after forward %8.3f MiB, peak %8.3f MiB\n", mode_name(mode),
+                static_cast<double>(kept[mode].after_forward) / (1 << 20),
+                static_cast<double>(kept[mode].peak) / (1 << 20));
+  EXPECT_LT(kept[Recompute::kFull].after_forward, kept[Recompute::kSelective].after_forward);
+  EXPECT_LT(kept[Recompute::kSelective].after_forward, kept[Recompute::kNone].after_forward);
+}
+
+// nemo_native's tensor-parallel forward (2 ranks over Gloo, sequence parallel) with selective
+// and full: every rank's loss and gradients equal its none run's bit for bit. The regions keep
+// the collectives outside (recompute.h), so backward issues the same collectives.
+int recompute_tp_rank(uint16_t port, uint32_t rank) {
+  torch::set_num_threads(1);
+  TensorParallel tp{
+      .group = connect_pair(port, rank, "blocks_test_recompute/"), .rank = rank, .size = 2};
+  ModelConfig c = recompute_config("AEMFAEMF");
+  c.mode = std::string(recipe::kModeNemoNative);
+  Transformer model = perturbed_model(c, at::kFloat);
+  const at::Tensor tokens = recompute_tokens(c, 2, 13);
+  const int64_t T = c.seq_len, t = T / 2, V = c.vocab_size;
+  std::vector<LossAndGrads> runs;
+  for (const Recompute mode : kModes) {
+    model->set_recompute(mode);
+    model->zero_grad(true);
+    const at::Tensor logits = forward_tensor_parallel(*model, tokens.narrow(1, 0, T), tp);
+    at::Tensor loss = torch::nn::functional::cross_entropy(
+                          logits.reshape({-1, V}), tokens.narrow(1, 1 + rank * t, t).reshape({-1}),
+                          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
+                      static_cast<double>(tokens.size(0) * T);
+    loss = loss + model->aux_loss() / 2.0;
+    loss.backward();
+    LossAndGrads r{loss.detach(), {}};
+    for (const auto& p : model->parameters())
+      r.grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+    runs.push_back(std::move(r));
+  }
+  int failures = 0;
+  for (size_t m = 1; m < runs.size(); ++m) {
+    failures += !torch::equal(runs[m].loss, runs[0].loss);
+    for (size_t i = 0; i < runs[0].grads.size(); ++i) {
+      const at::Tensor& a = runs[m].grads[i];
+      const at::Tensor& b = runs[0].grads[i];
+      const bool same = a.defined() == b.defined() && (!a.defined() || torch::equal(a, b));
+      if (!same)
+        std::fprintf(stderr, "rank %u %s: gradient #%zu differs\n", rank, mode_name(kModes[m]), i);
+      failures += !same;
+    }
+  }
+  return failures == 0 ? 0 : 5;
+}
+
+TEST(Recompute, TensorParallelEqualsNoneBitForBit) {
+  const forked_world::ForkedWorld world(2, std::chrono::seconds(20));
+  const std::vector<int> status = test_support::run_ranks_within(
+      world, [&](uint32_t rank) { return recompute_tp_rank(world.store_port(), rank); },
+      std::chrono::seconds(120));
+  for (int k = 0; k < 2; ++k)
+    EXPECT_TRUE(WIFEXITED(status[k]) && WEXITSTATUS(status[k]) == 0)
+        << "rank " << k << " status " << status[k];
+}
+
+// TrainStep applies train.recompute: a few steps of the hybrid with full and with selective
+// recomputation give none's losses and parameters bit for bit.
+TEST(Recompute, TrainStepEqualsNoneBitForBit) {
+  recipe::Recipe r = hybrid_recipe("author_dp");
+  r.model.seq_len = 16;
+  r.train.batch_size = 2;
+  r = recipe::rehash(std::move(r));
+  const auto run = [&](const std::string& mode) {
+    recipe::TrainConfig t = r.train;
+    t.recompute = mode;
+    TrainStep ts(r.model, t, 3);
+    EXPECT_EQ(ts.model()->recompute(), recipe::recompute_mode(mode));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(21);
+    std::vector<float> losses;
+    for (uint32_t step = 1; step <= 3; ++step)
+      losses.push_back(
+          ts.step(counting_batch(gen, r.model.vocab_size).narrow(0, 0, 2).narrow(1, 0, 17), step)
+              .loss);
+    std::vector<at::Tensor> params;
+    for (const auto& [name, p] : ts.parameters()) params.push_back(p.detach().clone());
+    return std::pair{losses, params};
+  };
+  const auto none = run("none");
+  for (const std::string mode : {"selective", "full"}) {
+    const auto got = run(mode);
+    EXPECT_EQ(got.first, none.first) << mode;
+    ASSERT_EQ(got.second.size(), none.second.size());
+    for (size_t i = 0; i < got.second.size(); ++i)
+      EXPECT_TRUE(torch::equal(got.second[i], none.second[i])) << mode << ": parameter #" << i;
+  }
 }
 
 }  // namespace

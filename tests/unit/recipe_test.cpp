@@ -9,6 +9,8 @@
 #include <string>
 #include <tuple>
 
+#include <fmt/format.h>
+
 #include "recipes/plan.h"
 
 #include "core/error.h"
@@ -560,6 +562,37 @@ TEST(Plan, PerRankMemoryByHand) {
   EXPECT_EQ(tp.memory.gradients, 4 * held);
   EXPECT_EQ(tp.memory.optimizer, muon + adam);
   EXPECT_EQ(tp.memory.activations, 32 * (512 + a) * 4);
+}
+
+// train.recompute on the same one-layer attention recipe, by hand: selective keeps the two
+// norms' inputs for their outputs, q and k after RoPE only and the MLP's fc output only; full
+// keeps the block's input per layer and, once, the block's none figure (its working set while
+// its forward runs again in backward). Three layers: the working set is counted once.
+TEST(Plan, ActivationsFollowRecompute) {
+  const uint64_t D = 64, qkv = 12 * 16, qk = 2 * 4 * 16, y = 4 * 16, F = 256;
+  const uint64_t none = 2 * D + qkv + 2 * qk + y + 3 * F;
+  const uint64_t selective = 2 * D + qkv + qk + y + F;
+  for (const uint32_t layers : {1u, 3u}) {
+    std::string text = with(kBase, "n_layers = 3", fmt::format("n_layers = {}", layers));
+    for (const auto& [mode, per_layer, once] :
+         {std::tuple{"none", none, uint64_t{0}}, std::tuple{"selective", selective, uint64_t{0}},
+          std::tuple{"full", D, none}}) {
+      auto r = mc::recipe::parse(text, "x.toml");
+      r.train.recompute = mode;
+      r = mc::recipe::rehash(std::move(r));
+      const auto p = mc::recipe::make_plan(r, {.ranks = 2});
+      ASSERT_EQ(p.layers.size(), layers);
+      EXPECT_EQ(p.layers[0].activation_floats, per_layer) << mode;
+      EXPECT_EQ(p.memory.activations, 2 * 32 * (512 + layers * per_layer + once) * 4) << mode;
+    }
+  }
+  const mc::recipe::ModelConfig m;
+  EXPECT_EQ(mc::recipe::activation_floats(m, 'F', mc::recipe::Recompute::kSelective),
+            m.d_model + m.ffn());
+  EXPECT_LT(mc::recipe::activation_floats(m, 'M', mc::recipe::Recompute::kSelective),
+            mc::recipe::activation_floats(m, 'M', mc::recipe::Recompute::kNone));
+  EXPECT_LT(mc::recipe::activation_floats(m, 'R', mc::recipe::Recompute::kSelective),
+            mc::recipe::activation_floats(m, 'R', mc::recipe::Recompute::kNone));
 }
 
 TEST(Plan, GatesNameTheirRuleReasonAndRetirement) {
