@@ -30,7 +30,7 @@
 //                             it rides in DistMuon's exchange (dp <= 2 or A <= 2^20), 4 B x A x
 //                             dp more there; nothing at dp 1 (no exchange)
 //   activations               batch_size x seq_len tokens x (sum over layers of the block's
-//                             activation_floats estimate + 2 x vocab for the logits) x 4 B, / tp
+//                             activation_floats estimate + 2 x vocab for the logits) x c B, / tp
 //                             (sequence parallelism shards what tensor parallelism does not)
 // The activation figures are estimates counted by hand from each block's forward (the tensors
 // autograd keeps for backward), not measurements. They follow train.recompute
