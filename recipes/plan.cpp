@@ -252,7 +252,7 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
       adam_elements += s->numel();
     }
   }
-  uint64_t muon_bytes = 0, muon_owned = 0, muon_padded = 0;
+  uint64_t muon_bytes = 0, muon_owned = 0, muon_padded = 0, muon_entry = 0;
   for (const auto& [key, entries] : stacks) {
     const auto& [group, rows, cols] = key;
     const uint64_t second = (group == "qkv" || rows >= cols) ? rows : cols;
@@ -260,15 +260,20 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
     muon_bytes += ceil_div(entries, dp) * (numel + second) * 4;
     muon_owned += ceil_div(entries, dp) * numel;
     muon_padded += ceil_div(entries, dp) * dp * numel;
+    muon_entry = std::max(muon_entry, numel);
   }
+  // DistMuon's buffers hold its largest bucket: at most kMuonBucketNumel elements, or one
+  // entry per rank when an entry is larger.
+  const uint64_t bucket = std::min(
+      muon_padded, std::max(static_cast<uint64_t>(kMuonBucketNumel) / dp * dp, muon_entry * dp));
   p.memory.parameters = c * held;
   p.memory.gradients = c * held;
   p.memory.master = mixed ? 4 * (adam_owned + muon_owned) : 0;
   p.memory.optimizer = muon_bytes + adam_bytes;
-  uint64_t buffers = rb * muon_padded;  // DistMuon's stacked gradients
+  uint64_t buffers = rb * bucket;  // DistMuon's stacked gradients
   if (dp > 1) {
-    buffers += c * muon_padded;  // its gathered parameters
-    buffers += gloo ? rb * muon_padded * (dp - 1) / dp : rb * muon_padded / dp;
+    buffers += c * bucket;  // its gathered parameters
+    buffers += gloo ? rb * bucket * (dp - 1) / dp : rb * bucket / dp;
     if (gloo && rb == 4) {
       // DistAdamW's bucket; it rides in every segment of DistMuon's exchange (and so in its
       // receive space) at dp <= 2 or up to 2^20 elements, else is all-reduced on its own.

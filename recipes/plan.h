@@ -22,8 +22,9 @@
 //   DistAdamW state           8 B per element (two moments), / dp when the tensor is sharded
 //                             (numel >= adamw_crossover and shape[0] % dp == 0)
 //   exchange buffers          kept from one step to the next (stages/trainer/optim.h): DistMuon's
-//                             stacked gradients, r B x P (P = every stack padded to ceil(n / dp) x
-//                             dp entries), its gathered parameters c B x P when dp > 1, the
+//                             stacked gradients of its largest bucket, r B x P (P = every stack
+//                             padded to ceil(n / dp) x dp entries, at most kMuonBucketNumel or one
+//                             entry per rank), its gathered parameters c B x P when dp > 1, the
 //                             exchange's receive space r B x P (dp - 1) / dp (Gloo) or P / dp
 //                             (NCCL); on Gloo with float32 sums DistAdamW's gradient bucket 4 B x
 //                             A (A = its elements), its receive space 4 B x A (dp - 1) and, when

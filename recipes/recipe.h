@@ -124,6 +124,11 @@ struct OptimConfig {
   bool qkv_split = true;  // orthogonalize the fused qkv projection's q, k, v slices alone
 };
 
+// DistMuon exchanges its stacks in buckets of at most this many buffer elements (all ranks'
+// segments; stages/trainer/optim.h DistMuonOptions::bucket_numel): the trainer's setting and the
+// plan's (recipes/plan.h exchange buffers).
+inline constexpr int64_t kMuonBucketNumel = int64_t{1} << 26;
+
 struct TrainConfig {
   uint32_t batch_size = 16;  // sequences per rank per step
   // LR schedule (a factor on every [optim] learning rate): linear warmup over warmup_steps,

@@ -184,17 +184,23 @@ void DistMuon::set_weight_decay(size_t group, double wd) {
   groups_.at(group).s.weight_decay.fill_(wd);
 }
 
-// One step of every stack with two collectives for all of them: the stacked gradients of every
-// stack share one buffer laid out rank-major — rank q's segment holds entries [q*c, (q+1)*c) of
-// each stack, c = ceil(n / world) — so a single reduce-scatter hands each rank the gradients of
-// the entries it owns, and a single all-gather of the segments returns every updated entry.
-// The replicated placement all-reduces the same buffer and reads every segment.
+// One step of every stack in buckets of at most options_.bucket_numel buffer elements, two
+// collectives per bucket: a bucket's stacked gradients share one buffer laid out rank-major —
+// rank q's segment holds, of each stack (or part of a stack) in the bucket, the entries at
+// positions [lo, hi) of q's chunk [q*c, (q+1)*c), c = ceil(n / world) — so a single
+// reduce-scatter hands each rank the gradients of the entries it owns, and a single all-gather
+// of the segments returns every updated entry. A stack too large for a bucket is split by
+// positions in the chunks, so its entries keep their owners. The replicated placement (and a
+// world of one) all-reduces the same buffer and reads every segment; replicated stacks are
+// never split.
 //
-// On Gloo those are the point-to-point exchanges above, and every segment also carries each
-// rank's has-grad flags for all entries (1 or 0; summed, > 0 is "some rank had one"), so the
-// mask needs no collective of its own. Elsewhere the backend's native collectives, after a
-// has-grad mask of their own. The buffers are allocated once and reused: a step allocates
-// nothing of their size.
+// On Gloo those are the point-to-point exchanges above, and every segment of the first bucket
+// also carries each rank's has-grad flags for all entries (1 or 0; summed, > 0 is "some rank
+// had one"), so the mask needs no collective of its own, and the riders. Elsewhere the
+// backend's native collectives, after a has-grad mask of their own. Every element is summed in
+// rank order whatever its bucket (exchange.h), so the bucket size does not change the bits.
+// The buffers are allocated once, for the largest bucket, and reused: a step allocates nothing
+// of their size.
 void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> riders) {
   at::NoGradGuard ng;
   PhaseClock clock(times);
@@ -210,23 +216,37 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
   const bool riders_inside = p2p && reduce == at::kFloat;
   at::Tensor mask = p2p ? at::Tensor() : exchange_->has_grad_mask(all, device);
 
+  // A stack, or the part of one whose entries sit at positions [lo, hi) of their chunks.
   struct Slot {
     Group* g;
     Stack* s;
-    int64_t n, c, numel, off, base;  // entries, entries per segment, entry size, offsets
+    int64_t n, c, lo, hi, numel, off, base;  // entries, chunk, positions, entry size, offsets
   };
-  std::vector<Slot> slots;
-  int64_t seg = 0, base = 0;
+  struct Bucket {
+    std::vector<Slot> slots;
+    int64_t seg = 0;  // elements per rank segment
+  };
+  std::vector<Bucket> buckets(1);
+  const int64_t seg_limit = std::max<int64_t>(1, options_.bucket_numel / world_);
+  int64_t base = 0;
   for (Group& g : groups_) {
     for (Stack& s : g.stacks) {
       const auto n = static_cast<int64_t>(s.params.size());
       const int64_t c = (n + world_ - 1) / world_;
-      slots.push_back({&g, &s, n, c, s.rows * s.cols, seg, base});
-      seg += c * s.rows * s.cols;
+      const int64_t numel = s.rows * s.cols;
+      const int64_t piece = options_.replicated ? c : std::max<int64_t>(1, seg_limit / numel);
+      for (int64_t lo = 0; lo < c; lo += piece) {
+        const int64_t hi = std::min(c, lo + piece);
+        if (buckets.back().seg > 0 && buckets.back().seg + (hi - lo) * numel > seg_limit)
+          buckets.emplace_back();
+        Bucket& b = buckets.back();
+        b.slots.push_back({&g, &s, n, c, lo, hi, numel, b.seg, base});
+        b.seg += (hi - lo) * numel;
+      }
       base += n;
     }
   }
-  const int64_t flags = p2p ? base : 0;  // per segment, after its entries
+  const int64_t flags = p2p ? base : 0;  // per segment of the first bucket, after its entries
   int64_t rider_numel = 0;
   for (const at::Tensor& r : riders) {
     MEGACPP_CHECK(
@@ -236,42 +256,15 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
     rider_numel += r.numel();
   }
   const int64_t ride = riders_inside ? rider_numel : 0;  // per segment, after the flags
-  const int64_t stride = seg + flags + ride;
+  int64_t largest = 0, largest_seg = 0;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    largest = std::max(largest, buckets[b].seg + (b == 0 ? flags + ride : 0));
+    largest_seg = std::max(largest_seg, buckets[b].seg);
+  }
   const auto opts = all.front().options().requires_grad(false);
-  if (grad_buf_.numel() != stride * world_) {
-    // Padding entries are zero from here on: packing never writes them, and sums and copies
-    // of zeros keep them zero.
-    grad_buf_ = at::zeros({stride * world_}, opts.dtype(reduce));
-    param_buf_ = sharded ? at::zeros({seg * world_}, opts) : at::Tensor();
-  }
-  at::Tensor& flat = grad_buf_;
-  std::vector<float> had(static_cast<size_t>(flags), 0.0f);
-  for (const Slot& sl : slots) {
-    for (int64_t i = 0; i < sl.n; ++i) {
-      const at::Tensor& grad = sl.s->params[static_cast<size_t>(i)].grad();
-      const int64_t at_ = (i / sl.c) * stride + sl.off + (i % sl.c) * sl.numel;
-      at::Tensor dst = flat.narrow(0, at_, sl.numel);
-      if (grad.defined()) {
-        dst.copy_(grad.detach().reshape({-1}));
-        if (p2p) had[static_cast<size_t>(sl.base + i)] = 1.0f;
-      } else {
-        dst.zero_();
-      }
-    }
-  }
-  if (p2p) {
-    const at::Tensor local =
-        at::from_blob(had.data(), {flags}, at::TensorOptions().dtype(at::kFloat))
-            .to(flat.options());
-    for (uint32_t q = 0; q < world_; ++q) {
-      flat.narrow(0, q * stride + seg, flags).copy_(local);
-      int64_t at_ = q * stride + seg + flags;
-      for (const at::Tensor& r : riders) {
-        if (!riders_inside) break;
-        flat.narrow(0, at_, r.numel()).copy_(r);
-        at_ += r.numel();
-      }
-    }
+  if (grad_buf_.numel() != largest * world_ || grad_buf_.scalar_type() != reduce) {
+    grad_buf_ = at::zeros({largest * world_}, opts.dtype(reduce));
+    param_buf_ = sharded ? at::zeros({largest_seg * world_}, opts) : at::Tensor();
   }
   if (distributed && !riders_inside) {
     for (const at::Tensor& r : riders) {
@@ -279,100 +272,152 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
       exchange_->all_reduce(t);
     }
   }
-  // After the reduction: the riders' sums, out of segment `q` of the reduced buffer.
-  auto unload_riders = [&](uint32_t q) {
-    if (!riders_inside) return;
-    int64_t at_ = q * stride + seg + flags;
-    for (const at::Tensor& r : riders) {
-      at::Tensor(r).copy_(flat.narrow(0, at_, r.numel()));
-      at_ += r.numel();
-    }
-  };
-  at::Tensor mine = flat;  // sharded: this rank's segment; otherwise the whole buffer
-  if (sharded) {
-    mine = exchange_->reduce_scatter(flat, /*mean_prefix=*/seg);
-    if (p2p) {
-      mask = flat.narrow(0, rank_ * stride + seg, flags) > 0;
-      unload_riders(rank_);
-    }
-  } else if (distributed) {
-    if (p2p) {
-      exchange_->reduce_scatter(flat);
-      exchange_->all_gather(flat);
-      mask = flat.narrow(0, seg, flags) > 0;
-      unload_riders(0);
-    } else {
-      exchange_->all_reduce(flat);
-    }
-    mine = flat.div_(static_cast<double>(world_));
+  // Every entry's flag, before the first bucket carries them all.
+  std::vector<float> had(static_cast<size_t>(flags), 0.0f);
+  if (p2p) {
+    for (size_t i = 0; i < all.size(); ++i)
+      if (all[i].grad().defined()) had[i] = 1.0f;
   }
-  clock.lap(&OptimizerPhaseTimes::reduce);
 
-  // Every stack's element-wise math before the orthogonalization, the orthogonalization of
-  // all of them together, then every stack's math after it (phases `update`, `orthogonalize`).
-  at::Tensor out_seg = sharded ? param_buf_.narrow(0, rank_ * seg, seg) : at::Tensor();
-  std::vector<Update> updates;
-  std::vector<const Slot*> updated_slots;
-  for (const Slot& sl : slots) {
-    const int64_t start = sharded ? rank_ * sl.c : 0;
-    const int64_t owned = std::clamp<int64_t>(sl.n - start, 0, sharded ? sl.c : sl.n);
-    if (owned == 0) continue;
-    at::Tensor grad;
-    if (sharded) {
-      grad = mine.narrow(0, sl.off, owned * sl.numel);
-    } else {
-      std::vector<at::Tensor> parts;
-      for (int64_t q = 0; q * sl.c < sl.n; ++q)
-        parts.push_back(
-            mine.narrow(0, q * stride + sl.off, std::min(sl.c, sl.n - q * sl.c) * sl.numel));
-      grad = at::cat(parts);
-    }
-    grad = grad.view({owned, sl.s->rows, sl.s->cols});
-    updates.push_back(
-        begin_update(*sl.g, *sl.s, grad, mask.narrow(0, sl.base + start, owned), start, owned));
-    updated_slots.push_back(&sl);
-  }
-  clock.lap(&OptimizerPhaseTimes::update);
-  orthogonalize_all(updates);
-  clock.lap(&OptimizerPhaseTimes::orthogonalize);
-  for (size_t k = 0; k < updates.size(); ++k) {
-    const Slot& sl = *updated_slots[k];
-    at::Tensor dest =
-        sharded ? out_seg.narrow(0, sl.off, updates[k].owned * sl.numel) : at::Tensor();
-    if (sl.s->master.defined()) {
-      // The new values go to the master; the parameters (through the all-gather) get its cast.
-      const at::Tensor master = sl.s->master.narrow(0, 0, updates[k].owned);
-      const at::Tensor updated = finish_update(updates[k], master.view({-1}));
-      if (updated.data_ptr() != master.data_ptr()) master.copy_(updated.view(master.sizes()));
-      if (sharded) {
-        dest.copy_(master.reshape({-1}));
-      } else {
-        for (int64_t i = 0; i < updates[k].owned; ++i)
-          sl.s->params[static_cast<size_t>(i)].detach().copy_(master[i]);
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const Bucket& bucket = buckets[b];
+    const int64_t seg = bucket.seg;
+    const int64_t bflags = b == 0 ? flags : 0, bride = b == 0 ? ride : 0;
+    const int64_t stride = seg + bflags + bride;
+    at::Tensor flat = grad_buf_.narrow(0, 0, stride * world_);
+    // Entry i of a slot's stack (i % c in [lo, hi)) sits at (i / c) * stride + off + (i % c -
+    // lo) * numel; positions past the stack's end are padding, zero.
+    for (const Slot& sl : bucket.slots) {
+      for (uint32_t q = 0; q < world_; ++q) {
+        for (int64_t pos = sl.lo; pos < sl.hi; ++pos) {
+          const int64_t i = q * sl.c + pos;
+          at::Tensor dst = flat.narrow(0, q * stride + sl.off + (pos - sl.lo) * sl.numel, sl.numel);
+          const at::Tensor& grad =
+              i < sl.n ? sl.s->params[static_cast<size_t>(i)].grad() : at::Tensor();
+          if (grad.defined()) {
+            dst.copy_(grad.detach().reshape({-1}));
+          } else {
+            dst.zero_();
+          }
+        }
       }
-      continue;
     }
-    const at::Tensor updated = finish_update(updates[k], dest);
+    if (bflags > 0) {
+      const at::Tensor local =
+          at::from_blob(had.data(), {flags}, at::TensorOptions().dtype(at::kFloat))
+              .to(flat.options());
+      for (uint32_t q = 0; q < world_; ++q) {
+        flat.narrow(0, q * stride + seg, flags).copy_(local);
+        int64_t at_ = q * stride + seg + flags;
+        for (const at::Tensor& r : riders) {
+          if (!riders_inside) break;
+          flat.narrow(0, at_, r.numel()).copy_(r);
+          at_ += r.numel();
+        }
+      }
+    }
+    // After the reduction: the riders' sums, out of segment `q` of the reduced buffer.
+    auto unload_riders = [&](uint32_t q) {
+      if (bride == 0) return;
+      int64_t at_ = q * stride + seg + flags;
+      for (const at::Tensor& r : riders) {
+        at::Tensor(r).copy_(flat.narrow(0, at_, r.numel()));
+        at_ += r.numel();
+      }
+    };
+    at::Tensor mine = flat;  // sharded: this rank's segment; otherwise the whole buffer
     if (sharded) {
-      if (!updated.is_same(dest)) dest.copy_(updated.reshape({-1}));
-    } else {
-      for (int64_t i = 0; i < updates[k].owned; ++i)
-        sl.s->params[static_cast<size_t>(i)].detach().copy_(updated[i]);
+      mine = exchange_->reduce_scatter(flat, /*mean_prefix=*/seg);
+      if (bflags > 0) {
+        mask = flat.narrow(0, rank_ * stride + seg, flags) > 0;
+        unload_riders(rank_);
+      }
+    } else if (distributed) {
+      if (p2p) {
+        exchange_->reduce_scatter(flat);
+        exchange_->all_gather(flat);
+        if (bflags > 0) {
+          mask = flat.narrow(0, seg, flags) > 0;
+          unload_riders(0);
+        }
+      } else {
+        exchange_->all_reduce(flat);
+      }
+      mine = flat.div_(static_cast<double>(world_));
     }
-  }
-  clock.lap(&OptimizerPhaseTimes::update);
-  if (!sharded) return;
-  clock = PhaseClock(times);
-  at::Tensor gathered = param_buf_;
-  exchange_->all_gather(gathered);
-  for (const Slot& sl : slots) {
-    for (int64_t i = 0; i < sl.n; ++i) {
-      const int64_t at_ = (i / sl.c) * seg + sl.off + (i % sl.c) * sl.numel;
-      sl.s->params[static_cast<size_t>(i)].detach().view({-1}).copy_(
-          gathered.narrow(0, at_, sl.numel));
+    clock.lap(&OptimizerPhaseTimes::reduce);
+
+    // Every slot's element-wise math before the orthogonalization, the orthogonalization of
+    // all of them together, then every slot's math after it (phases `update`, `orthogonalize`).
+    at::Tensor gathered = sharded ? param_buf_.narrow(0, 0, seg * world_) : at::Tensor();
+    at::Tensor out_seg = sharded ? gathered.narrow(0, rank_ * seg, seg) : at::Tensor();
+    std::vector<Update> updates;
+    std::vector<std::pair<const Slot*, int64_t>> updated;  // slot, first entry
+    for (const Slot& sl : bucket.slots) {
+      const int64_t start = (sharded ? rank_ * sl.c : 0) + sl.lo;
+      const int64_t last = sharded ? std::min(sl.n, rank_ * sl.c + sl.hi)
+                                   : (options_.replicated ? sl.n : std::min(sl.n, sl.hi));
+      const int64_t owned = std::max<int64_t>(0, last - start);
+      if (owned == 0) continue;
+      at::Tensor grad;
+      if (sharded) {
+        grad = mine.narrow(0, sl.off, owned * sl.numel);
+      } else {
+        std::vector<at::Tensor> parts;
+        for (int64_t q = 0; q * sl.c + sl.lo < last; ++q)
+          parts.push_back(mine.narrow(0, q * stride + sl.off,
+                                      std::min(sl.hi - sl.lo, last - q * sl.c - sl.lo) * sl.numel));
+        grad = parts.size() == 1 ? parts.front() : at::cat(parts);
+      }
+      grad = grad.view({owned, sl.s->rows, sl.s->cols});
+      updates.push_back(begin_update(*sl.g, *sl.s, grad, mask.narrow(0, sl.base + start, owned),
+                                     start, owned, /*row=*/sl.lo));
+      updated.emplace_back(&sl, start);
     }
+    clock.lap(&OptimizerPhaseTimes::update);
+    orthogonalize_all(updates);
+    clock.lap(&OptimizerPhaseTimes::orthogonalize);
+    for (size_t k = 0; k < updates.size(); ++k) {
+      const Slot& sl = *updated[k].first;
+      const int64_t start = updated[k].second, owned = updates[k].owned;
+      at::Tensor dest = sharded ? out_seg.narrow(0, sl.off, owned * sl.numel) : at::Tensor();
+      auto write_params = [&](const at::Tensor& values) {
+        for (int64_t i = 0; i < owned; ++i)
+          sl.s->params[static_cast<size_t>(start + i)].detach().copy_(values[i]);
+      };
+      if (sl.s->master.defined()) {
+        // The new values go to the master; the parameters (through the all-gather) get its cast.
+        const at::Tensor master = sl.s->master.narrow(0, sl.lo, owned);
+        const at::Tensor values = finish_update(updates[k], master.view({-1}));
+        if (values.data_ptr() != master.data_ptr()) master.copy_(values.view(master.sizes()));
+        if (sharded) {
+          dest.copy_(master.reshape({-1}));
+        } else {
+          write_params(master);
+        }
+        continue;
+      }
+      const at::Tensor values = finish_update(updates[k], dest);
+      if (sharded) {
+        if (!values.is_same(dest)) dest.copy_(values.reshape({-1}));
+      } else {
+        write_params(values);
+      }
+    }
+    clock.lap(&OptimizerPhaseTimes::update);
+    if (!sharded) continue;
+    clock = PhaseClock(times);
+    exchange_->all_gather(gathered);
+    for (const Slot& sl : bucket.slots) {
+      for (uint32_t q = 0; q < world_; ++q) {
+        for (int64_t pos = sl.lo; pos < sl.hi && q * sl.c + pos < sl.n; ++pos) {
+          sl.s->params[static_cast<size_t>(q * sl.c + pos)].detach().view({-1}).copy_(
+              gathered.narrow(0, q * seg + sl.off + (pos - sl.lo) * sl.numel, sl.numel));
+        }
+      }
+    }
+    clock.lap(&OptimizerPhaseTimes::gather);
   }
-  clock.lap(&OptimizerPhaseTimes::gather);
 }
 
 // A stack's update in two halves around the orthogonalization, which step() runs for every
@@ -388,14 +433,15 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
 // after). Elsewhere the decisions stay on tensors: no host synchronisation on a device.
 
 DistMuon::Update DistMuon::begin_update(Group& g, Stack& s, const at::Tensor& gr,
-                                        const at::Tensor& mask, int64_t start, int64_t owned) {
+                                        const at::Tensor& mask, int64_t start, int64_t owned,
+                                        int64_t row) {
   Update u;
   u.g = &g;
   u.s = &s;
   u.owned = owned;
   if (s.master.defined()) {
     // Master weights: the update runs on the float32 copies of the owned entries.
-    u.P = s.master.narrow(0, 0, owned);
+    u.P = s.master.narrow(0, row, owned);
   } else {
     std::vector<at::Tensor> mine(s.params.begin() + start, s.params.begin() + start + owned);
     for (auto& t : mine) t = t.detach();
@@ -406,8 +452,8 @@ DistMuon::Update DistMuon::begin_update(Group& g, Stack& s, const at::Tensor& gr
   const bool host = u.m.is_cpu();
   u.every = host && u.m.all().item<bool>();
   u.no_decay = host && g.s.weight_decay.item<float>() == 0.0f;
-  u.mom = s.momentum.narrow(0, 0, owned);
-  u.sec = s.second.narrow(0, 0, owned);
+  u.mom = s.momentum.narrow(0, row, owned);
+  u.sec = s.second.narrow(0, row, owned);
   const at::Tensor mu = g.s.momentum.to(u.P.scalar_type());
 
   // Nesterov momentum (in the state's dtype: float32 with master weights).

@@ -264,6 +264,11 @@ struct DistMuonOptions {
   // The dtype the stacked gradients are summed in; unset: the parameters' dtype. Not float32:
   // the riders are summed by collectives of their own (they keep float32 precision).
   std::optional<at::ScalarType> reduce_dtype = std::nullopt;
+  // The most elements a step's exchange buffer holds (all ranks' segments): stacks are
+  // exchanged in buckets of at most this much (a stack larger than a bucket is split between
+  // buckets, its entries keeping their owners), so the buffers kept from one step to the next
+  // are bounded by it (or one entry per rank, when larger). The same bits at any size.
+  int64_t bucket_numel = int64_t{1} << 26;
 };
 struct MuonScalars {
   at::Tensor lr, momentum, beta2, weight_decay;  // 0-D float32
@@ -314,8 +319,9 @@ class DistMuon {
   struct Group;
   struct Stack;
   struct Update;
+  // `row`: the first state row of the entries (their position in this rank's chunk).
   Update begin_update(Group& g, Stack& s, const at::Tensor& grad, const at::Tensor& mask,
-                      int64_t start, int64_t owned);
+                      int64_t start, int64_t owned, int64_t row);
   void orthogonalize_all(std::vector<Update>& updates) const;
   // The new values; written into `dest` (contiguous, the entries' size) and returned as it
   // where that saves a copy, else a tensor of their own.

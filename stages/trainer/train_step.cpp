@@ -208,7 +208,8 @@ struct TrainStep::Impl {
                         .ns_steps = static_cast<int>(o.muon_ns_steps),
                         .bf16_orthogonalization = o.muon_bf16,
                         .master_weights = mixed,
-                        .reduce_dtype = reduce});
+                        .reduce_dtype = reduce,
+                        .bucket_numel = recipe::kMuonBucketNumel});
   }
 
   // Every rank initialised from the same seed already; the broadcast makes rank 0's

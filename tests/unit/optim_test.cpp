@@ -874,5 +874,65 @@ TEST_F(OptimTest, MasterWeightsStepAsFloat32ParametersWould) {
   }
 }
 
+// DistMuon's buckets: any bucket size gives the same bits — one bucket for everything, stacks
+// split into pieces of one entry per rank, one entry per bucket — in parameters and in every
+// state entry, sharded at world 2 (padded stacks, steps where a rank has no gradient) and at
+// world 1, with float32 parameters and with bfloat16 ones and masters.
+TEST_F(OptimTest, BucketSizesDoNotChangeTheBits) {
+  const auto body = [](const Pg& pg, uint32_t rank, const fs::path& d) -> int {
+    int rc = 0;
+    for (const bool mixed : {false, true}) {
+      std::vector<std::vector<float>> results;
+      for (const int64_t bucket : {int64_t{1} << 26, int64_t{16 * 24 * 2}, int64_t{1}}) {
+        auto m =
+            make_params({{16, 24}, {16, 24}, {16, 24}, {16, 24}, {16, 24}, {32, 16}, {32, 16}}, 21);
+        auto q = make_params({{48, 16}, {48, 16}, {48, 16}}, 22);
+        std::vector<at::Tensor> mm, qm;
+        if (mixed) {
+          mm = m, qm = q;
+          for (auto* set : {&m, &q})
+            for (auto& p : *set) p = p.detach().to(at::kBFloat16).requires_grad_(true);
+        }
+        DistMuon muon(
+            {MuonParamGroup{.params = m, .weight_decay = 0.01, .masters = mm},
+             MuonParamGroup{.params = q, .qkv_split_sizes = {16, 16, 16}, .masters = qm}},
+            pg,
+            DistMuonOptions{
+                .bf16_orthogonalization = false, .master_weights = mixed, .bucket_numel = bucket});
+        for (uint32_t step = 0; step < 6; ++step) {
+          for (auto* set : {&m, &q}) {
+            for (size_t i = 0; i < set->size(); ++i) {
+              const bool has = present(step, rank) || (step % 4 == 3 && i == 1);
+              set_grad((*set)[i], has ? rank_grad((*set)[i], i, step, rank).to((*set)[i].dtype())
+                                      : at::Tensor());
+            }
+          }
+          muon.step();
+        }
+        std::vector<at::Tensor> all = m;
+        all.insert(all.end(), q.begin(), q.end());
+        for (const auto& e : muon.state_dict().entries) all.push_back(e.value);
+        results.push_back(flat(all));
+      }
+      for (size_t k = 1; k < results.size(); ++k) {
+        if (results[k] != results[0]) {
+          rc = 3 + static_cast<int>(k);
+        }
+      }
+      if (!write_floats(d / fmt::format("rank{}-{}", rank, mixed), results[0])) rc = 9;
+    }
+    return rc;
+  };
+  {
+    SCOPED_TRACE("world 1");
+    test_support::TempDir one;
+    EXPECT_EQ(body(Pg(), 0, one.path()), 0);
+  }
+  const fs::path dir = run_world2(body);
+  ASSERT_FALSE(dir.empty());
+  EXPECT_TRUE(read_floats(dir / "rank0-0") == read_floats(dir / "rank1-0"));
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace megacpp::trainer
