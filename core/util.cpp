@@ -164,4 +164,22 @@ void log_line(std::string_view level, std::string_view text) {
     std::clearerr(stderr);
 }
 
+ProcessMemory process_memory() {
+  ProcessMemory m;
+  std::string status;
+  try {
+    status = read_file("/proc/self/status");
+  } catch (const std::exception&) {
+    return m;
+  }
+  const auto field = [&](std::string_view name) -> uint64_t {
+    const size_t at = status.find(name);
+    if (at == std::string::npos) return 0;
+    return std::strtoull(status.c_str() + at + name.size(), nullptr, 10) * 1024;  // kB
+  };
+  m.resident = field("VmRSS:");
+  m.peak = field("VmHWM:");
+  return m;
+}
+
 }  // namespace megacpp

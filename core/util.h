@@ -34,6 +34,13 @@ std::string kernel_description();
 // /proc/cpuinfo's flags: "amx_bf16" and/or "avx512_bf16", space-separated in that order; ""
 // when it has none (bfloat16 matmuls then run emulated, several times slower than float32).
 std::string cpu_bf16_units();
+// This process's resident memory now and its peak so far (VmRSS, VmHWM of /proc/self/status), in
+// bytes; zeros when unreadable. Resident shared memory (mapped rings and staging) counts.
+struct ProcessMemory {
+  uint64_t resident = 0;
+  uint64_t peak = 0;
+};
+ProcessMemory process_memory();
 // A statfs f_type's filesystem name ("ext4", "xfs", "tmpfs", "overlay", "btrfs", "nfs", "zfs",
 // "fuse"), else its magic number in hex; and the filesystem `path` lies on ("?" when statfs
 // fails), for receipts and the benchmarks' figures.

@@ -30,6 +30,11 @@ struct StepRecord {
   expertTokens @12 :List(UInt32);
   # Where the rest of the step's time went (absent in journals written before it existed).
   phases @13 :StepPhases;
+  # The rank's host memory in bytes: its peak resident size so far (VmHWM, shared mappings such
+  # as the snapshot staging region included once touched), and its resident size before its
+  # model was built (libtorch, its groups, the rings). 0 in journals written before them.
+  memoryPeak @14 :UInt64;
+  memoryBaseline @15 :UInt64;
 }
 
 # Parts of one rank's step, host wall seconds. forwardSeconds + backwardSeconds +

@@ -165,6 +165,11 @@ struct BenchResult {
   precision @18 :Text;          # as Manifest.precision, gradReduce and recompute
   gradReduce @19 :Text;
   recompute @20 :Text;
+  # Host memory per rank, bytes, the largest over the ranks of the current attempt (journal
+  # StepRecord): the peak resident size, and the peak above the resident size before the model
+  # was built — what `megacpp plan` estimates per rank. 0 when no step recorded them.
+  memoryPeak @21 :Float64;
+  memoryAboveBaseline @22 :Float64;
 }
 
 struct StepPoint {

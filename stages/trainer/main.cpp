@@ -359,6 +359,9 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     ~AbortHandlerGuard() { control.set_abort_handler({}); }
   } abort_guard{ctx.control()};
 
+  // What the process holds before its model (libtorch, its groups, the mapped rings): step
+  // records carry it beside the peak, so the model's own memory is their difference.
+  const uint64_t memory_baseline = process_memory().resident;
   const auto ts = typed_errors("model set-up and parameter broadcast", [&] {
     return std::make_unique<TrainStep>(model, train, steps, pg, device,
                                        TensorParallel{.group = tp_pg, .rank = tp_rank, .size = tp});
@@ -492,6 +495,8 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       s.setForwardSeconds(timing.forward_seconds);
       s.setBackwardSeconds(timing.backward_seconds);
       s.setOptimizerSeconds(timing.optimizer_seconds);
+      s.setMemoryBaseline(memory_baseline);
+      s.setMemoryPeak(process_memory().peak);
       s.setDataSeed(static_cast<uint32_t>(header.seed));
       s.setDataEpoch(static_cast<double>(header.next_position / header.windows));
       s.setDataCursor(static_cast<double>(header.next_position % header.windows));

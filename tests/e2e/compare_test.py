@@ -7,6 +7,7 @@ refused in one line naming the field that differs (world), printed with --force 
 cross-class label. A run of the same recipe in bf16-mixed is another class too: its recipe hash
 and its precision differ, and the manifest and bench_result.json name its precision. Fewer than two runs, or a folder that is not a run, is one line and exit 2.
 """
+import json
 import os
 import re
 import shutil
@@ -80,6 +81,12 @@ class Compare(unittest.TestCase):
             manifest = run_harness.manifest(self.runs[name])
             self.assertEqual((manifest["precision"], manifest["gradReduce"], manifest["recompute"]),
                              (want, "fp32", "none"))
+            # Each rank's host memory: the peak, and the peak above what the process held
+            # before its model (what `megacpp plan` estimates), the largest over the ranks.
+            with open(os.path.join(self.runs[name], "receipts", "bench_result.json")) as f:
+                result = json.load(f)
+            self.assertGreater(result["memoryAboveBaseline"], 0, name)
+            self.assertGreater(result["memoryPeak"], result["memoryAboveBaseline"], name)
         p = run_harness.megacpp(["compare", self.runs["a"], self.runs["m"]])
         self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
         self.assertIn("precision fp32 (a) vs bf16-mixed (gradients summed in fp32) (m)", p.stderr)

@@ -194,6 +194,10 @@ RunView view_of(const FoldState& s) {
         p.phase_ranks += 1;
       }
       v.tokens += d.tokens;
+      v.memory_peak = std::max(v.memory_peak, static_cast<double>(d.memory_peak));
+      if (d.memory_peak >= d.memory_baseline && d.memory_baseline > 0)
+        v.memory_above_baseline = std::max(v.memory_above_baseline,
+                                           static_cast<double>(d.memory_peak - d.memory_baseline));
       const int64_t start = d.wall_ns - static_cast<int64_t>(std::llround(d.step_seconds * 1e9));
       if (!first_start || start < *first_start) first_start = start;
       if (rank == 0 && step == 1) rank0_start = start;
@@ -357,6 +361,8 @@ std::string bench_result_document(const FoldState& s, const RunView& v) {
   r.setWallSeconds(v.wall_seconds);
   r.setTokensPerSecond(v.wall_seconds > 0 ? v.tokens / v.wall_seconds : 0.0);
   r.setMeanStepSeconds(v.completed > 0 ? v.step_seconds_sum / v.completed : 0.0);
+  r.setMemoryPeak(v.memory_peak);
+  r.setMemoryAboveBaseline(v.memory_above_baseline);
   const auto launch = s.launch();
   r.setDataset(launch.getDataset());
   r.setVolumes(launch.getVolumes());

@@ -70,6 +70,8 @@ struct RunView {
   double tokens = 0;
   double wall_seconds = 0;      // rank 0's first step start (else the earliest) -> last end
   double step_seconds_sum = 0;  // slowest rank's seconds, summed over steps 1..completed
+  // Bytes, the largest over the ranks: peak resident size, and peak above the rank's baseline.
+  double memory_peak = 0, memory_above_baseline = 0;
 };
 RunView view_of(const FoldState& s);
 

@@ -34,10 +34,22 @@ schema::FailureRole failure_role(schema::FailureEvent::Reader r) {
 }
 
 StepData step_data(uint32_t attempt, schema::StepRecord::Reader s, int64_t wall) {
-  StepData d{attempt, s.getLoss(),      s.getTokens(),     s.getStepSeconds(), s.getWaitSeconds(),
-             wall,    s.getDataEpoch(), s.getDataCursor(), s.getAuxLoss(),     {},
-             {}};
+  StepData d{attempt,
+             s.getLoss(),
+             s.getTokens(),
+             s.getStepSeconds(),
+             s.getWaitSeconds(),
+             wall,
+             s.getDataEpoch(),
+             s.getDataCursor(),
+             s.getAuxLoss(),
+             {},
+             {},
+             0,
+             0};
   for (uint32_t n : s.getExpertTokens()) d.expert_tokens.push_back(n);
+  d.memory_peak = s.getMemoryPeak();
+  d.memory_baseline = s.getMemoryBaseline();
   if (s.hasPhases()) {
     const auto p = s.getPhases();
     d.phases = {s.getForwardSeconds(),       s.getBackwardSeconds(), s.getOptimizerSeconds(),

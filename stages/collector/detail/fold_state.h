@@ -93,6 +93,7 @@ struct StepData {
   std::vector<uint32_t> expert_tokens;  // empty without MoE
   // The parts of the step (schema StepPhasePoint's order), when the trainer journaled them.
   std::optional<std::array<double, kStepPhaseParts>> phases;
+  uint64_t memory_peak = 0, memory_baseline = 0;  // bytes (schema StepRecord)
 };
 
 // One journal file's counts as of the last poll.
