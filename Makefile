@@ -11,7 +11,7 @@ RANKS      ?= 2
 CTEST_ARGS ?=
 MEGACPP_FUZZ_SECONDS ?= 300
 
-.PHONY: all setup configure build build-run run run-cpp test test-full test-unit test-sanitize build-sanitize test-tsan build-tsan fuzz chaos multinode format format-check bench bench-train-step bench-failure bench-recovery bench-multinode device-prep device-test device-check clean
+.PHONY: all setup configure build build-run run run-cpp test test-full test-unit test-sanitize build-sanitize test-tsan build-tsan fuzz chaos multinode format format-check bench bench-train-step bench-memory-plan bench-failure bench-recovery bench-multinode device-prep device-test device-check clean
 
 all: build
 
@@ -146,6 +146,12 @@ bench: build
 # medium and large recipes, 3 trials each, alternately (about 15 minutes on 2 cores).
 bench-train-step: build
 	@.venv/bin/python bench/train_step.py
+
+# Memory per rank and tokens/s of each precision / recomputation setting: megacpp's plan, megacpp
+# measured, and the same model under DDP + torch.autocast / torch.utils.checkpoint (about 10
+# minutes on 2 cores).
+bench-memory-plan: build
+	@.venv/bin/python bench/memory_plan.py
 
 bench-failure: build
 	@.venv/bin/python bench/failure_detection.py

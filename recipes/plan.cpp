@@ -195,7 +195,7 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
   for (const ParamShape& g : p.globals) p.params_total += g.numel();
   p.params_active = p.params_total;
 
-  uint64_t act_per_token = 2ull * m.vocab_size;
+  uint64_t act_per_token = 0;  // floats per token of the blocks (the logits' bytes below)
   const Recompute recompute = recompute_mode(r.train.recompute);
   uint64_t working_set = 0;  // full: the largest block's unrecomputed figure, once
   for (uint32_t i = 0; i < m.n_layers; ++i) {
@@ -284,7 +284,27 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
     }
   }
   p.memory.buffers = buffers;
-  p.memory.activations = ceil_div(uint64_t{r.train.batch_size} * m.seq_len * act_per_token * c, tp);
+  // The logits and the cross-entropy's log-probabilities, float32; bf16-mixed also keeps the
+  // bfloat16 logits the float32 copy is made from.
+  const uint64_t logits_bytes = uint64_t{m.vocab_size} * (mixed ? 2 + 8 : 8);
+  p.memory.activations =
+      ceil_div(uint64_t{r.train.batch_size} * m.seq_len * (act_per_token * c + logits_bytes), tp);
+
+  // The optimizer step's working set: DistMuon orthogonalizes a bucket's owned entries of one
+  // shape together — the input, the iterate and its product (rows x cols each) and the
+  // Gram matrix with its square and their sum (min(rows, cols)^2 each), in the orthogonalization's
+  // dtype — and keeps float32 temporaries of the update's variance reduction (two rows x cols).
+  const uint64_t ob = r.train.optim.muon_bf16 ? 2 : 4;
+  const uint64_t seg_limit = std::max<uint64_t>(1, static_cast<uint64_t>(kMuonBucketNumel) / dp);
+  for (const auto& [key, entries] : stacks) {
+    const auto& [group, rows, cols] = key;
+    const auto R = static_cast<uint64_t>(rows), C = static_cast<uint64_t>(cols);
+    const uint64_t owned =
+        std::min(ceil_div(entries, dp), std::max<uint64_t>(1, seg_limit / (R * C)));
+    const uint64_t small = std::min(R, C);
+    p.memory.working =
+        std::max(p.memory.working, owned * ((3 * R * C + 3 * small * small) * ob + 2 * R * C * 4));
+  }
 
   // Gates.
   const auto gate = [&](std::string rule, bool passed, std::string detail, std::string reason,
@@ -402,10 +422,11 @@ std::string format_plan(const Plan& p) {
                      count(p.params_total), p.params_active, count(p.params_active));
   out += fmt::format(
       "  memory per rank ({}; estimate): parameters {}, gradients {}, master weights {}, "
-      "optimizer state {}, exchange buffers {}, activations {}: {}\n\n",
+      "optimizer state {}, exchange buffers {}, activations {}, optimizer working set {}: "
+      "{}\n\n",
       p.precision, gib(p.memory.parameters), gib(p.memory.gradients), gib(p.memory.master),
       gib(p.memory.optimizer), gib(p.memory.buffers), gib(p.memory.activations),
-      gib(p.memory.total()));
+      gib(p.memory.working), gib(p.memory.total()));
   out += "  gates:\n";
   for (const Gate& g : p.gates) {
     out += fmt::format("    {:<8} {:<22} {}\n",

@@ -31,8 +31,13 @@
 //                             it rides in DistMuon's exchange (dp <= 2 or A <= 2^20), 4 B x A x
 //                             dp more there; nothing at dp 1 (no exchange)
 //   activations               batch_size x seq_len tokens x (sum over layers of the block's
-//                             activation_floats estimate + 2 x vocab for the logits) x c B, / tp
-//                             (sequence parallelism shards what tensor parallelism does not)
+//                             activation_floats estimate x c B + the logits and the
+//                             cross-entropy's log-probabilities, 8 B x vocab, and bf16-mixed's
+//                             bfloat16 logits, 2 B x vocab), / tp (sequence parallelism shards
+//                             what tensor parallelism does not)
+//   optimizer working set     DistMuon's orthogonalization of a bucket's owned entries of its
+//                             largest stack: (3 rows x cols + 3 min(rows, cols)^2) in the
+//                             orthogonalization's dtype + 2 rows x cols float32 each
 // The activation figures are estimates counted by hand from each block's forward (the tensors
 // autograd keeps for backward), not measurements. They follow train.recompute
 // (stages/trainer/model.h): none, everything autograd saves; selective, every matrix product's
@@ -86,10 +91,11 @@ struct MemoryPlan {  // bytes per rank
   uint64_t optimizer = 0;  // the moments
   uint64_t buffers = 0;    // the optimizers' exchange buffers
   uint64_t activations = 0;
+  uint64_t working = 0;  // the optimizer step's largest transient (DistMuon's orthogonalization)
   // Everything at once: an upper bound (gradients grow in backward while activations are
-  // released).
+  // released, and the optimizer's working set comes after both).
   uint64_t total() const {
-    return parameters + gradients + master + optimizer + buffers + activations;
+    return parameters + gradients + master + optimizer + buffers + activations + working;
   }
 };
 

@@ -5,7 +5,8 @@ per rank, Gloo on CPU, DistributedDataParallel, torch.optim.Muon + torch.optim.A
 
   torchrun --nproc-per-node 2 bench/peers/train_twin.py --recipe recipes/tiny.toml --steps 60 \
       [--threads 1] [--json OUT.json] [--phases] [--print-every N] [--bucket-cap-mb MB] \
-      [--data random|progressions] [--set model.d_model=512 --set train.batch_size=8 ...]
+      [--data random|progressions] [--set model.d_model=512 --set train.batch_size=8 ...] \
+      [--precision fp32|bf16-mixed] [--recompute none|full]
 
 Equal to megacpp (stages/trainer/model.cpp, train_step.cpp, recipes/recipe.h):
   recipe  parsed with tomllib; keys megacpp does not know are refused, absent keys take
@@ -108,6 +109,7 @@ import tomllib
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -310,7 +312,10 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = rms_norm(self.embed(tokens))
         for block in self.blocks:
-            x = block(x, cos, sin)
+            if getattr(self, "recompute", False) and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
         return self.head(rms_norm(x))
 
 
@@ -371,6 +376,17 @@ class LaunchClock:
         return default_hooks.allreduce_hook(None, bucket)
 
 
+def process_memory():
+    """(VmRSS, VmHWM) of this process in bytes, as megacpp's trainer reads them."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields.get("VmRSS", 0), fields.get("VmHWM", 0)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", required=True, help="recipe .toml file")
@@ -385,6 +401,11 @@ def main():
                     help="token content (the cost is the same)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a recipe key (repeatable)")
+    ap.add_argument("--precision", choices=("fp32", "bf16-mixed"), default="fp32",
+                    help="bf16-mixed: the forward and the loss under torch.autocast(bfloat16), "
+                         "float32 parameters, gradients and optimizer state (DDP + autocast)")
+    ap.add_argument("--recompute", choices=("none", "full"), default="none",
+                    help="full: every block under torch.utils.checkpoint (use_reentrant=False)")
     args = ap.parse_args()
     if args.steps < 1 or args.threads < 1 or args.print_every < 1:
         ap.error("--steps, --threads and --print-every must be >= 1")
@@ -400,7 +421,9 @@ def main():
     dist.init_process_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
+    memory_baseline = process_memory()[0]  # before the model, as megacpp's trainer records it
     model = Transformer(m, train["seed"], split=optim["qkv_split"])
+    model.recompute = args.recompute == "full"
     n_params = sum(p.numel() for p in model.parameters())
     # Parameters are broadcast from rank 0 here; the RoPE buffers are constant, so DDP's
     # per-forward buffer broadcast (a collective megacpp does not have) is off.
@@ -425,8 +448,9 @@ def main():
         t1 = time.perf_counter()
         muon.zero_grad(set_to_none=True)
         adamw.zero_grad(set_to_none=True)
-        logits = ddp(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
+            logits = ddp(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, V).float(), tokens[:, 1:].reshape(-1))
         t2 = time.perf_counter()
         loss.backward()
         t3 = time.perf_counter()
@@ -456,6 +480,10 @@ def main():
             print(f"step {step} loss {record['loss']:.4f} step_s {record['seconds']:.5f} "
                   f"tokens/s {tokens_per_step / record['seconds']:.0f}", flush=True)
 
+    # The largest over the ranks of the peak resident size above the baseline.
+    rss_now, rss_peak = process_memory()
+    above = torch.tensor([float(rss_peak - memory_baseline)], dtype=torch.float64)
+    dist.all_reduce(above, op=dist.ReduceOp.MAX)
     if rank == 0:
         steady = [r for r in records if r["step"] > WARM_STEP] or records
         median_s = statistics.median(r["seconds"] for r in steady)
@@ -467,7 +495,9 @@ def main():
         print(line, flush=True)
         if args.json:
             out = {"recipe": recipe[""]["name"], "params": n_params, "world": world,
-                   "threads": args.threads, "batch": B, "seq": T, "steps": records}
+                   "threads": args.threads, "batch": B, "seq": T, "steps": records,
+                   "precision": args.precision, "recompute": args.recompute,
+                   "memory_above_baseline": above.item()}
             tmp = args.json + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(out, f, indent=1)

@@ -548,7 +548,13 @@ TEST(Plan, PerRankMemoryByHand) {
   EXPECT_EQ(mixed.memory.master, 4 * (A + P / 2));
   EXPECT_EQ(mixed.memory.optimizer, muon + adam);
   EXPECT_EQ(mixed.memory.buffers, 4 * P + 2 * P + 4 * P / 2 + 4 * A * (1 + 1 + 2));
-  EXPECT_EQ(mixed.memory.activations, 2 * 32 * (512 + a) * 2);
+  // The blocks' floats at 2 bytes; the logits in bfloat16 and float32 and the log-probabilities.
+  EXPECT_EQ(mixed.memory.activations, 2 * 32 * (a * 2 + 256 * 10));
+  // The optimizer's working set: the largest stack's one owned entry (mlp.fc 256x64 or
+  // mlp.proj 64x256) orthogonalized — input, iterate, product, and three 64x64 Gram matrices —
+  // plus two float32 temporaries of its size.
+  const uint64_t ob = r.train.optim.muon_bf16 ? 2 : 4;
+  EXPECT_EQ(p.memory.working, (3 * 16384 + 3 * 64 * 64) * ob + 2 * 16384 * 4);
   // Gradients summed in bfloat16: DistMuon's buffers at 2 bytes, DistAdamW a tensor at a time.
   rb.train.grad_reduce = "bf16";
   rb = mc::recipe::rehash(std::move(rb));

@@ -1,0 +1,163 @@
+"""bench_memory_plan: memory per rank and tokens/s of each precision / recomputation setting —
+megacpp's plan, megacpp measured, and the same model in PyTorch (DDP, + torch.autocast for
+bf16-mixed, + torch.utils.checkpoint for full recomputation; bench/peers/train_twin.py under
+torchrun) — side by side in one invocation.
+
+For each size (recipes/large.toml, 57 M parameters; `xl`, the same decoder at d_model 1024,
+101 M parameters) and each setting (fp32; bf16-mixed; bf16-mixed + selective; bf16-mixed +
+full) it prints:
+
+  plan GiB        `megacpp plan`'s per-rank total (recipes/plan.h: an upper bound, everything
+                  at once)
+  megacpp GiB     the largest over the ranks of the trainer's peak resident size above its
+                  resident size before the model was built (bench_result.json
+                  memoryAboveBaseline), what the plan estimates
+  measured/plan   their ratio
+  twin GiB        the same for the PyTorch twin (VmHWM above VmRSS before its model), max over
+                  ranks; `selective` has no twin (torch has no per-op recomputation policy in
+                  eager DDP): its row shows the twin's `none`
+  tokens/s        steady-state tokens/s of each (megacpp: bench_result.json; twin: median step)
+
+The runs checkpoint after their last step only, so the snapshot staging region (host shared
+memory, not in the plan) is not in the peak. Nothing is judged: the issue's goal (measured
+within 15% of the plan) is printed beside the figures. CPU, Gloo, 2 ranks, 1 thread per rank.
+
+    .venv/bin/python bench/memory_plan.py [--sizes large,xl] [--steps 6] [--twin-steps 4]
+                                          [--no-twin] [--json OUT]
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, ".."))
+PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
+SETTINGS = [("fp32", "none"), ("bf16-mixed", "none"), ("bf16-mixed", "selective"),
+            ("bf16-mixed", "full")]
+SIZES = {"large": {}, "xl": {"d_model": "1024", "n_heads": "8"}}
+
+
+def megacpp_bin():
+    for d in ("build", "build-release"):
+        p = os.path.join(ROOT, d, "bin", "megacpp")
+        if os.path.exists(p):
+            return p
+    sys.exit("bench_memory_plan: no build/bin/megacpp: run `make` first")
+
+
+def cpu_name():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def write_recipe(tmp, size, precision, recompute, steps, for_twin):
+    """recipes/large.toml at `size`, checkpointing after the run only; megacpp's copy names the
+    memory keys, the twin's does not (it refuses keys it does not model)."""
+    with open(os.path.join(ROOT, "recipes", "large.toml")) as f:
+        text = f.read()
+    for key, value in SIZES[size].items():
+        text = re.sub(r"(?m)^%s = \S+" % key, "%s = %s" % (key, value), text)
+    text = re.sub(r"(?m)^checkpoint_every = \S+", "checkpoint_every = %d" % (steps + 100), text)
+    name = "mem-%s-%s-%s%s" % (size, precision, recompute, "-twin" if for_twin else "")
+    text = re.sub(r'(?m)^name = "\S+"', 'name = "%s"' % name, text)
+    if not for_twin:
+        text = text.replace("[train]\n", '[train]\nprecision = "%s"\nrecompute = "%s"\n'
+                            % (precision, recompute), 1)
+    path = os.path.join(tmp, name + ".toml")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def plan_gib(recipe):
+    out = subprocess.run([megacpp_bin(), "plan", recipe, "--ranks", "2"], capture_output=True,
+                         text=True, check=True).stdout
+    m = re.search(r"memory per rank \(.*\): .*: ([0-9.]+) GiB", out)
+    return float(m.group(1)), re.search(r"memory per rank .*", out).group(0)
+
+
+def run_megacpp(recipe, steps, tmp):
+    run = os.path.join(tmp, "run-" + os.path.basename(recipe)[:-5])
+    subprocess.run([megacpp_bin(), "run", recipe, "--ranks", "2", "--steps", str(steps),
+                    "--run-dir", run, "--data-dir", os.path.join(tmp, "data"), "--progress",
+                    "none"], check=True, capture_output=True)
+    with open(os.path.join(run, "receipts", "bench_result.json")) as f:
+        r = json.load(f)
+    shutil.rmtree(run, ignore_errors=True)
+    return r["memoryAboveBaseline"] / 2**30, r["tokensPerSecond"]
+
+
+def run_twin(recipe, precision, recompute, steps, tmp):
+    out = os.path.join(tmp, "twin.json")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                    "--master-port", "29591", os.path.join(HERE, "peers", "train_twin.py"),
+                    "--recipe", recipe, "--steps", str(steps), "--precision", precision,
+                    "--recompute", recompute, "--json", out, "--print-every", "1000"],
+                   check=True, capture_output=True, env=env)
+    with open(out) as f:
+        d = json.load(f)
+    steady = [s["seconds"] for s in d["steps"][1:]] or [d["steps"][0]["seconds"]]
+    steady.sort()
+    median = steady[len(steady) // 2]
+    return d["memory_above_baseline"] / 2**30, 2 * d["batch"] * d["seq"] / median
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="large,xl")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--twin-steps", type=int, default=4)
+    ap.add_argument("--no-twin", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    print("bench_memory_plan on %s, 2 ranks over Gloo, 1 thread each; goal: megacpp measured "
+          "within 15%% of the plan" % cpu_name())
+    rows = []
+    tmp = tempfile.mkdtemp(prefix="megacpp-memory-plan-")
+    try:
+        for size in args.sizes.split(","):
+            twin_none = None
+            for precision, recompute in SETTINGS:
+                recipe = write_recipe(tmp, size, precision, recompute, args.steps, False)
+                plan, line = plan_gib(recipe)
+                measured, tps = run_megacpp(recipe, args.steps, tmp)
+                twin = (None, None)
+                if not args.no_twin:
+                    twin_recompute = "none" if recompute == "selective" else recompute
+                    if recompute == "selective" and twin_none is not None:
+                        twin = twin_none
+                    else:
+                        twin = run_twin(write_recipe(tmp, size, precision, recompute,
+                                                     args.steps, True),
+                                        precision, twin_recompute, args.twin_steps, tmp)
+                    if precision == "bf16-mixed" and recompute == "none":
+                        twin_none = twin
+                row = {"size": size, "precision": precision, "recompute": recompute,
+                       "plan_gib": plan, "megacpp_gib": measured, "megacpp_tokens_s": tps,
+                       "twin_gib": twin[0], "twin_tokens_s": twin[1], "plan": line}
+                rows.append(row)
+                twin_text = ("twin %.3f GiB %7.0f tok/s  megacpp/twin memory %.2fx tokens/s %.2fx"
+                             % (twin[0], twin[1], measured / twin[0], tps / twin[1])
+                             if twin[0] else "")
+                print("%-5s %-10s %-9s plan %.3f GiB  megacpp %.3f GiB (measured/plan %.2f)  "
+                      "%7.0f tok/s  %s" % (size, precision, recompute, plan, measured,
+                                           measured / plan, tps, twin_text), flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
