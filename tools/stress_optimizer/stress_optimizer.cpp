@@ -18,6 +18,10 @@
 // them to the two optimizers, and withholds a routed expert's gradient on a rank whose batch
 // routed it no token (`starved`): an expert then has a gradient on some ranks only, or on none
 // while the router and every other block have one. It fails unless the schedule produced both.
+// --bf16-mixed runs bfloat16 parameters and gradients with float32 masters in the optimizers
+// (train.precision = "bf16-mixed"): the masters are compared across ranks and with the
+// reference (fed the same bfloat16-rounded gradients), and every parameter must be exactly its
+// master's bfloat16 cast.
 //
 // Samples travel from the ranks to this process through the TCPStore (keys under
 // "stress/"); the cross-rank comparison and the reference comparison run here after the
@@ -100,6 +104,11 @@ struct Config {
   double muon_wd = 0.0;
   // Orthogonalize in bfloat16 (the training default) instead of float32.
   bool bf16 = false;
+  // bf16-mixed (train.precision): bfloat16 parameters and gradients, float32 masters in the
+  // optimizers (master_weights, gradients summed in float32). The masters are compared with the
+  // reference (fed the same bfloat16-rounded gradients), and every parameter must be exactly its
+  // master's bfloat16 cast.
+  bool mixed = false;
   int rendezvous_timeout_s = 30;
   // Fail unless DistAdamW shards exactly this many parameters.
   std::optional<int> expect_adam_sharded;
@@ -249,7 +258,15 @@ at::Tensor randn(at::IntArrayRef shape, uint64_t seed) {
 at::Tensor init_value(const ParamSet& set, size_t i) {
   return randn(set.params[i].shape, 1000 + i) * 0.5;
 }
-at::Tensor grad_value(const ParamSet& set, uint32_t step, uint32_t rank, size_t i) {
+at::Tensor grad_value_f32(const ParamSet& set, uint32_t step, uint32_t rank, size_t i);
+// The gradient a rank's parameter receives: float32, or its bfloat16 rounding under bf16-mixed
+// (as float32 for the reference, which replays the same values).
+at::Tensor grad_value(const Config& c, const ParamSet& set, uint32_t step, uint32_t rank,
+                      size_t i) {
+  const at::Tensor g = grad_value_f32(set, step, rank, i);
+  return c.mixed ? g.to(at::kBFloat16).to(at::kFloat) : g;
+}
+at::Tensor grad_value_f32(const ParamSet& set, uint32_t step, uint32_t rank, size_t i) {
   return randn(set.params[i].shape, mix3(step, rank, i));
 }
 
@@ -300,6 +317,7 @@ NLOHMANN_JSON_SERIALIZE_ENUM(Kind, {{Kind::kParam, "param"},
                                     {Kind::kMuB, "mu_b"}})
 
 Kind kind_of(bool adam, const StateKey& key) {
+  if (key.field == StateField::kMaster) return Kind::kParam;
   if (adam) return Kind::kAdam;
   return key.field == StateField::kSecondMomentum ? Kind::kMuB : Kind::kMuA;
 }
@@ -361,9 +379,10 @@ int run_rank(const Config& c, const ParamSet& set, uint16_t port, uint32_t rank)
     // pair. Its state is held by every rank, so it can be compared across ranks; the sharded
     // pair must equal it.
     std::vector<at::Tensor> p, q;
+    const at::ScalarType dtype = c.mixed ? at::kBFloat16 : at::kFloat;
     for (size_t i = 0; i < set.params.size(); ++i) {
-      p.push_back(init_value(set, i).requires_grad_(true));
-      q.push_back(init_value(set, i).requires_grad_(true));
+      p.push_back(init_value(set, i).to(dtype).requires_grad_(true));
+      q.push_back(init_value(set, i).to(dtype).requires_grad_(true));
     }
     auto adam_groups = [&](const std::vector<at::Tensor>& x) {
       AdamWParamGroup g{.lr = kAdamLr,
@@ -371,7 +390,10 @@ int run_rank(const Config& c, const ParamSet& set, uint16_t port, uint32_t rank)
                         .beta2 = kAdamB2,
                         .eps = kAdamEps,
                         .weight_decay = kAdamWd};
-      for (size_t i : set.adam) g.params.push_back(x[i]);
+      for (size_t i : set.adam) {
+        g.params.push_back(x[i]);
+        if (c.mixed) g.masters.push_back(init_value(set, i));
+      }
       return std::vector<AdamWParamGroup>{std::move(g)};
     };
     auto muon_groups = [&](const std::vector<at::Tensor>& x) {
@@ -382,17 +404,33 @@ int run_rank(const Config& c, const ParamSet& set, uint16_t port, uint32_t rank)
                          .beta2 = kMuonB2,
                          .weight_decay = c.muon_wd,
                          .qkv_split_sizes = spec.split};
-        for (size_t i : spec.members) g.params.push_back(x[i]);
+        for (size_t i : spec.members) {
+          g.params.push_back(x[i]);
+          if (c.mixed) g.masters.push_back(init_value(set, i));
+        }
         out.push_back(std::move(g));
       }
       return out;
     };
-    DistAdamW adam(adam_groups(p), pg, DistAdamWOptions{.crossover_numel = kAdamCrossover});
-    DistMuon muon(muon_groups(p), pg, DistMuonOptions{.bf16_orthogonalization = c.bf16});
+    const std::optional<at::ScalarType> reduce =
+        c.mixed ? std::optional(at::kFloat) : std::optional<at::ScalarType>();
+    DistAdamW adam(
+        adam_groups(p), pg,
+        DistAdamWOptions{
+            .crossover_numel = kAdamCrossover, .master_weights = c.mixed, .reduce_dtype = reduce});
+    DistMuon muon(
+        muon_groups(p), pg,
+        DistMuonOptions{
+            .bf16_orthogonalization = c.bf16, .master_weights = c.mixed, .reduce_dtype = reduce});
     DistAdamW adam_r(adam_groups(q), pg,
-                     DistAdamWOptions{.crossover_numel = std::numeric_limits<int64_t>::max()});
+                     DistAdamWOptions{.crossover_numel = std::numeric_limits<int64_t>::max(),
+                                      .master_weights = c.mixed,
+                                      .reduce_dtype = reduce});
     DistMuon muon_r(muon_groups(q), pg,
-                    DistMuonOptions{.bf16_orthogonalization = c.bf16, .replicated = true});
+                    DistMuonOptions{.bf16_orthogonalization = c.bf16,
+                                    .replicated = true,
+                                    .master_weights = c.mixed,
+                                    .reduce_dtype = reduce});
     if (rank == 0) {
       std::string sharded;
       for (size_t k = 0; k < set.adam.size(); ++k)
@@ -406,7 +444,7 @@ int run_rank(const Config& c, const ParamSet& set, uint16_t port, uint32_t rank)
       bool any_adam = false, any_muon = false;
       for (size_t i = 0; i < p.size(); ++i) {
         const bool has = present(c, set, step, rank, i);
-        p[i].mutable_grad() = has ? grad_value(set, step, rank, i) : at::Tensor();
+        p[i].mutable_grad() = has ? grad_value(c, set, step, rank, i).to(dtype) : at::Tensor();
         q[i].mutable_grad() = has ? p[i].grad().clone() : at::Tensor();
         (set.params[i].muon ? any_muon : any_adam) |= has;
       }
@@ -586,6 +624,8 @@ struct Sample {
   double max_mu_a_diff = 0;
   double max_mu_b_diff = 0;
   double max_sharded_vs_replicated = 0;
+  // bf16-mixed: the largest distance between a parameter and its master's bfloat16 cast.
+  double max_cast_diff = 0;
   size_t compared_values = 0;  // held by more than one rank and compared
   // The first non-finite element of every (rank, entry) that has one: "rank r name[i] = v".
   std::vector<std::string> nonfinite;
@@ -685,10 +725,37 @@ Sample assemble(const Config& c, const ParamSet& set, const std::vector<MuonStac
       s.max_sharded_vs_replicated =
           worse(s.max_sharded_vs_replicated, distance(values.at(i), mirror[i]));
   }
-  // Map entry names to the reference's logical names.
+  // Map entry names to the reference's logical names. Under bf16-mixed a parameter's logical
+  // value is its master (the optimizers' float32 copy, reassembled below).
   for (const ParamSpec& p : set.params) {
     s.logical[p.name] = raw.at(fmt::format("param.{}", p.name));
     s.shapes[p.name] = p.shape;
+  }
+  std::map<std::string, std::vector<double>> masters;
+  if (c.mixed) {
+    for (uint32_t k = 0; k < set.adam.size(); ++k)
+      masters[set.params[set.adam[k]].name] =
+          raw.at("adam." + entry_name(StateKey::of_param(k, StateField::kMaster)));
+    for (const MuonStack& st : stacks) {
+      const auto& m =
+          raw.at("muon." + entry_name(StateKey::of_stack(st.group, st.stack, StateField::kMaster)));
+      for (size_t j = 0; j < st.members.size(); ++j) {
+        const ParamSpec& p = set.params[st.members[j]];
+        const size_t mn = static_cast<size_t>(p.shape[0] * p.shape[1]);
+        masters[p.name].assign(m.begin() + j * mn, m.begin() + (j + 1) * mn);
+      }
+    }
+    for (auto& [name, master] : masters) {
+      const at::Tensor cast = at::tensor(master, at::kDouble)
+                                  .to(at::kFloat)
+                                  .to(at::kBFloat16)
+                                  .to(at::kDouble)
+                                  .contiguous();
+      const auto& param = s.logical.at(name);
+      for (size_t i = 0; i < master.size(); ++i)
+        s.max_cast_diff = worse(s.max_cast_diff, distance(param.at(i), cast.data_ptr<double>()[i]));
+      s.logical[name] = master;
+    }
   }
   // The reference's names of the AdamW state of a parameter, and the entries that hold it.
   const std::array<std::pair<const char*, StateField>, 3> adam_state = {
@@ -950,10 +1017,10 @@ int run(const Config& c) {
     return 1;
   }
   printf(
-      "world %u, %u steps, scenario %s%s, Muon orthogonalization in %s: ranks finished in "
+      "world %u, %u steps, scenario %s%s, Muon orthogonalization in %s%s: ranks finished in "
       "%.1fs\n",
       c.world, c.steps, c.scenario.c_str(), c.break_mask ? " (break-mask)" : "",
-      c.bf16 ? "bfloat16" : "float32", train_s);
+      c.bf16 ? "bfloat16" : "float32", c.mixed ? ", bf16-mixed (float32 masters)" : "", train_s);
   const auto sb = server.get("stress/adam_sharded");
   const std::string sharded(sb.begin(), sb.end());
   const int n_sharded =
@@ -989,6 +1056,16 @@ int run(const Config& c) {
               "max_mu_b_abs_diff=%.17g max_abs_param_diff=%.17g)\n",
               k, s.max_adam_diff, s.max_mu_a_diff, s.max_mu_b_diff, s.max_param_diff);
       ok = false;
+    }
+    if (c.mixed) {
+      printf(
+          "sample %u bf16-mixed: parameters against their masters' bfloat16 cast "
+          "max_abs_diff=%s\n",
+          k, exact(s.max_cast_diff).c_str());
+      if (s.max_cast_diff != 0.0) {
+        fprintf(stderr, "FAIL: a parameter is not its master's bfloat16 cast at sample %u\n", k);
+        ok = false;
+      }
     }
     if (s.max_sharded_vs_replicated != 0.0) {
       fprintf(stderr,
@@ -1028,7 +1105,7 @@ int run(const Config& c) {
       for (size_t i = 0; i < set.params.size(); ++i)
         if (present(c, set, s, r, i))
           grads.emplace_back(fmt::format("step{}.rank{}.{}", s, r, set.params[i].name),
-                             grad_value(set, s, r, i));
+                             grad_value(c, set, s, r, i));
   const json spec = {{"world_size", c.world},
                      {"steps", c.steps},
                      {"hyperparameters",
@@ -1145,6 +1222,9 @@ int main(int argc, char** argv) {
   app.add_flag("--keep", c.keep, "keep the reference inputs/outputs");
   app.add_flag("--bf16", c.bf16,
                "orthogonalize in bfloat16 (Muon reference tolerance 1.5e-3*sqrt(step))");
+  app.add_flag("--bf16-mixed", c.mixed,
+               "bf16-mixed: bfloat16 parameters and gradients, float32 masters in the optimizers "
+               "(compared with the reference; every parameter must be its master's cast)");
   app.add_option("--rendezvous-timeout", c.rendezvous_timeout_s, "store/rendezvous timeout, s");
   int expect_sharded = -1;
   app.add_option("--expect-adam-sharded", expect_sharded,
