@@ -11,7 +11,7 @@ full) it prints:
                   at once)
   megacpp GiB     the largest over the ranks of the trainer's peak resident size above its
                   resident size before the model was built (bench_result.json
-                  memoryAboveBaseline), what the plan estimates
+                  memory.aboveBaseline), what the plan estimates
   measured/plan   their ratio
   twin GiB        the same for the PyTorch twin (VmHWM above VmRSS before its model), max over
                   ranks; `selective` has no twin (torch has no per-op recomputation policy in
@@ -92,7 +92,7 @@ def run_megacpp(recipe, steps, tmp):
     with open(os.path.join(run, "receipts", "bench_result.json")) as f:
         r = json.load(f)
     shutil.rmtree(run, ignore_errors=True)
-    return r["memoryAboveBaseline"] / 2**30, r["tokensPerSecond"]
+    return r["memory"]["aboveBaseline"] / 2**30, r["tokensPerSecond"]
 
 
 def run_twin(recipe, precision, recompute, steps, tmp):

@@ -133,6 +133,8 @@ struct Manifest {
   blocks @25 :Text;
   # The recipe's memory settings (recipes/recipe.h TrainConfig): "fp32" | "bf16-mixed", the
   # dtype gradients were summed in across data parallel, and the activation recomputation.
+  # Absent when the recipe left them at their defaults (fp32, fp32, none), as its launch
+  # contract does, so a run made before they existed folds to the same manifest.
   precision @26 :Text;
   gradReduce @27 :Text;
   recompute @28 :Text;
@@ -165,11 +167,15 @@ struct BenchResult {
   precision @18 :Text;          # as Manifest.precision, gradReduce and recompute
   gradReduce @19 :Text;
   recompute @20 :Text;
-  # Host memory per rank, bytes, the largest over the ranks of the current attempt (journal
-  # StepRecord): the peak resident size, and the peak above the resident size before the model
-  # was built — what `megacpp plan` estimates per rank. 0 when no step recorded them.
-  memoryPeak @21 :Float64;
-  memoryAboveBaseline @22 :Float64;
+  memory @21 :RankMemory;       # absent when no step recorded it (journals before the field)
+}
+
+# Host memory per rank, bytes, the largest over the ranks of the current attempt (journal
+# StepRecord): the peak resident size, and the peak above the resident size before the model
+# was built — what `megacpp plan` estimates per rank.
+struct RankMemory {
+  peak @0 :Float64;
+  aboveBaseline @1 :Float64;
 }
 
 struct StepPoint {

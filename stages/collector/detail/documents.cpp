@@ -361,8 +361,11 @@ std::string bench_result_document(const FoldState& s, const RunView& v) {
   r.setWallSeconds(v.wall_seconds);
   r.setTokensPerSecond(v.wall_seconds > 0 ? v.tokens / v.wall_seconds : 0.0);
   r.setMeanStepSeconds(v.completed > 0 ? v.step_seconds_sum / v.completed : 0.0);
-  r.setMemoryPeak(v.memory_peak);
-  r.setMemoryAboveBaseline(v.memory_above_baseline);
+  if (v.memory_peak > 0) {
+    auto memory = r.initMemory();
+    memory.setPeak(v.memory_peak);
+    memory.setAboveBaseline(v.memory_above_baseline);
+  }
   const auto launch = s.launch();
   r.setDataset(launch.getDataset());
   r.setVolumes(launch.getVolumes());

@@ -36,9 +36,11 @@ void stamp_identity(Builder doc, const RunIdentity& id) {
   if constexpr (requires { doc.setMode(capnp::Text::Reader()); }) doc.setMode(id.mode);
   if constexpr (requires { doc.setBlocks(capnp::Text::Reader()); }) doc.setBlocks(id.blocks);
   if constexpr (requires { doc.setPrecision(capnp::Text::Reader()); }) {
-    doc.setPrecision(id.precision);
-    doc.setGradReduce(id.grad_reduce);
-    doc.setRecompute(id.recompute);
+    if (id.memory_declared) {  // else the defaults, unwritten as in the launch contract
+      doc.setPrecision(id.precision);
+      doc.setGradReduce(id.grad_reduce);
+      doc.setRecompute(id.recompute);
+    }
   }
   if constexpr (requires { doc.setDevice(capnp::Text::Reader()); }) doc.setDevice(id.device);
   if constexpr (requires { doc.setBuild(schema::Provenance::Reader()); }) doc.setBuild(id.build());

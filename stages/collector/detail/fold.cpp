@@ -82,6 +82,7 @@ void read_identity(schema::LaunchContract::Reader l, RunIdentity& id) {
   id.precision = train.precision;
   id.grad_reduce = train.grad_reduce;
   id.recompute = train.recompute;
+  id.memory_declared = l.getRecipe().getTrain().hasMemory();
   const capnp::Text::Reader device = l.getDevice();
   id.device = device.size() > 0 ? std::string(device.begin(), device.size()) : "cpu";
   id.build_copy.setRoot(l.getProvenance());

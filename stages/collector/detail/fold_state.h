@@ -37,7 +37,8 @@ struct RunIdentity {
   uint32_t attempt = 0;      // the current attempt (launch.json's)
   std::string mode, blocks;  // the recipe's mode and expanded pattern (launch contract)
   std::string precision, grad_reduce, recompute;  // the recipe's memory settings
-  std::string device;                             // launch.json's, "cpu" when it names none
+  bool memory_declared = false;  // the launch contract names them (not all defaults)
+  std::string device;            // launch.json's, "cpu" when it names none
   // The supervisor's build (launch.json's provenance). Written once, by read_identity;
   // mutable only because a message builder hands out its root through a non-const accessor.
   mutable capnp::MallocMessageBuilder build_copy;
