@@ -410,14 +410,8 @@ int cli(int argc, char** argv) {
                                  .device = plan_device,
                                  .cuda_trainer_built = mc::supervisor::cuda_trainer_built()};
       // --device cuda checks the budget by default: the device's memory, as `run` does.
-      if (po.memory_budget_gib <= 0 && plan_device == "cuda") {
-        if (const double device = mc::supervisor::cuda_device_memory_gib(); device > 0) {
-          po.memory_budget_gib = device;
-          po.memory_budget_source = fmt::format(
-              "the smallest visible CUDA device's {:.1f} GiB; --memory-budget sets another",
-              device);
-        }
-      }
+      if (plan_device == "cuda")
+        mc::supervisor::default_cuda_memory_budget(po.memory_budget_gib, po.memory_budget_source);
       const auto p = mc::recipe::make_plan(r, po);
       fmt::print("{}", mc::recipe::format_plan(p));
       // A plan `megacpp run` would refuse exits 1 (a script gates a launch on it); usage errors

@@ -67,6 +67,8 @@ bool cuda_trainer_built() {
   return std::filesystem::exists(detail::self_exe_dir() / "libmegacpp_trainer_cuda.so");
 }
 
+namespace {
+// The smallest visible CUDA device's memory in GiB; 0 when unknown.
 double cuda_device_memory_gib() {
   if (!cuda_trainer_built()) return 0;
   const std::string path = (detail::self_exe_dir() / "libmegacpp_trainer_cuda.so").string();
@@ -81,6 +83,16 @@ double cuda_device_memory_gib() {
   if (n <= 0) return 0;
   const uint64_t smallest = *std::min_element(bytes.begin(), bytes.begin() + n);
   return static_cast<double>(smallest) / static_cast<double>(1ull << 30);
+}
+}  // namespace
+
+void default_cuda_memory_budget(double& budget_gib, std::string& source) {
+  if (budget_gib > 0) return;
+  if (const double device = cuda_device_memory_gib(); device > 0) {
+    budget_gib = device;
+    source = fmt::format(
+        "the smallest visible CUDA device's {:.1f} GiB; --memory-budget sets another", device);
+  }
 }
 
 void RunOptions::validate() const {
@@ -600,13 +612,8 @@ void JobController::prepare() {
                            .memory_budget_gib = opt_.memory_budget_gib,
                            .device = opt_.device,
                            .cuda_trainer_built = cuda_trainer_built()};
-    if (po.memory_budget_gib <= 0 && opt_.device == "cuda") {
-      if (const double device = cuda_device_memory_gib(); device > 0) {
-        po.memory_budget_gib = device;
-        po.memory_budget_source = fmt::format(
-            "the smallest visible CUDA device's {:.1f} GiB; --memory-budget sets another", device);
-      }
-    }
+    if (opt_.device == "cuda")
+      default_cuda_memory_budget(po.memory_budget_gib, po.memory_budget_source);
     if (po.memory_budget_gib <= 0 && opt_.device == "cpu") {
       const double host = host_memory_gib();
       const uint32_t ranks = std::max<uint32_t>(opt_.ranks, 1);

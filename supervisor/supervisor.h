@@ -125,10 +125,11 @@ inline constexpr const char* kDetachedMarker = "megacpp: detached";
 // Whether the CUDA trainer plugin was built beside this executable: the feature-built gate of
 // --device cuda (recipes/plan.h).
 bool cuda_trainer_built();
-// The memory of the smallest CUDA device visible to this process, in GiB, as the CUDA plugin
-// reads it (loading the plugin, and with it torch's CUDA libraries, into this process); 0 when
-// the plugin is not built or no device is visible. The memory-budget gate's default for
-// --device cuda.
-double cuda_device_memory_gib();
+// The memory-budget gate's default for --device cuda (`run` and `plan`): when `budget_gib` is 0,
+// the memory of the smallest CUDA device visible to this process, in GiB, as the CUDA plugin
+// reads it (loading the plugin, and with it torch's CUDA libraries, into this process), and
+// `source` saying so. Leaves both as they are when the plugin is not built or no device is
+// visible.
+void default_cuda_memory_budget(double& budget_gib, std::string& source);
 
 }  // namespace megacpp::supervisor

@@ -235,8 +235,7 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
 
     const at::Tensor m = mask[static_cast<int64_t>(i)];
     // With master weights the update runs on the float32 master; the parameter gets its cast.
-    at::Tensor compute_dest = p_owned;
-    if (q.master.defined()) p_owned = q.master;
+    const at::Tensor target = q.master.defined() ? q.master : p_owned;
     if (in_place) {
       // The same operations on the same operands as below, in place and without the selects
       // (m is true; the decay factor 1 - lr * 0 is exactly 1): the same bits.
@@ -248,11 +247,11 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
       const at::Tensor bias2 = 1 - s.beta2.pow(tc);
       at::Tensor step = (q.exp_avg_sq / bias2).sqrt_().add_(s.eps);
       at::div_out(step, q.exp_avg, step);
-      p_owned.sub_(step.mul_(s.lr / bias1));
+      target.sub_(step.mul_(s.lr / bias1));
       clock.lap(&OptimizerPhaseTimes::update);
     } else {
       const at::Tensor g32 = g.to(at::kFloat);
-      const at::Tensor p32 = p_owned.to(at::kFloat);
+      const at::Tensor p32 = target.to(at::kFloat);
       const at::Tensor t = q.step + m.to(at::kFloat);
       const at::Tensor tc = t.clamp_min(1.0);  // a skipped first step must not divide by zero
       at::Tensor p_new = p32 * (1 - s.lr * s.weight_decay);
@@ -263,13 +262,13 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
       const at::Tensor denom = (eas / bias2).sqrt() + s.eps;
       p_new = p_new - (ea / denom) * (s.lr / bias1);
 
-      p_owned.copy_(at::where(m, p_new, p32));
+      target.copy_(at::where(m, p_new, p32));
       q.exp_avg.copy_(at::where(m, ea, q.exp_avg));
       q.exp_avg_sq.copy_(at::where(m, eas, q.exp_avg_sq));
       q.step.copy_(t);
       clock.lap(&OptimizerPhaseTimes::update);
     }
-    if (q.master.defined()) compute_dest.copy_(q.master);
+    if (q.master.defined()) p_owned.copy_(q.master);
     if (q.sharded) {
       at::Tensor rows = q.p.detach().view({-1});
       exchange_->all_gather(rows);

@@ -192,17 +192,15 @@ at::Tensor BlockImpl::forward_selective(const at::Tensor& x, const at::Tensor& c
   }
 }
 
-at::Tensor BlockImpl::forward_full(const at::Tensor& x, const at::Tensor& cos,
-                                   const at::Tensor& sin) {
-  std::vector<at::Tensor> inputs{x, cos, sin};
-  for (const at::Tensor& p : parameters()) inputs.push_back(p);
-  // The MoE layer's aux loss is the region's second output; the recomputation in backward
-  // puts back the one this forward recorded.
+at::Tensor detail::recompute_block(BlockImpl& block, std::vector<at::Tensor> inputs,
+                                   std::function<at::Tensor(const std::vector<at::Tensor>&)> body) {
+  for (const at::Tensor& p : block.parameters()) inputs.push_back(p);
+  MoeImpl* moe = block.moe ? block.moe.get() : nullptr;
   const auto out = detail::recompute(
-      [this](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
-        if (!moe) return {forward_none(in[0], in[1], in[2])};
+      [body = std::move(body), moe](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+        if (!moe) return {body(in)};
         const at::Tensor recorded = moe->aux_loss();
-        at::Tensor y = forward_none(in[0], in[1], in[2]);
+        at::Tensor y = body(in);
         at::Tensor aux = moe->aux_loss();
         moe->set_aux_loss(recorded);
         return {std::move(y), std::move(aux)};
@@ -210,6 +208,13 @@ at::Tensor BlockImpl::forward_full(const at::Tensor& x, const at::Tensor& cos,
       std::move(inputs));
   if (moe) moe->set_aux_loss(out[1]);
   return out[0];
+}
+
+at::Tensor BlockImpl::forward_full(const at::Tensor& x, const at::Tensor& cos,
+                                   const at::Tensor& sin) {
+  return detail::recompute_block(*this, {x, cos, sin}, [this](const std::vector<at::Tensor>& in) {
+    return forward_none(in[0], in[1], in[2]);
+  });
 }
 
 TransformerImpl::TransformerImpl(const ModelConfig& c, uint32_t seed) : config_(c) {

@@ -3,8 +3,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <vector>
 
 #include <torch/torch.h>
+
+namespace megacpp::trainer {
+class BlockImpl;
+}  // namespace megacpp::trainer
 
 namespace megacpp::trainer::detail {
 
@@ -26,5 +32,13 @@ inline at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   const auto x2 = x.narrow(-1, half, half);
   return torch::cat({x1 * cos + x2 * sin, x2 * cos - x1 * sin}, -1);
 }
+
+// train.recompute = full: `body(inputs)` as one recomputed region (recompute.h) whose inputs are
+// `inputs` followed by `block`'s parameters. The MoE layer's aux loss is the region's second
+// output: the recomputation in backward puts back the one the forward recorded. `body` must
+// capture by value what it reads (it runs again in backward). BlockImpl's full forward and the
+// tensor-parallel branch's use it (model.cpp).
+at::Tensor recompute_block(BlockImpl& block, std::vector<at::Tensor> inputs,
+                           std::function<at::Tensor(const std::vector<at::Tensor>&)> body);
 
 }  // namespace megacpp::trainer::detail

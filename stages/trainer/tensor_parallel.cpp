@@ -211,27 +211,14 @@ at::Tensor mamba(const MambaImpl& m, const at::Tensor& hf, const TensorParallel&
   return detail::recompute_into_linear(normed, {g[0], mean_sq, norm_w}, {out_w})[0];
 }
 
-// "full": a branch's local compute between its gather and its reduce-scatter is one region, its
-// inputs the gathered input and the block's parameters; the collectives stay outside it
-// (recompute.h). `body` must capture by value what it reads (it runs again in backward). The MoE
-// layer's aux loss is the region's second output, as in BlockImpl's full forward.
+// "full": a branch's local compute between its gather and its reduce-scatter is one region
+// (model_internal.h recompute_block), its inputs the gathered input and the block's parameters;
+// the collectives stay outside it (recompute.h). `body` must capture by value what it reads.
 at::Tensor full_branch(BlockImpl& block, const at::Tensor& hf,
                        std::function<at::Tensor(const at::Tensor&)> body) {
-  std::vector<at::Tensor> inputs{hf};
-  for (const at::Tensor& p : block.parameters()) inputs.push_back(p);
-  MoeImpl* moe = block.moe ? block.moe.get() : nullptr;
-  const auto out = detail::recompute(
-      [body = std::move(body), moe](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
-        if (!moe) return {body(in[0])};
-        const at::Tensor recorded = moe->aux_loss();
-        at::Tensor y = body(in[0]);
-        at::Tensor aux = moe->aux_loss();
-        moe->set_aux_loss(recorded);
-        return {std::move(y), std::move(aux)};
-      },
-      std::move(inputs));
-  if (moe) moe->set_aux_loss(out[1]);
-  return out[0];
+  return detail::recompute_block(
+      block, {hf},
+      [body = std::move(body)](const std::vector<at::Tensor>& in) { return body(in[0]); });
 }
 
 }  // namespace

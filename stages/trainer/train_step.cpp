@@ -107,10 +107,12 @@ struct TrainStep::Impl {
     if (pg && world > 1) broadcast_parameters(pg);
     if (tp.size > 1) broadcast_parameters(tp.group);
     // bf16-mixed: the optimizers' float32 masters start from the float32 initialisation; the
-    // model (parameters and buffers) computes in bfloat16 from here on.
+    // model (parameters and buffers) computes in bfloat16 from here on. No copy: the cast
+    // gives each parameter new storage (Module::to sets its data), the detached tensors keep
+    // the float32 one until the optimizers have copied what they own.
     std::map<std::string, at::Tensor> masters;
     if (t.bf16_mixed()) {
-      for (const auto& [name, p] : params) masters.emplace(name, p.detach().clone());
+      for (const auto& [name, p] : params) masters.emplace(name, p.detach());
       model->to(at::kBFloat16);
       params.clear();
       for (auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());

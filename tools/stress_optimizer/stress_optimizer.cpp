@@ -258,16 +258,12 @@ at::Tensor randn(at::IntArrayRef shape, uint64_t seed) {
 at::Tensor init_value(const ParamSet& set, size_t i) {
   return randn(set.params[i].shape, 1000 + i) * 0.5;
 }
-at::Tensor grad_value_f32(const ParamSet& set, uint32_t step, uint32_t rank, size_t i);
 // The gradient a rank's parameter receives: float32, or its bfloat16 rounding under bf16-mixed
 // (as float32 for the reference, which replays the same values).
 at::Tensor grad_value(const Config& c, const ParamSet& set, uint32_t step, uint32_t rank,
                       size_t i) {
-  const at::Tensor g = grad_value_f32(set, step, rank, i);
+  const at::Tensor g = randn(set.params[i].shape, mix3(step, rank, i));
   return c.mixed ? g.to(at::kBFloat16).to(at::kFloat) : g;
-}
-at::Tensor grad_value_f32(const ParamSet& set, uint32_t step, uint32_t rank, size_t i) {
-  return randn(set.params[i].shape, mix3(step, rank, i));
 }
 
 // The hybrid scenario's routing: expert e received no token on `rank` at `step` (so its matrices
