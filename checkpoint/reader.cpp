@@ -87,11 +87,13 @@ CheckpointReader::CheckpointReader(const fs::path& dir) : dir_(dir) {
         std::string_view(reinterpret_cast<const char*>(map.base), 8 + header_bytes), map.size);
     const std::byte* data = map.base + 8 + header.header_bytes;
 
-    // Sharded entries: name -> (logical, full shape, first row), from the rank's layout.
+    // Sharded entries: name -> (logical, full shape, first index along dim), from the rank's
+    // layout.
     struct Shard {
       std::string logical;
       std::vector<uint64_t> full_shape;
       uint64_t offset = 0;
+      uint64_t dim = 0;
     };
     std::map<std::string, Shard> shards;
     if (auto it = header.metadata.find("megacpp.layout"); it != header.metadata.end()) {
@@ -109,7 +111,7 @@ CheckpointReader::CheckpointReader(const fs::path& dir) : dir_(dir) {
         for (const auto& [name, s] : layout.at("shards").items()) {
           shards[name] = Shard{s.at("logical").get<std::string>(),
                                s.at("full_shape").get<std::vector<uint64_t>>(),
-                               s.at("offset").get<uint64_t>()};
+                               s.at("offset").get<uint64_t>(), s.value("dim", uint64_t{0})};
         }
       } catch (const nlohmann::json::exception& e) {
         corrupt(path, fmt::format("megacpp.layout: {}", e.what()));
@@ -123,19 +125,28 @@ CheckpointReader::CheckpointReader(const fs::path& dir) : dir_(dir) {
       piece.data = {data + t.begin, t.end - t.begin};
       std::string logical = t.name;
       std::vector<uint64_t> full_shape = t.shape;
+      bool columns = false;
       if (auto s = shards.find(t.name); s != shards.end()) {
         logical = s->second.logical;
         full_shape = s->second.full_shape;
-        piece.row = s->second.offset;
-        if (t.shape.empty() || full_shape.size() != t.shape.size() ||
-            !std::equal(t.shape.begin() + 1, t.shape.end(), full_shape.begin() + 1))
+        columns = s->second.dim == 1;
+        const bool fits =
+            columns
+                ? t.shape.size() == 2 && full_shape.size() == 2 && t.shape[0] == full_shape[0] &&
+                      s->second.offset + t.shape[1] <= full_shape[1]
+                : s->second.dim == 0 && !t.shape.empty() && full_shape.size() == t.shape.size() &&
+                      std::equal(t.shape.begin() + 1, t.shape.end(), full_shape.begin() + 1);
+        if (!fits)
           corrupt(path, fmt::format("shard {} of shape {} does not fit {} of shape {}", t.name,
                                     nlohmann::json(t.shape).dump(), logical,
                                     nlohmann::json(full_shape).dump()));
+        if (!columns) piece.row = s->second.offset;
       }
       piece.rows = t.shape.empty() ? 1 : t.shape[0];
       const uint64_t row_bytes =
-          t.shape.empty() ? elem : elem * product(std::span(t.shape).subspan(1));
+          full_shape.empty() ? elem : elem * product(std::span(full_shape).subspan(1));
+      piece.col_bytes = columns ? elem * t.shape[1] : row_bytes;
+      if (columns) piece.col_offset = elem * shards.at(t.name).offset;
       auto [it, fresh] = tensors_.try_emplace(logical);
       StoredTensor& st = it->second;
       if (fresh) {
@@ -147,16 +158,20 @@ CheckpointReader::CheckpointReader(const fs::path& dir) : dir_(dir) {
         corrupt(path, fmt::format("{} disagrees with another rank's shard of {}", t.name, logical));
       }
       for (const auto& other : st.pieces) {
-        if (piece.row < other.row + other.rows && other.row < piece.row + piece.rows)
+        if (piece.row < other.row + other.rows && other.row < piece.row + piece.rows &&
+            piece.col_offset < other.col_offset + other.col_bytes &&
+            other.col_offset < piece.col_offset + piece.col_bytes)
           corrupt(path,
                   fmt::format("{} overlaps rank {}'s rows of {}", t.name, other.rank, logical));
       }
+      st.column_blocks = st.column_blocks || columns;
       st.pieces.push_back(piece);
     }
   }
   for (auto& [name, t] : tensors_) {
-    std::sort(t.pieces.begin(), t.pieces.end(),
-              [](const auto& a, const auto& b) { return a.row < b.row; });
+    std::sort(t.pieces.begin(), t.pieces.end(), [](const auto& a, const auto& b) {
+      return a.row != b.row ? a.row < b.row : a.col_offset < b.col_offset;
+    });
   }
 }
 
@@ -175,6 +190,26 @@ void CheckpointReader::read_rows(const StoredTensor& t, uint64_t row, uint64_t r
   const uint64_t real_rows = t.full_shape.empty() ? 1 : t.full_shape[0];
   uint64_t at = row;
   const uint64_t end = row + rows;
+  if (t.column_blocks) {
+    // Blocks of columns (a matrix's tensor-parallel parts): every byte of the rows asked for
+    // must be stored, and the pieces never overlap, so their bytes add up to all of them.
+    uint64_t filled = 0;
+    for (const auto& p : t.pieces) {
+      const uint64_t lo = std::max(row, p.row), hi = std::min(end, p.row + p.rows);
+      for (uint64_t r = lo; r < hi; ++r)
+        std::memcpy(out.data() + (r - row) * t.row_bytes + p.col_offset,
+                    p.data.data() + (r - p.row) * p.col_bytes, p.col_bytes);
+      if (hi > lo) filled += (hi - lo) * p.col_bytes;
+    }
+    if (filled == out.size()) return;
+    if (ranks_ < world_)
+      MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                   "checkpoint {} is one node's part (ranks {}..{} of world {}): part of {} is in "
+                   "another node's part; resume the job with the same nodes and ranks per node",
+                   dir_.string(), first_rank_, first_rank_ + ranks_ - 1, world_, t.name);
+    MEGACPP_FAIL(ErrorKind::kCorruption, "checkpoint {}: {} is not wholly stored (rows {}..{})",
+                 dir_.string(), t.name, row, end - 1);
+  }
   for (const auto& p : t.pieces) {
     if (p.row + p.rows <= at) continue;
     if (p.row > at) break;

@@ -19,7 +19,8 @@ namespace fs = std::filesystem;
 
 // A logical tensor of a checkpoint (DESIGN.md "Decisions": snapshot ownership), as it lies in
 // the rank files: one replicated tensor, or the shards of several ranks, each a block of rows
-// along dim 0 starting at `row`. A Muon stack's last shard may hold padding rows past
+// along dim 0 starting at `row`, or (a matrix's tensor-parallel parts) a block of columns
+// along dim 1 of every row. A Muon stack's last shard may hold padding rows past
 // full_shape[0]; they belong to no parameter.
 struct StoredTensor {
   std::string name;  // logical name ("model.<param>", "optim.adamw.<param>.exp_avg", ...)
@@ -29,10 +30,15 @@ struct StoredTensor {
   struct Piece {
     uint32_t rank = 0;
     uint64_t row = 0;
-    uint64_t rows = 0;                // 1 for a 0-D tensor
-    std::span<const std::byte> data;  // rows * row_bytes, inside the reader's mapping
+    uint64_t rows = 0;  // 1 for a 0-D tensor
+    // The bytes of each of its rows it holds: [col_offset, col_offset + col_bytes) of
+    // row_bytes (all of them but in a column block).
+    uint64_t col_offset = 0;
+    uint64_t col_bytes = 0;
+    std::span<const std::byte> data;  // rows * col_bytes, inside the reader's mapping
   };
-  std::vector<Piece> pieces;  // ascending row
+  std::vector<Piece> pieces;   // ascending row, then column
+  bool column_blocks = false;  // some piece is a block of columns
 };
 
 // A committed checkpoint opened for reading: checkpoint.json, then every rank file mapped

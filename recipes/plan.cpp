@@ -237,11 +237,26 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
   const uint64_t c = mixed ? 2 : 4;                                    // compute dtype bytes
   const uint64_t rb = mixed && r.train.grad_reduce == "bf16" ? 2 : 4;  // reduction dtype bytes
   const bool gloo = o.device != "cuda";
-  uint64_t held = 0;
+  // Tensor-parallel weight shards (stages/trainer/tensor_parallel.h): a rank holds 1/tp of every
+  // block matrix (a routed expert whole on one rank of tp; Mamba in_proj's B and C rows whole
+  // on every rank) and every other parameter whole. DistMuon steps the matrices whole over
+  // the job (dp x tp ranks) on whole copies of the entries it owns; DistAdamW the whole
+  // parameters over data parallel.
+  const uint64_t mw = dp * tp;  // DistMuon's world
+  uint64_t held = 0, tp_reduced = 0;
   std::map<std::tuple<std::string, int64_t, int64_t>, uint64_t> stacks;  // -> entries
   uint64_t adam_bytes = 0, adam_owned = 0, adam_elements = 0;
   for (const ParamShape* s : all) {
-    held += s->numel();
+    if (tp > 1 && s->optimizer == "muon") {
+      const bool in_proj = s->name.ends_with("mamba.in_proj.weight");
+      const uint64_t whole_rows = in_proj ? 2 * uint64_t{m.ssm.d_state} : 0;
+      const uint64_t row = static_cast<uint64_t>(s->shape[1]);
+      held += ceil_div(s->numel() - whole_rows * row, tp) + whole_rows * row;
+      tp_reduced += whole_rows * row;
+    } else {
+      held += s->numel();
+      if (tp > 1) tp_reduced += s->numel();
+    }
     if (s->optimizer == "muon") {
       ++stacks[{s->group, s->shape[0], s->shape[1]}];
     } else {
@@ -257,32 +272,37 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
     const auto& [group, rows, cols] = key;
     const uint64_t second = (group == "qkv" || rows >= cols) ? rows : cols;
     const uint64_t numel = static_cast<uint64_t>(rows * cols);
-    muon_bytes += ceil_div(entries, dp) * (numel + second) * 4;
-    muon_owned += ceil_div(entries, dp) * numel;
-    muon_padded += ceil_div(entries, dp) * dp * numel;
+    muon_bytes += ceil_div(entries, mw) * (numel + second) * 4;
+    muon_owned += ceil_div(entries, mw) * numel;
+    muon_padded += ceil_div(entries, mw) * mw * numel;
     muon_entry = std::max(muon_entry, numel);
   }
   // DistMuon's buffers hold its largest bucket: at most kMuonBucketNumel elements, or one
   // entry per rank when an entry is larger.
   const uint64_t bucket = std::min(
-      muon_padded, std::max(static_cast<uint64_t>(kMuonBucketNumel) / dp * dp, muon_entry * dp));
+      muon_padded, std::max(static_cast<uint64_t>(kMuonBucketNumel) / mw * mw, muon_entry * mw));
   p.memory.parameters = c * held;
   p.memory.gradients = c * held;
-  p.memory.master = mixed ? 4 * (adam_owned + muon_owned) : 0;
+  // Float32 masters (bf16-mixed); under tensor parallelism DistMuon's whole copies of its
+  // entries in every precision (float32 either way).
+  p.memory.master = (mixed ? 4 * adam_owned : 0) + (mixed || tp > 1 ? 4 * muon_owned : 0);
   p.memory.optimizer = muon_bytes + adam_bytes;
   uint64_t buffers = rb * bucket;  // DistMuon's stacked gradients
-  if (dp > 1) {
+  if (mw > 1) {
     buffers += c * bucket;  // its gathered parameters
-    buffers += gloo ? rb * bucket * (dp - 1) / dp : rb * bucket / dp;
-    if (gloo && rb == 4) {
-      // DistAdamW's bucket; it rides in every segment of DistMuon's exchange (and so in its
-      // receive space) at dp <= 2 or up to 2^20 elements, else is all-reduced on its own.
-      // Elsewhere DistAdamW reduces a parameter at a time (nothing kept).
-      const bool rides = dp <= 2 || adam_elements <= (uint64_t{1} << 20);
-      buffers +=
-          4 * adam_elements + 4 * adam_elements * (dp - 1) + (rides ? 4 * adam_elements * dp : 0);
-    }
+    buffers += gloo ? rb * bucket * (mw - 1) / mw : rb * bucket / mw;
   }
+  if (dp > 1 && gloo && rb == 4) {
+    // DistAdamW's bucket; without tensor parallelism it rides in every segment of DistMuon's
+    // exchange (and so in its receive space) at dp <= 2 or up to 2^20 elements, else is
+    // all-reduced on its own. Elsewhere DistAdamW reduces a parameter at a time (nothing kept).
+    const bool rides = tp == 1 && (dp <= 2 || adam_elements <= (uint64_t{1} << 20));
+    buffers +=
+        4 * adam_elements + 4 * adam_elements * (dp - 1) + (rides ? 4 * adam_elements * dp : 0);
+  }
+  // The tensor-parallel sum of the gradients every rank of a group holds (one flat buffer
+  // at the end of backward).
+  buffers += c * tp_reduced;
   p.memory.buffers = buffers;
   // The logits and the cross-entropy's log-probabilities, float32; bf16-mixed also keeps the
   // bfloat16 logits the float32 copy is made from.
@@ -295,12 +315,12 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
   // Gram matrix with its square and their sum (min(rows, cols)^2 each), in the orthogonalization's
   // dtype — and keeps float32 temporaries of the update's variance reduction (two rows x cols).
   const uint64_t ob = r.train.optim.muon_bf16 ? 2 : 4;
-  const uint64_t seg_limit = std::max<uint64_t>(1, static_cast<uint64_t>(kMuonBucketNumel) / dp);
+  const uint64_t seg_limit = std::max<uint64_t>(1, static_cast<uint64_t>(kMuonBucketNumel) / mw);
   for (const auto& [key, entries] : stacks) {
     const auto& [group, rows, cols] = key;
     const auto R = static_cast<uint64_t>(rows), C = static_cast<uint64_t>(cols);
     const uint64_t owned =
-        std::min(ceil_div(entries, dp), std::max<uint64_t>(1, seg_limit / (R * C)));
+        std::min(ceil_div(entries, mw), std::max<uint64_t>(1, seg_limit / (R * C)));
     const uint64_t small = std::min(R, C);
     p.memory.working =
         std::max(p.memory.working, owned * ((3 * R * C + 3 * small * small) * ob + 2 * R * C * 4));

@@ -10,26 +10,32 @@
 // Memory model (bytes per rank; tp = the mode's tensor-parallel degree, dp = ranks / tp; c =
 // the compute dtype's bytes, 4 for train.precision fp32 and 2 for bf16-mixed; r = the bytes of
 // the dtype gradients are summed in, train.grad_reduce; the moments and masters are float32), as
-// this build allocates it: a tensor-parallel rank computes with slices of the parameters but
-// holds them whole (stages/trainer/tensor_parallel.h), so only activations divide by tp:
-//   parameters and gradients  c B per element of every parameter
+// this build allocates it. A tensor-parallel rank holds its slices of the block matrices
+// (stages/trainer/tensor_parallel.h weight shards) and every other parameter whole; DistMuon
+// steps the matrices whole over the job's w = dp x tp ranks (w = dp without tensor
+// parallelism), DistAdamW the other parameters over dp:
+//   parameters and gradients  c B per element held: 1/tp of every block matrix (Mamba
+//                             in_proj's B and C rows whole), every other parameter whole
 //   master weights            bf16-mixed: 4 B per element the rank's optimizers own (a sharded
 //                             DistAdamW parameter's rows, a replicated one whole, DistMuon's
-//                             ceil(n / dp) entries of each stack)
-//   DistMuon state            per stack of same-shape matrices in a group, ceil(n / dp) owned
+//                             ceil(n / w) entries of each stack); tensor parallel in fp32:
+//                             DistMuon's whole copies of its entries, 4 B each
+//   DistMuon state            per stack of same-shape matrices in a group, ceil(n / w) owned
 //                             entries x (rows x cols momentum + the factored second moment: rows
 //                             when rows >= cols or the group is qkv-split, else cols) x 4 B
 //   DistAdamW state           8 B per element (two moments), / dp when the tensor is sharded
 //                             (numel >= adamw_crossover and shape[0] % dp == 0)
 //   exchange buffers          kept from one step to the next (stages/trainer/optim.h): DistMuon's
 //                             stacked gradients of its largest bucket, r B x P (P = every stack
-//                             padded to ceil(n / dp) x dp entries, at most kMuonBucketNumel or one
-//                             entry per rank), its gathered parameters c B x P when dp > 1, the
-//                             exchange's receive space r B x P (dp - 1) / dp (Gloo) or P / dp
+//                             padded to ceil(n / w) x w entries, at most kMuonBucketNumel or one
+//                             entry per rank), its gathered parameters c B x P when w > 1, the
+//                             exchange's receive space r B x P (w - 1) / w (Gloo) or P / w
 //                             (NCCL); on Gloo with float32 sums DistAdamW's gradient bucket 4 B x
 //                             A (A = its elements), its receive space 4 B x A (dp - 1) and, when
-//                             it rides in DistMuon's exchange (dp <= 2 or A <= 2^20), 4 B x A x
-//                             dp more there; nothing at dp 1 (no exchange)
+//                             it rides in DistMuon's exchange (tp 1 and dp <= 2 or A <= 2^20),
+//                             4 B x A x dp more there; under tensor parallelism the flat buffer
+//                             summing over the group what every rank holds, c B per element;
+//                             nothing at w 1 (no exchange)
 //   activations               batch_size x seq_len tokens x (sum over layers of the block's
 //                             activation_floats estimate x c B + the logits and the
 //                             cross-entropy's log-probabilities, 8 B x vocab, and bf16-mixed's
@@ -59,7 +65,8 @@ struct ParamShape {
   std::vector<int64_t> shape;
   std::string optimizer;  // "muon" | "adamw"
   std::string group;      // DistMuon: "qkv" | "matrices"; DistAdamW: "embed" | "head" | "other"
-  // Computed in slices across the tensor-parallel group (all but the MoE router); held whole.
+  // Computed in slices across the tensor-parallel group (all but the MoE router); held in
+  // slices when a block matrix (DistMuon's: tensor-parallel weight shards), else whole.
   bool tp_split = true;
   uint64_t numel() const;
 };

@@ -37,6 +37,42 @@ struct DistMuon::Stack {
   at::Tensor momentum;  // (chunk, rows, cols): this rank's entries [rank*chunk, ...)
   at::Tensor second;    // (chunk, rows, 1) or (chunk, 1, cols)
   at::Tensor master;    // master weights: (chunk, rows, cols) float32 of the owned entries
+  // Tensor-parallel parts (MatrixPart), one per entry; empty: every entry is whole. With parts
+  // rows and cols are the whole matrix's, and `master` holds the owned entries whole.
+  std::vector<MatrixPart> parts;
+
+  // Entry i's gradient into its slot of the stacked buffer (rows * cols elements): the whole
+  // gradient, or the contributing blocks of this rank's part with zeros elsewhere.
+  void pack(size_t i, at::Tensor dst) const {
+    const at::Tensor& grad = params[i].grad();
+    if (parts.empty() && grad.defined()) {
+      dst.copy_(grad.detach().reshape({-1}));
+      return;
+    }
+    dst.zero_();
+    if (!grad.defined()) return;
+    const MatrixPart& part = parts[i];
+    const at::Tensor whole = dst.view({rows, cols});
+    for (const auto& b : part.blocks) {
+      if (b.contributes)
+        whole.narrow(part.dim, b.full_offset, b.size)
+            .copy_(grad.detach().narrow(part.dim, b.local_offset, b.size));
+    }
+  }
+  // Entry i's new value (the whole matrix, any shape of rows * cols elements) into the
+  // parameter: all of it, or the blocks of this rank's part.
+  void put(size_t i, const at::Tensor& value) const {
+    const at::Tensor p = params[i].detach();
+    if (parts.empty()) {
+      p.view({-1}).copy_(value.reshape({-1}));
+      return;
+    }
+    const MatrixPart& part = parts[i];
+    const at::Tensor whole = value.view({rows, cols});
+    for (const auto& b : part.blocks)
+      p.narrow(part.dim, b.local_offset, b.size)
+          .copy_(whole.narrow(part.dim, b.full_offset, b.size));
+  }
 };
 
 struct DistMuon::Group {
@@ -82,17 +118,50 @@ void DistMuon::add_param_group(MuonParamGroup group) {
     const at::Tensor& p = group.params[i];
     MEGACPP_CHECK(p.defined(), ErrorKind::kInvalidArgument,
                   fmt::format("DistMuon group {} parameter {} is undefined", gi, i));
-    MEGACPP_CHECK(group.masters.empty() ||
-                      (options_.master_weights && group.masters.size() == group.params.size() &&
-                       group.masters[i].sizes() == p.sizes()),
-                  ErrorKind::kInvalidArgument,
-                  fmt::format("DistMuon group {}: masters need master_weights and one per "
-                              "parameter of its shape",
-                              gi));
     MEGACPP_CHECK(p.dim() == 2, ErrorKind::kInvalidArgument,
                   fmt::format("DistMuon takes 2-D parameters only: group {} parameter {} has "
                               "shape {} ({}-D); give it to AdamW or reshape it to a matrix",
                               gi, i, shape_str(p.sizes()), p.dim()));
+    const bool parted = !group.parts.empty();
+    MEGACPP_CHECK(!parted || group.parts.size() == group.params.size(), ErrorKind::kInvalidArgument,
+                  fmt::format("DistMuon group {}: {} parts for {} parameters", gi,
+                              group.parts.size(), group.params.size()));
+    std::vector<int64_t> whole = p.sizes().vec();
+    if (parted) {
+      const MatrixPart& part = group.parts[i];
+      whole = part.full_shape;
+      const int64_t other = 1 - part.dim;
+      bool fits = whole.size() == 2 && (part.dim == 0 || part.dim == 1) &&
+                  (part.blocks.empty() || p.size(other) == whole[static_cast<size_t>(other)]);
+      for (const auto& b : part.blocks) {
+        fits = fits && b.size > 0 && b.local_offset >= 0 && b.full_offset >= 0 &&
+               b.local_offset + b.size <= p.size(part.dim) &&
+               b.full_offset + b.size <= whole[static_cast<size_t>(part.dim)];
+      }
+      MEGACPP_CHECK(fits, ErrorKind::kInvalidArgument,
+                    fmt::format("DistMuon group {} parameter {} of shape {}: its part does not "
+                                "fit a matrix of shape {}",
+                                gi, i, shape_str(p.sizes()), shape_str(whole)));
+    }
+    MEGACPP_CHECK(parted ? group.masters.size() == group.params.size() &&
+                               group.masters[i].sizes().vec() == whole
+                         : group.masters.empty() || (options_.master_weights &&
+                                                     group.masters.size() == group.params.size() &&
+                                                     group.masters[i].sizes() == p.sizes()),
+                  ErrorKind::kInvalidArgument,
+                  fmt::format("DistMuon group {}: masters need master_weights (or parts) and one "
+                              "per parameter of its whole shape",
+                              gi));
+    if (!group.qkv_split_sizes.empty()) {
+      int64_t sum = 0;
+      for (int64_t v : group.qkv_split_sizes) {
+        MEGACPP_CHECK(v > 0, ErrorKind::kInvalidArgument, "qkv_split_sizes must be positive");
+        sum += v;
+      }
+      MEGACPP_CHECK(sum == whole[0], ErrorKind::kInvalidArgument,
+                    fmt::format("qkv_split_sizes sum to {} but group {} parameter {} has shape {}",
+                                sum, gi, i, shape_str(p.sizes())));
+    }
     MEGACPP_CHECK(p.is_floating_point() && p.is_contiguous() && p.device() == first.device() &&
                       p.scalar_type() == first.scalar_type(),
                   ErrorKind::kInvalidArgument,
@@ -104,16 +173,6 @@ void DistMuon::add_param_group(MuonParamGroup group) {
       MEGACPP_CHECK(p.device() == any.device(), ErrorKind::kInvalidArgument,
                     "DistMuon parameters on different devices");
     }
-    if (!group.qkv_split_sizes.empty()) {
-      int64_t sum = 0;
-      for (int64_t v : group.qkv_split_sizes) {
-        MEGACPP_CHECK(v > 0, ErrorKind::kInvalidArgument, "qkv_split_sizes must be positive");
-        sum += v;
-      }
-      MEGACPP_CHECK(sum == p.size(0), ErrorKind::kInvalidArgument,
-                    fmt::format("qkv_split_sizes sum to {} but group {} parameter {} has shape {}",
-                                sum, gi, i, shape_str(p.sizes())));
-    }
   }
   Group g;
   const at::Device device = first.device();
@@ -122,14 +181,23 @@ void DistMuon::add_param_group(MuonParamGroup group) {
   g.s.beta2 = scalar_tensor(group.beta2, device);
   g.s.weight_decay = scalar_tensor(group.weight_decay, device);
   g.qkv = group.qkv_split_sizes;
+  const bool parted = !group.parts.empty();
   std::map<std::pair<int64_t, int64_t>, std::vector<size_t>> by_shape;  // sorted shapes
-  for (size_t i = 0; i < group.params.size(); ++i)
-    by_shape[{group.params[i].size(0), group.params[i].size(1)}].push_back(i);
+  for (size_t i = 0; i < group.params.size(); ++i) {
+    if (parted) {
+      by_shape[{group.parts[i].full_shape[0], group.parts[i].full_shape[1]}].push_back(i);
+    } else {
+      by_shape[{group.params[i].size(0), group.params[i].size(1)}].push_back(i);
+    }
+  }
   for (auto& [shape, members] : by_shape) {
     Stack s;
     s.rows = shape.first;
     s.cols = shape.second;
-    for (size_t i : members) s.params.push_back(group.params[i]);
+    for (size_t i : members) {
+      s.params.push_back(group.params[i]);
+      if (parted) s.parts.push_back(group.parts[i]);
+    }
     s.members = std::move(members);
     const auto n = static_cast<int64_t>(s.params.size());
     s.chunk = options_.replicated ? n : (n + world_ - 1) / world_;
@@ -139,7 +207,7 @@ void DistMuon::add_param_group(MuonParamGroup group) {
     s.momentum = at::zeros({s.chunk, s.rows, s.cols}, opts);
     s.second = s.red_dim == -1 ? at::zeros({s.chunk, s.rows, 1}, opts)
                                : at::zeros({s.chunk, 1, s.cols}, opts);
-    if (options_.master_weights) {
+    if (options_.master_weights || parted) {
       // The entries this rank will own (step(): sharded from rank * chunk, else all).
       s.master = at::zeros({s.chunk, s.rows, s.cols}, opts);
       const int64_t start = options_.replicated ? 0 : int64_t{rank_} * s.chunk;
@@ -214,6 +282,7 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
   const at::ScalarType reduce = options_.reduce_dtype.value_or(all.front().scalar_type());
   // Riders keep float32: in a buffer of another dtype they are summed on their own.
   const bool riders_inside = p2p && reduce == at::kFloat;
+  const uint32_t divisor = options_.replicas > 0 ? options_.replicas : world_;
   at::Tensor mask = p2p ? at::Tensor() : exchange_->has_grad_mask(all, device);
 
   // A stack, or the part of one whose entries sit at positions [lo, hi) of their chunks.
@@ -292,10 +361,8 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
         for (int64_t pos = sl.lo; pos < sl.hi; ++pos) {
           const int64_t i = q * sl.c + pos;
           at::Tensor dst = flat.narrow(0, q * stride + sl.off + (pos - sl.lo) * sl.numel, sl.numel);
-          const at::Tensor& grad =
-              i < sl.n ? sl.s->params[static_cast<size_t>(i)].grad() : at::Tensor();
-          if (grad.defined()) {
-            dst.copy_(grad.detach().reshape({-1}));
+          if (i < sl.n) {
+            sl.s->pack(static_cast<size_t>(i), dst);
           } else {
             dst.zero_();
           }
@@ -327,7 +394,8 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
     };
     at::Tensor mine = flat;  // sharded: this rank's segment; otherwise the whole buffer
     if (sharded) {
-      mine = exchange_->reduce_scatter(flat, /*mean_prefix=*/seg);
+      mine = exchange_->reduce_scatter(flat, /*mean_prefix=*/divisor == world_ ? seg : 0);
+      if (divisor != world_) mine.narrow(0, 0, seg).div_(static_cast<double>(divisor));
       if (bflags > 0) {
         mask = flat.narrow(0, rank_ * stride + seg, flags) > 0;
         unload_riders(rank_);
@@ -343,7 +411,7 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
       } else {
         exchange_->all_reduce(flat);
       }
-      mine = flat.div_(static_cast<double>(world_));
+      mine = flat.div_(static_cast<double>(divisor));
     }
     clock.lap(&OptimizerPhaseTimes::reduce);
 
@@ -382,8 +450,7 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
       const int64_t start = updated[k].second, owned = updates[k].owned;
       at::Tensor dest = sharded ? out_seg.narrow(0, sl.off, owned * sl.numel) : at::Tensor();
       auto write_params = [&](const at::Tensor& values) {
-        for (int64_t i = 0; i < owned; ++i)
-          sl.s->params[static_cast<size_t>(start + i)].detach().copy_(values[i]);
+        for (int64_t i = 0; i < owned; ++i) sl.s->put(static_cast<size_t>(start + i), values[i]);
       };
       if (sl.s->master.defined()) {
         // The new values go to the master; the parameters (through the all-gather) get its cast.
@@ -411,8 +478,8 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
     for (const Slot& sl : bucket.slots) {
       for (uint32_t q = 0; q < world_; ++q) {
         for (int64_t pos = sl.lo; pos < sl.hi && q * sl.c + pos < sl.n; ++pos) {
-          sl.s->params[static_cast<size_t>(q * sl.c + pos)].detach().view({-1}).copy_(
-              gathered.narrow(0, q * seg + sl.off + (pos - sl.lo) * sl.numel, sl.numel));
+          sl.s->put(static_cast<size_t>(q * sl.c + pos),
+                    gathered.narrow(0, q * seg + sl.off + (pos - sl.lo) * sl.numel, sl.numel));
         }
       }
     }

@@ -253,7 +253,8 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       world % tp == 0, ErrorKind::kInvalidArgument,
       fmt::format("mode {} needs the world ({}) to be a multiple of {}", model.mode, world, tp));
   const uint32_t dp_world = world / tp, dp_rank = rank / tp, tp_rank = rank % tp;
-  c10::intrusive_ptr<c10d::Backend> pg, tp_pg;
+  // job_pg: every rank, under tensor parallelism across replicas (DistMuon's split matrices).
+  c10::intrusive_ptr<c10d::Backend> pg, tp_pg, job_pg;
   if (world > 1) {
     GlooOptions go;
     go.store_host = std::string(launch.getStoreHost());
@@ -305,9 +306,11 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     } else {
       tp_pg =
           join(tp_rank, tp, fmt::format("{}tp{}/", prefix, dp_rank), fmt::format("tp{}", dp_rank));
-      if (dp_world > 1)
+      if (dp_world > 1) {
         pg = join(dp_rank, dp_world, fmt::format("{}dp{}/", prefix, tp_rank),
                   fmt::format("dp{}", tp_rank));
+        job_pg = join(rank, world, fmt::format("{}job/", prefix), "job");
+      }
       log_info(
           "joined {} tensor-parallel group {} as rank {} of {} and data-parallel group {} "
           "as rank {} of {}",
@@ -317,10 +320,10 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   // The supervisor's AbortCollectives (a failed job's teardown, before its signals) aborts the
   // group from the control thread: NCCL's communicators (no kernel left spinning), or every
   // wait of this thread in a Gloo collective. Removed before the group and plugin go.
-  if (pg || tp_pg) {
+  if (pg || tp_pg || job_pg) {
     const CudaPlugin* plugin = cuda ? &*cuda : nullptr;
-    ctx.control().set_abort_handler([pg, tp_pg, plugin] {
-      for (const auto& group : {pg, tp_pg}) {
+    ctx.control().set_abort_handler([pg, tp_pg, job_pg, plugin] {
+      for (const auto& group : {pg, tp_pg, job_pg}) {
         if (!group) continue;
         if (plugin != nullptr) {
           plugin->api().abort(group);
@@ -363,8 +366,9 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
   // records carry it beside the peak, so the model's own memory is their difference.
   const uint64_t memory_baseline = process_memory().resident;
   const auto ts = typed_errors("model set-up and parameter broadcast", [&] {
-    return std::make_unique<TrainStep>(model, train, steps, pg, device,
-                                       TensorParallel{.group = tp_pg, .rank = tp_rank, .size = tp});
+    return std::make_unique<TrainStep>(
+        model, train, steps, pg, device,
+        TensorParallel{.group = tp_pg, .rank = tp_rank, .size = tp, .job = job_pg});
   });
   // Each node's part of a checkpoint holds the replicated state its ranks resume from.
   ts->set_replicated_rank(local.first);

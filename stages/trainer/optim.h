@@ -234,6 +234,28 @@ class DistAdamW {
 // whole stacks (the same buffer, all-reduced).
 enum class Orthogonalizer { kPolarExpress, kNewtonSchulz };
 
+// The part of a matrix one rank holds (tensor-parallel weight shards, tensor_parallel.h):
+// blocks along `dim`, block k being indices [full_offset, full_offset + size) of the whole
+// matrix (full_shape) at [local_offset, local_offset + size) of the rank's tensor. A block
+// `contributes` when its gradient is this rank's to give: a block every rank of a
+// tensor-parallel group holds (and whose gradient was summed over that group) contributes on
+// one rank only. No block: the rank holds none of the matrix (an expert another rank runs;
+// its tensor is empty and never has a gradient).
+struct MatrixPart {
+  std::vector<int64_t> full_shape;  // [rows, cols]
+  int64_t dim = 0;                  // 0: blocks of rows, 1: blocks of columns
+  struct Block {
+    int64_t full_offset = 0;
+    int64_t local_offset = 0;
+    int64_t size = 0;
+    bool contributes = true;
+    // Every rank of the tensor-parallel group holds this block (its gradient is summed over
+    // the group before the step); for the caller, DistMuon does not read it.
+    bool replicated = false;
+  };
+  std::vector<Block> blocks;
+};
+
 struct MuonParamGroup {
   std::vector<at::Tensor> params = {};  // 2-D only
   double lr = 0.02;
@@ -246,6 +268,17 @@ struct MuonParamGroup {
   // With master weights (DistMuonOptions::master_weights): float32 starting values, one per
   // parameter of its shape; empty: the parameters' own values.
   std::vector<at::Tensor> masters = {};
+  // Tensor-parallel weight shards: one per parameter, the part of its matrix the rank holds;
+  // empty: every parameter is whole. With parts, every matrix is stepped whole (stacked by
+  // its full shape, orthogonalized and variance-reduced as the unsplit matrix, its lr scale
+  // from the full shape) by the one rank of the process group that owns its stack entry, on a
+  // whole copy of the matrix that owner keeps (float32 with master weights, else the
+  // parameters' dtype; the state's "master" entries); `masters` must then hold every
+  // matrix's whole starting values. A rank sends its contributing blocks in the stacked
+  // exchange (zeros elsewhere: summing them adds nothing, so the sums are those of the whole
+  // gradients) and takes its blocks back from the all-gathered whole matrices. The process
+  // group is then every rank holding a part (data parallel x tensor parallel).
+  std::vector<MatrixPart> parts = {};
 };
 struct DistMuonOptions {
   Orthogonalizer orthogonalizer = Orthogonalizer::kPolarExpress;
@@ -269,6 +302,10 @@ struct DistMuonOptions {
   // buckets, its entries keeping their owners), so the buffers kept from one step to the next
   // are bounded by it (or one entry per rank, when larger). The same bits at any size.
   int64_t bucket_numel = int64_t{1} << 26;
+  // The gradients' sum over the ranks is divided by this; 0: the world. With tensor-parallel
+  // parts (MuonParamGroup::parts) the data-parallel degree: the ranks of a tensor-parallel
+  // group give disjoint blocks of one gradient, which are not averaged.
+  uint32_t replicas = 0;
 };
 struct MuonScalars {
   at::Tensor lr, momentum, beta2, weight_decay;  // 0-D float32

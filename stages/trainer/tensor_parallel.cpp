@@ -106,10 +106,9 @@ at::Tensor attention(const AttentionImpl& attn, const ModelConfig& c, const at::
   require(H % tp.size == 0 && KV % tp.size == 0,
           fmt::format("{} query and {} key/value heads over {} ranks", H, KV, tp.size));
   const int64_t hq = H / tp.size, hk = KV / tp.size, B = hf.size(0), T = hf.size(1);
-  const at::Tensor& w = attn.qkv->weight;
-  const at::Tensor w_local =
-      at::cat({rows(w, tp.rank * hq * hd, hq * hd), rows(w, (H + tp.rank * hk) * hd, hk * hd),
-               rows(w, (H + KV + tp.rank * hk) * hd, hk * hd)});
+  // This rank's q, k and v rows (shard_model).
+  const at::Tensor& w_local = attn.qkv->weight;
+  require(w_local.size(0) == (hq + 2 * hk) * hd, "the model is not sharded (shard_model)");
   const auto parts = at::linear(hf, w_local).split_with_sizes({hq * hd, hk * hd, hk * hd}, -1);
   const auto [q, k] = detail::qk_norm_rope(parts[0].view({B, T, hq, hd}).transpose(1, 2),
                                            parts[1].view({B, T, hk, hd}).transpose(1, 2), cos, sin,
@@ -117,19 +116,14 @@ at::Tensor attention(const AttentionImpl& attn, const ModelConfig& c, const at::
   const at::Tensor v = parts[2].view({B, T, hk, hd}).transpose(1, 2);
   const at::Tensor y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, {},
                                                         /*enable_gqa=*/hq != hk);
-  return at::linear(y.transpose(1, 2).reshape({B, T, hq * hd}),
-                    attn.proj->weight.narrow(1, tp.rank * hq * hd, hq * hd));
+  return at::linear(y.transpose(1, 2).reshape({B, T, hq * hd}), attn.proj->weight);
 }
 
-at::Tensor mlp(const MlpImpl& m, const at::Tensor& hf, const TensorParallel& tp) {
-  const int64_t hidden = m.fc->weight.size(0);
-  require(hidden % tp.size == 0, fmt::format("MLP hidden {} over {} ranks", hidden, tp.size));
-  const int64_t h = hidden / tp.size;
+// This rank's hidden units (shard_model cut fc's rows and proj's columns).
+at::Tensor mlp(const MlpImpl& m, const at::Tensor& hf) {
   if (m.selective())
-    return detail::relu2_linear(at::linear(hf, rows(m.fc->weight, tp.rank * h, h)),
-                                m.proj->weight.narrow(1, tp.rank * h, h), true);
-  return at::linear(at::relu(at::linear(hf, rows(m.fc->weight, tp.rank * h, h))).square(),
-                    m.proj->weight.narrow(1, tp.rank * h, h));
+    return detail::relu2_linear(at::linear(hf, m.fc->weight), m.proj->weight, true);
+  return at::linear(at::relu(at::linear(hf, m.fc->weight)).square(), m.proj->weight);
 }
 
 // Routing on every rank (the router is whole), this rank's experts, a slice of the shared one.
@@ -140,7 +134,7 @@ at::Tensor moe(MoeImpl& moe, const at::Tensor& hf, const TensorParallel& tp) {
   const int64_t per_rank = E / tp.size;
   at::Tensor y =
       moe.combine(moe.dispatch(flat), flat, tp.rank * per_rank, (tp.rank + 1) * per_rank);
-  if (moe.shared) y = y + mlp(*moe.shared, flat, tp);
+  if (moe.shared) y = y + mlp(*moe.shared, flat);
   return y.view(hf.sizes());
 }
 
@@ -155,9 +149,9 @@ at::Tensor mamba(const MambaImpl& m, const at::Tensor& hf, const TensorParallel&
   require(H % tp.size == 0, fmt::format("{} Mamba heads over {} ranks", H, tp.size));
   const int64_t hl = H / tp.size, il = hl * P, B = hf.size(0), T = hf.size(1);
   const int64_t r = tp.rank;
-  const at::Tensor& w = m.in_proj->weight;  // rows: z [I], x [I], B [N], C [N], dt [H]
-  const at::Tensor w_local = at::cat({rows(w, r * il, il), rows(w, I + r * il, il),
-                                      rows(w, 2 * I, 2 * N), rows(w, 2 * I + 2 * N + r * hl, hl)});
+  // This rank's in_proj rows (shard_model): z [il], x [il], B [N], C [N], dt [hl].
+  const at::Tensor& w_local = m.in_proj->weight;
+  require(w_local.size(0) == 2 * il + 2 * N + hl, "the model is not sharded (shard_model)");
   const at::Tensor& cw = m.conv->weight;  // channels: x [I], B [N], C [N]
   const at::Tensor conv_w = at::cat({rows(cw, r * il, il), rows(cw, I, 2 * N)});
   const at::Tensor conv_b = at::cat({rows(m.conv->bias, r * il, il), rows(m.conv->bias, I, 2 * N)});
@@ -202,7 +196,7 @@ at::Tensor mamba(const MambaImpl& m, const at::Tensor& hf, const TensorParallel&
   // RMSNorm over all I channels: the mean of squares is summed across the group.
   const at::Tensor mean_sq = AllReduceSum::apply(g[1], address(tp)) / static_cast<double>(I);
   const at::Tensor norm_w = m.norm_weight.narrow(0, r * il, il);
-  const at::Tensor out_w = m.out_proj->weight.narrow(1, r * il, il);
+  const at::Tensor& out_w = m.out_proj->weight;  // this rank's columns
   const auto normed = [](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
     return {in[0] * at::rsqrt(in[1] + 1e-6) * in[2]};
   };
@@ -260,10 +254,10 @@ at::Tensor forward_tensor_parallel(TransformerImpl& model, const at::Tensor& tok
         x = x + branch([=](const at::Tensor& hf) {
               return attention(*bp->attn, *mc, hf, cos, sin, *g);
             });
-        x = x + branch([=](const at::Tensor& hf) { return mlp(*bp->mlp, hf, *g); });
+        x = x + branch([=](const at::Tensor& hf) { return mlp(*bp->mlp, hf); });
         break;
       case recipe::kBlockMlp:
-        x = x + branch([=](const at::Tensor& hf) { return mlp(*bp->mlp, hf, *g); });
+        x = x + branch([=](const at::Tensor& hf) { return mlp(*bp->mlp, hf); });
         break;
       case recipe::kBlockMoe:
         x = x + branch([=](const at::Tensor& hf) { return moe(*bp->moe, hf, *g); });
@@ -283,12 +277,21 @@ at::Tensor forward_tensor_parallel(TransformerImpl& model, const at::Tensor& tok
   return model.head(rms_norm(x));
 }
 
-void reduce_gradients(const std::vector<at::Tensor>& params, const TensorParallel& tp) {
-  if (!tp.group || tp.size <= 1 || params.empty()) return;
+void reduce_gradients(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& blocks,
+                      const TensorParallel& tp) {
+  if (!tp.group || tp.size <= 1 || (params.empty() && blocks.empty())) return;
   int64_t numel = 0;
   for (const at::Tensor& p : params) numel += p.numel();
+  int64_t block_numel = 0;
+  for (const at::Tensor& b : blocks) block_numel += b.numel();
   const int64_t n = static_cast<int64_t>(params.size());
-  at::Tensor flat = at::zeros({numel + n}, params.front().options().requires_grad(false));
+  const at::Tensor& any = params.empty() ? blocks.front() : params.front();
+  at::Tensor flat = at::zeros({numel + n + block_numel}, any.options().requires_grad(false));
+  int64_t at_ = numel + n;
+  for (const at::Tensor& b : blocks) {
+    flat.narrow(0, at_, b.numel()).copy_(b.reshape({-1}));
+    at_ += b.numel();
+  }
   int64_t off = 0;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[static_cast<size_t>(i)];
@@ -299,6 +302,11 @@ void reduce_gradients(const std::vector<at::Tensor>& params, const TensorParalle
     off += p.numel();
   }
   flat = all_reduce(tp, flat);
+  at_ = numel + n;
+  for (const at::Tensor& b : blocks) {
+    at::Tensor(b).copy_(flat.narrow(0, at_, b.numel()).view(b.sizes()));
+    at_ += b.numel();
+  }
   const at::Tensor has = flat.narrow(0, numel, n).gt(0).to(at::kCPU);
   const auto* has_grad = has.data_ptr<bool>();
   off = 0;
@@ -311,6 +319,108 @@ void reduce_gradients(const std::vector<at::Tensor>& params, const TensorParalle
     }
     off += p.numel();
   }
+}
+
+}  // namespace megacpp::trainer
+
+namespace megacpp::trainer {
+
+std::map<std::string, MatrixPart> shard_model(TransformerImpl& model, const TensorParallel& tp) {
+  require(tp.size > 1 && tp.rank < tp.size, "shard_model needs a group of 2 or more ranks");
+  torch::NoGradGuard no_grad;
+  const ModelConfig& c = model.config();
+  const int64_t n = tp.size, r = tp.rank;
+  std::map<std::string, MatrixPart> parts;
+  // A run of `size` indices along the cut dimension from `offset`: split (this rank holds
+  // size / n of them) or whole on every rank.
+  struct Run {
+    int64_t offset, size;
+    bool split = true;
+  };
+  const auto cut = [&](const std::string& name, at::Tensor& p, int64_t dim,
+                       const std::vector<Run>& runs) {
+    MatrixPart part{.full_shape = p.sizes().vec(), .dim = dim, .blocks = {}};
+    std::vector<at::Tensor> pieces;
+    int64_t local = 0;
+    for (const Run& run : runs) {
+      require(!run.split || run.size % n == 0,
+              fmt::format("{}: {} rows or columns over {} ranks", name, run.size, n));
+      const int64_t size = run.split ? run.size / n : run.size;
+      const int64_t offset = run.split ? run.offset + r * size : run.offset;
+      pieces.push_back(p.narrow(dim, offset, size));
+      part.blocks.push_back({.full_offset = offset,
+                             .local_offset = local,
+                             .size = size,
+                             .contributes = run.split || r == 0,
+                             .replicated = !run.split});
+      local += size;
+    }
+    p.set_data(pieces.size() == 1 ? pieces.front().contiguous() : at::cat(pieces, dim));
+    parts.emplace(name, std::move(part));
+  };
+  const auto cut_mlp = [&](const std::string& prefix, MlpImpl& m) {
+    cut(prefix + ".fc.weight", m.fc->weight, 0, {{0, m.fc->weight.size(0)}});
+    cut(prefix + ".proj.weight", m.proj->weight, 1, {{0, m.proj->weight.size(1)}});
+  };
+  for (size_t i = 0; i < model.blocks->size(); ++i) {
+    BlockImpl& block = *model.blocks[i]->as<Block>();
+    const std::string prefix = fmt::format("blocks.{}", i);
+    switch (block.kind()) {
+      case recipe::kBlockAttention: {
+        const int64_t hd = c.head_dim(), q = int64_t{c.n_heads} * hd, kv = c.kv_heads() * hd;
+        require(c.n_heads % n == 0 && c.kv_heads() % n == 0,
+                fmt::format("{} query and {} key/value heads over {} ranks", c.n_heads,
+                            c.kv_heads(), n));
+        cut(prefix + ".attn.qkv.weight", block.attn->qkv->weight, 0,
+            {{0, q}, {q, kv}, {q + kv, kv}});
+        cut(prefix + ".attn.proj.weight", block.attn->proj->weight, 1, {{0, q}});
+        cut_mlp(prefix + ".mlp", *block.mlp);
+        break;
+      }
+      case recipe::kBlockMlp:
+        cut_mlp(prefix + ".mlp", *block.mlp);
+        break;
+      case recipe::kBlockMoe: {
+        MoeImpl& moe = *block.moe;
+        const int64_t E = moe.config().n_experts;
+        require(E % n == 0, fmt::format("{} routed experts over {} ranks", E, n));
+        for (int64_t e = 0; e < E; ++e) {
+          auto& expert = *moe.experts[static_cast<size_t>(e)]->as<Mlp>();
+          const bool mine = e / (E / n) == r;
+          for (const char* which : {"fc", "proj"}) {
+            at::Tensor& w =
+                std::string_view(which) == "fc" ? expert.fc->weight : expert.proj->weight;
+            MatrixPart part{.full_shape = w.sizes().vec(), .dim = 0, .blocks = {}};
+            if (mine) {
+              part.blocks.push_back({.full_offset = 0, .local_offset = 0, .size = w.size(0)});
+            } else {
+              w.set_data(at::empty({0, w.size(1)}, w.options()));
+            }
+            parts.emplace(fmt::format("{}.moe.experts.{}.{}.weight", prefix, e, which),
+                          std::move(part));
+          }
+        }
+        if (moe.shared) cut_mlp(prefix + ".moe.shared", *moe.shared);
+        break;
+      }
+      case recipe::kBlockMamba: {
+        MambaImpl& m = *block.mamba;
+        const MambaConfig& mc = m.config();
+        const int64_t I = mc.d_inner(), N = mc.d_state, H = mc.n_heads();
+        require(H % n == 0, fmt::format("{} Mamba heads over {} ranks", H, n));
+        // in_proj rows: z [I], x [I], B [N], C [N] (whole: every head reads them), dt [H].
+        cut(prefix + ".mamba.in_proj.weight", m.in_proj->weight, 0,
+            {{0, I}, {I, I}, {2 * I, 2 * N, false}, {2 * I + 2 * N, H}});
+        cut(prefix + ".mamba.out_proj.weight", m.out_proj->weight, 1, {{0, I}});
+        break;
+      }
+      default:
+        require(false,
+                "the recurrence block (R) has no tensor-parallel form; nemo_native runs R "
+                "on the Mamba block");
+    }
+  }
+  return parts;
 }
 
 }  // namespace megacpp::trainer

@@ -77,6 +77,9 @@ struct TrainStep::Impl {
   std::vector<std::string> muon_group_labels;
   std::unique_ptr<DistAdamW> adamw;
   std::unique_ptr<DistMuon> muon;
+  // Tensor-parallel weight shards (shard_model): by parameter name, the part of its matrix this
+  // rank holds; parameters not named are whole on every rank.
+  std::map<std::string, MatrixPart> parts;
 
   Impl(const ModelConfig& m, const TrainConfig& t, uint32_t steps,
        c10::intrusive_ptr<c10d::Backend> group, at::Device dev, TensorParallel tensor_parallel)
@@ -102,29 +105,40 @@ struct TrainStep::Impl {
     model->set_recompute(recipe::recompute_mode(t.recompute));
     layout_rank = rank * tp.size + tp.rank;
     layout_world = world * tp.size;
+    if (tp.size > 1) {
+      const auto job_size = static_cast<int>(world * tp.size);
+      MEGACPP_CHECK(!tp.job || (tp.job->getSize() == job_size &&
+                                tp.job->getRank() == static_cast<int>(layout_rank)),
+                    ErrorKind::kInvalidArgument,
+                    fmt::format("the job group is rank {} of {}, expected {} of {}",
+                                tp.job ? tp.job->getRank() : -1, tp.job ? tp.job->getSize() : 0,
+                                layout_rank, job_size));
+      MEGACPP_CHECK(tp.job || world == 1, ErrorKind::kInvalidArgument,
+                    "tensor parallelism across data-parallel replicas needs the job's group");
+    }
     if (!device.is_cpu()) model->to(device);
     for (auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
     if (pg && world > 1) broadcast_parameters(pg);
     if (tp.size > 1) broadcast_parameters(tp.group);
-    // bf16-mixed: the optimizers' float32 masters start from the float32 initialisation; the
-    // model (parameters and buffers) computes in bfloat16 from here on. No copy: the cast
-    // gives each parameter new storage (Module::to sets its data), the detached tensors keep
-    // the float32 one until the optimizers have copied what they own.
-    std::map<std::string, at::Tensor> masters;
-    if (t.bf16_mixed()) {
-      for (const auto& [name, p] : params) masters.emplace(name, p.detach());
-      model->to(at::kBFloat16);
-      params.clear();
-      for (auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
+    // The whole float32 values the optimizers' own copies start from: bf16-mixed's masters,
+    // and under tensor parallelism DistMuon's whole copies of the matrices it owns. No copy:
+    // shard_model and the cast give the parameters new storage (Tensor::set_data), the
+    // detached tensors keep the whole float32 one until the optimizers have copied theirs.
+    std::map<std::string, at::Tensor> whole;
+    if (t.bf16_mixed() || tp.size > 1) {
+      for (const auto& [name, p] : params) whole.emplace(name, p.detach());
     }
-    build_optimizers(masters);
+    if (tp.size > 1) parts = shard_model(*model, tp);
+    if (t.bf16_mixed()) model->to(at::kBFloat16);
+    params.clear();
+    for (auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
+    build_optimizers(whole, t.bf16_mixed());
   }
 
-  // `masters`: by parameter name, the float32 values the optimizers' master copies start from
-  // (bf16-mixed); empty: no master weights.
-  void build_optimizers(const std::map<std::string, at::Tensor>& masters) {
+  // `whole`: by parameter name, the float32 values the optimizers' own copies start from
+  // (master weights when `mixed`, DistMuon's whole matrices under tensor parallelism).
+  void build_optimizers(const std::map<std::string, at::Tensor>& whole, bool mixed) {
     const OptimConfig& o = train_cfg.optim;
-    const bool mixed = !masters.empty();
     std::optional<at::ScalarType> reduce;
     if (mixed) reduce = train_cfg.grad_reduce == "bf16" ? at::kBFloat16 : at::kFloat;
     // Fixed group order on every rank: it is the collective order.
@@ -164,7 +178,7 @@ struct TrainStep::Impl {
                         .weight_decay = o.adam_weight_decay};
       for (size_t i : it->second) {
         g.params.push_back(params[i].second);
-        if (mixed) g.masters.push_back(masters.at(params[i].first));
+        if (mixed) g.masters.push_back(whole.at(params[i].first));
         adam_names.push_back(params[i].first);
         adam_index.push_back(i);
       }
@@ -194,16 +208,19 @@ struct TrainStep::Impl {
       if (std::string_view(label) == "qkv") g.qkv_split_sizes = {q_rows, kv_rows, kv_rows};
       std::vector<std::string> names;
       for (size_t i : it->second) {
-        g.params.push_back(params[i].second);
-        if (mixed) g.masters.push_back(masters.at(params[i].first));
-        names.push_back(params[i].first);
+        const auto& [name, p] = params[i];
+        g.params.push_back(p);
+        if (mixed || tp.size > 1) g.masters.push_back(whole.at(name));
+        if (tp.size > 1) g.parts.push_back(part_of(name, p));
+        names.push_back(name);
       }
       muon_names.push_back(std::move(names));
       muon_group_labels.emplace_back(label);
       mg.push_back(std::move(g));
     }
+    // Under tensor parallelism every matrix is stepped whole by one rank of the job.
     muon = std::make_unique<DistMuon>(
-        std::move(mg), pg,
+        std::move(mg), tp.size > 1 ? (tp.job ? tp.job : tp.group) : pg,
         DistMuonOptions{.orthogonalizer = o.muon_orthogonalizer == "newton_schulz"
                                               ? Orthogonalizer::kNewtonSchulz
                                               : Orthogonalizer::kPolarExpress,
@@ -211,7 +228,21 @@ struct TrainStep::Impl {
                         .bf16_orthogonalization = o.muon_bf16,
                         .master_weights = mixed,
                         .reduce_dtype = reduce,
-                        .bucket_numel = recipe::kMuonBucketNumel});
+                        .bucket_numel = recipe::kMuonBucketNumel,
+                        .replicas = tp.size > 1 ? world : 0});
+  }
+
+  // The part of `p`'s matrix this rank holds: shard_model's, or the whole (a matrix every rank
+  // of the tensor-parallel group holds, its gradient summed over the group: given by one).
+  MatrixPart part_of(const std::string& name, const at::Tensor& p) const {
+    if (auto it = parts.find(name); it != parts.end()) return it->second;
+    return MatrixPart{.full_shape = p.sizes().vec(),
+                      .dim = 0,
+                      .blocks = {{.full_offset = 0,
+                                  .local_offset = 0,
+                                  .size = p.size(0),
+                                  .contributes = tp.rank == 0,
+                                  .replicated = true}}};
   }
 
   // Every rank initialised from the same seed already; the broadcast makes rank 0's
@@ -238,11 +269,24 @@ struct TrainStep::Impl {
     }
   }
 
+  // Sums over the tensor-parallel group what every rank of it holds: the whole parameters and
+  // the blocks of split ones every rank holds (Mamba's B and C rows).
   void reduce_tensor_parallel_gradients() {
-    std::vector<at::Tensor> tensors;
+    std::vector<at::Tensor> tensors, blocks;
     tensors.reserve(params.size());
-    for (const auto& [name, p] : params) tensors.push_back(p);
-    reduce_gradients(tensors, tp);
+    for (auto& [name, p] : params) {
+      const auto it = parts.find(name);
+      if (it == parts.end()) {
+        tensors.push_back(p);
+        continue;
+      }
+      for (const auto& b : it->second.blocks) {
+        if (!b.replicated) continue;
+        if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+        blocks.push_back(p.grad().narrow(it->second.dim, b.local_offset, b.size));
+      }
+    }
+    reduce_gradients(tensors, blocks, tp);
   }
 
   double grad_norm_and_clip() {
@@ -250,25 +294,54 @@ struct TrainStep::Impl {
     for (auto& [name, p] : params) {
       if (p.grad().defined()) grads.push_back(p.grad());
     }
-    if (grads.empty()) return 0.0;
     // In float32 whatever the gradients' dtype (bf16-mixed: bfloat16 gradients).
-    const double norm = torch::stack(grads.front().scalar_type() == at::kFloat
-                                         ? torch::_foreach_norm(grads)
-                                         : torch::_foreach_norm(grads, 2, at::kFloat))
-                            .norm()
-                            .item<double>();
+    const auto norm_of = [](const std::vector<at::Tensor>& g) {
+      return torch::stack(g.front().scalar_type() == at::kFloat
+                              ? torch::_foreach_norm(g)
+                              : torch::_foreach_norm(g, 2, at::kFloat))
+          .norm();
+    };
+    double norm = 0;
+    if (tp.size > 1) {
+      // The whole batch's gradient norm: the whole parameters' (the same on every rank of the
+      // group) and the sum over the group of the blocks each rank contributes.
+      std::vector<at::Tensor> whole, mine;
+      for (auto& [name, p] : params) {
+        if (!p.grad().defined()) continue;
+        const auto it = parts.find(name);
+        if (it == parts.end()) {
+          whole.push_back(p.grad());
+          continue;
+        }
+        for (const auto& b : it->second.blocks)
+          if (b.contributes)
+            mine.push_back(p.grad().narrow(it->second.dim, b.local_offset, b.size));
+      }
+      const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+      at::Tensor sq = mine.empty() ? at::zeros({}, opts) : norm_of(mine).square();
+      sq = all_reduce_sum(sq, tp);
+      if (!whole.empty()) sq = sq + norm_of(whole).square();
+      norm = sq.sqrt().item<double>();
+    } else {
+      if (grads.empty()) return 0.0;
+      norm = norm_of(grads).item<double>();
+    }
+    if (grads.empty()) return norm;
     if (train_cfg.grad_clip > 0 && norm > train_cfg.grad_clip) {
       torch::_foreach_mul_(grads, train_cfg.grad_clip / (norm + 1e-6));
     }
     return norm;
   }
 
+  // Named by the whole matrices' shape (a tensor-parallel rank's parts included).
   std::string muon_stack_name(size_t g, size_t st) const {
     const auto members = muon->stack_members(g, st);
     const std::string& first = muon_names[g][members.front()];
     for (const auto& [name, t] : params) {
-      if (name == first)
-        return fmt::format("optim.muon.{}.{}x{}", muon_group_labels[g], t.size(0), t.size(1));
+      if (name != first) continue;
+      const std::vector<int64_t> shape =
+          parts.contains(name) ? parts.at(name).full_shape : t.sizes().vec();
+      return fmt::format("optim.muon.{}.{}x{}", muon_group_labels[g], shape[0], shape[1]);
     }
     MEGACPP_FAIL(ErrorKind::kInternal, "muon stack member not found: {}", first);
   }
@@ -293,29 +366,66 @@ struct TrainStep::Impl {
   struct ShareEntry {
     std::string name;
     at::Tensor value;
-    const OptimizerStateEntry* state = nullptr;  // optimizer entries only
-    std::string logical;
+    // A shard: a block of `logical` (of full_shape) along `dim` from index `offset`.
+    bool sharded = false;
+    std::string logical = {};
+    std::vector<int64_t> full_shape = {};
+    int64_t offset = 0;
+    int64_t dim = 0;
   };
 
-  // The share plus the reassembly data of its sharded entries. `views` keeps the entries
-  // referenced by ShareEntry::state alive.
+  // The share plus the reassembly data of its sharded entries. `views` keeps the optimizer
+  // state the entries alias alive.
   std::vector<ShareEntry> share(std::array<OptimizerState, 2>& views) const {
     std::vector<ShareEntry> out;
-    if (tp.rank != 0) return out;
     const bool replicated_writer = layout_rank == replicated_rank;
-    if (replicated_writer) {
-      for (const auto& [name, p] : params)
-        out.push_back({"model." + name, p.detach(), nullptr, {}});
+    // Under tensor parallelism the parts of the split matrices come from the ranks of the
+    // replicated writer's group, each rank's blocks (a block every rank holds, from its rank
+    // 0; a routed expert whole from the rank that runs it).
+    const bool writer_group = rank == replicated_rank / tp.size;
+    for (const auto& [name, p] : params) {
+      const auto it = parts.find(name);
+      if (it == parts.end()) {
+        if (replicated_writer) out.push_back({.name = "model." + name, .value = p.detach()});
+        continue;
+      }
+      if (!writer_group) continue;
+      const MatrixPart& part = it->second;
+      const int64_t full = part.full_shape[static_cast<size_t>(part.dim)];
+      for (size_t k = 0; k < part.blocks.size(); ++k) {
+        const MatrixPart::Block& b = part.blocks[k];
+        if (b.replicated && tp.rank != 0) continue;
+        const at::Tensor value = p.detach().narrow(part.dim, b.local_offset, b.size);
+        if (b.size == full) {
+          out.push_back({.name = "model." + name, .value = value});
+          continue;
+        }
+        out.push_back({.name = fmt::format("model.{}.tp{}.{}", name, tp.rank, k),
+                       .value = value,
+                       .sharded = true,
+                       .logical = "model." + name,
+                       .full_shape = part.full_shape,
+                       .offset = b.full_offset,
+                       .dim = part.dim});
+      }
     }
     views[0] = adamw->state_view();
     views[1] = muon->state_view();
     for (int k = 0; k < 2; ++k) {
+      // DistAdamW's state is the same on every rank of a tensor-parallel group: its rank 0's.
+      if (k == 0 && tp.rank != 0) continue;
+      const uint32_t shard = k == 0 ? adamw->rank() : muon->rank();
       for (const auto& e : views[k].entries) {
-        const std::string logical = logical_name(k == 0, e.key);
+        std::string logical = logical_name(k == 0, e.key);
         if (e.replicated) {
-          if (replicated_writer) out.push_back({logical, e.value, &e, logical});
+          if (replicated_writer) out.push_back({.name = logical, .value = e.value});
         } else {
-          out.push_back({fmt::format("{}.shard{}", logical, rank), e.value, &e, logical});
+          out.push_back({.name = fmt::format("{}.shard{}", logical, shard),
+                         .value = e.value,
+                         .sharded = true,
+                         .logical = std::move(logical),
+                         .full_shape = e.full_shape,
+                         .offset = e.offset});
         }
       }
     }
@@ -469,8 +579,10 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
     // On Gloo DistAdamW's gradients ride in DistMuon's reduce-scatter: one exchange for both
     // optimizers. Each rider is sent to every rank, so a large one at a world above 2 reduces
     // on its own instead (the sums are the same bits either way).
+    // Not under tensor parallelism: DistMuon's group is then the job, DistAdamW's the
+    // data-parallel group.
     std::vector<at::Tensor> riders;
-    if (s.world <= 2 || s.adam_numel <= kRiderMaxNumel) {
+    if (s.tp.size == 1 && (s.world <= 2 || s.adam_numel <= kRiderMaxNumel)) {
       if (at::Tensor bucket = s.adamw->pack_for_exchange(); bucket.defined())
         riders.push_back(bucket);
     }
@@ -516,9 +628,9 @@ std::string TrainStep::snapshot_metadata() const {
   std::array<OptimizerState, 2> views;
   nlohmann::ordered_json shards = nlohmann::ordered_json::object();
   for (const auto& e : s.share(views)) {
-    if (e.state == nullptr || e.state->replicated) continue;
-    shards[e.name] = {
-        {"logical", e.logical}, {"full_shape", e.state->full_shape}, {"offset", e.state->offset}};
+    if (!e.sharded) continue;
+    shards[e.name] = {{"logical", e.logical}, {"full_shape", e.full_shape}, {"offset", e.offset}};
+    if (e.dim != 0) shards[e.name]["dim"] = e.dim;
   }
   nlohmann::ordered_json stacks = nlohmann::ordered_json::object();
   for (size_t g = 0; g < s.muon->num_groups(); ++g) {
@@ -667,10 +779,46 @@ void TrainStep::restore(const checkpoint::CheckpointReader& ckpt) {
                    {static_cast<std::byte*>(host.data_ptr()), host.nbytes()});
     if (!dst.is_cpu()) dst.copy_(host);
   };
-  for (auto& [name, p] : s.params) fill("model." + name, p.detach(), p.sizes().vec(), 0, false);
+  for (auto& [name, p] : s.params) {
+    const auto it = s.parts.find(name);
+    if (it == s.parts.end()) {
+      fill("model." + name, p.detach(), p.sizes().vec(), 0, false);
+      continue;
+    }
+    // This rank's blocks of the whole matrix, whichever layout wrote it.
+    const MatrixPart& part = it->second;
+    at::Tensor whole;
+    for (const auto& b : part.blocks) {
+      const at::Tensor dst = p.detach().narrow(part.dim, b.local_offset, b.size);
+      if (part.dim == 0) {
+        fill("model." + name, dst, part.full_shape, b.full_offset, false);
+        continue;
+      }
+      if (!whole.defined()) {
+        whole = at::empty(part.full_shape, p.options().device(at::kCPU).requires_grad(false));
+        fill("model." + name, whole, part.full_shape, 0, false);
+      }
+      dst.copy_(whole.narrow(1, b.full_offset, b.size));
+    }
+  }
   std::array<OptimizerState, 2> views{s.adamw->state_view(), s.muon->state_view()};
   for (int k = 0; k < 2; ++k) {
     for (auto& e : views[k].entries) {
+      if (k == 1 && e.key.field == StateField::kMaster && !s.train_cfg.bf16_mixed()) {
+        // DistMuon's whole copies of its matrices under tensor parallelism, in the
+        // parameters' dtype: the whole parameters themselves.
+        const auto members = s.muon->stack_members(e.key.group, e.key.stack);
+        for (int64_t j = 0; j < e.value.size(0); ++j) {
+          const auto entry = static_cast<size_t>(e.offset + j);
+          if (entry >= members.size()) {
+            e.value[j].zero_();
+            continue;
+          }
+          const std::string& name = s.muon_names[e.key.group][members[entry]];
+          fill("model." + name, e.value[j], e.value[j].sizes().vec(), 0, false);
+        }
+        continue;
+      }
       fill(s.logical_name(k == 0, e.key), e.value, e.full_shape, e.replicated ? 0 : e.offset,
            e.key.scope == StateScope::kStack);
     }

@@ -140,7 +140,9 @@ class TrainStep {
   // (tensor_parallel.h); `pg` is then the data-parallel group across such groups (null for
   // one group), over which the optimizers reduce. Rank r of the job is data-parallel rank
   // r / tp.size and tensor-parallel rank r % tp.size (groups of consecutive ranks); the
-  // parameters are broadcast over both groups.
+  // parameters are broadcast over both groups, then cut to this rank's weight shards
+  // (shard_model), and DistMuon steps the matrices whole over tp.job (every rank of the job;
+  // required when there is more than one group).
   TrainStep(const ModelConfig& model, const TrainConfig& train, uint32_t total_steps,
             c10::intrusive_ptr<c10d::Backend> pg = {}, at::Device device = at::kCPU,
             TensorParallel tp = {});
@@ -179,10 +181,14 @@ class TrainStep {
   // no checkpoint with a non-finite tensor is committed.
   std::optional<std::string> first_nonfinite_state() const;
 
-  // This rank's share of state, in a fixed order; empty on a tensor-parallel rank other than
-  // 0, whose parameters and optimizer state are copies of its group's rank 0's. The replicated
-  // writer (rank 0, or set_replicated_rank's): "model.<name>" for every parameter, then every
-  // optimizer entry held replicated (the same on every rank):
+  // This rank's share of state, in a fixed order. The replicated writer (rank 0, or
+  // set_replicated_rank's): "model.<name>" for every parameter held whole, then every
+  // optimizer entry held replicated (the same on every rank). Under tensor parallelism each
+  // rank of the replicated writer's group also writes its blocks of the split matrices,
+  // "model.<name>.tp<t>.<k>" (a block of rows, or of columns: "dim": 1), and "model.<name>" of
+  // the routed experts it runs; DistAdamW's entries come from tensor-parallel rank 0 only
+  // (its state is the same on every rank of a group), DistMuon's from every rank of the job
+  // (stacks of whole matrices, "master" their whole values). The replicated entries:
   // "optim.adamw.<param>.{exp_avg,exp_avg_sq,step}" of all-reduced parameters and the groups'
   // scalars "optim.{adamw,muon}.<group>.{lr,...}". Every rank: the slices it owns, suffixed
   // ".shard<rank>": "optim.adamw.<param>.{exp_avg,exp_avg_sq}.shard<r>" (rows [offset, offset +
@@ -200,8 +206,8 @@ class TrainStep {
   SnapshotLayout snapshot_layout() const;
   // JSON, the same on every rank but for "rank": {"format": "megacpp.snapshot.v1", "rank",
   // "world" (rank() and world()), "shards": {<entry>: {"logical": <name without .shard<r>>,
-  // "full_shape": [...], "offset": <first row>}}, "muon_stacks": {"optim.muon.<group>.<r>x<c>":
-  // [<param>, ...]}}.
+  // "full_shape": [...], "offset": <first row>, "dim": 1 for a block of columns}},
+  // "muon_stacks": {"optim.muon.<group>.<r>x<c>": [<param>, ...]}}.
   std::string snapshot_metadata() const;
   // Copies this rank's share into `region` per snapshot_layout() and returns that layout,
   // with streaming stores (ops::stream_copy) that are fenced before it returns, so a stamp

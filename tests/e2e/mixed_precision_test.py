@@ -10,6 +10,9 @@ steps, three ways over the same data:
   plain   bf16-mixed without recomputation: its losses equal mixed's bit for bit (recomputation
           changes no value, end to end)
   fp32    float32 without recomputation, the reference
+  whole   fp32's model (the pattern with R spelled M, as nemo_native runs it) in author_dp on
+          2 ranks: no tensor parallelism, every rank holds every matrix whole; the same 2 data
+          ranks, so the same batches
 
 mixed trains (the loss falls below FALLS_TO of its first) and tracks fp32: every step's loss
 within STEP_TOLERANCE relative, their mean difference within MEAN_TOLERANCE, the last within
@@ -17,6 +20,15 @@ LAST_TOLERANCE. Measured on the build machine (Intel Xeon, 2 cores): largest ste
 1.9%, mean 0.45%, last 0.7% over 50 steps; the tolerances are about 1.5x that. A run whose
 masters did not hold float32 (parameters stepped in bfloat16) or whose reduction lost a rank
 moves far beyond them. The manifests name each run's precision and recomputation.
+
+fp32 with weight shards (each tensor-parallel rank holds its slices of the block matrices,
+DistMuon steps them whole over the job) against `whole`: the same training up to float32
+summation order (tensor parallelism splits matrix products over ranks and sums partial outputs
+by all-reduce): the first SHARD_EARLY steps' losses within SHARD_EARLY_TOLERANCE relative with
+the same tokens per expert, every step within SHARD_TOLERANCE. Measured on the build machine:
+at most 7.1e-8 over the first 15 steps (0 at some), then float32 rounding compounds — 5e-7 at
+step 18, the first routing decision that flips at step 22 — to 7.2e-4 at step 50. A wrong slice,
+a missing gradient block or a wrong average moves step 2 by 1e-3 or more.
 """
 import json
 import os
@@ -32,6 +44,7 @@ import run_harness  # noqa: E402
 
 STEPS, RANKS = 50, 4
 STEP_TOLERANCE, MEAN_TOLERANCE, LAST_TOLERANCE = 0.03, 0.007, 0.012
+SHARD_EARLY, SHARD_EARLY_TOLERANCE, SHARD_TOLERANCE = 15, 5e-7, 3e-3
 FALLS_TO = 0.2
 
 
@@ -46,20 +59,23 @@ class MixedPrecision(unittest.TestCase):
         cls.tmp = tempfile.mkdtemp(prefix="megacpp-mixed-")
         with open(os.path.join(run_harness.RECIPE_DIR, "nam56r-mini.toml")) as f:
             text = f.read()
+        fp32 = (text.replace('precision = "bf16-mixed"', 'precision = "fp32"')
+                .replace('recompute = "selective"', 'recompute = "none"'))
         variants = {
-            "mixed": text,
-            "plain": text.replace('recompute = "selective"', 'recompute = "none"'),
-            "fp32": text.replace('precision = "bf16-mixed"', 'precision = "fp32"')
-                        .replace('recompute = "selective"', 'recompute = "none"'),
+            "mixed": (text, RANKS),
+            "plain": (text.replace('recompute = "selective"', 'recompute = "none"'), RANKS),
+            "fp32": (fp32, RANKS),
+            "whole": (fp32.replace('pattern = "AEMEAEMEAEMR"', 'pattern = "AEMEAEMEAEMM"')
+                          .replace('mode = "nemo_native"', 'mode = "author_dp"'), RANKS // 2),
         }
         data = os.path.join(cls.tmp, "data")
         cls.runs = {}
-        for name, body in variants.items():
+        for name, (body, ranks) in variants.items():
             recipe = os.path.join(cls.tmp, "mini-%s.toml" % name)
             with open(recipe, "w") as f:
                 f.write(re.sub(r'(?m)^name = "nam56r-mini"', 'name = "mini-%s"' % name, body))
             d = os.path.join(cls.tmp, name)
-            p = run_harness.megacpp(["run", recipe, "--ranks", str(RANKS), "--steps", str(STEPS),
+            p = run_harness.megacpp(["run", recipe, "--ranks", str(ranks), "--steps", str(STEPS),
                                      "--run-dir", d, "--data-dir", data, "--progress", "none"])
             assert p.returncode == 0, name + ": " + p.stdout[-2000:] + p.stderr[-2000:]
             cls.runs[name] = d
@@ -74,6 +90,25 @@ class MixedPrecision(unittest.TestCase):
             m = run_harness.manifest(self.runs[name])
             self.assertEqual((m.get("precision", "fp32"), m.get("recompute", "none"), m["mode"],
                               m["world"]), want + ("nemo_native", RANKS), name)
+
+    def test_weight_shards_train_as_whole_matrices(self):
+        with open(os.path.join(self.runs["fp32"], "receipts", "bench_telemetry.json")) as f:
+            shards = json.load(f)["steps"]
+        with open(os.path.join(self.runs["whole"], "receipts", "bench_telemetry.json")) as f:
+            whole = json.load(f)["steps"]
+        self.assertEqual(run_harness.manifest(self.runs["whole"])["blocks"],
+                         run_harness.manifest(self.runs["fp32"])["blocks"])
+        self.assertEqual(len(shards), STEPS)
+        rel = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(shards, whole)]
+        worst = max(range(STEPS), key=lambda i: rel[i])
+        print("weight shards (TP2 x DP2) against whole matrices (DP2), fp32: largest relative "
+              "loss difference over the first %d steps %.2e, over %d %.2e (step %d)"
+              % (SHARD_EARLY, max(rel[:SHARD_EARLY]), STEPS, rel[worst], worst + 1))
+        self.assertLessEqual(max(rel[:SHARD_EARLY]), SHARD_EARLY_TOLERANCE, rel[:SHARD_EARLY])
+        self.assertLessEqual(rel[worst], SHARD_TOLERANCE, "step %d: %r vs %r" %
+                             (worst + 1, shards[worst]["loss"], whole[worst]["loss"]))
+        for a, b in zip(shards[:SHARD_EARLY], whole):
+            self.assertEqual(a["moe"]["expertTokens"], b["moe"]["expertTokens"], a["step"])
 
     def test_recomputation_changes_no_loss(self):
         self.assertEqual(losses(self.runs["mixed"]), losses(self.runs["plain"]))

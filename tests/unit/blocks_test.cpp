@@ -823,6 +823,7 @@ int recompute_tp_rank(uint16_t port, uint32_t rank) {
   ModelConfig c = recompute_config("AEMFAEMF");
   c.mode = std::string(recipe::kModeNemoNative);
   Transformer model = perturbed_model(c, at::kFloat);
+  shard_model(*model, tp);
   const at::Tensor tokens = recompute_tokens(c, 2, 13);
   const int64_t T = c.seq_len, t = T / 2, V = c.vocab_size;
   std::vector<LossAndGrads> runs;

@@ -874,6 +874,132 @@ TEST_F(OptimTest, MasterWeightsStepAsFloat32ParametersWould) {
   }
 }
 
+// A rank's part of `whole` along `dim` over a tensor-parallel group of `n`: runs {offset, size,
+// split} (split: the rank holds size / n of it; else every rank holds it whole and rank 0
+// gives its gradient), as tensor_parallel.cpp's shard_model cuts a matrix.
+struct PartRun {
+  int64_t offset, size;
+  bool split = true;
+};
+std::pair<at::Tensor, MatrixPart> cut_part(const at::Tensor& whole, int64_t dim,
+                                           const std::vector<PartRun>& runs, uint32_t rank,
+                                           uint32_t n) {
+  MatrixPart part{.full_shape = whole.sizes().vec(), .dim = dim, .blocks = {}};
+  std::vector<at::Tensor> pieces;
+  int64_t local = 0;
+  for (const PartRun& r : runs) {
+    const int64_t size = r.split ? r.size / n : r.size;
+    const int64_t offset = r.split ? r.offset + rank * size : r.offset;
+    pieces.push_back(whole.detach().narrow(dim, offset, size));
+    part.blocks.push_back({.full_offset = offset,
+                           .local_offset = local,
+                           .size = size,
+                           .contributes = r.split || rank == 0,
+                           .replicated = !r.split});
+    local += size;
+  }
+  if (runs.empty()) return {at::empty({0, whole.size(1)}, whole.options()), part};
+  return {at::cat(pieces, dim).contiguous(), part};
+}
+
+// Tensor-parallel weight shards (MatrixPart): two ranks each holding parts — blocks of rows with
+// a block both hold (Mamba in_proj's B and C), blocks of columns, a q/k/v-split projection, an
+// expert on each rank — step every matrix exactly as one rank holding the whole matrices with
+// the whole gradients: every part equals the whole run's blocks bit for bit, in float32 and in
+// bfloat16 with masters, through steps where no rank has a gradient for a matrix.
+TEST_F(OptimTest, TensorParallelPartsStepAsWholeMatricesWould) {
+  const auto body = [](const Pg& pg, uint32_t rank, const fs::path&) -> int {
+    const uint32_t n = 2;
+    int rc = 0;
+    for (const bool mixed : {false, true}) {
+      const at::ScalarType dt = mixed ? at::kBFloat16 : at::kFloat;
+      const std::vector<std::vector<int64_t>> shapes{{32, 16}, {16, 40}, {24, 16},
+                                                     {24, 16}, {16, 40}, {48, 16}};
+      const std::vector<std::pair<int64_t, std::vector<PartRun>>> layouts{
+          {0, {{0, 16}, {16, 4, false}, {20, 12}}},  // in_proj-like
+          {1, {{0, 40}}},                            // proj-like: columns
+          {0, rank == 0 ? std::vector<PartRun>{{0, 24, false}} : std::vector<PartRun>{}},
+          {0, rank == 1 ? std::vector<PartRun>{{0, 24, false}} : std::vector<PartRun>{}},
+          {1, {{0, 40}}},
+          {0, {{0, 16}, {16, 16}, {32, 16}}}};  // q, k, v rows
+      auto whole32 = make_params(shapes, 41);
+      std::vector<at::Tensor> whole, local;
+      std::vector<MatrixPart> parts;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        whole.push_back(whole32[i].detach().to(dt).requires_grad_(true));
+        auto [t, part] = cut_part(whole[i], layouts[i].first, layouts[i].second, rank, n);
+        // An expert's block is whole on its rank: it contributes there.
+        if (i == 2 || i == 3)
+          for (auto& b : part.blocks) b.contributes = true, b.replicated = false;
+        local.push_back(t.requires_grad_(true));
+        parts.push_back(std::move(part));
+      }
+      const auto slice = [](const std::vector<at::Tensor>& v, size_t a, size_t b) {
+        return std::vector<at::Tensor>(v.begin() + static_cast<int64_t>(a),
+                                       v.begin() + static_cast<int64_t>(b));
+      };
+      const auto parts_of = [&](size_t a, size_t b) {
+        return std::vector<MatrixPart>(parts.begin() + static_cast<int64_t>(a),
+                                       parts.begin() + static_cast<int64_t>(b));
+      };
+      const DistMuonOptions options{.bf16_orthogonalization = false, .master_weights = mixed};
+      DistMuon ref(
+          {MuonParamGroup{.params = slice(whole, 0, 5),
+                          .weight_decay = 0.01,
+                          .masters = mixed ? slice(whole32, 0, 5) : std::vector<at::Tensor>{}},
+           MuonParamGroup{.params = slice(whole, 5, 6),
+                          .qkv_split_sizes = {16, 16, 16},
+                          .masters = mixed ? slice(whole32, 5, 6) : std::vector<at::Tensor>{}}},
+          Pg(), options);
+      DistMuonOptions tp_options = options;
+      tp_options.replicas = 1;
+      DistMuon tp({MuonParamGroup{.params = slice(local, 0, 5),
+                                  .weight_decay = 0.01,
+                                  .masters = slice(whole32, 0, 5),
+                                  .parts = parts_of(0, 5)},
+                   MuonParamGroup{.params = slice(local, 5, 6),
+                                  .qkv_split_sizes = {16, 16, 16},
+                                  .masters = slice(whole32, 5, 6),
+                                  .parts = parts_of(5, 6)}},
+                  pg, tp_options);
+      for (uint32_t step = 0; step < 6; ++step) {
+        for (size_t i = 0; i < shapes.size(); ++i) {
+          // Step 3: no rank has a gradient for the second column-split matrix.
+          if (step == 3 && i == 4) {
+            set_grad(whole[i], at::Tensor());
+            set_grad(local[i], at::Tensor());
+            continue;
+          }
+          const at::Tensor g = randn(shapes[i], 7919 * (step + 1) + 31 * i).to(dt);
+          set_grad(whole[i], g);
+          const at::Tensor mine = cut_part(g, layouts[i].first, layouts[i].second, rank, n).first;
+          set_grad(local[i], mine.numel() > 0 ? mine : at::Tensor());
+        }
+        ref.step();
+        tp.step();
+      }
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        const at::Tensor want =
+            cut_part(whole[i], layouts[i].first, layouts[i].second, rank, n).first;
+        if (!at::equal(local[i].detach(), want)) {
+          fprintf(stderr, "rank %u %s: matrix %zu differs from the whole run's blocks by %g\n",
+                  rank, mixed ? "bf16-mixed" : "fp32", i,
+                  local[i].numel() == 0 ? -1.0
+                                        : (local[i].detach().to(at::kDouble) - want.to(at::kDouble))
+                                              .abs()
+                                              .max()
+                                              .item<double>());
+          rc = 3;
+        }
+      }
+    }
+    return rc;
+  };
+  const fs::path dir = run_world2(body);
+  ASSERT_FALSE(dir.empty());
+  fs::remove_all(dir);
+}
+
 // DistMuon's buckets: any bucket size gives the same bits — one bucket for everything, stacks
 // split into pieces of one entry per rank, one entry per bucket — in parameters and in every
 // state entry, sharded at world 2 (padded stacks, steps where a rank has no gradient) and at

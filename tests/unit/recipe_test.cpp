@@ -559,16 +559,22 @@ TEST(Plan, PerRankMemoryByHand) {
   rb.train.grad_reduce = "bf16";
   rb = mc::recipe::rehash(std::move(rb));
   EXPECT_EQ(mc::recipe::make_plan(rb, {.ranks = 2}).memory.buffers, 2 * P + 2 * P + 2 * P / 2);
-  // Tensor parallel 2 on the same 2 ranks (one data-parallel group): parameters, gradients and
-  // optimizer state are held whole by both ranks of the group (this build); the activations
-  // of a sequence shard are half.
+  // Tensor parallel 2 on the same 2 ranks (one data-parallel group), weight shards: each rank
+  // holds half of every block matrix and embed and head whole; DistMuon steps one whole entry
+  // of each stack per rank (over the job's 2 ranks) on a whole float32 copy of it; DistAdamW
+  // keeps embed and head replicated (dp 1, no exchange of its own); the gradients of embed and
+  // head are summed over the group in one flat buffer; the activations of a sequence shard are
+  // half.
   auto rn = r;
   rn.model.mode = "nemo_native";
   rn = mc::recipe::rehash(std::move(rn));
   const auto tp = mc::recipe::make_plan(rn, {.ranks = 2});
-  EXPECT_EQ(tp.memory.parameters, 4 * held);
-  EXPECT_EQ(tp.memory.gradients, 4 * held);
+  const uint64_t held_tp = 16384 + 16384 + (12288 + 4096 + 16384 + 16384) / 2;
+  EXPECT_EQ(tp.memory.parameters, 4 * held_tp);
+  EXPECT_EQ(tp.memory.gradients, 4 * held_tp);
   EXPECT_EQ(tp.memory.optimizer, muon + adam);
+  EXPECT_EQ(tp.memory.master, 4 * P / 2);
+  EXPECT_EQ(tp.memory.buffers, 4 * P + 4 * P + 4 * P / 2 + 4 * A);
   EXPECT_EQ(tp.memory.activations, 32 * (512 + a) * 4);
 }
 

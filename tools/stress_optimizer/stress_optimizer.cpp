@@ -22,6 +22,15 @@
 // (train.precision = "bf16-mixed"): the masters are compared across ranks and with the
 // reference (fed the same bfloat16-rounded gradients), and every parameter must be exactly its
 // master's bfloat16 cast.
+// --tensor-parallel T arranges the W ranks as W / T replicas of T consecutive ranks (a
+// tensor-parallel group each, as the trainer's nemo_native layout): every rank of a replica
+// holds only its part of each DistMuon matrix (tensor_parallel.h shard_model's cuts: blocks of
+// rows or columns, a block every rank holds, routed experts on one rank each; optim.h
+// MatrixPart) and gives the blocks of its replica's gradient; DistMuon steps the whole matrices
+// over the W ranks, averaging over the replicas. The schedule's ranks are the replicas. At every
+// sample each rank publishes its replica's whole matrices reassembled from the group's parts
+// (an all-gather): the replicas must agree bit for bit, equal the mirror (whole matrices,
+// stepped on each replica's whole gradient) bit for bit, and match the reference.
 //
 // Samples travel from the ranks to this process through the TCPStore (keys under
 // "stress/"); the cross-rank comparison and the reference comparison run here after the
@@ -77,6 +86,7 @@
 
 #include "stages/trainer/optim.h"
 #include "stages/trainer/rendezvous.h"
+#include "stages/trainer/tensor_parallel.h"
 #include "stages/trainer/train_step.h"
 #include "tools/forked_world/forked_world.h"
 
@@ -119,7 +129,17 @@ struct Config {
   std::optional<std::pair<uint32_t, uint32_t>> inject_nan, inject_crash;
   // This rank joins the process group under another store prefix: no peer ever meets it.
   std::optional<uint32_t> inject_rendezvous_failure;
+  // Ranks per tensor-parallel group (dividing world): DistMuon matrices held in parts.
+  uint32_t tp = 1;
 };
+
+// The schedule's world: one rank per replica (world / tp). Presence, gradients and the
+// reference are the replicas'.
+Config replicas_of(const Config& c) {
+  Config r = c;
+  r.world = c.world / c.tp;
+  return r;
+}
 
 // A rank's exit status: what it was doing when it failed.
 constexpr int kRankStepFailed = 3, kRankRendezvousFailed = 4, kRankOtherFailure = 5;
@@ -146,6 +166,8 @@ struct ParamSet {
   std::vector<size_t> adam;
   std::vector<MuonGroupSpec> muon;
   size_t nan_param = 0;
+  // The hybrid set's model (its tensor-parallel parts are shard_model's).
+  std::optional<ModelConfig> model = std::nullopt;
 };
 
 // pure / conditional: with the harness's crossover of 1024 elements, wte (96 rows) is sharded
@@ -170,7 +192,7 @@ ParamSet default_set() {
 // handed to the optimizers exactly as the trainer assigns them (TrainStep::assignment()): every
 // 2-D block matrix (each expert's own) to DistMuon, fused qkv split in its own group; embedding,
 // head, router, norms, SSM scalars, conv weights and biases to DistAdamW.
-ParamSet hybrid_set() {
+ParamSet hybrid_set(uint32_t tp) {
   ModelConfig m;
   m.vocab_size = 96;  // embedding and head: 96 x 32, sharded by DistAdamW at worlds 2 and 3
   m.seq_len = 16;
@@ -188,6 +210,13 @@ ParamSet hybrid_set() {
   m.ssm = {.d_state = 8, .head_dim = 16, .expand = 2, .conv_kernel = 4, .chunk = 8};
   m.rnn = {.width = 32, .conv_kernel = 4};
   m.blocks = recipe::expand_blocks("AEMR", m.n_layers, recipe::kModeAuthorDp, true);
+  if (tp > 1) {
+    // The tensor-parallel layout's: R runs on the Mamba block; key/value heads divide tp.
+    m.mode = std::string(recipe::kModeNemoNative);
+    m.blocks = recipe::expand_blocks("AEMR", m.n_layers, recipe::kModeNemoNative, true);
+    m.n_kv_heads = tp;
+    m.n_heads = 2 * tp;
+  }
   TrainConfig t;
   t.optim.qkv_split = true;
   const TrainStep model(m, t, 1, nullptr, at::Device(at::kCPU));
@@ -226,7 +255,61 @@ ParamSet hybrid_set() {
       "matrices)",
       s.params.size(), m.blocks, s.adam.size(), s.params.size() - s.adam.size(), s.muon.size(),
       experts);
+  s.model = m;
   return s;
+}
+
+// Tensor-parallel rank `tp_rank`'s part of every DistMuon matrix of `set` (by parameter index):
+// the hybrid set's as shard_model cuts its model; the default set's qkv by q, k and v rows, its
+// projections by columns. A matrix shard_model leaves whole is whole on every rank, its
+// gradient given by rank 0.
+std::map<size_t, MatrixPart> tp_parts(const ParamSet& set, uint32_t tp_rank, uint32_t tp) {
+  std::map<std::string, MatrixPart> by_name;
+  if (set.model) {
+    Transformer model(*set.model, 1);
+    by_name = shard_model(*model, TensorParallel{.rank = tp_rank, .size = tp});
+  }
+  std::map<size_t, MatrixPart> out;
+  for (size_t i = 0; i < set.params.size(); ++i) {
+    const ParamSpec& p = set.params[i];
+    if (!p.muon) continue;
+    if (auto it = by_name.find(p.name); it != by_name.end()) {
+      out[i] = it->second;
+      continue;
+    }
+    MatrixPart part{.full_shape = p.shape, .dim = 0, .blocks = {}};
+    const auto split = [&](int64_t dim, std::vector<int64_t> runs) {
+      part.dim = dim;
+      int64_t full = 0, local = 0;
+      for (int64_t run : runs) {
+        const int64_t size = run / tp;
+        part.blocks.push_back(
+            {.full_offset = full + tp_rank * size, .local_offset = local, .size = size});
+        full += run, local += size;
+      }
+    };
+    if (!set.model && p.name.ends_with("qkv")) {
+      split(0, {p.shape[0] / 3, p.shape[0] / 3, p.shape[0] / 3});
+    } else if (!set.model) {
+      split(1, {p.shape[1]});
+    } else {
+      part.blocks.push_back({.full_offset = 0,
+                             .local_offset = 0,
+                             .size = p.shape[0],
+                             .contributes = tp_rank == 0,
+                             .replicated = true});
+    }
+    out[i] = std::move(part);
+  }
+  return out;
+}
+
+// The blocks of `whole` a part holds, as the rank's tensor ([0, cols] when none).
+at::Tensor local_of(const at::Tensor& whole, const MatrixPart& part) {
+  if (part.blocks.empty()) return at::empty({0, whole.size(1)}, whole.options());
+  std::vector<at::Tensor> pieces;
+  for (const auto& b : part.blocks) pieces.push_back(whole.narrow(part.dim, b.full_offset, b.size));
+  return at::cat(pieces, part.dim).contiguous();
 }
 
 constexpr int64_t kAdamCrossover = 1024;
@@ -374,11 +457,20 @@ int run_rank(const Config& c, const ParamSet& set, uint16_t port, uint32_t rank)
     // second copy of the parameters, stepped on the same gradients right after the sharded
     // pair. Its state is held by every rank, so it can be compared across ranks; the sharded
     // pair must equal it.
+    // --tensor-parallel: the sharded pair's DistMuon holds this rank's parts of the matrices
+    // (p), the mirror the whole matrices (q); the schedule is the replica's.
+    const uint32_t replica = rank / c.tp, tp_rank = rank % c.tp;
+    const Config cr = replicas_of(c);
+    const bool parted = c.tp > 1;
+    const std::map<size_t, MatrixPart> parts =
+        parted ? tp_parts(set, tp_rank, c.tp) : std::map<size_t, MatrixPart>{};
     std::vector<at::Tensor> p, q;
     const at::ScalarType dtype = c.mixed ? at::kBFloat16 : at::kFloat;
     for (size_t i = 0; i < set.params.size(); ++i) {
-      p.push_back(init_value(set, i).to(dtype).requires_grad_(true));
-      q.push_back(init_value(set, i).to(dtype).requires_grad_(true));
+      const at::Tensor whole = init_value(set, i).to(dtype);
+      p.push_back(
+          (parts.contains(i) ? local_of(whole, parts.at(i)) : whole.clone()).requires_grad_(true));
+      q.push_back(whole.requires_grad_(true));
     }
     auto adam_groups = [&](const std::vector<at::Tensor>& x) {
       AdamWParamGroup g{.lr = kAdamLr,
@@ -392,7 +484,7 @@ int run_rank(const Config& c, const ParamSet& set, uint16_t port, uint32_t rank)
       }
       return std::vector<AdamWParamGroup>{std::move(g)};
     };
-    auto muon_groups = [&](const std::vector<at::Tensor>& x) {
+    auto muon_groups = [&](const std::vector<at::Tensor>& x, bool with_parts) {
       std::vector<MuonParamGroup> out;
       for (const MuonGroupSpec& spec : set.muon) {
         MuonParamGroup g{.lr = kMuonLr,
@@ -402,31 +494,52 @@ int run_rank(const Config& c, const ParamSet& set, uint16_t port, uint32_t rank)
                          .qkv_split_sizes = spec.split};
         for (size_t i : spec.members) {
           g.params.push_back(x[i]);
-          if (c.mixed) g.masters.push_back(init_value(set, i));
+          if (c.mixed || with_parts) g.masters.push_back(init_value(set, i));
+          if (with_parts) g.parts.push_back(parts.at(i));
         }
         out.push_back(std::move(g));
       }
       return out;
     };
+    const uint32_t muon_replicas = parted ? cr.world : 0;
     const std::optional<at::ScalarType> reduce =
         c.mixed ? std::optional(at::kFloat) : std::optional<at::ScalarType>();
     DistAdamW adam(
         adam_groups(p), pg,
         DistAdamWOptions{
             .crossover_numel = kAdamCrossover, .master_weights = c.mixed, .reduce_dtype = reduce});
-    DistMuon muon(
-        muon_groups(p), pg,
-        DistMuonOptions{
-            .bf16_orthogonalization = c.bf16, .master_weights = c.mixed, .reduce_dtype = reduce});
+    DistMuon muon(muon_groups(p, parted), pg,
+                  DistMuonOptions{.bf16_orthogonalization = c.bf16,
+                                  .master_weights = c.mixed,
+                                  .reduce_dtype = reduce,
+                                  .replicas = muon_replicas});
     DistAdamW adam_r(adam_groups(q), pg,
                      DistAdamWOptions{.crossover_numel = std::numeric_limits<int64_t>::max(),
                                       .master_weights = c.mixed,
                                       .reduce_dtype = reduce});
-    DistMuon muon_r(muon_groups(q), pg,
+    DistMuon muon_r(muon_groups(q, false), pg,
                     DistMuonOptions{.bf16_orthogonalization = c.bf16,
                                     .replicated = true,
                                     .master_weights = c.mixed,
-                                    .reduce_dtype = reduce});
+                                    .reduce_dtype = reduce,
+                                    .replicas = muon_replicas});
+    // A matrix's whole value as this rank's replica holds it: the contributing blocks of the
+    // group's parts (disjoint; zeros elsewhere), summed out of an all-gather over every rank.
+    const auto whole_of = [&](size_t i) {
+      const MatrixPart& part = parts.at(i);
+      at::Tensor mine = at::zeros(set.params[i].shape, p[i].options().requires_grad(false));
+      for (const auto& b : part.blocks)
+        if (b.contributes)
+          mine.narrow(part.dim, b.full_offset, b.size)
+              .copy_(p[i].detach().narrow(part.dim, b.local_offset, b.size));
+      std::vector<std::vector<at::Tensor>> all(1);
+      for (uint32_t r = 0; r < c.world; ++r) all[0].push_back(at::empty_like(mine));
+      std::vector<at::Tensor> in{mine};
+      pg->allgather(all, in)->wait();
+      at::Tensor whole = at::zeros_like(mine);
+      for (uint32_t t = 0; t < c.tp; ++t) whole.add_(all[0][replica * c.tp + t]);
+      return whole;
+    };
     if (rank == 0) {
       std::string sharded;
       for (size_t k = 0; k < set.adam.size(); ++k)
@@ -439,9 +552,18 @@ int run_rank(const Config& c, const ParamSet& set, uint16_t port, uint32_t rank)
       if (c.inject_crash == std::pair{rank, step}) crash();
       bool any_adam = false, any_muon = false;
       for (size_t i = 0; i < p.size(); ++i) {
-        const bool has = present(c, set, step, rank, i);
-        p[i].mutable_grad() = has ? grad_value(c, set, step, rank, i).to(dtype) : at::Tensor();
-        q[i].mutable_grad() = has ? p[i].grad().clone() : at::Tensor();
+        const bool has = present(cr, set, step, replica, i);
+        const at::Tensor g = has ? grad_value(cr, set, step, replica, i).to(dtype) : at::Tensor();
+        if (parts.contains(i)) {
+          // This rank's blocks of its replica's gradient; the mirror's whole gradient is given
+          // by the replica's first rank.
+          const at::Tensor mine = has ? local_of(g, parts.at(i)) : at::Tensor();
+          p[i].mutable_grad() = mine.defined() && mine.numel() > 0 ? mine : at::Tensor();
+          q[i].mutable_grad() = has && tp_rank == 0 ? g : at::Tensor();
+        } else {
+          p[i].mutable_grad() = g;
+          q[i].mutable_grad() = has ? g.clone() : at::Tensor();
+        }
         (set.params[i].muon ? any_muon : any_adam) |= has;
       }
       where = "DistAdamW::step";
@@ -468,8 +590,9 @@ int run_rank(const Config& c, const ParamSet& set, uint16_t port, uint32_t rank)
         json meta = json::array();
         std::vector<double> data;
         for (size_t i = 0; i < p.size(); ++i) {
-          publish_entry(meta, data, fmt::format("param.{}", set.params[i].name), Kind::kParam, p[i],
-                        p[i].sizes().vec(), 0, true);
+          const at::Tensor value = parts.contains(i) ? whole_of(i) : p[i];
+          publish_entry(meta, data, fmt::format("param.{}", set.params[i].name), Kind::kParam,
+                        value, value.sizes().vec(), 0, true);
           publish_entry(meta, data, fmt::format("mirror.{}", set.params[i].name), Kind::kParam,
                         q[i], q[i].sizes().vec(), 0, true);
         }
@@ -715,7 +838,9 @@ Sample assemble(const Config& c, const ParamSet& set, const std::vector<MuonStac
     if (name.starts_with("param.")) other = "mirror." + name.substr(6);
     if (name.starts_with("adam.")) other = "adam_r." + name.substr(5);
     if (name.starts_with("muon.")) other = "muon_r." + name.substr(5);
-    if (other.empty()) continue;
+    // Under --tensor-parallel in float32 the sharded DistMuon's "master" entries (its whole
+    // copies of the matrices) have no counterpart in the mirror; its parameters are compared.
+    if (other.empty() || !raw.contains(other)) continue;
     const auto& mirror = raw.at(other);
     for (size_t i = 0; i < mirror.size(); ++i)
       s.max_sharded_vs_replicated =
@@ -911,11 +1036,11 @@ Starvation count_starvation(const Config& c, const ParamSet& set) {
 
 int run(const Config& c) {
   torch::set_num_threads(1);  // forked ranks must not inherit a live OpenMP pool
-  const ParamSet set = c.scenario == "hybrid" ? hybrid_set() : default_set();
+  const ParamSet set = c.scenario == "hybrid" ? hybrid_set(c.tp) : default_set();
   const std::vector<MuonStack> stacks = muon_stacks(set);
   printf("parameter set: %s\n", set.description.c_str());
   if (c.scenario == "hybrid") {
-    const Starvation st = count_starvation(c, set);
+    const Starvation st = count_starvation(replicas_of(c), set);
     printf(
         "expert gradients: on some ranks with a batch but not others at %zu (step, expert) "
         "pairs, on no rank while the rest of the model has gradients at %zu\n",
@@ -1013,9 +1138,13 @@ int run(const Config& c) {
     return 1;
   }
   printf(
-      "world %u, %u steps, scenario %s%s, Muon orthogonalization in %s%s: ranks finished in "
+      "world %u%s, %u steps, scenario %s%s, Muon orthogonalization in %s%s: ranks finished in "
       "%.1fs\n",
-      c.world, c.steps, c.scenario.c_str(), c.break_mask ? " (break-mask)" : "",
+      c.world,
+      c.tp > 1
+          ? fmt::format(" (tensor-parallel groups of {}: DistMuon matrices in parts)", c.tp).c_str()
+          : "",
+      c.steps, c.scenario.c_str(), c.break_mask ? " (break-mask)" : "",
       c.bf16 ? "bfloat16" : "float32", c.mixed ? ", bf16-mixed (float32 masters)" : "", train_s);
   const auto sb = server.get("stress/adam_sharded");
   const std::string sharded(sb.begin(), sb.end());
@@ -1096,13 +1225,15 @@ int run(const Config& c) {
     if (split[i]) p["qkv_split_sizes"] = *split[i];
     params.push_back(p);
   }
+  // The schedule's ranks: the replicas (one per rank without tensor parallelism).
+  const Config cr = replicas_of(c);
   for (uint32_t s = 0; s < c.steps; ++s)
-    for (uint32_t r = 0; r < c.world; ++r)
+    for (uint32_t r = 0; r < cr.world; ++r)
       for (size_t i = 0; i < set.params.size(); ++i)
-        if (present(c, set, s, r, i))
+        if (present(cr, set, s, r, i))
           grads.emplace_back(fmt::format("step{}.rank{}.{}", s, r, set.params[i].name),
-                             grad_value(c, set, s, r, i));
-  const json spec = {{"world_size", c.world},
+                             grad_value(cr, set, s, r, i));
+  const json spec = {{"world_size", cr.world},
                      {"steps", c.steps},
                      {"hyperparameters",
                       {{"adamw",
@@ -1222,6 +1353,10 @@ int main(int argc, char** argv) {
                "bf16-mixed: bfloat16 parameters and gradients, float32 masters in the optimizers "
                "(compared with the reference; every parameter must be its master's cast)");
   app.add_option("--rendezvous-timeout", c.rendezvous_timeout_s, "store/rendezvous timeout, s");
+  app.add_option("--tensor-parallel", c.tp,
+                 "ranks per tensor-parallel group: DistMuon matrices held in parts (divides "
+                 "--world)")
+      ->check(CLI::Range(1u, 64u));
   int expect_sharded = -1;
   app.add_option("--expect-adam-sharded", expect_sharded,
                  "fail unless DistAdamW shards this many parameters");
@@ -1243,6 +1378,13 @@ int main(int argc, char** argv) {
       return 2;
     }
     *out = std::pair<uint32_t, uint32_t>{r, s};
+  }
+  if (c.world % c.tp != 0 || (c.tp > 1 && c.break_mask)) {
+    fprintf(stderr,
+            "--tensor-parallel %u must divide --world %u (and is not run with "
+            "--break-mask)\n",
+            c.tp, c.world);
+    return 2;
   }
   if (bad_rendezvous >= 0) c.inject_rendezvous_failure = static_cast<uint32_t>(bad_rendezvous);
   if (expect_sharded >= 0) c.expect_adam_sharded = expect_sharded;
