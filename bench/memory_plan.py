@@ -1,11 +1,14 @@
-"""bench_memory_plan: memory per rank and tokens/s of each precision / recomputation setting —
-megacpp's plan, megacpp measured, and the same model in PyTorch (DDP, + torch.autocast for
-bf16-mixed, + torch.utils.checkpoint for full recomputation; bench/peers/train_twin.py under
-torchrun) — side by side in one invocation.
+"""bench_memory_plan: memory per rank and tokens/s of each precision / recomputation / sharding
+setting — megacpp's plan, megacpp measured, and the same model in PyTorch (DDP, + torch.autocast
+for bf16-mixed, + torch.utils.checkpoint for full recomputation; FSDP2 fully_shard with
+MixedPrecisionPolicy for the sharded layout; bench/peers/train_twin.py under torchrun) — side by
+side in one invocation.
 
 For each size (recipes/large.toml, 57 M parameters; `xl`, the same decoder at d_model 1024,
-101 M parameters) and each setting (fp32; bf16-mixed; bf16-mixed + selective; bf16-mixed +
-full) it prints:
+101 M parameters) and each setting (data parallel "dp": fp32; bf16-mixed; bf16-mixed +
+selective; bf16-mixed + full — and "tp2", nemo_native's tensor-parallel group of the 2 ranks
+holding weight shards: fp32; bf16-mixed + selective, against FSDP2 sharding the same model over
+the 2 ranks) it prints:
 
   plan GiB        `megacpp plan`'s per-rank total (recipes/plan.h: an upper bound, everything
                   at once)
@@ -22,8 +25,8 @@ The runs checkpoint after their last step only, so the snapshot staging region (
 memory, not in the plan) is not in the peak. Nothing is judged: the issue's goal (measured
 within 15% of the plan) is printed beside the figures. CPU, Gloo, 2 ranks, 1 thread per rank.
 
-    .venv/bin/python bench/memory_plan.py [--sizes large,xl] [--steps 6] [--twin-steps 4]
-                                          [--no-twin] [--json OUT]
+    .venv/bin/python bench/memory_plan.py [--sizes large,xl] [--layouts dp,tp2] [--steps 6]
+                                          [--twin-steps 4] [--no-twin] [--json OUT]
 """
 import argparse
 import json
@@ -37,8 +40,11 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, ".."))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
-SETTINGS = [("fp32", "none"), ("bf16-mixed", "none"), ("bf16-mixed", "selective"),
-            ("bf16-mixed", "full")]
+# (precision, recompute, layout): "dp" data parallel over the 2 ranks (the twin: DDP); "tp2"
+# nemo_native, one tensor-parallel group of 2 holding weight shards (the twin: FSDP2).
+SETTINGS = [("fp32", "none", "dp"), ("bf16-mixed", "none", "dp"), ("bf16-mixed", "selective", "dp"),
+            ("bf16-mixed", "full", "dp"), ("fp32", "none", "tp2"),
+            ("bf16-mixed", "selective", "tp2")]
 SIZES = {"large": {}, "xl": {"d_model": "1024", "n_heads": "8"}}
 
 
@@ -77,31 +83,36 @@ def write_recipe(tmp, size, precision, recompute, steps, for_twin):
     return path
 
 
-def plan_gib(recipe):
-    out = subprocess.run([megacpp_bin(), "plan", recipe, "--ranks", "2"], capture_output=True,
-                         text=True, check=True).stdout
+def layout_args(layout):
+    return ["--mode", "nemo_native"] if layout == "tp2" else []
+
+
+def plan_gib(recipe, layout):
+    out = subprocess.run([megacpp_bin(), "plan", recipe, "--ranks", "2"] + layout_args(layout),
+                         capture_output=True, text=True, check=True).stdout
     m = re.search(r"memory per rank \(.*\): .*: ([0-9.]+) GiB", out)
     return float(m.group(1)), re.search(r"memory per rank .*", out).group(0)
 
 
-def run_megacpp(recipe, steps, tmp):
-    run = os.path.join(tmp, "run-" + os.path.basename(recipe)[:-5])
+def run_megacpp(recipe, layout, steps, tmp):
+    run = os.path.join(tmp, "run-" + os.path.basename(recipe)[:-5] + "-" + layout)
     subprocess.run([megacpp_bin(), "run", recipe, "--ranks", "2", "--steps", str(steps),
                     "--run-dir", run, "--data-dir", os.path.join(tmp, "data"), "--progress",
-                    "none"], check=True, capture_output=True)
+                    "none"] + layout_args(layout), check=True, capture_output=True)
     with open(os.path.join(run, "receipts", "bench_result.json")) as f:
         r = json.load(f)
     shutil.rmtree(run, ignore_errors=True)
     return r["memory"]["aboveBaseline"] / 2**30, r["tokensPerSecond"]
 
 
-def run_twin(recipe, precision, recompute, steps, tmp):
+def run_twin(recipe, precision, recompute, layout, steps, tmp):
     out = os.path.join(tmp, "twin.json")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                     "--master-port", "29591", os.path.join(HERE, "peers", "train_twin.py"),
                     "--recipe", recipe, "--steps", str(steps), "--precision", precision,
-                    "--recompute", recompute, "--json", out, "--print-every", "1000"],
+                    "--recompute", recompute, "--json", out, "--print-every", "1000"]
+                   + (["--fsdp"] if layout == "tp2" else []),
                    check=True, capture_output=True, env=env)
     with open(out) as f:
         d = json.load(f)
@@ -114,6 +125,7 @@ def run_twin(recipe, precision, recompute, steps, tmp):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="large,xl")
+    ap.add_argument("--layouts", default="dp,tp2", help="dp, tp2 or both")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--twin-steps", type=int, default=4)
     ap.add_argument("--no-twin", action="store_true")
@@ -126,30 +138,33 @@ def main():
     try:
         for size in args.sizes.split(","):
             twin_none = None
-            for precision, recompute in SETTINGS:
+            for precision, recompute, layout in SETTINGS:
+                if layout not in args.layouts.split(","):
+                    continue
                 recipe = write_recipe(tmp, size, precision, recompute, args.steps, False)
-                plan, line = plan_gib(recipe)
-                measured, tps = run_megacpp(recipe, args.steps, tmp)
+                plan, line = plan_gib(recipe, layout)
+                measured, tps = run_megacpp(recipe, layout, args.steps, tmp)
                 twin = (None, None)
                 if not args.no_twin:
                     twin_recompute = "none" if recompute == "selective" else recompute
-                    if recompute == "selective" and twin_none is not None:
+                    if recompute == "selective" and layout == "dp" and twin_none is not None:
                         twin = twin_none
                     else:
                         twin = run_twin(write_recipe(tmp, size, precision, recompute,
                                                      args.steps, True),
-                                        precision, twin_recompute, args.twin_steps, tmp)
+                                        precision, twin_recompute, layout, args.twin_steps, tmp)
                     if precision == "bf16-mixed" and recompute == "none":
                         twin_none = twin
                 row = {"size": size, "precision": precision, "recompute": recompute,
+                       "layout": layout,
                        "plan_gib": plan, "megacpp_gib": measured, "megacpp_tokens_s": tps,
                        "twin_gib": twin[0], "twin_tokens_s": twin[1], "plan": line}
                 rows.append(row)
                 twin_text = ("twin %.3f GiB %7.0f tok/s  megacpp/twin memory %.2fx tokens/s %.2fx"
                              % (twin[0], twin[1], measured / twin[0], tps / twin[1])
                              if twin[0] else "")
-                print("%-5s %-10s %-9s plan %.3f GiB  megacpp %.3f GiB (measured/plan %.2f)  "
-                      "%7.0f tok/s  %s" % (size, precision, recompute, plan, measured,
+                print("%-5s %-10s %-9s %-3s plan %.3f GiB  megacpp %.3f GiB (measured/plan %.2f)  "
+                      "%7.0f tok/s  %s" % (size, precision, recompute, layout, plan, measured,
                                            measured / plan, tps, twin_text), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -464,14 +464,19 @@ void JobController::adopt_parent_checkpoint() {
                  "--from {}: the checkpoint is of step {}, and --steps {} leaves nothing to "
                  "train: steps continue from the checkpoint's, so pass --steps above {}",
                  opt_.from.string(), ckpt.step(), opt_.steps, ckpt.step());
-  if (ckpt.mode() != recipe_.model.mode)
+  // A checkpoint's logical tensors do not depend on the layout (tensor-parallel weight shards
+  // are reassembled by the reader), so a branch may change the mode, and with it the
+  // tensor-parallel degree, as long as the model is the same: the modes expand a pattern's
+  // R differently (author_dp: the recurrence; nemo_native: the Mamba block).
+  const std::string ckpt_blocks = recipe::expand_blocks(recipe_.pattern, recipe_.model.n_layers,
+                                                        ckpt.mode(), recipe_.model.moe.enabled);
+  if (ckpt.mode() != recipe_.model.mode && ckpt_blocks != recipe_.model.blocks)
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                  "--from {}: gate mode-matches-checkpoint: the checkpoint was trained in mode {} "
-                 "(tensor parallel {}) and this run's recipe is in mode {}; a checkpoint's tensors "
-                 "are laid out for its mode, so resuming across modes is refused (retires when "
-                 "checkpoints are resharded between layouts): pass --mode {}",
-                 opt_.from.string(), ckpt.mode(), ckpt.tensor_parallel(), recipe_.model.mode,
-                 ckpt.mode());
+                 "(tensor parallel {}), whose blocks {} are not this run's {} in mode {}: the "
+                 "models differ (retires never: R is another block in each mode): pass --mode {}",
+                 opt_.from.string(), ckpt.mode(), ckpt.tensor_parallel(), ckpt_blocks,
+                 recipe_.model.blocks, recipe_.model.mode, ckpt.mode());
   // A node's part of a job across nodes holds its own ranks only: a branch reads its ranks from
   // it only when this node holds the same ranks of a job of the same world.
   if (ckpt.ranks() < ckpt.world()) {

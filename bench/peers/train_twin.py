@@ -406,6 +406,11 @@ def main():
                          "float32 parameters, gradients and optimizer state (DDP + autocast)")
     ap.add_argument("--recompute", choices=("none", "full"), default="none",
                     help="full: every block under torch.utils.checkpoint (use_reentrant=False)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="FSDP2 instead of DDP: fully_shard on every block and the root over the "
+                         "ranks (parameters, gradients and optimizer state sharded; the optimizers "
+                         "step DTensors), bf16-mixed as MixedPrecisionPolicy(bfloat16 parameters, "
+                         "float32 reduction) instead of autocast")
     args = ap.parse_args()
     if args.steps < 1 or args.threads < 1 or args.print_every < 1:
         ap.error("--steps, --threads and --print-every must be >= 1")
@@ -425,13 +430,26 @@ def main():
     model = Transformer(m, train["seed"], split=optim["qkv_split"])
     model.recompute = args.recompute == "full"
     n_params = sum(p.numel() for p in model.parameters())
-    # Parameters are broadcast from rank 0 here; the RoPE buffers are constant, so DDP's
-    # per-forward buffer broadcast (a collective megacpp does not have) is off.
-    ddp = DistributedDataParallel(model, broadcast_buffers=False,
-                                  bucket_cap_mb=args.bucket_cap_mb)
+    autocast = args.precision == "bf16-mixed"
     clock = LaunchClock()
-    if args.phases:
-        ddp.register_comm_hook(clock, LaunchClock.hook)
+    if args.fsdp:
+        # Every rank initialised the same weights from train.seed; fully_shard keeps its shard.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if autocast else MixedPrecisionPolicy())
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        ddp = fully_shard(model, mesh=mesh, mp_policy=policy)
+        autocast = False
+    else:
+        # Parameters are broadcast from rank 0 here; the RoPE buffers are constant, so DDP's
+        # per-forward buffer broadcast (a collective megacpp does not have) is off.
+        ddp = DistributedDataParallel(model, broadcast_buffers=False,
+                                      bucket_cap_mb=args.bucket_cap_mb)
+        if args.phases:
+            ddp.register_comm_hook(clock, LaunchClock.hook)
     muon, adamw, adam_peak = build_optimizers(model, optim)
     params = list(model.parameters())
     data_gen = torch.Generator()
@@ -448,7 +466,7 @@ def main():
         t1 = time.perf_counter()
         muon.zero_grad(set_to_none=True)
         adamw.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits = ddp(tokens[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, V).float(), tokens[:, 1:].reshape(-1))
         t2 = time.perf_counter()
@@ -497,6 +515,7 @@ def main():
             out = {"recipe": recipe[""]["name"], "params": n_params, "world": world,
                    "threads": args.threads, "batch": B, "seq": T, "steps": records,
                    "precision": args.precision, "recompute": args.recompute,
+                   "wrapper": "fsdp2" if args.fsdp else "ddp",
                    "memory_above_baseline": above.item()}
             tmp = args.json + ".tmp"
             with open(tmp, "w") as f:

@@ -6,7 +6,8 @@ Run      `megacpp run tiny-hybrid` on 2 CPU ranks: the loss falls; the manifest 
          top_k assignments are counted); launch.json records the gates it passed; the
          checkpoint records the mode; `megacpp export` writes a safetensors file that PyTorch
          loads, holding exactly the model's parameters with the shapes `megacpp plan` prints.
-Refusals `--from` that checkpoint in the other mode is refused by `mode-matches-checkpoint`;
+Refusals `--from` that checkpoint in the other mode (whose R is another block) is refused by
+         `mode-matches-checkpoint`;
          nam56r on this CPU host, and a `--memory-budget` below the plan, by `memory-budget` —
          each in one line, before anything is written.
 Plan     `megacpp plan nam56r --ranks 8` prints 52 layers in the pattern's order, in both modes.
@@ -14,8 +15,9 @@ Nemo     `megacpp run tiny-hybrid --mode nemo_native` on 2 CPU ranks (one tensor
          with sequence parallelism; R runs the Mamba block, so the layers are AEMMAEMM) trains
          the same model as `author_dp` with the pattern AEMM on 1 rank: per-step losses within
          TP_TOLERANCE and identical tokens per expert. Its checkpoint records tensor parallel 2
-         and holds the state once (rank 1's file is empty); a rank's crash then `--resume` is
-         bit-identical to the straight run.
+         and holds each rank's weight shards; a rank's crash then `--resume` is bit-identical
+         to the straight run; a branch of its checkpoint in author_dp on 1 rank (the same model,
+         unsharded) continues its losses within TP_TOLERANCE.
 """
 import json
 import os
@@ -278,6 +280,24 @@ class NemoNative(unittest.TestCase):
         self.assertIn("nemo_native", prov["argv"])
         self.assertGreaterEqual(prov["cpuCount"], 1)
         self.assertTrue(prov["kernel"].startswith("Linux"), prov["kernel"])
+
+    def test_a_branch_at_another_tensor_parallel_degree_continues_the_training(self):
+        # The nemo run's step-EVERY checkpoint (tensor parallel 2, each rank's weight shards)
+        # branched in author_dp on 1 rank with the pattern AEMM — the same model, unsharded:
+        # its steps continue the nemo run's within TP_TOLERANCE (the state is read whole, the
+        # batches continue where the parent's stood).
+        ck = os.path.join(self.nemo, "checkpoints", "step_%08d" % EVERY)
+        d = os.path.join(self.tmp, "branch-tp1")
+        p = run_harness.megacpp(["run", self.aemm, "--ranks", "1", "--from", ck, "--steps",
+                                 str(STEPS), "--run-dir", d, "--data-dir", self.data,
+                                 "--progress", "none"])
+        self.assertEqual(p.returncode, 0, p.stdout[-2000:] + p.stderr[-3000:])
+        nemo = {s["step"]: s["loss"] for s in self.telemetry(self.nemo)}
+        branch = self.telemetry(d)
+        self.assertEqual([s["step"] for s in branch], list(range(EVERY + 1, STEPS + 1)))
+        for s in branch:
+            self.assertLessEqual(abs(s["loss"] - nemo[s["step"]]), TP_TOLERANCE * nemo[s["step"]],
+                                 "step %d: %r against %r" % (s["step"], s["loss"], nemo[s["step"]]))
 
     def test_a_rank_crash_then_resume_is_bit_identical(self):
         d = self.train("crash", self.recipe, RANKS, "--mode", "nemo_native",
