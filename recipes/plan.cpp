@@ -341,6 +341,12 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
        fmt::format("{} rank(s) into tensor-parallel groups of {} ({})", o.ranks, p.tp, p.mode),
        "every rank belongs to exactly one whole tensor-parallel group",
        "never: a partial tensor-parallel group cannot hold a layer");
+  const uint32_t per_node = o.ranks_per_node > 0 ? o.ranks_per_node : o.ranks;
+  gate("tp-within-node", per_node % p.tp == 0,
+       fmt::format("{} rank(s) per node into tensor-parallel groups of {}", per_node, p.tp),
+       "a tensor-parallel group's collectives run in every block, and a node's part of a "
+       "checkpoint holds whole groups' weight shards: a group stays on one node",
+       "never: give each node a multiple of the tensor-parallel degree");
   const bool attention = m.blocks.empty() || has(kBlockAttention);
   gate("tp-divides-heads", !attention || (m.n_heads % p.tp == 0 && m.kv_heads() % p.tp == 0),
        fmt::format("{} query and {} key/value heads over tensor parallel {}", m.n_heads,

@@ -108,6 +108,8 @@ struct MemoryPlan {  // bytes per rank
 
 struct PlanOptions {
   uint32_t ranks = 1;
+  // Ranks on each node of a job across nodes; 0: all `ranks` on one node.
+  uint32_t ranks_per_node = 0;
   double memory_budget_gib = 0;  // per rank; 0 = not checked
   // Where the budget comes from, for the gate's detail; empty: --memory-budget.
   std::string memory_budget_source = {};

@@ -614,6 +614,7 @@ void JobController::prepare() {
     // Without --memory-budget, a CPU run's ranks get an equal part of this host's memory: a
     // plan beyond it cannot start (nam56r on a workstation), and says so before launching.
     recipe::PlanOptions po{.ranks = world_,
+                           .ranks_per_node = opt_.ranks,
                            .memory_budget_gib = opt_.memory_budget_gib,
                            .device = opt_.device,
                            .cuda_trainer_built = cuda_trainer_built()};

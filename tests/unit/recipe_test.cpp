@@ -649,6 +649,13 @@ TEST(Plan, GatesNameTheirRuleReasonAndRetirement) {
   // Odd worlds, heads, sequences and experts under tensor parallel 2.
   EXPECT_FALSE(
       gate(mc::recipe::make_plan(named("nam56r"), {.ranks = 3}), "tp-divides-world").passed);
+  // A job of 2 nodes of 1 rank each: its tensor-parallel groups would span nodes.
+  const auto spans = mc::recipe::make_plan(named("nam56r"), {.ranks = 2, .ranks_per_node = 1});
+  EXPECT_TRUE(gate(spans, "tp-divides-world").passed);
+  EXPECT_FALSE(gate(spans, "tp-within-node").passed);
+  EXPECT_TRUE(gate(mc::recipe::make_plan(named("nam56r"), {.ranks = 8, .ranks_per_node = 4}),
+                   "tp-within-node")
+                  .passed);
   auto r = named("tiny-hybrid", "nemo_native");
   r.model.n_heads = 1;
   r.model.n_kv_heads = 1;
