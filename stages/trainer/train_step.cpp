@@ -246,26 +246,38 @@ struct TrainStep::Impl {
   }
 
   // Every rank initialised from the same seed already; the broadcast makes rank 0's
-  // parameters authoritative regardless (e.g. a torch build whose RNG stream differs).
+  // parameters authoritative regardless (e.g. a torch build whose RNG stream differs). In
+  // buckets of at most kBroadcastNumel elements (parameters in order, a larger one alone), so
+  // the start-up holds no second copy of the whole model (nam56r: 25 GiB in float32).
   void broadcast_parameters(const c10::intrusive_ptr<c10d::Backend>& group) {
     torch::NoGradGuard no_grad;
-    int64_t numel = 0;
-    for (const auto& [name, p] : params) numel += p.numel();
-    at::Tensor flat = torch::empty({numel}, torch::dtype(torch::kFloat32).device(device));
-    int64_t off = 0;
-    for (const auto& [name, p] : params) {
-      flat.narrow(0, off, p.numel()).copy_(p.reshape({-1}));
-      off += p.numel();
-    }
-    std::vector<at::Tensor> bufs{flat};
-    c10d::BroadcastOptions opts;
-    opts.rootRank = 0;
-    run_collective("broadcast of the parameters", group,
-                   [&] { return group->broadcast(bufs, opts); });
-    off = 0;
-    for (auto& [name, p] : params) {
-      p.view({-1}).copy_(flat.narrow(0, off, p.numel()));
-      off += p.numel();
+    constexpr int64_t kBroadcastNumel = int64_t{1} << 26;
+    size_t first = 0;
+    while (first < params.size()) {
+      size_t last = first;
+      int64_t numel = 0;
+      while (last < params.size() &&
+             (last == first || numel + params[last].second.numel() <= kBroadcastNumel))
+        numel += params[last++].second.numel();
+      at::Tensor flat = torch::empty({numel}, torch::dtype(torch::kFloat32).device(device));
+      int64_t off = 0;
+      for (size_t i = first; i < last; ++i) {
+        const at::Tensor& p = params[i].second;
+        flat.narrow(0, off, p.numel()).copy_(p.reshape({-1}));
+        off += p.numel();
+      }
+      std::vector<at::Tensor> bufs{flat};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = 0;
+      run_collective("broadcast of the parameters", group,
+                     [&] { return group->broadcast(bufs, opts); });
+      off = 0;
+      for (size_t i = first; i < last; ++i) {
+        at::Tensor& p = params[i].second;
+        p.view({-1}).copy_(flat.narrow(0, off, p.numel()));
+        off += p.numel();
+      }
+      first = last;
     }
   }
 
