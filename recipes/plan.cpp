@@ -119,23 +119,26 @@ uint64_t activation_floats(const ModelConfig& m, char block, Recompute recompute
   const bool selective = recompute == Recompute::kSelective;
   switch (block) {
     case kBlockAttention: {
-      // none: two norm outputs; qkv; q and k after QK-norm and after RoPE; the attention
-      // output; the MLP's fc output, relu and square. selective: the two norms' inputs for
-      // their outputs, q and k after RoPE only, the fc output only.
+      // none: two norms' inputs and outputs; qkv; q and k after QK-norm and after RoPE; the
+      // attention output; the MLP's relu and square (relu's backward reads its own output, the
+      // input of square: one tensor). selective: the two norms' inputs for their outputs, q and
+      // k after RoPE only, the fc output only.
       const uint64_t hd = m.head_dim(), H = m.n_heads, KV = m.kv_heads();
       if (selective) return 2 * D + (H + 2 * KV) * hd + (H + KV) * hd + H * hd + F;
-      return 2 * D + (H + 2 * KV) * hd + 2 * (H + KV) * hd + H * hd + 3 * F;
+      return 4 * D + (H + 2 * KV) * hd + 2 * (H + KV) * hd + H * hd + 2 * F;
     }
     case kBlockMlp:
-      return D + (selective ? F : 3 * F);
+      return selective ? D + F : 2 * D + 2 * F;
     case kBlockMoe: {
-      // norm output, router logits and probabilities, per assignment the gathered token,
-      // the expert's fc/relu/square and its weight; the shared expert's fc/relu/square.
-      // selective: of each expert (and the shared one) the fc output only.
+      // the norm's input and output, router probabilities (twice: softmax, the balancing
+      // loss), per assignment the gathered token, the expert's relu and square, its output and
+      // its weight (their product's operands) and the product (index_add keeps its source);
+      // the shared expert's relu and square. selective: of each expert (and the shared one)
+      // the fc output only, the rest as none.
       const uint64_t E = m.moe.n_experts, k = m.moe.top_k, h = m.moe.expert_hidden;
       const uint64_t s = m.moe.shared_hidden;
-      if (selective) return D + 2 * E + k * (D + h + 1) + s;
-      return D + 2 * E + k * (D + 3 * h + 1) + 3 * s;
+      if (selective) return 2 * D + 2 * E + k * (3 * D + h + 1) + s;
+      return 2 * D + 2 * E + k * (3 * D + 2 * h + 1) + 2 * s;
     }
     case kBlockMamba: {
       // norm output, in_proj output, conv output and its SiLU, dt, the chunk's decay matrix

@@ -488,13 +488,13 @@ TEST(Plan, Nam56rTwoLayersByHand) {
   EXPECT_EQ(a.params_total, attn + mlp);
   EXPECT_EQ(a.params_total, 165150720u);
   EXPECT_EQ(a.params_active, a.params_total);
-  EXPECT_EQ(a.activation_floats, 2 * D + (H + 2 * KV) * hd + 2 * (H + KV) * hd + H * hd + 3 * F);
+  EXPECT_EQ(a.activation_floats, 4 * D + (H + 2 * KV) * hd + 2 * (H + KV) * hd + H * hd + 2 * F);
   const auto& e = p.layers[1];
   EXPECT_EQ(e.block, 'E');
   EXPECT_EQ(e.params_total, E * D + E * 2 * h * D + 2 * s * D);
   EXPECT_EQ(e.params_total, 110157824u);
   EXPECT_EQ(e.params_active, E * D + k * 2 * h * D + 2 * s * D);
-  EXPECT_EQ(e.activation_floats, D + 2 * E + k * (D + 3 * h + 1) + 3 * s);
+  EXPECT_EQ(e.activation_floats, 2 * D + 2 * E + k * (3 * D + 2 * h + 1) + 2 * s);
   // Families: 13 A, 22 E, 17 Mamba (13 M + 4 R in nemo_native).
   std::map<std::string, uint32_t> layers;
   for (const auto& f : p.families) layers[f.name] = f.layers;
@@ -526,9 +526,9 @@ TEST(Plan, PerRankMemoryByHand) {
   const uint64_t muon = (12288 + 192) * 4 + (4096 + 64) * 4 + (16384 + 256) * 4 + (16384 + 256) * 4;
   const uint64_t adam = 8 * 16384 * 2;
   EXPECT_EQ(p.memory.optimizer, muon + adam);
-  // 2 sequences x 32 tokens x (2 x 256 logits + the A block's 2D + (H+2KV)hd + 2(H+KV)hd +
-  // H hd + 3F with D 64, H = KV = 4, hd 16, F 256) x 4 bytes
-  const uint64_t a = 2 * 64 + 12 * 16 + 2 * 8 * 16 + 4 * 16 + 3 * 256;
+  // 2 sequences x 32 tokens x (2 x 256 logits + the A block's 4D + (H+2KV)hd + 2(H+KV)hd +
+  // H hd + 2F with D 64, H = KV = 4, hd 16, F 256) x 4 bytes
+  const uint64_t a = 4 * 64 + 12 * 16 + 2 * 8 * 16 + 4 * 16 + 2 * 256;
   EXPECT_EQ(p.memory.activations, 2 * 32 * (512 + a) * 4);
   EXPECT_EQ(p.memory.master, 0u);
   // Exchange buffers at dp 2 on Gloo: DistMuon's stacks padded to 2 entries each (P), its
@@ -584,7 +584,7 @@ TEST(Plan, PerRankMemoryByHand) {
 // its forward runs again in backward). Three layers: the working set is counted once.
 TEST(Plan, ActivationsFollowRecompute) {
   const uint64_t D = 64, qkv = 12 * 16, qk = 2 * 4 * 16, y = 4 * 16, F = 256;
-  const uint64_t none = 2 * D + qkv + 2 * qk + y + 3 * F;
+  const uint64_t none = 4 * D + qkv + 2 * qk + y + 2 * F;
   const uint64_t selective = 2 * D + qkv + qk + y + F;
   for (const uint32_t layers : {1u, 3u}) {
     std::string text = with(kBase, "n_layers = 3", fmt::format("n_layers = {}", layers));
