@@ -37,6 +37,8 @@ import subprocess
 import sys
 import tempfile
 
+from bench_host import cpu_name
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, ".."))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -54,14 +56,6 @@ def megacpp_bin():
         if os.path.exists(p):
             return p
     sys.exit("bench_memory_plan: no build/bin/megacpp: run `make` first")
-
-
-def cpu_name():
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def write_recipe(tmp, size, precision, recompute, steps, for_twin):

@@ -53,18 +53,11 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "multinode"))
 import netns_hosts  # noqa: E402
 from megacpp_nodes_test import steps_completed, trainer_pid  # noqa: E402
 from netns_hosts import Hosts  # noqa: E402
+from bench_host import cpu_name  # noqa: E402
 
 VENV_PY = os.path.join(ROOT, ".venv", "bin", "python")
 PEER = os.path.join(ROOT, "bench", "peers", "gloo_train.py")
 PORT = 29517
-
-
-def cpu_name():
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def harm(hosts, host, how):

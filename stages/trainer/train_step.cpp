@@ -302,9 +302,21 @@ struct TrainStep::Impl {
   }
 
   double grad_norm_and_clip() {
-    std::vector<at::Tensor> grads;
+    // Every gradient (clipped together); under tensor parallelism also split by what the norm
+    // sums: the whole parameters' (the same on every rank of the group) and the blocks this
+    // rank contributes (summed over the group).
+    std::vector<at::Tensor> grads, whole, mine;
     for (auto& [name, p] : params) {
-      if (p.grad().defined()) grads.push_back(p.grad());
+      if (!p.grad().defined()) continue;
+      grads.push_back(p.grad());
+      if (tp.size == 1) continue;
+      const auto it = parts.find(name);
+      if (it == parts.end()) {
+        whole.push_back(p.grad());
+        continue;
+      }
+      for (const auto& b : it->second.blocks)
+        if (b.contributes) mine.push_back(p.grad().narrow(it->second.dim, b.local_offset, b.size));
     }
     // In float32 whatever the gradients' dtype (bf16-mixed: bfloat16 gradients).
     const auto norm_of = [](const std::vector<at::Tensor>& g) {
@@ -315,20 +327,6 @@ struct TrainStep::Impl {
     };
     double norm = 0;
     if (tp.size > 1) {
-      // The whole batch's gradient norm: the whole parameters' (the same on every rank of the
-      // group) and the sum over the group of the blocks each rank contributes.
-      std::vector<at::Tensor> whole, mine;
-      for (auto& [name, p] : params) {
-        if (!p.grad().defined()) continue;
-        const auto it = parts.find(name);
-        if (it == parts.end()) {
-          whole.push_back(p.grad());
-          continue;
-        }
-        for (const auto& b : it->second.blocks)
-          if (b.contributes)
-            mine.push_back(p.grad().narrow(it->second.dim, b.local_offset, b.size));
-      }
       const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
       at::Tensor sq = mine.empty() ? at::zeros({}, opts) : norm_of(mine).square();
       sq = all_reduce_sum(sq, tp);
