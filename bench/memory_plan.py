@@ -13,11 +13,13 @@ the 2 ranks) it prints:
   plan GiB        `megacpp plan`'s per-rank total (recipes/plan.h: an upper bound, everything
                   at once)
   megacpp GiB     the largest over the ranks of the trainer's peak resident size above its
-                  resident size before the model was built (bench_result.json
-                  memory.aboveBaseline), what the plan estimates
+                  resident size before the model was built, the pages of mapped files
+                  (libtorch's code: shared, reclaimable) out of both (bench_result.json
+                  memory.aboveBaseline), what the plan estimates; the rank's tensors come from
+                  its host allocator (MEGACPP_HOST_ALLOCATOR, stages/trainer/host_allocator.h)
   measured/plan   their ratio
-  twin GiB        the same for the PyTorch twin (VmHWM above VmRSS before its model), max over
-                  ranks; `selective` has no twin (torch has no per-op recomputation policy in
+  twin GiB        the same for the PyTorch twin (VmHWM above VmRSS before its model, RssFile
+                  out of both), max over ranks; `selective` has no twin (torch has no per-op recomputation policy in
                   eager DDP): its row shows the twin's `none`
   tokens/s        steady-state tokens/s of each (megacpp: bench_result.json; twin: median step)
 

@@ -179,6 +179,7 @@ ProcessMemory process_memory() {
   };
   m.resident = field("VmRSS:");
   m.peak = field("VmHWM:");
+  m.file = field("RssFile:");
   return m;
 }
 

@@ -36,9 +36,12 @@ std::string kernel_description();
 std::string cpu_bf16_units();
 // This process's resident memory now and its peak so far (VmRSS, VmHWM of /proc/self/status), in
 // bytes; zeros when unreadable. Resident shared memory (mapped rings and staging) counts.
+// `file`: of the resident memory now, the pages of mapped files (RssFile: the libraries' code,
+// paged in as it first runs; shared with every process mapping them, and reclaimable).
 struct ProcessMemory {
   uint64_t resident = 0;
   uint64_t peak = 0;
+  uint64_t file = 0;
 };
 ProcessMemory process_memory();
 // A statfs f_type's filesystem name ("ext4", "xfs", "tmpfs", "overlay", "btrfs", "nfs", "zfs",

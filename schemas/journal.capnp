@@ -35,6 +35,13 @@ struct StepRecord {
   # model was built (libtorch, its groups, the rings). 0 in journals written before them.
   memoryPeak @14 :UInt64;
   memoryBaseline @15 :UInt64;
+  # Of those, the pages of mapped files (RssFile: libtorch's code, paged in as it first runs,
+  # shared by every rank and reclaimable) at this record and at the baseline. The rank's own
+  # memory above its baseline — what the plan estimates — is (memoryPeak - memoryFile) -
+  # (memoryBaseline - memoryBaselineFile): exact when no file page came in after the peak, else
+  # low by what did. 0 in journals written before them.
+  memoryFile @16 :UInt64;
+  memoryBaselineFile @17 :UInt64;
 }
 
 # Parts of one rank's step, host wall seconds. forwardSeconds + backwardSeconds +
@@ -181,6 +188,7 @@ struct BackendIdentity {
   buildType @8 :Text;
   orthogonalization @9 :Text;   # DistMuon's precision: "bfloat16" | "float32"
   cpuBf16Units @10 :Text;       # the host CPU's bfloat16 matrix units ("amx_bf16 avx512_bf16", "")
+  hostAllocator @11 :Text;      # CPU tensors: "cache >= N bytes" (MEGACPP_HOST_ALLOCATOR) | "system"
 }
 
 # The supervisor asked a rank to abort its collectives in a failed job's teardown (before any

@@ -172,7 +172,8 @@ struct BenchResult {
 
 # Host memory per rank, bytes, the largest over the ranks of the current attempt (journal
 # StepRecord): the peak resident size, and the peak above the resident size before the model
-# was built — what `megacpp plan` estimates per rank.
+# was built, both without the pages of mapped files (libtorch's code, shared and reclaimable) —
+# what `megacpp plan` estimates per rank.
 struct RankMemory {
   peak @0 :Float64;
   aboveBaseline @1 :Float64;

@@ -377,14 +377,16 @@ class LaunchClock:
 
 
 def process_memory():
-    """(VmRSS, VmHWM) of this process in bytes, as megacpp's trainer reads them."""
+    """(VmRSS, VmHWM) of this process in bytes without the pages of mapped files (RssFile:
+    libtorch's code, shared and reclaimable), as megacpp's collector counts them."""
     fields = {}
     with open("/proc/self/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
+            if key in ("VmRSS", "VmHWM", "RssFile"):
                 fields[key] = int(value.split()[0]) * 1024
-    return fields.get("VmRSS", 0), fields.get("VmHWM", 0)
+    file = fields.get("RssFile", 0)
+    return fields.get("VmRSS", 0) - file, fields.get("VmHWM", 0) - file
 
 
 def main():

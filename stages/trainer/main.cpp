@@ -28,6 +28,7 @@
 #include "stages/stage.h"
 #include "stages/trainer/collective.h"
 #include "stages/trainer/cuda_plugin.h"
+#include "stages/trainer/host_allocator.h"
 #include "stages/trainer/rendezvous.h"
 #include "stages/trainer/snapshot_plane.h"
 #include "stages/trainer/train_step.h"
@@ -201,7 +202,8 @@ enum class Outcome {
 };
 
 // Trains every planned step (or up to a graceful stop) and waits for the final commit.
-Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
+Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
+                 const HostAllocator* host_allocator) {
   auto launch = ctx.launch();
   const uint32_t rank = ctx.rank();
   const uint32_t world = launch.getWorld();
@@ -350,6 +352,9 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
     b.setTensorParallel(tp);
     b.setOrthogonalization(train.optim.muon_bf16 ? "bfloat16" : "float32");
     b.setCpuBf16Units(cpu_bf16_units());
+    b.setHostAllocator(host_allocator != nullptr
+                           ? fmt::format("cache >= {} bytes", host_allocator->config().min_bytes)
+                           : std::string("system"));
     b.setCompiler(fmt::format("gcc {}.{}.{}", __GNUC__, __GNUC_MINOR__, __GNUC_PATCHLEVEL__));
 #ifdef NDEBUG
     b.setBuildType("release (NDEBUG)");
@@ -364,7 +369,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
 
   // What the process holds before its model (libtorch, its groups, the mapped rings): step
   // records carry it beside the peak, so the model's own memory is their difference.
-  const uint64_t memory_baseline = process_memory().resident;
+  const ProcessMemory memory_baseline = process_memory();
   const auto ts = typed_errors("model set-up and parameter broadcast", [&] {
     return std::make_unique<TrainStep>(
         model, train, steps, pg, device,
@@ -499,8 +504,11 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry) {
       s.setForwardSeconds(timing.forward_seconds);
       s.setBackwardSeconds(timing.backward_seconds);
       s.setOptimizerSeconds(timing.optimizer_seconds);
-      s.setMemoryBaseline(memory_baseline);
-      s.setMemoryPeak(process_memory().peak);
+      s.setMemoryBaseline(memory_baseline.resident);
+      s.setMemoryBaselineFile(memory_baseline.file);
+      const ProcessMemory memory = process_memory();
+      s.setMemoryPeak(memory.peak);
+      s.setMemoryFile(memory.file);
       s.setDataSeed(static_cast<uint32_t>(header.seed));
       s.setDataEpoch(static_cast<double>(header.next_position / header.windows));
       s.setDataCursor(static_cast<double>(header.next_position % header.windows));
@@ -585,7 +593,20 @@ int main(int argc, char** argv) {
         // A rank that leaves early does not exit 0: only a finished rank is a clean exit, so a
         // stray SIGTERM is reported (kind "interrupted") instead of ending the run `ok`.
         // A graceful stop exits 0 too: its step is committed, which is all it owes.
-        if (megacpp::trainer::run_rank(ctx, main_entry) == megacpp::trainer::Outcome::kLeft) {
+        // Torch's CPU allocator for everything the rank computes, before its first tensor.
+        const megacpp::trainer::HostAllocator* host_allocator =
+            megacpp::trainer::install_host_allocator(
+                megacpp::trainer::HostAllocatorConfig::from_knobs());
+        const auto outcome = megacpp::trainer::run_rank(ctx, main_entry, host_allocator);
+        if (host_allocator != nullptr) {
+          const auto s = host_allocator->stats();
+          megacpp::log_info(
+              "host allocator: {} requests from idle mappings, {} mapped, {} unmapped; peak "
+              "mapped {:.1f} MiB, live {:.1f} MiB",
+              s.hits, s.misses, s.unmapped, static_cast<double>(s.peak_mapped_bytes) / (1 << 20),
+              static_cast<double>(s.peak_live_bytes) / (1 << 20));
+        }
+        if (outcome == megacpp::trainer::Outcome::kLeft) {
           MEGACPP_FAIL(megacpp::ErrorKind::kInterrupted,
                        "asked to stop after step {} of {}, before training finished", ctx.step(),
                        ctx.launch().getSteps());

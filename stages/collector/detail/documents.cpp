@@ -195,9 +195,14 @@ RunView view_of(const FoldState& s) {
       }
       v.tokens += d.tokens;
       v.memory_peak = std::max(v.memory_peak, static_cast<double>(d.memory_peak));
-      if (d.memory_peak >= d.memory_baseline && d.memory_baseline > 0)
-        v.memory_above_baseline = std::max(v.memory_above_baseline,
-                                           static_cast<double>(d.memory_peak - d.memory_baseline));
+      // The rank's own memory: file-backed pages (libtorch's code) out of both ends when the
+      // record has them (journal.capnp StepRecord).
+      const uint64_t own_peak = d.memory_peak - std::min(d.memory_peak, d.memory_file);
+      const uint64_t own_baseline =
+          d.memory_baseline - std::min(d.memory_baseline, d.memory_baseline_file);
+      if (own_peak >= own_baseline && d.memory_baseline > 0)
+        v.memory_above_baseline =
+            std::max(v.memory_above_baseline, static_cast<double>(own_peak - own_baseline));
       const int64_t start = d.wall_ns - static_cast<int64_t>(std::llround(d.step_seconds * 1e9));
       if (!first_start || start < *first_start) first_start = start;
       if (rank == 0 && step == 1) rank0_start = start;

@@ -50,6 +50,8 @@ StepData step_data(uint32_t attempt, schema::StepRecord::Reader s, int64_t wall)
   for (uint32_t n : s.getExpertTokens()) d.expert_tokens.push_back(n);
   d.memory_peak = s.getMemoryPeak();
   d.memory_baseline = s.getMemoryBaseline();
+  d.memory_file = s.getMemoryFile();
+  d.memory_baseline_file = s.getMemoryBaselineFile();
   if (s.hasPhases()) {
     const auto p = s.getPhases();
     d.phases = {s.getForwardSeconds(),       s.getBackwardSeconds(), s.getOptimizerSeconds(),

@@ -95,6 +95,7 @@ struct StepData {
   // The parts of the step (schema StepPhasePoint's order), when the trainer journaled them.
   std::optional<std::array<double, kStepPhaseParts>> phases;
   uint64_t memory_peak = 0, memory_baseline = 0;  // bytes (schema StepRecord)
+  uint64_t memory_file = 0, memory_baseline_file = 0;
 };
 
 // One journal file's counts as of the last poll.
