@@ -24,8 +24,7 @@ namespace {
 
 // A mapping of the cache: live (handed out) or idle (in its size's list and the LRU list).
 struct Block {
-  size_t bytes = 0;  // mapped
-  bool idle = false;
+  size_t bytes = 0;       // mapped
   void* older = nullptr;  // idle blocks by the time they were freed (their data pointers)
   void* newer = nullptr;
 };
@@ -94,7 +93,6 @@ struct HostAllocator::State {
     (b.older != nullptr ? blocks.at(b.older).newer : oldest) = b.newer;
     (b.newer != nullptr ? blocks.at(b.newer).older : newest) = b.older;
     b.older = b.newer = nullptr;
-    b.idle = false;
   }
 
   // A mapping of `bytes`: an idle one (the most recently freed), else nullptr after unmapping
@@ -142,7 +140,6 @@ struct HostAllocator::State {
   void give(void* data) {
     Block& b = blocks.at(data);
     idle[b.bytes].push_back(data);
-    b.idle = true;
     b.older = newest;
     b.newer = nullptr;
     (newest != nullptr ? blocks.at(newest).newer : oldest) = data;

@@ -368,7 +368,8 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
   } abort_guard{ctx.control()};
 
   // What the process holds before its model (libtorch, its groups, the mapped rings): step
-  // records carry it beside the peak, so the model's own memory is their difference.
+  // records carry it beside the peak, so the model's own memory is their difference — with the
+  // pages of mapped files (libtorch's code, paged in as it first runs) out of both.
   const ProcessMemory memory_baseline = process_memory();
   const auto ts = typed_errors("model set-up and parameter broadcast", [&] {
     return std::make_unique<TrainStep>(
