@@ -16,8 +16,10 @@ steps, three ways over the same data:
 
 mixed trains (the loss falls below FALLS_TO of its first) and tracks fp32: every step's loss
 within STEP_TOLERANCE relative, their mean difference within MEAN_TOLERANCE, the last within
-LAST_TOLERANCE. Measured on the build machine (Intel Xeon, 2 cores): largest step difference
-1.9%, mean 0.45%, last 0.77% over 50 steps (both with weight shards); the tolerances are about 1.5x that. A run whose
+LAST_TOLERANCE. bfloat16's rounding depends on the CPU's path (AMX, AVX512-BF16, emulation).
+Measured over 50 steps (both with weight shards): an Intel Xeon (AMX) largest step difference
+1.9%, mean 0.45%, last 0.77%; an AMD EPYC (AVX512) 2.35%, 0.54%, 1.34% — identical with
+MEGACPP_HOST_ALLOCATOR=system. The tolerances are about 1.5x the larger of each. A run whose
 masters did not hold float32 (parameters stepped in bfloat16) or whose reduction lost a rank
 moves far beyond them. The manifests name each run's precision and recomputation.
 
@@ -43,7 +45,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 import run_harness  # noqa: E402
 
 STEPS, RANKS = 50, 4
-STEP_TOLERANCE, MEAN_TOLERANCE, LAST_TOLERANCE = 0.03, 0.007, 0.012
+STEP_TOLERANCE, MEAN_TOLERANCE, LAST_TOLERANCE = 0.035, 0.008, 0.02
 SHARD_EARLY, SHARD_EARLY_TOLERANCE, SHARD_TOLERANCE = 15, 5e-7, 3e-3
 FALLS_TO = 0.2
 
