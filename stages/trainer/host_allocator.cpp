@@ -63,16 +63,19 @@ void* map_bytes(size_t bytes, bool huge) {
   const auto start = reinterpret_cast<uintptr_t>(p);
   const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
   if (aligned > start) SYSCALL_CHECK(::munmap(p, aligned - start));
-  const uintptr_t tail = start + bytes + kHugePage - (aligned + bytes);
+  const uintptr_t tail = start + kHugePage - aligned;  // what the head did not take
   if (tail > 0) SYSCALL_CHECK(::munmap(reinterpret_cast<void*>(aligned + bytes), tail));
   // Advice only: a kernel without THP leaves 4 KiB pages.
   (void)::madvise(reinterpret_cast<void*>(aligned), bytes, MADV_HUGEPAGE);
   return reinterpret_cast<void*>(aligned);
 }
 
-void unmap(void* data, size_t bytes) {
+// Mappings taken out of the cache under its lock, unmapped after it is released.
+using Evicted = std::vector<std::pair<void*, size_t>>;
+
+void unmap(const Evicted& evicted) {
   // munmap of a mapping this cache made fails only on a bug.
-  SYSCALL_CHECK(::munmap(data, bytes));
+  for (const auto& [data, bytes] : evicted) SYSCALL_CHECK(::munmap(data, bytes));
 }
 
 // The installed cache: the raw deleter is a plain function, so it is reached through this.
@@ -83,6 +86,16 @@ std::atomic<HostAllocator*> g_installed{nullptr};
 struct HostAllocator::State {
   mutable std::mutex mu;
   HostAllocatorConfig config;
+  // config's min_bytes and huge_pages, read without the lock: every allocation reads them,
+  // most of them small ones that never take it.
+  std::atomic<uint64_t> min_bytes{0};
+  std::atomic<bool> huge_pages{false};
+
+  void configure(const HostAllocatorConfig& c) {
+    config = c;
+    min_bytes.store(c.min_bytes, std::memory_order_relaxed);
+    huge_pages.store(c.huge_pages, std::memory_order_relaxed);
+  }
   std::unordered_map<void*, Block> blocks;              // every mapping, by its data
   std::unordered_map<size_t, std::vector<void*>> idle;  // by mapped size, oldest first
   void* oldest = nullptr;
@@ -97,7 +110,7 @@ struct HostAllocator::State {
 
   // A mapping of `bytes`: an idle one (the most recently freed), else nullptr after unmapping
   // idle ones (collected in `evicted`) as far as the bound needs.
-  void* take_or_evict(size_t bytes, std::vector<std::pair<void*, size_t>>& evicted) {
+  void* take_or_evict(size_t bytes, Evicted& evicted) {
     auto it = idle.find(bytes);
     if (it != idle.end() && !it->second.empty()) {
       void* data = it->second.back();
@@ -121,7 +134,7 @@ struct HostAllocator::State {
     return nullptr;
   }
 
-  void evict_oldest(std::vector<std::pair<void*, size_t>>& evicted) {
+  void evict_oldest(Evicted& evicted) {
     void* data = oldest;
     auto node = blocks.find(data);
     const size_t bytes = node->second.bytes;
@@ -133,6 +146,10 @@ struct HostAllocator::State {
     stats.mapped_bytes -= bytes;
     ++stats.unmapped;
     evicted.emplace_back(data, bytes);
+  }
+
+  void evict_all(Evicted& evicted) {
+    while (oldest != nullptr) evict_oldest(evicted);
   }
 
   void add(void* data, size_t bytes) { blocks.emplace(data, Block{.bytes = bytes}); }
@@ -183,7 +200,7 @@ void HostAllocatorConfig::validate() const {
 HostAllocator::HostAllocator(const HostAllocatorConfig& config)
     : state_(std::make_unique<State>()) {
   config.validate();
-  state_->config = config;
+  state_->configure(config);
 }
 
 HostAllocator::~HostAllocator() = default;
@@ -192,7 +209,7 @@ HostAllocator* install_host_allocator(const HostAllocatorConfig& config) {
   config.validate();
   if (HostAllocator* installed = g_installed.load()) {
     const std::lock_guard lock(installed->state_->mu);
-    installed->state_->config = config;
+    installed->state_->configure(config);
     return installed;
   }
   if (config.min_bytes == 0) return nullptr;
@@ -222,43 +239,38 @@ HostAllocatorStats HostAllocator::stats() const {
 }
 
 void HostAllocator::release_idle() {
-  std::vector<std::pair<void*, size_t>> evicted;
+  Evicted evicted;
   {
     const std::lock_guard lock(state_->mu);
-    while (state_->oldest != nullptr) state_->evict_oldest(evicted);
+    state_->evict_all(evicted);
     HostAllocatorStats& s = state_->stats;
     s.peak_mapped_bytes = s.mapped_bytes;
     s.peak_live_bytes = s.mapped_bytes - s.idle_bytes;
   }
-  for (const auto& [data, bytes] : evicted) unmap(data, bytes);
+  unmap(evicted);
 }
 
 c10::DataPtr HostAllocator::allocate(size_t n) {
-  uint64_t min_bytes = 0;
-  bool huge = false;
-  {
-    const std::lock_guard lock(state_->mu);
-    min_bytes = state_->config.min_bytes;
-    huge = state_->config.huge_pages;
-  }
+  const uint64_t min_bytes = state_->min_bytes.load(std::memory_order_relaxed);
   if (min_bytes == 0 || n < min_bytes) return c10::GetDefaultCPUAllocator()->allocate(n);
+  const bool huge = state_->huge_pages.load(std::memory_order_relaxed);
   const size_t bytes = size_class(n);
-  std::vector<std::pair<void*, size_t>> evicted;
+  Evicted evicted;
   void* data = nullptr;
   {
     const std::lock_guard lock(state_->mu);
     data = state_->take_or_evict(bytes, evicted);
   }
-  for (const auto& [old, old_bytes] : evicted) unmap(old, old_bytes);
+  unmap(evicted);
   if (data == nullptr) {
     data = map_bytes(bytes, huge);
     if (data == nullptr && errno == ENOMEM) {
-      std::vector<std::pair<void*, size_t>> idle;
+      Evicted idle;
       {
         const std::lock_guard lock(state_->mu);
-        while (state_->oldest != nullptr) state_->evict_oldest(idle);
+        state_->evict_all(idle);
       }
-      for (const auto& [old, old_bytes] : idle) unmap(old, old_bytes);
+      unmap(idle);
       data = map_bytes(bytes, huge);
     }
     if (data == nullptr) {
