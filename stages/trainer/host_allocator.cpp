@@ -10,6 +10,7 @@
 #include <bit>
 #include <cerrno>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <new>
 #include <unordered_map>
@@ -25,6 +26,7 @@ namespace {
 // A mapping of the cache: live (handed out) or idle (in its size's list and the LRU list).
 struct Block {
   size_t bytes = 0;       // mapped
+  size_t used = 0;        // live: the size class of the request it serves (<= bytes)
   void* older = nullptr;  // idle blocks by the time they were freed (their data pointers)
   void* newer = nullptr;
 };
@@ -47,6 +49,13 @@ size_t size_class(size_t n) {
 }
 
 constexpr size_t kHugePage = size_t{2} << 20;
+
+// A request may take an idle mapping up to this much larger than its class (1 + 1/2): the next
+// one or two classes up. A routed expert's token count moves by a class from step to step; with
+// an exact match only, each move unmapped one mapping and faulted a new one.
+size_t reuse_limit(size_t bytes) {
+  return bytes + bytes / 2;
+}
 
 // `bytes` of fresh anonymous memory, or nullptr (errno set). With `huge`, a mapping of at least
 // 2 MiB starts on a 2 MiB boundary and is advised for transparent huge pages, as the trainer's
@@ -96,8 +105,8 @@ struct HostAllocator::State {
     min_bytes.store(c.min_bytes, std::memory_order_relaxed);
     huge_pages.store(c.huge_pages, std::memory_order_relaxed);
   }
-  std::unordered_map<void*, Block> blocks;              // every mapping, by its data
-  std::unordered_map<size_t, std::vector<void*>> idle;  // by mapped size, oldest first
+  std::unordered_map<void*, Block> blocks;    // every mapping, by its data
+  std::map<size_t, std::vector<void*>> idle;  // by mapped size, oldest first; no empty lists
   void* oldest = nullptr;
   void* newest = nullptr;
   HostAllocatorStats stats;
@@ -108,28 +117,35 @@ struct HostAllocator::State {
     b.older = b.newer = nullptr;
   }
 
-  // A mapping of `bytes`: an idle one (the most recently freed), else nullptr after unmapping
-  // idle ones (collected in `evicted`) as far as the bound needs.
+  // A mapping for a request of class `bytes`: an idle one of the smallest mapped size from
+  // `bytes` to reuse_limit(bytes) (of that size, the most recently freed), else nullptr after
+  // unmapping idle ones (collected in `evicted`) as far as the bound needs. The live bytes and
+  // their peak count request classes, not the mappings that serve them: a larger mapping taken
+  // raises neither, and the bound stays (1 + idle_fraction) x the classes' peak.
   void* take_or_evict(size_t bytes, Evicted& evicted) {
-    auto it = idle.find(bytes);
-    if (it != idle.end() && !it->second.empty()) {
+    auto it = idle.lower_bound(bytes);
+    if (it != idle.end() && it->first <= reuse_limit(bytes)) {
       void* data = it->second.back();
       it->second.pop_back();
-      unlink(blocks.at(data));
-      stats.idle_bytes -= bytes;
+      if (it->second.empty()) idle.erase(it);
+      Block& b = blocks.at(data);
+      unlink(b);
+      b.used = bytes;
+      stats.idle_bytes -= b.bytes;
+      stats.live_bytes += bytes;
       ++stats.hits;
-      stats.peak_live_bytes =
-          std::max(stats.peak_live_bytes, stats.mapped_bytes - stats.idle_bytes);
+      stats.peak_live_bytes = std::max(stats.peak_live_bytes, stats.live_bytes);
       return data;
     }
     ++stats.misses;
-    stats.peak_live_bytes =
-        std::max(stats.peak_live_bytes, stats.mapped_bytes - stats.idle_bytes + bytes);
+    stats.peak_live_bytes = std::max(stats.peak_live_bytes, stats.live_bytes + bytes);
     const auto bound = static_cast<uint64_t>((1.0 + config.idle_fraction) *
                                              static_cast<double>(stats.peak_live_bytes));
     while (oldest != nullptr && stats.mapped_bytes + bytes > bound) evict_oldest(evicted);
-    // Counted as mapped now, before the mmap outside the lock, so that a concurrent miss sees it.
+    // Counted as mapped and live now, before the mmap outside the lock, so that a concurrent
+    // miss sees it.
     stats.mapped_bytes += bytes;
+    stats.live_bytes += bytes;
     stats.peak_mapped_bytes = std::max(stats.peak_mapped_bytes, stats.mapped_bytes);
     return nullptr;
   }
@@ -138,8 +154,9 @@ struct HostAllocator::State {
     void* data = oldest;
     auto node = blocks.find(data);
     const size_t bytes = node->second.bytes;
-    auto& same = idle.at(bytes);
-    same.erase(std::find(same.begin(), same.end(), data));  // the oldest of its size: first
+    auto same = idle.find(bytes);
+    same->second.erase(std::find(same->second.begin(), same->second.end(), data));  // its first
+    if (same->second.empty()) idle.erase(same);
     unlink(node->second);
     blocks.erase(node);
     stats.idle_bytes -= bytes;
@@ -152,10 +169,12 @@ struct HostAllocator::State {
     while (oldest != nullptr) evict_oldest(evicted);
   }
 
-  void add(void* data, size_t bytes) { blocks.emplace(data, Block{.bytes = bytes}); }
+  void add(void* data, size_t bytes) { blocks.emplace(data, Block{.bytes = bytes, .used = bytes}); }
 
   void give(void* data) {
     Block& b = blocks.at(data);
+    stats.live_bytes -= b.used;
+    b.used = 0;
     idle[b.bytes].push_back(data);
     b.older = newest;
     b.newer = nullptr;
@@ -245,7 +264,7 @@ void HostAllocator::release_idle() {
     state_->evict_all(evicted);
     HostAllocatorStats& s = state_->stats;
     s.peak_mapped_bytes = s.mapped_bytes;
-    s.peak_live_bytes = s.mapped_bytes - s.idle_bytes;
+    s.peak_live_bytes = s.live_bytes;
   }
   unmap(evicted);
 }
@@ -278,6 +297,7 @@ c10::DataPtr HostAllocator::allocate(size_t n) {
       {
         const std::lock_guard lock(state_->mu);
         state_->stats.mapped_bytes -= bytes;
+        state_->stats.live_bytes -= bytes;
       }
       TORCH_CHECK_WITH(OutOfMemoryError, false, "megacpp host allocator: cannot map ", bytes,
                        " bytes for a tensor (", std::strerror(err), ")");
