@@ -119,13 +119,16 @@ uint64_t activation_floats(const ModelConfig& m, char block, Recompute recompute
   const bool selective = recompute == Recompute::kSelective;
   switch (block) {
     case kBlockAttention: {
-      // none: two norms' inputs and outputs; qkv; q and k after QK-norm and after RoPE; the
-      // attention output; the MLP's relu and square (relu's backward reads its own output, the
-      // input of square: one tensor). selective: the two norms' inputs for their outputs, q and
-      // k after RoPE only, the fc output only.
+      // none: two norms' inputs and outputs and their 1 / rms; qkv; q and k after RoPE (RoPE's
+      // products keep cos and sin, not the QK-norm's output) and the QK-norms' 1 / rms per head;
+      // the attention's output, its [T, heads x hd] copy for the projection and its
+      // log-sum-exp per head; the MLP's relu and square (relu's backward reads its own output,
+      // the input of square: one tensor). selective: the two norms' inputs for their outputs, q
+      // and k after RoPE, the attention's output, its copy and log-sum-exp, the fc output.
       const uint64_t hd = m.head_dim(), H = m.n_heads, KV = m.kv_heads();
-      if (selective) return 2 * D + (H + 2 * KV) * hd + (H + KV) * hd + H * hd + F;
-      return 4 * D + (H + 2 * KV) * hd + 2 * (H + KV) * hd + H * hd + 2 * F;
+      const uint64_t attention = (H + 2 * KV) * hd + (H + KV) * hd + 2 * H * hd + H;
+      if (selective) return 2 * D + attention + F;
+      return 4 * D + 2 + attention + (H + KV) + 2 * F;
     }
     case kBlockMlp:
       return selective ? D + F : 2 * D + 2 * F;
@@ -141,21 +144,45 @@ uint64_t activation_floats(const ModelConfig& m, char block, Recompute recompute
       return 2 * D + 2 * E + k * (3 * D + 2 * h + 1) + 2 * s;
     }
     case kBlockMamba: {
-      // norm output, in_proj output, conv output and its SiLU, dt, the chunk's decay matrix
-      // row per head, the scan output, the gated product and the inner norm's output.
+      // Per sequence of T positions, counted from what autograd keeps and checked against the
+      // model per dimension (blocks_test Plan.ActivationsAreWhatTheModelKeeps). none: the
+      // norm's and the residual's outputs (2D); in_proj's output (2I + 2N + H); the conv's
+      // output over T + K - 1 positions and its SiLU (I + 2N each); softplus's input and output,
+      // dt x A, the decay and cumulative-decay rows, the x-scaled input (about 10H + I); the
+      // SSD scan's einsum operands made contiguous — C and B per head (5 H x N in all), the
+      // chunk's decay matrix, C.B and their product (2.5 H x chunk: the last is sometimes
+      // fused), x twice, the off-diagonal product (3I) — its chunk states, their copy and the
+      // entering states (1.5 I x N per chunk boundary, C + 1 of them); the skip, the gate's
+      // SiLU, the gated product, the inner norm's output (4I, with the ones above 12I).
       // selective: the norm's input for its output, and in_proj's output.
       const uint64_t I = uint64_t{m.ssm.expand} * D, N = m.ssm.d_state, H = I / m.ssm.head_dim;
       if (selective) return D + (2 * I + 2 * N + H);
-      return D + (2 * I + 2 * N + H) + 2 * (I + 2 * N) + H + uint64_t{m.ssm.chunk} * H + 3 * I;
+      const uint64_t T = m.seq_len, Q = m.ssm.chunk, K = m.ssm.conv_kernel;
+      const uint64_t boundaries = ceil_div(T, Q) + 1;
+      const uint64_t twice_per_sequence =  // halves: 2.5 H x chunk and 1.5 I x N per boundary
+          T * (2 * (2 * D + 12 * I + 10 * H + 5 * H * N + 4 * N) + 5 * H * Q) +
+          3 * I * N * boundaries + 2 * (K - 1) * (I + 2 * N);
+      return ceil_div(twice_per_sequence, 2 * T);
     }
     case kBlockRecurrent: {
-      // norm output; gate and its GeLU; in_proj, conv; r, i and their pre-activations; log a,
-      // the scale, the scan input; the chunk's decay row per channel; h and gate * h.
-      // selective: the norm's input for its output; gate_proj's and in_proj's outputs, the conv
-      // output and the two gate projections.
-      const uint64_t W = m.rnn_width();
-      if (selective) return D + 5 * W;
-      return D + 13 * W + uint64_t{m.ssm.chunk} * W;
+      // Per sequence of T positions, counted as Mamba's. none: the norm's and the residual's
+      // outputs (2D); gate_proj's output and its GeLU, in_proj's output, the conv's output over
+      // T + K - 1 positions, the two gate projections and their sigmoids, log a and its parts,
+      // the scale and the scan input, the scan's contiguous input and output, h and gate x h
+      // (19W); the diagonal scan's decay matrix within a chunk (W x L, L =
+      // recurrence_scan_chunk, not ssm.chunk) and across chunks (W x (C + 1)^2 per sequence, C
+      // = T / L chunks) with three W x (C + 1) per sequence for the chunk states. selective:
+      // the norm's input for its output; gate_proj's and in_proj's outputs, the conv's output,
+      // the two gate projections, the conv output made contiguous for them and the product
+      // out_proj reads (D + 7W, the conv over T + K - 1 positions).
+      const uint64_t W = m.rnn_width(), T = m.seq_len, K = m.rnn.conv_kernel;
+      if (selective) return ceil_div(T * (D + 7 * W) + (K - 1) * W, T);
+      const auto L = static_cast<uint64_t>(
+          recurrence_scan_chunk(static_cast<int64_t>(T), static_cast<int64_t>(m.ssm.chunk)));
+      const uint64_t boundaries = ceil_div(T, L) + 1;
+      return ceil_div(T * (2 * D + 19 * W + L * W) + W * boundaries * boundaries +
+                          3 * W * boundaries + (K - 1) * W,
+                      T);
     }
     default:
       return 0;
@@ -329,6 +356,9 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
         std::max(p.memory.working, owned * ((3 * R * C + 3 * small * small) * ob + 2 * R * C * 4));
   }
 
+  p.memory.staging = p.memory.parameters + p.memory.master + p.memory.optimizer;
+  p.memory.staging_counted = o.device != "cuda";
+
   // Gates.
   const auto gate = [&](std::string rule, bool passed, std::string detail, std::string reason,
                         std::string retires, bool checked = true) {
@@ -451,11 +481,15 @@ std::string format_plan(const Plan& p) {
                      count(p.params_total), p.params_active, count(p.params_active));
   out += fmt::format(
       "  memory per rank ({}; estimate): parameters {}, gradients {}, master weights {}, "
-      "optimizer state {}, exchange buffers {}, activations {}, optimizer working set {}: "
-      "{}\n\n",
+      "optimizer state {}, exchange buffers {}, activations {}, optimizer working set {}{}: "
+      "{}{}\n\n",
       p.precision, gib(p.memory.parameters), gib(p.memory.gradients), gib(p.memory.master),
       gib(p.memory.optimizer), gib(p.memory.buffers), gib(p.memory.activations),
-      gib(p.memory.working), gib(p.memory.total()));
+      gib(p.memory.working),
+      p.memory.staging_counted ? ", snapshot staging " + gib(p.memory.staging) : "",
+      gib(p.memory.total()),
+      p.memory.staging_counted ? ""
+                               : "; and in host memory, snapshot staging " + gib(p.memory.staging));
   out += "  gates:\n";
   for (const Gate& g : p.gates) {
     out += fmt::format("    {:<8} {:<22} {}\n",

@@ -44,12 +44,18 @@
 //   optimizer working set     DistMuon's orthogonalization of a bucket's owned entries of its
 //                             largest stack: (3 rows x cols + 3 min(rows, cols)^2) in the
 //                             orthogonalization's dtype + 2 rows x cols float32 each
-// The activation figures are estimates counted by hand from each block's forward (the tensors
-// autograd keeps for backward), not measurements. They follow train.recompute
-// (stages/trainer/model.h): none, everything autograd saves; selective, every matrix product's
-// output and the inputs of the recomputed norms, not the element-wise tails between products;
-// full, each block's input (d_model) per layer plus, once, the largest block's none figure: the
-// working set of the one block whose forward runs again during backward.
+//   snapshot staging          the shared-memory region a rank copies its snapshot share into,
+//                             made at the first checkpoint and kept for the run: the parameters,
+//                             masters and optimizer state above (the rank that writes the
+//                             replicated state; the others' shares are smaller). Host memory:
+//                             in the total on --device cpu, printed apart on cuda
+// The activation figures are counted from each block's forward (the tensors autograd keeps for
+// backward, plan.cpp activation_floats), not measured at plan time; blocks_test holds each
+// family's count per layer within 5% of what the model keeps, one dimension changed at a time. They
+// follow train.recompute (stages/trainer/model.h): none, everything autograd saves; selective,
+// every matrix product's output and the inputs of the recomputed norms, not the element-wise tails
+// between products; full, each block's input (d_model) per layer plus, once, the largest block's
+// none figure: the working set of the one block whose forward runs again during backward.
 #pragma once
 
 #include <cstdint>
@@ -99,10 +105,13 @@ struct MemoryPlan {  // bytes per rank
   uint64_t buffers = 0;    // the optimizers' exchange buffers
   uint64_t activations = 0;
   uint64_t working = 0;  // the optimizer step's largest transient (DistMuon's orthogonalization)
+  uint64_t staging = 0;  // the snapshot staging region (host shared memory)
+  bool staging_counted = true;  // the ranks' memory is the host's (--device cpu)
   // Everything at once: an upper bound (gradients grow in backward while activations are
   // released, and the optimizer's working set comes after both).
   uint64_t total() const {
-    return parameters + gradients + master + optimizer + buffers + activations + working;
+    return parameters + gradients + master + optimizer + buffers + activations + working +
+           (staging_counted ? staging : 0);
   }
 };
 

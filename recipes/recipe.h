@@ -96,6 +96,11 @@ std::string expand_blocks(std::string_view pattern, uint32_t n_layers, std::stri
 // "attention", "moe", "mlp", "mamba2", "recurrent".
 std::string_view block_name(char block);
 
+// The chunk of the recurrence's diagonal scan over `positions` steps: a power of two near
+// (2T)^(1/3), at least 4, at most `cap` (the recipe's ssm.chunk). The trainer scans with it and
+// the plan counts the scan's decay matrices with it.
+int64_t recurrence_scan_chunk(int64_t positions, int64_t cap);
+
 // The [optim] table: the hybrid optimizer of README.md "Distributed optimizer". DistMuon takes
 // every 2-D matrix inside the blocks; DistAdamW takes the embedding (embed_lr), the head (head_lr)
 // and every other parameter (adam_lr). Learning rates are the peaks of the [train] schedule, which

@@ -105,7 +105,7 @@ def ssd_diagonal(x, a, chunk):
 
 
 def diagonal_chunk(length, cap):
-    """recurrent.cpp diagonal_chunk: a power of two near (2T)^(1/3), in [4, cap]."""
+    """recipes/recipe.cpp recurrence_scan_chunk: a power of two near (2T)^(1/3), in [4, cap]."""
     balanced = (2.0 * length) ** (1.0 / 3.0)
     chunk = 4
     while chunk * 2 <= balanced * 1.5 and chunk * 2 <= cap:

@@ -1,10 +1,10 @@
 #include "stages/trainer/recurrent.h"
 
-#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "core/error.h"
+#include "recipes/recipe.h"
 #include "stages/trainer/recompute.h"
 #include "stages/trainer/ssd.h"
 
@@ -13,17 +13,6 @@ namespace megacpp::trainer {
 namespace {
 
 constexpr double kC = 8.0;
-
-// The diagonal scan does L (the chunk) units of work per step within chunks and (T / L)^2 / T
-// across them; a power of two near (2T)^(1/3) balances the two. Measured at width 256, T 256,
-// forward + backward: chunk 8 takes 0.22 s, 16 0.30 s, 64 0.97 s. At most `cap` (the recipe's
-// ssm.chunk), at least 4.
-int64_t diagonal_chunk(int64_t T, int64_t cap) {
-  const double balanced = std::cbrt(2.0 * static_cast<double>(T));
-  int64_t chunk = 4;
-  while (chunk * 2 <= balanced * 1.5 && chunk * 2 <= cap) chunk *= 2;
-  return std::max<int64_t>(1, std::min(chunk, cap));
-}
 
 torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
@@ -108,7 +97,7 @@ at::Tensor RecurrentImpl::recur(const at::Tensor& u, const at::Tensor& r, const 
   // where a rounds to 1.
   const at::Tensor scale = at::sqrt(at::clamp_min(-at::expm1(2 * log_a), 1e-12));
   const at::Tensor v = scale * i * u;  // [B, T, W]
-  if (!sequential) return ssd_diagonal(v, log_a, diagonal_chunk(T, config_.chunk));
+  if (!sequential) return ssd_diagonal(v, log_a, recipe::recurrence_scan_chunk(T, config_.chunk));
   std::vector<at::Tensor> hs;
   hs.reserve(static_cast<size_t>(T));
   at::Tensor state = at::zeros({B, W}, u.options());

@@ -488,7 +488,8 @@ TEST(Plan, Nam56rTwoLayersByHand) {
   EXPECT_EQ(a.params_total, attn + mlp);
   EXPECT_EQ(a.params_total, 165150720u);
   EXPECT_EQ(a.params_active, a.params_total);
-  EXPECT_EQ(a.activation_floats, 4 * D + (H + 2 * KV) * hd + 2 * (H + KV) * hd + H * hd + 2 * F);
+  EXPECT_EQ(a.activation_floats,
+            4 * D + 2 + (H + 2 * KV) * hd + (H + KV) * hd + 2 * H * hd + H + (H + KV) + 2 * F);
   const auto& e = p.layers[1];
   EXPECT_EQ(e.block, 'E');
   EXPECT_EQ(e.params_total, E * D + E * 2 * h * D + 2 * s * D);
@@ -526,9 +527,9 @@ TEST(Plan, PerRankMemoryByHand) {
   const uint64_t muon = (12288 + 192) * 4 + (4096 + 64) * 4 + (16384 + 256) * 4 + (16384 + 256) * 4;
   const uint64_t adam = 8 * 16384 * 2;
   EXPECT_EQ(p.memory.optimizer, muon + adam);
-  // 2 sequences x 32 tokens x (2 x 256 logits + the A block's 4D + (H+2KV)hd + 2(H+KV)hd +
-  // H hd + 2F with D 64, H = KV = 4, hd 16, F 256) x 4 bytes
-  const uint64_t a = 4 * 64 + 12 * 16 + 2 * 8 * 16 + 4 * 16 + 2 * 256;
+  // 2 sequences x 32 tokens x (2 x 256 logits + the A block's 4D + 2 + (H+2KV)hd + (H+KV)hd +
+  // 2 H hd + H + (H+KV) + 2F with D 64, H = KV = 4, hd 16, F 256) x 4 bytes
+  const uint64_t a = 4 * 64 + 2 + 12 * 16 + 8 * 16 + 2 * 4 * 16 + 4 + 8 + 2 * 256;
   EXPECT_EQ(p.memory.activations, 2 * 32 * (512 + a) * 4);
   EXPECT_EQ(p.memory.master, 0u);
   // Exchange buffers at dp 2 on Gloo: DistMuon's stacks padded to 2 entries each (P), its
@@ -536,6 +537,18 @@ TEST(Plan, PerRankMemoryByHand) {
   // receive space and its ride in both segments of DistMuon's exchange.
   const uint64_t P = 2 * (12288 + 4096 + 16384 + 16384), A = 16384 * 2;
   EXPECT_EQ(p.memory.buffers, 4 * P + 4 * P + 4 * P / 2 + 4 * A * (1 + 1 + 2));
+  // The snapshot staging region: the share of the rank writing the replicated state, host
+  // memory — in the total on the CPU, apart from the device's on cuda.
+  EXPECT_EQ(p.memory.staging, 4 * held + muon + adam);
+  EXPECT_EQ(p.memory.total(), 4 * held * 3 + muon + adam + p.memory.buffers + p.memory.activations +
+                                  p.memory.working + muon + adam);
+  const auto on_cuda = mc::recipe::make_plan(r, {.ranks = 2, .device = "cuda"});
+  EXPECT_EQ(on_cuda.memory.staging, p.memory.staging);
+  const auto& c = on_cuda.memory;  // NCCL's receive space differs from Gloo's
+  EXPECT_EQ(c.total(), c.parameters + c.gradients + c.master + c.optimizer + c.buffers +
+                           c.activations + c.working);
+  EXPECT_NE(mc::recipe::format_plan(on_cuda).find("; and in host memory, snapshot staging"),
+            std::string::npos);
   // bf16-mixed: parameters, gradients and activations at 2 bytes; float32 masters of what the
   // rank owns (one entry of each stack, both replicated DistAdamW tensors); the moments as
   // before; the gathered parameters at 2 bytes.
@@ -578,14 +591,16 @@ TEST(Plan, PerRankMemoryByHand) {
   EXPECT_EQ(tp.memory.activations, 32 * (512 + a) * 4);
 }
 
-// train.recompute on the same one-layer attention recipe, by hand: selective keeps the two
-// norms' inputs for their outputs, q and k after RoPE only and the MLP's fc output only; full
-// keeps the block's input per layer and, once, the block's none figure (its working set while
-// its forward runs again in backward). Three layers: the working set is counted once.
+// train.recompute on the same one-layer attention recipe, by hand: none keeps the norms' inputs,
+// outputs and 1 / rms (two per token; the QK-norms' one per head), qkv, q and k after RoPE, the
+// attention's output, its copy and log-sum-exp per head, the MLP's relu and square; selective
+// the two norms' inputs for their outputs and the MLP's fc output only; full keeps the block's
+// input per layer and, once, the block's none figure (its working set while its forward runs
+// again in backward). Three layers: the working set is counted once.
 TEST(Plan, ActivationsFollowRecompute) {
-  const uint64_t D = 64, qkv = 12 * 16, qk = 2 * 4 * 16, y = 4 * 16, F = 256;
-  const uint64_t none = 4 * D + qkv + 2 * qk + y + 2 * F;
-  const uint64_t selective = 2 * D + qkv + qk + y + F;
+  const uint64_t D = 64, H = 4, qkv = 12 * 16, qk = 2 * 4 * 16, y = 4 * 16, F = 256;
+  const uint64_t none = 4 * D + 2 + qkv + qk + 2 * y + H + 2 * H + 2 * F;
+  const uint64_t selective = 2 * D + qkv + qk + 2 * y + H + F;
   for (const uint32_t layers : {1u, 3u}) {
     std::string text = with(kBase, "n_layers = 3", fmt::format("n_layers = {}", layers));
     for (const auto& [mode, per_layer, once] :
