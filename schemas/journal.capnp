@@ -42,6 +42,11 @@ struct StepRecord {
   # low by what did. 0 in journals written before them.
   memoryFile @16 :UInt64;
   memoryBaselineFile @17 :UInt64;
+  # A rank on a GPU: its device's memory through torch's caching allocator so far, bytes — the
+  # most held by tensors at once (what the plan estimates) and the most the allocator held from
+  # the driver. 0 on the CPU and in journals written before them.
+  deviceMemoryPeak @18 :UInt64;
+  deviceMemoryReserved @19 :UInt64;
 }
 
 # Parts of one rank's step, host wall seconds. forwardSeconds + backwardSeconds +

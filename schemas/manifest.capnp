@@ -177,6 +177,10 @@ struct BenchResult {
 struct RankMemory {
   peak @0 :Float64;
   aboveBaseline @1 :Float64;
+  # Ranks on GPUs: the largest over the ranks of the device memory held by tensors at once and
+  # of what torch's caching allocator held from the driver (journal StepRecord); 0 on CPUs.
+  devicePeak @2 :Float64;
+  deviceReserved @3 :Float64;
 }
 
 struct StepPoint {

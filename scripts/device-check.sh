@@ -2,8 +2,8 @@
 # The device check (`make device-check`), run on the GPU machine in one command: builds what the
 # GPU tests and benchmarks need against that machine's torch and the packages `make device-prep`
 # unpacked into build-device/prefix (carried there), runs every test labelled gpu, the CUDA
-# plugin's test, the ops benchmark's CUDA half and a timed run of the default recipe on the
-# device, and writes one report: $OUT/device-check.txt when OUT is set (the device tool's
+# plugin's test, the ops benchmark's CUDA half, a timed run of the default recipe on the
+# device and two runs whose device memory is printed against the plan, and writes one report: $OUT/device-check.txt when OUT is set (the device tool's
 # folder that comes back), else build-gpu/device-check.txt.
 #
 # Contract: never stops at the first failure (every part runs and says PASS/FAIL with its
@@ -75,6 +75,39 @@ part tiny_on_cuda 45 build-gpu/bin/megacpp run tiny --ranks 1 --steps 200 --devi
 [ -d "$RUN/logs" ] && tail -30 "$RUN"/logs/trainer-0.log 2>/dev/null | tee -a "$REPORT" > /dev/null
 
 [ -f "$RUN/launch.json" ] && say "tiny on cuda: muonPrecision $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("muonPrecision"))' "$RUN/launch.json")"
+# Device memory against the plan (issue: measured within 15% of it): `large` in bf16-mixed +
+# selective and `tiny-hybrid`, 1 rank, a checkpoint halfway; the plan's per-rank total on cuda
+# (device memory; the snapshot staging is host memory) against the peak bytes torch's caching
+# allocator held in tensors (devicePeak) and from the driver (deviceReserved).
+MEM_DIR=$(mktemp -d)
+sed -e 's/^name = .*/name = "large-bs"/' -e 's/^checkpoint_every = .*/checkpoint_every = 3/' \
+  -e 's/^\[train\]$/[train]\nprecision = "bf16-mixed"\nrecompute = "selective"/' \
+  recipes/large.toml > "$MEM_DIR/large-bs.toml"
+sed -e 's/^checkpoint_every = .*/checkpoint_every = 10/' recipes/tiny-hybrid.toml > "$MEM_DIR/tiny-hybrid.toml"
+memory_on_cuda() {
+  local rc=0
+  for recipe in "$MEM_DIR/large-bs.toml" "$MEM_DIR/tiny-hybrid.toml"; do
+    local run="$MEM_DIR/run-$(basename "$recipe" .toml)" steps=6
+    [[ $recipe == *tiny-hybrid* ]] && steps=20
+    build-gpu/bin/megacpp plan "$recipe" --ranks 1 --device cuda | grep "memory per rank"
+    build-gpu/bin/megacpp run "$recipe" --ranks 1 --steps "$steps" --device cuda \
+      --run-dir "$run" --progress none || { rc=1; continue; }
+    python3 - "$run" "$(build-gpu/bin/megacpp plan "$recipe" --ranks 1 --device cuda)" <<'PY' || rc=1
+import json, os, re, sys
+m = json.load(open(os.path.join(sys.argv[1], "receipts", "bench_result.json")))["memory"]
+plan = float(re.search(r"memory per rank \(.*\): .*?: ([0-9.]+) GiB", sys.argv[2]).group(1))
+peak, reserved = m.get("devicePeak", 0) / 2**30, m.get("deviceReserved", 0) / 2**30
+print("%s: plan %.3f GiB, device peak %.3f GiB (%.2f of the plan), reserved %.3f GiB (%.2f)"
+      % (os.path.basename(sys.argv[1]), plan, peak, peak / plan, reserved, reserved / plan))
+assert peak > 0, "no device memory recorded"
+PY
+  done
+  return $rc
+}
+export -f memory_on_cuda
+export MEM_DIR
+part memory_on_cuda 90 bash -c memory_on_cuda
+
 # A NaN gradient on the GPU rank: the run must end `diverged`, nothing of that step committed.
 NAN_RUN=$(mktemp -d)/run
 CK5_DIR=$(mktemp -d)

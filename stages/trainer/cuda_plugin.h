@@ -25,7 +25,7 @@
 namespace megacpp::trainer {
 
 // Bumped whenever CudaPluginApi changes: a plugin of another build is refused by name.
-inline constexpr uint32_t kCudaPluginAbi = 1;
+inline constexpr uint32_t kCudaPluginAbi = 2;
 
 // The plugin's entry points (extern "C" megacpp_cuda_plugin() returns its table). Every
 // function may throw c10::Error or std::exception; they run on the caller's thread.
@@ -45,6 +45,10 @@ struct CudaPluginApi {
   void (*abort)(const c10::intrusive_ptr<c10d::Backend>& group);
   // The torch CUDA and NCCL versions the plugin was built against, e.g. "cuda 13.0 nccl 2.27.7".
   const char* (*versions)();
+  // Device `index`'s memory through torch's caching allocator since the process started, bytes:
+  // the most held by tensors at once (allocated) and the most the allocator held from the
+  // driver (reserved: what runs out first).
+  void (*memory_peaks)(int index, uint64_t* allocated, uint64_t* reserved);
 };
 
 class CudaPlugin {

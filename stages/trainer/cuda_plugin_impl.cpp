@@ -2,6 +2,7 @@
 // torch has CUDA and NCCL's headers are found; it links libtorch_cuda, so loading it registers
 // torch's CUDA backend in the process.
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/NCCLUtils.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -45,8 +46,22 @@ const char* versions() {
   return text.c_str();
 }
 
-constexpr CudaPluginApi kApi{
-    megacpp::trainer::kCudaPluginAbi, &device_count, &set_device, &nccl, &abort, &versions};
+void memory_peaks(int index, uint64_t* allocated, uint64_t* reserved) {
+  using c10::CachingDeviceAllocator::StatType;
+  const auto stats =
+      c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+  const auto all = static_cast<size_t>(StatType::AGGREGATE);
+  *allocated = static_cast<uint64_t>(stats.allocated_bytes[all].peak);
+  *reserved = static_cast<uint64_t>(stats.reserved_bytes[all].peak);
+}
+
+constexpr CudaPluginApi kApi{megacpp::trainer::kCudaPluginAbi,
+                             &device_count,
+                             &set_device,
+                             &nccl,
+                             &abort,
+                             &versions,
+                             &memory_peaks};
 
 }  // namespace
 

@@ -510,6 +510,12 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
       const ProcessMemory memory = process_memory();
       s.setMemoryPeak(memory.peak);
       s.setMemoryFile(memory.file);
+      if (on_cuda) {
+        uint64_t allocated = 0, reserved = 0;
+        cuda->api().memory_peaks(static_cast<int>(local_rank), &allocated, &reserved);
+        s.setDeviceMemoryPeak(allocated);
+        s.setDeviceMemoryReserved(reserved);
+      }
       s.setDataSeed(static_cast<uint32_t>(header.seed));
       s.setDataEpoch(static_cast<double>(header.next_position / header.windows));
       s.setDataCursor(static_cast<double>(header.next_position % header.windows));

@@ -195,6 +195,10 @@ RunView view_of(const FoldState& s) {
       }
       v.tokens += d.tokens;
       v.memory_peak = std::max(v.memory_peak, static_cast<double>(d.memory_peak));
+      v.device_memory_peak =
+          std::max(v.device_memory_peak, static_cast<double>(d.device_memory_peak));
+      v.device_memory_reserved =
+          std::max(v.device_memory_reserved, static_cast<double>(d.device_memory_reserved));
       // The rank's own memory: file-backed pages (libtorch's code) out of both ends when the
       // record has them (journal.capnp StepRecord).
       const uint64_t own_peak = d.memory_peak - std::min(d.memory_peak, d.memory_file);
@@ -370,6 +374,8 @@ std::string bench_result_document(const FoldState& s, const RunView& v) {
     auto memory = r.initMemory();
     memory.setPeak(v.memory_peak);
     memory.setAboveBaseline(v.memory_above_baseline);
+    memory.setDevicePeak(v.device_memory_peak);
+    memory.setDeviceReserved(v.device_memory_reserved);
   }
   const auto launch = s.launch();
   r.setDataset(launch.getDataset());

@@ -74,6 +74,7 @@ struct RunView {
   double step_seconds_sum = 0;  // slowest rank's seconds, summed over steps 1..completed
   // Bytes, the largest over the ranks: peak resident size, and peak above the rank's baseline.
   double memory_peak = 0, memory_above_baseline = 0;
+  double device_memory_peak = 0, device_memory_reserved = 0;
 };
 RunView view_of(const FoldState& s);
 

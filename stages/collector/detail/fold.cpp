@@ -52,6 +52,8 @@ StepData step_data(uint32_t attempt, schema::StepRecord::Reader s, int64_t wall)
   d.memory_baseline = s.getMemoryBaseline();
   d.memory_file = s.getMemoryFile();
   d.memory_baseline_file = s.getMemoryBaselineFile();
+  d.device_memory_peak = s.getDeviceMemoryPeak();
+  d.device_memory_reserved = s.getDeviceMemoryReserved();
   if (s.hasPhases()) {
     const auto p = s.getPhases();
     d.phases = {s.getForwardSeconds(),       s.getBackwardSeconds(), s.getOptimizerSeconds(),

@@ -96,6 +96,7 @@ struct StepData {
   std::optional<std::array<double, kStepPhaseParts>> phases;
   uint64_t memory_peak = 0, memory_baseline = 0;  // bytes (schema StepRecord)
   uint64_t memory_file = 0, memory_baseline_file = 0;
+  uint64_t device_memory_peak = 0, device_memory_reserved = 0;  // bytes; 0 on CPUs
 };
 
 // One journal file's counts as of the last poll.
