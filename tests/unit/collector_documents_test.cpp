@@ -162,7 +162,9 @@ class Script {
     state.journals["trainer-0.journal"] = {.records = 7, .torn_bytes = 0, .trainer = true};
     state.journals["trainer-1.journal"] = {.records = 7, .torn_bytes = 0, .trainer = true};
   }
-  // Rank r's step s: loss 4 - 0.5 s + 0.25 r, 100 tokens, 1 s (rank 0) or 0.75 s of work.
+  // Rank r's step s: loss 4 - 0.5 s + 0.25 r, 100 tokens, 1 s (rank 0) or 0.75 s of work; host
+  // memory peak 100 + 10 s + r MiB with 20 MiB of file pages over a 50 MiB baseline with 10;
+  // device memory 1 + s + 2 r GiB held by tensors, 0.5 GiB more reserved.
   void step(uint32_t r, uint32_t st) {
     rec(StageKind::TRAINER, r, 5000 + 1000 * st + 100 * r, [&](auto x) {
       auto p = x.initStep();
@@ -171,6 +173,12 @@ class Script {
       p.setTokens(100);
       p.setStepSeconds(r == 0 ? 1.0 : 0.75);
       p.setWaitSeconds(0.125 * (r + 1));
+      p.setMemoryPeak(uint64_t{100 + 10 * st + r} << 20);
+      p.setMemoryFile(uint64_t{20} << 20);
+      p.setMemoryBaseline(uint64_t{50} << 20);
+      p.setMemoryBaselineFile(uint64_t{10} << 20);
+      p.setDeviceMemoryPeak(uint64_t{1 + st + 2 * r} << 30);
+      p.setDeviceMemoryReserved((uint64_t{1 + st + 2 * r} << 30) + (uint64_t{1} << 29));
     });
   }
 
@@ -340,6 +348,13 @@ TEST(CollectorDocuments, BenchResultOwnsTheRunFigures) {
   EXPECT_DOUBLE_EQ(b.r.getTokensPerSecond(), 600.0 / 3.1);
   EXPECT_DOUBLE_EQ(b.r.getMeanStepSeconds(), 1.0);
   EXPECT_EQ(s(b.r.getDataset().getFormat()), "llmc");
+  // Memory, the largest over the ranks: rank 1's step 3 — 131 MiB resident, (131 - 20) - (50 -
+  // 10) above the baseline without file pages; 6 GiB of device memory in tensors, 6.5 reserved.
+  ASSERT_TRUE(b.r.hasMemory());
+  EXPECT_DOUBLE_EQ(b.r.getMemory().getPeak(), 131.0 * (1 << 20));
+  EXPECT_DOUBLE_EQ(b.r.getMemory().getAboveBaseline(), 71.0 * (1 << 20));
+  EXPECT_DOUBLE_EQ(b.r.getMemory().getDevicePeak(), 6.0 * (1 << 30));
+  EXPECT_DOUBLE_EQ(b.r.getMemory().getDeviceReserved(), 6.5 * (1 << 30));
 }
 
 TEST(CollectorDocuments, BenchTelemetryOwnsTheSeriesAndTruncation) {
