@@ -591,6 +591,17 @@ TEST(Plan, PerRankMemoryByHand) {
   EXPECT_EQ(tp.memory.activations, 32 * (512 + a) * 4);
 }
 
+// The recurrence's scan chunk (trainer and plan alike): a power of two near (2T)^(1/3) x 1.5,
+// at least 4, at most the recipe's ssm.chunk.
+TEST(Plan, RecurrenceScanChunk) {
+  EXPECT_EQ(mc::recipe::recurrence_scan_chunk(64, 32), 4);
+  EXPECT_EQ(mc::recipe::recurrence_scan_chunk(256, 32), 8);
+  EXPECT_EQ(mc::recipe::recurrence_scan_chunk(4096, 128), 16);
+  EXPECT_EQ(mc::recipe::recurrence_scan_chunk(4096, 8), 8);
+  EXPECT_EQ(mc::recipe::recurrence_scan_chunk(64, 2), 2);
+  EXPECT_EQ(mc::recipe::recurrence_scan_chunk(1, 64), 4);
+}
+
 // train.recompute on the same one-layer attention recipe, by hand: none keeps the norms' inputs,
 // outputs and 1 / rms (two per token; the QK-norms' one per head), qkv, q and k after RoPE, the
 // attention's output, its copy and log-sum-exp per head, the MLP's relu and square; selective
