@@ -5,7 +5,8 @@ MixedPrecisionPolicy for the sharded layout; bench/peers/train_twin.py under tor
 side in one invocation.
 
 For each size (recipes/large.toml, 57 M parameters; `xl`, the same decoder at d_model 1024,
-101 M parameters) and each setting (data parallel "dp": fp32; bf16-mixed; bf16-mixed +
+101 M parameters; `tiny-hybrid`, every block family at 2 M parameters, megacpp only) and each
+setting (data parallel "dp": fp32; bf16-mixed; bf16-mixed +
 selective; bf16-mixed + full — and "tp2", nemo_native's tensor-parallel group of the 2 ranks
 holding weight shards: fp32; bf16-mixed + selective, against FSDP2 sharding the same model over
 the 2 ranks) it prints:
@@ -30,7 +31,8 @@ staging region (host shared memory, in the plan on --device cpu) is in their pea
 snapshot's copy in their tokens/s; the twin does not checkpoint. Nothing is judged: the issue's goal (measured
 within 15% of the plan) is printed beside the figures. CPU, Gloo, 2 ranks, 1 thread per rank.
 
-    .venv/bin/python bench/memory_plan.py [--sizes large,xl] [--layouts dp,tp2] [--steps 6]
+    .venv/bin/python bench/memory_plan.py [--sizes large,xl,tiny-hybrid] [--layouts dp,tp2]
+                                          [--steps 6]
                                           [--twin-steps 4] [--no-twin] [--json OUT]
 """
 import argparse
@@ -52,7 +54,10 @@ PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 SETTINGS = [("fp32", "none", "dp"), ("bf16-mixed", "none", "dp"), ("bf16-mixed", "selective", "dp"),
             ("bf16-mixed", "full", "dp"), ("fp32", "none", "tp2"),
             ("bf16-mixed", "selective", "tp2")]
-SIZES = {"large": {}, "xl": {"d_model": "1024", "n_heads": "8"}}
+# size: (the recipe it starts from, the keys it changes). tiny-hybrid (every block family, 2 M
+# parameters) has no twin: train_twin.py models the attention decoder only.
+SIZES = {"large": ("large", {}), "xl": ("large", {"d_model": "1024", "n_heads": "8"}),
+         "tiny-hybrid": ("tiny-hybrid", {})}
 
 
 def megacpp_bin():
@@ -64,11 +69,12 @@ def megacpp_bin():
 
 
 def write_recipe(tmp, size, precision, recompute, steps, for_twin):
-    """recipes/large.toml at `size`, checkpointing halfway; megacpp's copy names the memory keys,
-    the twin's does not (it refuses keys it does not model)."""
-    with open(os.path.join(ROOT, "recipes", "large.toml")) as f:
+    """The size's recipe, checkpointing halfway; megacpp's copy names the memory keys, the
+    twin's does not (it refuses keys it does not model)."""
+    base, keys = SIZES[size]
+    with open(os.path.join(ROOT, "recipes", base + ".toml")) as f:
         text = f.read()
-    for key, value in SIZES[size].items():
+    for key, value in keys.items():
         text = re.sub(r"(?m)^%s = \S+" % key, "%s = %s" % (key, value), text)
     text = re.sub(r"(?m)^checkpoint_every = \S+", "checkpoint_every = %d" % max(1, steps // 2), text)
     name = "mem-%s-%s-%s%s" % (size, precision, recompute, "-twin" if for_twin else "")
@@ -125,7 +131,7 @@ def run_twin(recipe, precision, recompute, layout, steps, tmp):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="large,xl")
+    ap.add_argument("--sizes", default="large,xl,tiny-hybrid")
     ap.add_argument("--layouts", default="dp,tp2", help="dp, tp2 or both")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--twin-steps", type=int, default=4)
@@ -146,7 +152,7 @@ def main():
                 plan, staging, line = plan_gib(recipe, layout)
                 measured, tps = run_megacpp(recipe, layout, args.steps, tmp)
                 twin = (None, None)
-                if not args.no_twin:
+                if not args.no_twin and size != "tiny-hybrid":
                     twin_recompute = "none" if recompute == "selective" else recompute
                     if recompute == "selective" and layout == "dp" and twin_none is not None:
                         twin = twin_none

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/knobs.h"
 #include "core/util.h"
 #include "ipc/channel.h"
 #include "schemas/enums.h"
@@ -87,15 +88,17 @@ void JobController::launch(StageKind stage, uint32_t rank, uint32_t generation,
     l.setGeneration(generation);
     l.setReason(reason);
     l.setCause(cause);
-    if (stage == StageKind::TRAINER && (opt_.malloc_tuning || !collectives_.env.empty())) {
-      l.setTuneEnvironment(true);
+    if (stage == StageKind::TRAINER) {
+      l.setTuneEnvironment(opt_.malloc_tuning);
       const std::vector<std::string> tunables =
           opt_.malloc_tuning ? kTrainerMallocTunables : std::vector<std::string>{};
       auto t = l.initTunables(static_cast<unsigned>(tunables.size()));
       for (size_t i = 0; i < tunables.size(); ++i) t.set(static_cast<unsigned>(i), tunables[i]);
-      auto e = l.initExtraEnv(static_cast<unsigned>(collectives_.env.size()));
-      for (size_t i = 0; i < collectives_.env.size(); ++i)
-        e.set(static_cast<unsigned>(i), collectives_.env[i]);
+      std::vector<std::string> env = collectives_.env;
+      for (const std::string& kv : kTrainerLibraryEnv)
+        if (!foreign_env(kv.substr(0, kv.find('=')))) env.push_back(kv);
+      auto e = l.initExtraEnv(static_cast<unsigned>(env.size()));
+      for (size_t i = 0; i < env.size(); ++i) e.set(static_cast<unsigned>(i), env[i]);
     }
   });
 }

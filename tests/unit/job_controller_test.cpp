@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <map>
@@ -56,6 +57,7 @@ class ScriptedLink final : public NodeAgentLink {
  public:
   std::vector<std::string> commands;
   std::deque<std::function<void()>> script;
+  std::map<std::string, std::vector<std::string>> extra_env;  // by process, the last launch's
 
   bool command(NodeCommand::Reader c) override {
     switch (c.which()) {
@@ -63,6 +65,8 @@ class ScriptedLink final : public NodeAgentLink {
         auto l = c.getLaunch();
         const std::string name = name_of(l.getProcess());
         commands.push_back(fmt::format("launch {} g{}", name, l.getGeneration()));
+        extra_env[name].clear();
+        for (auto kv : l.getExtraEnv()) extra_env[name].emplace_back(kv.cStr());
         const pid_t pid = next_pid_++;
         pids_[name] = pid;
         alive_.insert(name);
@@ -290,6 +294,33 @@ TEST(JobController, ARankThatDiesDuringACheckpointIsTheFirstFailureAndTheJobIsTo
   for (const char* torn : {"trainer-0 teardown", "collector-0 teardown", "data_loader-0 teardown",
                            "checkpointer-0 teardown"})
     EXPECT_TRUE(has(j.exited, torn)) << torn;
+}
+
+// A trainer's environment bounds oneDNN's two primitive caches (supervisor.h kTrainerLibraryEnv)
+// unless the user's environment names them: then the user's value is the rank's.
+TEST(JobController, TrainersGetBoundedOneDnnCachesUnlessTheUserSetThem) {
+  ::unsetenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY");
+  ::setenv("LRU_CACHE_CAPACITY", "512", 1);
+  TempDir dir;
+  ScriptedLink link;
+  link.script = {
+      [&] {
+        for (const auto& s : kStages) link.hello(s);
+      },
+      [&] { link.exit("trainer-1", -1, SIGKILL); },
+  };
+  JobController controller(options(), link, dir.path());
+  (void)controller.supervise();
+  ::unsetenv("LRU_CACHE_CAPACITY");
+  for (const char* rank : {"trainer-0", "trainer-1"}) {
+    const auto& env = link.extra_env[rank];
+    EXPECT_EQ(std::count(env.begin(), env.end(), "ONEDNN_PRIMITIVE_CACHE_CAPACITY=16"), 1) << rank;
+    EXPECT_EQ(std::count_if(env.begin(), env.end(),
+                            [](const std::string& kv) { return kv.starts_with("LRU_CACHE_"); }),
+              0)
+        << rank << ": the user's LRU_CACHE_CAPACITY reaches it through the agent's environment";
+  }
+  EXPECT_TRUE(link.extra_env["collector-0"].empty());
 }
 
 TEST(JobController, AStageRestartUnderWayWhenAnotherProcessDiesIsNotCompleted) {
