@@ -145,7 +145,7 @@ uint64_t activation_floats(const ModelConfig& m, char block, Recompute recompute
     }
     case kBlockMamba: {
       // Per sequence of T positions, counted from what autograd keeps and checked against the
-      // model per dimension (blocks_test Plan.ActivationsAreWhatTheModelKeeps). none: the
+      // model per dimension (blocks_test Plan.ActivationsPerLayerFollowEachDimension). none: the
       // norm's and the residual's outputs (2D); in_proj's output (2I + 2N + H); the conv's
       // output over T + K - 1 positions and its SiLU (I + 2N each); softplus's input and output,
       // dt x A, the decay and cumulative-decay rows, the x-scaled input (about 10H + I); the
