@@ -3,8 +3,9 @@
 # GPU tests and benchmarks need against that machine's torch and the packages `make device-prep`
 # unpacked into build-device/prefix (carried there), runs every test labelled gpu, the CUDA
 # plugin's test, the ops benchmark's CUDA half, a timed run of the default recipe on the
-# device and two runs whose device memory is printed against the plan, and writes one report: $OUT/device-check.txt when OUT is set (the device tool's
-# folder that comes back), else build-gpu/device-check.txt.
+# device and two runs whose device memory is printed against the plan, and writes one report:
+# $OUT/device-check.txt when OUT is set (the device tool's folder that comes back), else
+# build-gpu/device-check.txt.
 #
 # Contract: never stops at the first failure (every part runs and says PASS/FAIL with its
 # seconds); each part has its own time bound, so a cold machine finishes within about 8 minutes
@@ -89,10 +90,12 @@ memory_on_cuda() {
   for recipe in "$MEM_DIR/large-bs.toml" "$MEM_DIR/tiny-hybrid.toml"; do
     local run="$MEM_DIR/run-$(basename "$recipe" .toml)" steps=6
     [[ $recipe == *tiny-hybrid* ]] && steps=20
-    build-gpu/bin/megacpp plan "$recipe" --ranks 1 --device cuda | grep "memory per rank"
+    local plan
+    plan=$(build-gpu/bin/megacpp plan "$recipe" --ranks 1 --device cuda)
+    grep "memory per rank" <<< "$plan"
     build-gpu/bin/megacpp run "$recipe" --ranks 1 --steps "$steps" --device cuda \
       --run-dir "$run" --progress none || { rc=1; continue; }
-    python3 - "$run" "$(build-gpu/bin/megacpp plan "$recipe" --ranks 1 --device cuda)" <<'PY' || rc=1
+    python3 - "$run" "$plan" <<'PY' || rc=1
 import json, os, re, sys
 m = json.load(open(os.path.join(sys.argv[1], "receipts", "bench_result.json")))["memory"]
 plan = float(re.search(r"memory per rank \(.*\): .*?: ([0-9.]+) GiB", sys.argv[2]).group(1))
