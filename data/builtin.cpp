@@ -59,30 +59,54 @@ std::vector<uint16_t> builtin_corpus_tokens(uint32_t index, uint32_t tokens) {
   return out;
 }
 
-std::vector<std::filesystem::path> ensure_builtin_corpus(const std::filesystem::path& data_dir,
-                                                         uint32_t shards, uint32_t shard_tokens) {
+namespace {
+
+// The generator index of the val split's shard: far above any training shard's.
+constexpr uint32_t kValidationIndex = 0x80000000u;
+
+std::filesystem::path builtin_dir(const std::filesystem::path& data_dir, uint32_t shard_tokens) {
   auto dir = data_dir / fmt::format("builtin-v1-{}", shard_tokens);
   std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// Writes shard `index` at `p` unless a valid one is there.
+void ensure_shard(const std::filesystem::path& p, uint32_t index, uint32_t shard_tokens) {
+  bool valid = false;
+  if (std::filesystem::exists(p)) {
+    try {
+      Shard s(p, ShardFormat::kLlmc);
+      valid = s.tokens() == shard_tokens && s.width() == TokenWidth::kU16;
+    } catch (const Error& e) {
+      log_warn("rewriting invalid shard {}: {}", p.string(), e.what());
+    }
+  }
+  if (!valid) {
+    auto narrow = builtin_corpus_tokens(index, shard_tokens);
+    std::vector<uint32_t> tokens(narrow.begin(), narrow.end());
+    write_llmc_shard(p, tokens, TokenWidth::kU16);
+  }
+}
+
+}  // namespace
+
+std::vector<std::filesystem::path> ensure_builtin_corpus(const std::filesystem::path& data_dir,
+                                                         uint32_t shards, uint32_t shard_tokens) {
+  const auto dir = builtin_dir(data_dir, shard_tokens);
   std::vector<std::filesystem::path> paths;
   for (uint32_t i = 0; i < shards; ++i) {
     auto p = dir / fmt::format("shard_{:06d}.bin", i);
-    bool valid = false;
-    if (std::filesystem::exists(p)) {
-      try {
-        Shard s(p, ShardFormat::kLlmc);
-        valid = s.tokens() == shard_tokens && s.width() == TokenWidth::kU16;
-      } catch (const Error& e) {
-        log_warn("rewriting invalid shard {}: {}", p.string(), e.what());
-      }
-    }
-    if (!valid) {
-      auto narrow = builtin_corpus_tokens(i, shard_tokens);
-      std::vector<uint32_t> tokens(narrow.begin(), narrow.end());
-      write_llmc_shard(p, tokens, TokenWidth::kU16);
-    }
+    ensure_shard(p, i, shard_tokens);
     paths.push_back(p);
   }
   return paths;
+}
+
+std::filesystem::path ensure_builtin_validation(const std::filesystem::path& data_dir,
+                                                uint32_t shard_tokens) {
+  auto p = builtin_dir(data_dir, shard_tokens) / "val_000000.bin";
+  ensure_shard(p, kValidationIndex, shard_tokens);
+  return p;
 }
 
 }  // namespace megacpp::data

@@ -71,17 +71,16 @@ void write_check_cache(const std::filesystem::path& dir, const std::string& text
   }
 }
 
-}  // namespace
-
-ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const recipe::BatchGeometry& batch,
-                                const std::filesystem::path& data_dir, unsigned threads) {
+// The pre-flight of `paths`: every file opened and validated (the check cache), the dataset
+// manifest held to. `batch` set: the window rule at that geometry; unset (the val split): the
+// windows are counted, with no rule (ValidationSampler's own).
+ResolvedDataset resolve_files(const recipe::Recipe& recipe, const recipe::BatchGeometry& geometry,
+                              const recipe::BatchGeometry* batch,
+                              std::vector<std::filesystem::path> paths, unsigned threads) {
   const auto& d = recipe.data;
   ResolvedDataset out;
   out.format = format_of(d.source);
-  out.slot_token_bytes = batch.slot.token_bytes;
-  std::vector<std::filesystem::path> paths =
-      d.source == "builtin" ? ensure_builtin_corpus(data_dir, d.shards, d.shard_tokens)
-                            : find_shards(data_dir, out.format, d.path, d.split);
+  out.slot_token_bytes = geometry.slot.token_bytes;
   out.eos_id = d.eos_id;
   std::optional<DatasetManifest> manifest;
   const auto dir = paths.front().parent_path();
@@ -189,12 +188,13 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const recipe::Batc
   }
   // The window rule at every rank of the world (not only the data ranks: a tensor-parallel
   // group's ranks each count here, as they always have).
-  Sampler sampler(views, SamplerConfig{.seq_len = batch.slot.seq_len,
-                                       .batch = batch.slot.batch,
-                                       .world = batch.world,
+  Sampler sampler(views, SamplerConfig{.seq_len = geometry.slot.seq_len,
+                                       .batch = batch ? batch->slot.batch : 1,
+                                       .world = batch ? batch->world : 1,
                                        .token_bytes = out.slot_token_bytes,
                                        .seed = recipe.train.seed,
-                                       .pack = d.pack});
+                                       .pack = d.pack,
+                                       .windows_rule = batch != nullptr});
   out.windows = sampler.windows();
   out.documents_without_window = sampler.documents_without_window();
   out.files_scanned = scanned.load();
@@ -208,6 +208,92 @@ ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const recipe::Batc
     write_check_cache(dir, text, cache_before);
   }
   return out;
+}
+
+// Whether two lists of files share one (by path).
+bool overlap(const std::vector<std::filesystem::path>& a, const std::vector<DatasetFile>& b) {
+  for (const auto& p : a)
+    for (const auto& f : b)
+      if (std::filesystem::absolute(p).lexically_normal() == f.path) return true;
+  return false;
+}
+
+}  // namespace
+
+ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const recipe::BatchGeometry& batch,
+                                const std::filesystem::path& data_dir, unsigned threads) {
+  const auto& d = recipe.data;
+  std::vector<std::filesystem::path> paths =
+      d.source == "builtin" ? ensure_builtin_corpus(data_dir, d.shards, d.shard_tokens)
+                            : find_shards(data_dir, format_of(d.source), d.path, d.split);
+  return resolve_files(recipe, batch, &batch, std::move(paths), threads);
+}
+
+ResolvedValidation resolve_validation(const recipe::Recipe& recipe,
+                                      const recipe::BatchGeometry& batch,
+                                      const ResolvedDataset& train,
+                                      const std::filesystem::path& data_dir, unsigned threads) {
+  ResolvedValidation out;
+  const auto& d = recipe.data;
+  if (recipe.train.eval_every == 0) return out;
+  const auto off = [&](std::string why) {
+    out.off = fmt::format("evaluation is off: {}", why);
+    return out;
+  };
+  if (d.split == "val")
+    return off(
+        "the run trains on the val split (data.split = \"val\"), so no held-out data is left");
+  std::vector<std::filesystem::path> paths;
+  if (d.source == "builtin") {
+    paths.push_back(ensure_builtin_validation(data_dir, d.shard_tokens));
+  } else {
+    try {
+      paths = find_shards(data_dir, format_of(d.source), d.path, "val");
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kInvalidArgument) throw;
+      return off(fmt::format(
+          "the data has no val split ({}); `megacpp prepare --val-every K` writes one, or set "
+          "train.eval_every = 0",
+          e.what()));
+    }
+    if (overlap(paths, train.files))
+      return off(fmt::format(
+          "[data] path \"{}\" names the same files for the train and val splits; put \"{{split}}\" "
+          "where the split's name goes (e.g. \"fw_{{split}}_*.bin\"), or set train.eval_every = 0",
+          d.path));
+  }
+  ResolvedDataset val = resolve_files(recipe, batch, nullptr, std::move(paths), threads);
+  out.split_windows = val.windows;
+  if (val.windows == 0)
+    return off(fmt::format("the val split ({}) holds no window of {} tokens{}",
+                           val.files.front().path.parent_path().string(), batch.slot.seq_len + 1,
+                           d.pack ? "" : " inside a document"));
+  const uint64_t asked = recipe.train.eval_tokens / batch.slot.seq_len;
+  out.windows = std::min(asked, val.windows);
+  if (out.windows < asked)
+    out.notice = fmt::format(
+        "the val split holds {} windows of {} tokens, fewer than train.eval_tokens asks ({}): "
+        "every evaluation reads all of them",
+        val.windows, batch.slot.seq_len + 1, asked);
+  std::string text;
+  for (const auto& f : val.files) text += fmt::format("{}:{};", f.xxh3, f.tokens);
+  text += fmt::format("windows={};seq_len={};pack={}", out.windows, batch.slot.seq_len, d.pack);
+  out.digest = xxh3_hex(text);
+  out.dataset = std::move(val);
+  return out;
+}
+
+void to_spec(const ResolvedValidation& v, uint32_t every, uint32_t ring_slots,
+             schema::Validation::Builder out) {
+  out.setEvery(every);
+  out.setWindows(v.windows);
+  out.setSplitWindows(v.split_windows);
+  out.setOff(v.off);
+  if (v.dataset) {
+    to_spec(*v.dataset, out.initDataset());
+    out.setRingSlots(ring_slots);
+    out.setDigest(v.digest);
+  }
 }
 
 void to_spec(const ResolvedDataset& d, schema::Dataset::Builder out) {

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,27 @@ struct ResolvedDataset {
 // slot token width and world are what the window rule is checked at.
 ResolvedDataset resolve_dataset(const recipe::Recipe& recipe, const recipe::BatchGeometry& batch,
                                 const std::filesystem::path& data_dir, unsigned threads);
+
+// The val split a run evaluates on (README.md "Validation loss"), resolved with the same checks
+// as the training files: for the built-in corpus its generated val shard, else the files of
+// [data] path with split "val". When the recipe evaluates (train.eval_every > 0) but cannot —
+// it trains on the val split, the data has none, the path cannot tell the splits apart, the split
+// holds no window — `off` says so in one line for the console and the launch contract, and
+// `dataset` is empty. Throws as resolve_dataset for a bad val file.
+struct ResolvedValidation {
+  std::optional<ResolvedDataset> dataset;
+  std::string off;     // "evaluation is off: ..." when the recipe asks and the run cannot
+  std::string notice;  // one line when the split holds fewer windows than eval_tokens asks
+  uint64_t split_windows = 0;
+  uint64_t windows = 0;  // per evaluation: eval_tokens / seq_len, at most split_windows
+  std::string digest;    // XXH3 of the files' XXH3s, token counts and the windows read
+};
+ResolvedValidation resolve_validation(const recipe::Recipe& recipe,
+                                      const recipe::BatchGeometry& batch,
+                                      const ResolvedDataset& train,
+                                      const std::filesystem::path& data_dir, unsigned threads);
+void to_spec(const ResolvedValidation& validation, uint32_t every, uint32_t ring_slots,
+             schema::Validation::Builder out);
 
 // The launch contract's form of a resolved dataset, and back.
 void to_spec(const ResolvedDataset& dataset, schema::Dataset::Builder out);

@@ -130,7 +130,7 @@ Sampler::Sampler(std::span<const Shard* const> shards, const SamplerConfig& conf
       add(i, starts[d], d + 1 < starts.size() ? starts[d + 1] : s.tokens());
   }
   const uint64_t global = uint64_t{config.world} * config.batch;
-  if (windows_ < global)
+  if (config.windows_rule && windows_ < global)
     MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                  "rule data.windows: the data holds {} windows of {} tokens{}, fewer than one "
                  "global batch ({} ranks x {} rows): add data, or lower seq_len, batch_size or "
@@ -160,6 +160,45 @@ Sampler::Window Sampler::window_at(uint64_t p) const noexcept {
   return {runs_[run].shard, runs_[run].start + (w - before_[run]) * config_.seq_len};
 }
 
+template <typename WindowOf>
+void Sampler::copy_rows(uint32_t rows, std::byte* out, WindowOf window_of) const {
+  const uint64_t n = spec_.row_tokens();
+  // Sources of the next kAhead rows, located (and prefetched) ahead of their copy.
+  struct Source {
+    const std::byte* p;
+    bool src16;
+  };
+  Source ahead[kAhead];
+  uint32_t located = 0;
+  auto locate = [&]() -> Source {
+    const uint64_t w = window_of(located++);
+    const size_t run = static_cast<size_t>(std::upper_bound(before_.begin(), before_.end(), w) -
+                                           before_.begin() - 1);
+    const Shard& s = *shards_[runs_[run].shard];
+    const uint64_t start = runs_[run].start + (w - before_[run]) * config_.seq_len;
+    const Source src{s.token_bytes() + start * bytes_of(s.width()), s.width() == TokenWidth::kU16};
+    prefetch_row(src.p, n * bytes_of(s.width()));
+    return src;
+  };
+  for (uint32_t row = 0; row < std::min(rows, kAhead); ++row) ahead[row] = locate();
+  for (uint32_t row = 0; row < rows; ++row) {
+    const Source src = ahead[row % kAhead];
+    if (row + kAhead < rows) ahead[row % kAhead] = locate();
+    std::byte* dst = out + uint64_t{row} * n * spec_.token_bytes;
+    if (spec_.token_bytes == 2) {
+      if (src.src16)
+        copy_row(reinterpret_cast<uint16_t*>(dst), reinterpret_cast<const uint16_t*>(src.p), n);
+      else
+        copy_row(reinterpret_cast<uint16_t*>(dst), reinterpret_cast<const uint32_t*>(src.p), n);
+    } else {
+      if (src.src16)
+        copy_row(reinterpret_cast<uint32_t*>(dst), reinterpret_cast<const uint16_t*>(src.p), n);
+      else
+        copy_row(reinterpret_cast<uint32_t*>(dst), reinterpret_cast<const uint32_t*>(src.p), n);
+    }
+  }
+}
+
 size_t Sampler::fill(uint32_t step, uint32_t rank, std::span<std::byte> slot) const {
   MEGACPP_CHECK(step > config_.start_step && rank < config_.world, ErrorKind::kInvalidArgument,
                 "step is after the sampler's start step and rank < world");
@@ -177,45 +216,60 @@ size_t Sampler::fill(uint32_t step, uint32_t rank, std::span<std::byte> slot) co
   h.next_position =
       config_.start + (uint64_t{step} - config_.start_step) * config_.world * config_.batch;
   std::memcpy(slot.data(), &h, sizeof h);
-  std::byte* out = slot.data() + sizeof h;
-  const uint64_t n = spec_.row_tokens();
-  // Sources of the next kAhead rows, located (and prefetched) ahead of their copy.
-  struct Source {
-    const std::byte* p;
-    bool src16;
-  };
-  Source ahead[kAhead];
   Walk walk(config_.seed, windows_, h.position);
-  auto locate = [&]() -> Source {
+  copy_rows(spec_.batch, slot.data() + sizeof h, [&](uint32_t) {
     const uint64_t w = walk.window();
     walk.next();
-    const size_t run = static_cast<size_t>(std::upper_bound(before_.begin(), before_.end(), w) -
-                                           before_.begin() - 1);
-    const Shard& s = *shards_[runs_[run].shard];
-    const uint64_t start = runs_[run].start + (w - before_[run]) * config_.seq_len;
-    const Source src{s.token_bytes() + start * bytes_of(s.width()), s.width() == TokenWidth::kU16};
-    prefetch_row(src.p, n * bytes_of(s.width()));
-    return src;
-  };
-  const uint32_t batch = spec_.batch;
-  for (uint32_t row = 0; row < std::min(batch, kAhead); ++row) ahead[row] = locate();
-  for (uint32_t row = 0; row < batch; ++row) {
-    const Source src = ahead[row % kAhead];
-    if (row + kAhead < batch) ahead[row % kAhead] = locate();
-    std::byte* dst = out + uint64_t{row} * n * spec_.token_bytes;
-    if (spec_.token_bytes == 2) {
-      if (src.src16)
-        copy_row(reinterpret_cast<uint16_t*>(dst), reinterpret_cast<const uint16_t*>(src.p), n);
-      else
-        copy_row(reinterpret_cast<uint16_t*>(dst), reinterpret_cast<const uint32_t*>(src.p), n);
-    } else {
-      if (src.src16)
-        copy_row(reinterpret_cast<uint32_t*>(dst), reinterpret_cast<const uint16_t*>(src.p), n);
-      else
-        copy_row(reinterpret_cast<uint32_t*>(dst), reinterpret_cast<const uint32_t*>(src.p), n);
-    }
-  }
+    return w;
+  });
   return spec_.slot_bytes();
+}
+
+ValidationSampler::ValidationSampler(std::span<const Shard* const> shards,
+                                     const ValidationConfig& config)
+    : index_(shards, SamplerConfig{.seq_len = config.seq_len,
+                                   .batch = config.batch,
+                                   .world = 1,
+                                   .token_bytes = config.token_bytes,
+                                   .seed = 0,
+                                   .pack = config.pack,
+                                   .windows_rule = false}),
+      share_{.windows = std::min(config.windows, index_.windows()),
+             .data_ranks = config.data_ranks,
+             .batch = config.batch} {
+  MEGACPP_CHECK(index_.windows() > 0, ErrorKind::kInvalidArgument,
+                fmt::format("the val split holds no window of {} tokens{}", config.seq_len + 1,
+                            config.pack ? "" : " inside a document (pack = false)"));
+  MEGACPP_CHECK(config.data_ranks >= 1 && config.batch >= 1 && config.windows >= 1,
+                ErrorKind::kInvalidArgument, "validation needs data_ranks, batch and windows >= 1");
+}
+
+size_t ValidationSampler::fill(uint32_t data_rank, uint32_t slot, uint64_t tag,
+                               std::span<std::byte> out) const {
+  const recipe::BatchSpec& spec = index_.spec();
+  MEGACPP_CHECK(
+      data_rank < share_.data_ranks && slot < share_.slots(data_rank), ErrorKind::kInvalidArgument,
+      fmt::format("validation slot {} of data rank {}: the part has {} slots", slot, data_rank,
+                  data_rank < share_.data_ranks ? share_.slots(data_rank) : 0));
+  MEGACPP_CHECK(
+      out.size() >= spec.slot_bytes(), ErrorKind::kInvalidArgument,
+      fmt::format("a slot of {} bytes cannot hold a batch of {}", out.size(), spec.slot_bytes()));
+  const uint32_t rows = share_.rows(data_rank, slot);
+  recipe::BatchHeader h;
+  h.token_bytes = spec.token_bytes;
+  h.batch = rows;
+  h.row_tokens = static_cast<uint32_t>(spec.row_tokens());
+  h.step = tag;
+  h.windows = share_.windows;
+  h.position = share_.first(data_rank) + uint64_t{slot} * share_.batch;
+  h.next_position = h.position + rows;
+  std::memcpy(out.data(), &h, sizeof h);
+  const uint64_t split = index_.windows(), n = share_.windows;
+  index_.copy_rows(rows, out.data() + sizeof h, [&](uint32_t row) {
+    const uint64_t i = h.position + row;
+    return static_cast<uint64_t>(static_cast<unsigned __int128>(i) * split / n);
+  });
+  return sizeof h + uint64_t{rows} * spec.row_tokens() * spec.token_bytes;
 }
 
 }  // namespace megacpp::data

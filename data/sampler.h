@@ -42,6 +42,9 @@ struct SamplerConfig {
   // whatever its own world and batch (launch contract ResumePoint.dataPosition).
   uint64_t start = 0;
   uint32_t start_step = 0;
+  // Whether construction holds the data to the rule data.windows (at least one global batch);
+  // off for an index of windows only (ValidationSampler).
+  bool windows_rule = true;
 };
 
 struct SamplerState {
@@ -79,6 +82,12 @@ class Sampler {
   size_t fill(uint32_t step, uint32_t rank, std::span<std::byte> slot) const;
 
  private:
+  friend class ValidationSampler;
+  // Copies `rows` windows into `out` (rows x (seq_len + 1) tokens of spec().token_bytes): row
+  // r is window window_of(r) of the file order (runs_), asked once per row in row order.
+  template <typename WindowOf>
+  void copy_rows(uint32_t rows, std::byte* out, WindowOf window_of) const;
+
   struct Run {
     uint32_t shard;
     uint64_t start;    // first token of the run's first window
@@ -91,6 +100,38 @@ class Sampler {
   std::vector<uint64_t> before_;  // prefix sums of runs_[i].windows
   uint64_t windows_ = 0;
   uint64_t short_docs_ = 0;
+};
+
+// The windows one evaluation reads (README.md "Validation loss"): `windows` windows of the val
+// split, window i being the split's window i x split / windows in file order — spread evenly over
+// the whole split, the same at any world size and in every evaluation — shared out by
+// recipe::ValidationShare. Immutable after construction (fill() may run on several threads);
+// the shards must outlive it. Construction throws Error{kInvalidArgument} when the split holds
+// no window.
+struct ValidationConfig {
+  uint32_t seq_len = 0;
+  uint32_t batch = 0;  // rows per slot at most (the training batch's rows per rank)
+  uint32_t data_ranks = 1;
+  uint32_t token_bytes = 2;
+  bool pack = true;
+  uint64_t windows = 0;  // asked for per evaluation; at most the split's are read
+};
+
+class ValidationSampler {
+ public:
+  ValidationSampler(std::span<const Shard* const> shards, const ValidationConfig& config);
+  uint64_t split_windows() const noexcept { return index_.windows(); }
+  const recipe::ValidationShare& share() const noexcept { return share_; }
+  const recipe::BatchSpec& spec() const noexcept { return index_.spec(); }  // full slots
+  // Writes slot `slot` of data rank `data_rank`'s part: a BatchHeader (batch = the slot's
+  // rows, step = `tag`, position = the evaluation's index of its first row, windows = the
+  // evaluation's windows), then its rows. `out` must hold spec().slot_bytes(); returns the
+  // bytes written (a short last slot writes fewer).
+  size_t fill(uint32_t data_rank, uint32_t slot, uint64_t tag, std::span<std::byte> out) const;
+
+ private:
+  Sampler index_;  // the split's windows (batch 1, world 1: only its order is used)
+  recipe::ValidationShare share_;
 };
 
 }  // namespace megacpp::data

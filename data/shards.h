@@ -158,5 +158,10 @@ std::vector<uint16_t> builtin_corpus_tokens(uint32_t index, uint32_t tokens);
 // concurrent or repeated runs write them once. Returns their paths in order.
 std::vector<std::filesystem::path> ensure_builtin_corpus(const std::filesystem::path& data_dir,
                                                          uint32_t shards, uint32_t shard_tokens);
+// The built-in corpus's val split: one more shard of `shard_tokens`, generated from a seed no
+// training shard uses (data_dir/builtin-v1-<shard_tokens>/val_000000.bin), written once like
+// the others. Returns its path.
+std::filesystem::path ensure_builtin_validation(const std::filesystem::path& data_dir,
+                                                uint32_t shard_tokens);
 
 }  // namespace megacpp::data

@@ -39,6 +39,9 @@ struct ControlClient::State {
   std::atomic<uint32_t> loss_bits{std::bit_cast<uint32_t>(std::numeric_limits<float>::quiet_NaN())};
   std::atomic<double> step_seconds{0.0};
   std::atomic<double> lag_seconds{0.0};
+  std::atomic<uint32_t> val_loss_bits{
+      std::bit_cast<uint32_t>(std::numeric_limits<float>::quiet_NaN())};
+  std::atomic<uint32_t> val_step{0};
   std::atomic<int64_t> progress_ns{0};
   std::atomic<uint64_t> work_done{0};
   std::atomic<int64_t> pending_since_ns{0};
@@ -91,6 +94,8 @@ struct ControlClient::State {
     hb.setLoss(std::bit_cast<float>(loss_bits.load(std::memory_order_relaxed)));
     hb.setStepSeconds(step_seconds.load(std::memory_order_relaxed));
     hb.setLagSeconds(lag_seconds.load(std::memory_order_relaxed));
+    hb.setValLoss(std::bit_cast<float>(val_loss_bits.load(std::memory_order_relaxed)));
+    hb.setValStep(val_step.load(std::memory_order_relaxed));
     hb.setGeneration(identity.generation);
     hb.setProgressMonoNs(progress_ns.load(std::memory_order_relaxed));
     hb.setWorkDone(work_done.load(std::memory_order_relaxed));
@@ -235,6 +240,8 @@ void ControlClient::publish(const ProgressRecord& record) {
   state_->loss_bits.store(std::bit_cast<uint32_t>(record.loss), std::memory_order_relaxed);
   state_->step_seconds.store(record.step_seconds, std::memory_order_relaxed);
   state_->lag_seconds.store(record.lag_seconds, std::memory_order_relaxed);
+  state_->val_loss_bits.store(std::bit_cast<uint32_t>(record.val_loss), std::memory_order_relaxed);
+  state_->val_step.store(record.val_step, std::memory_order_relaxed);
   state_->step.store(record.step, std::memory_order_release);  // last: publishes the above
 }
 

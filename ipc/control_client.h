@@ -40,6 +40,10 @@ struct ProgressRecord {
   float loss = std::numeric_limits<float>::quiet_NaN();
   double step_seconds = 0.0;
   double lag_seconds = 0.0;  // how far behind its input the stage's last result was
+  // A trainer's newest held-out evaluation (README.md "Validation loss"): its loss, NaN before
+  // the first, and the step it followed.
+  float val_loss = std::numeric_limits<float>::quiet_NaN();
+  uint32_t val_step = 0;
 };
 
 // The per-process control client: a DEALER to the supervisor, Hello on construction, then a

@@ -89,4 +89,31 @@ struct BatchGeometry {
   constexpr bool operator==(const BatchGeometry&) const = default;
 };
 
+// How one evaluation's windows are shared out (README.md "Validation loss"): `windows` windows
+// of the val split in one fixed order, cut into `data_ranks` contiguous parts, data rank d
+// reading part d in slots of at most `batch` rows (the last slot of a part may hold fewer). The
+// windows are the same at any world size; only which rank reads which changes. A rank with an
+// empty part reads no slot. Slots are BatchSpec slots with the rows in their header's `batch`.
+struct ValidationShare {
+  uint64_t windows = 0;  // per evaluation, over all ranks; 0: the run does not evaluate
+  uint32_t data_ranks = 1;
+  uint32_t batch = 1;  // rows per slot at most: the training batch's rows per rank
+  constexpr uint64_t first(uint32_t d) const noexcept {
+    return static_cast<uint64_t>(static_cast<unsigned __int128>(windows) * d / data_ranks);
+  }
+  constexpr uint64_t count(uint32_t d) const noexcept { return first(d + 1) - first(d); }
+  constexpr uint32_t slots(uint32_t d) const noexcept {
+    return static_cast<uint32_t>((count(d) + batch - 1) / batch);
+  }
+  constexpr uint32_t rows(uint32_t d, uint32_t slot) const noexcept {
+    const uint64_t left = count(d) - uint64_t{slot} * batch;
+    return left < batch ? static_cast<uint32_t>(left) : batch;
+  }
+  constexpr bool operator==(const ValidationShare&) const = default;
+};
+// A validation ring slot's tag: the attempt's 0-based evaluation and the slot within its part.
+constexpr uint64_t validation_tag(uint32_t evaluation, uint32_t slot) noexcept {
+  return (uint64_t{evaluation} << 32) | slot;
+}
+
 }  // namespace megacpp::recipe

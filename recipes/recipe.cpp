@@ -121,6 +121,7 @@ using AS = schema::ArchSpec;
 using TS = schema::TrainSpec;
 using OS = schema::OptimSpec;
 using MemS = schema::MemorySpec;
+using ES = schema::EvalSpec;
 using DS = schema::DataSpec;
 using enum Section;
 
@@ -227,6 +228,15 @@ constexpr auto kTrainFields = std::tuple{
         kTrain, "checkpoint_every", [](auto& r) -> auto& { return r.train.checkpoint_every; },
         &TS::Builder::setCheckpointEvery, &TS::Reader::getCheckpointEvery),
 };
+// TrainSpec.eval: written only when the recipe evaluates (eval_every > 0).
+constexpr auto kEvalFields = std::tuple{
+    field(
+        kTrain, "eval_every", [](auto& r) -> auto& { return r.train.eval_every; },
+        &ES::Builder::setEvery, &ES::Reader::getEvery),
+    field(
+        kTrain, "eval_tokens", [](auto& r) -> auto& { return r.train.eval_tokens; },
+        &ES::Builder::setTokens, &ES::Reader::getTokens),
+};
 // TrainSpec.memory: written only when a field differs from its default (default_memory), so
 // the hash of a recipe that does not name them is what it was before they existed.
 constexpr auto kMemoryFields = std::tuple{
@@ -328,6 +338,7 @@ void for_each_field(Fn&& fn) {
   each(kArchFields);
   each(kTrainFields);
   each(kMemoryFields);
+  each(kEvalFields);
   each(kOptimFields);
   each(kDataFields);
 }
@@ -426,6 +437,9 @@ std::string canonical(const Recipe& r) {
   Recipe copy = r;
   copy.path.clear();
   copy.hash.clear();
+  // Evaluation reads the model and changes nothing that trains: a recipe's hash is the same
+  // with or without it (the comparison class holds the validation set apart).
+  copy.train.eval_every = 0;
   to_spec(copy, spec);
   return schemas::to_json(spec.asReader());
 }
@@ -506,6 +520,8 @@ void Recipe::validate() const {
        "optim.muon_ns_steps", "must be in [1, 5] for polar_express, [1, 20] for newton_schulz");
   rule(train.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)");
   rule(train.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1");
+  rule(train.eval_every == 0 || train.eval_tokens >= model.seq_len, "train.eval_tokens",
+       "must be >= model.seq_len (one window) when train.eval_every > 0");
   rule(train.precision == "fp32" || train.precision == "bf16-mixed", "train.precision",
        "must be \"fp32\" or \"bf16-mixed\"");
   rule(train.grad_reduce == "fp32" || (train.grad_reduce == "bf16" && train.bf16_mixed()),
@@ -699,6 +715,7 @@ void to_spec(const Recipe& r, schema::RecipeSpec::Builder s) {
   write_fields(kTrainFields, r, t);
   write_fields(kOptimFields, r, t.initOptim());
   if (!r.train.default_memory()) write_fields(kMemoryFields, r, t.initMemory());
+  if (r.train.eval_every > 0) write_fields(kEvalFields, r, t.initEval());
   write_fields(kDataFields, r, s.initData());
 }
 
@@ -717,6 +734,7 @@ TrainConfig train_config(schema::TrainSpec::Reader t) {
   read_fields(kTrainFields, t, r);
   read_fields(kOptimFields, t.getOptim(), r);
   if (t.hasMemory()) read_fields(kMemoryFields, t.getMemory(), r);
+  if (t.hasEval()) read_fields(kEvalFields, t.getEval(), r);
   return std::move(r.train);
 }
 
@@ -791,6 +809,20 @@ BatchGeometry batch_geometry(schema::LaunchContract::Reader l) {
   return g;
 }
 
+ValidationShare validation_share(schema::LaunchContract::Reader launch) {
+  ValidationShare share;
+  if (!launch.hasValidation()) {
+    share.windows = 0;
+    return share;
+  }
+  const auto v = launch.getValidation();
+  const BatchGeometry g = batch_geometry(launch);
+  share.windows = v.getOff().size() == 0 && v.hasDataset() && v.getEvery() > 0 ? v.getWindows() : 0;
+  share.data_ranks = g.data_ranks();
+  share.batch = g.slot.batch;
+  return share;
+}
+
 namespace {
 
 // The recipe's common part: name, hash, pattern, dims, training, optimizers, data.
@@ -856,6 +888,10 @@ std::string describe(const Recipe& r) {
   if (!r.train.default_memory()) {
     arch += fmt::format("  memory    precision {}, gradients reduced in {}, recompute {}\n",
                         r.train.precision, r.train.grad_reduce, r.train.recompute);
+  }
+  if (r.train.eval_every > 0) {
+    arch += fmt::format("  eval      every {} steps and the last: {} tokens of the val split\n",
+                        r.train.eval_every, r.train.eval_tokens);
   }
   return describe_base(r, layers) + arch;
 }

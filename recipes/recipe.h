@@ -143,6 +143,13 @@ struct TrainConfig {
   double grad_clip = 1.0;  // per-rank gradient norm clip before the optimizer; 0 disables
   uint32_t seed = 1234;
   uint32_t checkpoint_every = 20;
+  // Held-out evaluation (README.md "Validation loss"): every eval_every steps and at the last
+  // step, the ranks compute the mean cross-entropy of eval_tokens tokens (over all ranks) of the
+  // data's val split, without gradients and without touching the optimizers or the training
+  // data order. 0 = no evaluation. Not in the recipe's hash: evaluation does not change what
+  // trains (the comparison class names the validation set apart).
+  uint32_t eval_every = 0;
+  uint32_t eval_tokens = 65536;
   // Memory (README.md "Precision, recomputation and sharding"). precision: "fp32" (every
   // tensor float32) or "bf16-mixed" (bfloat16 parameters, activations and gradients for
   // compute; float32 master weights and optimizer state held only in the optimizers' shards;
@@ -160,6 +167,18 @@ struct TrainConfig {
   bool bf16_mixed() const { return precision == "bf16-mixed"; }
   OptimConfig optim;
 };
+
+// Whether a run of `total_steps` evaluates after 1-based `step`: every `every` steps and at the
+// last one (never when every is 0).
+constexpr bool evaluates_at(uint32_t every, uint32_t step, uint32_t total_steps) noexcept {
+  return every > 0 && (step % every == 0 || step == total_steps);
+}
+// The evaluations after steps after+1 .. total_steps.
+constexpr uint32_t evaluations_after(uint32_t every, uint32_t after,
+                                     uint32_t total_steps) noexcept {
+  if (every == 0 || after >= total_steps) return 0;
+  return total_steps / every - after / every + (total_steps % every != 0 ? 1 : 0);
+}
 
 // train.recompute parsed once: the trainer's model (stages/trainer/model.h) and the plan's
 // activation estimate (recipes/plan.h) take this, not the string.
@@ -222,6 +241,9 @@ void to_spec(const BatchGeometry& batch, schema::BatchGeometry::Builder spec);
 // (a seq_len other than its model.seq_len, which Recipe::validate bounds: the one seq_len rule),
 // or a slot size is not its rows'.
 BatchGeometry batch_geometry(schema::LaunchContract::Reader launch);
+// How the attempt a launch contract describes evaluates (LaunchContract.validation): windows 0
+// when it does not (no validation, or it is off).
+ValidationShare validation_share(schema::LaunchContract::Reader launch);
 
 // `name_or_path`: a path to a .toml file, or the name of a recipe in `recipe_dir`.
 std::filesystem::path resolve(const std::string& name_or_path,

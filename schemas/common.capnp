@@ -25,6 +25,7 @@ enum Phase {
   shutdown @7;
   produce @8;      # data loader filling rings
   write @9;        # checkpointer writing / collector folding
+  evaluate @10;    # trainer scoring one slot of held-out (val) data
 }
 
 # Typed failures. Enumerants are camelCase; their $Json.name is the snake_case word the

@@ -28,6 +28,10 @@ struct Heartbeat {
   progressMonoNs @11 :Int64;    # when the working thread last made progress (0: not yet)
   workDone @12 :UInt64;         # units of work done: folds, commits, batches produced
   pendingSinceMonoNs @13 :Int64;  # since when the oldest owed piece of work waits (0: none)
+  # A trainer's newest held-out evaluation: its loss (NaN before the first) and the step it
+  # followed (0: none yet).
+  valLoss @14 :Float32;
+  valStep @15 :UInt32;
 }
 
 struct Stop {

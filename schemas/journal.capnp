@@ -66,6 +66,17 @@ struct StepPhases {
                                      # agreement under tensor parallelism)
 }
 
+# A trainer rank's evaluation on the val split after a step (README.md "Validation loss"):
+# every rank of the job journals the same loss and tokens (their all-reduced sums).
+struct Evaluation {
+  step @0 :UInt32;              # the step just trained
+  loss @1 :Float64;             # mean cross-entropy over every token the job scored
+  tokens @2 :UInt64;            # tokens the job scored (the launch contract's windows x seqLen)
+  rankTokens @3 :UInt64;        # of them, this rank's (its tensor-parallel group's)
+  seconds @4 :Float64;          # this rank's evaluation: first slot awaited -> the job's sum
+  waitSeconds @5 :Float64;      # of which waiting on its validation ring
+}
+
 struct CheckpointRecord {
   step @0 :UInt32;
   path @1 :Text;                # relative to the run directory
@@ -241,6 +252,7 @@ struct JournalRecord {
     # node (a JobManifest of manifest.capnp, as JSON: this file cannot import that one), at most
     # once a second and at the job's end. The collector folds the newest into RUN/job.json.
     jobView @26 :Text;
+    evaluation @27 :Evaluation;
   }
   # The run attempt that wrote the record (launch.json's attempt; 0 in journals written
   # before attempts existed).

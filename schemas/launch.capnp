@@ -61,6 +61,13 @@ struct TrainSpec {
   checkpointEvery @5 :UInt32;
   optim @6 :OptimSpec;
   memory @7 :MemorySpec;        # written only when a field differs from its default
+  eval @8 :EvalSpec;            # written only when the recipe evaluates (evalEvery > 0)
+}
+
+# recipe [train] eval_every, eval_tokens; see recipes/recipe.h TrainConfig
+struct EvalSpec {
+  every @0 :UInt32;             # steps between evaluations (and the last step); 0: none
+  tokens @1 :UInt32;            # tokens per evaluation, over all ranks
 }
 
 # recipe [train] precision, grad_reduce, recompute; see recipes/recipe.h TrainConfig
@@ -297,6 +304,23 @@ struct LaunchContract {
   # secret prefix, the same on every node). Empty, as in contracts written before the field:
   # "megacpp/<runId>/".
   storePrefix @42 :Text;
+  # Held-out evaluation (recipe train.eval_every): absent when the recipe does not evaluate.
+  validation @43 :Validation;
+}
+
+# How the run evaluates on its data's val split (README.md "Validation loss"; recipes/batch_spec.h
+# ValidationShare). The supervisor resolves it with the training data.
+struct Validation {
+  every @0 :UInt32;             # the recipe's eval_every
+  windows @1 :UInt64;           # windows per evaluation, over all ranks: eval_tokens / seqLen,
+                                # at most splitWindows
+  splitWindows @2 :UInt64;      # windows the val split holds
+  dataset @3 :Dataset;          # the val split's files; absent when off
+  off @4 :Text;                 # why the run does not evaluate although the recipe asks; empty
+                                # when it does
+  ringSlots @5 :UInt32;         # slots of each rank's validation ring (0 when off)
+  digest @6 :Text;              # XXH3 of the files' XXH3s and token counts, and the windows:
+                                # the comparison class's "validation"
 }
 
 struct GateVerdict {            # recipes/plan.h Gate

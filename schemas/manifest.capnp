@@ -138,6 +138,25 @@ struct Manifest {
   precision @26 :Text;
   gradReduce @27 :Text;
   recompute @28 :Text;
+  validation @29 :ValidationResult;  # absent when the recipe does not evaluate
+}
+
+# Held-out evaluation over the run (README.md "Validation loss"; journal Evaluation records that
+# still stand), with the launch contract's validation set. Loss figures are absent (0, step 0)
+# before the first evaluation.
+struct ValidationResult {
+  lastLoss @0 :Float64;         # the newest evaluation's mean cross-entropy
+  lastStep @1 :UInt32;
+  bestLoss @2 :Float64;         # the lowest
+  bestStep @3 :UInt32;
+  evaluations @4 :UInt32;
+  tokens @5 :Float64;           # tokens one evaluation scores, over all ranks
+  seconds @6 :Float64;          # every evaluation's time (the slowest rank's), summed: not
+                                # in the training tokens/s
+  every @7 :UInt32;             # the recipe's eval_every
+  windows @8 :UInt64;           # windows per evaluation
+  digest @9 :Text;              # the val split's (launch contract Validation.digest)
+  off @10 :Text;                # why the run did not evaluate although the recipe asked
 }
 
 struct BenchResult {
@@ -168,6 +187,10 @@ struct BenchResult {
   gradReduce @19 :Text;
   recompute @20 :Text;
   memory @21 :RankMemory;       # absent when no step recorded it (journals before the field)
+  validation @22 :ValidationResult;  # absent when the recipe does not evaluate
+  # wallSeconds less the evaluations inside it: what tokensPerSecond divides by (equal to
+  # wallSeconds without evaluation).
+  trainingSeconds @23 :Float64;
 }
 
 # Host memory per rank, bytes, the largest over the ranks of the current attempt (journal
@@ -224,6 +247,17 @@ struct BenchTelemetry {
   steps @2 :List(StepPoint);
   firstForwardSeconds @3 :List(Float64);  # per rank
   telemetryTruncated @4 :Bool;
+  evaluations @5 :List(EvaluationPoint);  # every evaluation that still stands, by step
+}
+
+# One held-out evaluation (journal Evaluation): after `step`, the job's mean cross-entropy over
+# `tokens` tokens of the val split.
+struct EvaluationPoint {
+  step @0 :UInt32;
+  loss @1 :Float64;
+  tokens @2 :Float64;
+  seconds @3 :Float64;          # the slowest rank's
+  waitSeconds @4 :Float64;      # the longest any rank waited on its validation ring
 }
 
 # receipts/backend_identity.json: what built the run and what each rank computed with.

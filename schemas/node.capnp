@@ -71,6 +71,7 @@ struct PrepareAttempt {
   ringSlots @2 :UInt32;
   ringSlotBytes @3 :UInt64;
   firstRank @4 :UInt32;           # the rings are ranks firstRank .. firstRank + ranks - 1
+  validationSlots @5 :UInt32;     # slots of each rank's validation ring; 0: none (no evaluation)
 }
 
 struct NodeCommand {

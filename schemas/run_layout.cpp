@@ -55,6 +55,8 @@ std::string_view phase_name(schema::Phase phase) {
       return "produce";
     case schema::Phase::WRITE:
       return "write";
+    case schema::Phase::EVALUATE:
+      return "evaluate";
   }
   return "unknown";
 }
@@ -128,6 +130,9 @@ void require_writable(const fs::path& run, const fs::path& path) {
 
 std::string ring_shm_name(std::string_view prefix, uint32_t rank) {
   return fmt::format("{}ring-{}", prefix, rank);
+}
+std::string validation_ring_shm_name(std::string_view prefix, uint32_t rank) {
+  return fmt::format("{}val-{}", prefix, rank);
 }
 std::string staging_shm_name(std::string_view prefix, uint32_t rank) {
   return fmt::format("{}stage-{}", prefix, rank);

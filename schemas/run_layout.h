@@ -80,9 +80,11 @@ bool valid_run_id(std::string_view id);
 // Error{kInvalidArgument} for an invalid run id.
 std::string shm_prefix(std::string_view run_id, uint32_t generation);
 
-// shm names: "<prefix>ring-<rank>" (batch plane), "<prefix>stage-<rank>" (snapshot plane),
-// "<prefix>xch-<group>-<rank>" (a group's exchange outboxes).
+// shm names: "<prefix>ring-<rank>" (batch plane), "<prefix>val-<rank>" (its validation
+// batches), "<prefix>stage-<rank>" (snapshot plane), "<prefix>xch-<group>-<rank>" (a group's
+// exchange outboxes).
 std::string ring_shm_name(std::string_view prefix, uint32_t rank);
+std::string validation_ring_shm_name(std::string_view prefix, uint32_t rank);
 std::string staging_shm_name(std::string_view prefix, uint32_t rank);
 // Prefix of a process group's outboxes (ipc/peer_exchange.h): "<prefix>xch-<group>-", rank
 // r's being that followed by r. `group` names the group among the run's ("dp", "tp0", ...).

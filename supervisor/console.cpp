@@ -64,10 +64,22 @@ class LineConsole final : public Console {
     last_print_ns_ = now;
     last_step_ = step;
     float loss = ranks[0].loss;
+    // The newest evaluation every rank has reported (each reports the job's loss).
+    uint32_t val_step = UINT32_MAX;
+    float val_loss = NAN;
+    for (const auto& r : ranks) {
+      if (r.val_step < val_step) {
+        val_step = r.val_step;
+        val_loss = r.val_loss;
+      }
+    }
+    const std::string val = val_step != UINT32_MAX && val_step > 0 && std::isfinite(val_loss)
+                                ? fmt::format(" | val {:.4f} @{}", val_loss, val_step)
+                                : std::string();
     std::string line = fmt::format(
-        "step {:>{}}/{} | loss {:>7} | {:>7} tok/s | elapsed {} | ETA {} | stages {}/{} up", step,
+        "step {:>{}}/{} | loss {:>7}{} | {:>7} tok/s | elapsed {} | ETA {} | stages {}/{} up", step,
         std::to_string(steps_).size(), steps_,
-        std::isfinite(loss) ? fmt::format("{:.4f}", loss) : "-", si(rate),
+        std::isfinite(loss) ? fmt::format("{:.4f}", loss) : "-", val, si(rate),
         hms(static_cast<double>(now - t0_) / 1e9), hms(eta), up, total);
     if (tty_) {
       fmt::print("\r{}\x1b[K", line);

@@ -1,6 +1,7 @@
 // Console progress of a run (internal): a live line on a TTY, plain periodic lines otherwise.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -12,6 +13,8 @@ struct ConsoleRank {
   uint32_t step;
   double tokens;
   float loss;
+  float val_loss = NAN;   // the newest held-out evaluation's
+  uint32_t val_step = 0;  // the step it followed; 0: none yet
 };
 
 class Console {

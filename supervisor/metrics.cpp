@@ -83,6 +83,8 @@ struct MetricsState {
   double checkpoint_duration = 0;
   double checkpoint_ts = 0;
   double collector_lag = 0;
+  uint32_t validation_step = 0;  // 0: no evaluation yet (the family is left out)
+  double validation_loss = 0;
   uint64_t job_restarts = 0;
   uint32_t job_nodes = 0;  // 0: one node (no job series)
   uint32_t job_node_rank = 0;
@@ -311,6 +313,13 @@ void Metrics::set_checkpoint(uint32_t step, double duration_seconds, double unix
   state_->checkpoint_ts = unix_seconds;
 }
 
+void Metrics::set_validation(uint32_t step, double loss) {
+  std::lock_guard lock(state_->mu);
+  if (step < state_->validation_step) return;
+  state_->validation_step = step;
+  state_->validation_loss = loss;
+}
+
 void Metrics::set_collector_lag(double seconds) {
   std::lock_guard lock(state_->mu);
   state_->collector_lag = seconds;
@@ -449,6 +458,14 @@ std::string Metrics::render() const {
   header(out, "megacpp_collector_lag_seconds", "gauge",
          "How far the collector's folded manifest trails the journals.");
   sample(out, "megacpp_collector_lag_seconds", {}, fmt_double(s.collector_lag));
+  if (s.validation_step > 0) {
+    header(out, "megacpp_validation_loss", "gauge",
+           "Mean cross-entropy of the newest held-out evaluation on the val split.");
+    sample(out, "megacpp_validation_loss", {}, fmt_double(s.validation_loss));
+    header(out, "megacpp_validation_step", "gauge",
+           "The step the newest held-out evaluation followed.");
+    sample(out, "megacpp_validation_step", {}, std::to_string(s.validation_step));
+  }
   header(out, "megacpp_build_info", "gauge", "Build identity of the supervisor; always 1.");
   sample(out, "megacpp_build_info",
          {{"version", s.version}, {"revision", s.revision}, {"torch", s.torch}}, "1");

@@ -61,6 +61,10 @@ class Metrics {
   // The last committed checkpoint. Before the first commit the three gauges read 0.
   void set_checkpoint(uint32_t step, double duration_seconds, double unix_seconds);
   void set_collector_lag(double seconds);
+  // The newest held-out evaluation (README.md "Validation loss"): megacpp_validation_loss and
+  // megacpp_validation_step. Absent before the first. An older step than the one recorded is
+  // ignored.
+  void set_validation(uint32_t step, double loss);
   // One automatic job restart (--max-job-restarts): the whole stage graph relaunched from the
   // newest committed checkpoint.
   void add_job_restart();

@@ -401,12 +401,19 @@ void NodeAgent::create_rings(schema::PrepareAttempt::Reader a) {
         ipc::ShmRegion::Create{}, name, ipc::SlotRing::region_bytes(a.getRingSlots(), slot_bytes)));
     ipc::SlotRing::format(*rings_.back(), a.getRingSlots(), slot_bytes);
     ring_views_.push_back(std::make_unique<ipc::SlotRing>(*rings_.back()));
+    if (a.getValidationSlots() > 0) {
+      validation_rings_.push_back(std::make_unique<ipc::ShmRegion>(
+          ipc::ShmRegion::Create{}, layout::validation_ring_shm_name(shm_prefix_, r),
+          ipc::SlotRing::region_bytes(a.getValidationSlots(), slot_bytes)));
+      ipc::SlotRing::format(*validation_rings_.back(), a.getValidationSlots(), slot_bytes);
+    }
   }
 }
 
 void NodeAgent::release_attempt() {
   ring_views_.clear();
   rings_.clear();
+  validation_rings_.clear();
   if (!shm_prefix_.empty()) ipc::unlink_shm(shm_prefix_);
 }
 

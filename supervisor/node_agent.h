@@ -177,6 +177,7 @@ class NodeAgent {
   std::string shm_prefix_;
   std::vector<std::unique_ptr<ipc::ShmRegion>> rings_;
   std::vector<std::unique_ptr<ipc::SlotRing>> ring_views_;
+  std::vector<std::unique_ptr<ipc::ShmRegion>> validation_rings_;  // one per rank when evaluating
   bool released_ = false;
   // MEGACPP_TEST_UNKILLABLE: the process name whose teardown signals are not sent.
   const std::string unkillable_for_test_ = knob_string(Knob::kTestUnkillable);

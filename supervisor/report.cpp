@@ -174,6 +174,18 @@ int JobController::report() {
                        m.getStepsCompleted(), m.getWorld(), first, last, tps);
     if (m.getRestarts() > 0) out += fmt::format(" ({} stage restarts)", m.getRestarts());
     out += "\n";
+    // Held-out evaluation, its time apart from the training tokens/s.
+    if (m.hasValidation()) {
+      const auto v = m.getValidation();
+      if (v.getEvaluations() > 0)
+        out += fmt::format(
+            "  validation  loss {:.3f} after step {} (best {:.3f} after step {}); {} evaluations "
+            "of {:.0f} tokens took {:.2f}s, not in the tokens/s\n",
+            v.getLastLoss(), v.getLastStep(), v.getBestLoss(), v.getBestStep(), v.getEvaluations(),
+            v.getTokens(), v.getSeconds());
+      else if (v.getOff().size() > 0)
+        out += fmt::format("  validation  {}\n", v.getOff().cStr());
+    }
   } else {
     auto e = m.getError();
     out += fmt::format("run error: first failure {} in {}-{}: {}\n", schemas::name(e.getKind()),

@@ -261,6 +261,7 @@ void JobController::adopt_previous_attempt() {
   if (opt_.ranks == 0) opt_.ranks = l.getWorld();
   opt_.data_dir = std::string(l.getDataDir());
   previous_dataset_ = data::from_spec(l.getDataset());
+  previous_validation_digest_ = l.getValidation().getDigest();
   parent_ = l.hasParent() && l.getParent().hasRunId()
                 ? std::optional<ParentInfo>(
                       ParentInfo{l.getParent().getRunDir(), l.getParent().getRunId(),
@@ -447,6 +448,7 @@ void JobController::create_rings() {
     a.setFirstRank(first_rank_);
     a.setRingSlots(opt_.ring_slots);
     a.setRingSlotBytes(slot_bytes);
+    if (validation_.dataset) a.setValidationSlots(kValidationRingSlots);
   });
 }
 
@@ -734,6 +736,13 @@ void JobController::prepare() {
       dir = prev.files.front().path.parent_path();
     }
     dataset_ = data::resolve_dataset(local, batch_, dir, threads);
+    validation_ = data::resolve_validation(local, batch_, dataset_, dir, threads);
+    if (!previous_validation_digest_.empty() && validation_.digest != previous_validation_digest_)
+      log_warn(
+          "--resume {}: the val split changed since the run started (digest {}, recorded "
+          "{}): validation losses before and after this attempt are not comparable",
+          run_.string(), validation_.digest.empty() ? "none" : validation_.digest,
+          previous_validation_digest_);
     dataset_.staged_from = prev.staged_from;
     bool same = dataset_.files.size() == prev.files.size();
     for (size_t i = 0; same && i < prev.files.size(); ++i) {
@@ -753,6 +762,7 @@ void JobController::prepare() {
                    run_.string(), dataset_.files.size(), prev.files.size());
   } else if (opt_.stage_data.empty()) {
     dataset_ = data::resolve_dataset(recipe_, batch_, opt_.data_dir, threads);
+    validation_ = data::resolve_validation(recipe_, batch_, dataset_, opt_.data_dir, threads);
   } else {
     fs::path src = recipe_.data.path.empty() ? opt_.data_dir : fs::path(recipe_.data.path);
     if (src.is_relative()) src = opt_.data_dir / src;
@@ -769,8 +779,18 @@ void JobController::prepare() {
     recipe::Recipe local = recipe_;
     local.data.path.clear();
     dataset_ = data::resolve_dataset(local, batch_, hot, threads);
+    validation_ = data::resolve_validation(local, batch_, dataset_, hot, threads);
     dataset_.staged_from = src.string();
   }
+  // Evaluation: one line when the recipe asks and the data cannot give it, none when it can.
+  if (!validation_.off.empty()) log_warn("{}", validation_.off);
+  if (!validation_.notice.empty()) log_warn("{}", validation_.notice);
+  if (validation_.dataset)
+    log_info(
+        "evaluation: every {} steps and the last, {} windows of the val split ({} files, {} "
+        "windows)",
+        recipe_.train.eval_every, validation_.windows, validation_.dataset->files.size(),
+        validation_.split_windows);
 
   // /metrics binds before anything is written: a port that cannot be bound is a start-up
   // error that leaves no half-made run directory behind.
@@ -1118,6 +1138,9 @@ void JobController::write_launch_contract() {
   f.setDevice(fs_device_);
   f.setIsRootVolume(fs_root_);
   data::to_spec(dataset_, l.initDataset());
+  if (recipe_.train.eval_every > 0)
+    data::to_spec(validation_, recipe_.train.eval_every,
+                  validation_.dataset ? kValidationRingSlots : 0, l.initValidation());
   const std::pair<const char*, fs::path> volumes[] = {
       {"data", dataset_.files.front().path.parent_path()},
       {"checkpoints", layout::checkpoints_dir(run_)},

@@ -69,6 +69,8 @@ void JobController::on_message(const std::string& peer, schema::ControlMessage::
       c->phase = h.getPhase();
       c->tokens = h.getTokens();
       c->loss = h.getLoss();
+      c->val_loss = h.getValLoss();
+      c->val_step = h.getValStep();
       c->step_seconds = h.getStepSeconds();
       c->lag_seconds = h.getLagSeconds();
       c->work_ns = h.getProgressMonoNs();
@@ -393,7 +395,8 @@ void JobController::watch() {
       uint32_t up = 0;
       for (const auto& c : children_) {
         if (c.alive) ++up;
-        if (c.stage == StageKind::TRAINER) ranks.push_back({c.step, c.tokens, c.loss});
+        if (c.stage == StageKind::TRAINER)
+          ranks.push_back({c.step, c.tokens, c.loss, c.val_loss, c.val_step});
       }
       console_->update(ranks, up, static_cast<uint32_t>(children_.size()));
     }
@@ -440,6 +443,7 @@ void JobController::update_metrics() {
     if (c.stage == StageKind::TRAINER) {
       if (c.last_step_wall > 0) metrics_->set_last_step(c.stage, c.rank, c.step, c.last_step_wall);
       metrics_->set_trainer_progress(c.rank, c.step, c.tokens);
+      if (c.val_step > 0) metrics_->set_validation(c.val_step, c.val_loss);
     }
     if (c.stage == StageKind::COLLECTOR) metrics_->set_collector_lag(c.lag_seconds);
   }

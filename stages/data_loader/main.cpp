@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <fmt/format.h>
@@ -74,6 +75,53 @@ int main(int argc, char** argv) {
                     .start = resume.getDataPosition(),
                     .start_step = resume.getDataPosition() != 0 ? resume.getStep() : 0u});
         const uint64_t slot_bytes = sampler.spec().slot_bytes();
+
+        // Held-out evaluation (README.md "Validation loss"): each rank's validation ring gets,
+        // for every evaluation of this attempt in turn, the slots of its data rank's part of the
+        // val split (recipes/batch_spec.h ValidationShare), tagged validation_tag(evaluation,
+        // slot). Every evaluation reads the same windows; the ring's produced() count is the
+        // cursor, as for the batch ring.
+        const mc::recipe::ValidationShare share = mc::recipe::validation_share(launch);
+        std::vector<std::unique_ptr<mc::data::Shard>> val_shards;
+        std::optional<mc::data::ValidationSampler> validation;
+        std::vector<std::unique_ptr<mc::ipc::ShmRegion>> val_regions;
+        std::vector<std::unique_ptr<mc::ipc::SlotRing>> val_rings;
+        const uint32_t evaluations = mc::recipe::evaluations_after(
+            launch.getValidation().getEvery(), launch.getResume().getStep(), steps);
+        if (share.windows > 0) {
+          val_shards = mc::data::open_dataset(
+              mc::data::from_spec(launch.getValidation().getDataset()), pack);
+          std::vector<const mc::data::Shard*> val_views;
+          for (const auto& s : val_shards) val_views.push_back(s.get());
+          validation.emplace(val_views,
+                             mc::data::ValidationConfig{.seq_len = geometry.slot.seq_len,
+                                                        .batch = geometry.slot.batch,
+                                                        .data_ranks = geometry.data_ranks(),
+                                                        .token_bytes = geometry.slot.token_bytes,
+                                                        .pack = pack,
+                                                        .windows = share.windows});
+          MEGACPP_CHECK(validation->share() == share, mc::ErrorKind::kProtocol,
+                        "the val split's windows are not what the launch contract recorded");
+          for (uint32_t r = local.first; r < local.end(); ++r) {
+            val_regions.push_back(std::make_unique<mc::ipc::ShmRegion>(
+                mc::ipc::ShmRegion::Attach{},
+                mc::layout::validation_ring_shm_name(launch.getShmPrefix().cStr(), r)));
+            val_rings.push_back(std::make_unique<mc::ipc::SlotRing>(*val_regions.back()));
+            MEGACPP_CHECK(val_rings.back()->slot_bytes() >= slot_bytes, mc::ErrorKind::kProtocol,
+                          "validation ring slots are smaller than one batch");
+          }
+        }
+        // The next validation slot of rings[i]'s rank: (evaluation, slot), or nullopt when every
+        // evaluation of the attempt has its slots.
+        auto next_validation = [&](uint32_t i) -> std::optional<std::pair<uint32_t, uint32_t>> {
+          if (val_rings.empty()) return std::nullopt;
+          const uint32_t per = share.slots((local.first + i) / tp);
+          if (per == 0) return std::nullopt;
+          const uint64_t done = val_rings[i]->produced();
+          if (done >= uint64_t{per} * evaluations) return std::nullopt;
+          return std::make_pair(static_cast<uint32_t>(done / per),
+                                static_cast<uint32_t>(done % per));
+        };
 
         std::vector<std::unique_ptr<mc::ipc::ShmRegion>> regions;
         std::vector<std::unique_ptr<mc::ipc::SlotRing>> rings;
@@ -135,6 +183,17 @@ int main(int argc, char** argv) {
             }
             produced = true;
             ++batches;
+          }
+          for (uint32_t i = 0; i < val_rings.size(); ++i) {
+            const auto next = next_validation(i);
+            if (!next) continue;
+            done = false;
+            auto slot = val_rings[i]->try_acquire();
+            if (!slot) continue;
+            const auto tag = mc::recipe::validation_tag(next->first, next->second);
+            const auto bytes = validation->fill((local.first + i) / tp, next->second, tag, *slot);
+            val_rings[i]->publish(static_cast<uint32_t>(bytes), tag);
+            produced = true;
           }
           ctx.set_step(min_next - 1);
           ctx.control().report_progress(batches);

@@ -414,6 +414,24 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
       fmt::format("ring slots of {} bytes cannot hold a [{}, {}] batch of {}-byte tokens",
                   ring->ring->slot_bytes(), batch.shape()[0], batch.shape()[1], batch.token_bytes));
 
+  // Held-out evaluation (README.md "Validation loss"): the slots of this rank's data rank's
+  // part of the val split, from its validation ring, after every eval_every-th step, the last
+  // one and a graceful stop's.
+  const recipe::ValidationShare share = recipe::validation_share(launch);
+  const uint32_t eval_every = launch.getValidation().getEvery();
+  std::optional<Ring> val_ring;
+  if (share.windows > 0) {
+    val_ring =
+        attach_ring(ctx, layout::validation_ring_shm_name(std::string(launch.getShmPrefix()), rank),
+                    store_timeout);
+    if (!val_ring) return Outcome::kLeft;
+    MEGACPP_CHECK(val_ring->ring->slot_bytes() >= batch.slot_bytes(), ErrorKind::kInvalidArgument,
+                  "validation ring slots cannot hold a batch");
+  }
+  uint32_t evaluation = 0;    // this attempt's evaluations so far (the ring's tags)
+  float last_val_loss = NAN;  // the newest evaluation's, published with every step
+  uint32_t last_val_step = 0;
+
   // MEGACPP_TRACE_BATCHES: what this rank trained on, for tests and for a person asking
   // which tokens a step saw.
   const auto trace_batches =
@@ -539,8 +557,12 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
       }
     });
     ctx.set_step(step);
-    ctx.control().publish(
-        {.step = step, .tokens = tokens_total, .loss = timing.loss, .step_seconds = step_seconds});
+    ctx.control().publish({.step = step,
+                           .tokens = tokens_total,
+                           .loss = timing.loss,
+                           .step_seconds = step_seconds,
+                           .val_loss = last_val_loss,
+                           .val_step = last_val_step});
 
     snapshots.poll();
     check_finite(*ts, timing, step, ts->rank());
@@ -550,6 +572,65 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
     const bool stopping =
         timing.stop_agreed ? *timing.stop_agreed : ts->any_rank(ctx.graceful_stop_requested());
     const bool final = step == steps || stopping;
+    if (val_ring && (recipe::evaluates_at(eval_every, step, steps) || stopping)) {
+      // Its time is its own: the next step's wall time starts after it.
+      const auto eval_start = Clock::now();
+      double eval_wait = 0;
+      TrainStep::EvalSum mine;
+      const uint32_t slots = share.slots(dp_rank);
+      for (uint32_t k = 0; k < slots; ++k) {
+        ctx.set_phase(Phase::WAIT_BATCH);
+        const auto wait_start = Clock::now();
+        std::optional<ipc::SlotRing::Slot> slot;
+        while (!(slot = val_ring->ring->peek(kPoll))) {
+          if (ctx.stop_requested()) {
+            log_info("stop requested while waiting for validation slot {} of step {}; leaving", k,
+                     step);
+            return Outcome::kLeft;
+          }
+          snapshots.poll();
+        }
+        eval_wait += seconds_since(wait_start);
+        const uint64_t tag = recipe::validation_tag(evaluation, k);
+        MEGACPP_CHECK(slot->tag == tag, ErrorKind::kProtocol,
+                      fmt::format("validation ring of rank {}: expected slot {} of evaluation {}, "
+                                  "got tag {:#x} (seq {})",
+                                  rank, k, evaluation, slot->tag, slot->seq));
+        recipe::BatchSpec rows = batch;
+        rows.batch = share.rows(dp_rank, k);
+        const at::Tensor val_tokens = widen_batch(slot->data, rows, tag);
+        val_ring->ring->release();
+        ctx.set_phase(Phase::EVALUATE);
+        stage::fault_point(ctx, "evaluate", step);
+        const auto part = typed_errors(fmt::format("evaluation after step {}", step),
+                                       [&] { return ts->evaluate(val_tokens); });
+        mine.loss_sum += part.loss_sum;
+        mine.tokens += part.tokens;
+      }
+      const auto job = typed_errors(fmt::format("evaluation after step {}", step),
+                                    [&] { return ts->sum_over_data_ranks(mine); });
+      ++evaluation;
+      const double val_loss = job.tokens > 0 ? job.loss_sum / job.tokens : NAN;
+      const double eval_seconds = seconds_since(eval_start);
+      ctx.journal().append([&](schema::JournalRecord::Builder r) {
+        auto e = r.initEvaluation();
+        e.setStep(step);
+        e.setLoss(val_loss);
+        e.setTokens(static_cast<uint64_t>(job.tokens));
+        e.setRankTokens(static_cast<uint64_t>(mine.tokens));
+        e.setSeconds(eval_seconds);
+        e.setWaitSeconds(eval_wait);
+      });
+      last_val_loss = static_cast<float>(val_loss);
+      last_val_step = step;
+      ctx.control().publish({.step = step,
+                             .tokens = tokens_total,
+                             .loss = timing.loss,
+                             .step_seconds = step_seconds,
+                             .val_loss = last_val_loss,
+                             .val_step = last_val_step});
+      step_start += Clock::now() - eval_start;
+    }
     between_seconds = seconds_since(step_start);
     snapshot_seconds = 0;
     if (final || (train.checkpoint_every > 0 && step % train.checkpoint_every == 0)) {

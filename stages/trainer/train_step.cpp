@@ -501,6 +501,46 @@ bool TrainStep::any_rank(bool local) {
   return flag[0].item<int32_t>() != 0;
 }
 
+TrainStep::EvalSum TrainStep::evaluate(const at::Tensor& tokens) {
+  Impl& s = *impl_;
+  MEGACPP_CHECK(
+      tokens.scalar_type() == at::kLong && tokens.dim() == 2 && tokens.size(1) >= 2 &&
+          tokens.size(1) - 1 <= s.model_cfg.seq_len,
+      ErrorKind::kInvalidArgument,
+      fmt::format("tokens must be int64 [B, T+1] with T <= {}, got {} {}", s.model_cfg.seq_len,
+                  c10::toString(tokens.scalar_type()), c10::str(tokens.sizes())));
+  torch::NoGradGuard no_grad;
+  const int64_t T = tokens.size(1) - 1;
+  const int64_t V = s.model_cfg.vocab_size;
+  const at::Tensor on_device = tokens.device() == s.device ? tokens : tokens.to(s.device);
+  const auto sum = torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum);
+  at::Tensor loss;
+  const TensorParallel& tp = s.tp;
+  if (tp.size > 1) {
+    const int64_t t = T / tp.size;
+    const auto logits = forward_tensor_parallel(*s.model, on_device.narrow(1, 0, T), tp);
+    loss = all_reduce_sum(torch::nn::functional::cross_entropy(
+                              logits.reshape({-1, V}).to(at::kFloat),
+                              on_device.narrow(1, 1 + tp.rank * t, t).reshape({-1}), sum),
+                          tp);
+  } else {
+    const auto logits = s.model->forward(on_device.narrow(1, 0, T));
+    loss = torch::nn::functional::cross_entropy(logits.reshape({-1, V}).to(at::kFloat),
+                                                on_device.narrow(1, 1, T).reshape({-1}), sum);
+  }
+  return {loss.item<double>(), static_cast<double>(tokens.size(0) * T)};
+}
+
+TrainStep::EvalSum TrainStep::sum_over_data_ranks(EvalSum local) {
+  Impl& s = *impl_;
+  if (!s.pg) return local;
+  std::vector<at::Tensor> sums{
+      torch::tensor({local.loss_sum, local.tokens}, torch::dtype(torch::kFloat64)).to(s.device)};
+  run_collective("validation loss", s.pg, [&] { return s.pg->allreduce(sums); });
+  const at::Tensor host = sums[0].to(at::kCPU);
+  return {host[0].item<double>(), host[1].item<double>()};
+}
+
 StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const StepHooks& hooks) {
   Impl& s = *impl_;
   MEGACPP_CHECK(

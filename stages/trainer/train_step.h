@@ -157,6 +157,22 @@ class TrainStep {
   // (e.g. a collective timeout) propagates.
   StepTiming step(const at::Tensor& tokens, uint32_t step_index, const StepHooks& hooks = {});
 
+  // Held-out evaluation (README.md "Validation loss"): the cross-entropy of `tokens` (int64 [B,
+  // T + 1], as step() takes) summed over its B x T targets in float32, and B x T, computed
+  // without gradients in the training precision. Changes no parameter, gradient, optimizer
+  // state or anything step() reads, so the next step() is bit-identical to one without it.
+  // Under tensor parallelism a collective of the group (every rank passes the same batch) and
+  // the sum is the group's; otherwise not a collective. Throws as step().
+  struct EvalSum {
+    double loss_sum = 0;
+    double tokens = 0;
+  };
+  EvalSum evaluate(const at::Tensor& tokens);
+  // `local` summed over the data-parallel ranks (a collective of two float64s every rank calls
+  // at the same point; without a process group, `local`): under tensor parallelism every rank
+  // of a group passes its group's sum and gets the job's.
+  EvalSum sum_over_data_ranks(EvalSum local);
+
   // This rank's place in the job (the snapshot plane's rank and world): data-parallel rank x
   // tp.size + tensor-parallel rank, of data-parallel world x tp.size.
   uint32_t rank() const noexcept;

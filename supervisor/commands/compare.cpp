@@ -31,7 +31,9 @@ struct RunFacts {
   double stall = NAN;           // mean extra seconds of the step after a checkpoint
   uint32_t restarts = 0;        // stage restarts + job restarts / resumes
   uint32_t steps = 0;
-  std::map<uint32_t, double> loss;  // step -> mean loss over ranks
+  std::map<uint32_t, double> loss;      // step -> mean loss over ranks
+  std::map<uint32_t, double> val_loss;  // evaluated step -> held-out loss
+  double eval_seconds = NAN;            // every evaluation's, summed
 };
 
 double percentile(std::vector<double> v, double q) {
@@ -93,7 +95,11 @@ RunFacts read_run(const fs::path& run) {
            {"precision", memory_class(l.getRecipe().getTrain())},
            {"build", build_name(p.getGitRevision().cStr(), p.getGitDirty(), p.getBuildType().cStr(),
                                 p.getCompiler().cStr(), p.getTorchVersion().cStr())},
-           {"data", dataset_digest(data)}};
+           {"data", dataset_digest(data)},
+           // The held-out set: its files, windows and sequence length (launch Validation.digest).
+           {"validation", l.hasValidation() && l.getValidation().getDigest().size() > 0
+                              ? std::string(l.getValidation().getDigest())
+                              : std::string("none")}};
   f.tokens_per_second = r.getTokensPerSecond();
   f.steps = m.getStepsCompleted();
   f.restarts = m.getRestarts() + (m.getAttempts().size() > 0 ? m.getAttempts().size() - 1 : 0);
@@ -104,6 +110,8 @@ RunFacts read_run(const fs::path& run) {
     step_seconds[s.getStep()] = s.getStepSeconds();
     if (s.getStep() >= 2) seconds.push_back(s.getStepSeconds());
   }
+  for (auto e : telemetry.get().getEvaluations()) f.val_loss[e.getStep()] = e.getLoss();
+  if (r.hasValidation()) f.eval_seconds = r.getValidation().getSeconds();
   f.p50 = percentile(seconds, 0.5);
   f.p99 = percentile(seconds, 0.99);
   // A step's wall time includes the snapshot copy of the checkpoint before it: the stall is
@@ -203,6 +211,19 @@ int compare_runs(const std::vector<fs::path>& runs, bool force) {
         [&](const RunFacts& f) { return num(f.loss.at(step), "{:.4f}"); });
   }
   if (common.empty()) fmt::print("(no step that every run recorded: no losses to compare)\n");
+  // The held-out loss at every step each run evaluated after.
+  std::vector<uint32_t> evaluated;
+  for (const auto& [step, loss] : facts[0].val_loss) {
+    if (std::all_of(facts.begin(), facts.end(),
+                    [&, step = step](const RunFacts& f) { return f.val_loss.contains(step); }))
+      evaluated.push_back(step);
+  }
+  for (uint32_t step : evaluated)
+    row(fmt::format("val loss @ step {}", step),
+        [&](const RunFacts& f) { return num(f.val_loss.at(step), "{:.4f}"); });
+  if (std::any_of(facts.begin(), facts.end(),
+                  [](const RunFacts& f) { return std::isfinite(f.eval_seconds); }))
+    row("evaluation s", [](const RunFacts& f) { return num(f.eval_seconds, "{:.3f}"); });
   if (facts.size() >= 2) {
     const double base = facts[0].tokens_per_second;
     row(fmt::format("tokens/s vs {}", facts[0].name).substr(0, 25), [&](const RunFacts& f) {

@@ -25,6 +25,10 @@ namespace {
 
 constexpr const char* kPalette[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd",
                                     "#ff7f0e", "#17becf", "#8c564b", "#e377c2"};
+// A run's held-out (validation) loss line: a dark shade of its training line's colour, dashed,
+// with a dot at each evaluation.
+constexpr const char* kValidationPalette[] = {"#08306b", "#67000d", "#00441b", "#3f007d",
+                                              "#7f2704", "#014636", "#3e2723", "#5c0a3c"};
 
 std::string escape(std::string_view s) {
   std::string out;
@@ -53,6 +57,7 @@ struct Series {
   std::string name, color;
   std::vector<std::pair<double, double>> points;        // (step, value)
   std::vector<std::pair<uint32_t, uint32_t>> attempts;  // (attempt, first step)
+  bool validation = false;  // dashed with dots (class "validation"), else a solid "series"
 };
 
 // Round tick spacing covering [lo, hi] in about `n` steps.
@@ -119,13 +124,19 @@ std::string plot(const std::string& title, const std::string& y_label,
           "font-size=\"11\" fill=\"{3}\">attempt {6}</text>\n",
           px(step), T, H - B, s.color, px(step) + 4, T + 12, attempt);
   for (const auto& s : series) {
-    std::string pts;
-    for (const auto& [x, y] : s.points)
-      if (std::isfinite(y)) pts += fmt::format("{:.1f},{:.1f} ", px(x), py(y));
+    std::string pts, dots;
+    for (const auto& [x, y] : s.points) {
+      if (!std::isfinite(y)) continue;
+      pts += fmt::format("{:.1f},{:.1f} ", px(x), py(y));
+      if (s.validation)
+        dots += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4\" fill=\"{}\"/>", px(x),
+                            py(y), s.color);
+    }
     svg += fmt::format(
-        "<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"2.5\" points=\"{}\" "
-        "class=\"series\"/>\n",
-        s.color, pts);
+        "<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"2.5\"{} points=\"{}\" "
+        "class=\"{}\"/>{}\n",
+        s.color, s.validation ? " stroke-dasharray=\"7,4\"" : "", pts,
+        s.validation ? "validation" : "series", dots);
   }
   for (size_t i = 0; i < series.size(); ++i)
     svg += fmt::format(
@@ -136,11 +147,25 @@ std::string plot(const std::string& title, const std::string& y_label,
   return svg + "</svg>\n";
 }
 
+// The manifest's held-out evaluation as a table row (empty without one).
+std::string validation_row(schema::Manifest::Reader m) {
+  if (!m.hasValidation()) return {};
+  const auto v = m.getValidation();
+  if (v.getOff().size() > 0)
+    return fmt::format("<tr><th>validation</th><td>{}</td></tr>", escape(v.getOff().cStr()));
+  if (v.getEvaluations() == 0) return "<tr><th>validation</th><td>no evaluation yet</td></tr>";
+  return fmt::format(
+      "<tr><th>validation</th><td>loss {:.4f} after step {}, best {:.4f} after step {} ({} "
+      "evaluations of {:.0f} tokens, {:.2f} s)</td></tr>",
+      v.getLastLoss(), v.getLastStep(), v.getBestLoss(), v.getBestStep(), v.getEvaluations(),
+      v.getTokens(), v.getSeconds());
+}
+
 }  // namespace
 
 int write_report(const std::vector<fs::path>& runs, const fs::path& out) {
   if (runs.empty()) MEGACPP_FAIL(ErrorKind::kInvalidArgument, "report needs a run directory");
-  std::vector<Series> loss, speed;
+  std::vector<Series> loss, speed, validation;
   std::string body;
   for (size_t i = 0; i < runs.size(); ++i) {
     const fs::path& run = runs[i];
@@ -168,6 +193,16 @@ int write_report(const std::vector<fs::path>& runs, const fs::path& out) {
         t.points.emplace_back(s.getStep(),
                               s.getStepSeconds() > 0 ? per_step / s.getStepSeconds() : NAN);
       }
+      // The held-out loss: a second line of the run's on the loss plot.
+      if (tel.get().getEvaluations().size() > 0) {
+        Series v{name + " val",
+                 kValidationPalette[i % std::size(kValidationPalette)],
+                 {},
+                 l.attempts,
+                 true};
+        for (auto e : tel.get().getEvaluations()) v.points.emplace_back(e.getStep(), e.getLoss());
+        validation.push_back(std::move(v));
+      }
     }
     loss.push_back(std::move(l));
     speed.push_back(std::move(t));
@@ -178,12 +213,12 @@ int write_report(const std::vector<fs::path>& runs, const fs::path& out) {
         "<tr><th>state</th><td class=\"state-{}\">{}</td></tr>"
         "<tr><th>recipe</th><td>{} ({})</td></tr><tr><th>mode, blocks</th><td>{} {}</td></tr>"
         "<tr><th>steps</th><td>{} of {} on {} ranks</td></tr>"
-        "<tr><th>launched</th><td>{}</td></tr><tr><th>completed</th><td>{}</td></tr></table>\n",
+        "<tr><th>launched</th><td>{}</td></tr><tr><th>completed</th><td>{}</td></tr>{}</table>\n",
         color, escape(name), escape(m.getRunId().cStr()), schemas::name(m.getState()),
         schemas::name(m.getState()), escape(m.getRecipe().cStr()), escape(m.getRecipeHash().cStr()),
         escape(m.getMode().cStr()), escape(m.getBlocks().cStr()), m.getStepsCompleted(),
         m.getStepsPlanned(), m.getWorld(), escape(m.getLaunchedAt().cStr()),
-        escape(m.getCompletedAt().cStr()));
+        escape(m.getCompletedAt().cStr()), validation_row(m));
     if (m.hasError() && m.getError().getKind() != schema::FailureKind::NONE) {
       auto e = m.getError();
       body += fmt::format(
@@ -223,7 +258,8 @@ int write_report(const std::vector<fs::path>& runs, const fs::path& out) {
       " .state-ok{{color:#1b7f1b;font-weight:bold}}\n</style></head><body>\n"
       "<h1>megacpp report: {} run(s)</h1>\n",
       escape(runs.size() == 1 ? runs[0].filename().string() : "comparison"), runs.size());
-  html += plot("loss per step", "loss", loss);
+  for (auto& v : validation) loss.push_back(std::move(v));
+  html += plot("loss per step (val: held-out)", "loss", loss);
   html += plot("tokens/s per step", "tokens/s", speed);
   html += body + "</body></html>\n";
   std::error_code ec;

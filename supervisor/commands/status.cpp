@@ -41,6 +41,21 @@ int status(const fs::path& run_dir) {
   fmt::print("  launched   {}\n  completed  {}\n  last seen  {}\n", m.getLaunchedAt().cStr(),
              m.getCompletedAt().cStr(), m.getLastPolledAt().cStr());
   if (m.getStopReason().size() > 0) fmt::print("  stopped    {}\n", m.getStopReason().cStr());
+  if (m.hasValidation()) {
+    const auto v = m.getValidation();
+    if (v.getOff().size() > 0) {
+      fmt::print("  validation {}\n", v.getOff().cStr());
+    } else if (v.getEvaluations() == 0) {
+      fmt::print("  validation none yet (every {} steps, {:.0f} tokens of the val split)\n",
+                 v.getEvery(), v.getTokens());
+    } else {
+      fmt::print(
+          "  validation loss {:.4f} after step {}, best {:.4f} after step {}; {} evaluations of "
+          "{:.0f} tokens, {:.2f}s\n",
+          v.getLastLoss(), v.getLastStep(), v.getBestLoss(), v.getBestStep(), v.getEvaluations(),
+          v.getTokens(), v.getSeconds());
+    }
+  }
   if (m.getAttempts().size() > 1) {
     fmt::print("  attempts\n");
     for (auto a : m.getAttempts()) {

@@ -49,6 +49,10 @@
 namespace megacpp::supervisor {
 
 namespace fs = std::filesystem;
+
+// Slots of each rank's validation ring: the loader fills an evaluation's next slots while the
+// rank scores the current ones.
+inline constexpr uint32_t kValidationRingSlots = 2;
 using schema::Phase;
 using schema::StageKind;
 
@@ -78,6 +82,8 @@ struct Child {
   Phase phase = Phase::STARTUP;
   double tokens = 0;
   float loss = NAN;
+  float val_loss = NAN;   // the newest held-out evaluation's (trainers)
+  uint32_t val_step = 0;  // the step it followed; 0: none yet
   double step_seconds = 0;
   double lag_seconds = 0;
   // As the working thread reported it (CLOCK_MONOTONIC of the stage; 0: not reported yet).
@@ -332,8 +338,10 @@ class JobController {
   std::vector<std::string> skipped_;  // "checkpoints/step_N: problems"
   std::vector<uint32_t> skipped_steps_;
   data::ResolvedDataset previous_dataset_;
+  std::string previous_validation_digest_;  // a resumed run's val split, as it started
   std::string created_at_;
   data::ResolvedDataset dataset_;
+  data::ResolvedValidation validation_;  // the val split (recipe train.eval_every)
   fs::path run_;
   fs::path sock_dir_;
   std::string run_id_, shm_prefix_, control_ep_, checkpoint_ep_;

@@ -150,6 +150,13 @@ void fill_launch(schema::LaunchContract::Builder c) {
   c.setFirstRank(0);
   c.setLocalRanks(2);
   c.setStorePrefix("megacpp/20250101-120000-abcd/");
+  auto v = c.initValidation();
+  v.setEvery(10);
+  v.setWindows(128);
+  v.setSplitWindows(16383);
+  v.initDataset().setFormat("llmc");
+  v.setRingSlots(2);
+  v.setDigest("6032459ac13471df");
 }
 
 // Offsets of `"name":` for each top-level field, in schema order; -1 when absent. Top-level
@@ -287,6 +294,12 @@ TEST(SchemasJsonTest, ManifestRoundTrip) {
   m.setPrecision("bf16-mixed");
   m.setGradReduce("fp32");
   m.setRecompute("selective");
+  auto v = m.initValidation();
+  v.setLastLoss(2.06);
+  v.setLastStep(20);
+  v.setBestLoss(2.06);
+  v.setBestStep(20);
+  v.setEvaluations(2);
 
   std::string json = schemas::to_json(m.asReader());
   EXPECT_NE(json.find("\"state\": \"error\""), std::string::npos) << json;

@@ -168,12 +168,50 @@ void render_attempts(const FoldState& s, capnp::List<schema::AttemptSummary>::Bu
 
 }  // namespace
 
+// The run's held-out evaluations against its launch contract's validation set.
+void render_validation(schema::LaunchContract::Reader contract, const RunView& v,
+                       schema::ValidationResult::Builder out) {
+  const auto launch = contract.getValidation();
+  out.setEvery(launch.getEvery());
+  out.setWindows(launch.getWindows());
+  out.setDigest(launch.getDigest());
+  out.setOff(launch.getOff());
+  out.setTokens(static_cast<double>(launch.getWindows()) *
+                static_cast<double>(contract.getRecipe().getModel().getSeqLen()));
+  out.setEvaluations(static_cast<uint32_t>(v.evaluations.size()));
+  double seconds = 0;
+  std::optional<std::pair<double, uint32_t>> best;
+  for (const auto& [step, e] : v.evaluations) {
+    seconds += e.seconds;
+    out.setTokens(e.tokens);
+    out.setLastLoss(e.loss);
+    out.setLastStep(step);
+    if (!best || e.loss < best->first) best = {e.loss, step};
+  }
+  if (best) {
+    out.setBestLoss(best->first);
+    out.setBestStep(best->second);
+  }
+  out.setSeconds(seconds);
+}
+
 RunView view_of(const FoldState& s) {
   RunView v;
   v.effective = s.effective_steps();
   v.completed = s.steps_completed(v.effective);
   v.terminal = s.finished.has_value() || s.orphaned.has_value();
   v.short_of_plan = s.finished && s.finished->ok && v.completed < s.steps_planned;
+  for (const auto& [step, ranks] : s.effective_evaluations()) {
+    RunView::Evaluation& e = v.evaluations[step];
+    e.loss = ranks.begin()->second.loss;
+    e.tokens = ranks.begin()->second.tokens;
+    e.first_wall_ns = ranks.begin()->second.wall_ns;
+    for (const auto& [rank, d] : ranks) {
+      e.seconds = std::max(e.seconds, d.seconds);
+      e.wait_seconds = std::max(e.wait_seconds, d.wait_seconds);
+      e.first_wall_ns = std::min(e.first_wall_ns, d.wall_ns);
+    }
+  }
   if (!v.terminal) return v;
   std::optional<int64_t> first_start, rank0_start, last_end;
   for (const auto& [rank, series] : v.effective) {
@@ -217,6 +255,9 @@ RunView view_of(const FoldState& s) {
     const int64_t start = rank0_start ? *rank0_start : *first_start;
     v.wall_seconds = std::max(0.0, static_cast<double>(*last_end - start) / 1e9);
   }
+  // An evaluation that ended before the last step did lies inside the training wall time.
+  for (const auto& [step, e] : v.evaluations)
+    if (last_end && e.first_wall_ns < *last_end) v.eval_seconds_inside += e.seconds;
   for (uint32_t step = 1; step <= v.completed; ++step) {
     auto it = v.points.find(step);
     if (it != v.points.end()) v.step_seconds_sum += it->second.step_max;
@@ -334,6 +375,7 @@ std::string manifest_document(const FoldState& s, const RunView& v, const fs::pa
     m.setLatestCheckpointStep(latest->first);
   }
   render_attempts(s, m.initAttempts(s.run.attempt + 1), run_dir);
+  if (s.launch().hasValidation()) render_validation(s.launch(), v, m.initValidation());
   if (const auto launch = s.launch(); launch.hasParent() && launch.getParent().hasRunId()) {
     m.setParent(launch.getParent());
   }
@@ -368,7 +410,9 @@ std::string bench_result_document(const FoldState& s, const RunView& v) {
   r.setFirstLoss(v.points.empty() ? 0.0 : mean_loss_at(v.points.begin()->first));
   r.setLastLoss(v.completed > 0 ? mean_loss_at(v.completed) : 0.0);
   r.setWallSeconds(v.wall_seconds);
-  r.setTokensPerSecond(v.wall_seconds > 0 ? v.tokens / v.wall_seconds : 0.0);
+  const double training = std::max(0.0, v.wall_seconds - v.eval_seconds_inside);
+  r.setTrainingSeconds(training);
+  r.setTokensPerSecond(training > 0 ? v.tokens / training : 0.0);
   r.setMeanStepSeconds(v.completed > 0 ? v.step_seconds_sum / v.completed : 0.0);
   if (v.memory_peak > 0) {
     auto memory = r.initMemory();
@@ -378,6 +422,7 @@ std::string bench_result_document(const FoldState& s, const RunView& v) {
     memory.setDeviceReserved(v.device_memory_reserved);
   }
   const auto launch = s.launch();
+  if (launch.hasValidation()) render_validation(launch, v, r.initValidation());
   r.setDataset(launch.getDataset());
   r.setVolumes(launch.getVolumes());
   r.setCollectives(launch.getCollectives());
@@ -417,6 +462,16 @@ std::string bench_telemetry_document(const FoldState& s, const RunView& v) {
     ff.set(i, it == s.first_forward.end() ? 0.0 : it->second);
   }
   t.setTelemetryTruncated(s.truncated(v.effective));
+  auto evals = t.initEvaluations(static_cast<unsigned>(v.evaluations.size()));
+  i = 0;
+  for (const auto& [step, e] : v.evaluations) {
+    auto ep = evals[i++];
+    ep.setStep(step);
+    ep.setLoss(e.loss);
+    ep.setTokens(e.tokens);
+    ep.setSeconds(e.seconds);
+    ep.setWaitSeconds(e.wait_seconds);
+  }
   return schemas::to_json(t.asReader());
 }
 

@@ -75,6 +75,14 @@ struct RunView {
   // Bytes, the largest over the ranks: peak resident size, and peak above the rank's baseline.
   double memory_peak = 0, memory_above_baseline = 0;
   double device_memory_peak = 0, device_memory_reserved = 0;
+  // Held-out evaluations that still stand, by step (live runs too): the lowest rank's loss,
+  // the slowest rank's seconds; and the evaluation seconds inside wall_seconds.
+  struct Evaluation {
+    double loss = 0, tokens = 0, seconds = 0, wait_seconds = 0;
+    int64_t first_wall_ns = 0;  // when the first rank journaled it
+  };
+  std::map<uint32_t, Evaluation> evaluations;
+  double eval_seconds_inside = 0;
 };
 RunView view_of(const FoldState& s);
 

@@ -155,6 +155,14 @@ FoldState::Series FoldState::effective_steps() const {
   return out;
 }
 
+std::map<uint32_t, std::map<uint32_t, EvalData>> FoldState::effective_evaluations() const {
+  std::map<uint32_t, std::map<uint32_t, EvalData>> out;
+  for (const auto& [rank, series] : evaluations)
+    for (const auto& [step, e] : series)
+      if (stands(e.attempt, step)) out[step][rank] = e;
+  return out;
+}
+
 void FoldState::fold_attempt(schema::JournalRecord::Reader rec) {
   const uint32_t a = rec.getAttempt();
   const int64_t wall = rec.getWallNs();
@@ -240,6 +248,17 @@ void FoldState::fold(schema::JournalRecord::Reader rec) {
 
   fold_attempt(rec);
   const uint32_t rec_attempt = rec.getAttempt();
+  if (rec.isEvaluation() && stage == StageKind::TRAINER) {
+    auto e = rec.getEvaluation();
+    EvalData& d = evaluations[rank][e.getStep()];
+    if (rec_attempt >= d.attempt)
+      d = {.attempt = rec_attempt,
+           .loss = e.getLoss(),
+           .tokens = static_cast<double>(e.getTokens()),
+           .seconds = e.getSeconds(),
+           .wait_seconds = e.getWaitSeconds(),
+           .wall_ns = wall};
+  }
   if (rec_attempt != run.attempt) {
     // Another attempt: its steps and commits join the run's history; the rest was summarised.
     if (rec.isStep() && stage == StageKind::TRAINER) {

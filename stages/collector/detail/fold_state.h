@@ -99,6 +99,15 @@ struct StepData {
   uint64_t device_memory_peak = 0, device_memory_reserved = 0;  // bytes; 0 on CPUs
 };
 
+// One rank's journal Evaluation record.
+struct EvalData {
+  uint32_t attempt = 0;  // a later attempt's record wins, as for steps
+  double loss = 0;
+  double tokens = 0;  // the job's
+  double seconds = 0, wait_seconds = 0;
+  int64_t wall_ns = 0;
+};
+
 // One journal file's counts as of the last poll.
 struct JournalCount {
   uint64_t records = 0;
@@ -182,7 +191,9 @@ struct FoldState {
   std::optional<int64_t> newest_wall;
   std::map<std::pair<schema::StageKind, uint32_t>, Process> processes;
   std::map<uint32_t, std::map<uint32_t, StepData>> steps;  // trainer rank -> step -> data
-  std::map<uint32_t, double> first_forward;                // trainer rank -> seconds
+  // Held-out evaluations: trainer rank -> the step they followed -> data (every attempt's).
+  std::map<uint32_t, std::map<uint32_t, EvalData>> evaluations;
+  std::map<uint32_t, double> first_forward;  // trainer rank -> seconds
   // The current attempt's start-up, per trainer rank (receipts/first_forward.json): wall ns of
   // its process start, groups joined, first forward and first backward done; and the launch,
   // the earliest stage the supervisor started in the attempt.
@@ -222,6 +233,8 @@ struct FoldState {
   bool stands(uint32_t a, uint32_t step) const;
   using Series = std::map<uint32_t, std::map<uint32_t, StepData>>;  // rank -> step -> data
   Series effective_steps() const;
+  // The evaluations that still stand, by step: each rank's record (the same loss on every rank).
+  std::map<uint32_t, std::map<uint32_t, EvalData>> effective_evaluations() const;
   uint32_t steps_completed(const Series& eff) const;
   bool truncated(const Series& eff) const;
 };
