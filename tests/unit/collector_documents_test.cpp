@@ -48,6 +48,7 @@ struct LaunchFacts {
   std::string device = "cuda";
   bool placed = false;         // the contract records a placement (Slurm's, one node)
   bool placed_single = false;  // ... a placement by nothing: empty host, no hosts
+  bool evaluates = false;      // the contract has a validation set: every 2 steps, 8 windows of 16
 };
 
 // A fold state fed from memory: launch.json's contract, then records with chosen timestamps
@@ -78,6 +79,16 @@ class Script {
     p.setCpuModel("Test CPU");
     p.setCpuCount(16);
     l.initDataset().setFormat("llmc");
+    if (f.evaluates) {
+      l.getRecipe().getModel().setSeqLen(16);
+      auto v = l.initValidation();
+      v.setEvery(2);
+      v.setWindows(8);
+      v.setSplitWindows(100);
+      v.initDataset().setFormat("llmc");
+      v.setRingSlots(2);
+      v.setDigest("0123456789abcdef");
+    }
     if (f.placed_single) {
       auto place = l.initPlacement();
       place.setSource("single");
@@ -384,6 +395,64 @@ TEST(CollectorDocuments, BenchTelemetryOwnsTheSeriesAndTruncation) {
   EXPECT_TRUE(
       Parsed<schema::BenchTelemetry>(bench_telemetry_document(run.state, view_of(run.state)))
           .r.getTelemetryTruncated());
+}
+
+// Held-out evaluations (journal Evaluation, every rank the same loss) fold into the telemetry's
+// series, bench_result's and the manifest's last and best, and their time inside the training
+// wall time is taken out of tokens/s: step 2's evaluation (slowest rank 0.3 s) ends before the
+// last step; step 3's (the last) after it.
+TEST(CollectorDocuments, HeldOutEvaluationsFoldIntoEveryDocument) {
+  Script run(LaunchFacts{.evaluates = true});
+  run.whole_run();
+  const auto evaluation = [&](uint32_t rank, int64_t t_ms, uint32_t step, double loss,
+                              double seconds) {
+    run.rec(StageKind::TRAINER, rank, t_ms, [&](auto x) {
+      auto e = x.initEvaluation();
+      e.setStep(step);
+      e.setLoss(loss);
+      e.setTokens(128);
+      e.setRankTokens(64);
+      e.setSeconds(seconds);
+      e.setWaitSeconds(0.01 * (rank + 1));
+    });
+  };
+  for (uint32_t r = 0; r < 2; ++r) {
+    evaluation(r, 7300 + r, 2, 2.9, r == 0 ? 0.2 : 0.3);
+    evaluation(r, 8500 + r, 3, 3.1, 0.25);
+  }
+  const RunView v = view_of(run.state);
+  Parsed<schema::BenchTelemetry> t(bench_telemetry_document(run.state, v));
+  ASSERT_EQ(t.r.getEvaluations().size(), 2u);
+  EXPECT_EQ(t.r.getEvaluations()[0].getStep(), 2u);
+  EXPECT_DOUBLE_EQ(t.r.getEvaluations()[0].getLoss(), 2.9);
+  EXPECT_DOUBLE_EQ(t.r.getEvaluations()[0].getTokens(), 128.0);
+  EXPECT_DOUBLE_EQ(t.r.getEvaluations()[0].getSeconds(), 0.3);
+  EXPECT_DOUBLE_EQ(t.r.getEvaluations()[0].getWaitSeconds(), 0.02);
+  EXPECT_DOUBLE_EQ(t.r.getEvaluations()[1].getLoss(), 3.1);
+  Parsed<schema::BenchResult> b(bench_result_document(run.state, v));
+  EXPECT_DOUBLE_EQ(b.r.getWallSeconds(), 3.1);
+  EXPECT_DOUBLE_EQ(b.r.getTrainingSeconds(), 3.1 - 0.3);
+  EXPECT_DOUBLE_EQ(b.r.getTokensPerSecond(), 600.0 / (3.1 - 0.3));
+  Parsed<schema::Manifest> m(manifest_document(run.state, v, "/nonexistent"));
+  for (const auto val : {b.r.getValidation(), m.r.getValidation()}) {
+    EXPECT_DOUBLE_EQ(val.getLastLoss(), 3.1);
+    EXPECT_EQ(val.getLastStep(), 3u);
+    EXPECT_DOUBLE_EQ(val.getBestLoss(), 2.9);
+    EXPECT_EQ(val.getBestStep(), 2u);
+    EXPECT_EQ(val.getEvaluations(), 2u);
+    EXPECT_DOUBLE_EQ(val.getTokens(), 128.0);
+    EXPECT_DOUBLE_EQ(val.getSeconds(), 0.3 + 0.25);
+    EXPECT_EQ(val.getEvery(), 2u);
+    EXPECT_EQ(val.getWindows(), 8u);
+    EXPECT_EQ(s(val.getDigest()), "0123456789abcdef");
+    EXPECT_EQ(s(val.getOff()), "");
+  }
+  // Without a validation set the documents have none, and tokens/s is over the wall time.
+  Script plain;
+  plain.whole_run();
+  Parsed<schema::BenchResult> pb(bench_result_document(plain.state, view_of(plain.state)));
+  EXPECT_FALSE(pb.r.hasValidation());
+  EXPECT_DOUBLE_EQ(pb.r.getTrainingSeconds(), pb.r.getWallSeconds());
 }
 
 TEST(CollectorDocuments, BackendIdentityOwnsEachRanksRecord) {

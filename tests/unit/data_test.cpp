@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <set>
 
 #include "core/error.h"
@@ -533,6 +534,146 @@ TEST(Dataset, PreflightValidatesEveryFileAndRoundTripsTheContract) {
   r.train.batch_size = 50;
   e = error_of([&] { md::resolve_dataset(r, mc::recipe::resolve_batch(r, 2, 0), dir.path(), 2); });
   EXPECT_NE(e.find("rule data.windows"), std::string::npos) << e;
+}
+
+// The validation order (README.md "Validation loss"): an evaluation's windows are the split's
+// windows i x split / windows in file order, the same whatever the number of data ranks and
+// batch, every one read once; each slot's header names its rows, its tag and where it starts.
+TEST(ValidationSampler, TheSameWindowsInOneOrderAtEveryWorld) {
+  TempDir dir;
+  std::vector<std::unique_ptr<md::Shard>> files;
+  for (int i = 0; i < 2; ++i) {
+    std::vector<uint32_t> t(1000 + 300 * i);
+    uint64_t x = 11 + i;  // no two windows alike
+    for (auto& v : t) v = static_cast<uint32_t>((x = x * 6364136223846793005ULL + 1) >> 56);
+    md::write_llmc_shard(dir.path() / fmt::format("val_{}.bin", i), t, md::TokenWidth::kU16);
+    files.push_back(std::make_unique<md::Shard>(dir.path() / fmt::format("val_{}.bin", i),
+                                                md::ShardFormat::kLlmc));
+  }
+  const md::Shard* views[] = {files[0].get(), files[1].get()};
+  constexpr uint32_t T = 16;
+  const uint64_t split = 999 / T + 1299 / T;  // windows of 17 tokens, every 16
+  // The rows of every data rank's slots in rank and slot order: the evaluation's sequence.
+  auto sequence = [&](uint32_t ranks, uint32_t batch, uint64_t windows) {
+    const md::ValidationSampler v(
+        views,
+        {.seq_len = T, .batch = batch, .data_ranks = ranks, .token_bytes = 2, .windows = windows});
+    EXPECT_EQ(v.split_windows(), split);
+    std::vector<std::vector<uint16_t>> rows;
+    std::vector<std::byte> slot(v.spec().slot_bytes());
+    for (uint32_t d = 0; d < ranks; ++d)
+      for (uint32_t k = 0; k < v.share().slots(d); ++k) {
+        const uint64_t tag = mc::recipe::validation_tag(2, k);
+        const size_t bytes = v.fill(d, k, tag, slot);
+        mc::recipe::BatchHeader h;
+        std::memcpy(&h, slot.data(), sizeof h);
+        EXPECT_EQ(h.batch, v.share().rows(d, k));
+        EXPECT_EQ(h.step, tag);
+        EXPECT_EQ(h.position, v.share().first(d) + uint64_t{k} * batch);
+        EXPECT_EQ(h.windows, v.share().windows);
+        EXPECT_EQ(bytes, sizeof h + uint64_t{h.batch} * (T + 1) * 2);
+        for (uint32_t r = 0; r < h.batch; ++r) {
+          std::vector<uint16_t> row(T + 1);
+          std::memcpy(row.data(), slot.data() + sizeof h + uint64_t{r} * (T + 1) * 2,
+                      row.size() * 2);
+          rows.push_back(std::move(row));
+        }
+      }
+    return rows;
+  };
+  const auto one = sequence(1, 8, 50);
+  ASSERT_EQ(one.size(), 50u);
+  for (const auto& [ranks, batch] : {std::pair{2u, 8u}, {3u, 4u}, {4u, 3u}, {8u, 16u}, {64u, 1u}})
+    EXPECT_EQ(sequence(ranks, batch, 50), one) << ranks << " ranks, batch " << batch;
+  // Window i is the split's window i x split / 50: the first, and one from the second file.
+  const std::vector<uint16_t> first(one[0]);
+  for (uint32_t i = 0; i <= T; ++i) EXPECT_EQ(first[i], files[0]->token(i));
+  const uint64_t w = 49 * split / 50, in_second = w - 999 / T;
+  ASSERT_GE(w, 999u / T);
+  for (uint32_t i = 0; i <= T; ++i) EXPECT_EQ(one[49][i], files[1]->token(in_second * T + i));
+  // Asking for more windows than the split holds reads every one, once.
+  const auto all = sequence(3, 8, 100000);
+  EXPECT_EQ(all.size(), split);
+  EXPECT_EQ(std::set(all.begin(), all.end()).size(), all.size());
+}
+
+// The val split of a run, or one line saying why it has none (README.md "Validation loss").
+TEST(Dataset, ValidationSplitOrWhyItIsOff) {
+  TempDir dir;
+  fs::create_directories(dir.path() / "shards");
+  for (const char* split : {"train", "val"}) {
+    std::vector<uint32_t> t(700);
+    for (uint32_t j = 0; j < t.size(); ++j) t[j] = (j * 7) % 300;
+    md::write_llmc_shard(dir.path() / "shards" / fmt::format("x_{}_0.bin", split), t,
+                         md::TokenWidth::kU16);
+  }
+  mc::recipe::Recipe r;
+  r.name = "t";
+  r.model.vocab_size = 300;
+  r.model.seq_len = 16;
+  r.train.batch_size = 2;
+  r.train.eval_every = 5;
+  r.train.eval_tokens = 160;
+  r.data.source = "llmc";
+  r.data.path = "shards";
+  const auto batch = mc::recipe::resolve_batch(r, 2, 0);
+  auto resolve = [&] {
+    const auto train = md::resolve_dataset(r, batch, dir.path(), 2);
+    return md::resolve_validation(r, batch, train, dir.path(), 2);
+  };
+  auto v = resolve();
+  ASSERT_TRUE(v.dataset) << v.off;
+  EXPECT_EQ(v.dataset->files.size(), 1u);
+  EXPECT_EQ(v.dataset->files[0].path.filename(), "x_val_0.bin");
+  EXPECT_EQ(v.split_windows, 699u / 16);
+  EXPECT_EQ(v.windows, 10u);
+  EXPECT_EQ(v.digest.size(), 16u);
+  EXPECT_TRUE(v.off.empty());
+  EXPECT_TRUE(v.notice.empty());
+  // More tokens than the split holds: every window, said once.
+  r.train.eval_tokens = 16000;
+  v = resolve();
+  EXPECT_EQ(v.windows, v.split_windows);
+  EXPECT_NE(v.notice.find("fewer than train.eval_tokens asks"), std::string::npos) << v.notice;
+  r.train.eval_tokens = 160;
+  // No evaluation asked: nothing resolved, nothing said.
+  r.train.eval_every = 0;
+  v = resolve();
+  EXPECT_FALSE(v.dataset);
+  EXPECT_TRUE(v.off.empty());
+  r.train.eval_every = 5;
+  // Training on the val split, a glob that names the same files for both, no val files: off,
+  // one line each naming why and what to do.
+  r.data.split = "val";
+  v = resolve();
+  EXPECT_FALSE(v.dataset);
+  EXPECT_NE(v.off.find("trains on the val split"), std::string::npos) << v.off;
+  r.data.split = "train";
+  r.data.path = "shards/*.bin";
+  v = resolve();
+  EXPECT_FALSE(v.dataset);
+  EXPECT_NE(v.off.find("put \"{split}\""), std::string::npos) << v.off;
+  fs::remove(dir.path() / "shards" / "x_val_0.bin");
+  r.data.path = "shards";
+  v = resolve();
+  EXPECT_FALSE(v.dataset);
+  EXPECT_NE(v.off.find("the data has no val split"), std::string::npos) << v.off;
+  EXPECT_NE(v.off.find("megacpp prepare --val-every"), std::string::npos) << v.off;
+  for (const auto& line : {v.off}) EXPECT_EQ(line.find('\n'), std::string::npos);
+  // The built-in corpus has one: a generated shard no training shard equals.
+  mc::recipe::Recipe b;
+  b.name = "b";
+  b.model.seq_len = 16;
+  b.train.eval_every = 5;
+  b.train.eval_tokens = 160;
+  b.data.shard_tokens = 5000;
+  const auto bb = mc::recipe::resolve_batch(b, 2, 0);
+  const auto train = md::resolve_dataset(b, bb, dir.path(), 2);
+  v = md::resolve_validation(b, bb, train, dir.path(), 2);
+  ASSERT_TRUE(v.dataset) << v.off;
+  EXPECT_EQ(v.dataset->files[0].path.filename(), "val_000000.bin");
+  EXPECT_EQ(v.dataset->files[0].tokens, 5000u);
+  for (const auto& f : train.files) EXPECT_NE(f.xxh3, v.dataset->files[0].xxh3);
 }
 
 TEST(Dataset, ChecksAreCachedUntilAFileChanges) {

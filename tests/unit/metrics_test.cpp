@@ -76,6 +76,7 @@ void populate(Metrics& m) {
   m.set_queue("data_loader->trainer-1", 0, 4);
   m.set_checkpoint(10, 0.25, 1700000001);
   m.set_collector_lag(0.75);
+  m.set_validation(10, 2.5);  // PromtoolCheckMetricsIsSilent checks these families too
 }
 
 // Runs promtool check metrics on `text`; returns its exit status and combined output.
@@ -298,6 +299,21 @@ TEST(Metrics, AJobAcrossNodesHasItsNodeSeries) {
             std::string::npos)
       << text;
   EXPECT_NE(text.find("megacpp_job_nodes_up{node=\"0\"} 3\n"), std::string::npos) << text;
+}
+
+// The newest held-out evaluation: absent before the first; a late report of an older one does
+// not replace it.
+TEST(Metrics, ValidationLossOfTheNewestEvaluation) {
+  Metrics m("0.1.0", "abc123", "2.11.0");
+  EXPECT_EQ(m.render().find("megacpp_validation_"), std::string::npos);
+  m.set_validation(10, 2.5);
+  m.set_validation(20, 2.25);
+  m.set_validation(10, 2.5);
+  const std::string text = m.render();
+  EXPECT_NE(text.find("# TYPE megacpp_validation_loss gauge\nmegacpp_validation_loss 2.25\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("megacpp_validation_step 20\n"), std::string::npos) << text;
 }
 
 TEST(Metrics, SeriesSortedByStageNameThenNumericRank) {

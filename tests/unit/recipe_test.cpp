@@ -255,6 +255,8 @@ checkpoint_every = 11
 precision = "bf16-mixed"
 grad_reduce = "bf16"
 recompute = "selective"
+eval_every = 13
+eval_tokens = 4800
 [optim]
 embed_lr = 0.3
 head_lr = 0.005
@@ -300,6 +302,7 @@ shards = 3
     EXPECT_EQ(std::tie(t.min_lr_ratio, t.grad_clip), std::make_tuple(0.2, 0.5));
     EXPECT_EQ(std::tie(t.precision, t.grad_reduce, t.recompute),
               std::make_tuple("bf16-mixed", "bf16", "selective"));
+    EXPECT_EQ(std::tie(t.eval_every, t.eval_tokens), std::make_tuple(13u, 4800u));
     const auto& o = t.optim;
     EXPECT_EQ(std::tie(o.embed_lr, o.head_lr, o.adam_lr, o.adam_beta1, o.adam_beta2, o.adam_eps,
                        o.adam_weight_decay, o.muon_lr, o.muon_momentum, o.muon_beta2,
@@ -329,6 +332,71 @@ shards = 3
   EXPECT_TRUE(plain.train.optim.muon_bf16_auto);
   EXPECT_EQ(plain.model.rope_theta, mc::recipe::ModelConfig{}.rope_theta);
   EXPECT_EQ(plain.data.eos_id, -1);
+}
+
+// Evaluation (README.md "Validation loss"): off by default; its keys are read, checked and
+// carried by the launch contract, and left out of the hash (evaluation changes nothing that
+// trains), so a recipe hashes the same with or without them.
+TEST(Recipe, EvaluationKeysAreReadButNotHashed) {
+  const auto plain = mc::recipe::parse(kBase, "x.toml");
+  EXPECT_EQ(plain.train.eval_every, 0u);
+  const std::string with = std::string(kBase) + "eval_every = 5\neval_tokens = 640\n";
+  const auto evaluating = mc::recipe::parse(with, "x.toml");
+  EXPECT_EQ(evaluating.train.eval_every, 5u);
+  EXPECT_EQ(evaluating.train.eval_tokens, 640u);
+  EXPECT_EQ(evaluating.hash, plain.hash);
+  EXPECT_NE(mc::recipe::describe(evaluating).find("eval      every 5 steps"), std::string::npos);
+  // The launch contract carries them (and a contract without them reads as no evaluation).
+  capnp::MallocMessageBuilder msg;
+  auto spec = msg.initRoot<mc::schema::RecipeSpec>();
+  mc::recipe::to_spec(evaluating, spec);
+  EXPECT_TRUE(spec.getTrain().hasEval());
+  EXPECT_EQ(mc::recipe::from_spec(spec.asReader()).train.eval_every, 5u);
+  mc::recipe::to_spec(plain, spec);
+  EXPECT_FALSE(spec.getTrain().hasEval());
+  // One window at least per evaluation.
+  EXPECT_NE(expect_invalid(std::string(kBase) + "eval_every = 5\neval_tokens = 31\n")
+                .find("train.eval_tokens"),
+            std::string::npos);
+  // Which steps evaluate: every 5th and the last.
+  using mc::recipe::evaluates_at;
+  using mc::recipe::evaluations_after;
+  EXPECT_TRUE(evaluates_at(5, 5, 12));
+  EXPECT_FALSE(evaluates_at(5, 6, 12));
+  EXPECT_TRUE(evaluates_at(5, 12, 12));
+  EXPECT_FALSE(evaluates_at(0, 12, 12));
+  for (uint32_t every : {1u, 3u, 5u, 12u, 20u})
+    for (uint32_t after = 0; after <= 12; ++after) {
+      uint32_t n = 0;
+      for (uint32_t s = after + 1; s <= 12; ++s) n += evaluates_at(every, s, 12);
+      EXPECT_EQ(evaluations_after(every, after, 12), n) << every << " " << after;
+    }
+  EXPECT_EQ(evaluations_after(0, 0, 12), 0u);
+}
+
+// An evaluation's windows shared out over data ranks: contiguous parts that cover every window
+// once, in slots of at most `batch` rows, whatever the number of ranks.
+TEST(ValidationShare, PartsCoverEveryWindowOnceInSlotsOfTheBatch) {
+  for (uint64_t windows : {1ull, 7ull, 50ull, 128ull})
+    for (uint32_t ranks : {1u, 2u, 3u, 4u, 8u})
+      for (uint32_t batch : {1u, 4u, 16u}) {
+        const mc::recipe::ValidationShare share{windows, ranks, batch};
+        uint64_t next = 0;
+        for (uint32_t d = 0; d < ranks; ++d) {
+          EXPECT_EQ(share.first(d), next);
+          uint64_t rows = 0;
+          for (uint32_t k = 0; k < share.slots(d); ++k) {
+            EXPECT_GE(share.rows(d, k), 1u);
+            EXPECT_LE(share.rows(d, k), batch);
+            rows += share.rows(d, k);
+          }
+          EXPECT_EQ(rows, share.count(d));
+          EXPECT_LE(share.count(d), windows / ranks + 1);
+          next += share.count(d);
+        }
+        EXPECT_EQ(next, windows) << windows << " " << ranks << " " << batch;
+      }
+  EXPECT_EQ(mc::recipe::validation_tag(3, 7), (uint64_t{3} << 32) | 7);
 }
 
 TEST(Recipe, ResolveByNameAndPath) {
