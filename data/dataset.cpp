@@ -252,9 +252,9 @@ ResolvedValidation resolve_validation(const recipe::Recipe& recipe,
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::kInvalidArgument) throw;
       return off(fmt::format(
-          "the data has no val split ({}); `megacpp prepare --val-every K` writes one, or set "
-          "train.eval_every = 0",
-          e.what()));
+          "the data has no val split (no {} files named *val* at [data] path \"{}\" under {}); "
+          "`megacpp prepare --val-every K` writes one, or set train.eval_every = 0",
+          d.source, d.path, data_dir.string()));
     }
     if (overlap(paths, train.files))
       return off(fmt::format(

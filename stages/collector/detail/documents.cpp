@@ -462,7 +462,10 @@ std::string bench_telemetry_document(const FoldState& s, const RunView& v) {
     ff.set(i, it == s.first_forward.end() ? 0.0 : it->second);
   }
   t.setTelemetryTruncated(s.truncated(v.effective));
-  auto evals = t.initEvaluations(static_cast<unsigned>(v.evaluations.size()));
+  // Absent without an evaluation (as in receipts written before evaluation existed).
+  auto evals = v.evaluations.empty()
+                   ? capnp::List<schema::EvaluationPoint>::Builder()
+                   : t.initEvaluations(static_cast<unsigned>(v.evaluations.size()));
   i = 0;
   for (const auto& [step, e] : v.evaluations) {
     auto ep = evals[i++];
