@@ -5,7 +5,9 @@ ManifestKeys   runs `megacpp run tiny` on 2 ranks and compares the set of JSON k
                `stages[].restartCauses`) with tests/golden/tiny_keys.json, plus the values
                that are deterministic (state "ok", stepsCompleted, every stage's exit, ...).
 GoldenLosses   compares the first 20 per-step losses (bench_telemetry.json, the mean over
-               ranks) at world 1 and world 2 with tests/golden/tiny_losses.json.
+               ranks) at world 1 and world 2 with tests/golden/tiny_losses.json, and the
+               validation losses tiny's evaluations (every 10 steps: after steps 10 and 20)
+               give at both worlds, with the same tolerances.
 
 A key added or a loss changed on purpose: regenerate the golden files and commit them with
 the change that explains them:
@@ -24,6 +26,10 @@ Measured here (AMD EPYC, torch 2.11 CPU, ATEN capability AVX2), first 20 losses,
   ATEN_CPU_CAPABILITY=avx2 + MKL_ENABLE_INSTRUCTIONS=AVX2      0.0  (the path it already takes)
   ATEN_CPU_CAPABILITY=default + MKL_ENABLE_INSTRUCTIONS=SSE4_2  6.5e-3 (step 6; 9.5e-7 at step 2,
                                                                1.9e-4 at step 3, ~1e-3 after)
+On an AMD EPYC with AVX-512 (ATen capability AVX512: the other-CPU tolerance applies), the
+recording's path is ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2:
+the 20 losses at both worlds then equal the golden's bit for bit (max |diff| 0.0; without the
+oneDNN cap 3.6e-3). tiny's validation losses were recorded that way.
 A different kernel path sums in another order, changing the last bits of float32 results;
 Muon orthogonalizes in bfloat16, so one flipped rounding grows to ~1e-3 within a few steps.
 Hence two tolerances, |fresh - golden| <= ABS + REL * |golden| per step:
@@ -188,15 +194,17 @@ class GoldenLosses(unittest.TestCase):
     def losses(world):
         rd = run_dir(world)
         with open(os.path.join(rd, "receipts", "bench_telemetry.json")) as f:
-            steps = json.load(f)["steps"]
+            telemetry = json.load(f)
         with open(os.path.join(rd, "manifest.json")) as f:
             recipe_hash = json.load(f)["recipeHash"]
-        return recipe_hash, [s["loss"] for s in steps[:STEPS]]
+        steps = telemetry["steps"]
+        val = {str(e["step"]): e["loss"] for e in telemetry.get("evaluations", [])}
+        return recipe_hash, [s["loss"] for s in steps[:STEPS]], val
 
     def test_first_20_losses_at_world_1_and_2(self):
         fresh = {"recipe": "tiny", "steps": STEPS, "trainerThreads": 1, "cpuPath": cpu_path()}
         for world in (1, 2):
-            fresh["recipeHash"], fresh["world%d" % world] = self.losses(world)
+            fresh["recipeHash"], fresh["world%d" % world], fresh["world%dVal" % world] = self.losses(world)
         if UPDATE:
             write_golden(LOSSES_FILE, fresh)
             return
@@ -216,6 +224,16 @@ class GoldenLosses(unittest.TestCase):
                 self.assertLessEqual(abs(g - w), abs_ + rel * abs(w),
                                      "world %d step %d: loss %.9g, golden %.9g (tolerance abs %g + rel %g); %s" % (
                                          world, step, g, w, abs_, rel, HOW_TO_UPDATE))
+            # The held-out losses after steps 10 and 20 (recipes/tiny.toml eval_every = 10).
+            got_val, want_val = fresh["world%dVal" % world], golden["world%dVal" % world]
+            self.assertEqual(sorted(got_val), sorted(want_val), "world %d: evaluated steps; %s" % (world, HOW_TO_UPDATE))
+            for step, w in want_val.items():
+                g = got_val[step]
+                sys.stderr.write("golden: world %d validation loss after step %s = %.9g (golden %.9g)\n" % (
+                    world, step, g, w))
+                self.assertLessEqual(abs(g - w), abs_ + rel * abs(w),
+                                     "world %d validation after step %s: %.9g, golden %.9g; %s" % (
+                                         world, step, g, w, HOW_TO_UPDATE))
 
 
 def tearDownModule():
