@@ -1,11 +1,13 @@
 """End-to-end: `megacpp report` writes one self-contained page whose plots render.
 
-Three fixture runs (ok, restarts, failed; tests/fixtures/runs/v1) are collected and reported
-together. The page loads nothing (no src, no href, no script); it has one loss and one tokens/s
-plot with a line per run, marks the restarted run's second attempt, names the failed run's first
-failure, and lists each run's stages. Headless Chromium (Debian's `chromium`, installed by
-`make test`'s set-up) then takes a screenshot, and the test decodes the PNG and counts the pixels
-of each run's line colour: each line must have been drawn.
+Three fixture runs (ok, restarts, failed; tests/fixtures/runs/v1) and a fresh run of tiny that
+evaluates every 2 steps are collected and reported together. The page loads nothing (no src, no
+href, no script); it has one loss and one tokens/s plot with a line per run, and on the loss plot
+a second, dashed line of the fresh run's validation losses; it marks the restarted run's second
+attempt, names the failed run's first failure, lists each run's stages and the fresh run's
+validation loss. Headless Chromium (Debian's `chromium`, installed by `make test`'s set-up) then
+takes a screenshot, and the test decodes the PNG and counts the pixels of each run's line colour
+and of the validation line's: each line must have been drawn.
 """
 import os
 import re
@@ -22,7 +24,8 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 import run_harness  # noqa: E402
 
 FIXTURES = os.path.join(HERE, "..", "fixtures", "runs", "v1")
-COLOURS = {"ok": (0x1f, 0x77, 0xb4), "restarts": (0xd6, 0x27, 0x28), "failed": (0x2c, 0xa0, 0x2c)}
+COLOURS = {"ok": (0x1f, 0x77, 0xb4), "restarts": (0xd6, 0x27, 0x28), "failed": (0x2c, 0xa0, 0x2c),
+           "fresh": (0x94, 0x67, 0xbd), "fresh val": (0x3f, 0x00, 0x7d)}
 
 
 def png_pixels(path):
@@ -78,6 +81,18 @@ class Report(unittest.TestCase):
             p = run_harness.megacpp(["collect", d])
             assert p.returncode == 0, p.stderr
             cls.runs.append(d)
+        # A run that evaluates: tiny with eval_every = 2 over 12 steps (6 validation points).
+        with open(os.path.join(run_harness.RECIPE_DIR, "tiny.toml")) as f:
+            text = f.read()
+        assert "eval_every = 10 " in text
+        recipe = os.path.join(cls.tmp, "tiny-eval.toml")
+        with open(recipe, "w") as f:
+            f.write(text.replace("eval_every = 10 ", "eval_every = 2 "))
+        fresh = os.path.join(cls.tmp, "fresh")
+        p = run_harness.megacpp(["run", recipe, "--ranks", "2", "--steps", "12", "--run-dir", fresh,
+                                 "--data-dir", os.path.join(cls.tmp, "data"), "--progress", "none"])
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        cls.runs.append(fresh)
         cls.out = os.path.join(cls.tmp, "report")
         cls.p = run_harness.megacpp(["report"] + cls.runs + ["--out", cls.out])
         with open(os.path.join(cls.out, "index.html")) as f:
@@ -92,10 +107,14 @@ class Report(unittest.TestCase):
         self.assertIn("index.html", self.p.stdout)
         self.assertNotRegex(self.html, r"\b(src|href)\s*=|<script|@import|url\(")
         self.assertEqual(self.html.count("<svg"), 2)
-        self.assertEqual(len(re.findall(r'<polyline [^>]*class="series"', self.html)), 6)
+        self.assertEqual(len(re.findall(r'<polyline [^>]*class="series"', self.html)), 8)
+        self.assertEqual(len(re.findall(r'<polyline [^>]*class="validation"', self.html)), 1)
+        self.assertEqual(self.html.count("<circle "), 6)  # a dot per evaluation
+        self.assertIn("fresh val</text>", self.html)
+        self.assertRegex(self.html, r"<th>validation</th><td>loss \d\.\d{4} after step 12, best")
         self.assertEqual(self.html.count('class="attempt"'), 2)  # restarts' attempt 1, both plots
         self.assertIn("first failure: <b>signaled</b> in trainer-1", self.html)
-        for name in ("ok", "restarts", "failed"):
+        for name in ("ok", "restarts", "failed", "fresh"):
             self.assertIn(">%s</h2>" % name, self.html)
         self.assertIn("attempts: #0 launch", self.html)
 
@@ -118,7 +137,8 @@ class Report(unittest.TestCase):
                         counts[name] += 1
         # Each run's lines (two plots, 2.5 px wide) and its legend swatches: hundreds of pixels
         # of its colour. The ok run's loss line lies under the restarted run's (equal losses),
-        # but its tokens/s line does not.
+        # but its tokens/s line does not. The validation line: dashes between six dots, and its
+        # legend swatch.
         for name, n in counts.items():
             self.assertGreater(n, 200, "%s: %d pixels of its colour (%s)" % (name, n, counts))
 
