@@ -2,7 +2,9 @@
 
 Two runs of `tiny` on 2 ranks are one class (same recipe hash, mode, world, backend, device,
 build and data): the table prints tokens/s, step time p50/p99, checkpoint stall, restarts and the
-loss at steps both recorded (equal: the runs are bit-identical). A run on 1 rank is another class:
+loss at steps both recorded (equal: the runs are bit-identical), and the validation loss at
+every step both evaluated after; the class names the validation set, so a run evaluating on
+another one (other eval_tokens, the same recipe hash) is refused naming it. A run on 1 rank is another class:
 refused in one line naming the field that differs (world), printed with --force under a
 cross-class label. A run of the same recipe in bf16-mixed is another class too: its recipe hash
 and its precision differ, and the manifest and bench_result.json name its precision. Fewer than two runs, or a folder that is not a run, is one line and exit 2.
@@ -44,6 +46,16 @@ class Compare(unittest.TestCase):
                                  "--run-dir", d, "--data-dir", data, "--progress", "none"])
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
         cls.runs["m"] = d
+        # The same recipe evaluating on another validation set (half the tokens): the recipe
+        # hash is the same (evaluation does not change what trains), the validation class is not.
+        cls.val_recipe = os.path.join(cls.tmp, "ck4-val.toml")
+        with open(cls.val_recipe, "w") as f:
+            f.write(text.replace("eval_tokens = 8192 ", "eval_tokens = 4096 "))
+        d = os.path.join(cls.tmp, "v")
+        p = run_harness.megacpp(["run", cls.val_recipe, "--ranks", "2", "--steps", str(STEPS),
+                                 "--run-dir", d, "--data-dir", data, "--progress", "none"])
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        cls.runs["v"] = d
 
     @classmethod
     def tearDownClass(cls):
@@ -63,6 +75,21 @@ class Compare(unittest.TestCase):
         for step, a, b in losses:
             self.assertEqual(a, b, "step %s" % step)  # bit-identical runs
         self.assertRegex(out, r"\ntokens/s vs a +1\.000x +\d+\.\d{3}x\n")
+        # The held-out set is in the class, and each evaluated step has its row (tiny evaluates
+        # every 10 steps and at the last).
+        self.assertRegex(out, r"; validation [0-9a-f]{16};")
+        val = re.findall(r"\nval loss @ step (\d+) +(\S+) +(\S+)", out)
+        self.assertEqual([v[0] for v in val], ["10", str(STEPS)])
+        for step, a, b in val:
+            self.assertEqual(a, b, "step %s" % step)
+        self.assertRegex(out, r"\nevaluation s +\d+\.\d{3} +\d+\.\d{3}\n")
+
+    def test_another_validation_set_is_another_class(self):
+        self.assertEqual(run_harness.manifest(self.runs["a"])["recipeHash"],
+                         run_harness.manifest(self.runs["v"])["recipeHash"])
+        p = run_harness.megacpp(["compare", self.runs["a"], self.runs["v"]])
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertRegex(p.stderr, r"not one comparison class: validation [0-9a-f]{16} \(a\) vs [0-9a-f]{16} \(v\)")
 
     def test_another_class_is_refused_then_forced(self):
         p = run_harness.megacpp(["compare", self.runs["a"], self.runs["c"]])
