@@ -15,7 +15,10 @@ steps of every trial, milliseconds) for both:
            step, AdamW step -- from the twin's --json
 
 and the optimizer's share of a step (clip + reduction + orthogonalization + element-wise math +
-all-gather, over the step). Every trial is reported, not only the best; the machine is shared,
+all-gather, over the step). Both sides evaluate on held-out windows as the recipe says
+(train.eval_every, eval_tokens; megacpp from its val split's rings, the twin a PyTorch
+no_grad loop on DDP): the evaluation tokens/s of each (tokens scored over the evaluations'
+time, which neither side counts in its step time) and their ratio. Every trial is reported, not only the best; the machine is shared,
 so compare ratios, not absolute times. Nothing is judged: the goals are printed beside the
 figures.
 
@@ -101,6 +104,9 @@ def run_megacpp(args, recipe, steps, workdir, tag):
         raise SystemExit(f"bench_train_step: {' '.join(cmd)} exited {proc.returncode}")
     with open(os.path.join(run_dir, "receipts", "bench_telemetry.json")) as f:
         telemetry = json.load(f)
+    evals = telemetry.get("evaluations", [])
+    args.last_eval = {"count": len(evals), "tokens": sum(e["tokens"] for e in evals),
+                      "seconds": sum(e["seconds"] for e in evals)}
     out = []
     for s in telemetry["steps"]:
         ph = s.get("phases")
@@ -128,6 +134,9 @@ def run_twin(args, recipe, steps, workdir, tag):
     with open(out_json) as f:
         result = json.load(f)
     os.unlink(out_json)
+    evals = result.get("evaluations", [])
+    args.last_eval = {"count": len(evals), "tokens": sum(e["tokens"] for e in evals),
+                      "seconds": sum(e["seconds"] for e in evals)}
     if result["params"] != args.expected_params:
         raise SystemExit(f"bench_train_step: the twin's model has {result['params']} parameters, "
                          f"megacpp's {args.expected_params}: they are not the same model")
@@ -186,6 +195,7 @@ def main():
                   f"{args.warmup}", flush=True)
             rates = {"megacpp": [], "twin": []}
             kept = {"megacpp": [], "twin": []}
+            eval_rates = {"megacpp": [], "twin": []}
             for trial in range(1, args.trials + 1):
                 for side, runner in (("megacpp", run_megacpp), ("twin", run_twin)):
                     before = load_avg()
@@ -196,6 +206,9 @@ def main():
                     rate = tokens_per_second(ss, tokens_per_step)
                     rates[side].append(rate)
                     kept[side].append(ss)
+                    ev = args.last_eval
+                    if ev["count"] > 0 and ev["seconds"] > 0:
+                        eval_rates[side].append(ev["tokens"] / ev["seconds"])
                     print(f"  trial {trial} {side:8s} {rate:10.0f} tokens/s  "
                           f"(median step {1e3 * statistics.median(s['seconds'] for s in ss):7.1f}"
                           f" ms, whole run {wall:5.1f} s)  load {before:.2f} -> "
@@ -204,6 +217,16 @@ def main():
             ratio = med["megacpp"] / med["twin"]
             print(f"  median   megacpp {med['megacpp']:.0f}  twin {med['twin']:.0f}  "
                   f"ratio {ratio:.2f}x (goal >= {goal}x)")
+
+            if eval_rates["megacpp"] and eval_rates["twin"]:
+                em = {k: statistics.median(v) for k, v in eval_rates.items()}
+                print(f"  evaluation (held-out, no gradients): megacpp {em['megacpp']:.0f} "
+                      f"tokens/s, twin {em['twin']:.0f} tokens/s, ratio "
+                      f"{em['megacpp'] / em['twin']:.2f}x ({ev['count']} evaluations of "
+                      f"{ev['tokens'] / ev['count']:.0f} tokens a trial)", flush=True)
+            else:
+                em = {}
+                print("  evaluation: the recipe does not evaluate (train.eval_every = 0)")
 
             m_phases, m_step = mean_phases(kept["megacpp"])
             t_phases, t_step = mean_phases(kept["twin"])
@@ -228,7 +251,8 @@ def main():
                 "phases_ms": {"megacpp": {k: 1e3 * v for k, v in m_phases.items()},
                               "twin": {k: 1e3 * v for k, v in t_phases.items()}},
                 "step_ms": {"megacpp": 1e3 * m_step, "twin": 1e3 * t_step},
-                "optimizer_share": 100 * m_opt / m_step}
+                "optimizer_share": 100 * m_opt / m_step,
+                "evaluation_tokens_per_second": em}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print("== summary: size, megacpp tokens/s, twin tokens/s, ratio (goal), megacpp optimizer share")

@@ -37,6 +37,12 @@ Equal to megacpp (stages/trainer/model.cpp, train_step.cpp, recipes/recipe.h):
           betas (adam_beta1, adam_beta2), eps adam_eps, weight decay adam_weight_decay.
   LR      every group's peak LR times megacpp's lr_scale(): linear warmup over warmup_steps,
           then cosine down to min_lr_ratio at the last step (--steps).
+  eval    every train.eval_every steps and at the last (0: never), eval_tokens // seq_len
+          held-out windows over all ranks (rank r the r-th contiguous part, in batches of at
+          most batch_size rows, tokens as --data draws them from a fixed seed) scored the way a
+          PyTorch user does it: model.eval(), torch.no_grad() (under the same autocast), the
+          summed cross-entropy and its token count all-reduced; its time is kept apart and
+          is not in the step's.
   clip    global gradient norm clipped to train.grad_clip (0: off) with scale
           clip / (norm + 1e-6), as TrainStep::grad_norm_and_clip.
   threads torch.set_num_threads(--threads), default 1 (MEGACPP_TRAINER_THREADS' default).
@@ -126,7 +132,7 @@ DEFAULTS = {
     "model": {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_layers": 2, "n_heads": 4,
               "mlp_mult": 4, "n_kv_heads": 0, "rope_theta": 10000.0, "ffn_hidden": 0},
     "train": {"batch_size": 16, "min_lr_ratio": 0.1, "warmup_steps": 5, "grad_clip": 1.0,
-              "seed": 1234, "checkpoint_every": 20},
+              "seed": 1234, "checkpoint_every": 20, "eval_every": 0, "eval_tokens": 65536},
     "optim": {"embed_lr": 0.2, "head_lr": 0.004, "adam_lr": 0.004, "adam_beta1": 0.8,
               "adam_beta2": 0.95, "adam_eps": 1e-10, "adam_weight_decay": 0.0,
               "adamw_crossover": 262144, "muon_lr": 0.02, "muon_momentum": 0.95,
@@ -457,7 +463,27 @@ def main():
     data_gen = torch.Generator()
     tokens_per_step = world * B * T
 
-    records = []
+    def evaluate():
+        # The held-out windows of this rank's part, the same at every evaluation.
+        windows = train["eval_tokens"] // T
+        first, end = windows * rank // world, windows * (rank + 1) // world
+        val_gen = torch.Generator()
+        sums = torch.zeros(2, dtype=torch.float64)
+        ddp.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for at in range(first, end, B):
+                rows = min(B, end - at)
+                val_gen.manual_seed(train["seed"] + 15485863 + at)
+                x = make_batch(args.data, val_gen, rows, T, V)
+                logits = ddp(x[:, :-1])
+                sums[0] += F.cross_entropy(logits.reshape(-1, V).float(), x[:, 1:].reshape(-1),
+                                           reduction="sum").item()
+                sums[1] += rows * T
+        ddp.train()
+        dist.all_reduce(sums)
+        return sums[0].item() / sums[1].item(), sums[1].item()
+
+    records, evaluations = [], []
     dist.barrier()
     t_end = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -486,15 +512,24 @@ def main():
             group["lr"] = optim["muon_lr"] * scale
         muon.step()
         t_end = time.perf_counter()
+        every = train["eval_every"]
+        if every > 0 and (step % every == 0 or step == args.steps):
+            val_loss, val_tokens = evaluate()
+            t_eval = time.perf_counter()
+            evaluations.append({"step": step, "loss": val_loss, "tokens": val_tokens,
+                                "seconds": t_eval - t_end})
+            t_step_end, t_end = t_end, t_eval  # the next step's time starts after it
+        else:
+            t_step_end = t_end
 
         if rank != 0:
             continue
-        record = {"step": step, "seconds": t_end - t_prev, "loss": loss.item()}
+        record = {"step": step, "seconds": t_step_end - t_prev, "loss": loss.item()}
         if args.phases:
             record["phases"] = {"batch": t1 - t0, "forward": t2 - t1, "backward": t3 - t2,
                                 "reduce_wait": max(t3 - clock.last_launch, 0.0),
                                 "clip": t4 - t3, "optimizer_adamw": t5 - t4,
-                                "optimizer_muon": t_end - t5}
+                                "optimizer_muon": t_step_end - t5}
         records.append(record)
         if step % args.print_every == 0:
             print(f"step {step} loss {record['loss']:.4f} step_s {record['seconds']:.5f} "
@@ -518,7 +553,7 @@ def main():
                    "threads": args.threads, "batch": B, "seq": T, "steps": records,
                    "precision": args.precision, "recompute": args.recompute,
                    "wrapper": "fsdp2" if args.fsdp else "ddp",
-                   "memory_above_baseline": above.item()}
+                   "memory_above_baseline": above.item(), "evaluations": evaluations}
             tmp = args.json + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(out, f, indent=1)

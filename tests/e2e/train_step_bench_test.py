@@ -51,6 +51,11 @@ class TrainStepBench(unittest.TestCase):
         for phase in ("forward", "backward", "optimizer_muon", "optimizer_adamw", "clip"):
             self.assertGreater(twin.get(phase, 0), 0, phase)
         self.assertGreater(tiny["optimizer_share"], 0)
+        # Both sides evaluated (tiny: every 10 steps, so once in 10 steps) and were timed.
+        evaluation = tiny["evaluation_tokens_per_second"]
+        self.assertGreater(evaluation.get("megacpp", 0), 0)
+        self.assertGreater(evaluation.get("twin", 0), 0)
+        self.assertIn("evaluation (held-out, no gradients): megacpp", proc.stdout)
 
 
 if __name__ == "__main__":
