@@ -157,6 +157,9 @@ struct ValidationResult {
   windows @8 :UInt64;           # windows per evaluation
   digest @9 :Text;              # the val split's (launch contract Validation.digest)
   off @10 :Text;                # why the run did not evaluate although the recipe asked
+  # bench_result.json: its wallSeconds less the evaluations that ended inside it — the time
+  # its tokensPerSecond is over (the manifest's: 0).
+  trainingSeconds @11 :Float64;
 }
 
 struct BenchResult {
@@ -187,10 +190,9 @@ struct BenchResult {
   gradReduce @19 :Text;
   recompute @20 :Text;
   memory @21 :RankMemory;       # absent when no step recorded it (journals before the field)
-  validation @22 :ValidationResult;  # absent when the recipe does not evaluate
-  # wallSeconds less the evaluations inside it: what tokensPerSecond divides by (equal to
-  # wallSeconds without evaluation).
-  trainingSeconds @23 :Float64;
+  # Absent when the recipe does not evaluate; else its trainingSeconds (wallSeconds less the
+  # evaluations inside it) is what tokensPerSecond divides by.
+  validation @22 :ValidationResult;
 }
 
 # Host memory per rank, bytes, the largest over the ranks of the current attempt (journal

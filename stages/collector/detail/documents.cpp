@@ -410,8 +410,8 @@ std::string bench_result_document(const FoldState& s, const RunView& v) {
   r.setFirstLoss(v.points.empty() ? 0.0 : mean_loss_at(v.points.begin()->first));
   r.setLastLoss(v.completed > 0 ? mean_loss_at(v.completed) : 0.0);
   r.setWallSeconds(v.wall_seconds);
+  // The training time: the evaluations inside the wall time are not in tokens/s.
   const double training = std::max(0.0, v.wall_seconds - v.eval_seconds_inside);
-  r.setTrainingSeconds(training);
   r.setTokensPerSecond(training > 0 ? v.tokens / training : 0.0);
   r.setMeanStepSeconds(v.completed > 0 ? v.step_seconds_sum / v.completed : 0.0);
   if (v.memory_peak > 0) {
@@ -422,7 +422,11 @@ std::string bench_result_document(const FoldState& s, const RunView& v) {
     memory.setDeviceReserved(v.device_memory_reserved);
   }
   const auto launch = s.launch();
-  if (launch.hasValidation()) render_validation(launch, v, r.initValidation());
+  if (launch.hasValidation()) {
+    auto validation = r.initValidation();
+    render_validation(launch, v, validation);
+    validation.setTrainingSeconds(training);
+  }
   r.setDataset(launch.getDataset());
   r.setVolumes(launch.getVolumes());
   r.setCollectives(launch.getCollectives());

@@ -25,4 +25,9 @@ struct CheckpointManifest {
   # tensor-parallel degree. Empty / 0 in checkpoints written before them: author_dp, 1.
   mode @8 :Text;
   tensorParallel @9 :UInt32;
+  # A node's part of a job's checkpoint (a job across nodes: each node's checkpointer commits
+  # its own ranks): files are ranks firstRank .. firstRank + ranks - 1 of world. ranks 0, as in
+  # checkpoints written before the fields and on one node: every rank of world.
+  firstRank @10 :UInt32;
+  ranks @11 :UInt32;
 }

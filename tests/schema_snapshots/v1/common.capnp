@@ -25,6 +25,7 @@ enum Phase {
   shutdown @7;
   produce @8;      # data loader filling rings
   write @9;        # checkpointer writing / collector folding
+  evaluate @10;    # trainer scoring one slot of held-out (val) data
 }
 
 # Typed failures. Enumerants are camelCase; their $Json.name is the snake_case word the
@@ -46,6 +47,18 @@ enum FailureKind {
   stalled @9;                                  # a restartable stage starved its consumers
   incomplete @10;                              # finished short of the planned steps
   orphaned @11;                                # the supervisor vanished before the end
+  diverged @12;                                # a non-finite loss, gradient or parameter
+  # A job across nodes (supervisor/job_watch.h): a node went silent (dead, hung or cut off), or
+  # another node's first failure ended the job.
+  nodeLost @13 $Json.name("node_lost");
+  nodeFailed @14 $Json.name("node_failed");
+}
+
+# How a process met its own failure, as it reports it (control Failure, failure dump).
+enum FailureReport {
+  exception @0;                                # an exception left the stage's body
+  terminate @1;                                # std::terminate (e.g. one escaped a thread)
+  signal @2;                                   # a fatal signal (the crash handler's dump)
 }
 
 # The role the supervisor assigned a failed process once teardown was over.
@@ -96,4 +109,5 @@ enum ErrorKind {
   std @11;                                     # any other std::exception
   unknown @12;                                 # anything else
   none @13 $Json.name("");                     # not reported (a Failure that is no exception)
+  diverged @14;                                # a non-finite loss, gradient or parameter
 }

@@ -28,6 +28,10 @@ struct Heartbeat {
   progressMonoNs @11 :Int64;    # when the working thread last made progress (0: not yet)
   workDone @12 :UInt64;         # units of work done: folds, commits, batches produced
   pendingSinceMonoNs @13 :Int64;  # since when the oldest owed piece of work waits (0: none)
+  # A trainer's newest held-out evaluation: its loss (NaN before the first) and the step it
+  # followed (0: none yet).
+  valLoss @14 :Float32;
+  valStep @15 :UInt32;
 }
 
 struct Stop {
@@ -40,12 +44,13 @@ struct Stop {
 struct Failure {
   stage @0 :Common.StageKind;
   rank @1 :UInt32;
-  kind @2 :Text;
+  kind @2 :Text;                # the name of `report`, for readers of schema 1 (not read)
   message @3 :Text;
   phase @4 :Common.Phase;
   step @5 :UInt32;
   monoNs @6 :Int64;             # when the process met the failure (CLOCK_MONOTONIC)
   errorKind @7 :Common.ErrorKind = none;  # what was thrown (peerFailure / timeout mark a victim)
+  report @8 :Common.FailureReport;        # how the process met the failure
 }
 
 struct TensorEntry {
@@ -66,7 +71,7 @@ struct SnapshotReady {
   final @6 :Bool;               # the end-of-training snapshot
   layout @7 :Text;              # JSON: how to reassemble sharded entries (train_step.h
                                 # snapshot_metadata); stored as "megacpp.layout" in the file
-  # Where the region's step stamp lies (checkpointer.h StagingStamp); 0: the sender has none.
+  # Where the region's step stamp lies (ipc/staging_stamp.h StagingStamp); 0: the sender has none.
   stampOffset @8 :UInt64;
 }
 

@@ -28,6 +28,53 @@ struct StepRecord {
   # assignments per expert (MoE layers in order, n_experts each); 0 / empty otherwise.
   auxLoss @11 :Float32;
   expertTokens @12 :List(UInt32);
+  # Where the rest of the step's time went (absent in journals written before it existed).
+  phases @13 :StepPhases;
+  # The rank's host memory in bytes: its peak resident size so far (VmHWM, shared mappings such
+  # as the snapshot staging region included once touched), and its resident size before its
+  # model was built (libtorch, its groups, the rings). 0 in journals written before them.
+  memoryPeak @14 :UInt64;
+  memoryBaseline @15 :UInt64;
+  # Of those, the pages of mapped files (RssFile: libtorch's code, paged in as it first runs,
+  # shared by every rank and reclaimable) at this record and at the baseline. The rank's own
+  # memory above its baseline — what the plan estimates — is (memoryPeak - memoryFile) -
+  # (memoryBaseline - memoryBaselineFile): exact when no file page came in after the peak, else
+  # low by what did. 0 in journals written before them.
+  memoryFile @16 :UInt64;
+  memoryBaselineFile @17 :UInt64;
+  # A rank on a GPU: its device's memory through torch's caching allocator so far, bytes — the
+  # most held by tensors at once (what the plan estimates) and the most the allocator held from
+  # the driver. 0 on the CPU and in journals written before them.
+  deviceMemoryPeak @18 :UInt64;
+  deviceMemoryReserved @19 :UInt64;
+}
+
+# Parts of one rank's step, host wall seconds. forwardSeconds + backwardSeconds +
+# optimizerSeconds + handoffSeconds + snapshotSeconds + betweenSeconds is stepSeconds but for
+# the trainer's own bookkeeping between them.
+struct StepPhases {
+  handoffSeconds @0 :Float64;        # the batch: ring wait (waitSeconds), widening, slot release
+  clipSeconds @1 :Float64;           # gradient norm and clipping (within optimizerSeconds)
+  reduceSeconds @2 :Float64;         # optimizers: has-grad masks, gradient packing and reduction
+  orthogonalizeSeconds @3 :Float64;  # DistMuon's Polar Express / Newton-Schulz
+  updateSeconds @4 :Float64;         # optimizers' element-wise math
+  gatherSeconds @5 :Float64;         # all-gather of updated parameters
+  snapshotSeconds @6 :Float64;       # what the previous step's snapshot blocked the loop for:
+                                     # starting its copy into staging, and this step's wait
+                                     # for that copy before its update
+  betweenSeconds @7 :Float64;        # after the previous step: journal, publish (and the stop
+                                     # agreement under tensor parallelism)
+}
+
+# A trainer rank's evaluation on the val split after a step (README.md "Validation loss"):
+# every rank of the job journals the same loss and tokens (their all-reduced sums).
+struct Evaluation {
+  step @0 :UInt32;              # the step just trained
+  loss @1 :Float64;             # mean cross-entropy over every token the job scored
+  tokens @2 :UInt64;            # tokens the job scored (the launch contract's windows x seqLen)
+  rankTokens @3 :UInt64;        # of them, this rank's (its tensor-parallel group's)
+  seconds @4 :Float64;          # this rank's evaluation: first slot awaited -> the job's sum
+  waitSeconds @5 :Float64;      # of which waiting on its validation ring
 }
 
 struct CheckpointRecord {
@@ -155,6 +202,9 @@ struct BackendIdentity {
   tensorParallel @6 :UInt32;    # 1, or the size of its tensor-parallel group
   compiler @7 :Text;            # of the trainer binary
   buildType @8 :Text;
+  orthogonalization @9 :Text;   # DistMuon's precision: "bfloat16" | "float32"
+  cpuBf16Units @10 :Text;       # the host CPU's bfloat16 matrix units ("amx_bf16 avx512_bf16", "")
+  hostAllocator @11 :Text;      # CPU tensors: "cache >= N bytes" (MEGACPP_HOST_ALLOCATOR) | "system"
 }
 
 # The supervisor asked a rank to abort its collectives in a failed job's teardown (before any
@@ -198,6 +248,11 @@ struct JournalRecord {
     rendezvousDone @23 :Milestone;
     firstBackward @24 :Milestone;
     backendIdentity @25 :BackendIdentity;
+    # Node 0's supervisor in a job across nodes: the job's manifest as its job watch sees every
+    # node (a JobManifest of manifest.capnp, as JSON: this file cannot import that one), at most
+    # once a second and at the job's end. The collector folds the newest into RUN/job.json.
+    jobView @26 :Text;
+    evaluation @27 :Evaluation;
   }
   # The run attempt that wrote the record (launch.json's attempt; 0 in journals written
   # before attempts existed).

@@ -60,6 +60,21 @@ struct TrainSpec {
   seed @4 :UInt32;
   checkpointEvery @5 :UInt32;
   optim @6 :OptimSpec;
+  memory @7 :MemorySpec;        # written only when a field differs from its default
+  eval @8 :EvalSpec;            # written only when the recipe evaluates (evalEvery > 0)
+}
+
+# recipe [train] eval_every, eval_tokens; see recipes/recipe.h TrainConfig
+struct EvalSpec {
+  every @0 :UInt32;             # steps between evaluations (and the last step); 0: none
+  tokens @1 :UInt32;            # tokens per evaluation, over all ranks
+}
+
+# recipe [train] precision, grad_reduce, recompute; see recipes/recipe.h TrainConfig
+struct MemorySpec {
+  precision @0 :Text;           # "fp32" | "bf16-mixed"
+  gradReduce @1 :Text;          # "fp32" | "bf16"
+  recompute @2 :Text;           # "none" | "selective" | "full"
 }
 
 struct DataSpec {                # recipe [data]; see recipes/recipe.h DataConfig
@@ -205,6 +220,23 @@ struct BatchGeometry {
   windowsPerStep @6 :UInt64;    # the global batch: dataRanks x rankBatch
 }
 
+# This node's place in its job (supervisor/placement.h; DESIGN.md "Joining a job across
+# nodes"): which engine placed it and what it said. Absent in contracts written before the field
+# (one node, placed by nothing).
+struct Placement {
+  source @0 :Text;              # "flags", "torchrun", "slurm", "kubernetes" or "single"
+  nodes @1 :UInt32;
+  nodeRank @2 :UInt32;
+  masterHost @3 :Text;          # node 0's address; empty with source "single"
+  masterPort @4 :UInt32;        # 0 when there is no master
+  hosts @5 :List(Text);         # every node's host, by node rank, when the engine names them
+  jobId @6 :Text;               # the engine's job id (SLURM_JOB_ID, TORCHELASTIC_RUN_ID, ...)
+  attempt @7 :UInt32;           # the engine's restart count (not the run's attempt)
+  iface @8 :Text;               # the interface named for cross-node traffic; empty: default
+  nodesFrom @9 :Text;           # what stated the node count: "SLURM_NNODES=4", "--nodes 2"
+  engineStore @10 :Bool;        # node 0's store is the engine's (torchrun's agent store)
+}
+
 struct LaunchContract {
   schemaVersion @0 :UInt32;
   runId @1 :Text;
@@ -262,6 +294,33 @@ struct LaunchContract {
   # This attempt's batch geometry; ringSlotBytes is its slotBytes. Absent in contracts written
   # before the field existed.
   batch @38 :BatchGeometry;
+  placement @39 :Placement;
+  # This node's ranks of the world: firstRank .. firstRank + localRanks - 1 (global rank = node
+  # rank x ranks per node + local rank). localRanks 0, as in contracts written before the
+  # fields: every rank of the world, on this node.
+  firstRank @40 :UInt32;
+  localRanks @41 :UInt32;
+  # Every key the ranks write to the store starts with it (a job across nodes: the job's
+  # secret prefix, the same on every node). Empty, as in contracts written before the field:
+  # "megacpp/<runId>/".
+  storePrefix @42 :Text;
+  # Held-out evaluation (recipe train.eval_every): absent when the recipe does not evaluate.
+  validation @43 :Validation;
+}
+
+# How the run evaluates on its data's val split (README.md "Validation loss"; recipes/batch_spec.h
+# ValidationShare). The supervisor resolves it with the training data.
+struct Validation {
+  every @0 :UInt32;             # the recipe's eval_every
+  windows @1 :UInt64;           # windows per evaluation, over all ranks: eval_tokens / seqLen,
+                                # at most splitWindows
+  splitWindows @2 :UInt64;      # windows the val split holds
+  dataset @3 :Dataset;          # the val split's files; absent when off
+  off @4 :Text;                 # why the run does not evaluate although the recipe asks; empty
+                                # when it does
+  ringSlots @5 :UInt32;         # slots of each rank's validation ring (0 when off)
+  digest @6 :Text;              # XXH3 of the files' XXH3s and token counts, and the windows:
+                                # the comparison class's "validation"
 }
 
 struct GateVerdict {            # recipes/plan.h Gate

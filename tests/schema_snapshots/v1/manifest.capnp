@@ -1,5 +1,6 @@
 @0xaad75c7143265e0e;
-# RUN/manifest.json and RUN/receipts/*.json: written only by the collector's fold.
+# RUN/manifest.json and RUN/receipts/*.json: written only by the collector's fold (JobManifest,
+# RUN/job.json of a job across nodes, is node 0's supervisor's).
 #
 # Typed failures: these structs exist only as JSON documents (never as binary messages), and
 # a JSON key is its field's name and its position its ordinal. So StageSnapshot.state/role
@@ -130,6 +131,35 @@ struct Manifest {
   # M Mamba-2, R recurrence).
   mode @24 :Text;
   blocks @25 :Text;
+  # The recipe's memory settings (recipes/recipe.h TrainConfig): "fp32" | "bf16-mixed", the
+  # dtype gradients were summed in across data parallel, and the activation recomputation.
+  # Absent when the recipe left them at their defaults (fp32, fp32, none), as its launch
+  # contract does, so a run made before they existed folds to the same manifest.
+  precision @26 :Text;
+  gradReduce @27 :Text;
+  recompute @28 :Text;
+  validation @29 :ValidationResult;  # absent when the recipe does not evaluate
+}
+
+# Held-out evaluation over the run (README.md "Validation loss"; journal Evaluation records that
+# still stand), with the launch contract's validation set. Loss figures are absent (0, step 0)
+# before the first evaluation.
+struct ValidationResult {
+  lastLoss @0 :Float64;         # the newest evaluation's mean cross-entropy
+  lastStep @1 :UInt32;
+  bestLoss @2 :Float64;         # the lowest
+  bestStep @3 :UInt32;
+  evaluations @4 :UInt32;
+  tokens @5 :Float64;           # tokens one evaluation scores, over all ranks
+  seconds @6 :Float64;          # every evaluation's time (the slowest rank's), summed: not
+                                # in the training tokens/s
+  every @7 :UInt32;             # the recipe's eval_every
+  windows @8 :UInt64;           # windows per evaluation
+  digest @9 :Text;              # the val split's (launch contract Validation.digest)
+  off @10 :Text;                # why the run did not evaluate although the recipe asked
+  # bench_result.json: its wallSeconds less the evaluations that ended inside it — the time
+  # its tokensPerSecond is over (the manifest's: 0).
+  trainingSeconds @11 :Float64;
 }
 
 struct BenchResult {
@@ -156,6 +186,26 @@ struct BenchResult {
   collectives @15 :Launch.CollectivePolicy;
   mode @16 :Text;               # as Manifest.mode: the comparison class of these figures
   blocks @17 :Text;             # as Manifest.blocks
+  precision @18 :Text;          # as Manifest.precision, gradReduce and recompute
+  gradReduce @19 :Text;
+  recompute @20 :Text;
+  memory @21 :RankMemory;       # absent when no step recorded it (journals before the field)
+  # Absent when the recipe does not evaluate; else its trainingSeconds (wallSeconds less the
+  # evaluations inside it) is what tokensPerSecond divides by.
+  validation @22 :ValidationResult;
+}
+
+# Host memory per rank, bytes, the largest over the ranks of the current attempt (journal
+# StepRecord): the peak resident size, and the peak above the resident size before the model
+# was built, both without the pages of mapped files (libtorch's code, shared and reclaimable) —
+# what `megacpp plan` estimates per rank.
+struct RankMemory {
+  peak @0 :Float64;
+  aboveBaseline @1 :Float64;
+  # Ranks on GPUs: the largest over the ranks of the device memory held by tensors at once and
+  # of what torch's caching allocator held from the driver (journal StepRecord); 0 on CPUs.
+  devicePeak @2 :Float64;
+  deviceReserved @3 :Float64;
 }
 
 struct StepPoint {
@@ -168,6 +218,23 @@ struct StepPoint {
   dataEpoch @4 :Float64;
   dataCursor @5 :Float64;
   moe @6 :MoeStepPoint;         # absent for a model without MoE layers
+  phases @7 :StepPhasePoint;    # absent when the trainers journaled no phases
+}
+
+# Where a step's time went, the mean over ranks of each part (journal StepRecord and
+# StepPhases). bench/train_step.py prints it beside its Python twin's.
+struct StepPhasePoint {
+  forwardSeconds @0 :Float64;
+  backwardSeconds @1 :Float64;
+  optimizerSeconds @2 :Float64;
+  handoffSeconds @3 :Float64;
+  clipSeconds @4 :Float64;
+  reduceSeconds @5 :Float64;
+  orthogonalizeSeconds @6 :Float64;
+  updateSeconds @7 :Float64;
+  gatherSeconds @8 :Float64;
+  snapshotSeconds @9 :Float64;
+  betweenSeconds @10 :Float64;
 }
 
 struct MoeStepPoint {
@@ -182,6 +249,17 @@ struct BenchTelemetry {
   steps @2 :List(StepPoint);
   firstForwardSeconds @3 :List(Float64);  # per rank
   telemetryTruncated @4 :Bool;
+  evaluations @5 :List(EvaluationPoint);  # every evaluation that still stands, by step
+}
+
+# One held-out evaluation (journal Evaluation): after `step`, the job's mean cross-entropy over
+# `tokens` tokens of the val split.
+struct EvaluationPoint {
+  step @0 :UInt32;
+  loss @1 :Float64;
+  tokens @2 :Float64;
+  seconds @3 :Float64;          # the slowest rank's
+  waitSeconds @4 :Float64;      # the longest any rank waited on its validation ring
 }
 
 # receipts/backend_identity.json: what built the run and what each rank computed with.
@@ -213,6 +291,7 @@ struct RuntimeProvenance {
   dataset @11 :Launch.Dataset;          # its files' XXH3 digests when data came from a manifest
   device @12 :Text;
   attempt @13 :UInt32;
+  placement @14 :Launch.Placement;  # this node's place in its job (absent before the field)
 }
 
 # receipts/first_forward.json: per rank of the current attempt, seconds from the attempt's
@@ -232,4 +311,35 @@ struct RankFirstForward {
   rendezvousSeconds @2 :Float64;     # launch -> its process groups joined
   firstForwardSeconds @3 :Float64;   # launch -> first forward done
   firstBackwardSeconds @4 :Float64;  # launch -> first backward done
+}
+
+# RUN/job.json on node 0 of a job across nodes: the job-wide manifest, one section per node,
+# written by node 0's supervisor from what every node published through the job's store (its
+# job watch: beats, steps, committed parts), as the job goes and when it ends. Each node's own
+# RUN/manifest.json (the collector's) stays the record of its ranks.
+struct JobManifest {
+  schemaVersion @0 :UInt32;
+  runId @1 :Text;               # node 0's run
+  jobId @2 :Text;               # the engine's (SLURM_JOB_ID, TORCHELASTIC_RUN_ID, ...)
+  source @3 :Text;              # where the placement came from (slurm, torchrun, flags, ...)
+  state @4 :Text;               # running | ok | error
+  firstFailure @5 :Text;        # the job's first failure, naming its node ("" while none)
+  nodes @6 :UInt32;
+  ranksPerNode @7 :UInt32;
+  world @8 :UInt32;
+  attempt @9 :UInt32;           # the run's attempt (job restarts in place)
+  slowestStep @10 :UInt32;      # the newest step every rank of every node completed
+  jobLatest @11 :UInt32;        # the step RUN/checkpoints/JOB_LATEST names (0: none yet)
+  updatedAt @12 :Text;
+  nodeList @13 :List(JobNode);
+}
+struct JobNode {
+  node @0 :UInt32;
+  host @1 :Text;
+  firstRank @2 :UInt32;
+  ranks @3 :UInt32;
+  step @4 :UInt32;              # the newest step every rank of the node completed
+  committed @5 :UInt32;         # the newest step it committed its part of
+  state @6 :Text;               # running | finished | lost
+  metrics @7 :Text;             # its /metrics (host:port), as node 0's file_sd lists it
 }
