@@ -782,15 +782,6 @@ void JobController::prepare() {
     validation_ = data::resolve_validation(local, batch_, dataset_, hot, threads);
     dataset_.staged_from = src.string();
   }
-  // Evaluation: one line when the recipe asks and the data cannot give it, none when it can.
-  if (!validation_.off.empty()) log_warn("{}", validation_.off);
-  if (!validation_.notice.empty()) log_warn("{}", validation_.notice);
-  if (validation_.dataset)
-    log_info(
-        "evaluation: every {} steps and the last, {} windows of the val split ({} files, {} "
-        "windows)",
-        recipe_.train.eval_every, validation_.windows, validation_.dataset->files.size(),
-        validation_.split_windows);
 
   // /metrics binds before anything is written: a port that cannot be bound is a start-up
   // error that leaves no half-made run directory behind.
@@ -836,6 +827,15 @@ void JobController::prepare() {
                ? fmt::format(" ({} documents shorter than one window)",
                              dataset_.documents_without_window)
                : "");
+  // Evaluation (the run is sure to start now): one line when the recipe asks and the data cannot give it, none when it can.
+  if (!validation_.off.empty()) log_warn("{}", validation_.off);
+  if (!validation_.notice.empty()) log_warn("{}", validation_.notice);
+  if (validation_.dataset)
+    log_info(
+        "evaluation: every {} steps and the last, {} windows of the val split ({} files, {} "
+        "windows)",
+        recipe_.train.eval_every, validation_.windows, validation_.dataset->files.size(),
+        validation_.split_windows);
   for (const auto& d :
        {layout::journal_dir(run_), layout::receipts_dir(run_), layout::failures_dir(run_),
         layout::checkpoints_dir(run_), layout::logs_dir(run_)}) {
