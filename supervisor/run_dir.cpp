@@ -827,7 +827,8 @@ void JobController::prepare() {
                ? fmt::format(" ({} documents shorter than one window)",
                              dataset_.documents_without_window)
                : "");
-  // Evaluation (the run is sure to start now): one line when the recipe asks and the data cannot give it, none when it can.
+  // Evaluation (the run is sure to start now): one line when the recipe asks and the data cannot
+  // give it, none when it can.
   if (!validation_.off.empty()) log_warn("{}", validation_.off);
   if (!validation_.notice.empty()) log_warn("{}", validation_.notice);
   if (validation_.dataset)
