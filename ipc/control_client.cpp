@@ -42,6 +42,9 @@ struct ControlClient::State {
   std::atomic<uint32_t> val_loss_bits{
       std::bit_cast<uint32_t>(std::numeric_limits<float>::quiet_NaN())};
   std::atomic<uint32_t> val_step{0};
+  // A published record the supervisor should see before the next interval (a new evaluation:
+  // the last one of a run comes just before the rank exits).
+  std::atomic<bool> heartbeat_now{false};
   std::atomic<int64_t> progress_ns{0};
   std::atomic<uint64_t> work_done{0};
   std::atomic<int64_t> pending_since_ns{0};
@@ -184,10 +187,13 @@ struct ControlClient::State {
         flush_failures();
         if (quitting) return;
         auto now = detail::Clock::now();
-        if (now >= next) {
+        const bool due = now >= next;
+        if (heartbeat_now.exchange(false, std::memory_order_acq_rel) || due) {
           send_heartbeat();
-          next += interval;
-          if (next <= now) next = now + interval;
+          if (due) {  // an early one leaves the schedule as it was
+            next += interval;
+            if (next <= now) next = now + interval;
+          }
         }
         poller.wait(Millis(detail::remaining_ms(next)));
         if (poller.readable(kWake)) {
@@ -241,8 +247,13 @@ void ControlClient::publish(const ProgressRecord& record) {
   state_->step_seconds.store(record.step_seconds, std::memory_order_relaxed);
   state_->lag_seconds.store(record.lag_seconds, std::memory_order_relaxed);
   state_->val_loss_bits.store(std::bit_cast<uint32_t>(record.val_loss), std::memory_order_relaxed);
-  state_->val_step.store(record.val_step, std::memory_order_relaxed);
+  const bool new_evaluation =
+      state_->val_step.exchange(record.val_step, std::memory_order_relaxed) != record.val_step;
   state_->step.store(record.step, std::memory_order_release);  // last: publishes the above
+  if (new_evaluation) {
+    state_->heartbeat_now.store(true, std::memory_order_release);
+    state_->wake();
+  }
 }
 
 void ControlClient::set_abort_handler(std::function<void()> abort) {

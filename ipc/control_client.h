@@ -41,7 +41,8 @@ struct ProgressRecord {
   double step_seconds = 0.0;
   double lag_seconds = 0.0;  // how far behind its input the stage's last result was
   // A trainer's newest held-out evaluation (README.md "Validation loss"): its loss, NaN before
-  // the first, and the step it followed.
+  // the first, and the step it followed. A record with a new val_step is sent at once, not at
+  // the next interval.
   float val_loss = std::numeric_limits<float>::quiet_NaN();
   uint32_t val_step = 0;
 };

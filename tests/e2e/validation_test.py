@@ -4,8 +4,9 @@ BitIdentical   tiny on 2 ranks for 12 steps, evaluating every 4 steps, trains ex
                evaluation off: the same losses bit for bit and the same final checkpoint bytes.
                The evaluations (steps 4, 8, 12) are in bench_telemetry.json, bench_result.json
                (last, best, their seconds, the training seconds without them) and the manifest;
-               the console's progress line and final summary name the validation loss, and
-               `megacpp status` prints it.
+               the console's progress line and final summary name the validation loss,
+               `megacpp status` prints it, and /metrics (scraped while the supervisor lingers
+               after the run) has megacpp_validation_loss and megacpp_validation_step.
 OneNumber      The same model state evaluated at world 1, 2 and 4 gives one validation loss:
                tiny with the global batch held at 32 rows (32, 16 and 8 rows per rank),
                float32 orthogonalization and no per-rank clipping, so the ranks' parameters
@@ -19,11 +20,13 @@ NoValSplit     llm.c shards without a val split: the run says "evaluation is off
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
 import tempfile
 import unittest
+import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import run_harness  # noqa: E402
@@ -123,6 +126,37 @@ class BitIdentical(unittest.TestCase):
         self.assertEqual(s.returncode, 0, s.stderr)
         self.assertRegex(s.stdout, r"validation loss \d+\.\d{4} after step 12, best \d+\.\d{4} after step \d+; "
                                    r"3 evaluations of 2048 tokens")
+
+
+class Metrics(unittest.TestCase):
+    def test_metrics_carry_the_newest_validation_loss(self):
+        tmp = tempfile.mkdtemp(prefix="megacpp-validation-metrics-")
+        try:
+            d = os.path.join(tmp, "run")
+            proc = subprocess.Popen(
+                [run_harness.MEGACPP, "run", recipe(tmp, "m"), "--ranks", "2", "--steps", "12", "--run-dir", d,
+                 "--data-dir", os.path.join(tmp, "data"), "--progress", "plain", "--metrics-linger-s", "30"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            out = ""
+            try:
+                for line in proc.stdout:
+                    out += line
+                    if "serving" in line:
+                        break
+                with open(os.path.join(d, "launch.json")) as f:
+                    endpoint = json.load(f)["metricsEndpoint"]
+                body = urllib.request.urlopen(endpoint, timeout=10).read().decode()
+            finally:
+                proc.send_signal(signal.SIGINT)
+                out += proc.communicate(timeout=60)[0]
+            self.assertEqual(proc.returncode, 0, out[-3000:])
+            last = run_harness.manifest(d)["validation"]["lastLoss"]
+            lines = {l.split(" ")[0]: l.split(" ")[1] for l in body.splitlines() if l.startswith("megacpp_validation_")}
+            self.assertEqual(lines.get("megacpp_validation_step"), "12", body)
+            # The heartbeat carries it as a float32.
+            self.assertAlmostEqual(float(lines["megacpp_validation_loss"]), last, delta=1e-6 * last)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 class OneNumber(unittest.TestCase):

@@ -215,6 +215,27 @@ TEST(ControlClientTest, PendingFailureIsFlushedByDestructor) {
   EXPECT_EQ(std::string(failure->root().getFailure().getKind().cStr()), "signal");
 }
 
+// A new held-out evaluation goes out at once (a run's last one comes just before its ranks
+// exit): with an interval of a minute no heartbeat is due, yet the one published arrives,
+// carrying the evaluation; a record without a new evaluation waits for the interval.
+TEST(ControlClientTest, ANewEvaluationIsSentAtOnce) {
+  TempDir dir;
+  const std::string endpoint = "ipc://" + (dir.path() / "control").string();
+  ZmqContext ctx;
+  Channel router(ctx, Channel::Kind::kRouter, endpoint);
+  ControlClient client(endpoint, {schema::StageKind::TRAINER, 0, 1}, Millis(60000));
+  auto hello = receive_until(router, [](Received& r) { return r.root().isHello(); });
+  ASSERT_NE(hello, nullptr);
+  client.publish({.step = 3, .tokens = 10, .loss = 2.5f, .step_seconds = 0.1});
+  EXPECT_EQ(router.receive(Millis(300)), nullptr);  // no evaluation: nothing before the interval
+  client.publish({.step = 4, .tokens = 20, .loss = 2.25f, .val_loss = 2.125f, .val_step = 4});
+  auto hb = receive_until(router, [](Received& r) { return r.root().isHeartbeat(); });
+  ASSERT_NE(hb, nullptr);
+  EXPECT_EQ(hb->root().getHeartbeat().getValStep(), 4u);
+  EXPECT_EQ(hb->root().getHeartbeat().getValLoss(), 2.125f);
+  EXPECT_EQ(hb->root().getHeartbeat().getStep(), 4u);
+}
+
 TEST(ControlClientTest, AbsentSupervisorNeverBlocks) {
   TempDir dir;
   {
