@@ -210,11 +210,14 @@ ResolvedDataset resolve_files(const recipe::Recipe& recipe, const recipe::BatchG
   return out;
 }
 
-// Whether two lists of files share one (by path).
-bool overlap(const std::vector<std::filesystem::path>& a, const std::vector<DatasetFile>& b) {
-  for (const auto& p : a)
+// Whether found shard files and a resolved dataset share a file. A resolved file is the token
+// file: a Megatron dataset's .bin, found by its .idx.
+bool overlap(const std::vector<std::filesystem::path>& found, const std::vector<DatasetFile>& b) {
+  for (auto p : found) {
+    if (p.extension() == ".idx") p.replace_extension(".bin");
     for (const auto& f : b)
       if (std::filesystem::absolute(p).lexically_normal() == f.path) return true;
+  }
   return false;
 }
 
@@ -240,7 +243,8 @@ ResolvedValidation resolve_validation(const recipe::Recipe& recipe,
     out.off = fmt::format("evaluation is off: {}", why);
     return out;
   };
-  if (d.split == "val")
+  // (The built-in corpus trains on its training shards whatever data.split says.)
+  if (d.split == "val" && d.source != "builtin")
     return off(
         "the run trains on the val split (data.split = \"val\"), so no held-out data is left");
   std::vector<std::filesystem::path> paths;

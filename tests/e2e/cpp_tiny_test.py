@@ -83,6 +83,16 @@ class CppTiny(unittest.TestCase):
         # The sampler state rides with every step: STEPS x 2 ranks x 16 rows taken.
         self.assertEqual(int(steps[-1]["dataEpoch"]) * int(d["windows"]) + int(steps[-1]["dataCursor"]),
                          STEPS * 2 * 16)
+        # cpp-tiny evaluates on the prepared val split (from the staged copy too), below the
+        # byte entropy as well: what it learned holds on held-out headers.
+        with open(os.path.join(run_dir, "launch.json")) as f:
+            v = json.load(f)["validation"]
+        self.assertEqual(v.get("off", ""), "")
+        self.assertTrue(all(f["path"].startswith(self.hot) and "val" in os.path.basename(f["path"])
+                            for f in v["dataset"]["files"]), v)
+        val = receipt["validation"]
+        self.assertEqual(val["lastStep"], STEPS)
+        self.assertLess(val["lastLoss"], 0.7 * entropy, val)
 
     def test_2_a_second_staging_reuses_every_file(self):
         shutil.rmtree(self.hot, ignore_errors=True)

@@ -660,6 +660,27 @@ TEST(Dataset, ValidationSplitOrWhyItIsOff) {
   EXPECT_NE(v.off.find("the data has no val split"), std::string::npos) << v.off;
   EXPECT_NE(v.off.find("megacpp prepare --val-every"), std::string::npos) << v.off;
   for (const auto& line : {v.off}) EXPECT_EQ(line.find('\n'), std::string::npos);
+  // A directory of Megatron datasets splits by name like llm.c files.
+  fs::create_directories(dir.path() / "mega");
+  write_megatron(dir.path() / "mega" / "web_train_text_document", {{5, 6, 7, 8}, {9, 10}},
+                 md::kMegatronDtypeUint16);
+  {
+    std::vector<std::vector<uint32_t>> docs(40, std::vector<uint32_t>(20, 3));
+    write_megatron(dir.path() / "mega" / "web_train2_text_document", docs,
+                   md::kMegatronDtypeUint16);
+    write_megatron(dir.path() / "mega" / "web_val_text_document", docs, md::kMegatronDtypeUint16);
+  }
+  r.data.source = "megatron";
+  r.data.path = "mega";
+  v = resolve();
+  ASSERT_TRUE(v.dataset) << v.off;
+  ASSERT_EQ(v.dataset->files.size(), 1u);
+  EXPECT_EQ(v.dataset->files[0].path.filename(), "web_val_text_document.bin");  // its tokens
+  // A Megatron prefix is one dataset for every split: no val split, said so.
+  r.data.path = "mega/web_train2_text_document";
+  v = resolve();
+  EXPECT_FALSE(v.dataset);
+  EXPECT_NE(v.off.find("names the same files"), std::string::npos) << v.off;
   // The built-in corpus has one: a generated shard no training shard equals.
   mc::recipe::Recipe b;
   b.name = "b";
