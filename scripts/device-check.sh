@@ -3,7 +3,8 @@
 # GPU tests and benchmarks need against that machine's torch and the packages `make device-prep`
 # unpacked into build-device/prefix (carried there), runs every test labelled gpu, the CUDA
 # plugin's test, the ops benchmark's CUDA half, a timed run of the default recipe on the
-# device and two runs whose device memory is printed against the plan, and writes one report:
+# device, the device recipe gpu-small with its MFU, and two runs whose device memory is printed
+# against the plan, and writes one report:
 # $OUT/device-check.txt when OUT is set (the device tool's folder that comes back), else
 # build-gpu/device-check.txt.
 #
@@ -74,6 +75,20 @@ part tiny_on_cuda 45 build-gpu/bin/megacpp run tiny --ranks 1 --steps 200 --devi
   --run-dir "$RUN" --progress plain
 [ -f "$RUN/receipts/bench_result.json" ] && cp "$RUN/receipts/bench_result.json" "$REPORT_DIR/tiny_cuda_bench_result.json"
 [ -d "$RUN/logs" ] && tail -30 "$RUN"/logs/trainer-0.log 2>/dev/null | tee -a "$REPORT" > /dev/null
+
+# The device recipe: gpu-small (254 M parameters, bf16-mixed, 32 x 1024 tokens a step) on one
+# GPU for 60 steps, and its MFU over the steps after the 10th against the card's dense bf16 peak
+# (bench/mfu.py; issue 32's goal: >= 40%).
+SMALL_RUN=$(mktemp -d)/run
+gpu_small_mfu() {
+  build-gpu/bin/megacpp run gpu-small --ranks 1 --steps 60 --device cuda --run-dir "$SMALL_RUN" \
+    --progress plain || return 1
+  python3 bench/mfu.py "$SMALL_RUN" --megacpp build-gpu/bin/megacpp --peak-tflops auto --warmup 10
+}
+export -f gpu_small_mfu
+export SMALL_RUN
+part gpu_small_mfu 150 bash -c gpu_small_mfu
+[ -f "$SMALL_RUN/receipts/bench_result.json" ] && cp "$SMALL_RUN/receipts/bench_result.json" "$REPORT_DIR/gpu_small_bench_result.json"
 
 [ -f "$RUN/launch.json" ] && say "tiny on cuda: muonPrecision $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("muonPrecision"))' "$RUN/launch.json")"
 # Device memory against the plan (issue: measured within 15% of it): `large` in bf16-mixed +

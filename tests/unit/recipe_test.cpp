@@ -493,6 +493,26 @@ TEST(HybridRecipe, GoldenExpansionsOfTheHybridRecipes) {
   EXPECT_EQ(nam.model.blocks.substr(0, 12), "AFMFAFMFAFMM");
 }
 
+// The device recipe (issue 32): 100-300 M parameters, bf16-mixed (bfloat16 orthogonalization on
+// cuda), and one rank's plan on cuda well inside an H100's 80 GB with room for torch's cache.
+TEST(DeviceRecipe, GpuSmallIsSizedForOneH100) {
+  auto r = named("gpu-small");
+  EXPECT_EQ(r.train.precision, "bf16-mixed");
+  EXPECT_GT(r.train.eval_every, 0u);
+  const std::string how = mc::recipe::resolve_muon_precision(r, "cuda", "");
+  EXPECT_TRUE(r.train.optim.muon_bf16) << how;
+  const auto plan =
+      mc::recipe::make_plan(r, {.ranks = 1, .device = "cuda", .cuda_trainer_built = true});
+  EXPECT_GE(plan.params_total, 100'000'000u);
+  EXPECT_LE(plan.params_total, 300'000'000u);
+  EXPECT_EQ(plan.params_total, 254'017'536u);  // README and the recipe's comment say 254.0 M
+  EXPECT_FALSE(plan.memory.staging_counted);   // host memory on cuda
+  const double gib = static_cast<double>(plan.memory.total()) / (1ull << 30);
+  EXPECT_GT(gib, 20.0) << "too small to keep the device busy";
+  EXPECT_LT(gib, 60.0) << "leaves too little of 80 GB";
+  EXPECT_EQ(plan.refusal(), nullptr) << mc::recipe::format_plan(plan);
+}
+
 TEST(HybridRecipe, ThePatternTheModeAndTheDimsAreInTheHash) {
   const auto base = named("tiny-hybrid");
   EXPECT_NE(named("tiny-hybrid", "nemo_native").hash, base.hash);

@@ -1,0 +1,102 @@
+"""bench_mfu: the model FLOPs utilisation of a finished `megacpp run` against its device's peak.
+
+    .venv/bin/python bench/mfu.py RUN_DIR [--peak-tflops auto|T] [--warmup 10] [--megacpp BIN]
+
+FLOPs per trained token (PaLM's accounting, the one MFU figures are quoted in): 6 x the
+parameters that multiply (every parameter but the embedding's lookup table) for the forward and
+backward matmuls, plus 12 x n_layers x d_model x seq_len for attention's scores and values
+(causal attention not halved). The parameter count is `megacpp plan`'s total for the recipe the
+run recorded; the embedding is vocab_size x d_model. Tokens per second are the steady state:
+the job's tokens over the summed wall time of the steps after --warmup (receipts: steps[]
+stepSeconds; evaluations are not in them). The peak is the card's dense bfloat16 rate:
+--peak-tflops T, or `auto` (nvidia-smi's name for device 0, looked up in PEAK_BF16_TFLOPS; a
+card not in the table is an error naming it). Prints the card, the figures and the ratio;
+`make device-check` runs it on `gpu-small` (goal: MFU >= 40%). Nothing is judged here.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, ".."))
+
+# Dense (no sparsity) bfloat16 tensor-core peaks, TFLOP/s, from the vendors' data sheets.
+PEAK_BF16_TFLOPS = {
+    "H100 SXM": 989.4,
+    "H100 80GB HBM3": 989.4,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H200": 989.4,
+    "A100": 312.0,
+    "L40S": 362.1,
+}
+
+
+def card_peak():
+    """(card name, dense bf16 TFLOP/s) of CUDA device 0, from nvidia-smi."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                         capture_output=True, text=True, timeout=30)
+    name = out.stdout.strip()
+    if out.returncode != 0 or not name:
+        raise SystemExit("bench_mfu: nvidia-smi names no device 0: pass --peak-tflops")
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return name, tflops
+    raise SystemExit(f"bench_mfu: no dense bf16 peak known for '{name}': pass --peak-tflops")
+
+
+def plan_total(megacpp, recipe):
+    out = subprocess.run([megacpp, "plan", recipe], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    match = re.search(r"^\s*total (\d+) ", out.stdout, re.M)
+    if not match:
+        raise SystemExit(f"bench_mfu: `megacpp plan {recipe}` gave no parameter total")
+    return int(match.group(1))
+
+
+def flops_per_token(params, vocab, d_model, n_layers, seq_len):
+    return 6 * (params - vocab * d_model) + 12 * n_layers * d_model * seq_len
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir")
+    ap.add_argument("--peak-tflops", default="auto")
+    ap.add_argument("--warmup", type=int, default=10, help="steps before the steady state")
+    ap.add_argument("--megacpp", default=os.environ.get("MEGACPP_BIN") or
+                    os.path.join(ROOT, "build", "bin", "megacpp"))
+    args = ap.parse_args()
+    with open(os.path.join(args.run_dir, "launch.json")) as f:
+        launch = json.load(f)
+    with open(os.path.join(args.run_dir, "receipts", "bench_telemetry.json")) as f:
+        steps = json.load(f)["steps"]
+    model = launch["recipe"]["model"]
+    vocab, d, layers, seq = (int(model[k]) for k in ("vocabSize", "dModel", "nLayers", "seqLen"))
+    params = plan_total(args.megacpp, launch["recipe"]["path"])
+    per_token = flops_per_token(params, vocab, d, layers, seq)
+    batch = launch["batch"]
+    tokens_per_step = int(batch["windowsPerStep"]) * int(batch["seqLen"])
+    steady = [s for s in steps if s["step"] > args.warmup]
+    if not steady:
+        raise SystemExit(f"bench_mfu: no step after the {args.warmup} warm-up steps")
+    tokens_per_second = tokens_per_step * len(steady) / sum(s["stepSeconds"] for s in steady)
+    if args.peak_tflops == "auto":
+        card, peak = card_peak()
+    else:
+        card, peak = "given", float(args.peak_tflops)
+    world = int(launch["world"])
+    achieved = tokens_per_second * per_token / 1e12  # TFLOP/s over the job
+    mfu = achieved / (peak * world)
+    print(f"mfu: recipe {launch['recipe']['name']}, {params} parameters, {per_token} FLOP per "
+          f"token, {world} rank(s) on {launch.get('device') or 'cpu'} ({card}, peak {peak:g} "
+          f"TFLOP/s bf16 dense each)")
+    print(f"mfu: {tokens_per_second:.1f} tokens/s over {len(steady)} steady steps -> "
+          f"{achieved:.4g} TFLOP/s, MFU {100 * mfu:.3g}% (goal >= 40% for gpu-small on a GPU)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
