@@ -9,8 +9,9 @@ backward matmuls, plus 12 x n_layers x d_model x seq_len for attention's scores 
 run recorded; the embedding is vocab_size x d_model. Tokens per second are the steady state:
 the job's tokens over the summed wall time of the steps after --warmup (receipts: steps[]
 stepSeconds; evaluations are not in them). The peak is the card's dense bfloat16 rate:
---peak-tflops T, or `auto` (nvidia-smi's name for device 0, looked up in PEAK_BF16_TFLOPS; a
-card not in the table is an error naming it). Prints the card, the figures and the ratio;
+--peak-tflops T, or `auto` (rank 0's device name from receipts/backend_identity.json, else
+nvidia-smi's for device 0, looked up in PEAK_BF16_TFLOPS; a card not in the table is an error
+naming it). Prints the card, the figures and the ratio;
 `make device-check` runs it on `gpu-small` (goal: MFU >= 40%). Nothing is judged here.
 """
 import argparse
@@ -35,13 +36,26 @@ PEAK_BF16_TFLOPS = {
 }
 
 
-def card_peak():
-    """(card name, dense bf16 TFLOP/s) of CUDA device 0, from nvidia-smi."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
-                         capture_output=True, text=True, timeout=30)
-    name = out.stdout.strip()
-    if out.returncode != 0 or not name:
-        raise SystemExit("bench_mfu: nvidia-smi names no device 0: pass --peak-tflops")
+def card_peak(run_dir):
+    """(card name, dense bf16 TFLOP/s) of the run's rank 0 device: the name its trainer recorded
+    (receipts/backend_identity.json), else nvidia-smi's for device 0."""
+    name = ""
+    try:
+        with open(os.path.join(run_dir, "receipts", "backend_identity.json")) as f:
+            identity = json.load(f)["ranks"][0].get("identity", {})
+        if identity.get("device", "").startswith("cuda"):
+            name = identity.get("deviceName", "")
+    except (OSError, ValueError, KeyError, IndexError):
+        pass
+    if not name:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                                 capture_output=True, text=True, timeout=30)
+            name = out.stdout.strip() if out.returncode == 0 else ""
+        except OSError:  # no nvidia-smi: no driver here
+            name = ""
+    if not name:
+        raise SystemExit("bench_mfu: no CUDA device named by the run or nvidia-smi: pass --peak-tflops")
     for key, tflops in PEAK_BF16_TFLOPS.items():
         if key in name:
             return name, tflops
@@ -84,7 +98,7 @@ def main():
         raise SystemExit(f"bench_mfu: no step after the {args.warmup} warm-up steps")
     tokens_per_second = tokens_per_step * len(steady) / sum(s["stepSeconds"] for s in steady)
     if args.peak_tflops == "auto":
-        card, peak = card_peak()
+        card, peak = card_peak(args.run_dir)
     else:
         card, peak = "given", float(args.peak_tflops)
     world = int(launch["world"])

@@ -25,7 +25,7 @@
 namespace megacpp::trainer {
 
 // Bumped whenever CudaPluginApi changes: a plugin of another build is refused by name.
-inline constexpr uint32_t kCudaPluginAbi = 2;
+inline constexpr uint32_t kCudaPluginAbi = 3;
 
 // The plugin's entry points (extern "C" megacpp_cuda_plugin() returns its table). Every
 // function may throw c10::Error or std::exception; they run on the caller's thread.
@@ -49,6 +49,9 @@ struct CudaPluginApi {
   // the most held by tensors at once (allocated) and the most the allocator held from the
   // driver (reserved: what runs out first).
   void (*memory_peaks)(int index, uint64_t* allocated, uint64_t* reserved);
+  // Device `index`'s name as the driver reports it (cudaDeviceProp::name, e.g. "NVIDIA H100 80GB
+  // HBM3"): what the receipts name the rank's device by. Valid as long as the plugin is loaded.
+  const char* (*device_name)(int index);
 };
 
 class CudaPlugin {

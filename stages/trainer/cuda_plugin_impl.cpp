@@ -55,13 +55,18 @@ void memory_peaks(int index, uint64_t* allocated, uint64_t* reserved) {
   *reserved = static_cast<uint64_t>(stats.reserved_bytes[all].peak);
 }
 
+const char* device_name(int index) {
+  return at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(index))->name;
+}
+
 constexpr CudaPluginApi kApi{megacpp::trainer::kCudaPluginAbi,
                              &device_count,
                              &set_device,
                              &nccl,
                              &abort,
                              &versions,
-                             &memory_peaks};
+                             &memory_peaks,
+                             &device_name};
 
 }  // namespace
 

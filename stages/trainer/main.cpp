@@ -347,7 +347,8 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
     b.setBackendVersion(on_cuda ? std::string(cuda->api().versions())
                                 : fmt::format("gloo (torch {})", TORCH_VERSION));
     b.setDevice(on_cuda ? fmt::format("cuda:{}", local_rank) : std::string("cpu"));
-    b.setDeviceName(on_cuda ? std::string(cuda->api().versions()) : cpu_model());
+    b.setDeviceName(on_cuda ? std::string(cuda->api().device_name(static_cast<int>(local_rank)))
+                            : cpu_model());
     b.setThreads(static_cast<uint32_t>(threads));
     b.setTensorParallel(tp);
     b.setOrthogonalization(train.optim.muon_bf16 ? "bfloat16" : "float32");

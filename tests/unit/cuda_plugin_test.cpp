@@ -55,6 +55,13 @@ TEST(CudaPlugin, TheBuiltPluginLoadsWithoutAGpu) {
   const std::string versions = plugin.api().versions();
   EXPECT_EQ(versions.rfind("cuda ", 0), 0u) << versions;
   EXPECT_NE(versions.find(" nccl "), std::string::npos) << versions;
+  EXPECT_NE(plugin.api().device_name, nullptr);
+  // With a device, its name is the driver's (what backend_identity.json records).
+  if (plugin.api().device_count() > 0) {
+    const std::string name = plugin.api().device_name(0);
+    EXPECT_FALSE(name.empty());
+    EXPECT_EQ(name.find("cuda "), std::string::npos) << name;  // not the versions string
+  }
 }
 
 }  // namespace
