@@ -307,8 +307,8 @@ int watch_status(const fs::path& run_dir, double interval_s) {
 
 int list_runs(const fs::path& dir) {
   const std::vector<fs::path> runs = find_runs(dir);
-  fmt::print("{:<40} {:<11} {:<16} {:>11} {:>9} {:<20} {:>9}\n", "run", "state", "recipe", "steps",
-             "last loss", "started", "duration");
+  fmt::print("{:<40} {:<11} {:<16} {:>11} {:>9} {:>9} {:<20} {:>9}\n", "run", "state", "recipe",
+             "steps", "last loss", "val loss", "started", "duration");
   for (const fs::path& run : runs) {
     const std::string name = fs::relative(run, dir).string();
     try {
@@ -325,13 +325,16 @@ int list_runs(const fs::path& dir) {
       } else if (fs::exists(br)) {
         last_loss = schemas::JsonFile<schema::BenchResult>(br).get().getLastLoss();
       }
+      // The newest held-out evaluation (the manifest is folded while the run goes on).
+      const bool evaluated = m.hasValidation() && m.getValidation().getEvaluations() > 0;
       const std::string started = m.getLaunchedAt();
       const std::string ended = live ? rfc3339(wall_ns()) : std::string(m.getCompletedAt());
-      fmt::print("{:<40} {:<11} {:<16} {:>11} {:>9} {:<20} {:>9}\n", name,
+      fmt::print("{:<40} {:<11} {:<16} {:>11} {:>9} {:>9} {:<20} {:>9}\n", name,
                  live ? std::string_view("running") : schemas::name(m.getState()),
                  m.getRecipe().cStr(),
                  fmt::format("{}/{}", m.getStepsCompleted(), m.getStepsPlanned()),
                  std::isfinite(last_loss) ? fmt::format("{:.4f}", last_loss) : "-",
+                 evaluated ? fmt::format("{:.4f}", m.getValidation().getLastLoss()) : "-",
                  started.substr(0, 19), duration_text(seconds_between(started, ended)));
     } catch (const std::exception& e) {
       fmt::print("{:<40} unreadable: {}\n", name, e.what());

@@ -115,7 +115,9 @@ class Detached(unittest.TestCase):
         self.assertEqual(listing.returncode, 0, listing.stderr)
         row = [l for l in listing.stdout.splitlines() if l.startswith("d1 ")]
         self.assertEqual(len(row), 1, listing.stdout)
-        self.assertRegex(row[0], r"^d1 +interrupted +tiny +%d/%d +\d+\.\d{4} +\d{4}-\d\d-\d\dT"
+        # The last loss, then the newest validation loss (tiny evaluates every 10 steps and at
+        # a graceful stop's step).
+        self.assertRegex(row[0], r"^d1 +interrupted +tiny +%d/%d +\d+\.\d{4} +\d+\.\d{4} +\d{4}-\d\d-\d\dT"
                          % (done, STEPS))
 
     def test_refusals_are_one_line(self):
