@@ -75,6 +75,19 @@ int main(int argc, char** argv) {
                     .start = resume.getDataPosition(),
                     .start_step = resume.getDataPosition() != 0 ? resume.getStep() : 0u});
         const uint64_t slot_bytes = sampler.spec().slot_bytes();
+        // The rings `name_of` names for this node's ranks, each checked to hold one batch.
+        const auto attach_rings = [&](std::string (*name_of)(std::string_view, uint32_t),
+                                      std::vector<std::unique_ptr<mc::ipc::ShmRegion>>& regions,
+                                      std::vector<std::unique_ptr<mc::ipc::SlotRing>>& rings,
+                                      std::string_view what) {
+          for (uint32_t r = local.first; r < local.end(); ++r) {
+            regions.push_back(std::make_unique<mc::ipc::ShmRegion>(
+                mc::ipc::ShmRegion::Attach{}, name_of(launch.getShmPrefix().cStr(), r)));
+            rings.push_back(std::make_unique<mc::ipc::SlotRing>(*regions.back()));
+            MEGACPP_CHECK(rings.back()->slot_bytes() >= slot_bytes, mc::ErrorKind::kProtocol,
+                          fmt::format("{} slots are smaller than one batch", what));
+          }
+        };
 
         // Held-out evaluation (README.md "Validation loss"): each rank's validation ring gets,
         // for every evaluation of this attempt in turn, the slots of its data rank's part of the
@@ -102,14 +115,8 @@ int main(int argc, char** argv) {
                                                         .windows = share.windows});
           MEGACPP_CHECK(validation->share() == share, mc::ErrorKind::kProtocol,
                         "the val split's windows are not what the launch contract recorded");
-          for (uint32_t r = local.first; r < local.end(); ++r) {
-            val_regions.push_back(std::make_unique<mc::ipc::ShmRegion>(
-                mc::ipc::ShmRegion::Attach{},
-                mc::layout::validation_ring_shm_name(launch.getShmPrefix().cStr(), r)));
-            val_rings.push_back(std::make_unique<mc::ipc::SlotRing>(*val_regions.back()));
-            MEGACPP_CHECK(val_rings.back()->slot_bytes() >= slot_bytes, mc::ErrorKind::kProtocol,
-                          "validation ring slots are smaller than one batch");
-          }
+          attach_rings(mc::layout::validation_ring_shm_name, val_regions, val_rings,
+                       "validation ring");
         }
         // The next validation slot of rings[i]'s rank: (evaluation, slot), or nullopt when every
         // evaluation of the attempt has its slots.
@@ -125,14 +132,7 @@ int main(int argc, char** argv) {
 
         std::vector<std::unique_ptr<mc::ipc::ShmRegion>> regions;
         std::vector<std::unique_ptr<mc::ipc::SlotRing>> rings;
-        for (uint32_t r = local.first; r < local.end(); ++r) {
-          regions.push_back(std::make_unique<mc::ipc::ShmRegion>(
-              mc::ipc::ShmRegion::Attach{},
-              mc::layout::ring_shm_name(launch.getShmPrefix().cStr(), r)));
-          rings.push_back(std::make_unique<mc::ipc::SlotRing>(*regions.back()));
-          MEGACPP_CHECK(rings.back()->slot_bytes() >= slot_bytes, mc::ErrorKind::kProtocol,
-                        "ring slots are smaller than one batch");
-        }
+        attach_rings(mc::layout::ring_shm_name, regions, rings, "ring");
         mc::log_info(
             "{} {} files, {} windows of {} tokens per epoch; ranks {}..{} of {} x {} steps",
             shards.size(), mc::data::format_name(dataset.format), sampler.windows(),

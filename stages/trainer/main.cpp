@@ -447,6 +447,20 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
   ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
 
   SnapshotPlane snapshots(ctx.zmq(), *ts, snapshot_options(ctx));
+  // The oldest slot of `r` (batch or validation ring), in WAIT_BATCH: short peeks so a stop
+  // request is seen promptly (nullopt: asked to stop, leave), the snapshot plane served between.
+  const auto await_slot = [&](Ring& r, const std::string& what) {
+    ctx.set_phase(Phase::WAIT_BATCH);
+    std::optional<ipc::SlotRing::Slot> slot;
+    while (!(slot = r.ring->peek(kPoll))) {
+      if (ctx.stop_requested()) {
+        log_info("stop requested while waiting for {}; leaving", what);
+        return slot;
+      }
+      snapshots.poll();
+    }
+    return slot;
+  };
   bool first_forward_done = false, first_backward_done = false;
   double tokens_total = 0;
   auto step_start = Clock::now();
@@ -454,17 +468,9 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
   // snapshot's also counts this step's wait for the copy to finish before its update.
   double snapshot_seconds = 0, between_seconds = 0;
   for (uint32_t step = first_step; step <= steps; ++step) {
-    // WAIT_BATCH: short peeks so a stop request is seen promptly.
-    ctx.set_phase(Phase::WAIT_BATCH);
     const auto wait_start = Clock::now();
-    std::optional<ipc::SlotRing::Slot> slot;
-    while (!(slot = ring->ring->peek(kPoll))) {
-      if (ctx.stop_requested()) {
-        log_info("stop requested while waiting for batch {}; leaving", step);
-        return Outcome::kLeft;
-      }
-      snapshots.poll();
-    }
+    const auto slot = await_slot(*ring, fmt::format("batch {}", step));
+    if (!slot) return Outcome::kLeft;
     const double wait_seconds = seconds_since(wait_start);
     MEGACPP_CHECK(slot->tag == step, ErrorKind::kProtocol,
                   fmt::format("ring {}: expected the batch of step {}, got tag {} (seq {})",
@@ -558,12 +564,16 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
       }
     });
     ctx.set_step(step);
-    ctx.control().publish({.step = step,
-                           .tokens = tokens_total,
-                           .loss = timing.loss,
-                           .step_seconds = step_seconds,
-                           .val_loss = last_val_loss,
-                           .val_step = last_val_step});
+    // The heartbeat's record: this step, and the newest evaluation so far.
+    const auto publish = [&] {
+      ctx.control().publish({.step = step,
+                             .tokens = tokens_total,
+                             .loss = timing.loss,
+                             .step_seconds = step_seconds,
+                             .val_loss = last_val_loss,
+                             .val_step = last_val_step});
+    };
+    publish();
 
     snapshots.poll();
     check_finite(*ts, timing, step, ts->rank());
@@ -580,17 +590,10 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
       TrainStep::EvalSum mine;
       const uint32_t slots = share.slots(dp_rank);
       for (uint32_t k = 0; k < slots; ++k) {
-        ctx.set_phase(Phase::WAIT_BATCH);
         const auto wait_start = Clock::now();
-        std::optional<ipc::SlotRing::Slot> slot;
-        while (!(slot = val_ring->ring->peek(kPoll))) {
-          if (ctx.stop_requested()) {
-            log_info("stop requested while waiting for validation slot {} of step {}; leaving", k,
-                     step);
-            return Outcome::kLeft;
-          }
-          snapshots.poll();
-        }
+        const auto slot =
+            await_slot(*val_ring, fmt::format("validation slot {} after step {}", k, step));
+        if (!slot) return Outcome::kLeft;
         eval_wait += seconds_since(wait_start);
         const uint64_t tag = recipe::validation_tag(evaluation, k);
         MEGACPP_CHECK(slot->tag == tag, ErrorKind::kProtocol,
@@ -624,12 +627,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
       });
       last_val_loss = static_cast<float>(val_loss);
       last_val_step = step;
-      ctx.control().publish({.step = step,
-                             .tokens = tokens_total,
-                             .loss = timing.loss,
-                             .step_seconds = step_seconds,
-                             .val_loss = last_val_loss,
-                             .val_step = last_val_step});
+      publish();
       step_start += Clock::now() - eval_start;
     }
     between_seconds = seconds_since(step_start);

@@ -501,14 +501,22 @@ bool TrainStep::any_rank(bool local) {
   return flag[0].item<int32_t>() != 0;
 }
 
+namespace {
+
+// What step() and evaluate() take: int64 [B, T + 1] with T <= seq_len.
+void check_tokens(const at::Tensor& tokens, const ModelConfig& model) {
+  MEGACPP_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 2 && tokens.size(1) >= 2 &&
+                    tokens.size(1) - 1 <= model.seq_len,
+                ErrorKind::kInvalidArgument,
+                fmt::format("tokens must be int64 [B, T+1] with T <= {}, got {} {}", model.seq_len,
+                            c10::toString(tokens.scalar_type()), c10::str(tokens.sizes())));
+}
+
+}  // namespace
+
 TrainStep::EvalSum TrainStep::evaluate(const at::Tensor& tokens) {
   Impl& s = *impl_;
-  MEGACPP_CHECK(
-      tokens.scalar_type() == at::kLong && tokens.dim() == 2 && tokens.size(1) >= 2 &&
-          tokens.size(1) - 1 <= s.model_cfg.seq_len,
-      ErrorKind::kInvalidArgument,
-      fmt::format("tokens must be int64 [B, T+1] with T <= {}, got {} {}", s.model_cfg.seq_len,
-                  c10::toString(tokens.scalar_type()), c10::str(tokens.sizes())));
+  check_tokens(tokens, s.model_cfg);
   torch::NoGradGuard no_grad;
   const int64_t T = tokens.size(1) - 1;
   const int64_t V = s.model_cfg.vocab_size;
@@ -543,12 +551,7 @@ TrainStep::EvalSum TrainStep::sum_over_data_ranks(EvalSum local) {
 
 StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const StepHooks& hooks) {
   Impl& s = *impl_;
-  MEGACPP_CHECK(
-      tokens.scalar_type() == at::kLong && tokens.dim() == 2 && tokens.size(1) >= 2 &&
-          tokens.size(1) - 1 <= s.model_cfg.seq_len,
-      ErrorKind::kInvalidArgument,
-      fmt::format("tokens must be int64 [B, T+1] with T <= {}, got {} {}", s.model_cfg.seq_len,
-                  c10::toString(tokens.scalar_type()), c10::str(tokens.sizes())));
+  check_tokens(tokens, s.model_cfg);
   auto phase = [&](schema::Phase p) {
     if (hooks.on_phase) hooks.on_phase(p);
   };

@@ -1266,32 +1266,44 @@ ModelConfig nemo_model() {
   return c;
 }
 
+// Rank `rank` of a layout of `tp` x `dp` forked ranks joins its groups over the store at `port`
+// (keys under `prefix`): its tensor-parallel group, and with more than one group the
+// data-parallel group across them and the job's; without tensor parallelism one data-parallel
+// group of the world. Returns the data-parallel group (null for one) and the tensor-parallel
+// layout as TrainStep takes them.
+std::pair<c10::intrusive_ptr<c10d::Backend>, TensorParallel> join_layout(
+    uint16_t port, uint32_t tp, uint32_t dp, uint32_t rank, const std::string& prefix) {
+  const uint32_t world = tp * dp, tp_rank = rank % tp, dp_rank = rank / tp;
+  const auto join = [&](uint32_t r, uint32_t w, const std::string& group) {
+    GlooOptions go;
+    go.store_port = port;
+    go.rank = r;
+    go.world = w;
+    go.store_timeout = std::chrono::seconds(20);
+    go.collective_timeout = std::chrono::seconds(20);
+    go.store_prefix = fmt::format("{}/tp{}dp{}/{}/", prefix, tp, dp, group);
+    return connect_gloo(go);
+  };
+  TensorParallel t{.rank = tp_rank, .size = tp};
+  c10::intrusive_ptr<c10d::Backend> pg;
+  if (tp > 1) {
+    t.group = join(tp_rank, tp, fmt::format("tp{}", dp_rank));
+    if (dp > 1) {
+      pg = join(dp_rank, dp, fmt::format("dp{}", tp_rank));
+      t.job = join(rank, world, "job");
+    }
+  } else if (world > 1) {
+    pg = join(rank, world, "dp");
+  }
+  return {pg, t};
+}
+
 int tp_reshard_child(uint16_t port, uint32_t tp, uint32_t dp, uint32_t rank, const fs::path& from,
                      const fs::path& out) {
   try {
     torch::set_num_threads(1);
-    const uint32_t world = tp * dp, tp_rank = rank % tp, dp_rank = rank / tp;
-    const auto join = [&](uint32_t r, uint32_t w, const std::string& group) {
-      GlooOptions go;
-      go.store_port = port;
-      go.rank = r;
-      go.world = w;
-      go.store_timeout = std::chrono::seconds(20);
-      go.collective_timeout = std::chrono::seconds(20);
-      go.store_prefix = fmt::format("tp_reshard/tp{}dp{}/{}/", tp, dp, group);
-      return connect_gloo(go);
-    };
-    TensorParallel t{.rank = tp_rank, .size = tp};
-    c10::intrusive_ptr<c10d::Backend> pg;
-    if (tp > 1) {
-      t.group = join(tp_rank, tp, fmt::format("tp{}", dp_rank));
-      if (dp > 1) {
-        pg = join(dp_rank, dp, fmt::format("dp{}", tp_rank));
-        t.job = join(rank, world, "job");
-      }
-    } else if (world > 1) {
-      pg = join(rank, world, "dp");
-    }
+    const uint32_t dp_rank = rank / tp;
+    auto [pg, t] = join_layout(port, tp, dp, rank, "tp_reshard");
     const ModelConfig m = nemo_model();
     TrainStep ts(m, world_train(), kWorldSteps, pg, at::kCPU, t);
     if (from.empty()) {
@@ -1429,28 +1441,8 @@ int evaluation_child(uint16_t port, uint32_t tp, uint32_t dp, uint32_t rank, con
                      const fs::path& out) {
   try {
     torch::set_num_threads(1);
-    const uint32_t world = tp * dp, tp_rank = rank % tp, dp_rank = rank / tp;
-    const auto join = [&](uint32_t r, uint32_t w, const std::string& group) {
-      GlooOptions go;
-      go.store_port = port;
-      go.rank = r;
-      go.world = w;
-      go.store_timeout = std::chrono::seconds(20);
-      go.collective_timeout = std::chrono::seconds(20);
-      go.store_prefix = fmt::format("eval/tp{}dp{}/{}/", tp, dp, group);
-      return connect_gloo(go);
-    };
-    TensorParallel t{.rank = tp_rank, .size = tp};
-    c10::intrusive_ptr<c10d::Backend> pg;
-    if (tp > 1) {
-      t.group = join(tp_rank, tp, fmt::format("tp{}", dp_rank));
-      if (dp > 1) {
-        pg = join(dp_rank, dp, fmt::format("dp{}", tp_rank));
-        t.job = join(rank, world, "job");
-      }
-    } else if (world > 1) {
-      pg = join(rank, world, "dp");
-    }
+    const uint32_t dp_rank = rank / tp;
+    auto [pg, t] = join_layout(port, tp, dp, rank, "eval");
     ModelConfig m = hybrid_model();
     if (tp > 1) {
       m.blocks = "AEMF";
