@@ -109,7 +109,36 @@ def main():
           f"TFLOP/s bf16 dense each)")
     print(f"mfu: {tokens_per_second:.1f} tokens/s over {len(steady)} steady steps -> "
           f"{achieved:.4g} TFLOP/s, MFU {100 * mfu:.3g}% (goal >= 40% for gpu-small on a GPU)")
+    print_phases(steady)
     return 0
+
+
+# Where the steady steps' time went: the median of each part the trainers journaled (StepPhases;
+# the mean over ranks). On a GPU a part's clock is the host's: forward ends at the loss's read
+# (the device done), backward's device remainder lands in clip (the norm's read), and the
+# optimizer ends at the agreement flags' read; so forward, backward + clip and the optimizer's
+# rest are each the device's time too.
+PHASES = ("waitSeconds", "handoffSeconds", "forwardSeconds", "backwardSeconds", "clipSeconds",
+          "reduceSeconds", "orthogonalizeSeconds", "updateSeconds", "gatherSeconds",
+          "snapshotSeconds", "betweenSeconds")
+
+
+def print_phases(steady):
+    with_phases = [s for s in steady if s.get("phases")]
+    if not with_phases:
+        print("mfu: no step phases journaled")
+        return
+    def median(values):
+        values = sorted(values)
+        return values[len(values) // 2]
+    step = median([s["stepSeconds"] for s in with_phases])
+    parts = []
+    for key in PHASES:
+        value = median([(s if key == "waitSeconds" else s["phases"]).get(key, 0.0)
+                        for s in with_phases])
+        if value > 0:
+            parts.append(f"{key[:-len('Seconds')]} {1e3 * value:.1f}")
+    print(f"mfu: median step {1e3 * step:.1f} ms: " + ", ".join(parts) + " (ms)")
 
 
 if __name__ == "__main__":

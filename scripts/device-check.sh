@@ -26,8 +26,14 @@ FAILED=()
 
 say() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$REPORT"; }
 # part NAME TIMEOUT_S CMD...: runs CMD with its output into the report, bounded.
+# DEVICE_CHECK_PARTS (names, space-separated) runs only those parts after the build: a rerun of
+# what failed, or an investigation, within the device time left.
 part() {
   local name=$1 limit=$2; shift 2
+  if [ -n "${DEVICE_CHECK_PARTS:-}" ] && [[ " configure build $DEVICE_CHECK_PARTS " != *" $name "* ]]; then
+    say "SKIP $name (not in DEVICE_CHECK_PARTS)"
+    return 0
+  fi
   local t=$(date +%s)
   say "== $name (bound ${limit}s): $*"
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$REPORT"
@@ -89,6 +95,33 @@ export -f gpu_small_mfu
 export SMALL_RUN
 part gpu_small_mfu 150 bash -c gpu_small_mfu
 [ -f "$SMALL_RUN/receipts/bench_result.json" ] && cp "$SMALL_RUN/receipts/bench_result.json" "$REPORT_DIR/gpu_small_bench_result.json"
+
+# Where gpu-small's device time goes, kernel by kernel: 12 steps under Nsight Systems when the
+# machine has it (the toolkit's nsys), the 30 kernels of most total time.
+NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+gpu_small_kernels() {
+  [ -n "$NSYS" ] || { echo "no nsys on this machine: kernel profile skipped"; return 0; }
+  local dir
+  dir=$(mktemp -d)
+  "$NSYS" profile --trace=cuda --sample=none --cpuctxsw=none --force-overwrite=true \
+    -o "$dir/gpu_small" build-gpu/bin/megacpp run gpu-small --ranks 1 --steps 12 --device cuda \
+    --run-dir "$dir/run" --progress none > "$dir/nsys.log" 2>&1 || { tail -20 "$dir/nsys.log"; return 1; }
+  "$NSYS" stats --report cuda_gpu_kern_sum --format csv --output - "$dir/gpu_small.nsys-rep" \
+    2>/dev/null | python3 -c '
+import csv, sys
+rows = [r for r in csv.reader(sys.stdin) if len(r) > 8]
+head, body = rows[0], rows[1:]
+t, n, name = head.index("Total Time (ns)"), head.index("Instances"), head.index("Name")
+total = sum(float(r[t]) for r in body)
+print("kernels: %.1f ms of device time over 12 steps" % (total / 1e6))
+for r in sorted(body, key=lambda r: -float(r[t]))[:30]:
+    print("%6.1f%% %9.1f ms %6s  %s" % (100 * float(r[t]) / total, float(r[t]) / 1e6, r[n], r[name][:110]))
+'
+  "$NSYS" stats --report cuda_gpu_mem_time_sum --format csv --output - "$dir/gpu_small.nsys-rep" 2>/dev/null | head -12
+}
+export -f gpu_small_kernels
+export NSYS
+part gpu_small_kernels 120 bash -c gpu_small_kernels
 
 [ -f "$RUN/launch.json" ] && say "tiny on cuda: muonPrecision $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("muonPrecision"))' "$RUN/launch.json")"
 # Device memory against the plan (issue: measured within 15% of it): `large` in bf16-mixed +

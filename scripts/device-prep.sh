@@ -17,7 +17,8 @@ LIMIT_MB=64
 # What CMake finds (CMakeLists.txt, cmake/, */CMakeLists.txt) and the tools the build runs.
 WANT=(
   libzmq3-dev capnproto libcapnp-dev libgtest-dev libgmock-dev
-  nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libfmt-dev libxxhash-dev
+  nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libfmt-dev libxxhash-dev libsodium-dev
+  libsodium23
   libgloo-dev libcpp-httplib-dev libsentencepiece-dev ninja-build
   # CapnProtoConfig.cmake asks for OpenSSL (capnp's kj-tls) and pkg_check_modules for
   # pkg-config; neither is known to be on the GPU machine.
@@ -40,7 +41,9 @@ if ! command -v apt-get >/dev/null || ! command -v dpkg-deb >/dev/null; then
   exit 1
 fi
 mkdir -p "$OUT/debs"
-if [ ! -f "$OUT/debs/.complete" ]; then
+# The download is kept while the wanted list is the same (the stamp holds it).
+if [ "$(cat "$OUT/debs/.complete" 2>/dev/null)" != "${WANT[*]}" ]; then
+  rm -f "$OUT"/debs/*.deb
   [ "$(id -u)" = 0 ] && apt-get update -qq || true
   all=("${WANT[@]}")
   frontier=("${WANT[@]}")
@@ -54,7 +57,7 @@ if [ ! -f "$OUT/debs/.complete" ]; then
   done
   echo "device-prep: downloading ${#all[@]} packages"
   (cd "$OUT/debs" && apt-get download -qq "${all[@]}")
-  touch "$OUT/debs/.complete"
+  echo "${WANT[*]}" > "$OUT/debs/.complete"
 fi
 
 rm -rf "$OUT/prefix"
