@@ -30,6 +30,7 @@ using detail::shape_str;
 
 struct DistAdamW::Group {
   AdamWScalars s;
+  bool decays = false;  // s.weight_decay != 0, known on the host (optim.h)
 };
 
 struct DistAdamW::Param {
@@ -45,7 +46,8 @@ struct DistAdamW::Param {
 DistAdamW::DistAdamW(std::vector<AdamWParamGroup> groups, Exchange::Pg pg, DistAdamWOptions options)
     : exchange_(Exchange::over(std::move(pg))),
       rank_(exchange_->rank()),
-      world_(exchange_->world()) {
+      world_(exchange_->world()),
+      host_decisions_(options.host_decisions) {
   MEGACPP_CHECK(!groups.empty(), ErrorKind::kInvalidArgument, "DistAdamW without groups");
   MEGACPP_CHECK(options.crossover_numel >= 0, ErrorKind::kInvalidArgument,
                 "DistAdamW crossover_numel must be >= 0");
@@ -102,6 +104,7 @@ DistAdamW::DistAdamW(std::vector<AdamWParamGroup> groups, Exchange::Pg pg, DistA
     grp.s.beta2 = scalar_tensor(g.beta2, *device);
     grp.s.eps = scalar_tensor(g.eps, *device);
     grp.s.weight_decay = scalar_tensor(g.weight_decay, *device);
+    grp.decays = g.weight_decay != 0.0;
     groups_.push_back(std::move(grp));
   }
 }
@@ -119,6 +122,7 @@ void DistAdamW::set_lr(size_t group, double lr) {
 }
 void DistAdamW::set_weight_decay(size_t group, double wd) {
   groups_.at(group).s.weight_decay.fill_(wd);
+  groups_.at(group).decays = wd != 0.0;
 }
 bool DistAdamW::is_sharded(size_t index) const {
   return params_.at(index).sharded;
@@ -194,11 +198,15 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
 
   // On the CPU, when every parameter had a gradient somewhere and no group decays (the
   // recipes' default), the update runs in place (DistMuon::begin_update says why it is
-  // exact). One host read of the mask and the decays per step.
-  bool in_place = mask.is_cpu() && mask.all().item<bool>();
+  // exact). One host read of the mask per step. On a device (or without
+  // host_decisions) a float32 target is updated in place with the mask as a 0/1 weight of
+  // each step (the moments' lerp_ weights, the step count, the decay and the learning rate):
+  // nothing read on the host, no select holding a second copy of a parameter and its moments.
+  const bool host = mask.is_cpu() && host_decisions_;
+  bool in_place = host && mask.all().item<bool>();
   for (const Param& q : params_)
     in_place = in_place && (q.master.defined() || q.p.scalar_type() == at::kFloat) &&
-               groups_[q.group].s.weight_decay.item<float>() == 0.0f;
+               !groups_[q.group].decays;
 
   int64_t off = n;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -230,13 +238,30 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
       }
     }
     if (world_ > 1) g = g / static_cast<double>(world_);
-    if (in_place && g.scalar_type() != at::kFloat) g = g.to(at::kFloat);
-    clock.lap(&OptimizerPhaseTimes::reduce);
-
     const at::Tensor m = mask[static_cast<int64_t>(i)];
     // With master weights the update runs on the float32 master; the parameter gets its cast.
     const at::Tensor target = q.master.defined() ? q.master : p_owned;
-    if (in_place) {
+    const bool gated = !host && target.scalar_type() == at::kFloat;
+    if ((in_place || gated) && g.scalar_type() != at::kFloat) g = g.to(at::kFloat);
+    clock.lap(&OptimizerPhaseTimes::reduce);
+
+    if (gated) {
+      // The general path's operations, in place, each step's weight times the gate: an entry
+      // with a gradient gets the same values, one without keeps its own (lerp_ by 0, the step
+      // count plus 0, the decay factor 1 - 0, minus 0).
+      const at::Tensor gate = m.to(at::kFloat);
+      q.step.add_(gate);
+      const at::Tensor tc = q.step.clamp_min(1.0);
+      if (groups_[q.group].decays) target.mul_(1 - s.lr * s.weight_decay * gate);
+      q.exp_avg.lerp_(g, (1 - s.beta1) * gate);
+      q.exp_avg_sq.lerp_(g.square(), (1 - s.beta2) * gate);
+      const at::Tensor bias1 = 1 - s.beta1.pow(tc);
+      const at::Tensor bias2 = 1 - s.beta2.pow(tc);
+      at::Tensor step = (q.exp_avg_sq / bias2).sqrt_().add_(s.eps);
+      at::div_out(step, q.exp_avg, step);
+      target.sub_(step.mul_(s.lr / bias1 * gate));
+      clock.lap(&OptimizerPhaseTimes::update);
+    } else if (in_place) {
       // The same operations on the same operands as below, in place and without the selects
       // (m is true; the decay factor 1 - lr * 0 is exactly 1): the same bits.
       q.step.add_(1.0);
@@ -340,6 +365,7 @@ void DistAdamW::load_state_dict(const OptimizerState& state) {
     }
   }
   load_entries("dist_adamw", rank_, world_, targets, state);
+  for (Group& g : groups_) g.decays = g.s.weight_decay.item<float>() != 0.0f;
 }
 
 }  // namespace megacpp::trainer

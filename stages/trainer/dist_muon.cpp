@@ -77,6 +77,7 @@ struct DistMuon::Stack {
 
 struct DistMuon::Group {
   MuonScalars s;
+  bool decays = false;  // s.weight_decay != 0, known on the host (optim.h)
   std::vector<int64_t> qkv;
   std::vector<Stack> stacks;
 };
@@ -88,6 +89,13 @@ struct DistMuon::Update {
   int64_t owned = 0;
   at::Tensor P, m, mom, mom_new, sec;
   bool every = false, no_decay = false;
+  // The state and the parameters are updated in place: on the host when every entry had a
+  // gradient (`every`), on a device always, the mask then a weight (`gate`, 1 or 0 per entry).
+  bool in_place = false;
+  at::Tensor gate;
+  // x, times the gate where there is one: a step's weight that is 0 for an entry without a
+  // gradient anywhere, so lerp_ keeps its state and the update subtracts 0.
+  at::Tensor gated(const at::Tensor& x) const { return gate.defined() ? x * gate : x; }
   std::vector<int64_t> slices;  // row slices, each a matrix of its own
   std::vector<at::Tensor> u_parts, p_parts, sec_parts;
   std::vector<at::Tensor> ortho;  // orthogonalize(u_parts[i]) in P's dtype (orthogonalize_all)
@@ -180,6 +188,7 @@ void DistMuon::add_param_group(MuonParamGroup group) {
   g.s.momentum = scalar_tensor(group.momentum, device);
   g.s.beta2 = scalar_tensor(group.beta2, device);
   g.s.weight_decay = scalar_tensor(group.weight_decay, device);
+  g.decays = group.weight_decay != 0.0;
   g.qkv = group.qkv_split_sizes;
   const bool parted = !group.parts.empty();
   std::map<std::pair<int64_t, int64_t>, std::vector<size_t>> by_shape;  // sorted shapes
@@ -250,6 +259,7 @@ void DistMuon::set_momentum(size_t group, double m) {
 }
 void DistMuon::set_weight_decay(size_t group, double wd) {
   groups_.at(group).s.weight_decay.fill_(wd);
+  groups_.at(group).decays = wd != 0.0;
 }
 
 // One step of every stack in buckets of at most options_.bucket_numel buffer elements, two
@@ -497,7 +507,11 @@ void DistMuon::step(OptimizerPhaseTimes* times, std::span<const at::Tensor> ride
 // is 0 (the recipes' default), the same arithmetic runs in place and without the masks'
 // selects: each kept operation is the one the general path runs, on the same operands, so the
 // results are the same bits (but for the sign of a parameter that is exactly zero before and
-// after). Elsewhere the decisions stay on tensors: no host synchronisation on a device.
+// after). On a device the decisions stay on tensors (no host synchronisation): the same
+// operations run in place with the mask as a 0/1 weight of each step (the momentum's and second
+// moment's lerp_ weights, the learning rate), which gives an entry with a gradient the same
+// values and leaves one without unchanged; no select keeps a second copy of the bucket's
+// momentum or parameters (DistMuonOptions::host_decisions takes this path on the CPU too).
 
 DistMuon::Update DistMuon::begin_update(Group& g, Stack& s, const at::Tensor& gr,
                                         const at::Tensor& mask, int64_t start, int64_t owned,
@@ -516,16 +530,18 @@ DistMuon::Update DistMuon::begin_update(Group& g, Stack& s, const at::Tensor& gr
     u.P = owned == 1 ? mine.front().unsqueeze(0) : at::stack(mine);
   }
   u.m = mask.view({owned, 1, 1});
-  const bool host = u.m.is_cpu();
+  const bool host = u.m.is_cpu() && options_.host_decisions;
   u.every = host && u.m.all().item<bool>();
-  u.no_decay = host && g.s.weight_decay.item<float>() == 0.0f;
+  u.no_decay = !g.decays;
+  u.in_place = u.every || !host;
   u.mom = s.momentum.narrow(0, row, owned);
   u.sec = s.second.narrow(0, row, owned);
+  if (!host) u.gate = u.m.to(u.mom.scalar_type());
   const at::Tensor mu = g.s.momentum.to(u.P.scalar_type());
 
   // Nesterov momentum (in the state's dtype: float32 with master weights).
   const at::Tensor grad = gr.scalar_type() == u.mom.scalar_type() ? gr : gr.to(u.mom.scalar_type());
-  u.mom_new = u.every ? u.mom.lerp_(grad, 1 - mu) : u.mom.lerp(grad, 1 - mu);
+  u.mom_new = u.in_place ? u.mom.lerp_(grad, u.gated(1 - mu)) : u.mom.lerp(grad, 1 - mu);
   at::Tensor upd = at::Tensor(grad).lerp_(u.mom_new, mu);
 
   // Each matrix, or each row slice of a split group, is a matrix of its own from here on:
@@ -594,8 +610,9 @@ at::Tensor DistMuon::finish_update(Update& u, at::Tensor dest) {
     const double red_size = static_cast<double>(ui.size(s.red_dim));
     const at::Tensor v_norm = (v_mean.sum({-2, -1}, true) * red_size).sqrt();
     at::Tensor seci = u.sec_parts[s.red_dim == -1 ? i : 0];
-    const at::Tensor sec_new = u.every ? seci.lerp_(v_mean.to(seci.scalar_type()), 1 - beta2)
-                                       : seci.lerp(v_mean.to(seci.scalar_type()), 1 - beta2);
+    const at::Tensor sec_new = u.in_place
+                                   ? seci.lerp_(v_mean.to(seci.scalar_type()), u.gated(1 - beta2))
+                                   : seci.lerp(v_mean.to(seci.scalar_type()), 1 - beta2);
     const at::Tensor step_size = sec_new.clamp_min(1e-10).rsqrt();
     const at::Tensor scaled_sq_sum = (v_mean * red_size) * step_size.to(at::kFloat).square();
     const at::Tensor v_norm_new = scaled_sq_sum.sum({-2, -1}, true).sqrt();
@@ -605,9 +622,9 @@ at::Tensor DistMuon::finish_update(Update& u, at::Tensor dest) {
     // Cautious weight decay (parameter-sign agreement gates the decay, never the update:
     // DESIGN.md "Decisions": the cautious gate) and the update.
     const double aspect = std::sqrt(std::max(1.0, static_cast<double>(u.slices[i]) / s.cols));
-    const at::Tensor lr = (g.s.lr * aspect).to(u.P.scalar_type());
+    const at::Tensor lr = u.gated((g.s.lr * aspect).to(u.P.scalar_type()));
     const at::Tensor& Pi = u.p_parts[i];
-    if (u.no_decay && u.every && u.slices.size() == 1 && dest.defined()) {
+    if (u.no_decay && u.in_place && u.slices.size() == 1 && dest.defined()) {
       // The only slice, into its destination: the subtraction's own output, no copy after.
       at::Tensor into = dest.view(Pi.sizes());
       at::sub_out(into, Pi, ui.mul_(lr));
@@ -624,7 +641,7 @@ at::Tensor DistMuon::finish_update(Update& u, at::Tensor dest) {
   const at::Tensor P_new =
       p_new_parts.size() == 1 ? p_new_parts[0].view(u.P.sizes()) : at::cat(p_new_parts, -2);
   at::Tensor out = P_new;
-  if (!u.every) {
+  if (!u.in_place) {
     const at::Tensor sec_new =
         sec_new_parts.size() == 1 ? sec_new_parts[0] : at::cat(sec_new_parts, -2);
     u.mom.copy_(at::where(u.m, u.mom_new, u.mom));
@@ -689,6 +706,7 @@ void DistMuon::load_state_dict(const OptimizerState& state) {
       live.entries[k++].value = t;
   }
   load_entries("dist_muon", rank_, world_, live.entries, state);
+  for (Group& g : groups_) g.decays = g.s.weight_decay.item<float>() != 0.0f;
 }
 
 }  // namespace megacpp::trainer

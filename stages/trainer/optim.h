@@ -15,7 +15,10 @@
 //   no AVG). On Gloo a reduce-scatter is an all-reduce followed by a narrow.
 // - Step scalars (lr, betas, momentum, weight decay) are 0-D float32 tensors on the
 //   parameters' device, owned by the optimizer and updated in place (set_* or through
-//   scalars()): a step contains no host synchronisation for them.
+//   scalars()): a step contains no host synchronisation for them. The weight decay changes
+//   only through set_weight_decay or load_state_dict, which keep the host's knowledge of
+//   whether a group decays (a group that does not skips the decay's arithmetic, on a device
+//   without reading the tensor).
 // - step() does not modify gradients and does not zero them.
 // - Not thread-safe; one step at a time. Parameters must outlive the optimizer and keep
 //   their storage (the optimizer updates them in place).
@@ -144,6 +147,8 @@ struct DistAdamWOptions {
   // The dtype gradients are summed in across ranks; unset: each parameter's dtype. A float32
   // reduction of bfloat16 gradients keeps the rank-ordered single-buffer exchange.
   std::optional<at::ScalarType> reduce_dtype = std::nullopt;
+  // As DistMuonOptions::host_decisions: false takes a device's path on the CPU (tests).
+  bool host_decisions = true;
 };
 struct AdamWScalars {
   at::Tensor lr, beta1, beta2, eps, weight_decay;  // 0-D float32
@@ -173,7 +178,8 @@ class DistAdamW {
   at::Tensor pack_for_exchange();
 
   size_t num_groups() const;
-  AdamWScalars& scalars(size_t group);  // update in place (fill_/copy_) between steps
+  // Update in place (fill_/copy_) between steps; the weight decay through set_weight_decay.
+  AdamWScalars& scalars(size_t group);
   void set_lr(size_t group, double lr);
   void set_weight_decay(size_t group, double wd);
   // Placement of parameter `index` (flattened over groups, in construction order).
@@ -204,6 +210,7 @@ class DistAdamW {
   // flags and every gradient. packed_: pack_for_exchange() handed the bucket out for this step.
   at::Tensor bucket_;
   bool packed_ = false;
+  bool host_decisions_ = true;  // DistAdamWOptions::host_decisions
 };
 
 // ---------------------------------------------------------------------------------------
@@ -306,6 +313,11 @@ struct DistMuonOptions {
   // parts (MuonParamGroup::parts) the data-parallel degree: the ranks of a tensor-parallel
   // group give disjoint blocks of one gradient, which are not averaged.
   uint32_t replicas = 0;
+  // On the CPU the has-grad mask and the weight decay are read on the host (the in-place path
+  // when every entry had a gradient and nothing decays). false: a device's path there too —
+  // every decision a tensor, the mask a 0/1 weight (for tests on the CPU). A device's mask is
+  // never read on the host.
+  bool host_decisions = true;
 };
 struct MuonScalars {
   at::Tensor lr, momentum, beta2, weight_decay;  // 0-D float32
@@ -340,7 +352,7 @@ class DistMuon {
   int64_t stack_len(size_t group, size_t stack) const;
   // Indices (in the group's given parameter order) of a stack's entries, in stack order.
   std::vector<size_t> stack_members(size_t group, size_t stack) const;
-  MuonScalars& scalars(size_t group);
+  MuonScalars& scalars(size_t group);  // as DistAdamW::scalars
   void set_lr(size_t group, double lr);
   void set_momentum(size_t group, double momentum);
   void set_weight_decay(size_t group, double wd);

@@ -907,6 +907,99 @@ std::pair<at::Tensor, MatrixPart> cut_part(const at::Tensor& whole, int64_t dim,
 // expert on each rank — step every matrix exactly as one rank holding the whole matrices with
 // the whole gradients: every part equals the whole run's blocks bit for bit, in float32 and in
 // bfloat16 with masters, through steps where no rank has a gradient for a matrix.
+// A device never reads the has-grad mask or the weight decay on the host: both optimizers then
+// update in place with the mask as a 0/1 weight (host_decisions = false takes that path on the
+// CPU). It must give what the host's paths give — the in-place one and the selects of a step
+// where some entry had no gradient — for float32 parameters and for masters, with and without
+// weight decay, a split qkv group among them.
+TEST_F(OptimTest, DeviceDecisionsGiveTheHostsValues) {
+  for (const bool masters : {false, true}) {
+    const std::vector<std::vector<int64_t>> adam_shapes{{64, 24}, {7, 5}, {40}, {}};
+    const std::vector<std::vector<int64_t>> muon_shapes{{32, 16}, {32, 16}, {32, 16}, {16, 40}};
+    const std::vector<std::vector<int64_t>> qkv_shapes{{48, 16}, {48, 16}};
+    struct Run {
+      std::vector<at::Tensor> a, m, q, a32, m32, q32;
+      std::unique_ptr<DistAdamW> adam;
+      std::unique_ptr<DistMuon> muon;
+    };
+    const auto make = [&](bool host) {
+      Run r;
+      r.a32 = make_params(adam_shapes, 41);
+      r.m32 = make_params(muon_shapes, 42);
+      r.q32 = make_params(qkv_shapes, 43);
+      const auto compute = [&](const std::vector<at::Tensor>& ps) {
+        if (!masters) return ps;
+        std::vector<at::Tensor> out;
+        for (const auto& p : ps) out.push_back(p.detach().to(at::kBFloat16).requires_grad_(true));
+        return out;
+      };
+      r.a = compute(r.a32);
+      r.m = compute(r.m32);
+      r.q = compute(r.q32);
+      const auto m_of = [&](const std::vector<at::Tensor>& ps) {
+        return masters ? ps : std::vector<at::Tensor>{};
+      };
+      r.adam = std::make_unique<DistAdamW>(
+          std::vector<AdamWParamGroup>{
+              AdamWParamGroup{.params = {r.a[0], r.a[1]},
+                              .masters = m_of({r.a32[0], r.a32[1]}),
+                              .lr = 1e-2,
+                              .weight_decay = 0.1},
+              AdamWParamGroup{
+                  .params = {r.a[2], r.a[3]}, .masters = m_of({r.a32[2], r.a32[3]}), .lr = 3e-3}},
+          nullptr,
+          DistAdamWOptions{
+              .master_weights = masters, .reduce_dtype = at::kFloat, .host_decisions = host});
+      r.muon = std::make_unique<DistMuon>(
+          std::vector<MuonParamGroup>{
+              MuonParamGroup{.params = r.m, .weight_decay = 0.1, .masters = m_of(r.m32)},
+              MuonParamGroup{
+                  .params = r.q, .qkv_split_sizes = {16, 16, 16}, .masters = m_of(r.q32)}},
+          nullptr,
+          DistMuonOptions{.bf16_orthogonalization = false,
+                          .master_weights = masters,
+                          .reduce_dtype = at::kFloat,
+                          .host_decisions = host});
+      return r;
+    };
+    Run host = make(true), device = make(false);
+    for (uint32_t step = 0; step < 6; ++step) {
+      for (Run* r : {&host, &device}) {
+        for (auto* set : {&r->a, &r->m, &r->q}) {
+          for (size_t i = 0; i < set->size(); ++i) {
+            // Steps 1 and 4: the first entry of each set has no gradient (the selects' path).
+            const bool has = !((step == 1 || step == 4) && i == 0);
+            set_grad((*set)[i], has ? rank_grad((*set)[i], i, step, 0).to((*set)[i].scalar_type())
+                                    : at::Tensor());
+          }
+        }
+        if (step == 3) {  // the decaying groups stop decaying: the host learns it from the call
+          r->adam->set_weight_decay(0, 0.0);
+          r->muon->set_weight_decay(0, 0.0);
+        }
+        r->adam->step();
+        r->muon->step();
+      }
+      SCOPED_TRACE(::testing::Message() << "masters " << masters << " step " << step);
+      for (auto [h, d] : {std::pair{&host.a, &device.a},
+                          {&host.m, &device.m},
+                          {&host.q, &device.q},
+                          {&host.a32, &device.a32},
+                          {&host.m32, &device.m32},
+                          {&host.q32, &device.q32}})
+        EXPECT_EQ(flat(*h), flat(*d));  // values: a zero parameter's sign may differ
+    }
+    for (auto [h, d] : {std::pair{host.adam->state_dict(), device.adam->state_dict()},
+                        {host.muon->state_dict(), device.muon->state_dict()}}) {
+      ASSERT_EQ(h.entries.size(), d.entries.size());
+      for (size_t e = 0; e < h.entries.size(); ++e) {
+        SCOPED_TRACE(::testing::Message() << "masters " << masters << " state entry " << e);
+        EXPECT_EQ(flat({h.entries[e].value}), flat({d.entries[e].value}));
+      }
+    }
+  }
+}
+
 TEST_F(OptimTest, TensorParallelPartsStepAsWholeMatricesWould) {
   const auto body = [](const Pg& pg, uint32_t rank, const fs::path&) -> int {
     const uint32_t n = 2;
