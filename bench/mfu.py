@@ -114,10 +114,9 @@ def main():
 
 
 # Where the steady steps' time went: the median of each part the trainers journaled (StepPhases;
-# the mean over ranks). On a GPU a part's clock is the host's: forward ends at the loss's read
-# (the device done), backward's device remainder lands in clip (the norm's read), and the
-# optimizer ends at the agreement flags' read; so forward, backward + clip and the optimizer's
-# rest are each the device's time too.
+# the mean over ranks). On a GPU a part's clock is the host's: a step reads the device once, at
+# its end (DESIGN.md "GPU lane (second part)"), so each part is the time to issue its work and
+# the device's remainder lands in the optimizer's last part; the step's total is the device's.
 PHASES = ("waitSeconds", "handoffSeconds", "forwardSeconds", "backwardSeconds", "clipSeconds",
           "reduceSeconds", "orthogonalizeSeconds", "updateSeconds", "gatherSeconds",
           "snapshotSeconds", "betweenSeconds")

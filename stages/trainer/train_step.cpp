@@ -301,6 +301,28 @@ struct TrainStep::Impl {
     reduce_gradients(tensors, blocks, tp);
   }
 
+  // Without tensor parallelism: the norm of every gradient (float32, 0-D, on the device) and
+  // the clipping by a coefficient computed there, so nothing is read on the host; the caller
+  // reads the norm with the step's other scalars. The same values as grad_norm_and_clip(): the
+  // coefficient is its double-precision quotient (a division, not a reciprocal), 1 where the
+  // norm is within the bound, and a CPU multiplies by it as it does by a host scalar.
+  at::Tensor grad_norm_and_clip_on_device() {
+    std::vector<at::Tensor> grads;
+    for (auto& [name, p] : params)
+      if (p.grad().defined()) grads.push_back(p.grad());
+    if (grads.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+    const at::Tensor norm = torch::stack(grads.front().scalar_type() == at::kFloat
+                                             ? torch::_foreach_norm(grads)
+                                             : torch::_foreach_norm(grads, 2, at::kFloat))
+                                .norm();
+    if (train_cfg.grad_clip > 0) {
+      const at::Tensor n = norm.to(at::kDouble);
+      const at::Tensor clip = at::full_like(n, train_cfg.grad_clip);
+      torch::_foreach_mul_(grads, at::where(n > clip, clip.div(n + 1e-6), at::ones_like(n)));
+    }
+    return norm;
+  }
+
   double grad_norm_and_clip() {
     // Every gradient (clipped together); under tensor parallelism also split by what the norm
     // sums: the whole parameters' (the same on every rank of the group) and the blocks this
@@ -558,6 +580,11 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
   StepTiming out;
   const int64_t T = tokens.size(1) - 1;
   const at::Tensor on_device = tokens.device() == s.device ? tokens : tokens.to(s.device);
+  // Without tensor parallelism the step's scalars (loss, auxiliary loss, gradient norm) stay on
+  // the device until the agreement flags come back after the optimizers: one read of the host
+  // per step, at its end (DESIGN.md "GPU lane (second part)"). The same values on a CPU.
+  const bool one_read = s.tp.size == 1;
+  at::Tensor loss_d, aux_d, norm_d;
 
   phase(schema::Phase::FORWARD);
   auto t0 = Clock::now();
@@ -582,10 +609,13 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
     // The cross-entropy in float32 whatever the logits' dtype (bf16-mixed: bfloat16).
     loss = torch::nn::functional::cross_entropy(logits.reshape({-1, V}).to(at::kFloat),
                                                 on_device.narrow(1, 1, T).reshape({-1}));
-    out.loss = loss.item<float>();
+    loss_d = loss.detach();
   }
   if (const at::Tensor aux = s.model->aux_loss(); aux.defined()) {
-    out.aux_loss = aux.item<float>();
+    if (one_read)
+      aux_d = aux.detach().to(at::kFloat);
+    else
+      out.aux_loss = aux.item<float>();
     // Computed whole on every rank of a tensor-parallel group: 1/tp of it on each.
     loss = loss + aux / static_cast<double>(tp.size);
     for (const at::Tensor& counts : s.model->tokens_per_expert()) {
@@ -621,8 +651,12 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
         }
       }
     }
-    out.grad_norm = s.grad_norm_and_clip();
-    out.nonfinite = !std::isfinite(out.loss) || !std::isfinite(out.grad_norm);
+    if (one_read) {
+      norm_d = s.grad_norm_and_clip_on_device();
+    } else {
+      out.grad_norm = s.grad_norm_and_clip();
+      out.nonfinite = !std::isfinite(out.loss) || !std::isfinite(out.grad_norm);
+    }
     out.clip_seconds = seconds_since(t0);
     out.lr_scale = lr_scale(s.train_cfg, step_index, s.total_steps);
     for (size_t g = 0; g < s.adam_base_lr.size(); ++g)
@@ -642,23 +676,35 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
     // The ranks' agreements ride in the same exchange, summed over the ranks: [0] whether any
     // rank asked to stop, [1 + r] whether rank r's loss or gradient norm is non-finite. The
     // flags are their own rider, so a NaN gradient does not make them NaN.
+    // Made on the device (a fill and a copy there, no host-to-device copy, which torch
+    // synchronises for pageable memory): [0] the stop request, [1 + r] rank r's non-finite
+    // loss or gradient norm.
     at::Tensor flags;
-    if (s.tp.size == 1) {
-      std::vector<float> host(1 + s.world, 0.0f);
-      if (hooks.stop_requested && hooks.stop_requested()) host[0] = 1.0f;
-      if (out.nonfinite) host[1 + s.rank] = 1.0f;
-      flags = torch::tensor(host, torch::dtype(torch::kFloat32)).to(s.device);
+    if (one_read) {
+      flags = at::zeros({1 + s.world}, at::TensorOptions().dtype(at::kFloat).device(s.device));
+      if (hooks.stop_requested && hooks.stop_requested()) flags[0].fill_(1.0);
+      flags.narrow(0, 1 + s.rank, 1)
+          .copy_(at::logical_not(at::isfinite(loss_d) & at::isfinite(norm_d))
+                     .to(at::kFloat)
+                     .view({1}));
       riders.push_back(flags);
     }
     s.muon->step(&out.optimizer_phases, riders);
     s.adamw->step(&out.optimizer_phases);
-    if (flags.defined()) {
-      const at::Tensor agreed = flags.to(at::kCPU);
-      const float* f = agreed.data_ptr<float>();
+    if (one_read) {
+      // The agreement and this rank's scalars in one device-to-host copy.
+      std::vector<at::Tensor> parts{flags, loss_d.view({1}), norm_d.view({1})};
+      if (aux_d.defined()) parts.push_back(aux_d.view({1}));
+      const at::Tensor host = at::cat(parts).to(at::kCPU);
+      const float* f = host.data_ptr<float>();
       if (hooks.stop_requested) out.stop_agreed = f[0] > 0.0f;
       out.nonfinite_ranks.emplace();
       for (uint32_t r = 0; r < s.world; ++r)
         if (f[1 + r] > 0.0f) out.nonfinite_ranks->push_back(r);
+      out.loss = f[1 + s.world];
+      out.grad_norm = f[2 + s.world];
+      if (aux_d.defined()) out.aux_loss = f[3 + s.world];
+      out.nonfinite = !std::isfinite(out.loss) || !std::isfinite(out.grad_norm);
     }
   }
   out.optimizer_seconds = seconds_since(t0);
