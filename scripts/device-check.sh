@@ -2,9 +2,11 @@
 # The device check (`make device-check`), run on the GPU machine in one command: builds what the
 # GPU tests and benchmarks need against that machine's torch and the packages `make device-prep`
 # unpacked into build-device/prefix (carried there), runs every test labelled gpu, the CUDA
-# plugin's test, the ops benchmark's CUDA half, a timed run of the default recipe on the
-# device, the device recipe gpu-small with its MFU, and two runs whose device memory is printed
-# against the plan, and writes one report:
+# plugin's test, the ops benchmark's CUDA half, Polar Express against the bfloat16 product rate,
+# a timed run of the default recipe on the device, the device recipe gpu-small with its MFU (and
+# its kernels under nsys where the machine has it) and its checkpoint stall against a device
+# copy and DCP async_save, and two runs whose device memory is printed against the plan, and
+# writes one report:
 # $OUT/device-check.txt when OUT is set (the device tool's folder that comes back), else
 # build-gpu/device-check.txt.
 #
@@ -67,7 +69,7 @@ say "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null) $( (nvc
 say "cmake: $(cmake --version | head -1); c++: $(c++ --version | head -1)"
 
 TARGETS=(megacpp megacpp-trainer megacpp-data-loader megacpp-collector megacpp-checkpointer
-         megacpp_store megacpp_trainer_cuda ops_test cuda_plugin_test ops_bench)
+         megacpp_store megacpp_trainer_cuda ops_test cuda_plugin_test ops_bench bench_orthogonalize)
 part configure 120 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DMEGACPP_WERROR=OFF -DMEGACPP_BUILD_BENCH=ON || { tail -60 build-gpu/CMakeFiles/CMakeError.log 2>/dev/null | tee -a "$REPORT"; exit 1; }
 part build 270 cmake --build build-gpu -j "$(nproc)" --target "${TARGETS[@]}" || exit 1
@@ -75,6 +77,9 @@ part build 270 cmake --build build-gpu -j "$(nproc)" --target "${TARGETS[@]}" ||
 part gpu_tests 150 ctest --test-dir build-gpu -L gpu --output-on-failure
 part cuda_plugin_test 30 build-gpu/bin/cuda_plugin_test
 part ops_bench 30 build-gpu/bin/ops_bench
+# DistMuon's Polar Express (bfloat16, gpu-small's shapes) against the device's bfloat16 product
+# rate (issue 32's goal: >= 70%).
+part polar_express_rate 60 build-gpu/bin/bench_orthogonalize --device cuda
 # The default recipe on the device, timed: tokens/s from its receipts.
 RUN=$(mktemp -d)/run
 part tiny_on_cuda 45 build-gpu/bin/megacpp run tiny --ranks 1 --steps 200 --device cuda \
@@ -122,6 +127,21 @@ for r in sorted(body, key=lambda r: -float(r[t]))[:30]:
 export -f gpu_small_kernels
 export NSYS
 part gpu_small_kernels 120 bash -c gpu_small_kernels
+
+# The checkpoint stall on the device: gpu-small with a checkpoint every 20 steps, its journaled
+# stall against a device-to-device copy of rank 0's share, a pinned host copy and torch DCP's
+# async_save of the same tensors on the GPU (bench/checkpoint_stall.py; issue 32's goals:
+# <= 1.2 x the device copy, >= 5 x below DCP).
+STALL_DIR=$(mktemp -d)
+sed -e 's/^checkpoint_every = .*/checkpoint_every = 20/' recipes/gpu-small.toml > "$STALL_DIR/gpu-small-ck20.toml"
+checkpoint_stall() {
+  build-gpu/bin/megacpp run "$STALL_DIR/gpu-small-ck20.toml" --ranks 1 --steps 42 --device cuda \
+    --run-dir "$STALL_DIR/run" --progress none || return 1
+  python3 bench/checkpoint_stall.py "$STALL_DIR/run" --repeats 2
+}
+export -f checkpoint_stall
+export STALL_DIR
+part checkpoint_stall 150 bash -c checkpoint_stall
 
 [ -f "$RUN/launch.json" ] && say "tiny on cuda: muonPrecision $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("muonPrecision"))' "$RUN/launch.json")"
 # Device memory against the plan (issue: measured within 15% of it): `large` in bf16-mixed +

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""bench_checkpoint_stall: a run's checkpoint stall against the copy it cannot beat and against
+torch DCP's async_save of the same tensors on the same device, in one invocation.
+
+    bench/checkpoint_stall.py RUN [--repeats N] [--megacpp BIN]
+
+RUN is a finished `megacpp run` that checkpointed (make device-check runs gpu-small on one GPU
+with a checkpoint every 15 steps). From it:
+
+  megacpp stall     per checkpoint, the time the snapshot blocked the training loop: the
+                    trainers' journaled `snapshot` phase (starting the copy into staging and
+                    the next step's wait for it) summed over the two steps a checkpoint touches,
+                    and, as `megacpp compare` counts it, the step after the checkpoint beyond the
+                    median step; the median over the run's checkpoints
+  tensors           rank 0's share as its checkpoint file lists it (the safetensors header of
+                    the latest checkpoint: names, dtypes, shapes), made on the run's device
+  device copy       every tensor copied into a second set on the same device (device-to-device
+                    on a GPU, memcpy on a CPU): what a snapshot through CUDA IPC stalls for
+  pinned copy       every tensor copied into page-locked host memory (GPU only): what a host
+                    staging region reached by DMA stalls for
+  DCP async_save    torch.distributed.checkpoint.async_save of that state dict (a process group
+                    of one): `blocking` until it returns (its staging: the stall a training loop
+                    sees), `total` until its future completes
+
+Issue 32's goals, on a GPU: the stall <= 1.2 x the device copy, and >= 5 x below DCP's blocking
+time. Prints the figures and the ratios; asserts nothing about time.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import struct
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+          "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "F64": torch.float64}
+
+
+def safetensors_header(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def megacpp_stalls(run_dir):
+    with open(os.path.join(run_dir, "launch.json")) as f:
+        launch = json.load(f)
+    with open(os.path.join(run_dir, "receipts", "bench_telemetry.json")) as f:
+        steps = {s["step"]: s for s in json.load(f)["steps"]}
+    every = int(launch["recipe"]["train"]["checkpointEvery"])
+    last = max(steps)
+    seconds = sorted(s["stepSeconds"] for k, s in steps.items() if k >= 2)
+    p50 = seconds[len(seconds) // 2]
+    phase, extra = [], []
+    for c in range(every, last, every):
+        if c + 1 not in steps:
+            continue
+        phase.append(sum((steps[k].get("phases") or {}).get("snapshotSeconds", 0.0)
+                         for k in (c, c + 1) if k in steps))
+        extra.append(steps[c + 1]["stepSeconds"] - p50)
+    return launch, phase, extra, p50
+
+
+def timed(repeats, sync, fn):
+    out = []
+    for i in range(repeats + 1):  # the first is a warm-up
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if i:
+            out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    launch, phase, extra, p50 = megacpp_stalls(args.run_dir)
+    if not phase:
+        raise SystemExit("bench_checkpoint_stall: the run took no checkpoint before its last step "
+                         "(train.checkpoint_every below its steps is needed)")
+    latest = os.path.join(args.run_dir, "checkpoints", "LATEST")
+    with open(latest) as f:
+        ckpt = os.path.join(args.run_dir, "checkpoints", f.read().strip())
+    header = safetensors_header(os.path.join(ckpt, "rank_0.safetensors"))
+
+    on_gpu = (launch.get("device") or "cpu") == "cuda"
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    torch.set_num_threads(1)
+    state = {}
+    for name, t in header.items():
+        x = torch.empty(t["shape"], dtype=DTYPES[t["dtype"]], device=device)
+        if x.is_floating_point():
+            x.normal_()
+        else:
+            x.fill_(7)
+        state[name] = x
+    nbytes = sum(x.numel() * x.element_size() for x in state.values())
+    name = torch.cuda.get_device_name(0) if on_gpu else "CPU"
+
+    copies = {k: torch.empty_like(v) for k, v in state.items()}
+    device_copy = timed(args.repeats, sync,
+                        lambda: [copies[k].copy_(v, non_blocking=True) for k, v in state.items()])
+    del copies
+    pinned_copy = None
+    if on_gpu:
+        pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in state.items()}
+        pinned_copy = timed(args.repeats, sync, lambda: [
+            pinned[k].copy_(v, non_blocking=True) for k, v in state.items()])
+        del pinned
+
+    work = tempfile.mkdtemp(prefix="dcp-", dir=os.path.join(args.run_dir, "checkpoints"))
+    blocking, total = [], []
+    try:
+        store = dist.FileStore(os.path.join(work, "store"), 1)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", store=store, rank=0,
+                                world_size=1)
+        for i in range(args.repeats + 1):
+            d = os.path.join(work, "dcp-%d" % i)
+            sync()
+            t0 = time.perf_counter()
+            future = dcp.async_save(state, checkpoint_id=d)
+            t1 = time.perf_counter()
+            future.result()
+            t2 = time.perf_counter()
+            if i:
+                blocking.append(t1 - t0)
+                total.append(t2 - t0)
+            shutil.rmtree(d, ignore_errors=True)
+        dist.destroy_process_group()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    dcp_blocking, dcp_total = statistics.median(blocking), statistics.median(total)
+
+    stall_phase, stall_extra = statistics.median(phase), statistics.median(extra)
+    print(f"checkpoint_stall: recipe {launch['recipe']['name']} on {device.type} ({name}); rank 0's "
+          f"share {len(state)} tensors, {nbytes / 2**30:.3f} GiB; {len(phase)} checkpoint(s), "
+          f"median step {1e3 * p50:.1f} ms")
+    print(f"  megacpp stall         snapshot phase {1e3 * stall_phase:9.2f} ms   step after the "
+          f"checkpoint beyond the median {1e3 * stall_extra:9.2f} ms")
+    print(f"  device copy           {1e3 * device_copy:9.2f} ms  ({nbytes / device_copy / 1e9:.1f} GB/s)")
+    if pinned_copy is not None:
+        print(f"  pinned host copy      {1e3 * pinned_copy:9.2f} ms  ({nbytes / pinned_copy / 1e9:.1f} GB/s)")
+    print(f"  DCP async_save        blocking {1e3 * dcp_blocking:9.2f} ms   total "
+          f"{1e3 * dcp_total:9.2f} ms")
+    print(f"  ratios: megacpp stall / device copy {stall_phase / device_copy:.2f} (goal <= 1.2 on a "
+          f"GPU); DCP blocking / megacpp stall {dcp_blocking / max(stall_phase, 1e-9):.2f} "
+          f"(goal >= 5)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
