@@ -80,6 +80,10 @@ part ops_bench 30 build-gpu/bin/ops_bench
 # DistMuon's Polar Express (bfloat16, gpu-small's shapes) against the device's bfloat16 product
 # rate (issue 32's goal: >= 70%).
 part polar_express_rate 60 build-gpu/bin/bench_orthogonalize --device cuda
+# The golden losses on the device: tiny at world 1 on cuda:0 against the CPU's golden (20 steps
+# and 2 validation losses; tests/e2e/golden_test.py GoldenLossesOnDevice).
+part golden_on_cuda 60 env MEGACPP_GOLDEN_DEVICE=cuda MEGACPP_BIN="$ROOT/build-gpu/bin/megacpp" \
+  python3 tests/e2e/golden_test.py -v GoldenLossesOnDevice
 # The default recipe on the device, timed: tokens/s from its receipts.
 RUN=$(mktemp -d)/run
 part tiny_on_cuda 45 build-gpu/bin/megacpp run tiny --ranks 1 --steps 200 --device cuda \

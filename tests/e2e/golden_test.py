@@ -98,16 +98,19 @@ def pinned_tiny():
     return path
 
 
-def run_dir(world):
-    """The run directory of a finished `megacpp run tiny` at `world` ranks (run once, cached)."""
-    if world not in _runs:
-        r = Run(os.path.join(_tmp, "w%d" % world), steps=STEPS, ranks=world,
-                env={"MEGACPP_TRAINER_THREADS": "1"}, recipe=pinned_tiny())
+def run_dir(world, device="cpu"):
+    """The run directory of a finished `megacpp run tiny` at `world` ranks on `device` (run
+    once, cached)."""
+    key = world if device == "cpu" else (device, world)
+    if key not in _runs:
+        r = Run(os.path.join(_tmp, "w%d%s" % (world, "" if device == "cpu" else "-" + device)),
+                steps=STEPS, ranks=world, env={"MEGACPP_TRAINER_THREADS": "1"},
+                recipe=pinned_tiny(), extra=() if device == "cpu" else ("--device", device))
         rc = r.finish(timeout=600)
         if rc != 0:
             raise AssertionError("megacpp run (world %d) exited %d:\n%s" % (world, rc, r.out[-3000:]))
-        _runs[world] = r.dir
-    return _runs[world]
+        _runs[key] = r.dir
+    return _runs[key]
 
 
 def key_paths(value, prefix=""):
@@ -191,8 +194,8 @@ class ManifestKeys(unittest.TestCase):
 
 class GoldenLosses(unittest.TestCase):
     @staticmethod
-    def losses(world):
-        rd = run_dir(world)
+    def losses(world, device="cpu"):
+        rd = run_dir(world, device)
         with open(os.path.join(rd, "receipts", "bench_telemetry.json")) as f:
             telemetry = json.load(f)
         with open(os.path.join(rd, "manifest.json")) as f:
@@ -234,6 +237,35 @@ class GoldenLosses(unittest.TestCase):
                 self.assertLessEqual(abs(g - w), abs_ + rel * abs(w),
                                      "world %d validation after step %s: %.9g, golden %.9g; %s" % (
                                          world, step, g, w, HOW_TO_UPDATE))
+
+
+class GoldenLossesOnDevice(unittest.TestCase):
+    """The golden on a GPU (make device-check sets MEGACPP_GOLDEN_DEVICE=cuda): tiny at world 1
+    on cuda:0, its 20 losses and 2 validation losses against the CPU's golden with the
+    other-kernel-path tolerance (float32 products on the device, Muon in bfloat16 as recorded;
+    the device's kernels sum in other orders). It still catches a broken step on the device."""
+
+    def test_first_20_losses_on_the_device(self):
+        device = os.environ.get("MEGACPP_GOLDEN_DEVICE")
+        if not device:
+            self.skipTest("MEGACPP_GOLDEN_DEVICE is not set (make device-check sets it on a GPU)")
+        recipe_hash, got, got_val = GoldenLosses.losses(1, device)
+        with open(LOSSES_FILE) as f:
+            golden = json.load(f)
+        self.assertEqual(recipe_hash, golden["recipeHash"], "recipes/tiny.toml changed; " + HOW_TO_UPDATE)
+        want = golden["world1"]
+        self.assertEqual(len(got), STEPS)
+        worst = max(abs(g - w) for g, w in zip(got, want))
+        sys.stderr.write("golden on %s: world 1 max |loss - golden| over %d steps = %.3g (tolerance %g)\n"
+                         % (device, STEPS, worst, ABS_OTHER_CPU))
+        for step, (g, w) in enumerate(zip(got, want), 1):
+            self.assertLessEqual(abs(g - w), ABS_OTHER_CPU,
+                                 "%s step %d: loss %.9g, golden %.9g" % (device, step, g, w))
+        self.assertEqual(sorted(got_val), sorted(golden["world1Val"]))
+        for step, w in golden["world1Val"].items():
+            sys.stderr.write("golden on %s: validation loss after step %s = %.9g (golden %.9g)\n"
+                             % (device, step, got_val[step], w))
+            self.assertLessEqual(abs(got_val[step] - w), ABS_OTHER_CPU)
 
 
 def tearDownModule():
