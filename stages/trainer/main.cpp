@@ -467,6 +467,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
   // The previous step's tail, journaled with this step (its time is in this stepSeconds); the
   // snapshot's also counts this step's wait for the copy to finish before its update.
   double snapshot_seconds = 0, between_seconds = 0;
+  at::Tensor pinned_batch;  // --device cuda: the page-locked batch buffer (below)
   for (uint32_t step = first_step; step <= steps; ++step) {
     const auto wait_start = Clock::now();
     const auto slot = await_slot(*ring, fmt::format("batch {}", step));
@@ -476,14 +477,22 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
                   fmt::format("ring {}: expected the batch of step {}, got tag {} (seq {})",
                               ring_name, step, slot->tag, slot->seq));
     // The slot's narrow tokens are widened into a tensor of our own, so the slot goes back to
-    // the loader at once (it refills while this step computes).
+    // the loader at once (it refills while this step computes). On a device that tensor is a
+    // page-locked buffer kept from step to step, copied to the device without blocking the
+    // host (a pageable one is a synchronising copy): the step's one read of the host at its end
+    // has the copy done before the next batch overwrites the buffer.
     recipe::BatchHeader header;
-    const at::Tensor tokens = widen_batch(slot->data, batch, step, &header);
+    if (device.is_cuda() && !pinned_batch.defined())
+      pinned_batch =
+          at::empty(batch.shape(), at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    const at::Tensor host_tokens = widen_batch(slot->data, batch, step, &header, pinned_batch);
     ring->ring->release();
+    const at::Tensor tokens =
+        device.is_cuda() ? host_tokens.to(device, /*non_blocking=*/true) : host_tokens;
     const double handoff_seconds = seconds_since(wait_start);
     if (step <= trace_batches) {
-      const auto* p = static_cast<const char*>(tokens.data_ptr());
-      trace.write(p, static_cast<std::streamsize>(tokens.nbytes()));
+      const auto* p = static_cast<const char*>(host_tokens.data_ptr());
+      trace.write(p, static_cast<std::streamsize>(host_tokens.nbytes()));
       trace.flush();
     }
 

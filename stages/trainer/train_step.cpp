@@ -925,7 +925,7 @@ void TrainStep::restore(const checkpoint::CheckpointReader& ckpt) {
 }
 
 at::Tensor widen_batch(std::span<const std::byte> slot, const recipe::BatchSpec& spec,
-                       uint64_t step, recipe::BatchHeader* header) {
+                       uint64_t step, recipe::BatchHeader* header, at::Tensor into) {
   recipe::BatchHeader h;
   MEGACPP_CHECK(slot.size() == spec.slot_bytes(), ErrorKind::kProtocol,
                 fmt::format("batch of step {} has {} bytes, expected {}", step, slot.size(),
@@ -938,7 +938,10 @@ at::Tensor widen_batch(std::span<const std::byte> slot, const recipe::BatchSpec&
                             "step {}; expected {}-byte tokens, [{}, {}]",
                             step, h.magic, h.token_bytes, h.batch, h.row_tokens, h.step,
                             spec.token_bytes, spec.batch, spec.row_tokens()));
-  at::Tensor out = torch::empty(spec.shape(), torch::kInt64);
+  at::Tensor out = into.defined() ? into : torch::empty(spec.shape(), torch::kInt64);
+  MEGACPP_CHECK(out.scalar_type() == at::kLong && out.is_cpu() && out.is_contiguous() &&
+                    out.sizes() == at::IntArrayRef(spec.shape()),
+                ErrorKind::kInvalidArgument, "widen_batch: `into` is not the batch's int64 shape");
   int64_t* dst = out.data_ptr<int64_t>();
   const std::byte* src = slot.data() + sizeof h;
   const uint64_t n = spec.slot_tokens();

@@ -45,11 +45,12 @@ using OptimConfig = recipe::OptimConfig;
 using recipe::train_config;
 
 // Widens one batch slot (recipes/batch_spec.h: header, then uint16 or uint32 tokens) into a
-// fresh [batch, seq_len + 1] int64 tensor, after checking the header against `spec` and
-// `step`. The tensor owns its memory: the slot may be released as soon as this returns.
-// Throws Error{kProtocol} naming the field that does not match.
+// [batch, seq_len + 1] int64 tensor, after checking the header against `spec` and `step`: a
+// fresh one, or `into` when given (contiguous int64 of that shape, e.g. a page-locked buffer
+// reused every step). The tensor owns its memory: the slot may be released as soon as this
+// returns. Throws Error{kProtocol} naming the field that does not match.
 at::Tensor widen_batch(std::span<const std::byte> slot, const recipe::BatchSpec& spec,
-                       uint64_t step, recipe::BatchHeader* header = nullptr);
+                       uint64_t step, recipe::BatchHeader* header = nullptr, at::Tensor into = {});
 
 // The LR schedule's factor for 1-based `step` of `total_steps` (every [optim] learning rate is
 // multiplied by it): linear warmup from 0 to 1 over warmup_steps, then cosine from 1 down to

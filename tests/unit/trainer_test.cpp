@@ -152,6 +152,34 @@ TEST_F(TrainerTest, RejectsInvalidConfigAndBatches) {
   EXPECT_THROW(ts.step(torch::zeros({8, 18}, torch::kInt64), 1), Error);  // T > seqLen
 }
 
+// widen_batch into a caller's buffer (a device rank's page-locked one, reused every step) gives
+// the same tensor as a fresh one and returns that buffer; a buffer of another shape or dtype
+// is refused.
+TEST_F(TrainerTest, WidenBatchIntoAGivenBuffer) {
+  for (const uint32_t bytes : {2u, 4u}) {
+    const recipe::BatchSpec spec{.batch = 3, .seq_len = 5, .token_bytes = bytes};
+    std::vector<std::byte> slot(spec.slot_bytes());
+    recipe::BatchHeader h;
+    h.token_bytes = bytes;
+    h.batch = spec.batch;
+    h.row_tokens = static_cast<uint32_t>(spec.row_tokens());
+    h.step = 7;
+    std::memcpy(slot.data(), &h, sizeof h);
+    for (uint64_t i = 0; i < spec.slot_tokens(); ++i) {
+      const uint32_t t = static_cast<uint32_t>(bytes == 2 ? 65535 - i * 11 : 70000 + i * 13);
+      std::memcpy(slot.data() + sizeof h + i * bytes, &t, bytes);  // little-endian low bytes
+    }
+    const at::Tensor fresh = widen_batch(slot, spec, 7);
+    at::Tensor buffer = torch::full({3, 6}, -1, torch::kInt64);
+    const at::Tensor into = widen_batch(slot, spec, 7, nullptr, buffer);
+    EXPECT_EQ(into.data_ptr(), buffer.data_ptr());
+    EXPECT_TRUE(torch::equal(fresh, buffer)) << bytes;
+    EXPECT_EQ(fresh[2][5].item<int64_t>(), bytes == 2 ? 65535 - 17 * 11 : 70000 + 17 * 13);
+    EXPECT_THROW(widen_batch(slot, spec, 7, nullptr, torch::zeros({3, 5}, torch::kInt64)), Error);
+    EXPECT_THROW(widen_batch(slot, spec, 7, nullptr, torch::zeros({3, 6}, torch::kInt32)), Error);
+  }
+}
+
 TEST_F(TrainerTest, LearningRateSchedule) {
   TrainConfig t = tiny_train();  // warmup 5, min ratio 0.1
   EXPECT_DOUBLE_EQ(lr_scale(t, 1, 40), 0.2);
