@@ -27,6 +27,31 @@ bool stream_copy_streams() noexcept;
 // The CPU reference accumulates the sum of squares in double.
 void rmsnorm_cpu(const float* x, const float* w, float* y, int64_t rows, int64_t cols, float eps);
 
+// One AdamW step over n float32 elements: DistAdamW's update on a device (the gated path of
+// stages/trainer/dist_adamw.cpp) fused into one pass over p, g, m, v. Per element, with
+// t = max(step, 1):
+//   p *= 1 - lr * weight_decay * gate                 (only when `decays`)
+//   m = lerp(m, g, (1 - beta1) * gate)
+//   v = lerp(v, g * g, (1 - beta2) * gate)
+//   p -= m / (sqrt(v / (1 - beta2^t)) + eps) * (lr / (1 - beta1^t) * gate)
+// lerp(a, b, w) is torch's: a + w (b - a) for w < 0.5, else b - (b - a)(1 - w). The scalars are
+// read from memory (device memory for the CUDA version: they are the optimizer's 0-D tensors, so
+// a step reads nothing on the host); `step` already counts this step; `gate` is 1 when some
+// rank had a gradient, else 0 (then p, m and v keep their values).
+struct AdamWStepScalars {
+  const float* lr = nullptr;
+  const float* beta1 = nullptr;
+  const float* beta2 = nullptr;
+  const float* eps = nullptr;
+  const float* weight_decay = nullptr;
+  const float* step = nullptr;
+  const float* gate = nullptr;
+};
+// The CPU reference: every element computed in double, stored as float. Throws
+// Error{kInvalidArgument} for n < 0, or a null array or scalar with n > 0.
+void adamw_step_cpu(float* p, const float* g, float* m, float* v, int64_t n,
+                    const AdamWStepScalars& s, bool decays);
+
 // Number of CUDA devices visible to this process; 0 when there is no driver or no device, or
 // when built without CUDA. Never throws.
 int cuda_device_count();
@@ -38,6 +63,10 @@ int cuda_device_count();
 // Throws Error{kInvalidArgument} as rmsnorm_cpu, Error{kSystem} when the launch fails.
 void rmsnorm_cuda(const float* x, const float* w, float* y, int64_t rows, int64_t cols, float eps,
                   void* stream);
+// adamw_step_cpu on the GPU in float32 (IEEE division and square root): every pointer, the
+// scalars' included, in device memory of the current device. Asynchronous, as rmsnorm_cuda.
+void adamw_step_cuda(float* p, const float* g, float* m, float* v, int64_t n,
+                     const AdamWStepScalars& s, bool decays, void* stream);
 #endif
 
 }  // namespace megacpp::ops

@@ -3,10 +3,18 @@
 
 #include <cstdint>
 
+namespace megacpp::ops {
+struct AdamWStepScalars;  // ops.h
+}  // namespace megacpp::ops
+
 namespace megacpp::ops::detail {
 
 // The argument contract common to both rmsnorm implementations (see ops.h); throws
 // Error{kInvalidArgument} naming `op` when broken.
 void check_rmsnorm_args(const char* op, const float* x, const float* y, int64_t rows, int64_t cols);
+
+// The argument contract of adamw_step_cpu and adamw_step_cuda (see ops.h), thrown the same way.
+void check_adamw_args(const char* op, const float* p, const float* g, const float* m,
+                      const float* v, int64_t n, const AdamWStepScalars& s);
 
 }  // namespace megacpp::ops::detail

@@ -76,7 +76,7 @@ part build 270 cmake --build build-gpu -j "$(nproc)" --target "${TARGETS[@]}" ||
 
 part gpu_tests 150 ctest --test-dir build-gpu -L gpu --output-on-failure
 part cuda_plugin_test 30 build-gpu/bin/cuda_plugin_test
-part ops_bench 30 build-gpu/bin/ops_bench
+part ops_bench 60 build-gpu/bin/ops_bench
 # DistMuon's Polar Express (bfloat16, gpu-small's shapes) against the device's bfloat16 product
 # rate (issue 32's goal: >= 70%).
 part polar_express_rate 60 build-gpu/bin/bench_orthogonalize --device cuda

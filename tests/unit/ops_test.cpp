@@ -15,6 +15,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/error.h"
@@ -303,6 +304,42 @@ TEST(OpsCpu, SumAndDivideMatchesScalarReferenceBitExact) {
   }
 }
 
+// The fused AdamW step's reference against the arithmetic by hand: a first step moves every
+// parameter with a gradient by lr against its sign (m / (sqrt(v) + eps) = g / (|g| + eps)
+// after bias correction), a decaying one first shrinks by 1 - lr * wd, and a gate of 0 keeps p, m
+// and v bit for bit (a step without a gradient anywhere).
+TEST(OpsCpu, AdamwStepFirstStepMovesByLrAgainstTheGradientSign) {
+  const float lr = 0.01f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, wd = 0.1f, step = 1.f;
+  for (const float gate : {1.f, 0.f}) {
+    for (const bool decays : {false, true}) {
+      std::vector<float> p = random_vector(1001, -2.f, 2.f, 3),
+                         g = random_vector(1001, -1.f, 1.f, 4);
+      std::vector<float> m(1001, 0.f), v(1001, 0.f);
+      const std::vector<float> p0 = p;
+      const ops::AdamWStepScalars s{&lr, &beta1, &beta2, &eps, &wd, &step, &gate};
+      ops::adamw_step_cpu(p.data(), g.data(), m.data(), v.data(), 1001, s, decays);
+      for (size_t i = 0; i < p.size(); ++i) {
+        if (gate == 0.f) {
+          ASSERT_EQ(std::memcmp(&p[i], &p0[i], sizeof(float)), 0) << i;
+          ASSERT_EQ(m[i], 0.f);
+          ASSERT_EQ(v[i], 0.f);
+          continue;
+        }
+        const double shrunk = decays ? double(p0[i]) * (1.0 - double(lr) * wd) : double(p0[i]);
+        const double want = shrunk - double(lr) * g[i] / (std::abs(double(g[i])) + eps);
+        ASSERT_NEAR(p[i], want, 1e-6) << i << (decays ? " decays" : "");
+        ASSERT_NEAR(m[i], (1.0 - beta1) * g[i], 1e-7);
+        ASSERT_NEAR(v[i], (1.0 - beta2) * g[i] * g[i], 1e-9);
+      }
+    }
+  }
+  float x = 0;
+  const ops::AdamWStepScalars none{};
+  expect_invalid([&] { ops::adamw_step_cpu(&x, &x, &x, &x, 1, none, false); });
+  expect_invalid([&] { ops::adamw_step_cpu(&x, &x, &x, &x, -1, none, false); });
+  ops::adamw_step_cpu(nullptr, nullptr, nullptr, nullptr, 0, none, false);
+}
+
 TEST(OpsCpu, CudaDeviceCountNeverThrows) {
   int n = -1;
   EXPECT_NO_THROW(n = ops::cuda_device_count());
@@ -424,6 +461,61 @@ TEST(OpsCuda, RmsnormUnalignedInPlaceAndOnAStream) {
   CUDA_CHECK(cudaStreamDestroy(stream));
   // Many short rows: the grid is one block per row.
   compare_cuda_to_cpu({100000, 8}, true, 1e-5f, 0, false, nullptr, 15);
+#endif
+}
+
+// The fused AdamW step on the device against its CPU reference: random p, g, m, v over sizes
+// with tails (not a multiple of a block) and one past a full grid, gate 1 and 0, with and
+// without decay, at step 1 and a later step; scalars in device memory. Each of p, m, v within
+// 1e-5 relative plus 1e-7 (float32 against double); with gate 0 the arrays stay bit for bit.
+TEST(OpsCuda, AdamwStepMatchesCpuReference) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+#if OPS_TEST_HAVE_CUDA
+  uint32_t seed = 40;
+  for (const int64_t n : {int64_t{1}, int64_t{257}, int64_t{1000003}, int64_t{256} * 65535 + 9}) {
+    for (const float gate : {1.f, 0.f}) {
+      for (const bool decays : {false, true}) {
+        for (const float step : {1.f, 37.f}) {
+          const auto un = static_cast<size_t>(n);
+          auto p = random_vector(un, -2.f, 2.f, seed++), g = random_vector(un, -1.f, 1.f, seed++);
+          auto m = random_vector(un, -0.1f, 0.1f, seed++),
+               v = random_vector(un, 0.f, 0.01f, seed++);
+          const std::vector<float> scalars{3e-3f, 0.8f, 0.95f, 1e-10f, 0.1f, step, gate};
+          DeviceFloats dp(un), dg(un), dm(un), dv(un), ds(scalars.size());
+          dp.upload(p, 0);
+          dg.upload(g, 0);
+          dm.upload(m, 0);
+          dv.upload(v, 0);
+          ds.upload(scalars, 0);
+          const auto scalars_at = [](const float* b) {
+            return ops::AdamWStepScalars{b, b + 1, b + 2, b + 3, b + 4, b + 5, b + 6};
+          };
+          ops::adamw_step_cuda(dp.at(0), dg.at(0), dm.at(0), dv.at(0), n, scalars_at(ds.at(0)),
+                               decays, nullptr);
+          CUDA_CHECK(cudaDeviceSynchronize());
+          const auto p0 = p, m0 = m, v0 = v;
+          ops::adamw_step_cpu(p.data(), g.data(), m.data(), v.data(), n, scalars_at(scalars.data()),
+                              decays);
+          const std::string what = "n=" + std::to_string(n) + " gate=" + std::to_string(gate) +
+                                   (decays ? " decays" : "") + " step=" + std::to_string(step);
+          for (auto [got, want, before] : {std::tuple{dp.download(un, 0), &p, &p0},
+                                           {dm.download(un, 0), &m, &m0},
+                                           {dv.download(un, 0), &v, &v0}}) {
+            size_t bad = 0;
+            for (size_t i = 0; i < un; ++i) {
+              const bool ok = gate == 0.f ? std::memcmp(&got[i], &(*before)[i], sizeof(float)) == 0
+                                          : std::abs(double(got[i]) - (*want)[i]) <=
+                                                1e-5 * std::abs(double((*want)[i])) + 1e-7;
+              if (!ok && ++bad <= 5)
+                ADD_FAILURE() << what << ": element " << i << " got " << got[i] << " want "
+                              << (*want)[i];
+            }
+            EXPECT_EQ(bad, 0u) << what;
+          }
+        }
+      }
+    }
+  }
 #endif
 }
 
