@@ -4,6 +4,11 @@
 // in memory. Both sides run the same TrainStep code, thread count and data; the figure is
 // the ratio of steady-state time per step (goal <= 1.03).
 //
+// --device cuda: both sides on CUDA device 0 — the in-process loop in a child process of its own
+// (it loads the trainer's CUDA plugin there, so each side's device memory is freed when its
+// process ends: two gpu-small-sized models need not fit at once), its batches on the device
+// before the first step; the pipeline as `megacpp run --device cuda`.
+//
 // In-process time per step: wall clock over steps warmup+1..warmup+steps.
 // Pipeline time per step: (wallNs of step warmup+steps - wallNs of step warmup) / steps, read
 // from the rank's own journal, so it counts everything the rank does between steps.
@@ -26,6 +31,7 @@
 #include "recipes/recipe.h"
 #include "schemas/launch.capnp.h"
 #include "schemas/run_layout.h"
+#include "stages/trainer/cuda_plugin.h"
 #include "stages/trainer/train_step.h"
 
 namespace mc = megacpp;
@@ -34,12 +40,13 @@ namespace fs = std::filesystem;
 namespace {
 
 double in_process_ms(const mc::recipe::Recipe& r, uint32_t warmup, uint32_t steps,
-                     const fs::path& work) {
+                     const fs::path& work, at::Device device) {
   capnp::MallocMessageBuilder msg;
   auto spec = msg.initRoot<mc::schema::RecipeSpec>();
   mc::recipe::to_spec(r, spec);
   mc::trainer::TrainStep ts(mc::trainer::model_config(spec.asReader()),
-                            mc::trainer::train_config(spec.getTrain()), warmup + steps);
+                            mc::trainer::train_config(spec.getTrain()), warmup + steps, nullptr,
+                            device);
   std::vector<std::unique_ptr<mc::data::Shard>> shards;
   std::vector<const mc::data::Shard*> views;
   for (const auto& p :
@@ -57,7 +64,7 @@ double in_process_ms(const mc::recipe::Recipe& r, uint32_t warmup, uint32_t step
   std::vector<std::byte> slot(batch.slot_bytes());
   for (uint32_t s = 1; s <= warmup + steps; ++s) {
     sampler.fill(s, 0, slot);
-    batches.push_back(mc::trainer::widen_batch(slot, batch, s));
+    batches.push_back(mc::trainer::widen_batch(slot, batch, s).to(device));
   }
   for (uint32_t s = 1; s <= warmup; ++s) ts.step(batches[s - 1], s);
   auto t0 = std::chrono::steady_clock::now();
@@ -67,8 +74,38 @@ double in_process_ms(const mc::recipe::Recipe& r, uint32_t warmup, uint32_t step
   return dt / steps;
 }
 
+// in_process_ms on CUDA device 0 in a child process (see the top); its result through a pipe.
+double in_process_cuda_ms(const mc::recipe::Recipe& r, uint32_t warmup, uint32_t steps,
+                          const fs::path& work) {
+  int fds[2];
+  if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    double ms = -1;
+    try {
+      const mc::trainer::CudaPlugin plugin(mc::trainer::CudaPlugin::beside_executable());
+      plugin.api().set_device(0);
+      ms = in_process_ms(r, warmup, steps, work, at::Device(at::kCUDA, 0));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "in-process loop on cuda: %s\n", e.what());
+    }
+    const bool ok = ::write(fds[1], &ms, sizeof ms) == sizeof ms;
+    ::_exit(ok && ms > 0 ? 0 : 1);
+  }
+  ::close(fds[1]);
+  double ms = -1;
+  const bool got = ::read(fds[0], &ms, sizeof ms) == sizeof ms;
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (!got || !WIFEXITED(status) || WEXITSTATUS(status) != 0 || ms <= 0)
+    throw std::runtime_error("the in-process loop on cuda failed (its error is above)");
+  return ms;
+}
+
 double pipeline_ms(const fs::path& megacpp, const std::string& recipe, uint32_t warmup,
-                   uint32_t steps, const fs::path& work, int threads) {
+                   uint32_t steps, const fs::path& work, int threads, const std::string& device) {
   auto run_dir = work / fmt::format("run-{}", mc::wall_ns());
   std::vector<std::string> args = {megacpp.string(),
                                    "run",
@@ -82,7 +119,9 @@ double pipeline_ms(const fs::path& megacpp, const std::string& recipe, uint32_t 
                                    "--data-dir",
                                    (work / "data").string(),
                                    "--progress",
-                                   "none"};
+                                   "none",
+                                   "--device",
+                                   device};
   pid_t pid = ::fork();
   if (pid == 0) {
     ::setenv("MEGACPP_TRAINER_THREADS", std::to_string(threads).c_str(), 1);
@@ -132,29 +171,41 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "torch intra-op threads on both sides")
       ->capture_default_str();
   app.add_option("--megacpp", megacpp, "The megacpp binary")->capture_default_str();
+  std::string device = "cpu";
+  app.add_option("--device", device, "cpu, or cuda (device 0, both sides)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (warmup < 1) warmup = 1;
 
-  torch::set_num_threads(threads);
-  auto r = mc::recipe::load(mc::recipe::resolve(recipe, MEGACPP_RECIPE_DIR));
-  fs::create_directories(work);
-  double best_in = 1e300, best_pipe = 1e300;
-  for (uint32_t i = 0; i < repeats; ++i) {
-    double a = in_process_ms(r, warmup, steps, work);
-    double b = pipeline_ms(megacpp, recipe, warmup, steps, work, threads);
-    fmt::print("repeat {}: in-process {:.3f} ms/step, pipeline {:.3f} ms/step\n", i + 1, a, b);
-    best_in = std::min(best_in, a);
-    best_pipe = std::min(best_pipe, b);
+  try {
+    torch::set_num_threads(threads);
+    auto r = mc::recipe::load(mc::recipe::resolve(recipe, MEGACPP_RECIPE_DIR));
+    fs::create_directories(work);
+    double best_in = 1e300, best_pipe = 1e300;
+    for (uint32_t i = 0; i < repeats; ++i) {
+      double a = device == "cuda" ? in_process_cuda_ms(r, warmup, steps, work)
+                                  : in_process_ms(r, warmup, steps, work, at::kCPU);
+      double b = pipeline_ms(megacpp, recipe, warmup, steps, work, threads, device);
+      fmt::print("repeat {}: in-process {:.3f} ms/step, pipeline {:.3f} ms/step\n", i + 1, a, b);
+      best_in = std::min(best_in, a);
+      best_pipe = std::min(best_pipe, b);
+    }
+    fs::remove_all(work);
+    double tokens = double(r.train.batch_size) * r.model.seq_len;
+    fmt::print(
+        "\npipeline overhead, recipe {} on {} ({} steps after {} warm-up, {} thread(s), best of "
+        "{}):\n",
+        r.name, device, steps, warmup, threads, repeats);
+    fmt::print("  {:<28} {:>10.3f} ms/step {:>10.0f} tokens/s\n", "in-process loop (peer)", best_in,
+               tokens / best_in * 1e3);
+    fmt::print("  {:<28} {:>10.3f} ms/step {:>10.0f} tokens/s\n", "megacpp pipeline (1 rank)",
+               best_pipe, tokens / best_pipe * 1e3);
+    fmt::print("  ratio pipeline/in-process: {:.3f} (goal <= 1.03)\n", best_pipe / best_in);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_pipeline_overhead: %s\n", e.what());
+    fs::remove_all(work);
+    return 1;
   }
-  fs::remove_all(work);
-  double tokens = double(r.train.batch_size) * r.model.seq_len;
-  fmt::print(
-      "\npipeline overhead, recipe {} ({} steps after {} warm-up, {} thread(s), best of {}):\n",
-      r.name, steps, warmup, threads, repeats);
-  fmt::print("  {:<28} {:>10.3f} ms/step {:>10.0f} tokens/s\n", "in-process loop (peer)", best_in,
-             tokens / best_in * 1e3);
-  fmt::print("  {:<28} {:>10.3f} ms/step {:>10.0f} tokens/s\n", "megacpp pipeline (1 rank)",
-             best_pipe, tokens / best_pipe * 1e3);
-  fmt::print("  ratio pipeline/in-process: {:.3f} (goal <= 1.03)\n", best_pipe / best_in);
   return 0;
 }

@@ -69,7 +69,8 @@ say "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null) $( (nvc
 say "cmake: $(cmake --version | head -1); c++: $(c++ --version | head -1)"
 
 TARGETS=(megacpp megacpp-trainer megacpp-data-loader megacpp-collector megacpp-checkpointer
-         megacpp_store megacpp_trainer_cuda ops_test cuda_plugin_test ops_bench bench_orthogonalize)
+         megacpp_store megacpp_trainer_cuda ops_test cuda_plugin_test ops_bench bench_orthogonalize
+         bench_pipeline_overhead)
 part configure 120 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DMEGACPP_WERROR=OFF -DMEGACPP_BUILD_BENCH=ON || { tail -60 build-gpu/CMakeFiles/CMakeError.log 2>/dev/null | tee -a "$REPORT"; exit 1; }
 part build 270 cmake --build build-gpu -j "$(nproc)" --target "${TARGETS[@]}" || exit 1
@@ -131,6 +132,11 @@ for r in sorted(body, key=lambda r: -float(r[t]))[:30]:
 export -f gpu_small_kernels
 export NSYS
 part gpu_small_kernels 120 bash -c gpu_small_kernels
+
+# P1 on the device: gpu-small in `megacpp run --device cuda` against the same TrainStep in a
+# plain loop with its batches already on the device (issue 32's goal: <= 1.03 with async H2D).
+part p1_gpu_small 150 build-gpu/bin/bench_pipeline_overhead --device cuda --recipe gpu-small \
+  --steps 30 --warmup 5 --repeats 1
 
 # The checkpoint stall on the device: gpu-small with a checkpoint every 20 steps, its journaled
 # stall against a device-to-device copy of rank 0's share, a pinned host copy and torch DCP's
