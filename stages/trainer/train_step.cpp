@@ -585,6 +585,17 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
   // per step, at its end (DESIGN.md "GPU lane (second part)"). The same values on a CPU.
   const bool one_read = s.tp.size == 1;
   at::Tensor loss_d, aux_d, norm_d;
+  std::vector<at::Tensor> counts_d;  // MoE layers' tokens per expert (int64)
+  // One MoE layer's counts (float64 on the host: exact below 2^53) into the step's record.
+  const auto take_expert_counts = [&](const at::Tensor& host) {
+    const double* c = host.data_ptr<double>();
+    auto& mine = out.tokens_per_expert.emplace_back();
+    for (int64_t e = 0; e < host.numel(); ++e) mine.push_back(static_cast<int64_t>(c[e]));
+    // Each rank of a group routes the whole batch but runs n / tp of the experts.
+    const size_t per_rank = mine.size() / s.tp.size;
+    for (size_t e = 0; e < mine.size(); ++e)
+      if (e / per_rank != s.tp.rank) mine[e] = 0;
+  };
 
   phase(schema::Phase::FORWARD);
   auto t0 = Clock::now();
@@ -619,13 +630,10 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
     // Computed whole on every rank of a tensor-parallel group: 1/tp of it on each.
     loss = loss + aux / static_cast<double>(tp.size);
     for (const at::Tensor& counts : s.model->tokens_per_expert()) {
-      const at::Tensor host = counts.to(at::kCPU);
-      auto& mine = out.tokens_per_expert.emplace_back(host.data_ptr<int64_t>(),
-                                                      host.data_ptr<int64_t>() + host.numel());
-      // Each rank of a group routes the whole batch but runs n / tp of the experts.
-      const size_t per_rank = mine.size() / tp.size;
-      for (size_t e = 0; e < mine.size(); ++e)
-        if (e / per_rank != tp.rank) mine[e] = 0;
+      if (one_read)
+        counts_d.push_back(counts.detach());
+      else
+        take_expert_counts(counts.to(at::kDouble).to(at::kCPU));
     }
   }
   out.forward_seconds = seconds_since(t0);
@@ -692,18 +700,26 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
     s.muon->step(&out.optimizer_phases, riders);
     s.adamw->step(&out.optimizer_phases);
     if (one_read) {
-      // The agreement and this rank's scalars in one device-to-host copy.
+      // The agreement, this rank's scalars and its MoE counts in one device-to-host copy, as
+      // float64 (exact for each: float32 values, counts below 2^53).
       std::vector<at::Tensor> parts{flags, loss_d.view({1}), norm_d.view({1})};
       if (aux_d.defined()) parts.push_back(aux_d.view({1}));
+      for (const at::Tensor& c : counts_d) parts.push_back(c.reshape({-1}));
+      for (at::Tensor& p : parts) p = p.to(at::kDouble);
       const at::Tensor host = at::cat(parts).to(at::kCPU);
-      const float* f = host.data_ptr<float>();
+      const double* f = host.data_ptr<double>();
       if (hooks.stop_requested) out.stop_agreed = f[0] > 0.0f;
       out.nonfinite_ranks.emplace();
       for (uint32_t r = 0; r < s.world; ++r)
         if (f[1 + r] > 0.0f) out.nonfinite_ranks->push_back(r);
-      out.loss = f[1 + s.world];
+      out.loss = static_cast<float>(f[1 + s.world]);
       out.grad_norm = f[2 + s.world];
-      if (aux_d.defined()) out.aux_loss = f[3 + s.world];
+      int64_t at_ = 3 + s.world;
+      if (aux_d.defined()) out.aux_loss = static_cast<float>(f[at_++]);
+      for (const at::Tensor& c : counts_d) {
+        take_expert_counts(host.narrow(0, at_, c.numel()));
+        at_ += c.numel();
+      }
       out.nonfinite = !std::isfinite(out.loss) || !std::isfinite(out.grad_norm);
     }
   }
