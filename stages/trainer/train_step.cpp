@@ -305,7 +305,7 @@ struct TrainStep::Impl {
   // the clipping by a coefficient computed there, so nothing is read on the host; the caller
   // reads the norm with the step's other scalars. The same values as grad_norm_and_clip(): the
   // coefficient is its double-precision quotient (a division, not a reciprocal), 1 where the
-  // norm is within the bound, and a CPU multiplies by it as it does by a host scalar.
+  // norm is within the bound, applied as a host scalar is (rounded to the gradients' dtype).
   at::Tensor grad_norm_and_clip_on_device() {
     std::vector<at::Tensor> grads;
     for (auto& [name, p] : params)
@@ -318,7 +318,12 @@ struct TrainStep::Impl {
     if (train_cfg.grad_clip > 0) {
       const at::Tensor n = norm.to(at::kDouble);
       const at::Tensor clip = at::full_like(n, train_cfg.grad_clip);
-      torch::_foreach_mul_(grads, at::where(n > clip, clip.div(n + 1e-6), at::ones_like(n)));
+      const at::Tensor coef = at::where(n > clip, clip.div(n + 1e-6), at::ones_like(n));
+      // _foreach_mul_ by a host scalar rounds the scalar to the gradients' dtype first (bfloat16
+      // gradients: a bfloat16 factor), so the factor goes in as that dtype, per dtype.
+      std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
+      for (const at::Tensor& g : grads) by_dtype[g.scalar_type()].push_back(g);
+      for (auto& [dtype, group] : by_dtype) torch::_foreach_mul_(group, coef.to(dtype));
     }
     return norm;
   }
