@@ -245,10 +245,12 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
     if ((in_place || gated) && g.scalar_type() != at::kFloat) g = g.to(at::kFloat);
     clock.lap(&OptimizerPhaseTimes::reduce);
 
-    if (gated) {
-      // The general path's operations, in place, each step's weight times the gate: an entry
-      // with a gradient gets the same values, one without keeps its own (lerp_ by 0, the step
-      // count plus 0, the decay factor 1 - 0, minus 0).
+    if (in_place || gated) {
+      // The general path's operations (below), in place and without the selects, each step's
+      // weight times the gate: an entry with a gradient gets the same values, one without
+      // keeps its own (lerp_ by 0, the step count plus 0, the decay factor 1 - 0, minus 0). On
+      // the host's in-place path the gate is 1 and nothing decays (the decay factor is exactly
+      // 1): the same bits.
       const at::Tensor gate = m.to(at::kFloat);
       q.step.add_(gate);
       const at::Tensor tc = q.step.clamp_min(1.0);
@@ -260,19 +262,6 @@ void DistAdamW::step(OptimizerPhaseTimes* times) {
       at::Tensor step = (q.exp_avg_sq / bias2).sqrt_().add_(s.eps);
       at::div_out(step, q.exp_avg, step);
       target.sub_(step.mul_(s.lr / bias1 * gate));
-      clock.lap(&OptimizerPhaseTimes::update);
-    } else if (in_place) {
-      // The same operations on the same operands as below, in place and without the selects
-      // (m is true; the decay factor 1 - lr * 0 is exactly 1): the same bits.
-      q.step.add_(1.0);
-      const at::Tensor tc = q.step.clamp_min(1.0);
-      q.exp_avg.lerp_(g, 1 - s.beta1);
-      q.exp_avg_sq.lerp_(g.square(), 1 - s.beta2);
-      const at::Tensor bias1 = 1 - s.beta1.pow(tc);
-      const at::Tensor bias2 = 1 - s.beta2.pow(tc);
-      at::Tensor step = (q.exp_avg_sq / bias2).sqrt_().add_(s.eps);
-      at::div_out(step, q.exp_avg, step);
-      target.sub_(step.mul_(s.lr / bias1));
       clock.lap(&OptimizerPhaseTimes::update);
     } else {
       const at::Tensor g32 = g.to(at::kFloat);
