@@ -36,6 +36,15 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// The L2 norm of non-empty gradients together, a 0-D float32 tensor on their device, computed
+// in float32 whatever their dtype (bf16-mixed: bfloat16 gradients).
+at::Tensor norm_of(const std::vector<at::Tensor>& g) {
+  return torch::stack(g.front().scalar_type() == at::kFloat
+                          ? torch::_foreach_norm(g)
+                          : torch::_foreach_norm(g, 2, at::kFloat))
+      .norm();
+}
+
 }  // namespace
 
 double lr_scale(const TrainConfig& t, uint32_t step, uint32_t total_steps) {
@@ -303,18 +312,16 @@ struct TrainStep::Impl {
 
   // Without tensor parallelism: the norm of every gradient (float32, 0-D, on the device) and
   // the clipping by a coefficient computed there, so nothing is read on the host; the caller
-  // reads the norm with the step's other scalars. The same values as grad_norm_and_clip(): the
-  // coefficient is its double-precision quotient (a division, not a reciprocal), 1 where the
-  // norm is within the bound, applied as a host scalar is (rounded to the gradients' dtype).
+  // reads the norm with the step's other scalars. The same values as the host's clipping (as
+  // grad_norm_and_clip_tensor_parallel's): the coefficient is its double-precision quotient (a
+  // division, not a reciprocal), 1 where the norm is within the bound, applied as a host scalar
+  // is (rounded to the gradients' dtype).
   at::Tensor grad_norm_and_clip_on_device() {
     std::vector<at::Tensor> grads;
     for (auto& [name, p] : params)
       if (p.grad().defined()) grads.push_back(p.grad());
     if (grads.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
-    const at::Tensor norm = torch::stack(grads.front().scalar_type() == at::kFloat
-                                             ? torch::_foreach_norm(grads)
-                                             : torch::_foreach_norm(grads, 2, at::kFloat))
-                                .norm();
+    const at::Tensor norm = norm_of(grads);
     if (train_cfg.grad_clip > 0) {
       const at::Tensor n = norm.to(at::kDouble);
       const at::Tensor clip = at::full_like(n, train_cfg.grad_clip);
@@ -328,15 +335,14 @@ struct TrainStep::Impl {
     return norm;
   }
 
-  double grad_norm_and_clip() {
-    // Every gradient (clipped together); under tensor parallelism also split by what the norm
-    // sums: the whole parameters' (the same on every rank of the group) and the blocks this
-    // rank contributes (summed over the group).
+  // Under tensor parallelism (read on the host: the norm's square sums over the group): every
+  // gradient, clipped together, split by what the norm sums — the whole parameters' (the same
+  // on every rank of the group) and the blocks this rank contributes (summed over the group).
+  double grad_norm_and_clip_tensor_parallel() {
     std::vector<at::Tensor> grads, whole, mine;
     for (auto& [name, p] : params) {
       if (!p.grad().defined()) continue;
       grads.push_back(p.grad());
-      if (tp.size == 1) continue;
       const auto it = parts.find(name);
       if (it == parts.end()) {
         whole.push_back(p.grad());
@@ -345,24 +351,11 @@ struct TrainStep::Impl {
       for (const auto& b : it->second.blocks)
         if (b.contributes) mine.push_back(p.grad().narrow(it->second.dim, b.local_offset, b.size));
     }
-    // In float32 whatever the gradients' dtype (bf16-mixed: bfloat16 gradients).
-    const auto norm_of = [](const std::vector<at::Tensor>& g) {
-      return torch::stack(g.front().scalar_type() == at::kFloat
-                              ? torch::_foreach_norm(g)
-                              : torch::_foreach_norm(g, 2, at::kFloat))
-          .norm();
-    };
-    double norm = 0;
-    if (tp.size > 1) {
-      const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
-      at::Tensor sq = mine.empty() ? at::zeros({}, opts) : norm_of(mine).square();
-      sq = all_reduce_sum(sq, tp);
-      if (!whole.empty()) sq = sq + norm_of(whole).square();
-      norm = sq.sqrt().item<double>();
-    } else {
-      if (grads.empty()) return 0.0;
-      norm = norm_of(grads).item<double>();
-    }
+    const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+    at::Tensor sq = mine.empty() ? at::zeros({}, opts) : norm_of(mine).square();
+    sq = all_reduce_sum(sq, tp);
+    if (!whole.empty()) sq = sq + norm_of(whole).square();
+    const double norm = sq.sqrt().item<double>();
     if (grads.empty()) return norm;
     if (train_cfg.grad_clip > 0 && norm > train_cfg.grad_clip) {
       torch::_foreach_mul_(grads, train_cfg.grad_clip / (norm + 1e-6));
@@ -667,7 +660,7 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
     if (one_read) {
       norm_d = s.grad_norm_and_clip_on_device();
     } else {
-      out.grad_norm = s.grad_norm_and_clip();
+      out.grad_norm = s.grad_norm_and_clip_tensor_parallel();
       out.nonfinite = !std::isfinite(out.loss) || !std::isfinite(out.grad_norm);
     }
     out.clip_seconds = seconds_since(t0);
