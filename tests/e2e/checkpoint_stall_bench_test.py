@@ -8,29 +8,28 @@ import json
 import os
 import struct
 import subprocess
+import sys
 import tempfile
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+import run_harness  # noqa: E402
+
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 
 
 class CheckpointStallBench(unittest.TestCase):
     def test_tiny_run_gives_every_figure(self):
-        megacpp = os.environ.get("MEGACPP_BIN")
-        self.assertTrue(megacpp and os.path.exists(megacpp), "MEGACPP_BIN must name the binary")
+        self.assertTrue(os.path.exists(run_harness.MEGACPP), "MEGACPP_BIN must name the binary")
         with tempfile.TemporaryDirectory(prefix="megacpp-stall-test-") as tmp:
-            recipe = os.path.join(tmp, "ck5.toml")
-            with open(os.path.join(ROOT, "recipes", "tiny.toml")) as f:
-                text = f.read()
-            self.assertEqual(text.count("checkpoint_every = 20"), 1)
-            with open(recipe, "w") as f:
-                f.write(text.replace("checkpoint_every = 20", "checkpoint_every = 5"))
+            recipe = run_harness.tiny_recipe(tmp, 5)
+            with open(recipe) as f:
+                self.assertEqual(f.read().count("checkpoint_every = 5"), 1)
             run = os.path.join(tmp, "run")
-            proc = subprocess.run([megacpp, "run", recipe, "--ranks", "1", "--steps", "16",
-                                   "--run-dir", run, "--progress", "none"],
-                                  capture_output=True, text=True, timeout=300)
+            proc = run_harness.megacpp(["run", recipe, "--ranks", "1", "--steps", "16",
+                                        "--run-dir", run, "--progress", "none"], timeout=300)
             self.assertEqual(proc.returncode, 0, proc.stdout[-2000:] + proc.stderr[-2000:])
             with open(os.path.join(run, "checkpoints", "LATEST")) as f:
                 latest = os.path.join(run, "checkpoints", f.read().strip(), "rank_0.safetensors")
