@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -127,9 +128,7 @@ def print_phases(steady):
     if not with_phases:
         print("mfu: no step phases journaled")
         return
-    def median(values):
-        values = sorted(values)
-        return values[len(values) // 2]
+    median = statistics.median_high
     step = median([s["stepSeconds"] for s in with_phases])
     parts = []
     for key in PHASES:

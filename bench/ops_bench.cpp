@@ -127,6 +127,20 @@ class Stream {
   cudaStream_t s_ = nullptr;
 };
 
+// The largest |got - want| / |want| over the elements; an exact zero wanted must be got exactly
+// (else infinity).
+double max_relative_difference(const std::vector<float>& got, const std::vector<float>& want) {
+  double max_rel = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (want[i] != 0.f) {
+      max_rel = std::max(max_rel, std::abs(double(got[i]) - want[i]) / std::abs(double(want[i])));
+    } else if (got[i] != 0.f) {
+      max_rel = INFINITY;
+    }
+  }
+  return max_rel;
+}
+
 template <typename F>
 double gpu_ms_per_iter(const Config& cfg, const Stream& stream, F&& f) {
   for (int i = 0; i < cfg.warmup; ++i) f();
@@ -164,14 +178,7 @@ void bench_cuda(const Config& cfg, const std::vector<float>& x, const std::vecto
   // A bench that is fast but wrong is worthless: compare with the CPU reference once.
   std::vector<float> y(n);
   CUDA_CHECK(cudaMemcpy(y.data(), dy.get(), bytes, cudaMemcpyDeviceToHost));
-  double max_rel = 0;
-  for (size_t i = 0; i < n; ++i) {
-    if (y_cpu[i] != 0.f) {
-      max_rel = std::max(max_rel, std::abs(double(y[i]) - y_cpu[i]) / std::abs(double(y_cpu[i])));
-    } else if (y[i] != 0.f) {
-      max_rel = INFINITY;
-    }
-  }
+  const double max_rel = max_relative_difference(y, y_cpu);
   fmt::print("cuda: max relative difference to rmsnorm_cpu: {:.3g}{}\n", max_rel,
              max_rel <= 1e-5 ? "" : "  (ABOVE 1e-5)");
 }
@@ -297,10 +304,7 @@ void bench_adamw(const Config& cfg) {
   ops::adamw_step_cpu(pr.data(), g.data(), mr.data(), vr.data(), static_cast<int64_t>(k),
                       scalars_at(scalars.data()), false);
   CUDA_CHECK(cudaMemcpy(got.data(), dp.get(), k * sizeof(float), cudaMemcpyDeviceToHost));
-  double max_rel = 0;
-  for (size_t i = 0; i < k; ++i)
-    max_rel = std::max(max_rel,
-                       std::abs(double(got[i]) - pr[i]) / std::max(1e-30, std::abs(double(pr[i]))));
+  const double max_rel = max_relative_difference(got, pr);
   const double op_ms = gpu_ms_per_iter(cfg, stream, [&] {
     ops::adamw_step_cuda(f(dp), f(dg), f(dm), f(dv), static_cast<int64_t>(n), scalars_at(f(ds)),
                          false, stream.get());
