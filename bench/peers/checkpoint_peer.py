@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+import gloo_exit
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -74,3 +76,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    gloo_exit.leave(0)

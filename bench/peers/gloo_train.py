@@ -40,12 +40,13 @@ import argparse
 import json
 import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+import gloo_exit
 
 VOCAB, SEQ, D_MODEL, N_LAYERS, N_HEADS, MLP_MULT = 256, 64, 128, 2, 4, 4
 BATCH, LR, MIN_LR_RATIO, WARMUP, BETAS, WEIGHT_DECAY, GRAD_CLIP, SEED = (
@@ -227,4 +228,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    gloo_exit.leave(main())

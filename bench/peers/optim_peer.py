@@ -30,6 +30,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import gloo_exit
+
 BUCKET_CAP_BYTES = 25 * 1024 * 1024
 ADAM_LR, ADAM_BETAS, ADAM_EPS = 0.004, (0.8, 0.95), 1e-10
 MUON_LR, MUON_MOMENTUM = 0.02, 0.95
@@ -121,3 +123,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    gloo_exit.leave(0)

@@ -121,6 +121,8 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+import gloo_exit
+
 # The blocks' shared pieces, as bench_blocks' twin defines them from model_internal.h.
 from blocks_peer import Mlp, linear, rms_norm, rope
 
@@ -563,4 +565,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    gloo_exit.leave(main())
