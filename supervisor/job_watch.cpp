@@ -462,6 +462,8 @@ void JobWatch::run(std::string host, uint16_t port) {
   std::vector<Clock::time_point> changed(nodes_, Clock::now());
   std::vector<bool> lost(nodes_, false);
   std::vector<bool> peers_finished(nodes_, false);  // node 0: nodes that said they finished
+  std::vector<bool> peers_read(nodes_, false);      // node 0: nodes that read the final fold
+  bool final_fold = false;  // node 0: every node finished and their final commits are folded
   bool reported = false, finished_self = false, suspected = false, told_suspicion = false,
        told_suspicion_store = false;
   connect_link();  // at once when node 0's port is known: a death in the first beat closes it
@@ -528,12 +530,18 @@ void JobWatch::run(std::string host, uint16_t port) {
       }
       if (finishing) {
         // Node 0 stays until every node that is not lost has finished, then folds their final
-        // commits; the others wait for that fold to reach their own final step.
+        // commits; the others wait for that fold to reach their own final step, and say they
+        // read it (`read/<k>`): node 0's store goes with node 0, so node 0 also stays until
+        // every node that finished has read the fold (a node whose next beat came after the
+        // store went would never learn that its final step is the job's).
         bool all = true;
         if (node_ != 0) {
           set_job_committed(read_step("job_committed"));
-          std::lock_guard lk(mu_);
-          all = committed_ == 0 || (job_committed_ && *job_committed_ >= committed_);
+          {
+            std::lock_guard lk(mu_);
+            all = committed_ == 0 || (job_committed_ && *job_committed_ >= committed_);
+          }
+          if (all) rec->set(key("read/" + me), "1");
         } else {
           for (uint32_t k = 1; k < nodes_; ++k) {
             if (lost[k] || peers_finished[k]) continue;
@@ -542,8 +550,18 @@ void JobWatch::run(std::string host, uint16_t port) {
             else
               all = false;
           }
+          if (all) {
+            // Once: a node that finished publishes nothing more.
+            if (!final_fold) fold_commits();
+            final_fold = true;
+            for (uint32_t k = 1; k < nodes_ && all; ++k) {
+              if (lost[k] || peers_read[k]) continue;
+              peers_read[k] = rec->get(key(fmt::format("read/{}", k)), std::chrono::milliseconds(0))
+                                  .has_value();
+              all = peers_read[k];
+            }
+          }
         }
-        if (all && node_ == 0) fold_commits();
         if (all) {
           std::lock_guard lk(mu_);
           finished_ = true;

@@ -117,9 +117,10 @@ class JobWatch {
   // lost, and node 0 going away after the job is no loss).
   void finish();
   // At the end of the job, after finish(): node 0 waits up to `timeout` for every node that is
-  // not lost to have finished, so that none loses node 0's store while it still needs it, and
-  // folds their final commits; another node waits for job_committed() to reach its own final
-  // step. False when that did not happen in time.
+  // not lost to have finished, folds their final commits, and waits for each of them to have
+  // read the fold, so that none loses node 0's store while it still needs it; another node waits
+  // for job_committed() to reach its own final step and says it read it. False when that did
+  // not happen in time.
   bool wait_finished(std::chrono::milliseconds timeout);
   // Nodes node 0 has declared lost (always 0 on other nodes).
   uint32_t lost_nodes() const;

@@ -181,6 +181,31 @@ TEST(JobWatch, TheJobsCommittedStepIsTheNewestEveryNodeCommitted) {
   EXPECT_FALSE(w0.verdict());
 }
 
+// Node 0's store goes with node 0: once node 0's wait_finished() says the job is done, a node
+// whose beat is slow must still learn that its final step is the job's. Node 0 stays until
+// every finished node read the fold; then the store goes at once, as node 0's supervisor exits.
+TEST(JobWatch, NodeZeroStaysUntilEveryNodeReadTheFinalStep) {
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    auto server = std::make_unique<StoreServer>("127.0.0.1", 0, 2);
+    JobWatch::Options fast, slow;
+    fast.beat = std::chrono::milliseconds(10);
+    slow.beat = std::chrono::milliseconds(400);
+    slow.silence_limit = fast.silence_limit = std::chrono::milliseconds(5000);
+    JobWatch w0(place(2, 0, server->port()), "f", fast);
+    JobWatch w1(place(2, 1, server->port()), "f", slow);
+    w0.committed(6);
+    w1.committed(6);
+    w1.finish();
+    w0.finish();
+    ASSERT_TRUE(w0.wait_finished(std::chrono::milliseconds(5000)));
+    EXPECT_EQ(w0.job_committed(), 6u);
+    server.reset();  // node 0's supervisor exits
+    EXPECT_TRUE(w1.wait_finished(std::chrono::milliseconds(5000)));
+    EXPECT_EQ(w1.job_committed(), 6u);
+  }
+}
+
 // The job's records sealed (a stand-in for ipc::RecordSealer): a peer that writes the watch's
 // key names without the job's seal neither stops the job (a forged failure is no verdict) nor
 // hides a dead node (a forged "finished", or a replayed beat).
