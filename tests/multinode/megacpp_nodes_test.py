@@ -787,4 +787,14 @@ if __name__ == "__main__":
     # run every case (label full: `make multinode`, `make chaos`).
     if sys.argv[1:] == ["MegacppNodesSample"]:
         sys.argv[1:] = ["MegacppNodes." + name for name in SAMPLE]
-    unittest.main()
+    result = unittest.main(exit=False).result
+    # A failure's message holds node logs thousands of characters long; a CI log keeps only its
+    # tail. One short summary per failure after unittest's own: the assertion's first line and
+    # the nodes' error and warning lines it quotes.
+    for test, trace in result.failures + result.errors:
+        lines = trace.splitlines()
+        said = [l for l in lines if l.startswith(("AssertionError", "subprocess.", "Exception"))]
+        print("FAILED %s: %s" % (test.id().split(".")[-1], (said or lines[-1:])[0][:300]))
+        for l in [l for l in lines if "] error:" in l or "] warn:" in l][:8]:
+            print("  " + l[:240])
+    sys.exit(0 if result.wasSuccessful() else 1)
