@@ -2,7 +2,7 @@
 """bench_checkpoint_stall: a run's checkpoint stall against the copy it cannot beat and against
 torch DCP's async_save of the same tensors on the same device, in one invocation.
 
-    bench/checkpoint_stall.py RUN [--repeats N] [--megacpp BIN]
+    bench/checkpoint_stall.py RUN [--repeats N] [--host-run RUN2]
 
 RUN is a finished `megacpp run` that checkpointed (make device-check runs gpu-small on one GPU
 with a checkpoint every 15 steps). From it:
@@ -22,6 +22,12 @@ with a checkpoint every 15 steps). From it:
                     of one): `blocking` until it returns (its staging: the stall a training loop
                     sees), `total` until its future completes
 
+  staging           where the run's ranks staged their snapshots (their logs): an exported
+                    device buffer the checkpointer imports (MEGACPP_SNAPSHOT_STAGING auto or
+                    device on a GPU), its memfd stand-in, or the host region
+  --host-run RUN2   the same recipe run with MEGACPP_SNAPSHOT_STAGING=host: its stall beside
+                    this one's (what device staging saves)
+
 Issue 32's goals, on a GPU: the stall <= 1.2 x the device copy, and >= 5 x below DCP's blocking
 time. Prints the figures and the ratios; asserts nothing about time.
 """
@@ -38,6 +44,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+import gloo_exit  # noqa: E402
 
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
           "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "F64": torch.float64}
@@ -70,6 +79,19 @@ def megacpp_stalls(run_dir):
     return launch, phase, extra, p50
 
 
+def staging_of(run_dir):
+    """How rank 0 staged its snapshots, from its log."""
+    try:
+        with open(os.path.join(run_dir, "logs", "trainer-0.log"), errors="replace") as f:
+            log = f.read()
+    except OSError:
+        return "unknown (no trainer-0 log)"
+    for kind in ("cuda", "memfd"):
+        if "staged in an exported %s buffer" % kind in log:
+            return "exported %s buffer" % kind
+    return "host region"
+
+
 def timed(repeats, sync, fn):
     out = []
     for i in range(repeats + 1):  # the first is a warm-up
@@ -86,6 +108,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--host-run", help="the same recipe staged in the host region, for comparison")
     args = ap.parse_args()
 
     launch, phase, extra, p50 = megacpp_stalls(args.run_dir)
@@ -151,7 +174,15 @@ def main():
           f"share {len(state)} tensors, {nbytes / 2**30:.3f} GiB; {len(phase)} checkpoint(s), "
           f"median step {1e3 * p50:.1f} ms")
     print(f"  megacpp stall         snapshot phase {1e3 * stall_phase:9.2f} ms   step after the "
-          f"checkpoint beyond the median {1e3 * stall_extra:9.2f} ms")
+          f"checkpoint beyond the median {1e3 * stall_extra:9.2f} ms   (staging: "
+          f"{staging_of(args.run_dir)})")
+    if args.host_run:
+        _, host_phase, host_extra, _ = megacpp_stalls(args.host_run)
+        if host_phase:
+            h_phase, h_extra = statistics.median(host_phase), statistics.median(host_extra)
+            print(f"  megacpp stall, host   snapshot phase {1e3 * h_phase:9.2f} ms   step after the "
+                  f"checkpoint beyond the median {1e3 * h_extra:9.2f} ms   (staging: "
+                  f"{staging_of(args.host_run)}); host / this {h_phase / max(stall_phase, 1e-9):.2f}")
     print(f"  device copy           {1e3 * device_copy:9.2f} ms  ({nbytes / device_copy / 1e9:.1f} GB/s)")
     if pinned_copy is not None:
         print(f"  pinned host copy      {1e3 * pinned_copy:9.2f} ms  ({nbytes / pinned_copy / 1e9:.1f} GB/s)")
@@ -164,4 +195,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    gloo_exit.leave(main())

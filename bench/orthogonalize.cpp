@@ -11,7 +11,9 @@
 // FLOP count of one Polar Express iteration on an m x n matrix (m <= n: a tall one is worked
 // through its transpose): the Gram matrix A = X Xᵀ (2 m² n), A·A (2 m³) and B·X (2 m² n). The
 // element-wise parts (the norm, the scaled sums) are not counted: they are what the
-// orthogonalization costs beyond its products.
+// orthogonalization costs beyond its products. A device takes the scaled sums in the products
+// (detail::OrthoSums::kInProduct), the CPU as separate operations; the last line times the other
+// choice beside the default.
 //
 // --device cuda loads the trainer's CUDA plugin (libmegacpp_trainer_cuda.so beside this
 // executable), as a rank does; a device's work is timed to its completion by reading a scalar
@@ -116,7 +118,10 @@ int main(int argc, char** argv) {
       c.device, name, c.steps, d, c.layers, c.repeats, c.calls);
   fmt::print("{:>22} {:>10} {:>10} {:>12} {:>12} {:>7}\n", "matrices", "ortho ms", "ortho TF/s",
              "matmul ms", "matmul TF/s", "ratio");
-  double ortho_flop = 0, ortho_s = 0, mm_flop = 0, mm_s = 0;
+  double ortho_flop = 0, ortho_s = 0, mm_flop = 0, mm_s = 0, alt_s = 0;
+  using megacpp::trainer::detail::OrthoSums;
+  const bool on_device = c.device == "cuda";  // the default: sums in the products on a device
+  const OrthoSums alt = on_device ? OrthoSums::kSeparate : OrthoSums::kInProduct;
   for (const Group& g : groups) {
     const int64_t m = std::min(g.rows, g.cols), n = std::max(g.rows, g.cols);
     const at::Tensor x = at::randn({g.batch, g.rows, g.cols}, opts);
@@ -134,6 +139,11 @@ int main(int argc, char** argv) {
     fmt::print("{:>22} {:>10.3f} {:>10.2f} {:>12.3f} {:>12.2f} {:>7.2f}\n",
                fmt::format("{} x {}x{}", g.batch, g.rows, g.cols), 1e3 * s, flop / s / 1e12,
                1e3 * ms, mflop / ms / 1e12, (flop / s) / (mflop / ms));
+    // The other place for the scaled sums (detail::OrthoSums): what the default saves.
+    alt_s += seconds_per_call(c, [&] {
+      return megacpp::trainer::detail::orthogonalize(x, Orthogonalizer::kPolarExpress, c.steps,
+                                                     /*bf16=*/true, alt);
+    });
     ortho_flop += flop;
     ortho_s += s;
     mm_flop += mflop;
@@ -152,5 +162,10 @@ int main(int argc, char** argv) {
       "total: a {}x{} bfloat16 product {:.2f} TFLOP/s: Polar Express at {:.2f} of it "
       "(goal >= 0.70 on a GPU)\n",
       q, q, sq_rate / 1e12, rate / sq_rate);
+  fmt::print(
+      "total: scaled sums {} (this device's default) {:.3f} ms a step, {} {:.3f} ms: the "
+      "default takes {:.2f} of the other's time\n",
+      on_device ? "in the products" : "as separate operations", 1e3 * ortho_s,
+      on_device ? "as separate operations" : "in the products", 1e3 * alt_s, ortho_s / alt_s);
   return 0;
 }

@@ -40,13 +40,14 @@ namespace fs = std::filesystem;
 namespace {
 
 double in_process_ms(const mc::recipe::Recipe& r, uint32_t warmup, uint32_t steps,
-                     const fs::path& work, at::Device device) {
+                     const fs::path& work, at::Device device,
+                     mc::trainer::OptimKernels kernels = {}) {
   capnp::MallocMessageBuilder msg;
   auto spec = msg.initRoot<mc::schema::RecipeSpec>();
   mc::recipe::to_spec(r, spec);
   mc::trainer::TrainStep ts(mc::trainer::model_config(spec.asReader()),
                             mc::trainer::train_config(spec.getTrain()), warmup + steps, nullptr,
-                            device);
+                            device, {}, std::move(kernels));
   std::vector<std::unique_ptr<mc::data::Shard>> shards;
   std::vector<const mc::data::Shard*> views;
   for (const auto& p :
@@ -86,7 +87,8 @@ double in_process_cuda_ms(const mc::recipe::Recipe& r, uint32_t warmup, uint32_t
     try {
       const mc::trainer::CudaPlugin plugin(mc::trainer::CudaPlugin::beside_executable());
       plugin.api().set_device(0);
-      ms = in_process_ms(r, warmup, steps, work, at::Device(at::kCUDA, 0));
+      // The kernels a CUDA rank of the pipeline runs: the same step on both sides.
+      ms = in_process_ms(r, warmup, steps, work, at::Device(at::kCUDA, 0), plugin.optim_kernels(0));
     } catch (const std::exception& e) {
       std::fprintf(stderr, "in-process loop on cuda: %s\n", e.what());
     }

@@ -357,7 +357,16 @@ Plan make_plan(const Recipe& r, const PlanOptions& o) {
   }
 
   p.memory.staging = p.memory.parameters + p.memory.master + p.memory.optimizer;
-  p.memory.staging_counted = o.device != "cuda";
+  if (o.device == "cuda") {
+    // Device staging costs the share's bytes of device memory: by default only where they fit.
+    p.memory.staging_counted = false;
+    const double with =
+        static_cast<double>(p.memory.total() + p.memory.staging) / static_cast<double>(1ull << 30);
+    p.memory.staging_on_device = o.snapshot_staging == "device" ||
+                                 (o.snapshot_staging == "auto" && o.cuda_staging_available &&
+                                  (o.memory_budget_gib <= 0 || with <= o.memory_budget_gib));
+    p.memory.staging_counted = p.memory.staging_on_device;
+  }
 
   // Gates.
   const auto gate = [&](std::string rule, bool passed, std::string detail, std::string reason,
@@ -486,10 +495,16 @@ std::string format_plan(const Plan& p) {
       p.precision, gib(p.memory.parameters), gib(p.memory.gradients), gib(p.memory.master),
       gib(p.memory.optimizer), gib(p.memory.buffers), gib(p.memory.activations),
       gib(p.memory.working),
-      p.memory.staging_counted ? ", snapshot staging " + gib(p.memory.staging) : "",
+      !p.memory.staging_counted    ? ""
+      : p.memory.staging_on_device ? ", snapshot staging on the device " + gib(p.memory.staging)
+                                   : ", snapshot staging " + gib(p.memory.staging),
       gib(p.memory.total()),
-      p.memory.staging_counted ? ""
-                               : "; and in host memory, snapshot staging " + gib(p.memory.staging));
+      p.memory.staging_on_device
+          ? "; and in host memory, the checkpointer's page-locked copy of the staging " +
+                gib(p.memory.staging)
+      : p.memory.staging_counted
+          ? ""
+          : "; and in host memory, snapshot staging " + gib(p.memory.staging));
   out += "  gates:\n";
   for (const Gate& g : p.gates) {
     out += fmt::format("    {:<8} {:<22} {}\n",

@@ -44,11 +44,13 @@
 //   optimizer working set     DistMuon's orthogonalization of a bucket's owned entries of its
 //                             largest stack: (3 rows x cols + 3 min(rows, cols)^2) in the
 //                             orthogonalization's dtype + 2 rows x cols float32 each
-//   snapshot staging          the shared-memory region a rank copies its snapshot share into,
+//   snapshot staging          the buffer a rank copies its snapshot share into,
 //                             made at the first checkpoint and kept for the run: the parameters,
 //                             masters and optimizer state above (the rank that writes the
 //                             replicated state; the others' shares are smaller). Host memory:
-//                             in the total on --device cpu, printed apart on cuda
+//                             in the total on --device cpu; on cuda, device memory in the
+//                             total when staged on the device (the default where it fits;
+//                             PlanOptions::snapshot_staging), else host memory printed apart
 // The activation figures are counted from each block's forward (the tensors autograd keeps for
 // backward, plan.cpp activation_floats), not measured at plan time; blocks_test holds each
 // family's count per layer within 5% of what the model keeps, one dimension changed at a time. They
@@ -105,8 +107,11 @@ struct MemoryPlan {  // bytes per rank
   uint64_t buffers = 0;    // the optimizers' exchange buffers
   uint64_t activations = 0;
   uint64_t working = 0;  // the optimizer step's largest transient (DistMuon's orthogonalization)
-  uint64_t staging = 0;  // the snapshot staging region (host shared memory)
-  bool staging_counted = true;  // the ranks' memory is the host's (--device cpu)
+  uint64_t staging = 0;  // the snapshot staging buffer (host shared memory, or device memory)
+  // On cuda: the staging is an exported device buffer (PlanOptions::snapshot_staging), so in
+  // the device's total; the checkpointer then holds a page-locked host copy of the same size.
+  bool staging_on_device = false;
+  bool staging_counted = true;  // in the rank's total: --device cpu, or staged on the device
   // Everything at once: an upper bound (gradients grow in backward while activations are
   // released, and the optimizer's working set comes after both).
   uint64_t total() const {
@@ -124,6 +129,12 @@ struct PlanOptions {
   std::string memory_budget_source = {};
   std::string device = "cpu";       // "cpu" | "cuda"
   bool cuda_trainer_built = false;  // this build has the CUDA trainer plugin
+  // MEGACPP_SNAPSHOT_STAGING: auto | host | device | memfd. On cuda, auto stages on the device
+  // when a CUDA driver can export the buffer (cuda_staging_available) and the total with it fits
+  // the budget (or no budget is known), else in host memory; device always does (the memory
+  // gate then judges it). Anything but device and auto stages in host memory.
+  std::string snapshot_staging = "auto";
+  bool cuda_staging_available = true;
 };
 
 struct Plan {

@@ -73,6 +73,23 @@ struct SnapshotReady {
                                 # snapshot_metadata); stored as "megacpp.layout" in the file
   # Where the region's step stamp lies (ipc/staging_stamp.h StagingStamp); 0: the sender has none.
   stampOffset @8 :UInt64;
+  # Nonzero: the tensors lie in the rank's exported staging buffer of this generation (a device
+  # buffer, or its memfd stand-in; described by the StagedBuffer sent over the handle socket),
+  # not in `region`, which then holds only the step stamp.
+  stagedGeneration @9 :UInt64;
+}
+
+# Trainer -> checkpointer over the handle socket (ipc/handle_socket.h), with the descriptor of the
+# rank's exported staging buffer: what that descriptor is. Sent once per connection (a restarted
+# checkpointer gets it again on the rank's next connection).
+struct StagedBuffer {
+  rank @0 :UInt32;
+  generation @1 :UInt64;        # nonzero, new for every buffer a rank exports
+  kind @2 :Text;                # "cuda": a CUDA virtual-memory allocation; "memfd": host memory
+  bytes @3 :UInt64;             # usable bytes
+  mappingBytes @4 :UInt64;      # the allocation's size, what the importer maps
+  device @5 :Text;              # cuda: the device's PCI bus id
+  event @6 :Data;               # cuda: the IPC handle of the event recorded after each copy
 }
 
 struct SnapshotAck {
@@ -81,6 +98,10 @@ struct SnapshotAck {
   ok @2 :Bool;                  # staging region may be reused
   committed @3 :Bool;           # the step's checkpoint (all ranks) is committed
   error @4 :Text;
+  # With ok = false: this checkpointer cannot import the rank's exported staging buffer (error
+  # says why; it will not on a re-send either). The rank stages this snapshot and every later
+  # one in its host region and re-sends, or fails when device staging was forced.
+  stagingRefused @5 :Bool;
 }
 
 # Supervisor -> trainer, in a failed job's teardown before any signal: abort the rank's process

@@ -203,7 +203,8 @@ struct RankMemory {
   peak @0 :Float64;
   aboveBaseline @1 :Float64;
   # Ranks on GPUs: the largest over the ranks of the device memory held by tensors at once and
-  # of what torch's caching allocator held from the driver (journal StepRecord); 0 on CPUs.
+  # of what torch's caching allocator held from the driver (journal StepRecord), each plus the
+  # snapshot staging buffer when it is staged on the device; 0 on CPUs.
   devicePeak @2 :Float64;
   deviceReserved @3 :Float64;
 }

@@ -137,6 +137,12 @@ std::string validation_ring_shm_name(std::string_view prefix, uint32_t rank) {
 std::string staging_shm_name(std::string_view prefix, uint32_t rank) {
   return fmt::format("{}stage-{}", prefix, rank);
 }
+std::filesystem::path staged_handle_socket(std::string_view checkpoint_endpoint) {
+  constexpr std::string_view kIpc = "ipc://";
+  if (!checkpoint_endpoint.starts_with(kIpc)) return {};
+  return std::filesystem::path(checkpoint_endpoint.substr(kIpc.size())).parent_path() /
+         kStagingSocketFile;
+}
 std::string exchange_shm_prefix(std::string_view prefix, std::string_view group) {
   return fmt::format("{}xch-{}-", prefix, group);
 }

@@ -86,6 +86,10 @@ std::string shm_prefix(std::string_view run_id, uint32_t generation);
 std::string ring_shm_name(std::string_view prefix, uint32_t rank);
 std::string validation_ring_shm_name(std::string_view prefix, uint32_t rank);
 std::string staging_shm_name(std::string_view prefix, uint32_t rank);
+// The checkpointer's handle socket (ipc/handle_socket.h), where ranks send their exported
+// staging buffers: "staging" beside the checkpoint endpoint's socket ("ipc://<dir>/checkpoint");
+// empty for an endpoint that is not ipc://.
+std::filesystem::path staged_handle_socket(std::string_view checkpoint_endpoint);
 // Prefix of a process group's outboxes (ipc/peer_exchange.h): "<prefix>xch-<group>-", rank
 // r's being that followed by r. `group` names the group among the run's ("dp", "tp0", ...).
 std::string exchange_shm_prefix(std::string_view prefix, std::string_view group);
@@ -107,5 +111,7 @@ std::string run_shm_prefix(std::string_view run_id);
 // A private socket directory (used when RUN/sock would make too long an ipc:// path) holds
 // this file, whose content is the run id: the proof that the directory is the run's own.
 inline constexpr std::string_view kSockOwnerFile = "run-id";
+// The checkpointer's handle socket in the socket directory (staged_handle_socket).
+inline constexpr std::string_view kStagingSocketFile = "staging";
 
 }  // namespace megacpp::layout

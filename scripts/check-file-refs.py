@@ -19,7 +19,7 @@ from pathlib import Path
 
 # Other projects' files, named where megacpp builds against them or follows their code.
 EXTERNAL = {
-    "nccl.h", "cuda_runtime.h", "cuda_runtime_api.h", "crt/host_config.h",  # CUDA toolkit
+    "nccl.h", "cuda_runtime.h", "cuda_runtime_api.h", "crt/host_config.h", "cuda.h",  # CUDA toolkit
     "torch/torch.h", "gloo/algorithm.h",                                     # LibTorch
     "capnp/compat/json.capnp", "capnp/blob.h", "blob.h",                     # Cap'n Proto
     "nanochat/adamw.py", "nanochat/muon.py", "nanochat/optim.py",            # nanochat

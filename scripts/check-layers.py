@@ -33,6 +33,8 @@ LAYERS = {
     "ipc":         ["core", "schemas"],
     "recipes":     ["core", "schemas"],
     "ops":         ["core"],
+    # The CUDA driver API loaded at run time and the device staging over it (torch-free).
+    "gpu":         ["core"],
     "data":        ["core", "schemas", "recipes"],
     "prepare":     ["core", "schemas", "recipes", "data"],
     # The checkpoint library (format, storage, store, reader, verify, export, resume choice).
@@ -40,7 +42,7 @@ LAYERS = {
     # The processes: stage processes, then the supervisor that launches them: its process
     # primitives and failure rules, the run-directory commands (no live job), the node agent
     # and its link, then the job controller (every other file of supervisor/).
-    "stages":      ["core", "schemas", "ipc", "recipes", "data", "ops", "checkpoint"],
+    "stages":      ["core", "schemas", "ipc", "recipes", "data", "ops", "gpu", "checkpoint"],
     "supervisor/process":  ["core", "schemas"],
     "supervisor/failure_policy": ["core", "schemas"],
     "supervisor/placement": ["core"],
@@ -55,7 +57,7 @@ LAYERS = {
     "supervisor/node_agent_link": ["core", "schemas"],
     "supervisor/node_agent": ["core", "schemas", "ipc", "supervisor/process",
                               "supervisor/failure_policy", "supervisor/node_agent_link"],
-    "supervisor":  ["core", "schemas", "ipc", "recipes", "data", "ops", "prepare", "checkpoint",
+    "supervisor":  ["core", "schemas", "ipc", "recipes", "data", "ops", "gpu", "prepare", "checkpoint",
                     "stages", "supervisor/process", "supervisor/commands",
                     "supervisor/placement", "supervisor/rendezvous",
                     "supervisor/membership", "supervisor/failure_policy",

@@ -70,7 +70,7 @@ say "cmake: $(cmake --version | head -1); c++: $(c++ --version | head -1)"
 
 TARGETS=(megacpp megacpp-trainer megacpp-data-loader megacpp-collector megacpp-checkpointer
          megacpp_store megacpp_trainer_cuda ops_test cuda_plugin_test ops_bench bench_orthogonalize
-         bench_pipeline_overhead)
+         bench_pipeline_overhead bench_adamw_step gpu_staging_test gpu_staging_peer)
 part configure 120 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DMEGACPP_WERROR=OFF -DMEGACPP_BUILD_BENCH=ON || { tail -60 build-gpu/CMakeFiles/CMakeError.log 2>/dev/null | tee -a "$REPORT"; exit 1; }
 part build 270 cmake --build build-gpu -j "$(nproc)" --target "${TARGETS[@]}" || exit 1
@@ -81,6 +81,9 @@ part ops_bench 60 build-gpu/bin/ops_bench
 # DistMuon's Polar Express (bfloat16, gpu-small's shapes) against the device's bfloat16 product
 # rate (issue 32's goal: >= 70%).
 part polar_express_rate 60 build-gpu/bin/bench_orthogonalize --device cuda
+# DistAdamW's update on gpu-small's AdamW parameters: torch's operations against the fused
+# kernel a CUDA rank runs (issue 32: wired in only where it beats torch's), and the copy limit.
+part adamw_step 60 build-gpu/bin/bench_adamw_step --device cuda
 # The golden losses on the device: tiny at world 1 on cuda:0 against the CPU's golden (20 steps
 # and 2 validation losses; tests/e2e/golden_test.py GoldenLossesOnDevice).
 part golden_on_cuda 60 env MEGACPP_GOLDEN_DEVICE=cuda MEGACPP_BIN="$ROOT/build-gpu/bin/megacpp" \
@@ -145,19 +148,25 @@ part p1_gpu_small 150 build-gpu/bin/bench_pipeline_overhead --device cuda --reci
 STALL_DIR=$(mktemp -d)
 sed -e 's/^checkpoint_every = .*/checkpoint_every = 20/' recipes/gpu-small.toml > "$STALL_DIR/gpu-small-ck20.toml"
 checkpoint_stall() {
-  build-gpu/bin/megacpp run "$STALL_DIR/gpu-small-ck20.toml" --ranks 1 --steps 42 --device cuda \
-    --run-dir "$STALL_DIR/run" --progress none || return 1
-  python3 bench/checkpoint_stall.py "$STALL_DIR/run" --repeats 2
+  # Staged on the device (exported to the checkpointer through the handle socket), and the same
+  # run staged in the host region for comparison.
+  MEGACPP_SNAPSHOT_STAGING=device build-gpu/bin/megacpp run "$STALL_DIR/gpu-small-ck20.toml" \
+    --ranks 1 --steps 42 --device cuda --run-dir "$STALL_DIR/run" --progress none || return 1
+  MEGACPP_SNAPSHOT_STAGING=host build-gpu/bin/megacpp run "$STALL_DIR/gpu-small-ck20.toml" \
+    --ranks 1 --steps 42 --device cuda --run-dir "$STALL_DIR/run-host" --progress none || return 1
+  build-gpu/bin/megacpp verify "$STALL_DIR/run" || return 1
+  python3 bench/checkpoint_stall.py "$STALL_DIR/run" --repeats 2 --host-run "$STALL_DIR/run-host"
 }
 export -f checkpoint_stall
 export STALL_DIR
-part checkpoint_stall 150 bash -c checkpoint_stall
+part checkpoint_stall 200 bash -c checkpoint_stall
 
 [ -f "$RUN/launch.json" ] && say "tiny on cuda: muonPrecision $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("muonPrecision"))' "$RUN/launch.json")"
 # Device memory against the plan (issue: measured within 15% of it): `large` in bf16-mixed +
 # selective and `tiny-hybrid`, 1 rank, a checkpoint halfway; the plan's per-rank total on cuda
-# (device memory; the snapshot staging is host memory) against the peak bytes torch's caching
-# allocator held in tensors (devicePeak) and from the driver (deviceReserved).
+# (device memory, with the snapshot staging where it is staged on the device) against the peak
+# bytes torch's caching allocator held in tensors (devicePeak) and from the driver
+# (deviceReserved), each plus the device staging buffer.
 MEM_DIR=$(mktemp -d)
 sed -e 's/^name = .*/name = "large-bs"/' -e 's/^checkpoint_every = .*/checkpoint_every = 3/' \
   -e 's/^\[train\]$/[train]\nprecision = "bf16-mixed"\nrecompute = "selective"/' \

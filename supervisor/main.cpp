@@ -409,6 +409,7 @@ int cli(int argc, char** argv) {
                                  .memory_budget_gib = plan_budget,
                                  .device = plan_device,
                                  .cuda_trainer_built = mc::supervisor::cuda_trainer_built()};
+      mc::supervisor::set_snapshot_staging_options(po);
       // --device cuda checks the budget by default: the device's memory, as `run` does.
       if (plan_device == "cuda")
         mc::supervisor::default_cuda_memory_budget(po.memory_budget_gib, po.memory_budget_source);

@@ -27,6 +27,7 @@
 #include "core/util.h"
 #include "data/dataset_manifest.h"
 #include "data/shards.h"
+#include "gpu/staging.h"
 #include "ipc/channel.h"
 #include "ipc/job_keys.h"
 #include "ipc/journal.h"
@@ -93,6 +94,24 @@ void default_cuda_memory_budget(double& budget_gib, std::string& source) {
     source = fmt::format(
         "the smallest visible CUDA device's {:.1f} GiB; --memory-budget sets another", device);
   }
+}
+
+void set_snapshot_staging_options(recipe::PlanOptions& po) {
+  const std::string v = knob_string(Knob::kSnapshotStaging);
+  MEGACPP_CHECK(v == "auto" || v == "host" || v == "device" || v == "memfd",
+                ErrorKind::kInvalidArgument,
+                fmt::format("MEGACPP_SNAPSHOT_STAGING={}: use auto, host, device or memfd", v));
+  po.snapshot_staging = v;
+  if (po.device != "cuda") {
+    MEGACPP_CHECK(
+        v != "device", ErrorKind::kInvalidArgument,
+        "MEGACPP_SNAPSHOT_STAGING=device needs --device cuda; use host or memfd on a CPU");
+    return;
+  }
+  std::string why;
+  po.cuda_staging_available = gpu::driver_available(&why);
+  MEGACPP_CHECK(v != "device" || po.cuda_staging_available, ErrorKind::kInvalidArgument,
+                fmt::format("MEGACPP_SNAPSHOT_STAGING=device: {}; use auto or host", why));
 }
 
 void RunOptions::validate() const {
@@ -620,6 +639,7 @@ void JobController::prepare() {
                            .memory_budget_gib = opt_.memory_budget_gib,
                            .device = opt_.device,
                            .cuda_trainer_built = cuda_trainer_built()};
+    set_snapshot_staging_options(po);
     if (opt_.device == "cuda")
       default_cuda_memory_budget(po.memory_budget_gib, po.memory_budget_source);
     if (po.memory_budget_gib <= 0 && opt_.device == "cpu") {
@@ -637,8 +657,16 @@ void JobController::prepare() {
                    recipe::refusal_line(*g));
     }
     gates_ = plan.gates;
+    snapshot_staging_ = plan.memory.staging_on_device    ? "device"
+                        : po.snapshot_staging == "memfd" ? "memfd"
+                                                         : "host";
   }
-  if (opt_.device == "cuda") check_cuda_devices();
+  if (opt_.device == "cuda") {
+    check_cuda_devices();
+    log_info("snapshots staged {}", snapshot_staging_ == "device"
+                                        ? "in device memory exported to the checkpointer"
+                                        : "in host memory (" + snapshot_staging_ + ")");
+  }
   // What this attempt's ranks train on: the recipe's batch geometry, with the per-rank batch a
   // resume at another world size needs. Resolved here once; everything after reads batch_.
   batch_ = recipe::resolve_batch(recipe_, world_, rank_batch_);
@@ -1117,6 +1145,7 @@ void JobController::write_launch_contract() {
   l.setSteps(opt_.steps);
   l.setDevice(opt_.device);
   l.setMuonPrecision(muon_precision_);
+  l.setSnapshotStaging(snapshot_staging_);
   l.setRingSlots(opt_.ring_slots);
   // The recipe rules keep it within kMaxBatchSlotBytes, which fits 32 bits.
   l.setRingSlotBytes(static_cast<uint32_t>(batch_.slot.slot_bytes()));

@@ -9,6 +9,10 @@
 
 #include "supervisor/placement.h"
 
+namespace megacpp::recipe {
+struct PlanOptions;
+}  // namespace megacpp::recipe
+
 namespace megacpp::supervisor {
 
 // Everything `megacpp run` takes. validate() is the one place the rules live; a violation is
@@ -134,6 +138,10 @@ inline constexpr const char* kDetachedMarker = "megacpp: detached";
 // Whether the CUDA trainer plugin was built beside this executable: the feature-built gate of
 // --device cuda (recipes/plan.h).
 bool cuda_trainer_built();
+// MEGACPP_SNAPSHOT_STAGING into a plan's options (`run` and `plan`), and on --device cuda whether
+// a CUDA driver here can export a staging buffer. Throws Error{kInvalidArgument}, one line naming
+// the knob, for a value it does not know, device on a CPU run, or device without a driver.
+void set_snapshot_staging_options(recipe::PlanOptions& po);
 // The memory-budget gate's default for --device cuda (`run` and `plan`): when `budget_gib` is 0,
 // the memory of the smallest CUDA device visible to this process, in GiB, as the CUDA plugin
 // reads it (loading the plugin, and with it torch's CUDA libraries, into this process), and

@@ -5,6 +5,7 @@
 #include "checkpoint/store.h"
 #include "core/util.h"
 #include "recipes/recipe.h"
+#include "schemas/run_layout.h"
 #include "stages/checkpointer/service.h"
 #include "stages/stage.h"
 
@@ -42,6 +43,14 @@ void run(megacpp::stage::StageContext& ctx) {
   megacpp::checkpointer::Service service(
       store, router, &ctx.journal(), [&ctx](Phase p) { ctx.set_phase(p); },
       [&ctx](uint32_t step) { megacpp::stage::fault_point(ctx, "write", step); });
+  // Ranks that stage their snapshots in exported buffers (device memory) send them here.
+  std::unique_ptr<megacpp::checkpointer::StagingImports> imports;
+  if (const auto socket =
+          megacpp::layout::staged_handle_socket(launch.getCheckpointEndpoint().cStr());
+      !socket.empty()) {
+    imports = std::make_unique<megacpp::checkpointer::StagingImports>(socket);
+    service.set_staging_imports(imports.get());
+  }
   // Progress: every turn of this loop (a message handled or 200 ms of quiet) and every chunk
   // of a rank file that reaches the disk. A write blocked in the kernel or a wedged loop
   // stops the stamps, and the supervisor restarts the checkpointer on its stall budget.

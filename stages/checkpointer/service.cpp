@@ -46,6 +46,7 @@ void Service::set_phase(schema::Phase phase) {
 }
 
 bool Service::poll(std::chrono::milliseconds timeout) {
+  if (imports_ != nullptr) imports_->poll();
   auto msg = router_.receive(timeout);
   if (!msg) return false;
   auto root = msg->root();
@@ -78,7 +79,7 @@ const std::byte* Service::region_for(uint32_t rank, const std::string& name, uin
 }
 
 void Service::ack(const std::string& peer, uint32_t rank, uint32_t step, bool ok, bool committed,
-                  const std::string& error) {
+                  const std::string& error, bool staging_refused) {
   ipc::ControlMessageBuilder b;
   auto a = b.root().initSnapshotAck();
   a.setRank(rank);
@@ -86,6 +87,7 @@ void Service::ack(const std::string& peer, uint32_t rank, uint32_t step, bool ok
   a.setOk(ok);
   a.setCommitted(committed);
   if (!error.empty()) a.setError(error);
+  a.setStagingRefused(staging_refused);
   if (!router_.send_to(peer, b.message())) {
     log_warn("could not deliver the ack of step {} to '{}' (peer gone?)", step, peer);
   }
@@ -159,19 +161,70 @@ void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Re
         return;
       }
     }
+    // Where the tensors lie: the region itself, or the rank's exported staging buffer.
+    const std::byte* data = base;
+    uint64_t data_bytes = region_bytes;
+    if (const uint64_t generation = ready.getStagedGeneration(); generation != 0) {
+      MEGACPP_CHECK(imports_ != nullptr, ErrorKind::kProtocol,
+                    fmt::format("rank {} staged its snapshot in an exported buffer, but this "
+                                "checkpointer has no handle socket",
+                                rank));
+      uint64_t needed = 0;
+      for (auto t : ready.getTensors()) {
+        MEGACPP_CHECK(t.getBytes() <= UINT64_MAX - t.getOffset(), ErrorKind::kProtocol,
+                      fmt::format("tensor '{}' [{}, +{}) overflows", t.getName().cStr(),
+                                  t.getOffset(), t.getBytes()));
+        needed = std::max(needed, t.getOffset() + t.getBytes());
+      }
+      const auto got = imports_->read(rank, generation, needed);
+      using Status = StagingImports::Status;
+      if (got.status == Status::kRankGone) {
+        // Nobody to ack: the supervisor sees the rank's death and names it.
+        log_error(
+            "rank {} is gone (its staging connection closed): its snapshot of step {} "
+            "cannot be read and is not written",
+            rank, step);
+        set_phase(schema::Phase::IDLE);
+        return;
+      }
+      if (got.status == Status::kRefused) {
+        const std::string why = fmt::format(
+            "the checkpointer cannot import rank {}'s staging buffer: {}", rank, got.why);
+        log_warn("not writing rank {}'s snapshot of step {}: {}", rank, step, why);
+        ack(peer, rank, step, false, false, why, /*staging_refused=*/true);
+        set_phase(schema::Phase::IDLE);
+        return;
+      }
+      if (got.status != Status::kOk) {
+        const std::string why =
+            got.status == Status::kNoBuffer
+                ? fmt::format(
+                      "no staging buffer of generation {:#x} from rank {} on {} within {} s",
+                      generation, rank, imports_->path().string(),
+                      imports_->options().buffer_wait.count() / 1000.0)
+                : fmt::format("rank {}'s copy into its staging buffer did not finish within {} s",
+                              rank, imports_->options().copy_wait.count() / 1000.0);
+        log_warn("not writing rank {}'s snapshot of step {} yet: {}", rank, step, why);
+        ack(peer, rank, step, false, false, why);
+        set_phase(schema::Phase::IDLE);
+        return;
+      }
+      data = got.bytes.data();
+      data_bytes = got.bytes.size();
+    }
     std::vector<checkpoint::TensorView> views;
     views.reserve(ready.getTensors().size());
     for (auto t : ready.getTensors()) {
       const uint64_t offset = t.getOffset();
       const uint64_t bytes = t.getBytes();
-      MEGACPP_CHECK(offset <= region_bytes && bytes <= region_bytes - offset, ErrorKind::kProtocol,
+      MEGACPP_CHECK(offset <= data_bytes && bytes <= data_bytes - offset, ErrorKind::kProtocol,
                     fmt::format("tensor '{}' [{}, +{}) lies outside the {}-byte staging region",
-                                t.getName().cStr(), offset, bytes, region_bytes));
+                                t.getName().cStr(), offset, bytes, data_bytes));
       checkpoint::TensorView v;
       v.name = t.getName();
       v.dtype = t.getDtype();
       for (uint64_t d : t.getShape()) v.shape.push_back(d);
-      v.data = base + offset;
+      v.data = data + offset;
       v.bytes = bytes;
       views.push_back(std::move(v));
     }

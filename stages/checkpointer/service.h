@@ -19,6 +19,7 @@
 #include "ipc/channel.h"
 #include "ipc/journal.h"
 #include "schemas/common.capnp.h"
+#include "stages/checkpointer/staging_imports.h"
 
 namespace megacpp::checkpointer {
 
@@ -34,7 +35,10 @@ namespace megacpp::checkpointer {
 // this process never saw, e.g. whose tmp directory a restart discarded — is written
 // normally. A duplicate never rewrites a file, commits twice or reads a released region.
 // On a malformed snapshot or a write error it sends ok=false with the error text to the
-// sender and rethrows (the stage fails; the supervisor decides).
+// sender and rethrows (the stage fails; the supervisor decides). A snapshot staged in an
+// exported buffer (StagingImports) whose descriptor has not arrived or whose copy has not
+// finished is acked ok=false without failing (the rank re-sends it); one from a rank that died
+// (its handle connection closed) is logged by name and dropped, unacked.
 class Service {
  public:
   using PhaseFn = std::function<void(schema::Phase)>;
@@ -46,6 +50,9 @@ class Service {
           PhaseFn on_phase = {}, WriteFn before_write = {});
   ~Service();
   Service(const Service&) = delete;
+  // Where snapshots staged in an exported buffer (SnapshotReady.stagedGeneration) are read from;
+  // without it such a snapshot is refused as a protocol error. Kept by reference; may be null.
+  void set_staging_imports(StagingImports* imports) noexcept { imports_ = imports; }
   Service& operator=(const Service&) = delete;
 
   // Waits at most `timeout` for one message and handles it. Returns false on timeout.
@@ -69,14 +76,16 @@ class Service {
   };
   void handle_snapshot(const std::string& peer, schema::SnapshotReady::Reader ready);
   const std::byte* region_for(uint32_t rank, const std::string& name, uint64_t bytes);
+  // `staging_refused`: SnapshotAck.stagingRefused (with ok = false).
   void ack(const std::string& peer, uint32_t rank, uint32_t step, bool ok, bool committed,
-           const std::string& error);
+           const std::string& error, bool staging_refused = false);
   void set_phase(schema::Phase phase);
   void commit(uint32_t step, bool final);
 
   checkpoint::CheckpointStore& store_;
   ipc::Channel& router_;
   ipc::JournalWriter* journal_;
+  StagingImports* imports_ = nullptr;
   PhaseFn on_phase_;
   WriteFn before_write_;
   std::map<uint32_t, std::unique_ptr<Attached>> regions_;  // by rank

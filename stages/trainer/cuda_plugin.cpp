@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "stages/trainer/optim.h"
 
 namespace megacpp::trainer {
 
@@ -37,6 +38,16 @@ CudaPlugin::CudaPlugin(const std::filesystem::path& library) {
                 fmt::format("--device cuda: {} was built for plugin ABI {}, this trainer "
                             "needs {}: rebuild both from one tree",
                             library.string(), api_ != nullptr ? api_->abi : 0, kCudaPluginAbi));
+}
+
+OptimKernels CudaPlugin::optim_kernels(int index) const {
+  OptimKernels k;
+  if (const auto adamw = api_->adamw_step; adamw != nullptr) {
+    k.adamw_step = [adamw, index](float* p, const float* g, float* m, float* v, int64_t n,
+                                  const ops::AdamWStepScalars& s,
+                                  bool decays) { adamw(p, g, m, v, n, &s, decays, index); };
+  }
+  return k;
 }
 
 }  // namespace megacpp::trainer

@@ -22,10 +22,14 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "ops/ops.h"
+
 namespace megacpp::trainer {
 
+struct OptimKernels;  // optim.h
+
 // Bumped whenever CudaPluginApi changes: a plugin of another build is refused by name.
-inline constexpr uint32_t kCudaPluginAbi = 3;
+inline constexpr uint32_t kCudaPluginAbi = 5;
 
 // The plugin's entry points (extern "C" megacpp_cuda_plugin() returns its table). Every
 // function may throw c10::Error or std::exception; they run on the caller's thread.
@@ -52,6 +56,14 @@ struct CudaPluginApi {
   // Device `index`'s name as the driver reports it (cudaDeviceProp::name, e.g. "NVIDIA H100 80GB
   // HBM3"): what the receipts name the rank's device by. Valid as long as the plugin is loaded.
   const char* (*device_name)(int index);
+  // The calling thread's current stream of device `index` as a cudaStream_t / CUstream (nullptr
+  // for the legacy default stream): what a snapshot's side stream orders itself after
+  // (trainer/staged_snapshot.h).
+  void* (*current_stream)(int index);
+  // ops.h adamw_step_cuda on device `index`'s current stream (pointers on that device); null
+  // when the plugin was built without the ops' CUDA kernels (no nvcc at configure time).
+  void (*adamw_step)(float* p, const float* g, float* m, float* v, int64_t n,
+                     const ops::AdamWStepScalars* s, bool decays, int index);
 };
 
 class CudaPlugin {
@@ -66,6 +78,8 @@ class CudaPlugin {
   static std::filesystem::path beside_executable();
 
   const CudaPluginApi& api() const noexcept { return *api_; }
+  // The fused optimizer kernels on device `index` this plugin has (TrainStep's `kernels`).
+  OptimKernels optim_kernels(int index) const;
 
  private:
   void* handle_ = nullptr;

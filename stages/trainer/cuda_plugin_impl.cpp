@@ -4,11 +4,13 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/distributed/c10d/NCCLUtils.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include <string>
 
+#include "ops/ops.h"
 #include "stages/trainer/cuda_plugin.h"
 
 namespace {
@@ -59,6 +61,21 @@ const char* device_name(int index) {
   return at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(index))->name;
 }
 
+void* current_stream(int index) {
+  return at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(index)).stream();
+}
+
+#if defined(MEGACPP_HAVE_CUDA) && MEGACPP_HAVE_CUDA
+void adamw_step(float* p, const float* g, float* m, float* v, int64_t n,
+                const megacpp::ops::AdamWStepScalars* s, bool decays, int index) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
+  megacpp::ops::adamw_step_cuda(p, g, m, v, n, *s, decays, current_stream(index));
+}
+constexpr auto kAdamwStep = &adamw_step;
+#else
+constexpr decltype(CudaPluginApi::adamw_step) kAdamwStep = nullptr;
+#endif
+
 constexpr CudaPluginApi kApi{megacpp::trainer::kCudaPluginAbi,
                              &device_count,
                              &set_device,
@@ -66,7 +83,9 @@ constexpr CudaPluginApi kApi{megacpp::trainer::kCudaPluginAbi,
                              &abort,
                              &versions,
                              &memory_peaks,
-                             &device_name};
+                             &device_name,
+                             &current_stream,
+                             kAdamwStep};
 
 }  // namespace
 

@@ -31,6 +31,7 @@
 #include "stages/trainer/host_allocator.h"
 #include "stages/trainer/rendezvous.h"
 #include "stages/trainer/snapshot_plane.h"
+#include "stages/trainer/staged_snapshot.h"
 #include "stages/trainer/train_step.h"
 
 namespace megacpp::trainer {
@@ -153,6 +154,37 @@ SnapshotPlaneOptions snapshot_options(stage::StageContext& ctx) {
   o.resend_interval = knob_millis(Knob::kSnapshotResendS);
   o.stop_requested = [&ctx] { return ctx.stop_requested(); };
   return o;
+}
+
+// Where the rank stages its snapshots, as the supervisor settled it (launch snapshotStaging,
+// from MEGACPP_SNAPSHOT_STAGING and the plan): an exported buffer the checkpointer imports —
+// device memory (device) or the memfd stand-in (memfd) — or the named host region (host, or
+// empty in an older contract).
+void configure_staging(SnapshotPlaneOptions& o, schema::LaunchContract::Reader launch,
+                       const CudaPlugin* cuda, int index, uint32_t rank) {
+  const std::string mode = launch.getSnapshotStaging().cStr();
+  if (mode.empty() || mode == "host") return;
+  MEGACPP_CHECK(
+      mode == "device" || mode == "memfd", ErrorKind::kInvalidArgument,
+      fmt::format("launch contract: snapshotStaging '{}' is not host, device or memfd", mode));
+  o.handle_socket = layout::staged_handle_socket(launch.getCheckpointEndpoint().cStr());
+  MEGACPP_CHECK(!o.handle_socket.empty(), ErrorKind::kInvalidArgument,
+                fmt::format("snapshots staged in {} need the checkpointer on this node (an ipc:// "
+                            "checkpoint endpoint, not {})",
+                            mode, launch.getCheckpointEndpoint().cStr()));
+  if (mode == "memfd") {
+    o.make_staging = [rank](uint64_t bytes) { return make_memfd_staging(rank, bytes); };
+    return;
+  }
+  MEGACPP_CHECK(cuda != nullptr, ErrorKind::kInvalidArgument,
+                "launch contract: snapshots staged on the device of a rank without --device cuda");
+  o.make_staging = [cuda, index, rank](uint64_t bytes) {
+    return make_cuda_staging(*cuda, index, rank, bytes);
+  };
+  // Chosen by auto (not forced with MEGACPP_SNAPSHOT_STAGING=device): a driver that refuses to
+  // export the buffer, or a checkpointer that cannot import it, leaves the rank on host staging
+  // rather than failing the run.
+  o.staging_fallback = knob_string(Knob::kSnapshotStaging) != "device";
 }
 
 // Fault-injection point names of the step's parts (stage::fault_point).
@@ -372,10 +404,21 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
   // records carry it beside the peak, so the model's own memory is their difference — with the
   // pages of mapped files (libtorch's code, paged in as it first runs) out of both.
   const ProcessMemory memory_baseline = process_memory();
+  OptimKernels kernels;
+  if (cuda) {
+    const bool fused = knob_int(Knob::kFusedOptim) != 0;
+    if (fused) kernels = cuda->optim_kernels(device.index());
+    log_info("DistAdamW updates through {}",
+             kernels.adamw_step ? "the fused kernel (adamw_step_cuda)"
+             : !fused           ? "torch's operations (MEGACPP_FUSED_OPTIM=0)"
+                                : "torch's operations (the CUDA plugin was built without the "
+                                  "ops' kernels: no nvcc)");
+  }
   const auto ts = typed_errors("model set-up and parameter broadcast", [&] {
     return std::make_unique<TrainStep>(
         model, train, steps, pg, device,
-        TensorParallel{.group = tp_pg, .rank = tp_rank, .size = tp, .job = job_pg});
+        TensorParallel{.group = tp_pg, .rank = tp_rank, .size = tp, .job = job_pg},
+        std::move(kernels));
   });
   // Each node's part of a checkpoint holds the replicated state its ranks resume from.
   ts->set_replicated_rank(local.first);
@@ -446,7 +489,9 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
   // the batch's handoff is the time this rank is idle. Best effort.
   ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
 
-  SnapshotPlane snapshots(ctx.zmq(), *ts, snapshot_options(ctx));
+  SnapshotPlaneOptions plane = snapshot_options(ctx);
+  configure_staging(plane, launch, cuda ? &*cuda : nullptr, static_cast<int>(local_rank), rank);
+  SnapshotPlane snapshots(ctx.zmq(), *ts, std::move(plane));
   // The oldest slot of `r` (batch or validation ring), in WAIT_BATCH: short peeks so a stop
   // request is seen promptly (nullopt: asked to stop, leave), the snapshot plane served between.
   const auto await_slot = [&](Ring& r, const std::string& what) {
@@ -547,8 +592,11 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
       if (on_cuda) {
         uint64_t allocated = 0, reserved = 0;
         cuda->api().memory_peaks(static_cast<int>(local_rank), &allocated, &reserved);
-        s.setDeviceMemoryPeak(allocated);
-        s.setDeviceMemoryReserved(reserved);
+        // The snapshot staging buffer staged on the device is the driver's, outside torch's
+        // allocator: device memory all the same, and in the plan's total.
+        const uint64_t staged = snapshots.staged_device_bytes();
+        s.setDeviceMemoryPeak(allocated + staged);
+        s.setDeviceMemoryReserved(reserved + staged);
       }
       s.setDataSeed(static_cast<uint32_t>(header.seed));
       s.setDataEpoch(static_cast<double>(header.next_position / header.windows));

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -34,6 +35,8 @@
 
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "ops/ops.h"
 
 namespace megacpp::trainer {
 
@@ -133,6 +136,19 @@ struct AdamWParamGroup {
   double eps = 1e-8;
   double weight_decay = 0.0;
 };
+// One AdamW step with ops.h adamw_step_cpu's contract over n float32 elements: p, g, m, v and
+// the scalars (the optimizer's 0-D float32 tensors, `step` already counting this step, `gate`
+// the has-grad flag) are on the parameters' device. Issued in the order of the device's
+// current stream (synchronous on the CPU); may throw Error.
+using AdamWKernel = std::function<void(float* p, const float* g, float* m, float* v, int64_t n,
+                                       const ops::AdamWStepScalars& s, bool decays)>;
+
+// The fused kernels a device's optimizers run in place of torch's operations (empty: none);
+// TrainStep hands them to the optimizers.
+struct OptimKernels {
+  AdamWKernel adamw_step;  // DistAdamWOptions::fused_update
+};
+
 struct DistAdamWOptions {
   // From this many elements a parameter is sharded. The default is the crossover measured
   // by bench_optimizer on Gloo at world 2 (sharding stops being slower at 2^18 elements;
@@ -149,6 +165,10 @@ struct DistAdamWOptions {
   std::optional<at::ScalarType> reduce_dtype = std::nullopt;
   // As DistMuonOptions::host_decisions: false takes a device's path on the CPU (tests).
   bool host_decisions = true;
+  // The fused update the gated path (a device's) runs instead of torch's operations, one call
+  // per parameter whose float32 target, gradient and moments are contiguous: on a CUDA rank the
+  // plugin's kernel (cuda_plugin.h CudaPlugin::optim_kernels). Null: torch's operations.
+  AdamWKernel fused_update = nullptr;
 };
 struct AdamWScalars {
   at::Tensor lr, beta1, beta2, eps, weight_decay;  // 0-D float32
@@ -211,6 +231,7 @@ class DistAdamW {
   at::Tensor bucket_;
   bool packed_ = false;
   bool host_decisions_ = true;  // DistAdamWOptions::host_decisions
+  AdamWKernel fused_update_;    // DistAdamWOptions::fused_update
 };
 
 // ---------------------------------------------------------------------------------------
@@ -386,8 +407,16 @@ class DistMuon {
 };
 
 namespace detail {
+// Where an iteration's scaled sums (b·A + c·A², a·X + B·X) are taken. kSeparate: as separately
+// rounded element-wise operations after the products (on the CPU through the fused loops of
+// ops/optim_kernels.h: the bits of torch's operations, which the golden losses pin). kInProduct:
+// by the products themselves (addmm / baddbmm with beta and alpha: cuBLAS applies them in its
+// epilogue, one rounding, no pass over A or X). kAuto: kInProduct on a device, kSeparate on the
+// CPU.
+enum class OrthoSums { kAuto, kSeparate, kInProduct };
 // The orthogonalization of a batch of matrices (..., rows, cols), exposed for tests.
-at::Tensor orthogonalize(const at::Tensor& g, Orthogonalizer which, int steps, bool bf16);
+at::Tensor orthogonalize(const at::Tensor& g, Orthogonalizer which, int steps, bool bf16,
+                         OrthoSums sums = OrthoSums::kAuto);
 }  // namespace detail
 
 }  // namespace megacpp::trainer

@@ -1,6 +1,7 @@
 // The orthogonalizations of DistMuon (Polar Express, Newton-Schulz); contract in optim.h.
 #include <array>
 #include <cstdint>
+#include <utility>
 
 #include "ops/optim_kernels.h"
 #include "stages/trainer/optim_internal.h"
@@ -61,37 +62,54 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& y, at::Tensor* out = n
   return at::bmm_out(*out, x, y);
 }
 
+// beta·s + alpha·(x @ y) by the product itself (addmm / baddbmm), into `out` (made at s's shape
+// when undefined), which must alias none of s, x and y.
+at::Tensor product_sum(const at::Tensor& s, const at::Tensor& x, const at::Tensor& y, double beta,
+                       double alpha, at::Tensor* out) {
+  if (!out->defined()) *out = at::empty(s.sizes(), s.options());
+  return s.dim() == 2 ? at::addmm_out(*out, s, x, y, beta, alpha)
+                      : at::baddbmm_out(*out, s, x, y, beta, alpha);
+}
+
 }  // namespace
 
 // Every element-wise step after the normalization writes into a temporary of its own (x is a
-// fresh tensor from the division on), through the fused loops where they apply.
-at::Tensor orthogonalize(const at::Tensor& g, Orthogonalizer which, int steps, bool bf16) {
+// fresh tensor from the division on), through the fused loops where they apply; with the sums in
+// the products, x and `next` trade places each iteration (a product's output aliases no input).
+at::Tensor orthogonalize(const at::Tensor& g, Orthogonalizer which, int steps, bool bf16,
+                         OrthoSums sums) {
   at::Tensor x = bf16 ? g.to(at::kBFloat16) : g;
   const bool tall = g.size(-2) > g.size(-1);
+  const bool in_product =
+      (g.dim() == 2 || g.dim() == 3) &&
+      (sums == OrthoSums::kInProduct || (sums == OrthoSums::kAuto && !g.is_cpu()));
   // Each iteration's three products land in these (B is A, overwritten by the fused sum).
   at::Tensor gram, square, next;
+  // b·A + c·A·A, then a·x + (B·x, or x·B when `right`).
+  const auto iterate = [&](const at::Tensor& A, double a, double b, double c, bool right) {
+    if (in_product) {
+      const at::Tensor B = product_sum(A, A, A, b, c, &square);
+      product_sum(x, right ? x : B, right ? B : x, a, 1.0, &next);
+      std::swap(x, next);
+      return;
+    }
+    const at::Tensor B = fused_scaled_sum(A, product(A, A, &square), b, c);
+    x = fused_scale_add(x, right ? product(x, B, &next) : product(B, x, &next), a);
+  };
   if (which == Orthogonalizer::kNewtonSchulz) {
     const auto [a, b, c] = kNewtonSchulz;
     if (tall) x = x.transpose(-2, -1);
     x = x / (frobenius(x) + 1e-7);
-    for (int i = 0; i < steps; ++i) {
-      at::Tensor A = product(x, x.transpose(-2, -1), &gram);
-      at::Tensor B = fused_scaled_sum(A, product(A, A, &square), b, c);
-      x = fused_scale_add(x, product(B, x, &next), a);
-    }
+    for (int i = 0; i < steps; ++i) iterate(product(x, x.transpose(-2, -1), &gram), a, b, c, false);
     return tall ? x.transpose(-2, -1) : x;
   }
   x = x / (frobenius(x) * 1.02 + 1e-6);
   for (int i = 0; i < steps; ++i) {
     const auto [a, b, c] = kPolarExpress[static_cast<size_t>(i)];
     if (tall) {
-      at::Tensor A = product(x.transpose(-2, -1), x, &gram);
-      const at::Tensor B = fused_scaled_sum(A, product(A, A, &square), b, c);
-      x = fused_scale_add(x, product(x, B, &next), a);
+      iterate(product(x.transpose(-2, -1), x, &gram), a, b, c, true);
     } else {
-      at::Tensor A = product(x, x.transpose(-2, -1), &gram);
-      const at::Tensor B = fused_scaled_sum(A, product(A, A, &square), b, c);
-      x = fused_scale_add(x, product(B, x, &next), a);
+      iterate(product(x, x.transpose(-2, -1), &gram), a, b, c, false);
     }
   }
   return x;

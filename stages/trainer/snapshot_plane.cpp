@@ -43,6 +43,7 @@ bool SnapshotPlane::needs_ack() const {
 void SnapshotPlane::resend_if_due() {
   if (!needs_ack() || Clock::now() - last_send_ < options_.resend_interval) return;
   last_send_ = Clock::now();
+  send_handles();
   // A duplicate that cannot be queued now is simply tried again at the next interval.
   if (channel_.send(pending_->message(), ipc::Millis(0))) {
     ++resends_;
@@ -93,24 +94,51 @@ bool SnapshotPlane::take(uint32_t step, bool final) {
                               options_.peer_name, prev, options_.lease_timeout.count() / 1000.0,
                               last_error_note(), step));
   }
-  // The region holds the share, then the step stamp (ipc/staging_stamp.h StagingStamp). Sized
-  // once, by the first snapshot's layout: a rank's share keeps its layout for the run (the
-  // copy refuses a share that outgrew the region, naming both sizes).
-  if (!region_) {
+  // Sized once, by the first snapshot's layout: a rank's share keeps its layout for the run
+  // (the copy refuses a share that outgrew its staging, naming both sizes).
+  if (share_bytes_ == 0)
     share_bytes_ = std::max(ts_.snapshot_layout().total_bytes, kSnapshotAlignment);
-    region_ = std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{}, options_.region_name,
-                                               share_bytes_ + ipc::kStagingStampBytes);
+  if (options_.make_staging && !staged_) {
+    try {
+      staged_ = options_.make_staging(share_bytes_);
+      log_info("snapshots of rank {} are staged in an exported {} buffer of {} bytes", ts_.rank(),
+               staged_->info().kind, staged_->bytes());
+    } catch (const Error& e) {
+      if (!options_.staging_fallback || e.kind() != ErrorKind::kSystem) throw;
+      log_warn("snapshots of rank {} are staged in host memory: no exported staging buffer ({})",
+               ts_.rank(), e.what());
+      options_.make_staging = nullptr;
+    }
   }
-  ipc::clear_staging_stamp(region_->data() + share_bytes_);
-  copy_ = ts_.start_snapshot_copy({region_->data(), share_bytes_}, &copy_layout_);
+  // The region holds the share (or, staged in an exported buffer, nothing), then the step stamp
+  // (ipc/staging_stamp.h StagingStamp).
+  if (!region_) {
+    region_ = std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{}, options_.region_name,
+                                               stamp_offset() + ipc::kStagingStampBytes);
+  }
+  ipc::clear_staging_stamp(region_->data() + stamp_offset());
+  copy_ = staged_ ? ts_.start_staged_copy(*staged_, &copy_layout_)
+                  : ts_.start_snapshot_copy({region_->data(), share_bytes_}, &copy_layout_);
   copying_ = true;
   copy_step_ = step;
   copy_final_ = final;
-  if (copy_.ready()) send_ready();
+  if (staged_) {
+    send_ready();
+    staged_fence_ = true;
+  } else if (copy_.ready()) {
+    send_ready();
+  }
   return true;
 }
 
 double SnapshotPlane::settle() {
+  if (staged_fence_) {
+    // The copy was issued and announced at take(); only its ordering before the update is owed.
+    const auto start = Clock::now();
+    staged_fence_ = false;
+    copy_.wait();
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  }
   if (!copying_) return 0;
   const auto start = Clock::now();
   copy_.wait();
@@ -120,10 +148,13 @@ double SnapshotPlane::settle() {
 }
 
 void SnapshotPlane::send_ready() {
-  copy_.wait();  // joins a finished copy: its bytes are visible before the stamp
+  // A host copy is joined first: its bytes are visible before the stamp. A staged copy is only
+  // issued: the checkpointer waits for it, and settle() orders the update after it.
+  if (!staged_) copy_.wait();
   copying_ = false;
   const uint32_t step = copy_step_;
-  ipc::set_staging_stamp(region_->data() + share_bytes_, step);
+  ipc::set_staging_stamp(region_->data() + stamp_offset(), step);
+  send_handles();
   auto message = std::make_unique<ipc::ControlMessageBuilder>();
   auto ready = message->root().initSnapshotReady();
   ready.setRank(ts_.rank());
@@ -135,7 +166,8 @@ void SnapshotPlane::send_ready() {
                       ready.initTensors(static_cast<uint32_t>(copy_layout_.entries.size())));
   ready.setFinal(copy_final_);
   ready.setLayout(ts_.snapshot_metadata());
-  ready.setStampOffset(share_bytes_);
+  ready.setStampOffset(stamp_offset());
+  if (staged_) ready.setStagedGeneration(staged_->info().generation);
   MEGACPP_CHECK(
       channel_.send(message->message(), kSendTimeout), ErrorKind::kPeerFailure,
       fmt::format("could not queue SnapshotReady of step {} for {}", step, options_.peer_name));
@@ -145,6 +177,66 @@ void SnapshotPlane::send_ready() {
   last_send_ = Clock::now();
   last_error_.clear();
   leased_ = step;
+}
+
+void SnapshotPlane::send_handles() {
+  if (!staged_) return;
+  if (handles_) {
+    // The checkpointer never writes here: a readable socket is one whose peer went away (a
+    // checkpointer that exited); its successor needs the descriptor again.
+    while (handles_->receive(ipc::Millis(0))) {
+    }
+    if (!handles_->peer_gone()) return;
+    handles_.reset();
+  }
+  // Short waits: the SnapshotReady goes out regardless, and the checkpointer refuses it (acking
+  // ok=false) until the descriptor arrives; the re-send tries again.
+  handles_ = ipc::HandleConnection::connect(options_.handle_socket, ipc::Millis(200));
+  if (!handles_) {
+    log_warn("no handle socket at {} yet: the staging buffer goes with a later SnapshotReady",
+             options_.handle_socket.string());
+    return;
+  }
+  const int fd = staged_->fd();
+  if (!handles_->send(ipc::encode_staged_buffer(staged_->info()), std::span<const int>(&fd, 1),
+                      ipc::Millis(1000))) {
+    log_warn("could not send the staging buffer to {}; trying again with the next SnapshotReady",
+             options_.handle_socket.string());
+    handles_.reset();
+    return;
+  }
+  log_info("sent the staging buffer (generation {:#x}) to {}", staged_->info().generation,
+           options_.handle_socket.string());
+}
+
+void SnapshotPlane::stage_in_host(const std::string& why) {
+  MEGACPP_CHECK(options_.staging_fallback, ErrorKind::kInvalidArgument,
+                fmt::format("{} refused rank {}'s {} staging buffer ({}), and this run may not "
+                            "stage snapshots in host memory: set MEGACPP_SNAPSHOT_STAGING to "
+                            "auto or host",
+                            options_.peer_name, ts_.rank(), staged_->info().kind, why));
+  log_warn(
+      "{} refused rank {}'s {} staging buffer; the snapshot of step {} and every later one "
+      "are staged in host memory ({})",
+      options_.peer_name, ts_.rank(), staged_->info().kind, pending_step_, why);
+  // The copy's ordering is settled and its tensors released before the buffer goes.
+  copy_.wait();
+  copy_ = SnapshotCopy();
+  staged_fence_ = false;
+  // The region is made again at the host layout's size (the share, then the stamp); the
+  // checkpointer attaches the new one by its inode.
+  region_.reset();
+  region_ = std::make_unique<ipc::ShmRegion>(ipc::ShmRegion::Create{}, options_.region_name,
+                                             share_bytes_ + ipc::kStagingStampBytes);
+  ipc::clear_staging_stamp(region_->data() + share_bytes_);
+  staged_->read_back({region_->data(), std::min<uint64_t>(share_bytes_, staged_->bytes())});
+  staged_.reset();
+  handles_.reset();
+  options_.make_staging = nullptr;
+  // The same snapshot again, now from the region.
+  copy_step_ = pending_step_;
+  copy_final_ = pending_final_;
+  send_ready();
 }
 
 bool SnapshotPlane::wait_committed(uint32_t step) {
@@ -179,6 +271,10 @@ void SnapshotPlane::handle(ipc::Received& msg) {
                                   : std::string("no reason given");
     // The checkpointer goes down after a failed snapshot; a relaunched one gets the re-sent
     // SnapshotReady, and one that stays down is the supervisor's failure to report.
+    if (current && staged_ && ack.getStagingRefused()) {
+      stage_in_host(error);
+      return;
+    }
     log_warn("{} failed the snapshot of step {}{}: {}", options_.peer_name, step,
              current ? "; re-sending it" : " (not pending; ignored)", error);
     if (current) last_error_ = error;

@@ -8,15 +8,18 @@
 
 #include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
 #include "ipc/channel.h"
+#include "ipc/handle_socket.h"
 #include "ipc/shm.h"
 #include "stages/trainer/snapshot_copy.h"
 #include "stages/trainer/snapshot_layout.h"
+#include "stages/trainer/staged_snapshot.h"
 
 namespace megacpp::trainer {
 
@@ -46,13 +49,27 @@ struct SnapshotPlaneOptions {
   std::chrono::milliseconds resend_interval{2'000};
   // Polled while waiting; when it returns true the wait gives up. May be empty.
   std::function<bool()> stop_requested;
+  // Staging in an exported buffer (staged_snapshot.h) instead of the named host region: makes
+  // the buffer for a share of `bytes`, once. Empty: the host region. With it, `region_name`
+  // holds only the step stamp and the buffer's descriptor goes to `handle_socket` once per
+  // connection (again after a checkpointer restart, before the re-sent SnapshotReady).
+  std::function<std::unique_ptr<StagingTarget>(uint64_t bytes)> make_staging;
+  std::filesystem::path handle_socket;
+  // When make_staging throws Error{kSystem} (a driver that cannot export the buffer), or the
+  // checkpointer cannot import it (SnapshotAck.stagingRefused): true, the rank stages in the
+  // host region from then on, saying so (a refused snapshot is read back from the buffer into
+  // the region and re-sent, so no step is lost); false, Error{kSystem} / Error{kInvalidArgument}
+  // fails the rank, naming the reason and the knob.
+  bool staging_fallback = false;
 };
 
 // Overlapped copy: take() copies a host share on a thread of its own (SnapshotCopy) and returns;
 // the SnapshotReady goes out once the copy is done — from poll(), settle(), the next take() or
 // wait_committed(), whichever comes first. The loop must call settle() before its next update
 // changes the state being copied (StepHooks::before_update). A share on a device is copied
-// before take() returns.
+// before take() returns. With make_staging, take() only issues the copy into the exported
+// buffer and sends the SnapshotReady at once (the checkpointer waits for the copy itself);
+// settle() then orders the update after the copy (on a device, without blocking the host).
 //
 // Not thread-safe: one owner (the rank's loop). Keeps a reference to `ts` and `zmq`.
 class SnapshotPlane {
@@ -83,6 +100,10 @@ class SnapshotPlane {
   std::optional<uint32_t> leased() const noexcept { return leased_; }
   std::optional<uint32_t> committed() const noexcept { return committed_; }
   uint64_t resends() const noexcept { return resends_; }
+  // Device memory held by the staging buffer when it is staged on the device; 0 otherwise.
+  uint64_t staged_device_bytes() const noexcept {
+    return staged_ && staged_->device() ? staged_->info().mapping_bytes : 0;
+  }
 
  private:
   template <typename Pred>
@@ -91,12 +112,24 @@ class SnapshotPlane {
   void resend_if_due();
   void handle(ipc::Received& msg);
   void send_ready();
+  void send_handles();
+  // The checkpointer refused the exported buffer (`why`): moves the pending snapshot into a host
+  // region and re-sends it; later snapshots are staged there. Throws when fallback is off.
+  void stage_in_host(const std::string& why);
+  // Where the region's step stamp lies: after the share, or, staged in an exported buffer, at a
+  // nonzero offset of its own (0 says "no stamp").
+  uint64_t stamp_offset() const noexcept { return staged_ ? kSnapshotAlignment : share_bytes_; }
   std::string last_error_note() const;
 
   const TrainStep& ts_;
   SnapshotPlaneOptions options_;
   ipc::Channel channel_;
   std::unique_ptr<ipc::ShmRegion> region_;
+  // Staging in an exported buffer: the buffer, its connection to the checkpointer's handle
+  // socket (null until connected), and whether settle() still owes the copy's ordering.
+  std::unique_ptr<StagingTarget> staged_;
+  std::unique_ptr<ipc::HandleConnection> handles_;
+  bool staged_fence_ = false;
   // The copy in flight and what its SnapshotReady will say; copying_ is false once it is sent.
   SnapshotCopy copy_;
   bool copying_ = false;

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/util.h"
 #include "ops/ops.h"
 #include "stages/trainer/collective.h"
 #include "stages/trainer/optim.h"
@@ -68,6 +69,7 @@ struct TrainStep::Impl {
   c10::intrusive_ptr<c10d::Backend> pg;
   at::Device device;
   TensorParallel tp;  // outlives every graph step() builds (tensor_parallel.h)
+  OptimKernels kernels;
   uint32_t rank = 0;  // in the data-parallel group `pg`
   uint32_t world = 1;
   uint32_t layout_rank = 0;      // in the job: rank * tp.size + tp.rank
@@ -91,13 +93,15 @@ struct TrainStep::Impl {
   std::map<std::string, MatrixPart> parts;
 
   Impl(const ModelConfig& m, const TrainConfig& t, uint32_t steps,
-       c10::intrusive_ptr<c10d::Backend> group, at::Device dev, TensorParallel tensor_parallel)
+       c10::intrusive_ptr<c10d::Backend> group, at::Device dev, TensorParallel tensor_parallel,
+       OptimKernels optim_kernels)
       : model_cfg(m),
         train_cfg(t),
         total_steps(steps),
         pg(std::move(group)),
         device(dev),
         tp(std::move(tensor_parallel)),
+        kernels(std::move(optim_kernels)),
         model(m, t.seed) {
     MEGACPP_CHECK(t.batch_size > 0, ErrorKind::kInvalidArgument, "train: batchSize must be > 0");
     MEGACPP_CHECK(steps > 0, ErrorKind::kInvalidArgument, "total steps must be > 0");
@@ -197,10 +201,11 @@ struct TrainStep::Impl {
     }
     for (const auto& g : ag)
       for (const auto& p : g.params) adam_numel += p.numel();
-    adamw = std::make_unique<DistAdamW>(
-        std::move(ag), pg,
-        DistAdamWOptions{
-            .crossover_numel = o.adamw_crossover, .master_weights = mixed, .reduce_dtype = reduce});
+    adamw = std::make_unique<DistAdamW>(std::move(ag), pg,
+                                        DistAdamWOptions{.crossover_numel = o.adamw_crossover,
+                                                         .master_weights = mixed,
+                                                         .reduce_dtype = reduce,
+                                                         .fused_update = kernels.adamw_step});
     for (size_t k = 0; k < adam_index.size(); ++k)
       assignment[adam_index[k]].sharded = adamw->is_sharded(k);
 
@@ -464,9 +469,10 @@ struct TrainStep::Impl {
 };
 
 TrainStep::TrainStep(const ModelConfig& model, const TrainConfig& train, uint32_t total_steps,
-                     c10::intrusive_ptr<c10d::Backend> pg, at::Device device, TensorParallel tp)
-    : impl_(std::make_unique<Impl>(model, train, total_steps, std::move(pg), device,
-                                   std::move(tp))) {}
+                     c10::intrusive_ptr<c10d::Backend> pg, at::Device device, TensorParallel tp,
+                     OptimKernels kernels)
+    : impl_(std::make_unique<Impl>(model, train, total_steps, std::move(pg), device, std::move(tp),
+                                   std::move(kernels))) {}
 
 TrainStep::~TrainStep() = default;
 
@@ -501,9 +507,20 @@ std::vector<ParamAssignment> TrainStep::assignment() const {
 
 std::optional<std::string> TrainStep::first_nonfinite_state() const {
   torch::NoGradGuard no_grad;
-  for (const auto& [name, t] : snapshot_share()) {
-    if (!t.is_floating_point()) continue;
-    if (!torch::isfinite(t).all().item<bool>()) return name;
+  const auto share = snapshot_share();
+  std::vector<at::Tensor> finite;
+  std::vector<size_t> which;
+  for (size_t i = 0; i < share.size(); ++i) {
+    if (!share[i].second.is_floating_point()) continue;
+    finite.push_back(torch::isfinite(share[i].second).all());
+    which.push_back(i);
+  }
+  if (finite.empty()) return std::nullopt;
+  // One read for the whole share (one synchronisation on a device, not one per tensor).
+  const at::Tensor flags = torch::stack(finite).to(at::kCPU);
+  const bool* f = flags.data_ptr<bool>();
+  for (size_t k = 0; k < which.size(); ++k) {
+    if (!f[k]) return share[which[k]].first;
   }
   return std::nullopt;
 }
@@ -771,6 +788,8 @@ struct SnapshotCopy::State {
   std::vector<at::Tensor> keep;  // what the pieces read, alive until the thread is joined
   std::atomic<bool> done{false};
   std::thread thread;
+  // A staged copy: issued into this target, whose order_after_copy() is the join.
+  StagingTarget* target = nullptr;
 
   void run() noexcept {
     // Streaming stores: the share is many multi-MB tensors, each below the size at which
@@ -780,6 +799,15 @@ struct SnapshotCopy::State {
   }
   void join() noexcept {
     if (thread.joinable()) thread.join();
+    if (target != nullptr) {
+      try {
+        target->order_after_copy();
+      } catch (const std::exception& e) {
+        // A device that fails a stream wait has failed the rank; the next device call says so.
+        log_error("ordering the update after the snapshot copy failed: {}", e.what());
+      }
+      target = nullptr;
+    }
     keep.clear();
   }
   ~State() { join(); }
@@ -825,6 +853,48 @@ SnapshotCopy TrainStep::start_snapshot_copy(std::span<std::byte> region,
   } catch (const std::system_error&) {
     state->run();  // no thread to be had: the copy blocks instead
   }
+  copy.s_ = std::move(state);
+  return copy;
+}
+
+SnapshotCopy TrainStep::start_staged_copy(StagingTarget& target, SnapshotLayout* layout) const {
+  const auto share = snapshot_share();
+  *layout = layout_of(share);
+  MEGACPP_CHECK(target.bytes() >= layout->total_bytes, ErrorKind::kInvalidArgument,
+                fmt::format("a staging buffer of {} bytes cannot hold a {}-byte share",
+                            target.bytes(), layout->total_bytes));
+  auto state = std::make_unique<SnapshotCopy::State>();
+  std::vector<StagingPiece> pieces;
+  // What the target cannot read from where it lies is gathered into one host tensor first.
+  std::vector<size_t> moved;
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < share.size(); ++i) {
+    const at::Tensor& src = share[i].second;
+    const SnapshotEntry& e = layout->entries[i];
+    const bool where = target.device() ? src.device().is_cuda() : src.device().is_cpu();
+    if (!where) {
+      moved.push_back(i);
+      continue;
+    }
+    at::Tensor t = src.is_contiguous() ? src : src.contiguous();
+    MEGACPP_CHECK(t.nbytes() == e.bytes, ErrorKind::kInternal,
+                  fmt::format("{}: {} bytes, its layout says {}", e.name, t.nbytes(), e.bytes));
+    pieces.push_back({e.offset, t.data_ptr(), e.bytes});
+    state->keep.push_back(std::move(t));
+  }
+  MEGACPP_CHECK(moved.empty() || !target.device(), ErrorKind::kInvalidArgument,
+                fmt::format("{} of the share's tensors are not on the device whose staging buffer "
+                            "holds the share (the first: {})",
+                            moved.size(), moved.empty() ? "" : layout->entries[moved[0]].name));
+  for (size_t i : moved) {
+    at::Tensor host = share[i].second.to(at::kCPU).contiguous();
+    pieces.push_back({layout->entries[i].offset, host.data_ptr(), layout->entries[i].bytes});
+    state->keep.push_back(std::move(host));
+  }
+  target.copy_async(pieces);
+  state->target = &target;
+  state->done.store(true, std::memory_order_release);
+  SnapshotCopy copy;
   copy.s_ = std::move(state);
   return copy;
 }

@@ -33,6 +33,7 @@
 #include "stages/trainer/optim.h"
 #include "stages/trainer/snapshot_copy.h"
 #include "stages/trainer/snapshot_layout.h"
+#include "stages/trainer/staged_snapshot.h"
 #include "stages/trainer/tensor_parallel.h"
 
 namespace megacpp::trainer {
@@ -144,9 +145,11 @@ class TrainStep {
   // parameters are broadcast over both groups, then cut to this rank's weight shards
   // (shard_model), and DistMuon steps the matrices whole over tp.job (every rank of the job;
   // required when there is more than one group).
+  // `kernels`: the device's fused optimizer kernels (a CUDA rank's from its plugin:
+  // cuda_plugin.h CudaPlugin::optim_kernels); empty: torch's operations.
   TrainStep(const ModelConfig& model, const TrainConfig& train, uint32_t total_steps,
             c10::intrusive_ptr<c10d::Backend> pg = {}, at::Device device = at::kCPU,
-            TensorParallel tp = {});
+            TensorParallel tp = {}, OptimKernels kernels = {});
   ~TrainStep();
   TrainStep(const TrainStep&) = delete;
   TrainStep& operator=(const TrainStep&) = delete;
@@ -236,6 +239,12 @@ class TrainStep {
   // Until the returned copy's wait() returns, nothing may change parameters or optimizer state
   // (SnapshotCopy; StepHooks::before_update is where step() would). Throws as copy_snapshot.
   SnapshotCopy start_snapshot_copy(std::span<std::byte> region, SnapshotLayout* layout) const;
+  // The same copy into an exported staging buffer (staged_snapshot.h): fills `*layout`, issues
+  // the copy into `target` and returns; the returned copy's wait() orders later changes of the
+  // share after it (target.order_after_copy()), and keeps what the copy reads alive until then.
+  // A tensor on another device than the target expects is copied now through torch. Throws
+  // Error{kInvalidArgument} if the target is smaller than the layout.
+  SnapshotCopy start_staged_copy(StagingTarget& target, SnapshotLayout* layout) const;
 
   // Loads the parameters and this rank's optimizer state (moments, step counts, group
   // scalars) from a committed checkpoint: afterwards the next step() is bit-identical to

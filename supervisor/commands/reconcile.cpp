@@ -53,7 +53,8 @@ bool remove_private_sock_dir(const fs::path& dir, const std::string& run_id) {
     return false;
   }
   static const std::set<std::string> kEntries = {std::string(layout::kSockOwnerFile), "control",
-                                                 "checkpoint"};
+                                                 "checkpoint",
+                                                 std::string(layout::kStagingSocketFile)};
   std::error_code ec;
   std::vector<fs::path> entries;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {

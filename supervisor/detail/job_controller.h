@@ -292,6 +292,7 @@ class JobController {
   // How the recipe's muon_bf16 was settled (recipe::resolve_muon_precision), for the launch
   // contract: e.g. "bfloat16 (auto: cpu with amx_bf16)".
   std::string muon_precision_;
+  std::string snapshot_staging_ = "host";  // the launch contract's snapshotStaging
   std::vector<recipe::Gate> gates_;  // the plan's verdicts for recipe_ at this world (all passed)
   NodePlacement placement_;          // this node's place in its job, resolved in prepare()
   // The job's world (nodes x ranks per node) and this node's first global rank; opt_.ranks is

@@ -155,6 +155,27 @@ class Resume(Base):
         # The receipts cover every step once.
         self.assertEqual([s for s, _ in losses(run_dir)], list(range(1, STEPS + 1)))
 
+    def test_snapshots_staged_in_exported_buffers_survive_a_checkpointer_crash(self):
+        # The device snapshot plane's protocol on a CPU (MEGACPP_SNAPSHOT_STAGING=memfd): each
+        # rank's share goes into a buffer whose descriptor the checkpointer imports. The
+        # checkpointer crashes writing step 8; its restart imports the buffers again from the
+        # descriptors the ranks re-send, and the run ends as the host-staged one does.
+        run_dir, p = run(self.tmp, "staged", self.tiny, 2,
+                         env=dict(os.environ, MEGACPP_SNAPSHOT_STAGING="memfd",
+                                  MEGACPP_FAULT="checkpointer:0:write:8:segv"))
+        self.assertEqual(p.returncode, 0, p.stdout[-2000:] + p.stderr[-3000:])
+        self.assertEqual(manifest(run_dir)["state"], "ok")
+        self.assert_identical(run_dir, self.straight["w2"], 2)
+        for r in range(2):
+            with open(os.path.join(run_dir, "logs", "trainer-%d.log" % r)) as f:
+                self.assertIn("staged in an exported memfd buffer", f.read())
+        with open(os.path.join(run_dir, "logs", "checkpointer-0.log")) as f:
+            log = f.read()
+        for r in range(2):
+            self.assertGreaterEqual(log.count("imported rank %d's staging buffer" % r), 2, log[-3000:])
+        v = subprocess.run([MEGACPP, "verify", run_dir], capture_output=True, text=True, timeout=120)
+        self.assertEqual(v.returncode, 0, v.stdout)
+
     def test_a_corrupt_newest_checkpoint_is_skipped_and_named(self):
         run_dir, p = run(self.tmp, "corrupt", self.tiny, 2,
                          env={"MEGACPP_FAULT": "trainer:0:forward:14:segv"})

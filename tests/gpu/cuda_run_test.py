@@ -1,7 +1,8 @@
 """`megacpp run --device cuda` end to end (label gpu): the default recipe trains through the
 trainer's CUDA plugin with ProcessGroupNCCL (one rank per visible device, at most 2), and a GPU
 rank killed with kill -9 or stopped with SIGSTOP ends the run in the same typed state as on
-CPU, with the job torn down (no stage process left).
+CPU, with the job torn down (no stage process left); snapshots staged on the device through
+CUDA IPC survive a checkpointer crash.
 
 Exits 77 (ctest: skipped) with the reason on stdout when this build has no CUDA plugin or the
 machine has no CUDA device, as on every CPU machine and in CI.
@@ -51,6 +52,27 @@ class CudaRun(unittest.TestCase):
         self.assertLess(last, first - 0.5, got)
         with open(os.path.join(run.dir, "logs", "trainer-0.log")) as f:
             self.assertIn("training on cuda:0", f.read())
+        v = run_harness.megacpp(["verify", run.dir])
+        self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
+
+    def test_snapshots_staged_on_the_device_survive_a_checkpointer_crash(self):
+        # The snapshot plane through CUDA IPC: every rank's share is copied device-to-device
+        # into memory the checkpointer imports; the checkpointer crashes writing step 20 and its
+        # restart imports the buffers again. The run ends ok and every checkpoint verifies.
+        run = run_harness.Run(self.tmp, steps=30, ranks=RANKS, extra=["--device", "cuda"],
+                              env={"MEGACPP_SNAPSHOT_STAGING": "device",
+                                   "MEGACPP_FAULT": "checkpointer:0:write:20:segv"})
+        self.assertEqual(run.launch()["snapshotStaging"], "device")
+        self.assertEqual(run.finish(timeout=600), 0, run.out[-3000:])
+        self.assertEqual(manifest(run.dir)["state"], "ok")
+        for r in range(RANKS):
+            with open(os.path.join(run.dir, "logs", "trainer-%d.log" % r)) as f:
+                self.assertIn("staged in an exported cuda buffer", f.read())
+        with open(os.path.join(run.dir, "logs", "checkpointer-0.log")) as f:
+            log = f.read()
+        for r in range(RANKS):
+            self.assertGreaterEqual(log.count("imported rank %d's staging buffer (cuda" % r), 2,
+                                    log[-3000:])
         v = run_harness.megacpp(["verify", run.dir])
         self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
 

@@ -1,16 +1,23 @@
 // The trainer's CUDA plugin loader (stages/trainer/cuda_plugin.h), on any machine: a missing or
 // foreign library is refused in one line naming it, and the built plugin loads (with
-// libtorch_cuda and NCCL) and answers on a machine without a GPU. Training on a device is
+// libtorch_cuda and NCCL) and answers on a machine without a GPU. On a device, its fused
+// optimizer kernel against torch's operations (skipped without one). Training on a device is
 // cuda_run's (label gpu).
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <stdio.h>
 
+#include <cmath>
 #include <filesystem>
+#include <memory>
 #include <string>
+#include <vector>
+
+#include <ATen/CPUGeneratorImpl.h>
 
 #include "core/error.h"
 #include "stages/trainer/cuda_plugin.h"
+#include "stages/trainer/optim.h"
 
 using megacpp::Error;
 using megacpp::ErrorKind;
@@ -62,6 +69,73 @@ TEST(CudaPlugin, TheBuiltPluginLoadsWithoutAGpu) {
     EXPECT_FALSE(name.empty());
     EXPECT_EQ(name.find("cuda "), std::string::npos) << name;  // not the versions string
   }
+}
+
+// DistAdamW on a device through the plugin's fused kernel (CudaPlugin::optim_kernels) against
+// the same optimizer with torch's operations: the parameters and the state within float32
+// rounding after steps with weight decay, a parameter without a gradient, and the decay switched
+// off; a parameter without a gradient exactly unchanged.
+TEST(CudaPluginGpu, FusedAdamWGivesTorchsValuesOnTheDevice) {
+  namespace tr = megacpp::trainer;
+  const auto path = CudaPlugin::beside_executable();
+  if (!std::filesystem::exists(path))
+    GTEST_SKIP() << "this build has no CUDA plugin (" << path << ")";
+  CudaPlugin plugin(path);
+  if (plugin.api().device_count() < 1) GTEST_SKIP() << "no CUDA device visible";
+  if (plugin.api().adamw_step == nullptr)
+    GTEST_SKIP() << "the plugin was built without the ops' CUDA kernels (no nvcc)";
+  plugin.api().set_device(0);
+  const at::Device dev(at::kCUDA, 0);
+  const std::vector<std::vector<int64_t>> shapes{{1024, 1000}, {7, 5}, {4099}, {}};
+  const auto randn = [](const std::vector<int64_t>& shape, uint64_t seed) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    return at::randn(shape, gen, at::TensorOptions().dtype(at::kFloat));
+  };
+  struct Run {
+    std::vector<at::Tensor> p;
+    std::unique_ptr<tr::DistAdamW> adam;
+  };
+  const auto make = [&](tr::AdamWKernel kernel) {
+    Run r;
+    for (size_t i = 0; i < shapes.size(); ++i)
+      r.p.push_back(randn(shapes[i], 61 + i).to(dev).requires_grad_(true));
+    r.adam = std::make_unique<tr::DistAdamW>(
+        std::vector<tr::AdamWParamGroup>{
+            tr::AdamWParamGroup{.params = {r.p[0], r.p[1]}, .lr = 1e-2, .weight_decay = 0.1},
+            tr::AdamWParamGroup{.params = {r.p[2], r.p[3]}, .lr = 3e-3}},
+        nullptr, tr::DistAdamWOptions{.fused_update = std::move(kernel)});
+    return r;
+  };
+  Run torch_ops = make(nullptr), fused = make(plugin.optim_kernels(0).adamw_step);
+  const auto host = [](const at::Tensor& t) { return t.detach().to(at::kCPU).contiguous(); };
+  const auto max_diff = [](const at::Tensor& a, const at::Tensor& b) {
+    return (a - b).abs().max().item<double>();
+  };
+  for (uint32_t step = 0; step < 6; ++step) {
+    const bool skip = step == 1 || step == 4;  // the first parameter has no gradient
+    const at::Tensor before = host(fused.p[0]);
+    for (Run* r : {&torch_ops, &fused}) {
+      for (size_t i = 0; i < r->p.size(); ++i) {
+        r->p[i].mutable_grad() =
+            skip && i == 0 ? at::Tensor() : randn(shapes[i], 1000 * step + i).to(dev);
+      }
+      if (step == 3) r->adam->set_weight_decay(0, 0.0);
+      r->adam->step();
+    }
+    SCOPED_TRACE(::testing::Message() << "step " << step);
+    for (size_t i = 0; i < shapes.size(); ++i)
+      EXPECT_LE(max_diff(host(torch_ops.p[i]), host(fused.p[i])), 1e-5) << "parameter " << i;
+    if (skip) {
+      EXPECT_TRUE(at::equal(host(fused.p[0]), before));
+    }
+  }
+  const auto a = torch_ops.adam->state_dict(), b = fused.adam->state_dict();
+  ASSERT_EQ(a.entries.size(), b.entries.size());
+  for (size_t e = 0; e < a.entries.size(); ++e)
+    EXPECT_LE(
+        max_diff(host(a.entries[e].value).to(at::kFloat), host(b.entries[e].value).to(at::kFloat)),
+        1e-5)
+        << "state entry " << e;
 }
 
 }  // namespace

@@ -24,6 +24,7 @@
 
 #include "core/error.h"
 #include "ipc/peer_exchange.h"
+#include "ops/ops.h"
 #include "ops/optim_kernels.h"
 #include "stages/trainer/collective.h"
 #include "stages/trainer/optim.h"
@@ -660,6 +661,42 @@ TEST_F(OptimTest, OrthogonalizationIsTheOperationSequenceBitForBit) {
   }
 }
 
+// A device takes each iteration's scaled sums in the products (detail::OrthoSums::kInProduct:
+// addmm / baddbmm, one rounding). Forced on the CPU, that path must give the separately rounded
+// path's matrices to within the roundings they differ by, amplified over 5 iterations (float32:
+// 1e-5, where they differ by about 1e-6; bfloat16: 0.06, where they differ by about 0.02 on
+// entries near 0.1), for batched and single, wide, tall and square matrices and both
+// orthogonalizers; and each matrix of a batch as it would be alone.
+TEST_F(OptimTest, SumsInTheProductsGiveTheSeparateSumsMatrices) {
+  uint64_t seed = 300;
+  for (const auto which : {Orthogonalizer::kPolarExpress, Orthogonalizer::kNewtonSchulz}) {
+    for (const bool bf16 : {false, true}) {
+      for (const auto& shape : std::vector<std::vector<int64_t>>{
+               {4, 64, 64}, {1, 256, 64}, {2, 64, 256}, {96, 32}, {32, 96}}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "shape " << at::IntArrayRef(shape) << " bf16 " << bf16 << " newton-schulz "
+                     << (which == Orthogonalizer::kNewtonSchulz));
+        const at::Tensor g = randn(shape, ++seed);
+        const at::Tensor sep =
+            detail::orthogonalize(g, which, 5, bf16, detail::OrthoSums::kSeparate);
+        const at::Tensor in =
+            detail::orthogonalize(g, which, 5, bf16, detail::OrthoSums::kInProduct);
+        ASSERT_EQ(in.sizes(), sep.sizes());
+        ASSERT_EQ(in.scalar_type(), sep.scalar_type());
+        const double diff = (in.to(at::kFloat) - sep.to(at::kFloat)).abs().max().item<double>();
+        EXPECT_LE(diff, bf16 ? 0.06 : 1e-5);  // false for a NaN too
+      }
+      const at::Tensor a = randn({3, 64, 32}, ++seed), b = randn({1, 64, 32}, ++seed);
+      const auto in = [&](const at::Tensor& g) {
+        return detail::orthogonalize(g, which, 5, bf16, detail::OrthoSums::kInProduct);
+      };
+      const at::Tensor both = in(at::cat({a, b}));
+      EXPECT_TRUE(at::allclose(both.narrow(0, 0, 3).to(at::kFloat), in(a).to(at::kFloat), 0, 1e-6));
+      EXPECT_TRUE(at::allclose(both.narrow(0, 3, 1).to(at::kFloat), in(b).to(at::kFloat), 0, 1e-6));
+    }
+  }
+}
+
 // The exchange chooses its transport per link (exchange.h): at world 4, all links through
 // Gloo, all through shared memory, and two hosts of two ranks (shared memory inside a host,
 // Gloo between them) must give the same parameters bit for bit, on every rank. DistAdamW's
@@ -996,6 +1033,86 @@ TEST_F(OptimTest, DeviceDecisionsGiveTheHostsValues) {
         SCOPED_TRACE(::testing::Message() << "masters " << masters << " state entry " << e);
         EXPECT_EQ(flat({h.entries[e].value}), flat({d.entries[e].value}));
       }
+    }
+  }
+}
+
+// A device's DistAdamW runs its gated path through a fused kernel (DistAdamWOptions::
+// fused_update; a CUDA rank's is ops.h adamw_step_cuda): one call per parameter, with the
+// optimizer's own step count, gate and scalars. Here the CPU reference stands in for the kernel:
+// every parameter goes through it at every step, and the values and state stay within float32
+// rounding of torch's gated operations — with weight decay switched off mid-run, masters, and
+// steps where an entry has no gradient (which the kernel leaves exactly as it was).
+TEST_F(OptimTest, FusedAdamWUpdateGivesTheGatedPathsValues) {
+  for (const bool masters : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "masters " << masters);
+    const std::vector<std::vector<int64_t>> shapes{{64, 24}, {7, 5}, {40}, {}};
+    struct Run {
+      std::vector<at::Tensor> p, p32;
+      std::unique_ptr<DistAdamW> adam;
+    };
+    int64_t calls = 0;
+    const auto make = [&](bool fused) {
+      Run r;
+      r.p32 = make_params(shapes, 51);
+      r.p = r.p32;
+      if (masters) {
+        r.p.clear();
+        for (const auto& p : r.p32)
+          r.p.push_back(p.detach().to(at::kBFloat16).requires_grad_(true));
+      }
+      const auto m_of = [&](std::vector<at::Tensor> ps) {
+        return masters ? ps : std::vector<at::Tensor>{};
+      };
+      AdamWKernel kernel;
+      if (fused) {
+        kernel = [&calls](float* p, const float* g, float* m, float* v, int64_t n,
+                          const ops::AdamWStepScalars& s, bool decays) {
+          ++calls;
+          ops::adamw_step_cpu(p, g, m, v, n, s, decays);
+        };
+      }
+      r.adam = std::make_unique<DistAdamW>(
+          std::vector<AdamWParamGroup>{
+              AdamWParamGroup{.params = {r.p[0], r.p[1]},
+                              .masters = m_of({r.p32[0], r.p32[1]}),
+                              .lr = 1e-2,
+                              .weight_decay = 0.1},
+              AdamWParamGroup{
+                  .params = {r.p[2], r.p[3]}, .masters = m_of({r.p32[2], r.p32[3]}), .lr = 3e-3}},
+          nullptr,
+          DistAdamWOptions{.master_weights = masters,
+                           .reduce_dtype = at::kFloat,
+                           .host_decisions = false,
+                           .fused_update = kernel});
+      return r;
+    };
+    Run torch_ops = make(false), fused = make(true);
+    std::vector<float> skipped_before;
+    for (uint32_t step = 0; step < 6; ++step) {
+      const bool skip = step == 1 || step == 4;  // the first parameter has no gradient
+      if (skip) skipped_before = flat({fused.p32[0]});
+      for (Run* r : {&torch_ops, &fused}) {
+        for (size_t i = 0; i < r->p.size(); ++i) {
+          set_grad(r->p[i], skip && i == 0
+                                ? at::Tensor()
+                                : rank_grad(r->p[i], i, step, 0).to(r->p[i].scalar_type()));
+        }
+        if (step == 3) r->adam->set_weight_decay(0, 0.0);
+        r->adam->step();
+      }
+      SCOPED_TRACE(::testing::Message() << "step " << step);
+      EXPECT_EQ(calls, static_cast<int64_t>(shapes.size() * (step + 1)));
+      EXPECT_LE(max_abs_diff(flat(torch_ops.p32), flat(fused.p32)), 1e-6);
+      if (skip) {
+        EXPECT_EQ(flat({fused.p32[0]}), skipped_before);
+      }
+    }
+    const auto a = torch_ops.adam->state_dict(), b = fused.adam->state_dict();
+    ASSERT_EQ(a.entries.size(), b.entries.size());
+    for (size_t e = 0; e < a.entries.size(); ++e) {
+      SCOPED_TRACE(::testing::Message() << "state entry " << e);
+      EXPECT_LE(max_abs_diff(flat({a.entries[e].value}), flat({b.entries[e].value})), 1e-6);
     }
   }
 }

@@ -506,7 +506,9 @@ TEST(DeviceRecipe, GpuSmallIsSizedForOneH100) {
   EXPECT_GE(plan.params_total, 100'000'000u);
   EXPECT_LE(plan.params_total, 300'000'000u);
   EXPECT_EQ(plan.params_total, 254'017'536u);  // README and the recipe's comment say 254.0 M
-  EXPECT_FALSE(plan.memory.staging_counted);   // host memory on cuda
+  // Staged on the device (auto, no budget known), so in the device's total.
+  EXPECT_TRUE(plan.memory.staging_on_device);
+  EXPECT_TRUE(plan.memory.staging_counted);
   const double gib = static_cast<double>(plan.memory.total()) / (1ull << 30);
   EXPECT_GT(gib, 20.0) << "too small to keep the device busy";
   EXPECT_LT(gib, 60.0) << "leaves too little of 80 GB";
@@ -630,13 +632,42 @@ TEST(Plan, PerRankMemoryByHand) {
   EXPECT_EQ(p.memory.staging, 4 * held + muon + adam);
   EXPECT_EQ(p.memory.total(), 4 * held * 3 + muon + adam + p.memory.buffers + p.memory.activations +
                                   p.memory.working + muon + adam);
-  const auto on_cuda = mc::recipe::make_plan(r, {.ranks = 2, .device = "cuda"});
+  const auto on_cuda =
+      mc::recipe::make_plan(r, {.ranks = 2, .device = "cuda", .snapshot_staging = "host"});
   EXPECT_EQ(on_cuda.memory.staging, p.memory.staging);
   const auto& c = on_cuda.memory;  // NCCL's receive space differs from Gloo's
   EXPECT_EQ(c.total(), c.parameters + c.gradients + c.master + c.optimizer + c.buffers +
                            c.activations + c.working);
   EXPECT_NE(mc::recipe::format_plan(on_cuda).find("; and in host memory, snapshot staging"),
             std::string::npos);
+  // Staged on the device (auto where it fits the budget): in the device's total, and the
+  // checkpointer's page-locked copy in host memory.
+  const double without = static_cast<double>(c.total()) / (1ull << 30);
+  const double staging = static_cast<double>(c.staging) / (1ull << 30);
+  const auto fits = mc::recipe::make_plan(
+      r, {.ranks = 2, .memory_budget_gib = without + staging * 1.01, .device = "cuda"});
+  EXPECT_TRUE(fits.memory.staging_on_device);
+  EXPECT_EQ(fits.memory.total(), c.total() + c.staging);
+  EXPECT_NE(mc::recipe::format_plan(fits).find("snapshot staging on the device"),
+            std::string::npos);
+  EXPECT_NE(mc::recipe::format_plan(fits).find("the checkpointer's page-locked copy"),
+            std::string::npos);
+  const auto tight = mc::recipe::make_plan(r, {.ranks = 2,
+                                               .memory_budget_gib = without + staging * 0.99,
+                                               .device = "cuda",
+                                               .cuda_trainer_built = true});
+  EXPECT_FALSE(tight.memory.staging_on_device);  // auto falls back to host memory
+  EXPECT_EQ(tight.refusal(), nullptr);
+  const auto forced = mc::recipe::make_plan(r, {.ranks = 2,
+                                                .memory_budget_gib = without + staging * 0.99,
+                                                .device = "cuda",
+                                                .cuda_trainer_built = true,
+                                                .snapshot_staging = "device"});
+  ASSERT_NE(forced.refusal(), nullptr);  // device staging that does not fit is refused
+  EXPECT_EQ(forced.refusal()->rule, "memory-budget");
+  const auto no_driver =
+      mc::recipe::make_plan(r, {.ranks = 2, .device = "cuda", .cuda_staging_available = false});
+  EXPECT_FALSE(no_driver.memory.staging_on_device);
   // bf16-mixed: parameters, gradients and activations at 2 bytes; float32 masters of what the
   // rank owns (one entry of each stack, both replicated DistAdamW tensors); the moments as
   // before; the gathered parameters at 2 bytes.

@@ -157,6 +157,7 @@ void fill_launch(schema::LaunchContract::Builder c) {
   v.initDataset().setFormat("llmc");
   v.setRingSlots(2);
   v.setDigest("6032459ac13471df");
+  c.setSnapshotStaging("device");
 }
 
 // Offsets of `"name":` for each top-level field, in schema order; -1 when absent. Top-level

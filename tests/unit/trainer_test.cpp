@@ -766,18 +766,57 @@ int wait_exit(pid_t pid, std::chrono::milliseconds limit) {
 // DESIGN.md "Failure model as implemented" (restartable stages: the checkpointer): the checkpointer
 // is SIGKILLed with this rank's final snapshot unhandled; a relaunch on the same endpoint gets it
 // re-sent and commits it.
-TEST_F(TrainerTest, SnapshotPlaneSurvivesACheckpointerRestart) {
-  const fs::path exe = sibling_executable("megacpp-checkpointer");
-  if (!fs::exists(exe)) GTEST_SKIP() << exe << " is not built";
+// A driver that cannot export a staging buffer (Error{kSystem} from make_staging): with
+// staging_fallback the rank stages in the host region and says so; without, the error stands.
+TEST_F(TrainerTest, AStagingBufferThatCannotBeMadeFallsBackToTheHostRegionWhenAllowed) {
+  TempDir sock;
+  const std::string endpoint = "ipc://" + (sock.path() / "ck").string();
+  ipc::ZmqContext zmq;
+  ipc::Channel router(zmq, ipc::Channel::Kind::kRouter, endpoint);
+  TrainStep ts(tiny_model(), tiny_train(), 10);
+  SnapshotPlaneOptions o = plane_options(endpoint);
+  o.handle_socket = layout::staged_handle_socket(endpoint);
+  o.make_staging = [](uint64_t) -> std::unique_ptr<StagingTarget> {
+    MEGACPP_FAIL(ErrorKind::kSystem, "CUDA driver: cuMemCreate failed: out of memory");
+  };
+  {
+    SnapshotPlane plane(zmq, ts, o);
+    try {
+      plane.take(1, false);
+      ADD_FAILURE() << "a staging buffer that cannot be made was ignored";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kSystem);
+    }
+  }
+  o.staging_fallback = true;
+  SnapshotPlane plane(zmq, ts, o);
+  ASSERT_TRUE(plane.take(1, false));
+  plane.settle();  // the host copy is done and its SnapshotReady sent
+  auto msg = router.receive(5000ms);
+  ASSERT_TRUE(msg && msg->root().isSnapshotReady());
+  auto ready = msg->root().getSnapshotReady();
+  EXPECT_EQ(ready.getStep(), 1u);
+  EXPECT_EQ(ready.getStagedGeneration(), 0u);  // the tensors lie in the host region
+  EXPECT_GT(ready.getRegionBytes(), ts.snapshot_layout().total_bytes);
+  EXPECT_EQ(plane.staged_device_bytes(), 0u);
+}
+
+// A run of one rank for a real checkpointer process: the launch contract names the checkpoint
+// endpoint, the supervisor's control socket is bound, and spawn() starts the megacpp-checkpointer
+// binary on it (rank 0, `generation`), its stderr appended to `log`.
+struct CheckpointerRun {
   TempDir run, sock;
   const std::string control = "ipc://" + (sock.path() / "control").string();
   const std::string endpoint = "ipc://" + (sock.path() / "ck").string();
-  test_support::write_test_launch(run.path(), "run-trainer-test", control, endpoint, 1, "hash");
-  ipc::ZmqContext zmq;
-  ipc::Channel supervisor(zmq, ipc::Channel::Kind::kRouter, control);
-  fs::create_directories(layout::logs_dir(run.path()));
   const fs::path log = layout::log_path(run.path(), schema::StageKind::CHECKPOINTER, 0);
-  auto spawn = [&](uint32_t generation) {
+  ipc::ZmqContext zmq;
+  ipc::Channel supervisor{zmq, ipc::Channel::Kind::kRouter, control};
+
+  CheckpointerRun() {
+    test_support::write_test_launch(run.path(), "run-trainer-test", control, endpoint, 1, "hash");
+    fs::create_directories(layout::logs_dir(run.path()));
+  }
+  pid_t spawn(const fs::path& exe, uint32_t generation) const {
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_addopen(&actions, 2, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
@@ -791,13 +830,43 @@ TEST_F(TrainerTest, SnapshotPlaneSurvivesACheckpointerRestart) {
     EXPECT_EQ(::posix_spawn(&pid, exe.c_str(), &actions, nullptr, argv.data(), environ), 0);
     posix_spawn_file_actions_destroy(&actions);
     return pid;
-  };
+  }
+};
+
+// Whether `file` (a rank's checkpoint file) holds `ts`'s share, byte for byte.
+void expect_share_written(const fs::path& file, const TrainStep& ts) {
+  const auto header = checkpoint::read_safetensors_header(file);
+  const std::string bytes = read_file(file);
+  const auto share = ts.snapshot_share();
+  ASSERT_EQ(header.tensors.size(), share.size());
+  for (size_t i = 0; i < share.size(); ++i) {
+    const at::Tensor t = share[i].second.contiguous();
+    ASSERT_EQ(header.tensors[i].name, share[i].first);
+    EXPECT_EQ(std::memcmp(bytes.data() + 8 + header.header_bytes + header.tensors[i].begin,
+                          t.data_ptr(), t.nbytes()),
+              0)
+        << share[i].first;
+  }
+}
+
+// With `staged`, the rank stages in an exported buffer (the memfd stand-in of device memory):
+// the relaunched checkpointer imports it again from the descriptor the rank re-sends.
+void checkpointer_restart(bool staged) {
+  const fs::path exe = sibling_executable("megacpp-checkpointer");
+  ASSERT_TRUE(fs::exists(exe)) << exe << " is not built";
+  CheckpointerRun ck;
+  const fs::path& log = ck.log;
+  auto spawn = [&](uint32_t generation) { return ck.spawn(exe, generation); };
 
   TrainStep ts(tiny_model(), tiny_train(), 2);
-  SnapshotPlaneOptions o = plane_options(endpoint);
+  SnapshotPlaneOptions o = plane_options(ck.endpoint);
   o.resend_interval = 200ms;
+  if (staged) {
+    o.handle_socket = layout::staged_handle_socket(ck.endpoint);
+    o.make_staging = [](uint64_t bytes) { return make_memfd_staging(0, bytes); };
+  }
   {
-    SnapshotPlane plane(zmq, ts, o);
+    SnapshotPlane plane(ck.zmq, ts, o);
     const pid_t first = spawn(0);
     ASSERT_GT(first, 0);
     ASSERT_TRUE(plane.take(1, false));
@@ -822,12 +891,104 @@ TEST_F(TrainerTest, SnapshotPlaneSurvivesACheckpointerRestart) {
     EXPECT_TRUE(WIFEXITED(status2) && WEXITSTATUS(status2) == 0) << status2 << "\n"
                                                                  << read_file(log);
   }
-  const fs::path ckpts = layout::checkpoints_dir(run.path());
+  const fs::path ckpts = layout::checkpoints_dir(ck.run.path());
   EXPECT_TRUE(fs::exists(ckpts / "step_00000001" / "rank_0.safetensors"));
   EXPECT_TRUE(fs::exists(ckpts / "step_00000002" / "checkpoint.json"));
   EXPECT_TRUE(fs::exists(ckpts / "step_00000002" / "rank_0.safetensors"));
   EXPECT_FALSE(fs::exists(ckpts / "step_00000002.tmp"));
   EXPECT_EQ(read_file(ckpts / "LATEST"), "step_00000002\n");
+  EXPECT_TRUE(ipc::list_shm(staging_prefix()).empty());
+  // What was written is the rank's share, byte for byte.
+  expect_share_written(ckpts / "step_00000002" / "rank_0.safetensors", ts);
+}
+
+TEST_F(TrainerTest, SnapshotPlaneSurvivesACheckpointerRestart) {
+  checkpointer_restart(false);
+}
+
+TEST_F(TrainerTest, AStagedSnapshotPlaneSurvivesACheckpointerRestart) {
+  checkpointer_restart(true);
+}
+
+// A memfd staging buffer announced as device memory: a checkpointer cannot import it (no CUDA
+// driver here; on a GPU, the driver refuses a memfd) — what a checkpointer whose device cannot
+// map a rank's buffer sees.
+class UnimportableStaging final : public StagingTarget {
+ public:
+  explicit UnimportableStaging(uint64_t bytes) : inner_(make_memfd_staging(0, bytes)) {
+    info_ = inner_->info();
+    info_.kind = std::string(ipc::kStagedCuda);
+    info_.device = "0000:00:00.0";
+  }
+  uint64_t bytes() const override { return inner_->bytes(); }
+  bool device() const override { return false; }
+  void copy_async(std::span<const StagingPiece> pieces) override { inner_->copy_async(pieces); }
+  void order_after_copy() override { inner_->order_after_copy(); }
+  void read_back(std::span<std::byte> dst) override { inner_->read_back(dst); }
+  const ipc::StagedBufferInfo& info() const override { return info_; }
+  int fd() const override { return inner_->fd(); }
+
+ private:
+  std::unique_ptr<StagingTarget> inner_;
+  ipc::StagedBufferInfo info_;
+};
+
+// DESIGN.md "GPU lane (second part)": a checkpointer that cannot import a rank's buffer
+// refuses it (SnapshotAck.stagingRefused) and stays up. A rank that may fall back reads the
+// refused snapshot back into a host region and re-sends it — the step commits, byte for byte —
+// and stages there from then on; a rank whose staging was forced fails, naming the knob.
+TEST_F(TrainerTest, ARefusedStagingBufferMovesTheSnapshotToTheHostRegion) {
+  const fs::path exe = sibling_executable("megacpp-checkpointer");
+  ASSERT_TRUE(fs::exists(exe)) << exe << " is not built";
+  CheckpointerRun ck;
+  const fs::path& log = ck.log;
+  const pid_t pid = ck.spawn(exe, 0);
+  ASSERT_GT(pid, 0);
+
+  TrainStep ts(tiny_model(), tiny_train(), 3);
+  SnapshotPlaneOptions o = plane_options(ck.endpoint);
+  o.resend_interval = 200ms;
+  o.commit_timeout = 20s;
+  o.handle_socket = layout::staged_handle_socket(ck.endpoint);
+  o.make_staging = [](uint64_t bytes) { return std::make_unique<UnimportableStaging>(bytes); };
+  {
+    SnapshotPlane forced(ck.zmq, ts, o);
+    ASSERT_TRUE(forced.take(1, true));
+    try {
+      forced.wait_committed(1);
+      ADD_FAILURE() << "a refused buffer was ignored by a rank that may not fall back";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("MEGACPP_SNAPSHOT_STAGING"), std::string::npos)
+          << e.what();
+    }
+  }
+  o.staging_fallback = true;
+  {
+    SnapshotPlane plane(ck.zmq, ts, o);
+    ASSERT_TRUE(plane.take(2, false));
+    EXPECT_TRUE(plane.wait_committed(2)) << read_file(log);
+    EXPECT_EQ(plane.staged_device_bytes(), 0u);
+    // Read back from the buffer it was staged in: the share, byte for byte.
+    expect_share_written(
+        layout::checkpoints_dir(ck.run.path()) / "step_00000002" / "rank_0.safetensors", ts);
+    // The next snapshot goes through the host region at once (no refusal, no re-send).
+    ts.step(make_batch(tiny_model(), tiny_train().batch_size, 7), 3);
+    const uint64_t resends = plane.resends();
+    ASSERT_TRUE(plane.take(3, true));
+    EXPECT_TRUE(plane.wait_committed(3)) << read_file(log);
+    EXPECT_EQ(plane.resends(), resends);
+  }
+  ::kill(pid, SIGTERM);
+  const int status = wait_exit(pid, 20s);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << read_file(log);
+  const std::string text = read_file(log);
+  EXPECT_NE(text.find("cannot import rank 0's cuda staging buffer"), std::string::npos) << text;
+  const fs::path ckpts = layout::checkpoints_dir(ck.run.path());
+  EXPECT_FALSE(fs::exists(ckpts / "step_00000001"));
+  EXPECT_TRUE(fs::exists(ckpts / "step_00000002" / "checkpoint.json"));
+  EXPECT_EQ(read_file(ckpts / "LATEST"), "step_00000003\n");
+  expect_share_written(ckpts / "step_00000003" / "rank_0.safetensors", ts);
   EXPECT_TRUE(ipc::list_shm(staging_prefix()).empty());
 }
 

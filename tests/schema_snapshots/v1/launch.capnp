@@ -306,6 +306,11 @@ struct LaunchContract {
   storePrefix @42 :Text;
   # Held-out evaluation (recipe train.eval_every): absent when the recipe does not evaluate.
   validation @43 :Validation;
+  # Where the ranks stage their snapshots, settled by the supervisor from MEGACPP_SNAPSHOT_STAGING
+  # and the plan (recipes/plan.h): "host" (the named shm region), "device" (exported device
+  # memory the checkpointer imports) or "memfd" (the same protocol over host memory). Empty, as
+  # in contracts written before the field: "host".
+  snapshotStaging @44 :Text;
 }
 
 # How the run evaluates on its data's val split (README.md "Validation loss"; recipes/batch_spec.h

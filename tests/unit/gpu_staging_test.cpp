@@ -1,0 +1,189 @@
+// The snapshot plane's device staging (gpu/staging.h) on a real device: a buffer exported by this
+// process (the rank) is imported by gpu_staging_peer (the checkpointer's StagingImports) through
+// the handle socket; the peer killed and started again imports it again; a rank whose
+// connection closed is refused by name. Label gpu: without a CUDA driver and device every case
+// skips with the reason.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "gpu/staging.h"
+#include "ipc/handle_socket.h"
+#include "ipc/staged_buffer.h"
+#include "temp_dir.h"
+
+extern char** environ;
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+namespace {
+
+fs::path sibling_executable(const std::string& name) {
+  return fs::read_symlink("/proc/self/exe").parent_path() / name;
+}
+
+// gpu_staging_peer with a pipe to its stdin and one from its stdout.
+class Peer {
+ public:
+  Peer(const fs::path& socket, uint64_t generation, uint64_t bytes, const fs::path& out) {
+    int in[2], res[2];
+    EXPECT_EQ(::pipe(in), 0);
+    EXPECT_EQ(::pipe(res), 0);
+    posix_spawn_file_actions_t a;
+    posix_spawn_file_actions_init(&a);
+    posix_spawn_file_actions_adddup2(&a, in[0], 0);
+    posix_spawn_file_actions_adddup2(&a, res[1], 1);
+    posix_spawn_file_actions_addclose(&a, in[1]);
+    posix_spawn_file_actions_addclose(&a, res[0]);
+    const std::string exe = sibling_executable("gpu_staging_peer").string();
+    std::vector<std::string> args = {exe, socket.string(), std::to_string(generation),
+                                     std::to_string(bytes), out.string()};
+    std::vector<char*> argv;
+    for (auto& s : args) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    EXPECT_EQ(::posix_spawn(&pid_, exe.c_str(), &a, nullptr, argv.data(), environ), 0) << exe;
+    posix_spawn_file_actions_destroy(&a);
+    ::close(in[0]);
+    ::close(res[1]);
+    to_ = ::fdopen(in[1], "w");
+    from_ = ::fdopen(res[0], "r");
+    EXPECT_EQ(line(), "listening");
+  }
+  ~Peer() { stop(SIGKILL); }
+  std::string read(int i) {
+    std::fprintf(to_, "read %d\n", i);
+    std::fflush(to_);
+    return line();
+  }
+  int stop(int sig) {
+    if (pid_ <= 0) return -1;
+    if (sig != 0) ::kill(pid_, sig);
+    if (to_ != nullptr) std::fclose(to_);
+    to_ = nullptr;
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+    if (from_ != nullptr) std::fclose(from_);
+    from_ = nullptr;
+    return status;
+  }
+
+ private:
+  std::string line() {
+    char buf[256] = {};
+    if (std::fgets(buf, sizeof buf, from_) == nullptr) return "<eof>";
+    std::string s(buf);
+    if (!s.empty() && s.back() == '\n') s.pop_back();
+    return s;
+  }
+  pid_t pid_ = -1;
+  FILE* to_ = nullptr;
+  FILE* from_ = nullptr;
+};
+
+std::vector<std::byte> pattern(size_t n, uint32_t seed) {
+  std::vector<std::byte> v(n);
+  std::mt19937 gen(seed);
+  for (auto& b : v) b = static_cast<std::byte>(gen());
+  return v;
+}
+
+std::vector<std::byte> read_bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::vector<char> c((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> out(c.size());
+  std::memcpy(out.data(), c.data(), c.size());
+  return out;
+}
+
+TEST(GpuStaging, AnExportedBufferIsReadByTheCheckpointerAcrossItsRestart) {
+  std::string why;
+  if (!megacpp::gpu::driver_available(&why)) GTEST_SKIP() << "no GPU: " << why;
+  megacpp::test_support::TempDir dir;
+  const fs::path socket = dir.path() / "staging";
+  // Two pieces at different offsets, the second unaligned in size.
+  constexpr uint64_t kA = 3 << 20, kB = 1000003, kBytes = kA + 4096 + kB;
+  megacpp::gpu::DeviceBlock src(0, kA + kB);
+  megacpp::gpu::ExportedBuffer buffer(0, kBytes);
+  megacpp::ipc::StagedBufferInfo info;
+  info.rank = 0;
+  info.generation = megacpp::ipc::new_staged_generation();
+  info.kind = std::string(megacpp::ipc::kStagedCuda);
+  info.bytes = buffer.bytes();
+  info.mapping_bytes = buffer.mapping_bytes();
+  info.device = buffer.pci_bus_id();
+  info.event = buffer.event_handle();
+  const auto* base = static_cast<const std::byte*>(src.pointer());
+  const megacpp::gpu::CopyPiece pieces[] = {{0, base, kA}, {kA + 4096, base + kA, kB}};
+
+  auto connect = [&] {
+    auto conn = megacpp::ipc::HandleConnection::connect(socket, megacpp::ipc::Millis(10000));
+    EXPECT_TRUE(conn != nullptr);
+    const int fd = buffer.fd();
+    EXPECT_TRUE(conn->send(megacpp::ipc::encode_staged_buffer(info), std::span<const int>(&fd, 1),
+                           megacpp::ipc::Millis(2000)));
+    return conn;
+  };
+  auto expect_staged = [&](const std::vector<std::byte>& want, int i) {
+    const auto got = read_bytes(dir.path() / ("read-" + std::to_string(i) + ".bin"));
+    ASSERT_EQ(got.size(), kBytes);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), kA), 0);
+    EXPECT_EQ(std::memcmp(got.data() + kA + 4096, want.data() + kA, kB), 0);
+  };
+
+  const auto first = pattern(kA + kB, 1);
+  src.upload(first);
+  {
+    Peer peer(socket, info.generation, kBytes, dir.path());
+    auto conn = connect();
+    buffer.copy_async(nullptr, pieces);  // after the upload, on the legacy default stream
+    EXPECT_EQ(peer.read(1), "status 1 ok");
+    expect_staged(first, 1);
+    // The checkpointer dies; its successor imports the buffer from the descriptor sent again.
+    const int status = peer.stop(SIGKILL);
+    EXPECT_TRUE(WIFSIGNALED(status)) << status;
+  }
+  const auto second = pattern(kA + kB, 2);
+  src.upload(second);
+  Peer peer(socket, info.generation, kBytes, dir.path());
+  auto conn = connect();
+  buffer.copy_async(nullptr, pieces);
+  EXPECT_EQ(peer.read(2), "status 2 ok");
+  expect_staged(second, 2);
+  // The rank's connection closes (as at its death): its snapshot is refused by name.
+  conn.reset();
+  EXPECT_EQ(peer.read(3), "status 3 gone");
+  const int status = peer.stop(0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  buffer.synchronize();
+}
+
+TEST(GpuStaging, WithoutADriverTheReasonIsOneLine) {
+  std::string why;
+  if (megacpp::gpu::driver_available(&why)) GTEST_SKIP() << "a driver is present";
+  EXPECT_FALSE(why.empty());
+  EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+  if (megacpp::gpu::built()) {
+    try {
+      megacpp::gpu::ExportedBuffer buffer(0, 4096);
+      ADD_FAILURE() << "a staging buffer without a driver";
+    } catch (const megacpp::Error& e) {
+      EXPECT_EQ(e.kind(), megacpp::ErrorKind::kSystem);
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  }
+}
+
+}  // namespace
