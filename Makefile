@@ -142,6 +142,7 @@ bench: build
 	@$(BUILD)/bin/bench_blocks
 	@$(BUILD)/bin/bench_orthogonalize --d-model 512 --layers 4
 	@$(BUILD)/bin/bench_adamw_step --d-model 256 --vocab 8192
+	@$(BUILD)/bin/bench_muon_tail --d-model 256 --layers 4
 	@MEGACPP_BIN=$(BUILD)/bin/megacpp .venv/bin/python bench/collect_all.py
 
 # megacpp run against its Python twin (torchrun, DDP, torch.optim.Muon + AdamW) at the tiny,

@@ -49,6 +49,8 @@ struct Config {
   float eps = 1e-6f;
   size_t optim_mb = 64;
   size_t adamw_mb = 256;  // per array: 64 M float32 elements, above gpu-small's embedding table
+  // Muon's tail: gpu-small's MLP input matrices (12 of 4096 x 1024, one statistic per row).
+  int64_t muon_count = 12, muon_rows = 4096, muon_cols = 1024;
 };
 
 double gbps(double bytes, double ms) {
@@ -319,6 +321,98 @@ void bench_adamw(const Config& cfg) {
 #endif
 }
 
+// Muon's fused tail over a stack of matrices: u read twice, p read, the new p written, against
+// one copy of those bytes: on the CPU the double-precision reference against memcpy, on a GPU the
+// kernels against cudaMemcpy device-to-device; and the kernels' largest relative difference to
+// the reference (the new p, every element).
+void bench_muon_tail(const Config& cfg) {
+  const int64_t count = cfg.muon_count, rows = cfg.muon_rows, cols = cfg.muon_cols;
+  const auto n = static_cast<size_t>(count * rows * cols);
+  const bool reduce_cols = rows >= cols;
+  const auto n_stats =
+      static_cast<size_t>(ops::muon_tail_workspace(count, rows, cols, reduce_cols));
+  const double moved = 4.0 * static_cast<double>(n) * sizeof(float);
+  fmt::print(
+      "\nops_bench muon_tail {} x {} x {} ({:.0f} MB moved per call: u twice, p in, p out)\n",
+      count, rows, cols, moved / 1e6);
+  std::mt19937 gen(5);
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  std::vector<float> u(n), p(n), sec(n_stats);
+  for (size_t i = 0; i < n; ++i) {
+    u[i] = dist(gen);
+    p[i] = dist(gen);
+  }
+  for (auto& s : sec) s = 0.01f * std::abs(dist(gen));
+  const std::vector<float> scalars{0.02f, 0.95f}, gate(static_cast<size_t>(count), 1.f);
+  const auto args = [&](const float* u_, float* p_, float* sec_, const float* s, const float* g,
+                        float* ws) {
+    return ops::MuonTailArgs{.u = u_,
+                             .p = p_,
+                             .out = p_,
+                             .sec = sec_,
+                             .count = count,
+                             .rows = rows,
+                             .cols = cols,
+                             .reduce_cols = reduce_cols,
+                             .lr = s,
+                             .beta2 = s + 1,
+                             .gate = g,
+                             .aspect = 2.f,
+                             .workspace = ws};
+  };
+  {
+    Config c = cfg;
+    c.iters = std::max(2, cfg.iters / 8);
+    c.warmup = 1;
+    std::vector<float> pc = p, sc = sec;
+    const double op_ms = cpu_ms_per_iter(c, [&] {
+      ops::muon_tail_cpu(
+          args(u.data(), pc.data(), sc.data(), scalars.data(), gate.data(), nullptr));
+    });
+    std::vector<unsigned char> src(static_cast<size_t>(moved / 2)), dst(src.size());
+    const double peer_ms =
+        cpu_ms_per_iter(c, [&] { std::memcpy(dst.data(), src.data(), src.size()); });
+    report("cpu", "muon_tail", op_ms, "memcpy (same bytes)", peer_ms, moved);
+  }
+#if defined(MEGACPP_HAVE_CUDA) && MEGACPP_HAVE_CUDA
+  if (ops::cuda_device_count() == 0) {
+    fmt::print("cuda: skipped: no CUDA device (cuda_device_count()==0)\n");
+    return;
+  }
+  const size_t bytes = n * sizeof(float);
+  DeviceBuffer du(bytes), dp(bytes), dsec(n_stats * sizeof(float)), dws(n_stats * sizeof(float)),
+      ds(scalars.size() * sizeof(float)), dg(gate.size() * sizeof(float));
+  DeviceBuffer dcopy(static_cast<size_t>(moved / 2)), dcopy2(static_cast<size_t>(moved / 2));
+  CUDA_CHECK(cudaMemcpy(du.get(), u.data(), bytes, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dp.get(), p.data(), bytes, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dsec.get(), sec.data(), n_stats * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_CHECK(
+      cudaMemcpy(ds.get(), scalars.data(), scalars.size() * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_CHECK(
+      cudaMemcpy(dg.get(), gate.data(), gate.size() * sizeof(float), cudaMemcpyHostToDevice));
+  Stream stream;
+  const auto f = [](DeviceBuffer& b) { return static_cast<float*>(b.get()); };
+  // One call checked against the reference first (a fast wrong kernel is worthless).
+  ops::muon_tail_cuda(args(f(du), f(dp), f(dsec), f(ds), f(dg), f(dws)), stream.get());
+  CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+  std::vector<float> want = p, want_sec = sec, got(n);
+  ops::muon_tail_cpu(
+      args(u.data(), want.data(), want_sec.data(), scalars.data(), gate.data(), nullptr));
+  CUDA_CHECK(cudaMemcpy(got.data(), dp.get(), bytes, cudaMemcpyDeviceToHost));
+  const double max_rel = max_relative_difference(got, want);
+  const double op_ms = gpu_ms_per_iter(cfg, stream, [&] {
+    ops::muon_tail_cuda(args(f(du), f(dp), f(dsec), f(ds), f(dg), f(dws)), stream.get());
+  });
+  const double peer_ms = gpu_ms_per_iter(cfg, stream, [&] {
+    CUDA_CHECK(cudaMemcpyAsync(dcopy2.get(), dcopy.get(), static_cast<size_t>(moved / 2),
+                               cudaMemcpyDeviceToDevice, stream.get()));
+  });
+  report("cuda", "muon_tail", op_ms, "cudaMemcpy D2D", peer_ms, moved);
+  fmt::print("cuda: max relative difference of p to muon_tail_cpu: {:.3g}{}\n", max_rel,
+             max_rel <= 1e-5 ? "" : "  (ABOVE 1e-5)");
+#endif
+}
+
 void bench_optim(const Config& cfg) {
   fmt::print("\nops_bench optim_kernels {} MB per array\n", cfg.optim_mb);
   bench_optim_loop<float>(cfg, "scaled_sum", "float32", [](float* x, const float* y, size_t n) {
@@ -357,6 +451,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(size_t{1}, size_t{1} << 16));
   app.add_option("--optim-mb", cfg.optim_mb, "optimizer loops: MB per array")
       ->check(CLI::Range(size_t{1}, size_t{1} << 16));
+  app.add_option("--muon-count", cfg.muon_count, "Muon's tail: matrices per call")
+      ->check(CLI::Range(int64_t{1}, int64_t{65535}));
+  app.add_option("--muon-rows", cfg.muon_rows, "Muon's tail: rows of each matrix")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--muon-cols", cfg.muon_cols, "Muon's tail: columns of each matrix")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -382,6 +482,7 @@ int main(int argc, char** argv) {
     bench_stream_copy(cfg);
     bench_optim(cfg);
     bench_adamw(cfg);
+    bench_muon_tail(cfg);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ops_bench: %s\n", e.what());
     return 1;

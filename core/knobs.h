@@ -86,7 +86,7 @@ inline constexpr std::array kKnobs{
   KnobSpec{Knob::kSnapshotStaging, "MEGACPP_SNAPSHOT_STAGING", KnobType::kString, "auto", false,
            "where a rank stages its snapshot: auto (device memory exported to the checkpointer on a CUDA rank whose driver allows it, else host shm), host, device, or memfd (a descriptor-passed host buffer: the device protocol on a CPU)"},
   KnobSpec{Knob::kFusedOptim, "MEGACPP_FUSED_OPTIM", KnobType::kInt, "1", false,
-           "1: a CUDA rank's DistAdamW updates through the fused kernel (ops/adamw.cu); 0: through torch's operations"},
+           "1: a CUDA rank's DistAdamW update and Muon's tail run through the fused kernels (ops/adamw.cu, ops/muon_tail.cu); 0: through torch's operations"},
   KnobSpec{Knob::kTestUnkillable, "MEGACPP_TEST_UNKILLABLE", KnobType::kString, "—", false,
            "test hook: the supervisor's teardown signals to this process are not sent"},
   KnobSpec{Knob::kFault, "MEGACPP_FAULT", KnobType::kString, "—", false,

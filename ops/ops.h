@@ -52,6 +52,45 @@ struct AdamWStepScalars {
 void adamw_step_cpu(float* p, const float* g, float* m, float* v, int64_t n,
                     const AdamWStepScalars& s, bool decays);
 
+// Muon's tail: the variance reduction and update of stages/trainer/dist_muon.cpp's
+// finish_update (its in-place path without weight decay) fused, for `count` float32 matrices of
+// rows x cols, row-major and one after another. The reduced dimension is the columns
+// (`reduce_cols`: one statistic per row, red = cols) or the rows (one per column, red = rows).
+// For matrix k, with j a row (or a column) and gate = gate[k / matrices_per_gate]:
+//   v_mean[j]  = mean over the reduced dimension of u[k]^2
+//   v_norm     = sqrt(sum_j(v_mean[j]) * red)
+//   sec[k][j]  = lerp(sec[k][j], v_mean[j], (1 - beta2) * gate)
+//   step[j]    = 1 / sqrt(max(sec[k][j], 1e-10))
+//   v_norm_new = sqrt(sum_j(v_mean[j] * red * step[j]^2))
+//   scale[j]   = step[j] * (v_norm / max(v_norm_new, 1e-10))
+//   out[k]     = p[k] - (u[k] * scale) * (lr * aspect * gate)
+// lerp is torch's (adamw_step_cpu). `sec` holds count x (rows or cols) floats; `lr`, `beta2`
+// (0-D tensors' storage) and `gate` (count / matrices_per_gate flags, 1 where some rank had a
+// gradient, 0 where none did: then out = p and sec keep their values) are read from memory
+// (device memory for the CUDA version). `out` may alias `p` exactly; nothing else overlaps.
+struct MuonTailArgs {
+  const float* u = nullptr;  // the orthogonalized update
+  const float* p = nullptr;
+  float* out = nullptr;
+  float* sec = nullptr;  // the factored second moment, updated in place
+  int64_t count = 0, rows = 0, cols = 0;
+  bool reduce_cols = true;
+  const float* lr = nullptr;
+  const float* beta2 = nullptr;
+  const float* gate = nullptr;
+  int64_t matrices_per_gate = 1;  // matrices sharing one gate (row slices of one entry)
+  float aspect = 1.f;             // the learning rate's shape factor
+  // Scratch of muon_tail_workspace(...) floats: device memory for the CUDA version; the CPU
+  // reference needs none (null).
+  float* workspace = nullptr;
+};
+// Floats of scratch the CUDA version needs: one statistic per row (or column) of every matrix.
+int64_t muon_tail_workspace(int64_t count, int64_t rows, int64_t cols, bool reduce_cols);
+// The CPU reference, in double, stored as float. Throws Error{kInvalidArgument} for a negative
+// count, rows or cols < 1, matrices_per_gate < 1 or not dividing count, or a null array or
+// scalar with count > 0.
+void muon_tail_cpu(const MuonTailArgs& a);
+
 // Number of CUDA devices visible to this process; 0 when there is no driver or no device, or
 // when built without CUDA. Never throws.
 int cuda_device_count();
@@ -67,6 +106,11 @@ void rmsnorm_cuda(const float* x, const float* w, float* y, int64_t rows, int64_
 // scalars' included, in device memory of the current device. Asynchronous, as rmsnorm_cuda.
 void adamw_step_cuda(float* p, const float* g, float* m, float* v, int64_t n,
                      const AdamWStepScalars& s, bool decays, void* stream);
+// muon_tail_cpu on the GPU in float32 (three kernels: the statistics, each matrix's scale, the
+// update); every pointer in device memory of the current device, the workspace included
+// (muon_tail_workspace floats; it also throws Error{kInvalidArgument} when that is null).
+// Asynchronous, as rmsnorm_cuda.
+void muon_tail_cuda(const MuonTailArgs& a, void* stream);
 #endif
 
 }  // namespace megacpp::ops

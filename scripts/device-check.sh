@@ -70,7 +70,8 @@ say "cmake: $(cmake --version | head -1); c++: $(c++ --version | head -1)"
 
 TARGETS=(megacpp megacpp-trainer megacpp-data-loader megacpp-collector megacpp-checkpointer
          megacpp_store megacpp_trainer_cuda ops_test cuda_plugin_test ops_bench bench_orthogonalize
-         bench_pipeline_overhead bench_adamw_step gpu_staging_test gpu_staging_peer)
+         bench_pipeline_overhead bench_adamw_step bench_muon_tail gpu_staging_test
+         gpu_staging_peer)
 part configure 120 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DMEGACPP_WERROR=OFF -DMEGACPP_BUILD_BENCH=ON || { tail -60 build-gpu/CMakeFiles/CMakeError.log 2>/dev/null | tee -a "$REPORT"; exit 1; }
 part build 270 cmake --build build-gpu -j "$(nproc)" --target "${TARGETS[@]}" || exit 1
@@ -84,6 +85,9 @@ part polar_express_rate 60 build-gpu/bin/bench_orthogonalize --device cuda
 # DistAdamW's update on gpu-small's AdamW parameters: torch's operations against the fused
 # kernel a CUDA rank runs (issue 32: wired in only where it beats torch's), and the copy limit.
 part adamw_step 60 build-gpu/bin/bench_adamw_step --device cuda
+# DistMuon's step on gpu-small's matrices: its tail through torch's operations against the fused
+# kernel a CUDA rank runs (issue 32: wired in only where it beats torch's).
+part muon_tail 60 build-gpu/bin/bench_muon_tail --device cuda
 # The golden losses on the device: tiny at world 1 on cuda:0 against the CPU's golden (20 steps
 # and 2 validation losses; tests/e2e/golden_test.py GoldenLossesOnDevice).
 part golden_on_cuda 60 env MEGACPP_GOLDEN_DEVICE=cuda MEGACPP_BIN="$ROOT/build-gpu/bin/megacpp" \

@@ -47,6 +47,8 @@ OptimKernels CudaPlugin::optim_kernels(int index) const {
                                   const ops::AdamWStepScalars& s,
                                   bool decays) { adamw(p, g, m, v, n, &s, decays, index); };
   }
+  if (const auto tail = api_->muon_tail; tail != nullptr)
+    k.muon_tail = [tail, index](const ops::MuonTailArgs& a) { tail(&a, index); };
   return k;
 }
 

@@ -29,7 +29,7 @@ namespace megacpp::trainer {
 struct OptimKernels;  // optim.h
 
 // Bumped whenever CudaPluginApi changes: a plugin of another build is refused by name.
-inline constexpr uint32_t kCudaPluginAbi = 5;
+inline constexpr uint32_t kCudaPluginAbi = 6;
 
 // The plugin's entry points (extern "C" megacpp_cuda_plugin() returns its table). Every
 // function may throw c10::Error or std::exception; they run on the caller's thread.
@@ -64,6 +64,8 @@ struct CudaPluginApi {
   // when the plugin was built without the ops' CUDA kernels (no nvcc at configure time).
   void (*adamw_step)(float* p, const float* g, float* m, float* v, int64_t n,
                      const ops::AdamWStepScalars* s, bool decays, int index);
+  // ops.h muon_tail_cuda on device `index`'s current stream; null as adamw_step.
+  void (*muon_tail)(const ops::MuonTailArgs* args, int index);
 };
 
 class CudaPlugin {

@@ -72,8 +72,14 @@ void adamw_step(float* p, const float* g, float* m, float* v, int64_t n,
   megacpp::ops::adamw_step_cuda(p, g, m, v, n, *s, decays, current_stream(index));
 }
 constexpr auto kAdamwStep = &adamw_step;
+void muon_tail(const megacpp::ops::MuonTailArgs* a, int index) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
+  megacpp::ops::muon_tail_cuda(*a, current_stream(index));
+}
+constexpr auto kMuonTail = &muon_tail;
 #else
 constexpr decltype(CudaPluginApi::adamw_step) kAdamwStep = nullptr;
+constexpr decltype(CudaPluginApi::muon_tail) kMuonTail = nullptr;
 #endif
 
 constexpr CudaPluginApi kApi{megacpp::trainer::kCudaPluginAbi,
@@ -85,7 +91,8 @@ constexpr CudaPluginApi kApi{megacpp::trainer::kCudaPluginAbi,
                              &memory_peaks,
                              &device_name,
                              &current_stream,
-                             kAdamwStep};
+                             kAdamwStep,
+                             kMuonTail};
 
 }  // namespace
 

@@ -93,6 +93,9 @@ struct DistMuon::Update {
   // gradient (`every`), on a device always, the mask then a weight (`gate`, 1 or 0 per entry).
   bool in_place = false;
   at::Tensor gate;
+  // The tail goes through DistMuonOptions::fused_tail (DistMuon::fused_tail): the gated path
+  // without weight decay, with float32 parameters and state.
+  bool fused = false;
   // x, times the gate where there is one: a step's weight that is 0 for an entry without a
   // gradient anywhere, so lerp_ keeps its state and the update subtracts 0.
   at::Tensor gated(const at::Tensor& x) const { return gate.defined() ? x * gate : x; }
@@ -537,6 +540,11 @@ DistMuon::Update DistMuon::begin_update(Group& g, Stack& s, const at::Tensor& gr
   u.mom = s.momentum.narrow(0, row, owned);
   u.sec = s.second.narrow(0, row, owned);
   if (!host) u.gate = u.m.to(u.mom.scalar_type());
+  const auto f32 = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.is_contiguous();
+  };
+  u.fused = options_.fused_tail && u.gate.defined() && u.no_decay && f32(u.P) && f32(u.sec) &&
+            f32(u.gate);
   const at::Tensor mu = g.s.momentum.to(u.P.scalar_type());
 
   // Nesterov momentum (in the state's dtype: float32 with master weights).
@@ -552,7 +560,9 @@ DistMuon::Update DistMuon::begin_update(Group& g, Stack& s, const at::Tensor& gr
   // Slices of one size (q, k and v without grouped-query attention) are matrices of one
   // stack: on the in-place path they go through each part below once, as [owned x slices]
   // matrices, instead of once per slice.
-  const bool uniform = u.every && u.no_decay && u.slices.size() > 1 &&
+  // (On the gated path only into the fused tail, which takes a gate per entry of k matrices.)
+  const bool uniform = (u.every || u.fused) && u.no_decay && s.red_dim == -1 &&
+                       u.slices.size() > 1 &&
                        std::all_of(u.slices.begin(), u.slices.end(),
                                    [&](int64_t r) { return r == u.slices.front(); });
   at::Tensor Pv = u.P, sec = u.sec;
@@ -596,7 +606,46 @@ void DistMuon::orthogonalize_all(std::vector<Update>& updates) const {
   }
 }
 
+at::Tensor DistMuon::fused_tail(Update& u, const at::Tensor& dest) const {
+  const Stack& s = *u.s;
+  if (!u.fused || u.slices.size() != 1) return {};
+  const at::Tensor ui = u.ortho[0].contiguous();
+  const at::Tensor& Pi = u.p_parts[0];
+  const at::Tensor& seci = u.sec_parts[0];
+  const bool reduce_cols = s.red_dim == -1;
+  const int64_t count = ui.size(0), rows = ui.size(1), cols = ui.size(2);
+  const int64_t stats = ops::muon_tail_workspace(count, rows, cols, reduce_cols);
+  // begin_update decided on u.fused (and a fold of equal slices that only this path takes).
+  MEGACPP_CHECK(ui.scalar_type() == at::kFloat && ui.sizes() == Pi.sizes() && Pi.is_contiguous() &&
+                    seci.is_contiguous() && seci.numel() == stats && count % u.owned == 0 &&
+                    (!dest.defined() || (dest.scalar_type() == at::kFloat && dest.is_contiguous())),
+                ErrorKind::kInternal, "DistMuon: the fused tail's operands are not as decided");
+  // The variance reduction and the update of finish_update's in-place path (below) in three
+  // kernels: u read twice and P once, the new values written once, where torch's operations
+  // move about ten such arrays in about twenty kernels.
+  at::Tensor out = dest.defined() ? dest.view(Pi.sizes()) : at::empty_like(Pi);
+  at::Tensor workspace = at::empty({stats}, ui.options());
+  const double aspect = std::sqrt(std::max(1.0, static_cast<double>(u.slices[0]) / s.cols));
+  const auto f = [](const at::Tensor& t) { return t.data_ptr<float>(); };
+  options_.fused_tail(ops::MuonTailArgs{.u = f(ui),
+                                        .p = f(Pi),
+                                        .out = f(out),
+                                        .sec = f(seci),
+                                        .count = count,
+                                        .rows = rows,
+                                        .cols = cols,
+                                        .reduce_cols = reduce_cols,
+                                        .lr = f(u.g->s.lr),
+                                        .beta2 = f(u.g->s.beta2),
+                                        .gate = f(u.gate),
+                                        .matrices_per_gate = count / u.owned,
+                                        .aspect = static_cast<float>(aspect),
+                                        .workspace = f(workspace)});
+  return dest.defined() ? dest : out.view(u.P.sizes());
+}
+
 at::Tensor DistMuon::finish_update(Update& u, at::Tensor dest) {
+  if (at::Tensor fused = fused_tail(u, dest); fused.defined()) return fused;
   const Group& g = *u.g;
   const Stack& s = *u.s;
   const at::Tensor beta2 = g.s.beta2.to(u.P.scalar_type());

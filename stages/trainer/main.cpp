@@ -408,11 +408,12 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
   if (cuda) {
     const bool fused = knob_int(Knob::kFusedOptim) != 0;
     if (fused) kernels = cuda->optim_kernels(device.index());
-    log_info("DistAdamW updates through {}",
-             kernels.adamw_step ? "the fused kernel (adamw_step_cuda)"
-             : !fused           ? "torch's operations (MEGACPP_FUSED_OPTIM=0)"
-                                : "torch's operations (the CUDA plugin was built without the "
-                                  "ops' kernels: no nvcc)");
+    log_info("DistAdamW's update and Muon's tail through {}",
+             kernels.adamw_step && kernels.muon_tail
+                 ? "the fused kernels (adamw_step_cuda, muon_tail_cuda)"
+             : !fused ? "torch's operations (MEGACPP_FUSED_OPTIM=0)"
+                      : "torch's operations (the CUDA plugin was built without the ops' kernels: "
+                        "no nvcc)");
   }
   const auto ts = typed_errors("model set-up and parameter broadcast", [&] {
     return std::make_unique<TrainStep>(

@@ -143,10 +143,16 @@ struct AdamWParamGroup {
 using AdamWKernel = std::function<void(float* p, const float* g, float* m, float* v, int64_t n,
                                        const ops::AdamWStepScalars& s, bool decays)>;
 
+// Muon's tail with ops.h muon_tail_cpu's contract: every array, the scalars and the workspace
+// (muon_tail_workspace floats) on the parameters' device. Issued in the order of the device's
+// current stream (synchronous on the CPU); may throw Error.
+using MuonTailKernel = std::function<void(const ops::MuonTailArgs& args)>;
+
 // The fused kernels a device's optimizers run in place of torch's operations (empty: none);
 // TrainStep hands them to the optimizers.
 struct OptimKernels {
-  AdamWKernel adamw_step;  // DistAdamWOptions::fused_update
+  AdamWKernel adamw_step;    // DistAdamWOptions::fused_update
+  MuonTailKernel muon_tail;  // DistMuonOptions::fused_tail
 };
 
 struct DistAdamWOptions {
@@ -339,6 +345,10 @@ struct DistMuonOptions {
   // every decision a tensor, the mask a 0/1 weight (for tests on the CPU). A device's mask is
   // never read on the host.
   bool host_decisions = true;
+  // Muon's tail (variance reduction and update, no weight decay) as one fused call per stack of
+  // float32 matrices of one slice on the gated path (a device's) instead of torch's operations:
+  // on a CUDA rank the plugin's kernel (cuda_plugin.h CudaPlugin::optim_kernels). Null: torch's.
+  MuonTailKernel fused_tail = nullptr;
 };
 struct MuonScalars {
   at::Tensor lr, momentum, beta2, weight_decay;  // 0-D float32
@@ -396,6 +406,9 @@ class DistMuon {
   // The new values; written into `dest` (contiguous, the entries' size) and returned as it
   // where that saves a copy, else a tensor of their own.
   at::Tensor finish_update(Update& u, at::Tensor dest);
+  // finish_update through options_.fused_tail where it applies (the gated path, no weight
+  // decay, one slice, float32 and contiguous); undefined where it does not.
+  at::Tensor fused_tail(Update& u, const at::Tensor& dest) const;
   std::unique_ptr<Exchange> exchange_;  // exchange.h: the collectives over the group
   DistMuonOptions options_;
   uint32_t rank_ = 0;

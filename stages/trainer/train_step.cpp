@@ -243,7 +243,8 @@ struct TrainStep::Impl {
                         .master_weights = mixed,
                         .reduce_dtype = reduce,
                         .bucket_numel = recipe::kMuonBucketNumel,
-                        .replicas = tp.size > 1 ? world : 0});
+                        .replicas = tp.size > 1 ? world : 0,
+                        .fused_tail = kernels.muon_tail});
   }
 
   // The part of `p`'s matrix this rank holds: shard_model's, or the whole (a matrix every rank

@@ -340,6 +340,88 @@ TEST(OpsCpu, AdamwStepFirstStepMovesByLrAgainstTheGradientSign) {
   ops::adamw_step_cpu(nullptr, nullptr, nullptr, nullptr, 0, none, false);
 }
 
+// Muon's fused tail's reference against what the variance reduction promises: the update keeps
+// the Frobenius norm of u (times lr * aspect), and from a zero second moment every row (or
+// column) of it has the same norm; the second moment is the lerp toward the means of u^2; a
+// gate of 0 keeps p and the second moment bit for bit; out may be p itself.
+TEST(OpsCpu, MuonTailKeepsTheNormAndEvensTheRows) {
+  const int64_t count = 4, rows = 6, cols = 5;
+  const float lr = 0.02f, beta2 = 0.95f;
+  const std::vector<float> gate{1.f, 0.f};  // two matrices per gate: an entry of two slices
+  for (const bool reduce_cols : {true, false}) {
+    const int64_t n_stats = reduce_cols ? rows : cols;
+    for (const bool from_zero : {true, false}) {
+      auto u = random_vector(static_cast<size_t>(count * rows * cols), -1.f, 1.f, 21);
+      // Rows (columns) of very different sizes: the reduction has something to even out.
+      for (int64_t i = 0; i < count * rows * cols; ++i)
+        u[static_cast<size_t>(i)] *=
+            1.f + static_cast<float>(reduce_cols ? (i / cols) % rows : i % cols);
+      auto p = random_vector(u.size(), -2.f, 2.f, 22);
+      std::vector<float> sec =
+          from_zero ? std::vector<float>(static_cast<size_t>(count * n_stats))
+                    : random_vector(static_cast<size_t>(count * n_stats), 0.01f, 0.5f, 23);
+      const auto p0 = p, sec0 = sec;
+      ops::MuonTailArgs a{.u = u.data(),
+                          .p = p.data(),
+                          .out = p.data(),
+                          .sec = sec.data(),
+                          .count = count,
+                          .rows = rows,
+                          .cols = cols,
+                          .reduce_cols = reduce_cols,
+                          .lr = &lr,
+                          .beta2 = &beta2,
+                          .gate = gate.data(),
+                          .matrices_per_gate = 2,
+                          .aspect = 1.5f};
+      ops::muon_tail_cpu(a);
+      const std::string what = std::string(reduce_cols ? "rows" : "columns") +
+                               (from_zero ? " from zero" : " from a second moment");
+      for (int64_t k = 0; k < count; ++k) {
+        const int64_t n = rows * cols;
+        if (gate[static_cast<size_t>(k / 2)] == 0.f) {
+          EXPECT_EQ(std::memcmp(p.data() + k * n, p0.data() + k * n, n * sizeof(float)), 0);
+          EXPECT_EQ(std::memcmp(sec.data() + k * n_stats, sec0.data() + k * n_stats,
+                                n_stats * sizeof(float)),
+                    0);
+          continue;
+        }
+        std::vector<double> mean(static_cast<size_t>(n_stats)), moved(mean.size());
+        double u_sq = 0, moved_sq = 0;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) {
+            const size_t i = static_cast<size_t>(k * n + r * cols + c);
+            const auto j = static_cast<size_t>(reduce_cols ? r : c);
+            const double d = (double(p0[i]) - p[i]) / (double(lr) * 1.5);
+            mean[j] += double(u[i]) * u[i] / double(reduce_cols ? cols : rows);
+            moved[j] += d * d;
+            u_sq += double(u[i]) * u[i];
+            moved_sq += d * d;
+          }
+        EXPECT_NEAR(std::sqrt(moved_sq), std::sqrt(u_sq), 1e-4 * std::sqrt(u_sq)) << what;
+        for (int64_t j = 0; j < n_stats; ++j) {
+          const auto jj = static_cast<size_t>(j), at = static_cast<size_t>(k * n_stats + j);
+          EXPECT_NEAR(sec[at], sec0[at] + (1.0 - beta2) * (mean[jj] - sec0[at]),
+                      1e-6 * mean[jj] + 1e-9)
+              << what;
+          if (from_zero) {
+            EXPECT_NEAR(moved[jj], moved_sq / double(n_stats), 1e-3 * moved_sq / double(n_stats))
+                << what << " row/column " << j;
+          }
+        }
+      }
+    }
+  }
+  float x = 0;
+  expect_invalid([&] {
+    ops::muon_tail_cpu({.u = &x, .p = &x, .out = &x, .sec = &x, .count = 1, .rows = 1, .cols = 1});
+  });  // no scalars
+  expect_invalid(
+      [&] { ops::muon_tail_cpu({.count = 3, .rows = 1, .cols = 1, .matrices_per_gate = 2}); });
+  expect_invalid([&] { ops::muon_tail_cpu({.count = 0, .rows = 0, .cols = 1}); });
+  ops::muon_tail_cpu({.count = 0, .rows = 1, .cols = 1});
+}
+
 TEST(OpsCpu, CudaDeviceCountNeverThrows) {
   int n = -1;
   EXPECT_NO_THROW(n = ops::cuda_device_count());
@@ -527,5 +609,98 @@ TEST(OpsCuda, RmsnormRejectsBadArgumentsAndAcceptsEmpty) {
   expect_invalid([&] { ops::rmsnorm_cuda(nullptr, nullptr, d.at(0), 1, 8, 1e-6f, nullptr); });
   ops::rmsnorm_cuda(nullptr, nullptr, nullptr, 0, 8, 1e-6f, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
+#endif
+}
+
+// Muon's fused tail on the device against its CPU reference: both reductions, shapes whose rows
+// and columns are not multiples of a warp or a block, out as p itself and apart, two matrices
+// per gate with one gate 0, on a stream. out within 1e-5 of |p| plus 1e-4 of the largest step,
+// the second moment within 1e-5 relative; under a gate of 0 both bit for bit.
+TEST(OpsCuda, MuonTailMatchesCpuReference) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+#if OPS_TEST_HAVE_CUDA
+  struct Case {
+    int64_t count, rows, cols;
+  };
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  uint32_t seed = 90;
+  for (const Case c : {Case{2, 3, 5}, Case{4, 300, 77}, Case{6, 1024, 1024}, Case{2, 33, 4096}}) {
+    for (const bool reduce_cols : {true, false}) {
+      for (const bool in_place : {true, false}) {
+        const auto un = static_cast<size_t>(c.count * c.rows * c.cols);
+        const int64_t ws = ops::muon_tail_workspace(c.count, c.rows, c.cols, reduce_cols);
+        const auto us = static_cast<size_t>(ws);
+        auto u = random_vector(un, -1.f, 1.f, seed++), p = random_vector(un, -2.f, 2.f, seed++);
+        auto sec = random_vector(us, 0.f, 0.1f, seed++);
+        std::vector<float> scalars{0.02f, 0.95f}, gate(static_cast<size_t>(c.count / 2), 1.f);
+        gate.back() = 0.f;
+        DeviceFloats du(un), dp(un), dout(un), dsec(us), dws(us), ds(2), dg(gate.size());
+        du.upload(u, 0);
+        dp.upload(p, 0);
+        dsec.upload(sec, 0);
+        ds.upload(scalars, 0);
+        dg.upload(gate, 0);
+        ops::muon_tail_cuda({.u = du.at(0),
+                             .p = dp.at(0),
+                             .out = in_place ? dp.at(0) : dout.at(0),
+                             .sec = dsec.at(0),
+                             .count = c.count,
+                             .rows = c.rows,
+                             .cols = c.cols,
+                             .reduce_cols = reduce_cols,
+                             .lr = ds.at(0),
+                             .beta2 = ds.at(1),
+                             .gate = dg.at(0),
+                             .matrices_per_gate = 2,
+                             .aspect = 1.25f,
+                             .workspace = dws.at(0)},
+                            stream);
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        const auto p0 = p, sec0 = sec;
+        ops::muon_tail_cpu({.u = u.data(),
+                            .p = p.data(),
+                            .out = p.data(),
+                            .sec = sec.data(),
+                            .count = c.count,
+                            .rows = c.rows,
+                            .cols = c.cols,
+                            .reduce_cols = reduce_cols,
+                            .lr = &scalars[0],
+                            .beta2 = &scalars[1],
+                            .gate = gate.data(),
+                            .matrices_per_gate = 2,
+                            .aspect = 1.25f});
+        const auto got = in_place ? dp.download(un, 0) : dout.download(un, 0);
+        const auto got_sec = dsec.download(us, 0);
+        double largest = 0;
+        for (size_t i = 0; i < un; ++i) largest = std::max(largest, std::abs(double(p0[i]) - p[i]));
+        const std::string what = std::to_string(c.count) + " x " + std::to_string(c.rows) + " x " +
+                                 std::to_string(c.cols) + (reduce_cols ? " rows" : " columns") +
+                                 (in_place ? " in place" : "");
+        const int64_t last = c.count - 2;  // the matrices of the gate of 0
+        size_t bad = 0;
+        for (size_t i = 0; i < un; ++i) {
+          const bool gated_off = int64_t(i) >= last * c.rows * c.cols;
+          const bool ok = gated_off ? std::memcmp(&got[i], &p0[i], sizeof(float)) == 0
+                                    : std::abs(double(got[i]) - p[i]) <=
+                                          1e-5 * std::abs(double(p[i])) + 1e-4 * largest;
+          if (!ok && ++bad <= 5)
+            ADD_FAILURE() << what << ": element " << i << " got " << got[i] << " want " << p[i];
+        }
+        for (size_t i = 0; i < us; ++i) {
+          const bool gated_off = int64_t(i) >= last * (ws / c.count);
+          const bool ok = gated_off ? std::memcmp(&got_sec[i], &sec0[i], sizeof(float)) == 0
+                                    : std::abs(double(got_sec[i]) - sec[i]) <=
+                                          1e-5 * std::abs(double(sec[i])) + 1e-12;
+          if (!ok && ++bad <= 10)
+            ADD_FAILURE() << what << ": second moment " << i << " got " << got_sec[i] << " want "
+                          << sec[i];
+        }
+        EXPECT_EQ(bad, 0u) << what;
+      }
+    }
+  }
+  CUDA_CHECK(cudaStreamDestroy(stream));
 #endif
 }

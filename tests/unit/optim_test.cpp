@@ -1117,6 +1117,95 @@ TEST_F(OptimTest, FusedAdamWUpdateGivesTheGatedPathsValues) {
   }
 }
 
+// A device's DistMuon runs its tail through a fused kernel (DistMuonOptions::fused_tail; a CUDA
+// rank's is ops.h muon_tail_cuda) where it applies: no weight decay, one slice (a qkv group of
+// equal slices folds into one), float32. Here the CPU reference stands in for the kernel: the
+// stacks it applies to go through it at every step (tall and wide matrices, a folded qkv group,
+// the decaying group once its decay is switched off, steps where an entry has no gradient), the
+// others keep torch's operations, and the values and state stay within float32 rounding of
+// torch's gated operations.
+TEST_F(OptimTest, FusedMuonTailGivesTheGatedPathsValues) {
+  for (const bool masters : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "masters " << masters);
+    const std::vector<std::vector<int64_t>> shapes{{32, 16}, {32, 16}, {16, 40}};
+    const std::vector<std::vector<int64_t>> qkv_shapes{{48, 16}, {48, 16}};
+    struct Run {
+      std::vector<at::Tensor> m, q, r, m32, q32, r32;
+      std::unique_ptr<DistMuon> muon;
+    };
+    int64_t calls = 0;
+    const auto make = [&](bool fused) {
+      Run r;
+      r.m32 = make_params(shapes, 61);
+      r.q32 = make_params(qkv_shapes, 62);
+      r.r32 = make_params(qkv_shapes, 63);
+      const auto compute = [&](const std::vector<at::Tensor>& ps) {
+        if (!masters) return ps;
+        std::vector<at::Tensor> out;
+        for (const auto& p : ps) out.push_back(p.detach().to(at::kBFloat16).requires_grad_(true));
+        return out;
+      };
+      r.m = compute(r.m32);
+      r.q = compute(r.q32);
+      r.r = compute(r.r32);
+      const auto m_of = [&](const std::vector<at::Tensor>& ps) {
+        return masters ? ps : std::vector<at::Tensor>{};
+      };
+      MuonTailKernel kernel;
+      if (fused) {
+        kernel = [&calls](const ops::MuonTailArgs& a) {
+          ++calls;
+          ops::muon_tail_cpu(a);
+        };
+      }
+      r.muon = std::make_unique<DistMuon>(
+          std::vector<MuonParamGroup>{
+              MuonParamGroup{.params = r.m, .weight_decay = 0.1, .masters = m_of(r.m32)},
+              MuonParamGroup{
+                  .params = r.q, .qkv_split_sizes = {16, 16, 16}, .masters = m_of(r.q32)},
+              // Slices of different sizes: torch's operations, slice by slice.
+              MuonParamGroup{.params = r.r, .qkv_split_sizes = {32, 8, 8}, .masters = m_of(r.r32)}},
+          nullptr,
+          DistMuonOptions{.bf16_orthogonalization = false,
+                          .master_weights = masters,
+                          .reduce_dtype = at::kFloat,
+                          .host_decisions = false,
+                          .fused_tail = kernel});
+      return r;
+    };
+    Run torch_ops = make(false), fused = make(true);
+    int64_t want_calls = 0;
+    for (uint32_t step = 0; step < 6; ++step) {
+      for (Run* r : {&torch_ops, &fused}) {
+        for (auto* set : {&r->m, &r->q, &r->r}) {
+          for (size_t i = 0; i < set->size(); ++i) {
+            const bool has = !((step == 1 || step == 4) && i == 0);
+            set_grad((*set)[i], has ? rank_grad((*set)[i], i, step, 0).to((*set)[i].scalar_type())
+                                    : at::Tensor());
+          }
+        }
+        if (step == 3) r->muon->set_weight_decay(0, 0.0);
+        r->muon->step();
+      }
+      // The folded qkv stack every step; the first group's two stacks once it stops decaying.
+      want_calls += step >= 3 ? 3 : 1;
+      SCOPED_TRACE(::testing::Message() << "step " << step);
+      EXPECT_EQ(calls, want_calls);
+      for (auto [a, b] : {std::pair{&torch_ops.m32, &fused.m32},
+                          {&torch_ops.q32, &fused.q32},
+                          {&torch_ops.r32, &fused.r32}})
+        EXPECT_LE(max_abs_diff(flat(*a), flat(*b)), 1e-5);
+      EXPECT_EQ(flat(torch_ops.r32), flat(fused.r32));  // never fused: the same operations
+    }
+    const auto a = torch_ops.muon->state_dict(), b = fused.muon->state_dict();
+    ASSERT_EQ(a.entries.size(), b.entries.size());
+    for (size_t e = 0; e < a.entries.size(); ++e) {
+      SCOPED_TRACE(::testing::Message() << "state entry " << e);
+      EXPECT_LE(max_abs_diff(flat({a.entries[e].value}), flat({b.entries[e].value})), 1e-5);
+    }
+  }
+}
+
 TEST_F(OptimTest, TensorParallelPartsStepAsWholeMatricesWould) {
   const auto body = [](const Pg& pg, uint32_t rank, const fs::path&) -> int {
     const uint32_t n = 2;

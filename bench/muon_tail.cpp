@@ -1,0 +1,171 @@
+// bench_muon_tail: DistMuon::step() at world 1 on a recipe's Muon matrices (by default
+// gpu-small's: 12 layers of d_model 1024 — qkv 3072 x 1024 split in three, the attention's
+// projection 1024 x 1024, the MLP's 4096 x 1024 and 1024 x 4096 — bf16 parameters with float32
+// masters) with its tail (variance reduction and update) through torch's operations against the
+// same step through the fused kernel (DistMuonOptions::fused_tail: on a GPU the plugin's ops.h
+// muon_tail_cuda), in one invocation, with the physical limit of the tail beside them: a device
+// copy of the bytes the fused tail must move (u read twice, P read, P written). Prints each
+// step's median milliseconds, their difference (the tail's saving: the rest of the step, the
+// orthogonalization above all, is the same work) and the ratios. Issue 32: a fused kernel is
+// wired in only where it beats torch's.
+//
+// On the CPU the fused side is ops.h muon_tail_cpu, the kernel's double-precision reference:
+// the figure keeps the bench working where there is no GPU, not a case for using it there.
+// --device cuda loads the trainer's CUDA plugin as a rank does. A step is timed to its
+// completion by reading a scalar of a parameter back. Nothing is asserted.
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+#include <CLI/CLI.hpp>
+
+#include "bench/peer_json.h"
+#include "core/util.h"
+#include "ops/ops.h"
+#include "stages/trainer/cuda_plugin.h"
+#include "stages/trainer/optim.h"
+
+namespace {
+
+namespace tr = megacpp::trainer;
+using Clock = std::chrono::steady_clock;
+using megacpp::bench::median;
+
+struct Config {
+  std::string device = "cpu";
+  int64_t d_model = 1024, layers = 12;
+  int steps = 10;  // timed steps (the median is printed) after two unmeasured ones
+};
+
+struct Setup {
+  std::vector<at::Tensor> params, masters;
+  std::unique_ptr<tr::DistMuon> muon;
+};
+
+// gpu-small's Muon groups as TrainStep makes them (bf16-mixed): the qkv projections split in
+// three, every other block matrix whole; gradients set once.
+Setup make(const Config& c, const at::Device& device, tr::MuonTailKernel kernel) {
+  Setup s;
+  const int64_t d = c.d_model;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  std::vector<at::Tensor> qkv, rest;
+  for (int64_t l = 0; l < c.layers; ++l) {
+    for (const auto& shape :
+         std::vector<std::vector<int64_t>>{{3 * d, d}, {d, d}, {4 * d, d}, {d, 4 * d}}) {
+      const at::Tensor master = at::randn(shape, f32) * 0.02;
+      at::Tensor p = master.to(at::kBFloat16).requires_grad_(true);
+      p.mutable_grad() = (at::randn(shape, f32) * 1e-2).to(at::kBFloat16);
+      s.params.push_back(p);
+      s.masters.push_back(master);
+      (shape[0] == 3 * d ? qkv : rest).push_back(p);
+    }
+  }
+  std::vector<at::Tensor> qkv_m, rest_m;
+  for (size_t i = 0; i < s.params.size(); ++i)
+    (s.params[i].size(0) == 3 * d ? qkv_m : rest_m).push_back(s.masters[i]);
+  s.muon = std::make_unique<tr::DistMuon>(
+      std::vector<tr::MuonParamGroup>{
+          tr::MuonParamGroup{.params = rest, .masters = rest_m},
+          tr::MuonParamGroup{.params = qkv, .qkv_split_sizes = {d, d, d}, .masters = qkv_m}},
+      nullptr,
+      // host_decisions off: the CPU takes the device's (gated) path too.
+      tr::DistMuonOptions{.bf16_orthogonalization = device.is_cuda(),
+                          .master_weights = true,
+                          .reduce_dtype = at::kFloat,
+                          .host_decisions = false,
+                          .fused_tail = std::move(kernel)});
+  return s;
+}
+
+double step_ms(const Config& c, Setup& s) {
+  std::vector<double> out;
+  for (int i = 0; i < c.steps + 2; ++i) {
+    const auto t0 = Clock::now();
+    s.muon->step();
+    (void)s.params[0].flatten()[0].item<float>();  // the device's stream done
+    if (i >= 2) out.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  return median(out);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config c;
+  CLI::App app{"DistMuon's tail: torch's operations against the fused kernel"};
+  app.add_option("--device", c.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--d-model", c.d_model, "model width (gpu-small: 1024)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--layers", c.layers, "blocks (gpu-small: 12)")->check(CLI::PositiveNumber);
+  app.add_option("--steps", c.steps, "timed steps")->check(CLI::PositiveNumber);
+  CLI11_PARSE(app, argc, argv);
+
+  std::optional<tr::CudaPlugin> plugin;
+  at::Device device(at::kCPU);
+  std::string name;
+  tr::MuonTailKernel kernel;
+  if (c.device == "cuda") {
+    plugin.emplace(tr::CudaPlugin::beside_executable());
+    if (plugin->api().device_count() < 1) {
+      std::fprintf(stderr, "bench_muon_tail: --device cuda but no CUDA device is visible\n");
+      return 1;
+    }
+    if (plugin->api().muon_tail == nullptr) {
+      std::fprintf(stderr,
+                   "bench_muon_tail: the CUDA plugin was built without the ops' kernels (no "
+                   "nvcc at configure time)\n");
+      return 1;
+    }
+    plugin->api().set_device(0);
+    device = at::Device(at::kCUDA, 0);
+    name = plugin->api().device_name(0);
+    kernel = plugin->optim_kernels(0).muon_tail;
+  } else {
+    name = megacpp::cpu_model();
+    kernel = [](const megacpp::ops::MuonTailArgs& a) { megacpp::ops::muon_tail_cpu(a); };
+  }
+
+  Setup torch_ops = make(c, device, nullptr);
+  int64_t calls = 0;
+  Setup fused = make(c, device, [&calls, kernel](const megacpp::ops::MuonTailArgs& a) {
+    ++calls;
+    kernel(a);
+  });
+  int64_t numel = 0;
+  for (const auto& p : fused.params) numel += p.numel();
+  const double ms_torch = step_ms(c, torch_ops);
+  calls = 0;
+  const double ms_fused = step_ms(c, fused);
+  // The physical limit of the fused tail: copying the bytes it moves (u twice, P, the new P).
+  const int64_t bytes = 4 * 4 * numel;
+  const at::Tensor src =
+      at::empty({bytes / 2}, at::TensorOptions().dtype(at::kByte).device(device));
+  at::Tensor dst = at::empty_like(src);
+  std::vector<double> copies;
+  for (int i = 0; i < c.steps + 2; ++i) {
+    const auto t0 = Clock::now();
+    dst.copy_(src);
+    (void)dst[0].item<uint8_t>();
+    if (i >= 2)
+      copies.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  const double ms_copy = median(copies);
+
+  fmt::print(
+      "bench_muon_tail: {} ({}), DistMuon world 1, {} matrices ({:.1f} M elements, bf16 with "
+      "float32 masters), median of {} steps; {} fused calls a step\n",
+      c.device, name, fused.params.size(), numel / 1e6, c.steps,
+      calls / static_cast<int64_t>(c.steps + 2));
+  fmt::print("  step, tail through torch's operations {:9.3f} ms\n", ms_torch);
+  fmt::print("  step, fused tail {:<22} {:9.3f} ms   torch / fused = {:.3f}; saved {:.3f} ms\n",
+             c.device == "cuda" ? "(muon_tail_cuda)" : "(CPU reference)", ms_fused,
+             ms_torch / ms_fused, ms_torch - ms_fused);
+  fmt::print("  copy of the {:.0f} MB the fused tail moves {:7.3f} ms (its lower bound)\n",
+             bytes / 1e6, ms_copy);
+  return 0;
+}
