@@ -12,12 +12,8 @@ namespace megacpp::ops {
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 65535;
-
-__device__ __forceinline__ float lerp_torch(float a, float b, float w) {
-  return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.f - w);
-}
+using detail::kBlockThreads;
+using detail::lerp_torch;
 
 struct Scalars {
   const float *lr, *beta1, *beta2, *eps, *weight_decay, *step, *gate;
@@ -53,8 +49,8 @@ void adamw_step_cuda(float* p, const float* g, float* m, float* v, int64_t n,
                      const AdamWStepScalars& s, bool decays, void* stream) {
   detail::check_adamw_args("adamw_step_cuda", p, g, m, v, n, s);
   if (n == 0) return;
-  const auto blocks = static_cast<unsigned>(std::min(kMaxBlocks, (n + kThreads - 1) / kThreads));
-  adamw_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+  const auto blocks = static_cast<unsigned>(detail::grid_blocks(n));
+  adamw_kernel<<<blocks, kBlockThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       p, g, m, v, n, Scalars{s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.step, s.gate},
       decays);
   CUDA_CHECK(cudaGetLastError());

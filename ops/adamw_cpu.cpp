@@ -26,14 +26,6 @@ void check_adamw_args(const char* op, const float* p, const float* g, const floa
 
 }  // namespace detail
 
-namespace {
-
-double lerp(double a, double b, double w) {
-  return w < 0.5 ? a + w * (b - a) : b - (b - a) * (1.0 - w);
-}
-
-}  // namespace
-
 void adamw_step_cpu(float* p, const float* g, float* m, float* v, int64_t n,
                     const AdamWStepScalars& s, bool decays) {
   detail::check_adamw_args("adamw_step_cpu", p, g, m, v, n, s);
@@ -49,8 +41,8 @@ void adamw_step_cpu(float* p, const float* g, float* m, float* v, int64_t n,
     double pi = p[i];
     if (decays) pi *= decay;
     const double gi = g[i];
-    const double mi = lerp(m[i], gi, w1);
-    const double vi = lerp(v[i], gi * gi, w2);
+    const double mi = detail::lerp_torch<double>(m[i], gi, w1);
+    const double vi = detail::lerp_torch<double>(v[i], gi * gi, w2);
     pi -= mi / (std::sqrt(vi / bias2) + eps) * step_size;
     p[i] = static_cast<float>(pi);
     m[i] = static_cast<float>(mi);

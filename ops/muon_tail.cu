@@ -18,12 +18,8 @@ namespace megacpp::ops {
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 65535;
-
-__device__ __forceinline__ float lerp_torch(float a, float b, float w) {
-  return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.f - w);
-}
+using detail::kBlockThreads;
+using detail::lerp_torch;
 
 // The sum of `v` over the block (every thread gets it). `shared` holds 32 floats; calls may
 // follow one another (each begins with a barrier).
@@ -115,28 +111,27 @@ __global__ void update(const float* u, const float* p, float* out, const float* 
 void muon_tail_cuda(const MuonTailArgs& a, void* stream_ptr) {
   detail::check_muon_tail_args("muon_tail_cuda", a, /*workspace=*/true);
   if (a.count == 0) return;
-  MEGACPP_CHECK(a.count <= kMaxBlocks, ErrorKind::kInvalidArgument,
+  MEGACPP_CHECK(a.count <= detail::kMaxGridBlocks, ErrorKind::kInvalidArgument,
                 "muon_tail_cuda: at most 65535 matrices a call, got " + std::to_string(a.count));
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
   if (a.reduce_cols) {
-    row_means<<<static_cast<unsigned>(a.count * a.rows), kThreads, 0, stream>>>(a.u, a.workspace,
-                                                                                a.cols);
+    row_means<<<static_cast<unsigned>(a.count * a.rows), kBlockThreads, 0, stream>>>(
+        a.u, a.workspace, a.cols);
   } else {
     const dim3 grid(static_cast<unsigned>((a.cols + 31) / 32), static_cast<unsigned>(a.count));
     column_means<<<grid, dim3(32, 8), 0, stream>>>(a.u, a.workspace, a.rows, a.cols);
   }
   CUDA_CHECK(cudaGetLastError());
   const int64_t n_stats = a.reduce_cols ? a.rows : a.cols;
-  scales<<<static_cast<unsigned>(a.count), kThreads, 0, stream>>>(
+  scales<<<static_cast<unsigned>(a.count), kBlockThreads, 0, stream>>>(
       a.workspace, a.sec, n_stats, static_cast<float>(a.reduce_cols ? a.cols : a.rows), a.beta2,
       a.gate, a.matrices_per_gate);
   CUDA_CHECK(cudaGetLastError());
   const int64_t total = a.count * a.rows * a.cols;
-  const auto blocks =
-      static_cast<unsigned>(std::min(kMaxBlocks, (total + kThreads - 1) / kThreads));
-  update<<<blocks, kThreads, 0, stream>>>(a.u, a.p, a.out, a.workspace, total, a.rows, a.cols,
-                                          a.reduce_cols, a.lr, a.aspect, a.gate,
-                                          a.matrices_per_gate);
+  const auto blocks = static_cast<unsigned>(detail::grid_blocks(total));
+  update<<<blocks, kBlockThreads, 0, stream>>>(a.u, a.p, a.out, a.workspace, total, a.rows, a.cols,
+                                               a.reduce_cols, a.lr, a.aspect, a.gate,
+                                               a.matrices_per_gate);
   CUDA_CHECK(cudaGetLastError());
 }
 

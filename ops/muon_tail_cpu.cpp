@@ -65,7 +65,7 @@ void muon_tail_cpu(const MuonTailArgs& a) {
     double scaled = 0;
     for (int64_t j = 0; j < stats; ++j) {
       const double s0 = sec[j], vm = v_mean[static_cast<size_t>(j)];
-      const double s1 = w < 0.5 ? s0 + w * (vm - s0) : vm - (vm - s0) * (1.0 - w);
+      const double s1 = detail::lerp_torch(s0, vm, w);
       sec[j] = static_cast<float>(s1);
       const double step = 1.0 / std::sqrt(std::max(s1, 1e-10));
       scale[static_cast<size_t>(j)] = step;
