@@ -11,10 +11,7 @@
 // --device cuda loads the trainer's CUDA plugin as a rank does. A step is timed to its
 // completion by reading a scalar of a parameter back. Nothing is asserted.
 #include <algorithm>
-#include <chrono>
-#include <cstdio>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,17 +19,13 @@
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
-#include "bench/peer_json.h"
-#include "core/util.h"
+#include "bench/optim_kernel_bench.h"
 #include "ops/ops.h"
-#include "stages/trainer/cuda_plugin.h"
 #include "stages/trainer/optim.h"
 
 namespace {
 
 namespace tr = megacpp::trainer;
-using Clock = std::chrono::steady_clock;
-using megacpp::bench::median;
 
 struct Config {
   std::string device = "cpu";
@@ -71,14 +64,7 @@ Setup make(const Config& c, const at::Device& device, tr::AdamWKernel kernel) {
 }
 
 double step_ms(const Config& c, Setup& s) {
-  std::vector<double> out;
-  for (int i = 0; i < c.steps + 2; ++i) {
-    const auto t0 = Clock::now();
-    s.adam->step();
-    (void)s.params[0].flatten()[0].item<float>();  // the device's stream done
-    if (i >= 2) out.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-  }
-  return median(out);
+  return megacpp::bench::median_call_ms(c.steps, s.params[0], [&] { s.adam->step(); });
 }
 
 }  // namespace
@@ -95,28 +81,12 @@ int main(int argc, char** argv) {
   app.add_option("--steps", c.steps, "timed steps")->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
-  std::optional<tr::CudaPlugin> plugin;
-  at::Device device(at::kCPU);
-  std::string name;
-  tr::AdamWKernel kernel;
-  if (c.device == "cuda") {
-    plugin.emplace(tr::CudaPlugin::beside_executable());
-    if (plugin->api().device_count() < 1) {
-      std::fprintf(stderr, "bench_adamw_step: --device cuda but no CUDA device is visible\n");
-      return 1;
-    }
-    if (plugin->api().adamw_step == nullptr) {
-      std::fprintf(stderr,
-                   "bench_adamw_step: the CUDA plugin was built without the ops' kernels (no "
-                   "nvcc at configure time)\n");
-      return 1;
-    }
-    plugin->api().set_device(0);
-    device = at::Device(at::kCUDA, 0);
-    name = plugin->api().device_name(0);
-    kernel = plugin->optim_kernels(0).adamw_step;
-  } else {
-    name = megacpp::cpu_model();
+  megacpp::bench::KernelBenchDevice d;
+  if (!megacpp::bench::open_kernel_bench_device(c.device, "bench_adamw_step", d)) return 1;
+  const at::Device device = d.device;
+  const std::string& name = d.name;
+  tr::AdamWKernel kernel = d.kernels.adamw_step;
+  if (!kernel) {
     kernel = [](float* p, const float* g, float* m, float* v, int64_t n,
                 const megacpp::ops::AdamWStepScalars& s,
                 bool decays) { megacpp::ops::adamw_step_cpu(p, g, m, v, n, s, decays); };
@@ -130,18 +100,7 @@ int main(int argc, char** argv) {
   const double ms_fused = step_ms(c, fused);
   // The physical limit: copying the bytes the update moves (p, g, m, v read; p, m, v written).
   const int64_t bytes = 7 * 4 * numel;
-  const at::Tensor src =
-      at::empty({bytes / 2}, at::TensorOptions().dtype(at::kByte).device(device));
-  at::Tensor dst = at::empty_like(src);
-  std::vector<double> copies;
-  for (int i = 0; i < c.steps + 2; ++i) {
-    const auto t0 = Clock::now();
-    dst.copy_(src);
-    (void)dst[0].item<uint8_t>();
-    if (i >= 2)
-      copies.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-  }
-  const double ms_copy = median(copies);
+  const double ms_copy = megacpp::bench::copy_ms(device, bytes, c.steps);
 
   fmt::print(
       "bench_adamw_step: {} ({}), DistAdamW world 1, {} parameters ({:.1f} M elements), median of "

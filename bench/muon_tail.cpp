@@ -13,10 +13,7 @@
 // the figure keeps the bench working where there is no GPU, not a case for using it there.
 // --device cuda loads the trainer's CUDA plugin as a rank does. A step is timed to its
 // completion by reading a scalar of a parameter back. Nothing is asserted.
-#include <chrono>
-#include <cstdio>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,17 +21,13 @@
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
-#include "bench/peer_json.h"
-#include "core/util.h"
+#include "bench/optim_kernel_bench.h"
 #include "ops/ops.h"
-#include "stages/trainer/cuda_plugin.h"
 #include "stages/trainer/optim.h"
 
 namespace {
 
 namespace tr = megacpp::trainer;
-using Clock = std::chrono::steady_clock;
-using megacpp::bench::median;
 
 struct Config {
   std::string device = "cpu";
@@ -83,14 +76,7 @@ Setup make(const Config& c, const at::Device& device, tr::MuonTailKernel kernel)
 }
 
 double step_ms(const Config& c, Setup& s) {
-  std::vector<double> out;
-  for (int i = 0; i < c.steps + 2; ++i) {
-    const auto t0 = Clock::now();
-    s.muon->step();
-    (void)s.params[0].flatten()[0].item<float>();  // the device's stream done
-    if (i >= 2) out.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-  }
-  return median(out);
+  return megacpp::bench::median_call_ms(c.steps, s.params[0], [&] { s.muon->step(); });
 }
 
 }  // namespace
@@ -105,30 +91,12 @@ int main(int argc, char** argv) {
   app.add_option("--steps", c.steps, "timed steps")->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
-  std::optional<tr::CudaPlugin> plugin;
-  at::Device device(at::kCPU);
-  std::string name;
-  tr::MuonTailKernel kernel;
-  if (c.device == "cuda") {
-    plugin.emplace(tr::CudaPlugin::beside_executable());
-    if (plugin->api().device_count() < 1) {
-      std::fprintf(stderr, "bench_muon_tail: --device cuda but no CUDA device is visible\n");
-      return 1;
-    }
-    if (plugin->api().muon_tail == nullptr) {
-      std::fprintf(stderr,
-                   "bench_muon_tail: the CUDA plugin was built without the ops' kernels (no "
-                   "nvcc at configure time)\n");
-      return 1;
-    }
-    plugin->api().set_device(0);
-    device = at::Device(at::kCUDA, 0);
-    name = plugin->api().device_name(0);
-    kernel = plugin->optim_kernels(0).muon_tail;
-  } else {
-    name = megacpp::cpu_model();
-    kernel = [](const megacpp::ops::MuonTailArgs& a) { megacpp::ops::muon_tail_cpu(a); };
-  }
+  megacpp::bench::KernelBenchDevice d;
+  if (!megacpp::bench::open_kernel_bench_device(c.device, "bench_muon_tail", d)) return 1;
+  const at::Device device = d.device;
+  const std::string& name = d.name;
+  tr::MuonTailKernel kernel = d.kernels.muon_tail;
+  if (!kernel) kernel = [](const megacpp::ops::MuonTailArgs& a) { megacpp::ops::muon_tail_cpu(a); };
 
   Setup torch_ops = make(c, device, nullptr);
   int64_t calls = 0;
@@ -143,18 +111,7 @@ int main(int argc, char** argv) {
   const double ms_fused = step_ms(c, fused);
   // The physical limit of the fused tail: copying the bytes it moves (u twice, P, the new P).
   const int64_t bytes = 4 * 4 * numel;
-  const at::Tensor src =
-      at::empty({bytes / 2}, at::TensorOptions().dtype(at::kByte).device(device));
-  at::Tensor dst = at::empty_like(src);
-  std::vector<double> copies;
-  for (int i = 0; i < c.steps + 2; ++i) {
-    const auto t0 = Clock::now();
-    dst.copy_(src);
-    (void)dst[0].item<uint8_t>();
-    if (i >= 2)
-      copies.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-  }
-  const double ms_copy = median(copies);
+  const double ms_copy = megacpp::bench::copy_ms(device, bytes, c.steps);
 
   fmt::print(
       "bench_muon_tail: {} ({}), DistMuon world 1, {} matrices ({:.1f} M elements, bf16 with "
