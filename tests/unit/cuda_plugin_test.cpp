@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,26 +72,43 @@ TEST(CudaPlugin, TheBuiltPluginLoadsWithoutAGpu) {
   }
 }
 
+// The fused optimizer kernels on device 0 through the plugin, against torch's operations on the
+// same device. Skips without a plugin, a device, or the ops' kernels in the plugin.
+class CudaPluginGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto path = CudaPlugin::beside_executable();
+    if (!std::filesystem::exists(path))
+      GTEST_SKIP() << "this build has no CUDA plugin (" << path << ")";
+    plugin_.emplace(path);
+    if (plugin_->api().device_count() < 1) GTEST_SKIP() << "no CUDA device visible";
+    if (plugin_->api().adamw_step == nullptr || plugin_->api().muon_tail == nullptr)
+      GTEST_SKIP() << "the plugin was built without the ops' CUDA kernels (no nvcc)";
+    plugin_->api().set_device(0);
+  }
+  // Float32 normal values of `shape` from `seed`, made on the host (the same on every device).
+  static at::Tensor randn(const std::vector<int64_t>& shape, uint64_t seed) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    return at::randn(shape, gen, at::TensorOptions().dtype(at::kFloat));
+  }
+  static at::Tensor host(const at::Tensor& t) {
+    return t.detach().to(at::kCPU).to(at::kFloat).contiguous();
+  }
+  static double max_diff(const at::Tensor& a, const at::Tensor& b) {
+    return (a - b).abs().max().item<double>();
+  }
+  std::optional<CudaPlugin> plugin_;
+  const at::Device dev_{at::kCUDA, 0};
+};
+
 // DistAdamW on a device through the plugin's fused kernel (CudaPlugin::optim_kernels) against
 // the same optimizer with torch's operations: the parameters and the state within float32
 // rounding after steps with weight decay, a parameter without a gradient, and the decay switched
 // off; a parameter without a gradient exactly unchanged.
-TEST(CudaPluginGpu, FusedAdamWGivesTorchsValuesOnTheDevice) {
+TEST_F(CudaPluginGpu, FusedAdamWGivesTorchsValuesOnTheDevice) {
   namespace tr = megacpp::trainer;
-  const auto path = CudaPlugin::beside_executable();
-  if (!std::filesystem::exists(path))
-    GTEST_SKIP() << "this build has no CUDA plugin (" << path << ")";
-  CudaPlugin plugin(path);
-  if (plugin.api().device_count() < 1) GTEST_SKIP() << "no CUDA device visible";
-  if (plugin.api().adamw_step == nullptr)
-    GTEST_SKIP() << "the plugin was built without the ops' CUDA kernels (no nvcc)";
-  plugin.api().set_device(0);
-  const at::Device dev(at::kCUDA, 0);
+  const at::Device dev = dev_;
   const std::vector<std::vector<int64_t>> shapes{{1024, 1000}, {7, 5}, {4099}, {}};
-  const auto randn = [](const std::vector<int64_t>& shape, uint64_t seed) {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-    return at::randn(shape, gen, at::TensorOptions().dtype(at::kFloat));
-  };
   struct Run {
     std::vector<at::Tensor> p;
     std::unique_ptr<tr::DistAdamW> adam;
@@ -106,11 +124,7 @@ TEST(CudaPluginGpu, FusedAdamWGivesTorchsValuesOnTheDevice) {
         nullptr, tr::DistAdamWOptions{.fused_update = std::move(kernel)});
     return r;
   };
-  Run torch_ops = make(nullptr), fused = make(plugin.optim_kernels(0).adamw_step);
-  const auto host = [](const at::Tensor& t) { return t.detach().to(at::kCPU).contiguous(); };
-  const auto max_diff = [](const at::Tensor& a, const at::Tensor& b) {
-    return (a - b).abs().max().item<double>();
-  };
+  Run torch_ops = make(nullptr), fused = make(plugin_->optim_kernels(0).adamw_step);
   for (uint32_t step = 0; step < 6; ++step) {
     const bool skip = step == 1 || step == 4;  // the first parameter has no gradient
     const at::Tensor before = host(fused.p[0]);
@@ -132,9 +146,7 @@ TEST(CudaPluginGpu, FusedAdamWGivesTorchsValuesOnTheDevice) {
   const auto a = torch_ops.adam->state_dict(), b = fused.adam->state_dict();
   ASSERT_EQ(a.entries.size(), b.entries.size());
   for (size_t e = 0; e < a.entries.size(); ++e)
-    EXPECT_LE(
-        max_diff(host(a.entries[e].value).to(at::kFloat), host(b.entries[e].value).to(at::kFloat)),
-        1e-5)
+    EXPECT_LE(max_diff(host(a.entries[e].value), host(b.entries[e].value)), 1e-5)
         << "state entry " << e;
 }
 
@@ -143,23 +155,11 @@ TEST(CudaPluginGpu, FusedAdamWGivesTorchsValuesOnTheDevice) {
 // trains: tall and wide stacks, a qkv group split in three, an entry without a gradient at
 // steps 1 and 4. The masters within 1e-5 of torch's (float32 rounding of the same arithmetic;
 // the orthogonalization is the same operations on both sides), the state within 1e-5.
-TEST(CudaPluginGpu, FusedMuonTailGivesTorchsValuesOnTheDevice) {
+TEST_F(CudaPluginGpu, FusedMuonTailGivesTorchsValuesOnTheDevice) {
   namespace tr = megacpp::trainer;
-  const auto path = CudaPlugin::beside_executable();
-  if (!std::filesystem::exists(path))
-    GTEST_SKIP() << "this build has no CUDA plugin (" << path << ")";
-  CudaPlugin plugin(path);
-  if (plugin.api().device_count() < 1) GTEST_SKIP() << "no CUDA device visible";
-  if (plugin.api().muon_tail == nullptr)
-    GTEST_SKIP() << "the plugin was built without the ops' CUDA kernels (no nvcc)";
-  plugin.api().set_device(0);
-  const at::Device dev(at::kCUDA, 0);
+  const at::Device dev = dev_;
   const std::vector<std::vector<int64_t>> shapes{{512, 128}, {512, 128}, {128, 384}};
   const std::vector<std::vector<int64_t>> qkv_shapes{{384, 128}, {384, 128}};
-  const auto randn = [](const std::vector<int64_t>& shape, uint64_t seed) {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-    return at::randn(shape, gen, at::TensorOptions().dtype(at::kFloat));
-  };
   struct Run {
     std::vector<at::Tensor> p, q, pm, qm;
     std::unique_ptr<tr::DistMuon> muon;
@@ -186,17 +186,11 @@ TEST(CudaPluginGpu, FusedMuonTailGivesTorchsValuesOnTheDevice) {
                             .fused_tail = std::move(kernel)});
     return r;
   };
-  const tr::MuonTailKernel kernel = plugin.optim_kernels(0).muon_tail;
+  const tr::MuonTailKernel kernel = plugin_->optim_kernels(0).muon_tail;
   Run torch_ops = make(nullptr), fused = make([&](const megacpp::ops::MuonTailArgs&a) {
                                    ++calls;
                                    kernel(a);
                                  });
-  const auto host = [](const at::Tensor& t) {
-    return t.detach().to(at::kCPU).to(at::kFloat).contiguous();
-  };
-  const auto max_diff = [](const at::Tensor& a, const at::Tensor& b) {
-    return (a - b).abs().max().item<double>();
-  };
   for (uint32_t step = 0; step < 6; ++step) {
     const bool skip = step == 1 || step == 4;  // the first entry of each group has no gradient
     for (Run* r : {&torch_ops, &fused}) {
