@@ -61,6 +61,19 @@ std::vector<at::Tensor> make_params(const std::vector<std::vector<int64_t>>& sha
   return out;
 }
 
+// The parameters a run trains from float32 values `ps`: `ps` themselves, or with master weights
+// bfloat16 copies of them (the masters then being `ps`: masters_of).
+std::vector<at::Tensor> compute_params(const std::vector<at::Tensor>& ps, bool masters) {
+  if (!masters) return ps;
+  std::vector<at::Tensor> out;
+  for (const auto& p : ps) out.push_back(p.detach().to(at::kBFloat16).requires_grad_(true));
+  return out;
+}
+// A group's `masters`: `ps` with master weights, else none.
+std::vector<at::Tensor> masters_of(const std::vector<at::Tensor>& ps, bool masters) {
+  return masters ? ps : std::vector<at::Tensor>{};
+}
+
 // The gradient rank `rank` sees for parameter `i` at `step`; undefined when absent.
 at::Tensor rank_grad(const at::Tensor& p, size_t i, uint32_t step, uint32_t rank) {
   return randn(p.sizes(), 7919 * (step + 1) + 31 * i + 1000003ULL * (rank + 1));
@@ -964,34 +977,28 @@ TEST_F(OptimTest, DeviceDecisionsGiveTheHostsValues) {
       r.a32 = make_params(adam_shapes, 41);
       r.m32 = make_params(muon_shapes, 42);
       r.q32 = make_params(qkv_shapes, 43);
-      const auto compute = [&](const std::vector<at::Tensor>& ps) {
-        if (!masters) return ps;
-        std::vector<at::Tensor> out;
-        for (const auto& p : ps) out.push_back(p.detach().to(at::kBFloat16).requires_grad_(true));
-        return out;
-      };
-      r.a = compute(r.a32);
-      r.m = compute(r.m32);
-      r.q = compute(r.q32);
-      const auto m_of = [&](const std::vector<at::Tensor>& ps) {
-        return masters ? ps : std::vector<at::Tensor>{};
-      };
+      r.a = compute_params(r.a32, masters);
+      r.m = compute_params(r.m32, masters);
+      r.q = compute_params(r.q32, masters);
       r.adam = std::make_unique<DistAdamW>(
           std::vector<AdamWParamGroup>{
               AdamWParamGroup{.params = {r.a[0], r.a[1]},
-                              .masters = m_of({r.a32[0], r.a32[1]}),
+                              .masters = masters_of({r.a32[0], r.a32[1]}, masters),
                               .lr = 1e-2,
                               .weight_decay = 0.1},
-              AdamWParamGroup{
-                  .params = {r.a[2], r.a[3]}, .masters = m_of({r.a32[2], r.a32[3]}), .lr = 3e-3}},
+              AdamWParamGroup{.params = {r.a[2], r.a[3]},
+                              .masters = masters_of({r.a32[2], r.a32[3]}, masters),
+                              .lr = 3e-3}},
           nullptr,
           DistAdamWOptions{
               .master_weights = masters, .reduce_dtype = at::kFloat, .host_decisions = host});
       r.muon = std::make_unique<DistMuon>(
           std::vector<MuonParamGroup>{
-              MuonParamGroup{.params = r.m, .weight_decay = 0.1, .masters = m_of(r.m32)},
               MuonParamGroup{
-                  .params = r.q, .qkv_split_sizes = {16, 16, 16}, .masters = m_of(r.q32)}},
+                  .params = r.m, .weight_decay = 0.1, .masters = masters_of(r.m32, masters)},
+              MuonParamGroup{.params = r.q,
+                             .qkv_split_sizes = {16, 16, 16},
+                             .masters = masters_of(r.q32, masters)}},
           nullptr,
           DistMuonOptions{.bf16_orthogonalization = false,
                           .master_weights = masters,
@@ -1055,15 +1062,7 @@ TEST_F(OptimTest, FusedAdamWUpdateGivesTheGatedPathsValues) {
     const auto make = [&](bool fused) {
       Run r;
       r.p32 = make_params(shapes, 51);
-      r.p = r.p32;
-      if (masters) {
-        r.p.clear();
-        for (const auto& p : r.p32)
-          r.p.push_back(p.detach().to(at::kBFloat16).requires_grad_(true));
-      }
-      const auto m_of = [&](std::vector<at::Tensor> ps) {
-        return masters ? ps : std::vector<at::Tensor>{};
-      };
+      r.p = compute_params(r.p32, masters);
       AdamWKernel kernel;
       if (fused) {
         kernel = [&calls](float* p, const float* g, float* m, float* v, int64_t n,
@@ -1075,11 +1074,12 @@ TEST_F(OptimTest, FusedAdamWUpdateGivesTheGatedPathsValues) {
       r.adam = std::make_unique<DistAdamW>(
           std::vector<AdamWParamGroup>{
               AdamWParamGroup{.params = {r.p[0], r.p[1]},
-                              .masters = m_of({r.p32[0], r.p32[1]}),
+                              .masters = masters_of({r.p32[0], r.p32[1]}, masters),
                               .lr = 1e-2,
                               .weight_decay = 0.1},
-              AdamWParamGroup{
-                  .params = {r.p[2], r.p[3]}, .masters = m_of({r.p32[2], r.p32[3]}), .lr = 3e-3}},
+              AdamWParamGroup{.params = {r.p[2], r.p[3]},
+                              .masters = masters_of({r.p32[2], r.p32[3]}, masters),
+                              .lr = 3e-3}},
           nullptr,
           DistAdamWOptions{.master_weights = masters,
                            .reduce_dtype = at::kFloat,
@@ -1139,18 +1139,9 @@ TEST_F(OptimTest, FusedMuonTailGivesTheGatedPathsValues) {
       r.m32 = make_params(shapes, 61);
       r.q32 = make_params(qkv_shapes, 62);
       r.r32 = make_params(qkv_shapes, 63);
-      const auto compute = [&](const std::vector<at::Tensor>& ps) {
-        if (!masters) return ps;
-        std::vector<at::Tensor> out;
-        for (const auto& p : ps) out.push_back(p.detach().to(at::kBFloat16).requires_grad_(true));
-        return out;
-      };
-      r.m = compute(r.m32);
-      r.q = compute(r.q32);
-      r.r = compute(r.r32);
-      const auto m_of = [&](const std::vector<at::Tensor>& ps) {
-        return masters ? ps : std::vector<at::Tensor>{};
-      };
+      r.m = compute_params(r.m32, masters);
+      r.q = compute_params(r.q32, masters);
+      r.r = compute_params(r.r32, masters);
       MuonTailKernel kernel;
       if (fused) {
         kernel = [&calls](const ops::MuonTailArgs& a) {
@@ -1160,11 +1151,15 @@ TEST_F(OptimTest, FusedMuonTailGivesTheGatedPathsValues) {
       }
       r.muon = std::make_unique<DistMuon>(
           std::vector<MuonParamGroup>{
-              MuonParamGroup{.params = r.m, .weight_decay = 0.1, .masters = m_of(r.m32)},
               MuonParamGroup{
-                  .params = r.q, .qkv_split_sizes = {16, 16, 16}, .masters = m_of(r.q32)},
+                  .params = r.m, .weight_decay = 0.1, .masters = masters_of(r.m32, masters)},
+              MuonParamGroup{.params = r.q,
+                             .qkv_split_sizes = {16, 16, 16},
+                             .masters = masters_of(r.q32, masters)},
               // Slices of different sizes: torch's operations, slice by slice.
-              MuonParamGroup{.params = r.r, .qkv_split_sizes = {32, 8, 8}, .masters = m_of(r.r32)}},
+              MuonParamGroup{.params = r.r,
+                             .qkv_split_sizes = {32, 8, 8},
+                             .masters = masters_of(r.r32, masters)}},
           nullptr,
           DistMuonOptions{.bf16_orthogonalization = false,
                           .master_weights = masters,
