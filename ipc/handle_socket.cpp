@@ -114,7 +114,17 @@ std::optional<ReceivedHandles> HandleConnection::receive(Millis timeout) {
   m.msg_iovlen = 1;
   m.msg_control = control;
   m.msg_controllen = sizeof control;
-  const ssize_t n = SYSCALL_CHECK(::recvmsg(fd_.get(), &m, MSG_CMSG_CLOEXEC | MSG_DONTWAIT));
+  const ssize_t n = ::recvmsg(fd_.get(), &m, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+  if (n < 0) {
+    // A peer that closed with our message unread in its queue is reported by the kernel as a
+    // reset, not an end: the same death.
+    if (errno == ECONNRESET || errno == ENOTCONN || errno == EPIPE) {
+      gone_ = true;
+      return std::nullopt;
+    }
+    if (errno == EAGAIN || errno == EINTR) return std::nullopt;
+    SYSCALL_FAIL("recvmsg", errno);
+  }
   std::vector<int> fds;
   for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;

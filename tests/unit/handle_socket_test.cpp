@@ -165,5 +165,22 @@ TEST(HandleSocketTest, LimitsAndAbsentListener) {
   EXPECT_FALSE(server->peer_gone());
 }
 
+// A checkpointer killed before it read a rank's buffer closes with that message unread; the
+// kernel then reports a reset, not an end, to the rank's next receive: the rank must see its
+// peer gone (and reconnect), not fail on the error.
+TEST(HandleSocketTest, APeerThatClosedWithOurMessageUnreadIsGone) {
+  TempDir dir;
+  HandleListener listener(dir.path() / "l.sock");
+  auto rank = HandleConnection::connect(listener.path(), Millis(1000));
+  ASSERT_NE(rank, nullptr);
+  auto checkpointer = listener.accept(Millis(1000));
+  ASSERT_NE(checkpointer, nullptr);
+  ASSERT_TRUE(rank->send("buffer", {}, Millis(100)));
+  checkpointer.reset();  // closed with "buffer" in its queue
+  EXPECT_FALSE(rank->receive(Millis(1000)));
+  EXPECT_TRUE(rank->peer_gone());
+  EXPECT_FALSE(rank->send("again", {}, Millis(100)));
+}
+
 }  // namespace
 }  // namespace megacpp::ipc
