@@ -6,6 +6,7 @@
 // kernels per stack of matrices.
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "core/error.h"
@@ -20,6 +21,12 @@ namespace {
 
 using detail::kBlockThreads;
 using detail::lerp_torch;
+
+// torch's clamp_min: a NaN stays NaN (fmaxf would return the bound, turning a moment poisoned by
+// one NaN step into a finite, silently wrong scale instead of a NaN update the loss shows).
+__device__ float clamp_min(float x, float lo) {
+  return x < lo ? lo : x;
+}
 
 // The sum of `v` over the block (every thread gets it). `shared` holds 32 floats; calls may
 // follow one another (each begins with a barrier).
@@ -82,27 +89,31 @@ __global__ void scales(float* stats, float* sec, int64_t n_stats, float red, con
     const float vm = st[j];
     const float s1 = lerp_torch(se[j], vm, w);
     se[j] = s1;
-    const float step = rsqrtf(fmaxf(s1, 1e-10f));
+    const float step = rsqrtf(clamp_min(s1, 1e-10f));
     st[j] = step;
     scaled += vm * red * (step * step);
   }
-  const float ratio = v_norm / fmaxf(sqrtf(block_sum(scaled, shared)), 1e-10f);
+  const float ratio = v_norm / clamp_min(sqrtf(block_sum(scaled, shared)), 1e-10f);
   for (int64_t j = threadIdx.x; j < n_stats; j += blockDim.x) st[j] *= ratio;
 }
 
 // out = p - (u * scale) * (lr * aspect * gate), each product rounded as torch's mul_ does.
-__global__ void update(const float* u, const float* p, float* out, const float* stats,
-                       int64_t total, int64_t rows, int64_t cols, bool reduce_cols, const float* lr,
-                       float aspect, const float* gate, int64_t per_gate) {
-  const float lr_a = __fmul_rn(*lr, aspect);
-  const int64_t n = rows * cols, n_stats = reduce_cols ? rows : cols;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += stride) {
-    const int64_t k = i / n, at = i - k * n;
-    const float s = stats[k * n_stats + (reduce_cols ? at / cols : at % cols)];
-    const float lr_k = __fmul_rn(lr_a, gate[k / per_gate]);
-    out[i] = __fsub_rn(p[i], __fmul_rn(__fmul_rn(u[i], s), lr_k));
+// Matrix blockIdx.y; its rows from blockIdx.x strided by gridDim.x, a row's columns strided by
+// the threads: no index division per element (64-bit division is emulated, dozens of
+// instructions, enough to make this bandwidth-bound pass compute-bound).
+__global__ void update(const float* u, const float* p, float* out, const float* stats, int64_t rows,
+                       int64_t cols, bool reduce_cols, const float* lr, float aspect,
+                       const float* gate, int64_t per_gate) {
+  const int64_t k = blockIdx.y;
+  const float lr_k = __fmul_rn(__fmul_rn(*lr, aspect), gate[k / per_gate]);
+  const float* st = stats + k * (reduce_cols ? rows : cols);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t base = (k * rows + r) * cols;
+    const float s_row = reduce_cols ? st[r] : 0.f;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      const float s = reduce_cols ? s_row : st[c];
+      out[base + c] = __fsub_rn(p[base + c], __fmul_rn(__fmul_rn(u[base + c], s), lr_k));
+    }
   }
 }
 
@@ -115,6 +126,10 @@ void muon_tail_cuda(const MuonTailArgs& a, void* stream_ptr) {
                 "muon_tail_cuda: at most 65535 matrices a call, got " + std::to_string(a.count));
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
   if (a.reduce_cols) {
+    MEGACPP_CHECK(a.count * a.rows <= std::numeric_limits<int32_t>::max(),
+                  ErrorKind::kInvalidArgument,
+                  "muon_tail_cuda: at most 2^31 - 1 rows in all a call, got " +
+                      std::to_string(a.count * a.rows));
     row_means<<<static_cast<unsigned>(a.count * a.rows), kBlockThreads, 0, stream>>>(
         a.u, a.workspace, a.cols);
   } else {
@@ -127,11 +142,11 @@ void muon_tail_cuda(const MuonTailArgs& a, void* stream_ptr) {
       a.workspace, a.sec, n_stats, static_cast<float>(a.reduce_cols ? a.cols : a.rows), a.beta2,
       a.gate, a.matrices_per_gate);
   CUDA_CHECK(cudaGetLastError());
-  const int64_t total = a.count * a.rows * a.cols;
-  const auto blocks = static_cast<unsigned>(detail::grid_blocks(total));
-  update<<<blocks, kBlockThreads, 0, stream>>>(a.u, a.p, a.out, a.workspace, total, a.rows, a.cols,
-                                               a.reduce_cols, a.lr, a.aspect, a.gate,
-                                               a.matrices_per_gate);
+  const dim3 rows_grid(static_cast<unsigned>(std::min(a.rows, detail::kMaxGridBlocks)),
+                       static_cast<unsigned>(a.count));
+  update<<<rows_grid, kBlockThreads, 0, stream>>>(a.u, a.p, a.out, a.workspace, a.rows, a.cols,
+                                                  a.reduce_cols, a.lr, a.aspect, a.gate,
+                                                  a.matrices_per_gate);
   CUDA_CHECK(cudaGetLastError());
 }
 

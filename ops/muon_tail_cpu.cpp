@@ -67,6 +67,7 @@ void muon_tail_cpu(const MuonTailArgs& a) {
       const double s0 = sec[j], vm = v_mean[static_cast<size_t>(j)];
       const double s1 = detail::lerp_torch(s0, vm, w);
       sec[j] = static_cast<float>(s1);
+      // std::max keeps a NaN first argument, as torch's clamp_min does.
       const double step = 1.0 / std::sqrt(std::max(s1, 1e-10));
       scale[static_cast<size_t>(j)] = step;
       scaled += vm * red * step * step;

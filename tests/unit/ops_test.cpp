@@ -340,6 +340,52 @@ TEST(OpsCpu, AdamwStepFirstStepMovesByLrAgainstTheGradientSign) {
   ops::adamw_step_cpu(nullptr, nullptr, nullptr, nullptr, 0, none, false);
 }
 
+// A second moment poisoned by a NaN (one step of NaN gradients) must keep its matrix's update NaN,
+// as torch's clamp_min does, not turn into a finite scale that gives one row the whole update.
+// `tail` runs the tail on host vectors (2 matrices of 4 x 3, a gate of 1 each) and returns out.
+namespace {
+void expect_a_nan_moment_poisons_its_matrix(
+    const std::function<std::vector<float>(const std::vector<float>& u, const std::vector<float>& p,
+                                           const std::vector<float>& sec, bool reduce_cols)>&
+        tail) {
+  const int64_t rows = 4, cols = 3;
+  for (const bool reduce_cols : {true, false}) {
+    const auto u = random_vector(static_cast<size_t>(2 * rows * cols), -1.f, 1.f, 31);
+    const auto p = random_vector(u.size(), -2.f, 2.f, 32);
+    auto sec = random_vector(static_cast<size_t>(2 * (reduce_cols ? rows : cols)), 0.01f, 0.5f, 33);
+    sec[1] = std::numeric_limits<float>::quiet_NaN();
+    const auto out = tail(u, p, sec, reduce_cols);
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (i < static_cast<size_t>(rows * cols))
+        EXPECT_TRUE(std::isnan(out[i])) << "element " << i << " of the poisoned matrix: " << out[i];
+      else
+        EXPECT_TRUE(std::isfinite(out[i])) << "element " << i << " of the clean matrix: " << out[i];
+    }
+  }
+}
+}  // namespace
+
+TEST(OpsCpu, MuonTailKeepsANaNMomentNaN) {
+  expect_a_nan_moment_poisons_its_matrix([](const std::vector<float>& u, std::vector<float> p,
+                                            std::vector<float> sec, bool reduce_cols) {
+    const float lr = 0.02f, beta2 = 0.95f, gate[2] = {1.f, 1.f};
+    ops::muon_tail_cpu({.u = u.data(),
+                        .p = p.data(),
+                        .out = p.data(),
+                        .sec = sec.data(),
+                        .count = 2,
+                        .rows = 4,
+                        .cols = 3,
+                        .reduce_cols = reduce_cols,
+                        .lr = &lr,
+                        .beta2 = &beta2,
+                        .gate = gate,
+                        .matrices_per_gate = 1,
+                        .aspect = 1.f});
+    return p;
+  });
+}
+
 // Muon's fused tail's reference against what the variance reduction promises: the update keeps
 // the Frobenius norm of u (times lr * aspect), and from a zero second moment every row (or
 // column) of it has the same norm; the second moment is the lerp toward the means of u^2; a
@@ -702,5 +748,40 @@ TEST(OpsCuda, MuonTailMatchesCpuReference) {
     }
   }
   CUDA_CHECK(cudaStreamDestroy(stream));
+#endif
+}
+
+TEST(OpsCuda, MuonTailKeepsANaNMomentNaN) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+#if OPS_TEST_HAVE_CUDA
+  expect_a_nan_moment_poisons_its_matrix([](const std::vector<float>& u,
+                                            const std::vector<float>& p,
+                                            const std::vector<float>& sec, bool reduce_cols) {
+    const int64_t ws = ops::muon_tail_workspace(2, 4, 3, reduce_cols);
+    DeviceFloats du(u.size()), dp(p.size()), dsec(sec.size()), dws(static_cast<size_t>(ws)), ds(2),
+        dg(2);
+    du.upload(u, 0);
+    dp.upload(p, 0);
+    dsec.upload(sec, 0);
+    ds.upload({0.02f, 0.95f}, 0);
+    dg.upload({1.f, 1.f}, 0);
+    ops::muon_tail_cuda({.u = du.at(0),
+                         .p = dp.at(0),
+                         .out = dp.at(0),
+                         .sec = dsec.at(0),
+                         .count = 2,
+                         .rows = 4,
+                         .cols = 3,
+                         .reduce_cols = reduce_cols,
+                         .lr = ds.at(0),
+                         .beta2 = ds.at(1),
+                         .gate = dg.at(0),
+                         .matrices_per_gate = 1,
+                         .aspect = 1.f,
+                         .workspace = dws.at(0)},
+                        nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    return dp.download(p.size(), 0);
+  });
 #endif
 }
