@@ -7,7 +7,7 @@
 // descriptor and the event's handle once per connection (ipc/handle_socket.h). At a snapshot it
 // copies its share device-to-device on a side stream, after what its compute stream has queued,
 // and records the event; the compute stream waits for the copy (on the device) only before the
-// next update. The checkpointer imports the buffer, waits for the event on a stream of its own,
+// next update. The checkpointer imports the buffer, waits for the event (polled on the host),
 // copies device-to-host into page-locked memory and writes from there: the rank's stall is the
 // issue of one device-to-device copy.
 //
@@ -90,8 +90,9 @@ class ImportedBuffer {
   ImportedBuffer(const ImportedBuffer&) = delete;
   ImportedBuffer& operator=(const ImportedBuffer&) = delete;
 
-  // Waits (on the device) for the rank's last recorded copy, copies [0, bytes) into page-locked
-  // host memory kept for the next call, and waits for that on the host, polling: returns an
+  // Waits (polling the event on the host, never on a stream: a dead rank's event may never
+  // complete) for the rank's last recorded copy, copies [0, bytes) into page-locked host memory
+  // kept for the next call on this object's stream, and waits for that, polling: returns an
   // empty span when `abandon()` turns true (the rank is gone) or `timeout` passes first. The
   // bytes stay valid until the next call.
   std::span<const std::byte> copy_to_host(uint64_t bytes, std::chrono::milliseconds timeout,

@@ -43,21 +43,24 @@ void run(megacpp::stage::StageContext& ctx) {
   megacpp::checkpointer::Service service(
       store, router, &ctx.journal(), [&ctx](Phase p) { ctx.set_phase(p); },
       [&ctx](uint32_t step) { megacpp::stage::fault_point(ctx, "write", step); });
+  // Progress: every turn of this loop (a message handled or 200 ms of quiet), every chunk of a
+  // rank file that reaches the disk, every turn of a bounded wait for a rank's staged copy. A
+  // write blocked in the kernel or a wedged loop stops the stamps, and the supervisor restarts
+  // the checkpointer on its stall budget.
+  auto progress = [&ctx, &service] {
+    ctx.control().report_progress(service.committed(), service.oldest_pending_ns());
+  };
+  store.set_progress(progress);
   // Ranks that stage their snapshots in exported buffers (device memory) send them here.
   std::unique_ptr<megacpp::checkpointer::StagingImports> imports;
   if (const auto socket =
           megacpp::layout::staged_handle_socket(launch.getCheckpointEndpoint().cStr());
       !socket.empty()) {
-    imports = std::make_unique<megacpp::checkpointer::StagingImports>(socket);
+    megacpp::checkpointer::StagingImports::Options options;
+    options.progress = progress;
+    imports = std::make_unique<megacpp::checkpointer::StagingImports>(socket, options);
     service.set_staging_imports(imports.get());
   }
-  // Progress: every turn of this loop (a message handled or 200 ms of quiet) and every chunk
-  // of a rank file that reaches the disk. A write blocked in the kernel or a wedged loop
-  // stops the stamps, and the supervisor restarts the checkpointer on its stall budget.
-  auto progress = [&ctx, &service] {
-    ctx.control().report_progress(service.committed(), service.oldest_pending_ns());
-  };
-  store.set_progress(progress);
   ctx.set_phase(Phase::IDLE);
   // On stop, messages already queued are still handled; the loop ends at the first quiet
   // receive (or at once when no step is partially received).

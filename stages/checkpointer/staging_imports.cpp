@@ -44,6 +44,9 @@ void StagingImports::receive_all() {
       auto im = std::make_unique<Import>();
       im->info = ipc::decode_staged_buffer(msg->payload());
       im->conn = std::move(conn);
+      // The rank's earlier import goes first: a rank that reconnects to this process sends the
+      // same allocation and IPC event again, which the driver may refuse to open twice.
+      imports_.erase(im->info.rank);
       try {
         if (im->info.kind == ipc::kStagedMemfd) {
           im->memfd = std::make_unique<ipc::MemfdBuffer>(msg->fd(0), im->info.mapping_bytes);
@@ -94,14 +97,20 @@ StagingImports::Read StagingImports::read(uint32_t rank, uint64_t generation, ui
       }
     }
     if (Clock::now() >= buffer_deadline) return {Status::kNoBuffer, {}};
+    if (options_.progress) options_.progress();
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   MEGACPP_CHECK(bytes <= im->info.bytes, ErrorKind::kProtocol,
                 fmt::format("rank {}'s snapshot needs {} bytes of its {}-byte staging buffer", rank,
                             bytes, im->info.bytes));
-  if (gone(*im)) return {Status::kRankGone, {}};
+  // Refused first: a refused rank closes this connection when it moves to host staging, and
+  // its snapshots still queued are refused, not reported as a dead rank's.
   if (!im->refused.empty()) return {Status::kRefused, {}, im->refused};
-  auto abandon = [this, im] { return gone(*im); };
+  if (gone(*im)) return {Status::kRankGone, {}};
+  auto abandon = [this, im] {
+    if (options_.progress) options_.progress();
+    return gone(*im);
+  };
   if (im->memfd) {
     const auto deadline = Clock::now() + copy_wait;
     for (auto nap = std::chrono::microseconds(20); !im->memfd->copies_done();
@@ -112,7 +121,23 @@ StagingImports::Read StagingImports::read(uint32_t rank, uint64_t generation, ui
     }
     return {Status::kOk, {im->memfd->data(), bytes}};
   }
-  auto host = im->cuda->copy_to_host(bytes, copy_wait, abandon);
+  std::span<const std::byte> host;
+  try {
+    host = im->cuda->copy_to_host(bytes, copy_wait, abandon);
+  } catch (const Error& e) {
+    // A driver error after the import (page-locked memory refused, a copy that failed) would
+    // fail a relaunched checkpointer the same way: the buffer is refused from now on, as one
+    // that cannot be imported, and the rank stages in host memory. A dead rank's error is its
+    // death's.
+    if (e.kind() == ErrorKind::kProtocol) throw;
+    if (gone(*im)) return {Status::kRankGone, {}};
+    im->refused = e.what();
+    log_error(
+        "cannot copy rank {}'s {} staging buffer (generation {:#x}): {}; its snapshots are "
+        "refused until it stages them in host memory",
+        rank, im->info.kind, im->info.generation, im->refused);
+    return {Status::kRefused, {}, im->refused};
+  }
   if (host.size() != bytes) return {gone(*im) ? Status::kRankGone : Status::kNotCopied, {}};
   return {Status::kOk, host};
 }

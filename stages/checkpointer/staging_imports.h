@@ -11,14 +11,16 @@
 // Failure: a malformed StagedBuffer drops that connection (logged); a buffer that cannot be
 // imported here (no driver, another device, a driver that refuses the descriptor) is refused:
 // logged by rank, its connection kept (the rank's death is still seen), and read() answers
-// kRefused with the reason until the rank sends another buffer. Expected conditions are read()'s
-// statuses; nothing a rank sends makes this process fail.
+// kRefused with the reason until the rank sends another buffer; so is one whose copy fails in
+// the driver after its import. Expected conditions are read()'s statuses; nothing a rank sends
+// makes this process fail.
 #pragma once
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -33,11 +35,16 @@ namespace megacpp::checkpointer {
 class StagingImports {
  public:
   // How long read() waits for a rank's descriptor (it may arrive just after the SnapshotReady,
-  // on another socket) and for the rank's copy into the buffer (a device-to-device copy of the
-  // share: milliseconds). Past either the snapshot is refused and re-sent, not failed.
+  // on another socket) and for the rank's copy into the buffer and this process's copy out of
+  // it (a device-to-device copy of the share: milliseconds; device to host: about a second for
+  // 20 GiB). Past either the snapshot is acked ok=false and re-sent, not failed: both waits
+  // together stay well below the checkpointer's stall budget (60 s) and the ranks' lease wait,
+  // since one rank's wait delays every snapshot queued behind it. `progress` (may be empty) is
+  // called on every turn of the waits: the checkpointer's loop is moving while it polls a rank.
   struct Options {
     std::chrono::milliseconds buffer_wait{5000};
-    std::chrono::milliseconds copy_wait{60000};
+    std::chrono::milliseconds copy_wait{20000};
+    std::function<void()> progress;
   };
   // Binds the handle socket at `socket` (a stale one of a killed checkpointer is replaced).
   StagingImports(std::filesystem::path socket, Options options);

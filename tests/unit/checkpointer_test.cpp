@@ -1215,6 +1215,28 @@ TEST_F(StagedServiceTest, ASnapshotOfARankThatDiedIsDroppedWithoutFailingTheChec
   EXPECT_TRUE(receive_ack(1).ok);
 }
 
+// A buffer this process cannot import (here a memfd sent as device memory on a device that does
+// not exist: no driver, or no such device) is refused; the rank then stages in host memory and
+// closes its connection, and its staged snapshots still queued are refused too (acked), not dropped
+// as a dead rank's.
+TEST_F(StagedServiceTest, ARefusedRankThatMovedToHostStagingIsNotTakenForDead) {
+  staged_[0].info.kind = std::string(ipc::kStagedCuda);
+  staged_[0].info.device = "0000:ff:1f.7";
+  staged_[0].info.event = std::string(64, '\0');  // an IPC event handle's size
+  send_buffer(0);
+  send_staged(0, 4, 1);
+  EXPECT_NO_THROW(serve_one());
+  const Ack first = receive_ack(0);
+  EXPECT_FALSE(first.ok);
+  EXPECT_NE(first.error.find("cannot import"), std::string::npos) << first.error;
+  send_staged(0, 4, 1);  // a re-send queued before the rank moved to host staging
+  staged_[0].conn.reset();
+  EXPECT_NO_THROW(serve_one());
+  const Ack second = receive_ack(0);
+  EXPECT_FALSE(second.ok);
+  EXPECT_NE(second.error.find("cannot import"), std::string::npos) << second.error;
+}
+
 TEST_F(StagedServiceTest, ARestartedCheckpointerImportsTheBufferAgain) {
   send_buffer(0);
   send_staged(0, 3, 1);

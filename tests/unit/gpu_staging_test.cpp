@@ -2,19 +2,24 @@
 // process (the rank) is imported by gpu_staging_peer (the checkpointer's StagingImports) through
 // the handle socket; the peer killed and started again imports it again; a rank whose
 // connection closed is refused by name. Label gpu: without a CUDA driver and device every case
-// skips with the reason.
+// skips with the reason. ctest gpu_staging_on_fake_driver runs the same binary on any machine
+// against tests/unit/fake_cuda.cpp (MEGACPP_FAKE_CUDA=1), which also holds a copy or fails a
+// call for the failure cases a real device cannot be made to show on demand.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/error.h"
@@ -63,17 +68,33 @@ class Peer {
   }
   ~Peer() { stop(SIGKILL); }
   std::string read(int i) {
-    std::fprintf(to_, "read %d\n", i);
-    std::fflush(to_);
+    ask(i);
     return line();
   }
+  // read() in two halves, for acting while the peer waits.
+  void ask(int i) {
+    std::fprintf(to_, "read %d\n", i);
+    std::fflush(to_);
+  }
+  std::string answer() { return line(); }
   int stop(int sig) {
     if (pid_ <= 0) return -1;
     if (sig != 0) ::kill(pid_, sig);
     if (to_ != nullptr) std::fclose(to_);
     to_ = nullptr;
+    // Bounded: a peer hung releasing its import (a stream held by a dead rank's event) fails the
+    // test instead of hanging it.
     int status = 0;
-    ::waitpid(pid_, &status, 0);
+    const auto deadline = std::chrono::steady_clock::now() + 15s;
+    while (::waitpid(pid_, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        ADD_FAILURE() << "gpu_staging_peer did not exit within 15 s of its end of input: hung";
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(10ms);
+    }
     pid_ = -1;
     if (from_ != nullptr) std::fclose(from_);
     from_ = nullptr;
@@ -168,6 +189,102 @@ TEST(GpuStaging, AnExportedBufferIsReadByTheCheckpointerAcrossItsRestart) {
   const int status = peer.stop(0);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   buffer.synchronize();
+}
+
+// The staging buffer of the tests below, described as a rank sends it.
+struct Exported {
+  explicit Exported(uint64_t bytes) : buffer(0, bytes) {
+    info.rank = 0;
+    info.generation = megacpp::ipc::new_staged_generation();
+    info.kind = std::string(megacpp::ipc::kStagedCuda);
+    info.bytes = buffer.bytes();
+    info.mapping_bytes = buffer.mapping_bytes();
+    info.device = buffer.pci_bus_id();
+    info.event = buffer.event_handle();
+  }
+  std::unique_ptr<megacpp::ipc::HandleConnection> connect(const fs::path& socket) {
+    auto conn = megacpp::ipc::HandleConnection::connect(socket, megacpp::ipc::Millis(10000));
+    EXPECT_TRUE(conn != nullptr);
+    const int fd = buffer.fd();
+    EXPECT_TRUE(conn->send(megacpp::ipc::encode_staged_buffer(info), std::span<const int>(&fd, 1),
+                           megacpp::ipc::Millis(2000)));
+    return conn;
+  }
+  megacpp::gpu::ExportedBuffer buffer;
+  megacpp::ipc::StagedBufferInfo info;
+};
+
+// Sets an environment variable for this scope (the fake driver reads it at each call, and a
+// peer spawned meanwhile inherits it).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
+  ~ScopedEnv() { ::unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+
+bool on_fake_driver(std::string* why) {
+  if (std::getenv("MEGACPP_FAKE_CUDA") == nullptr) {
+    *why =
+        "a real device cannot hold a copy or fail a call on demand: ctest "
+        "gpu_staging_on_fake_driver runs this case against the fake driver";
+    return false;
+  }
+  return megacpp::gpu::driver_available(why);
+}
+
+// A rank that dies while the checkpointer waits for its copy (the copy never ends): the wait is
+// abandoned when the connection closes, the snapshot is refused by name, and the checkpointer
+// neither fails nor hangs releasing the import.
+TEST(GpuStaging, ARankThatDiesWithItsCopyQueuedLeavesTheCheckpointerUp) {
+  std::string why;
+  if (!on_fake_driver(&why)) GTEST_SKIP() << why;
+  megacpp::test_support::TempDir dir;
+  const fs::path socket = dir.path() / "staging";
+  constexpr uint64_t kBytes = 1 << 20;
+  megacpp::gpu::DeviceBlock src(0, kBytes);
+  Exported staged(kBytes);
+  const megacpp::gpu::CopyPiece piece{0, src.pointer(), kBytes};
+  Peer peer(socket, staged.info.generation, kBytes, dir.path());
+  auto conn = staged.connect(socket);
+  {
+    ScopedEnv hold("MEGACPP_FAKE_CUDA_HOLD", "1");
+    staged.buffer.copy_async(nullptr, std::span(&piece, 1));
+  }
+  peer.ask(1);
+  std::this_thread::sleep_for(300ms);  // the peer polls the rank's event meanwhile
+  conn.reset();
+  EXPECT_EQ(peer.answer(), "status 1 gone");
+  const int status = peer.stop(0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+// A copy out of the buffer that the driver refuses after the import (page-locked memory not
+// given): the rank's snapshots are refused with the driver's reason, and the checkpointer stays.
+TEST(GpuStaging, ADriverErrorAfterTheImportIsARefusalNotACrash) {
+  std::string why;
+  if (!on_fake_driver(&why)) GTEST_SKIP() << why;
+  megacpp::test_support::TempDir dir;
+  const fs::path socket = dir.path() / "staging";
+  constexpr uint64_t kBytes = 1 << 20;
+  megacpp::gpu::DeviceBlock src(0, kBytes);
+  Exported staged(kBytes);
+  const megacpp::gpu::CopyPiece piece{0, src.pointer(), kBytes};
+  std::unique_ptr<Peer> peer;
+  {
+    ScopedEnv fail("MEGACPP_FAKE_CUDA_FAIL", "cuMemHostAlloc");
+    peer = std::make_unique<Peer>(socket, staged.info.generation, kBytes, dir.path());
+  }
+  auto conn = staged.connect(socket);
+  staged.buffer.copy_async(nullptr, std::span(&piece, 1));
+  EXPECT_EQ(peer->read(1), "status 1 refused");
+  EXPECT_EQ(peer->read(2), "status 2 refused");
+  const int status = peer->stop(0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
 }
 
 TEST(GpuStaging, WithoutADriverTheReasonIsOneLine) {
