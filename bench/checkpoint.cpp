@@ -206,7 +206,7 @@ int main(int argc, char** argv) {
         double blocked = 0;
         auto t0 = Clock::now();
         mc::trainer::SnapshotLayout started;
-        mc::trainer::SnapshotCopy copy = ts.start_staged_copy(*target, &started);
+        mc::trainer::SnapshotCopy copy = ts.start_staged_copy(*target, step_index, &started);
         blocked += since(t0);
         mc::trainer::StepHooks hooks;
         hooks.before_update = [&] {

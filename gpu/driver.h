@@ -52,6 +52,7 @@ namespace megacpp::gpu::detail {
   X(cuMemcpyDtoH)                   \
   X(cuMemcpyDtoDAsync)              \
   X(cuMemcpyDtoHAsync)              \
+  X(cuMemsetD32Async)               \
   X(cuStreamCreate)                 \
   X(cuStreamDestroy)                \
   X(cuStreamWaitEvent)              \

@@ -203,7 +203,8 @@ ExportedBuffer::ExportedBuffer(int ordinal, uint64_t bytes) : impl_(std::make_un
   size_t granularity = 0;
   CU_CHECK(
       d, cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
-  const uint64_t size = (bytes + granularity - 1) / granularity * granularity;
+  const uint64_t sealed = seal_offset(bytes) + kSealBytes;
+  const uint64_t size = (sealed + granularity - 1) / granularity * granularity;
   CUmemGenericAllocationHandle handle = 0;
   CU_CHECK(d, cuMemCreate(&handle, size, &prop, 0));
   s.handle = Allocation(d, handle);
@@ -214,6 +215,9 @@ ExportedBuffer::ExportedBuffer(int ordinal, uint64_t bytes) : impl_(std::make_un
   s.mapping.map(d, handle, size, s.dev);
   s.bytes = bytes;
   s.side = make_stream(d);
+  // Unsealed until a copy completes: the allocation's bytes are undefined.
+  CU_CHECK(d, cuMemsetD32Async(s.mapping.ptr() + seal_offset(bytes), 0xffffffffu, kSealBytes / 4,
+                               s.side.get()));
   s.after_compute = make_event(d, CU_EVENT_DISABLE_TIMING);
   s.done = make_event(d, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
   CUipcEventHandle h{};
@@ -245,9 +249,10 @@ void* ExportedBuffer::device_pointer() const noexcept {
   return reinterpret_cast<void*>(impl_->mapping.ptr());
 }
 
-void ExportedBuffer::copy_async(void* stream, std::span<const CopyPiece> pieces) {
+void ExportedBuffer::copy_async(void* stream, std::span<const CopyPiece> pieces, uint64_t seal) {
   Impl& s = *impl_;
   const Driver& d = *s.d;
+  MEGACPP_CHECK(seal != kNoSeal, ErrorKind::kInternal, "a staging copy sealed as no copy");
   s.ctx->make_current();
   auto* compute = static_cast<CUstream>(stream);
   for (const CopyPiece& p : pieces) {
@@ -262,6 +267,10 @@ void ExportedBuffer::copy_async(void* stream, std::span<const CopyPiece> pieces)
     CU_CHECK(d, cuMemcpyDtoDAsync(s.mapping.ptr() + p.offset, reinterpret_cast<CUdeviceptr>(p.src),
                                   p.bytes, s.side.get()));
   }
+  // The seal after the copies on the same stream: written only if they ran.
+  const CUdeviceptr at = s.mapping.ptr() + seal_offset(s.bytes);
+  CU_CHECK(d, cuMemsetD32Async(at, static_cast<unsigned>(seal), 1, s.side.get()));
+  CU_CHECK(d, cuMemsetD32Async(at + 4, static_cast<unsigned>(seal >> 32), 1, s.side.get()));
   CU_CHECK(d, cuEventRecord(s.done.get(), s.side.get()));
   s.copied = true;
 }
@@ -296,7 +305,8 @@ struct ImportedBuffer::Impl {
   std::unique_ptr<PrimaryContext> ctx;
   Allocation handle;
   Mapping mapping;
-  HostMemory host;  // page-locked, host_bytes long
+  uint64_t bytes = 0;  // usable, the seal after them
+  HostMemory host;     // page-locked: host_bytes, then the seal's copy
   uint64_t host_bytes = 0;
   Event rank_done;  // the rank's event, opened here
   Event copied;
@@ -308,11 +318,16 @@ struct ImportedBuffer::Impl {
   }
 };
 
-ImportedBuffer::ImportedBuffer(int fd, uint64_t mapping_bytes, std::string_view pci_bus_id,
-                               std::string_view event_handle)
+ImportedBuffer::ImportedBuffer(int fd, uint64_t bytes, uint64_t mapping_bytes,
+                               std::string_view pci_bus_id, std::string_view event_handle)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   const Driver& d = *s.d;
+  MEGACPP_CHECK(bytes <= mapping_bytes && seal_offset(bytes) + kSealBytes <= mapping_bytes,
+                ErrorKind::kProtocol,
+                fmt::format("a {}-byte staging buffer and its seal in a {}-byte allocation", bytes,
+                            mapping_bytes));
+  s.bytes = bytes;
   CUipcEventHandle h{};
   MEGACPP_CHECK(event_handle.size() == sizeof h.reserved, ErrorKind::kProtocol,
                 fmt::format("an IPC event handle of {} bytes (the driver's are {})",
@@ -361,15 +376,15 @@ bool poll_event(const Driver& d, CUevent event, std::chrono::steady_clock::time_
 }
 }  // namespace
 
-std::span<const std::byte> ImportedBuffer::copy_to_host(uint64_t bytes,
-                                                        std::chrono::milliseconds timeout,
-                                                        const std::function<bool()>& abandon) {
+ImportedBuffer::HostCopy ImportedBuffer::copy_to_host(uint64_t bytes, uint64_t seal,
+                                                      std::chrono::milliseconds timeout,
+                                                      const std::function<bool()>& abandon) {
+  using Status = HostCopy::Status;
   Impl& s = *impl_;
   const Driver& d = *s.d;
-  if (bytes == 0) return {};  // an empty share: nothing to wait for or copy
-  MEGACPP_CHECK(bytes <= s.mapping.size(), ErrorKind::kProtocol,
-                fmt::format("a {}-byte snapshot in a {}-byte device staging buffer", bytes,
-                            s.mapping.size()));
+  MEGACPP_CHECK(
+      bytes <= s.bytes, ErrorKind::kProtocol,
+      fmt::format("a {}-byte snapshot in a {}-byte device staging buffer", bytes, s.bytes));
   s.ctx->make_current();
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   // The rank's copy is waited for on the host, not with cuStreamWaitEvent: a rank that dies with
@@ -382,22 +397,29 @@ std::span<const std::byte> ImportedBuffer::copy_to_host(uint64_t bytes,
     CU_CHECK(d, cuEventSynchronize(s.copied.get()));
     s.in_flight = false;
   }
-  if (s.host_bytes < bytes) {
+  if (!s.host || s.host_bytes < bytes) {
     s.host.reset();
     s.host_bytes = 0;
     void* host = nullptr;
-    CU_CHECK(d, cuMemHostAlloc(&host, bytes, 0));
+    CU_CHECK(d, cuMemHostAlloc(&host, seal_offset(bytes) + kSealBytes, 0));
     s.host = HostMemory(d, host);
     s.host_bytes = bytes;
   }
-  CU_CHECK(d, cuMemcpyDtoHAsync(s.host.get(), s.mapping.ptr(), bytes, s.stream.get()));
+  auto* host = static_cast<std::byte*>(s.host.get());
+  std::byte* host_seal = host + seal_offset(s.host_bytes);
+  if (bytes > 0) CU_CHECK(d, cuMemcpyDtoHAsync(host, s.mapping.ptr(), bytes, s.stream.get()));
+  CU_CHECK(d, cuMemcpyDtoHAsync(host_seal, s.mapping.ptr() + seal_offset(s.bytes), kSealBytes,
+                                s.stream.get()));
   CU_CHECK(d, cuEventRecord(s.copied.get(), s.stream.get()));
   s.in_flight = true;
   // This process's own copy: it ends (the memory stays while imported, whatever the rank does);
   // polled so that `abandon` can still end the wait early.
   if (!poll_event(d, s.copied.get(), deadline, abandon)) return {};
   s.in_flight = false;
-  return {static_cast<const std::byte*>(s.host.get()), bytes};
+  uint64_t found = 0;
+  std::memcpy(&found, host_seal, sizeof found);
+  if (found != seal) return {Status::kUnsealed, {}, found};
+  return {Status::kOk, {host, bytes}, found};
 }
 
 // The memory, then the context.
@@ -480,7 +502,7 @@ const std::string& ExportedBuffer::event_handle() const noexcept {
 void* ExportedBuffer::device_pointer() const noexcept {
   return nullptr;
 }
-void ExportedBuffer::copy_async(void*, std::span<const CopyPiece>) {
+void ExportedBuffer::copy_async(void*, std::span<const CopyPiece>, uint64_t) {
   unbuilt();
 }
 void ExportedBuffer::order_after_copy(void*) {
@@ -492,12 +514,12 @@ void ExportedBuffer::synchronize() {
 void ExportedBuffer::read(std::span<std::byte>) {
   unbuilt();
 }
-ImportedBuffer::ImportedBuffer(int, uint64_t, std::string_view, std::string_view) {
+ImportedBuffer::ImportedBuffer(int, uint64_t, uint64_t, std::string_view, std::string_view) {
   unbuilt();
 }
 ImportedBuffer::~ImportedBuffer() = default;
-std::span<const std::byte> ImportedBuffer::copy_to_host(uint64_t, std::chrono::milliseconds,
-                                                        const std::function<bool()>&) {
+ImportedBuffer::HostCopy ImportedBuffer::copy_to_host(uint64_t, uint64_t, std::chrono::milliseconds,
+                                                      const std::function<bool()>&) {
   unbuilt();
 }
 

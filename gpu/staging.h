@@ -36,6 +36,18 @@ bool built() noexcept;
 // Whether a CUDA driver can be loaded and initialised here; `why` says why not.
 bool driver_available(std::string* why = nullptr);
 
+// Every copy into a staging buffer ends by writing its seal (the snapshot's step) past the
+// buffer's usable bytes, on the same stream, and the importer checks it after copying out: a copy
+// that never ran (its rank died or its context failed with the copy queued) is never taken for
+// one that did, whatever the driver then reports of the rank's event (undocumented for a dead
+// exporter). The seal lies at seal_offset(bytes), kSealBytes long, inside the mapping.
+inline constexpr uint64_t kSealBytes = 8;
+constexpr uint64_t seal_offset(uint64_t bytes) noexcept {
+  return (bytes + 7) / 8 * 8;
+}
+// The seal of a buffer no copy has completed into (no step is this).
+inline constexpr uint64_t kNoSeal = ~uint64_t{0};
+
 // One piece of a share: `bytes` from device pointer `src` to `offset` in the buffer.
 struct CopyPiece {
   uint64_t offset = 0;
@@ -61,9 +73,9 @@ class ExportedBuffer {
 
   // Issues the copies on the side stream after everything queued so far on `stream` (a
   // CUstream / cudaStream_t of the buffer's device; nullptr: the legacy default stream), then
-  // records the event. Returns once issued. The sources must stay valid and unchanged until
-  // order_after_copy's stream passes the copy.
-  void copy_async(void* stream, std::span<const CopyPiece> pieces);
+  // the seal `seal` (kNoSeal is refused), then records the event. Returns once issued. The
+  // sources must stay valid and unchanged until order_after_copy's stream passes the copy.
+  void copy_async(void* stream, std::span<const CopyPiece> pieces, uint64_t seal);
   // Makes `stream` wait, on the device, for the last copy. Never blocks the host.
   void order_after_copy(void* stream);
   // Blocks the host until the last copy is done.
@@ -83,20 +95,30 @@ class ExportedBuffer {
 // device (found by PCI bus id), its event opened.
 class ImportedBuffer {
  public:
-  // Imports `fd` (not taken: the caller closes it; the import holds its own reference).
-  ImportedBuffer(int fd, uint64_t mapping_bytes, std::string_view pci_bus_id,
+  // Imports `fd` (not taken: the caller closes it; the import holds its own reference) of a
+  // buffer of `bytes` usable bytes (its seal after them) in an allocation of `mapping_bytes`.
+  ImportedBuffer(int fd, uint64_t bytes, uint64_t mapping_bytes, std::string_view pci_bus_id,
                  std::string_view event_handle);
   ~ImportedBuffer();
   ImportedBuffer(const ImportedBuffer&) = delete;
   ImportedBuffer& operator=(const ImportedBuffer&) = delete;
 
+  struct HostCopy {
+    enum class Status {
+      kOk,        // `bytes` hold the copy sealed `seal`
+      kWaiting,   // `abandon()` turned true or the timeout passed first
+      kUnsealed,  // the buffer is sealed `found`, not `seal`: that copy never ran
+    };
+    Status status = Status::kWaiting;
+    std::span<const std::byte> bytes;  // valid until the next call
+    uint64_t found = kNoSeal;          // kUnsealed: the seal the buffer holds
+  };
   // Waits (polling the event on the host, never on a stream: a dead rank's event may never
-  // complete) for the rank's last recorded copy, copies [0, bytes) into page-locked host memory
-  // kept for the next call on this object's stream, and waits for that, polling: returns an
-  // empty span when `abandon()` turns true (the rank is gone) or `timeout` passes first. The
-  // bytes stay valid until the next call.
-  std::span<const std::byte> copy_to_host(uint64_t bytes, std::chrono::milliseconds timeout,
-                                          const std::function<bool()>& abandon);
+  // complete) for the rank's last recorded copy, copies [0, bytes) and the seal into page-locked
+  // host memory kept for the next call on this object's stream, waits for that, polling, and
+  // checks the seal against `seal`.
+  HostCopy copy_to_host(uint64_t bytes, uint64_t seal, std::chrono::milliseconds timeout,
+                        const std::function<bool()>& abandon);
 
   struct Impl;
 

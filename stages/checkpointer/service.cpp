@@ -176,7 +176,7 @@ void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Re
                                   t.getOffset(), t.getBytes()));
         needed = std::max(needed, t.getOffset() + t.getBytes());
       }
-      const auto got = imports_->read(rank, generation, needed);
+      const auto got = imports_->read(rank, generation, needed, step);
       using Status = StagingImports::Status;
       if (got.status == Status::kRankGone) {
         // Nobody to ack: the supervisor sees the rank's death and names it.
@@ -202,6 +202,8 @@ void Service::handle_snapshot(const std::string& peer, schema::SnapshotReady::Re
                       "no staging buffer of generation {:#x} from rank {} on {} within {} s",
                       generation, rank, imports_->path().string(),
                       imports_->options().buffer_wait.count() / 1000.0)
+            : !got.why.empty()
+                ? got.why
                 : fmt::format("rank {}'s copy into its staging buffer did not finish within {} s",
                               rank, imports_->options().copy_wait.count() / 1000.0);
         log_warn("not writing rank {}'s snapshot of step {} yet: {}", rank, step, why);

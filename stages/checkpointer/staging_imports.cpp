@@ -51,8 +51,8 @@ void StagingImports::receive_all() {
         if (im->info.kind == ipc::kStagedMemfd) {
           im->memfd = std::make_unique<ipc::MemfdBuffer>(msg->fd(0), im->info.mapping_bytes);
         } else {
-          im->cuda = std::make_unique<gpu::ImportedBuffer>(msg->fd(0), im->info.mapping_bytes,
-                                                           im->info.device, im->info.event);
+          im->cuda = std::make_unique<gpu::ImportedBuffer>(
+              msg->fd(0), im->info.bytes, im->info.mapping_bytes, im->info.device, im->info.event);
         }
         log_info("imported rank {}'s staging buffer ({}, {} bytes, generation {:#x})",
                  im->info.rank, im->info.kind, im->info.bytes, im->info.generation);
@@ -82,7 +82,8 @@ bool StagingImports::gone(const Import& im) {
   return im.conn->peer_gone();
 }
 
-StagingImports::Read StagingImports::read(uint32_t rank, uint64_t generation, uint64_t bytes) {
+StagingImports::Read StagingImports::read(uint32_t rank, uint64_t generation, uint64_t bytes,
+                                          uint64_t step) {
   using Clock = std::chrono::steady_clock;
   const auto buffer_wait = options_.buffer_wait;
   const auto copy_wait = options_.copy_wait;
@@ -121,9 +122,9 @@ StagingImports::Read StagingImports::read(uint32_t rank, uint64_t generation, ui
     }
     return {Status::kOk, {im->memfd->data(), bytes}};
   }
-  std::span<const std::byte> host;
+  gpu::ImportedBuffer::HostCopy host;
   try {
-    host = im->cuda->copy_to_host(bytes, copy_wait, abandon);
+    host = im->cuda->copy_to_host(bytes, step, copy_wait, abandon);
   } catch (const Error& e) {
     // A driver error after the import (page-locked memory refused, a copy that failed) would
     // fail a relaunched checkpointer the same way: the buffer is refused from now on, as one
@@ -138,8 +139,18 @@ StagingImports::Read StagingImports::read(uint32_t rank, uint64_t generation, ui
         rank, im->info.kind, im->info.generation, im->refused);
     return {Status::kRefused, {}, im->refused};
   }
-  if (host.size() != bytes) return {gone(*im) ? Status::kRankGone : Status::kNotCopied, {}};
-  return {Status::kOk, host};
+  using Copy = gpu::ImportedBuffer::HostCopy::Status;
+  if (host.status == Copy::kOk) return {Status::kOk, host.bytes};
+  if (gone(*im)) return {Status::kRankGone, {}};
+  if (host.status == Copy::kUnsealed)
+    return {Status::kNotCopied,
+            {},
+            host.found == gpu::kNoSeal
+                ? fmt::format("rank {}'s staging buffer holds no completed copy, not step {}'s",
+                              rank, step)
+                : fmt::format("rank {}'s staging buffer holds the copy of step {}, not step {}'s",
+                              rank, host.found, step)};
+  return {Status::kNotCopied, {}};
 }
 
 }  // namespace megacpp::checkpointer

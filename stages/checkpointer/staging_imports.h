@@ -60,18 +60,20 @@ class StagingImports {
     kOk,         // `bytes` hold the snapshot
     kNoBuffer,   // no buffer of that generation from the rank within the wait
     kRankGone,   // the rank's connection closed: it died, its copy may never finish
-    kNotCopied,  // the rank's copy did not finish within the wait
+    kNotCopied,  // the rank's copy did not finish within the wait, or never ran (`why`)
     kRefused,    // the rank's buffer cannot be imported here (`why`); a re-send will not help
   };
   struct Read {
     Status status = Status::kNoBuffer;
     std::span<const std::byte> bytes;  // valid until the next read() of that rank
-    std::string why = {};              // kRefused: the import's error
+    std::string why = {};              // kRefused: the import's error; kNotCopied: what was found
   };
   // The first `bytes` of `rank`'s buffer of `generation`, once the copy announced before the
   // SnapshotReady is done: waits up to buffer_wait for the descriptor, then up to copy_wait for
-  // the copy. Throws Error{kProtocol} when `bytes` exceeds the buffer.
-  Read read(uint32_t rank, uint64_t generation, uint64_t bytes);
+  // the copy. A device buffer's copy must carry the seal `step` (gpu/staging.h: a copy that never
+  // ran is kNotCopied, whatever its event says); the memfd's counters stand for it. Throws
+  // Error{kProtocol} when `bytes` exceeds the buffer.
+  Read read(uint32_t rank, uint64_t generation, uint64_t bytes, uint64_t step);
 
   const std::filesystem::path& path() const noexcept { return listener_.path(); }
   const Options& options() const noexcept { return options_; }

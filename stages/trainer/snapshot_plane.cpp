@@ -117,7 +117,7 @@ bool SnapshotPlane::take(uint32_t step, bool final) {
                                                stamp_offset() + ipc::kStagingStampBytes);
   }
   ipc::clear_staging_stamp(region_->data() + stamp_offset());
-  copy_ = staged_ ? ts_.start_staged_copy(*staged_, &copy_layout_)
+  copy_ = staged_ ? ts_.start_staged_copy(*staged_, step, &copy_layout_)
                   : ts_.start_snapshot_copy({region_->data(), share_bytes_}, &copy_layout_);
   copying_ = true;
   copy_step_ = step;

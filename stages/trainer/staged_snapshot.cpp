@@ -29,7 +29,7 @@ class MemfdStaging final : public StagingTarget {
 
   uint64_t bytes() const override { return buffer_.bytes(); }
   bool device() const override { return false; }
-  void copy_async(std::span<const StagingPiece> pieces) override {
+  void copy_async(std::span<const StagingPiece> pieces, uint64_t /*step*/) override {
     join();
     for (const StagingPiece& p : pieces) {
       MEGACPP_CHECK(p.offset <= bytes() && p.bytes <= bytes() - p.offset, ErrorKind::kInternal,
@@ -86,8 +86,8 @@ class CudaStaging final : public StagingTarget {
 
   uint64_t bytes() const override { return buffer_.bytes(); }
   bool device() const override { return true; }
-  void copy_async(std::span<const StagingPiece> pieces) override {
-    buffer_.copy_async(plugin_.api().current_stream(index_), pieces);
+  void copy_async(std::span<const StagingPiece> pieces, uint64_t step) override {
+    buffer_.copy_async(plugin_.api().current_stream(index_), pieces, step);
   }
   void order_after_copy() override {
     buffer_.order_after_copy(plugin_.api().current_stream(index_));

@@ -32,7 +32,9 @@ class StagingTarget {
   virtual uint64_t bytes() const = 0;
   // True when the pieces must be device pointers of the rank's device.
   virtual bool device() const = 0;
-  virtual void copy_async(std::span<const StagingPiece> pieces) = 0;
+  // Issues the copy of `pieces`, then seals it `step` (gpu/staging.h: the device buffer's proof
+  // that the copy ran; the memfd's counters stand for it there).
+  virtual void copy_async(std::span<const StagingPiece> pieces, uint64_t step) = 0;
   virtual void order_after_copy() = 0;
   // Blocks until the last copy is done and copies [0, dst.size()) of the buffer into host
   // memory: a snapshot the checkpointer could not import moves to host staging this way.

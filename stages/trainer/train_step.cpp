@@ -858,7 +858,8 @@ SnapshotCopy TrainStep::start_snapshot_copy(std::span<std::byte> region,
   return copy;
 }
 
-SnapshotCopy TrainStep::start_staged_copy(StagingTarget& target, SnapshotLayout* layout) const {
+SnapshotCopy TrainStep::start_staged_copy(StagingTarget& target, uint64_t step,
+                                          SnapshotLayout* layout) const {
   const auto share = snapshot_share();
   *layout = layout_of(share);
   MEGACPP_CHECK(target.bytes() >= layout->total_bytes, ErrorKind::kInvalidArgument,
@@ -892,7 +893,7 @@ SnapshotCopy TrainStep::start_staged_copy(StagingTarget& target, SnapshotLayout*
     pieces.push_back({layout->entries[i].offset, host.data_ptr(), layout->entries[i].bytes});
     state->keep.push_back(std::move(host));
   }
-  target.copy_async(pieces);
+  target.copy_async(pieces, step);
   state->target = &target;
   state->done.store(true, std::memory_order_release);
   SnapshotCopy copy;

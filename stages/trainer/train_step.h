@@ -240,11 +240,13 @@ class TrainStep {
   // (SnapshotCopy; StepHooks::before_update is where step() would). Throws as copy_snapshot.
   SnapshotCopy start_snapshot_copy(std::span<std::byte> region, SnapshotLayout* layout) const;
   // The same copy into an exported staging buffer (staged_snapshot.h): fills `*layout`, issues
-  // the copy into `target` and returns; the returned copy's wait() orders later changes of the
-  // share after it (target.order_after_copy()), and keeps what the copy reads alive until then.
-  // A tensor on another device than the target expects is copied now through torch. Throws
-  // Error{kInvalidArgument} if the target is smaller than the layout.
-  SnapshotCopy start_staged_copy(StagingTarget& target, SnapshotLayout* layout) const;
+  // the copy into `target`, sealed `step` (StagingTarget::copy_async), and returns; the returned
+  // copy's wait() orders later changes of the share after it (target.order_after_copy()), and
+  // keeps what the copy reads alive until then. A tensor on another device than the target
+  // expects is copied now through torch. Throws Error{kInvalidArgument} if the target is smaller
+  // than the layout.
+  SnapshotCopy start_staged_copy(StagingTarget& target, uint64_t step,
+                                 SnapshotLayout* layout) const;
 
   // Loads the parameters and this rank's optimizer state (moments, step counts, group
   // scalars) from a committed checkpoint: afterwards the next step() is bit-identical to

@@ -20,6 +20,9 @@
 //                                  that never ends: the rank died or hung with it queued)
 //   MEGACPP_FAKE_CUDA_FAIL=<entry> that entry point fails (cuMemHostAlloc: out of memory; any
 //                                  other: CUDA_ERROR_UNKNOWN)
+//   MEGACPP_FAKE_CUDA_DROP=1       asynchronous copies and sets issued now never run while their
+//                                  events complete (a context torn down with its work queued,
+//                                  reported done: what the driver does then is undocumented)
 //
 // A driver is process-wide state: the tables below are this library's, behind one mutex.
 #include <cuda.h>
@@ -90,6 +93,11 @@ thread_local CUcontext current = nullptr;
 bool failing(const char* entry) {
   const char* f = std::getenv("MEGACPP_FAKE_CUDA_FAIL");
   return f != nullptr && std::strcmp(f, entry) == 0;
+}
+
+bool dropping() {
+  const char* h = std::getenv("MEGACPP_FAKE_CUDA_DROP");
+  return h != nullptr && std::strcmp(h, "1") == 0;
 }
 
 bool holding() {
@@ -334,13 +342,24 @@ CUresult CUDAAPI cuMemcpyDtoH(void* dst, CUdeviceptr src, size_t bytes) {
 
 CUresult CUDAAPI cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream) {
   FAKE_ENTRY(cuMemcpyDtoDAsync);
+  if (dropping()) return CUDA_SUCCESS;
   std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream) {
   FAKE_ENTRY(cuMemcpyDtoHAsync);
+  if (dropping()) return CUDA_SUCCESS;
   std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t count, CUstream) {
+  FAKE_ENTRY(cuMemsetD32Async);
+  if (dst % 4 != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (dropping()) return CUDA_SUCCESS;
+  auto* p = reinterpret_cast<uint32_t*>(dst);
+  for (size_t i = 0; i < count; ++i) p[i] = value;
   return CUDA_SUCCESS;
 }
 

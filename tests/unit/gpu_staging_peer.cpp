@@ -1,7 +1,8 @@
 // The checkpointer's side of gpu_staging_test, in a process of its own (an IPC event cannot be
 // opened by the process that made it, and a forked child of a CUDA process cannot use CUDA):
 // binds the handle socket, and for each line "read <i>" on stdin reads rank 0's staged buffer of
-// the given generation through StagingImports, writes what it got to <out>/read-<i>.bin and
+// the given generation, as step i's snapshot, through StagingImports, writes what it got to
+// <out>/read-<i>.bin and
 // answers "status <i> <ok|no-buffer|gone|not-copied>". Exits 0 at the end of stdin.
 #include <cstdio>
 #include <fstream>
@@ -27,7 +28,7 @@ int main(int argc, char** argv) {
     std::cout << "listening" << std::endl;
     std::string word, index;
     while (std::cin >> word >> index) {
-      const auto got = imports.read(0, generation, bytes);
+      const auto got = imports.read(0, generation, bytes, std::stoull(index));
       const char* status = "ok";
       switch (got.status) {
         case StagingImports::Status::kOk: {

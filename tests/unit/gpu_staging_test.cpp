@@ -169,7 +169,7 @@ TEST(GpuStaging, AnExportedBufferIsReadByTheCheckpointerAcrossItsRestart) {
   {
     Peer peer(socket, info.generation, kBytes, dir.path());
     auto conn = connect();
-    buffer.copy_async(nullptr, pieces);  // after the upload, on the legacy default stream
+    buffer.copy_async(nullptr, pieces, 1);  // after the upload, on the legacy default stream
     EXPECT_EQ(peer.read(1), "status 1 ok");
     expect_staged(first, 1);
     // The checkpointer dies; its successor imports the buffer from the descriptor sent again.
@@ -180,9 +180,11 @@ TEST(GpuStaging, AnExportedBufferIsReadByTheCheckpointerAcrossItsRestart) {
   src.upload(second);
   Peer peer(socket, info.generation, kBytes, dir.path());
   auto conn = connect();
-  buffer.copy_async(nullptr, pieces);
+  buffer.copy_async(nullptr, pieces, 2);
   EXPECT_EQ(peer.read(2), "status 2 ok");
   expect_staged(second, 2);
+  // The buffer is sealed by step 2's copy: it is not step 4's, whatever its event says.
+  EXPECT_EQ(peer.read(4), "status 4 not-copied");
   // The rank's connection closes (as at its death): its snapshot is refused by name.
   conn.reset();
   EXPECT_EQ(peer.read(3), "status 3 gone");
@@ -253,7 +255,7 @@ TEST(GpuStaging, ARankThatDiesWithItsCopyQueuedLeavesTheCheckpointerUp) {
   auto conn = staged.connect(socket);
   {
     ScopedEnv hold("MEGACPP_FAKE_CUDA_HOLD", "1");
-    staged.buffer.copy_async(nullptr, std::span(&piece, 1));
+    staged.buffer.copy_async(nullptr, std::span(&piece, 1), 1);
   }
   peer.ask(1);
   std::this_thread::sleep_for(300ms);  // the peer polls the rank's event meanwhile
@@ -280,10 +282,38 @@ TEST(GpuStaging, ADriverErrorAfterTheImportIsARefusalNotACrash) {
     peer = std::make_unique<Peer>(socket, staged.info.generation, kBytes, dir.path());
   }
   auto conn = staged.connect(socket);
-  staged.buffer.copy_async(nullptr, std::span(&piece, 1));
+  staged.buffer.copy_async(nullptr, std::span(&piece, 1), 1);
   EXPECT_EQ(peer->read(1), "status 1 refused");
   EXPECT_EQ(peer->read(2), "status 2 refused");
   const int status = peer->stop(0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+// A copy that never ran while its event reports it done (a context torn down with the copy
+// queued): the seal it never wrote keeps the buffer from being taken for that step's snapshot;
+// the next copy that runs is read.
+TEST(GpuStaging, ACopyThatNeverRanIsNotTakenForOne) {
+  std::string why;
+  if (!on_fake_driver(&why)) GTEST_SKIP() << why;
+  megacpp::test_support::TempDir dir;
+  const fs::path socket = dir.path() / "staging";
+  constexpr uint64_t kBytes = 4096 + 3;
+  megacpp::gpu::DeviceBlock src(0, kBytes);
+  Exported staged(kBytes);
+  const megacpp::gpu::CopyPiece piece{0, src.pointer(), kBytes};
+  Peer peer(socket, staged.info.generation, kBytes, dir.path());
+  auto conn = staged.connect(socket);
+  {
+    ScopedEnv drop("MEGACPP_FAKE_CUDA_DROP", "1");
+    staged.buffer.copy_async(nullptr, std::span(&piece, 1), 1);
+  }
+  EXPECT_EQ(peer.read(1), "status 1 not-copied");
+  const auto bytes = pattern(kBytes, 3);
+  src.upload(bytes);
+  staged.buffer.copy_async(nullptr, std::span(&piece, 1), 2);
+  EXPECT_EQ(peer.read(2), "status 2 ok");
+  EXPECT_EQ(read_bytes(dir.path() / "read-2.bin"), bytes);
+  const int status = peer.stop(0);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
 }
 

@@ -922,7 +922,9 @@ class UnimportableStaging final : public StagingTarget {
   }
   uint64_t bytes() const override { return inner_->bytes(); }
   bool device() const override { return false; }
-  void copy_async(std::span<const StagingPiece> pieces) override { inner_->copy_async(pieces); }
+  void copy_async(std::span<const StagingPiece> pieces, uint64_t step) override {
+    inner_->copy_async(pieces, step);
+  }
   void order_after_copy() override { inner_->order_after_copy(); }
   void read_back(std::span<std::byte> dst) override { inner_->read_back(dst); }
   const ipc::StagedBufferInfo& info() const override { return info_; }
