@@ -73,7 +73,10 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
 MoeImpl::Dispatch MoeImpl::dispatch(const at::Tensor& flat) {
   const Routing r = route(*this, flat);
   const at::Tensor assigned = r.experts.reshape({-1});  // [N * k]
-  const at::Tensor counts = at::bincount(assigned, /*weights=*/{}, config_.n_experts);
+  // A scatter-add, not bincount: bincount's device path reads the input's maximum to size its
+  // output, a second wait of the host for the device beside the counts' own read below.
+  const at::Tensor counts = at::zeros({config_.n_experts}, assigned.options())
+                                .scatter_add_(0, assigned, at::ones_like(assigned));
   Dispatch d;
   d.order = std::get<1>(assigned.sort(std::optional<bool>(true), /*dim=*/0, /*descending=*/false));
   d.weights = r.weights.reshape({-1});
