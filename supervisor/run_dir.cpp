@@ -561,9 +561,11 @@ void JobController::plan_collectives() {
     p.backend = "nccl";
     // ProcessGroupNCCL reads these from the rank's environment. A value the user set is kept
     // (and recorded); otherwise: CleanUpOnly (2), so a collective that outlives the timeout
-    // aborts its communicator and the rank's wait throws, which the rank reports as a typed
-    // timeout, instead of TearDown's std::abort (a signal death with the watchdog's stack);
-    // the watchdog's own monitor on, given past the collective timeout.
+    // aborts its communicator and records the timeout in the group's error state, which the rank
+    // reads after its next host read of the device and reports as a typed timeout
+    // (trainer/collective.h check_async_error), instead of TearDown's std::abort (a signal death
+    // with the watchdog's stack); the watchdog's own monitor on, given past the collective
+    // timeout.
     auto integer = [&](const char* name, int fallback) {
       const auto v = foreign_env(name);
       if (!v) {

@@ -25,14 +25,31 @@ namespace {
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    std::string text = e.what();
-    if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) text = c10->what_without_backtrace();
+    const std::string text = exception_text(e);
     const bool timeout = deadline_ns > 0 && mono_ns() - started_ns >= deadline_ns;
     MEGACPP_FAIL(timeout ? ErrorKind::kTimeout : ErrorKind::kPeerFailure, "{}: {}", what, text);
   }
 }
 
 }  // namespace
+
+std::string exception_text(const std::exception& e) {
+  const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+  const std::string_view text = c10 != nullptr ? c10->what_without_backtrace() : e.what();
+  std::string out;
+  for (size_t at = 0; at <= text.size();) {
+    size_t end = text.find('\n', at);
+    if (end == std::string_view::npos) end = text.size();
+    std::string_view line = text.substr(at, end - at);
+    while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.remove_suffix(1);
+    if (!line.empty()) {
+      if (!out.empty()) out += "; ";
+      out += line;
+    }
+    at = end + 1;
+  }
+  return out;
+}
 
 ipc::PeerExchange* peer_exchange_of(const c10::intrusive_ptr<c10d::Backend>& pg) noexcept {
   auto* with = dynamic_cast<WithPeerExchange*>(pg.get());
@@ -68,6 +85,18 @@ void run_collectives(std::string_view what, const c10::intrusive_ptr<c10d::Backe
                 fmt::format("{}: the group's collectives were aborted by the supervisor's "
                             "teardown of the failed job",
                             what));
+}
+
+void check_async_error(std::string_view what, const c10::intrusive_ptr<c10d::Backend>& pg) {
+  if (!pg || pg->getBackendName() != "nccl") return;
+  const c10d::ErrorType e = pg->getError();
+  if (e == c10d::ErrorType::SUCCESS) return;
+  const char* which = e == c10d::ErrorType::TIMEOUT        ? "a collective timed out"
+                      : e == c10d::ErrorType::REMOTE_ERROR ? "a peer's communicator failed"
+                                                           : "the communicator failed";
+  MEGACPP_FAIL(e == c10d::ErrorType::TIMEOUT ? ErrorKind::kTimeout : ErrorKind::kPeerFailure,
+               "{}: {} (NCCL) before the host read the result; the result is not used", what,
+               which);
 }
 
 void with_peers(std::string_view what, std::chrono::milliseconds deadline,

@@ -8,7 +8,9 @@
 #pragma once
 
 #include <chrono>
+#include <exception>
 #include <functional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -56,6 +58,19 @@ void run_collective(std::string_view what, const c10::intrusive_ptr<c10d::Backen
 // step): `issue` starts all of them, and each is waited for in the order given.
 void run_collectives(std::string_view what, const c10::intrusive_ptr<c10d::Backend>& pg,
                      const std::function<std::vector<c10::intrusive_ptr<c10d::Work>>()>& issue);
+
+// A foreign exception's text in one line, for a user-facing error: a c10::Error's without its
+// C++ backtrace, torch's and NCCL's advice lines joined by "; ".
+std::string exception_text(const std::exception& e);
+
+// NCCL's waits do not block the host (Work::wait() only makes the compute stream wait), so a
+// collective that timed out in NCCL's watchdog, or whose communicator failed or was aborted,
+// shows only once the host reads the device, and then as bytes nobody finished reducing. Call
+// this right after such a read and before using what was read, for each group the read depends
+// on: it throws Error{kTimeout} (the watchdog's timeout) or Error{kPeerFailure} (a communicator
+// error, a peer's) naming `what`. A null group, or one whose backend keeps no error state (Gloo,
+// whose waits throw themselves), passes.
+void check_async_error(std::string_view what, const c10::intrusive_ptr<c10d::Backend>& pg);
 
 // Runs `connect` (a rendezvous: the store and the peers' connections) with the same typing;
 // `deadline` is the earliest timeout the rendezvous was given.

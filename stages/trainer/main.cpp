@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -92,7 +93,8 @@ double startup_seconds(const stage::StageContext& ctx, Clock::time_point main_en
 }
 
 // Runs `fn`, turning a foreign exception (a c10::Error from torch, std::bad_alloc, ...) into
-// a typed megacpp::Error of the rank's own: kInternal, whatever the world size. Failures
+// a typed megacpp::Error of the rank's own, in one line: kInternal, whatever the world size,
+// except a device out of memory (kInvalidArgument: the recipe does not fit). Failures
 // inside a collective or the rendezvous arrive here already typed as a peer failure or a
 // timeout (collective.h), and pass through.
 template <typename F>
@@ -101,10 +103,15 @@ auto typed_errors(std::string_view what, F&& fn) {
     return fn();
   } catch (const Error&) {
     throw;
+  } catch (const c10::OutOfMemoryError& e) {
+    // The recipe's, not a bug: the same step runs out again after a restart.
+    MEGACPP_FAIL(ErrorKind::kInvalidArgument,
+                 "{}: the device ran out of memory ({}); lower train.batch_size, set "
+                 "train.recompute to selective or full, or add ranks (`megacpp plan RECIPE "
+                 "--device cuda` prints what a rank needs)",
+                 what, exception_text(e));
   } catch (const std::exception& e) {
-    std::string text = e.what();
-    if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) text = c10->what_without_backtrace();
-    MEGACPP_FAIL(ErrorKind::kInternal, "{}: {}", what, text);
+    MEGACPP_FAIL(ErrorKind::kInternal, "{}: {}", what, exception_text(e));
   }
 }
 
@@ -354,16 +361,28 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
   // The supervisor's AbortCollectives (a failed job's teardown, before its signals) aborts the
   // group from the control thread: NCCL's communicators (no kernel left spinning), or every
   // wait of this thread in a Gloo collective. Removed before the group and plugin go.
+  // `aborted` tells the training loop: an aborted NCCL group leaves the step in flight to finish
+  // on bytes nobody reduced (its waits do not block the host), so nothing of it is journaled or
+  // snapshotted once the flag is up.
+  const auto aborted = std::make_shared<std::atomic<bool>>(false);
   if (pg || tp_pg || job_pg) {
     const CudaPlugin* plugin = cuda ? &*cuda : nullptr;
-    ctx.control().set_abort_handler([pg, tp_pg, job_pg, plugin] {
-      for (const auto& group : {pg, tp_pg, job_pg}) {
-        if (!group) continue;
-        if (plugin != nullptr) {
-          plugin->api().abort(group);
-        } else {
-          group->abort();
+    ctx.control().set_abort_handler([pg, tp_pg, job_pg, plugin, aborted] {
+      aborted->store(true);
+      try {
+        for (const auto& group : {pg, tp_pg, job_pg}) {
+          if (!group) continue;
+          if (plugin != nullptr) {
+            plugin->api().abort(group);
+          } else {
+            group->abort();
+          }
         }
+      } catch (const Error&) {
+        throw;
+      } catch (const std::exception& e) {
+        // The reply's error goes to the journal and the supervisor's log: one line.
+        MEGACPP_FAIL(ErrorKind::kSystem, "aborting the collectives: {}", exception_text(e));
       }
     });
   }
@@ -566,6 +585,13 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
     };
     const StepTiming timing =
         typed_errors(fmt::format("step {}", step), [&] { return ts->step(tokens, step, hooks); });
+    const auto check_not_aborted = [&](std::string_view what) {
+      MEGACPP_CHECK(!aborted->load(), ErrorKind::kPeerFailure,
+                    fmt::format("{} {}: the supervisor aborted the collectives (the failed job's "
+                                "teardown); its result is not used",
+                                what, step));
+    };
+    check_not_aborted("step");
     // Wall time since the previous step ended (so it includes the previous snapshot copy):
     // the step times of a run add up to its training time.
     const double step_seconds = seconds_since(step_start);
@@ -704,6 +730,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
                      "rate)",
                      step, *bad);
       }
+      check_not_aborted("the snapshot of step");
       // Waiting for the lease is waiting on the checkpointer.
       ctx.set_phase(Phase::SNAPSHOT);
       const auto snapshot_start = Clock::now();

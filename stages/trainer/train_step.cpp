@@ -28,6 +28,14 @@ namespace megacpp::trainer {
 
 namespace {
 
+// After a host read of what the step's collectives made, before it is used: NCCL reports their
+// failures only there (collective.h check_async_error). The data-parallel group, the
+// tensor-parallel one and the job's.
+void check_groups(std::string_view what, const c10::intrusive_ptr<c10d::Backend>& pg,
+                  const TensorParallel& tp) {
+  for (const auto* g : {&pg, &tp.group, &tp.job}) check_async_error(what, *g);
+}
+
 using Clock = std::chrono::steady_clock;
 
 // The largest DistAdamW bucket that rides in DistMuon's exchange at a world above 2.
@@ -519,6 +527,7 @@ std::optional<std::string> TrainStep::first_nonfinite_state() const {
   if (finite.empty()) return std::nullopt;
   // One read for the whole share (one synchronisation on a device, not one per tensor).
   const at::Tensor flags = torch::stack(finite).to(at::kCPU);
+  check_groups("the state's finiteness check", impl_->pg, impl_->tp);
   const bool* f = flags.data_ptr<bool>();
   for (size_t k = 0; k < which.size(); ++k) {
     if (!f[k]) return share[which[k]].first;
@@ -536,7 +545,9 @@ bool TrainStep::any_rank(bool local) {
     if (group)
       run_collective("stop agreement", group, [&] { return group->allreduce(flag, options); });
   }
-  return flag[0].item<int32_t>() != 0;
+  const bool any = flag[0].item<int32_t>() != 0;
+  check_groups("stop agreement", s.pg, s.tp);
+  return any;
 }
 
 namespace {
@@ -574,7 +585,9 @@ TrainStep::EvalSum TrainStep::evaluate(const at::Tensor& tokens) {
     loss = torch::nn::functional::cross_entropy(logits.reshape({-1, V}).to(at::kFloat),
                                                 on_device.narrow(1, 1, T).reshape({-1}), sum);
   }
-  return {loss.item<double>(), static_cast<double>(tokens.size(0) * T)};
+  const double loss_sum = loss.item<double>();
+  check_groups("evaluation", s.pg, s.tp);
+  return {loss_sum, static_cast<double>(tokens.size(0) * T)};
 }
 
 TrainStep::EvalSum TrainStep::sum_over_data_ranks(EvalSum local) {
@@ -584,6 +597,7 @@ TrainStep::EvalSum TrainStep::sum_over_data_ranks(EvalSum local) {
       torch::tensor({local.loss_sum, local.tokens}, torch::dtype(torch::kFloat64)).to(s.device)};
   run_collective("validation loss", s.pg, [&] { return s.pg->allreduce(sums); });
   const at::Tensor host = sums[0].to(at::kCPU);
+  check_groups("validation loss", s.pg, s.tp);
   return {host[0].item<double>(), host[1].item<double>()};
 }
 
@@ -723,6 +737,9 @@ StepTiming TrainStep::step(const at::Tensor& tokens, uint32_t step_index, const 
       for (const at::Tensor& c : counts_d) parts.push_back(c.reshape({-1}));
       for (at::Tensor& p : parts) p = p.to(at::kDouble);
       const at::Tensor host = at::cat(parts).to(at::kCPU);
+      // Before anything read is used: a collective of the step that failed in NCCL left these
+      // (and the update already applied) unfinished.
+      check_groups(fmt::format("step {}", step_index), s.pg, s.tp);
       const double* f = host.data_ptr<double>();
       if (hooks.stop_requested) out.stop_agreed = f[0] > 0.0f;
       out.nonfinite_ranks.emplace();

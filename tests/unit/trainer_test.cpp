@@ -15,8 +15,10 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <span>
+#include <stdexcept>
 #include <thread>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -1149,6 +1151,50 @@ TEST_F(TrainerTest, AbortEndsAWaitInAGlooCollective) {
     }
   }
   EXPECT_TRUE(ipc::list_shm(shm_prefix).empty()) << "outboxes are unlinked once attached";
+}
+
+// A backend that reports NCCL's error state as the watchdog leaves it: the check after a host
+// read types it; a group without error state passes.
+class ErrorStateBackend final : public c10d::Backend {
+ public:
+  ErrorStateBackend(std::string name, c10d::ErrorType error)
+      : c10d::Backend(0, 2), name_(std::move(name)), error_(error) {}
+  const std::string getBackendName() const override { return name_; }
+  c10d::ErrorType getError() override { return error_; }
+
+ private:
+  std::string name_;
+  c10d::ErrorType error_;
+};
+
+TEST(CollectiveTest, AnNcclGroupsErrorStateIsTypedAfterTheHostRead) {
+  const auto kind_of = [](const std::string& backend, c10d::ErrorType error) {
+    try {
+      check_async_error("step 7", c10::make_intrusive<ErrorStateBackend>(backend, error));
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("step 7"), std::string::npos) << e.what();
+      return std::optional<ErrorKind>(e.kind());
+    }
+    return std::optional<ErrorKind>();
+  };
+  EXPECT_EQ(kind_of("nccl", c10d::ErrorType::SUCCESS), std::nullopt);
+  EXPECT_EQ(kind_of("nccl", c10d::ErrorType::TIMEOUT), ErrorKind::kTimeout);
+  EXPECT_EQ(kind_of("nccl", c10d::ErrorType::COMM_ERROR), ErrorKind::kPeerFailure);
+  EXPECT_EQ(kind_of("nccl", c10d::ErrorType::REMOTE_ERROR), ErrorKind::kPeerFailure);
+  // Gloo keeps no error state (its getError throws): its waits throw themselves.
+  EXPECT_EQ(kind_of("gloo", c10d::ErrorType::TIMEOUT), std::nullopt);
+  EXPECT_NO_THROW(check_async_error("step 7", {}));
+}
+
+TEST(CollectiveTest, ForeignErrorsAreOneLine) {
+  const c10::Error cuda(
+      "CUDA error: an illegal memory access was encountered\nCUDA kernel "
+      "errors might be asynchronously reported\n\nFor debugging consider "
+      "passing CUDA_LAUNCH_BLOCKING=1 \n");
+  EXPECT_EQ(exception_text(cuda),
+            "CUDA error: an illegal memory access was encountered; CUDA kernel errors might be "
+            "asynchronously reported; For debugging consider passing CUDA_LAUNCH_BLOCKING=1");
+  EXPECT_EQ(exception_text(std::runtime_error("one line")), "one line");
 }
 
 // The same two-rank training with the optimizers' exchanges through shared memory (streamed
