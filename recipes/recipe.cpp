@@ -610,6 +610,14 @@ std::string resolve_muon_precision(Recipe& r, std::string_view device,
   return fmt::format("{} ({})", name(o.muon_bf16), why);
 }
 
+Recipe settled_like(Recipe given, const Recipe& run) {
+  OptimConfig& o = given.train.optim;
+  if (!o.muon_bf16_auto) return given;
+  o.muon_bf16 = run.train.optim.muon_bf16;
+  o.muon_bf16_auto = false;
+  return rehash(std::move(given));
+}
+
 Recipe rehash(Recipe r) {
   r.validate();
   r.layers.clear();

@@ -260,6 +260,10 @@ Recipe rehash(Recipe recipe);
 // amx_bf16 avx512_bf16)" or "float32 (the recipe)".
 std::string resolve_muon_precision(Recipe& recipe, std::string_view device,
                                    std::string_view cpu_bf16_units);
+// `given` (a command's recipe, "auto" unsettled) with its "auto" settings settled as `run` (a
+// launched run's recipe) settled them, rehashed: equal hashes then mean the command names the
+// run's recipe, whichever device or CPU the run first met.
+Recipe settled_like(Recipe given, const Recipe& run);
 
 void to_spec(const Recipe& r, schema::RecipeSpec::Builder spec);
 // The recipe a launch contract recorded, rebuilt without its file (a resumed run trains on

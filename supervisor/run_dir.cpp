@@ -613,8 +613,10 @@ void JobController::prepare() {
   if (resuming) {
     adopt_previous_attempt();
     // The command the engine restarted names the run's recipe, or it is another job's command.
+    // Its "auto" settings are the run's: the hash of the run's recipe covers the precision its
+    // first launch settled (a CPU without bfloat16 units settled float32, not "auto"'s default).
     if (engine_restart_) {
-      const recipe::Recipe given = command_line_recipe();
+      const recipe::Recipe given = recipe::settled_like(command_line_recipe(), recipe_);
       if (given.hash != recipe_.hash)
         MEGACPP_FAIL(ErrorKind::kInvalidArgument,
                      "run directory {} holds run {} of recipe {} (hash {}), and this restarted "

@@ -855,6 +855,16 @@ TEST(Recipe, MuonBf16AutoFollowsTheDevice) {
   EXPECT_EQ(mc::recipe::resolve_muon_precision(d, "cpu", ""), "bfloat16 (the recipe)");
   EXPECT_EQ(d.hash, explicit_bf16.hash);
 
+  // An engine's restart of the same command: its "auto" recipe names the run whatever the run
+  // settled (float32 on a CPU without bfloat16 units, whose hash differs from the unsettled
+  // recipe's), and a recipe that differs otherwise still does not.
+  const auto command = mc::recipe::parse(with("\"auto\""), "x.toml");
+  EXPECT_NE(command.hash, a.hash);
+  EXPECT_EQ(mc::recipe::settled_like(command, a).hash, a.hash);
+  EXPECT_EQ(mc::recipe::settled_like(command, b).hash, b.hash);
+  EXPECT_EQ(mc::recipe::settled_like(explicit_f32, a).hash, explicit_f32.hash);
+  EXPECT_NE(mc::recipe::settled_like(explicit_bf16, a).hash, a.hash);
+
   try {
     mc::recipe::parse(with("\"fast\""), "x.toml");
     ADD_FAILURE() << "muon_bf16 = \"fast\" was accepted";
