@@ -90,6 +90,15 @@ State& state() {
 
 thread_local CUcontext current = nullptr;
 
+// Files `object` in its table (which owns it) and returns the handle the caller gets.
+template <typename T>
+T* keep(std::map<T*, std::unique_ptr<T>>& table, std::unique_ptr<T> object) {
+  T* handle = object.get();
+  std::lock_guard lock(state().mu);
+  table[handle] = std::move(object);
+  return handle;
+}
+
 bool failing(const char* entry) {
   const char* f = std::getenv("MEGACPP_FAKE_CUDA_FAIL");
   return f != nullptr && std::strcmp(f, entry) == 0;
@@ -365,10 +374,7 @@ CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t co
 
 CUresult CUDAAPI cuStreamCreate(CUstream* stream, unsigned int) {
   FAKE_ENTRY(cuStreamCreate);
-  auto s = std::make_unique<CUstream_st>();
-  *stream = s.get();
-  std::lock_guard lock(state().mu);
-  state().streams[*stream] = std::move(s);
+  *stream = keep(state().streams, std::make_unique<CUstream_st>());
   return CUDA_SUCCESS;
 }
 
@@ -421,9 +427,7 @@ CUresult CUDAAPI cuEventCreate(CUevent* event, unsigned int flags) {
     }
     e->owner = true;
   }
-  *event = e.get();
-  std::lock_guard lock(state().mu);
-  state().events[*event] = std::move(e);
+  *event = keep(state().events, std::move(e));
   return CUDA_SUCCESS;
 }
 
@@ -491,9 +495,7 @@ CUresult CUDAAPI cuIpcOpenEventHandle(CUevent* event, CUipcEventHandle handle) {
   e->counters = map_counters(fd);
   ::close(fd);
   if (e->counters == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
-  *event = e.get();
-  std::lock_guard lock(state().mu);
-  state().events[*event] = std::move(e);
+  *event = keep(state().events, std::move(e));
   return CUDA_SUCCESS;
 }
 

@@ -129,71 +129,7 @@ std::vector<std::byte> read_bytes(const fs::path& p) {
   return out;
 }
 
-TEST(GpuStaging, AnExportedBufferIsReadByTheCheckpointerAcrossItsRestart) {
-  std::string why;
-  if (!megacpp::gpu::driver_available(&why)) GTEST_SKIP() << "no GPU: " << why;
-  megacpp::test_support::TempDir dir;
-  const fs::path socket = dir.path() / "staging";
-  // Two pieces at different offsets, the second unaligned in size.
-  constexpr uint64_t kA = 3 << 20, kB = 1000003, kBytes = kA + 4096 + kB;
-  megacpp::gpu::DeviceBlock src(0, kA + kB);
-  megacpp::gpu::ExportedBuffer buffer(0, kBytes);
-  megacpp::ipc::StagedBufferInfo info;
-  info.rank = 0;
-  info.generation = megacpp::ipc::new_staged_generation();
-  info.kind = std::string(megacpp::ipc::kStagedCuda);
-  info.bytes = buffer.bytes();
-  info.mapping_bytes = buffer.mapping_bytes();
-  info.device = buffer.pci_bus_id();
-  info.event = buffer.event_handle();
-  const auto* base = static_cast<const std::byte*>(src.pointer());
-  const megacpp::gpu::CopyPiece pieces[] = {{0, base, kA}, {kA + 4096, base + kA, kB}};
-
-  auto connect = [&] {
-    auto conn = megacpp::ipc::HandleConnection::connect(socket, megacpp::ipc::Millis(10000));
-    EXPECT_TRUE(conn != nullptr);
-    const int fd = buffer.fd();
-    EXPECT_TRUE(conn->send(megacpp::ipc::encode_staged_buffer(info), std::span<const int>(&fd, 1),
-                           megacpp::ipc::Millis(2000)));
-    return conn;
-  };
-  auto expect_staged = [&](const std::vector<std::byte>& want, int i) {
-    const auto got = read_bytes(dir.path() / ("read-" + std::to_string(i) + ".bin"));
-    ASSERT_EQ(got.size(), kBytes);
-    EXPECT_EQ(std::memcmp(got.data(), want.data(), kA), 0);
-    EXPECT_EQ(std::memcmp(got.data() + kA + 4096, want.data() + kA, kB), 0);
-  };
-
-  const auto first = pattern(kA + kB, 1);
-  src.upload(first);
-  {
-    Peer peer(socket, info.generation, kBytes, dir.path());
-    auto conn = connect();
-    buffer.copy_async(nullptr, pieces, 1);  // after the upload, on the legacy default stream
-    EXPECT_EQ(peer.read(1), "status 1 ok");
-    expect_staged(first, 1);
-    // The checkpointer dies; its successor imports the buffer from the descriptor sent again.
-    const int status = peer.stop(SIGKILL);
-    EXPECT_TRUE(WIFSIGNALED(status)) << status;
-  }
-  const auto second = pattern(kA + kB, 2);
-  src.upload(second);
-  Peer peer(socket, info.generation, kBytes, dir.path());
-  auto conn = connect();
-  buffer.copy_async(nullptr, pieces, 2);
-  EXPECT_EQ(peer.read(2), "status 2 ok");
-  expect_staged(second, 2);
-  // The buffer is sealed by step 2's copy: it is not step 4's, whatever its event says.
-  EXPECT_EQ(peer.read(4), "status 4 not-copied");
-  // The rank's connection closes (as at its death): its snapshot is refused by name.
-  conn.reset();
-  EXPECT_EQ(peer.read(3), "status 3 gone");
-  const int status = peer.stop(0);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
-  buffer.synchronize();
-}
-
-// The staging buffer of the tests below, described as a rank sends it.
+// A staging buffer of rank 0, described as a rank sends it, and its connection to a checkpointer.
 struct Exported {
   explicit Exported(uint64_t bytes) : buffer(0, bytes) {
     info.rank = 0;
@@ -216,6 +152,59 @@ struct Exported {
   megacpp::ipc::StagedBufferInfo info;
 };
 
+// What every peer of these tests must do at the end of its input: exit 0, not hang or fail.
+void expect_clean_exit(Peer& peer) {
+  const int status = peer.stop(0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+TEST(GpuStaging, AnExportedBufferIsReadByTheCheckpointerAcrossItsRestart) {
+  std::string why;
+  if (!megacpp::gpu::driver_available(&why)) GTEST_SKIP() << "no GPU: " << why;
+  megacpp::test_support::TempDir dir;
+  const fs::path socket = dir.path() / "staging";
+  // Two pieces at different offsets, the second unaligned in size.
+  constexpr uint64_t kA = 3 << 20, kB = 1000003, kBytes = kA + 4096 + kB;
+  megacpp::gpu::DeviceBlock src(0, kA + kB);
+  Exported staged(kBytes);
+  const auto* base = static_cast<const std::byte*>(src.pointer());
+  const megacpp::gpu::CopyPiece pieces[] = {{0, base, kA}, {kA + 4096, base + kA, kB}};
+
+  auto expect_staged = [&](const std::vector<std::byte>& want, int i) {
+    const auto got = read_bytes(dir.path() / ("read-" + std::to_string(i) + ".bin"));
+    ASSERT_EQ(got.size(), kBytes);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), kA), 0);
+    EXPECT_EQ(std::memcmp(got.data() + kA + 4096, want.data() + kA, kB), 0);
+  };
+
+  const auto first = pattern(kA + kB, 1);
+  src.upload(first);
+  {
+    Peer peer(socket, staged.info.generation, kBytes, dir.path());
+    auto conn = staged.connect(socket);
+    staged.buffer.copy_async(nullptr, pieces, 1);  // after the upload, on the legacy default stream
+    EXPECT_EQ(peer.read(1), "status 1 ok");
+    expect_staged(first, 1);
+    // The checkpointer dies; its successor imports the buffer from the descriptor sent again.
+    const int status = peer.stop(SIGKILL);
+    EXPECT_TRUE(WIFSIGNALED(status)) << status;
+  }
+  const auto second = pattern(kA + kB, 2);
+  src.upload(second);
+  Peer peer(socket, staged.info.generation, kBytes, dir.path());
+  auto conn = staged.connect(socket);
+  staged.buffer.copy_async(nullptr, pieces, 2);
+  EXPECT_EQ(peer.read(2), "status 2 ok");
+  expect_staged(second, 2);
+  // The buffer is sealed by step 2's copy: it is not step 4's, whatever its event says.
+  EXPECT_EQ(peer.read(4), "status 4 not-copied");
+  // The rank's connection closes (as at its death): its snapshot is refused by name.
+  conn.reset();
+  EXPECT_EQ(peer.read(3), "status 3 gone");
+  expect_clean_exit(peer);
+  staged.buffer.synchronize();
+}
+
 // Sets an environment variable for this scope (the fake driver reads it at each call, and a
 // peer spawned meanwhile inherits it).
 class ScopedEnv {
@@ -227,6 +216,18 @@ class ScopedEnv {
 
  private:
   const char* name_;
+};
+
+// The fake driver's cases: one piece of `bytes` from a device block into an exported buffer.
+struct OneShare {
+  explicit OneShare(uint64_t bytes)
+      : src(0, bytes), staged(bytes), piece{0, src.pointer(), bytes} {}
+  megacpp::test_support::TempDir dir;
+  fs::path socket = dir.path() / "staging";
+  megacpp::gpu::DeviceBlock src;
+  Exported staged;
+  megacpp::gpu::CopyPiece piece;
+  std::span<const megacpp::gpu::CopyPiece> pieces() const { return {&piece, 1}; }
 };
 
 bool on_fake_driver(std::string* why) {
@@ -245,24 +246,19 @@ bool on_fake_driver(std::string* why) {
 TEST(GpuStaging, ARankThatDiesWithItsCopyQueuedLeavesTheCheckpointerUp) {
   std::string why;
   if (!on_fake_driver(&why)) GTEST_SKIP() << why;
-  megacpp::test_support::TempDir dir;
-  const fs::path socket = dir.path() / "staging";
   constexpr uint64_t kBytes = 1 << 20;
-  megacpp::gpu::DeviceBlock src(0, kBytes);
-  Exported staged(kBytes);
-  const megacpp::gpu::CopyPiece piece{0, src.pointer(), kBytes};
-  Peer peer(socket, staged.info.generation, kBytes, dir.path());
-  auto conn = staged.connect(socket);
+  OneShare s(kBytes);
+  Peer peer(s.socket, s.staged.info.generation, kBytes, s.dir.path());
+  auto conn = s.staged.connect(s.socket);
   {
     ScopedEnv hold("MEGACPP_FAKE_CUDA_HOLD", "1");
-    staged.buffer.copy_async(nullptr, std::span(&piece, 1), 1);
+    s.staged.buffer.copy_async(nullptr, s.pieces(), 1);
   }
   peer.ask(1);
   std::this_thread::sleep_for(300ms);  // the peer polls the rank's event meanwhile
   conn.reset();
   EXPECT_EQ(peer.answer(), "status 1 gone");
-  const int status = peer.stop(0);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  expect_clean_exit(peer);
 }
 
 // A copy out of the buffer that the driver refuses after the import (page-locked memory not
@@ -270,23 +266,18 @@ TEST(GpuStaging, ARankThatDiesWithItsCopyQueuedLeavesTheCheckpointerUp) {
 TEST(GpuStaging, ADriverErrorAfterTheImportIsARefusalNotACrash) {
   std::string why;
   if (!on_fake_driver(&why)) GTEST_SKIP() << why;
-  megacpp::test_support::TempDir dir;
-  const fs::path socket = dir.path() / "staging";
   constexpr uint64_t kBytes = 1 << 20;
-  megacpp::gpu::DeviceBlock src(0, kBytes);
-  Exported staged(kBytes);
-  const megacpp::gpu::CopyPiece piece{0, src.pointer(), kBytes};
+  OneShare s(kBytes);
   std::unique_ptr<Peer> peer;
   {
     ScopedEnv fail("MEGACPP_FAKE_CUDA_FAIL", "cuMemHostAlloc");
-    peer = std::make_unique<Peer>(socket, staged.info.generation, kBytes, dir.path());
+    peer = std::make_unique<Peer>(s.socket, s.staged.info.generation, kBytes, s.dir.path());
   }
-  auto conn = staged.connect(socket);
-  staged.buffer.copy_async(nullptr, std::span(&piece, 1), 1);
+  auto conn = s.staged.connect(s.socket);
+  s.staged.buffer.copy_async(nullptr, s.pieces(), 1);
   EXPECT_EQ(peer->read(1), "status 1 refused");
   EXPECT_EQ(peer->read(2), "status 2 refused");
-  const int status = peer->stop(0);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  expect_clean_exit(*peer);
 }
 
 // A copy that never ran while its event reports it done (a context torn down with the copy
@@ -295,26 +286,21 @@ TEST(GpuStaging, ADriverErrorAfterTheImportIsARefusalNotACrash) {
 TEST(GpuStaging, ACopyThatNeverRanIsNotTakenForOne) {
   std::string why;
   if (!on_fake_driver(&why)) GTEST_SKIP() << why;
-  megacpp::test_support::TempDir dir;
-  const fs::path socket = dir.path() / "staging";
   constexpr uint64_t kBytes = 4096 + 3;
-  megacpp::gpu::DeviceBlock src(0, kBytes);
-  Exported staged(kBytes);
-  const megacpp::gpu::CopyPiece piece{0, src.pointer(), kBytes};
-  Peer peer(socket, staged.info.generation, kBytes, dir.path());
-  auto conn = staged.connect(socket);
+  OneShare s(kBytes);
+  Peer peer(s.socket, s.staged.info.generation, kBytes, s.dir.path());
+  auto conn = s.staged.connect(s.socket);
   {
     ScopedEnv drop("MEGACPP_FAKE_CUDA_DROP", "1");
-    staged.buffer.copy_async(nullptr, std::span(&piece, 1), 1);
+    s.staged.buffer.copy_async(nullptr, s.pieces(), 1);
   }
   EXPECT_EQ(peer.read(1), "status 1 not-copied");
   const auto bytes = pattern(kBytes, 3);
-  src.upload(bytes);
-  staged.buffer.copy_async(nullptr, std::span(&piece, 1), 2);
+  s.src.upload(bytes);
+  s.staged.buffer.copy_async(nullptr, s.pieces(), 2);
   EXPECT_EQ(peer.read(2), "status 2 ok");
-  EXPECT_EQ(read_bytes(dir.path() / "read-2.bin"), bytes);
-  const int status = peer.stop(0);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_EQ(read_bytes(s.dir.path() / "read-2.bin"), bytes);
+  expect_clean_exit(peer);
 }
 
 TEST(GpuStaging, WithoutADriverTheReasonIsOneLine) {
