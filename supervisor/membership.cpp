@@ -21,7 +21,7 @@ using std::chrono::milliseconds;
 
 // The first line of every identity record: a record megacpp did not write, or a later
 // format, is refused instead of compared field by field.
-constexpr std::string_view kRecordFormat = "megacpp-node-identity 1";
+constexpr std::string_view kRecordFormat = "megacpp-node-identity 2";
 
 milliseconds left(Clock::time_point deadline) {
   return std::max(milliseconds(0),
@@ -40,9 +40,9 @@ struct Record {
 std::string encode(const Record& r) {
   return fmt::format(
       "{}\nnodes={}\nbuild={}\nrecipe_hash={}\ndataset_xxh3={}\n"
-      "ranks_per_node={}\nhost={}\n",
+      "ranks_per_node={}\nhost={}\nmuon_precision={}\n",
       kRecordFormat, r.nodes, r.identity.build, r.identity.recipe_hash, r.identity.dataset_xxh3,
-      r.identity.ranks_per_node, r.identity.host);
+      r.identity.ranks_per_node, r.identity.host, r.identity.muon_precision);
 }
 
 std::optional<uint32_t> number(std::string_view s) {
@@ -61,8 +61,8 @@ std::optional<Record> decode(std::string_view text) {
     lines.push_back(text.substr(0, nl));
     text.remove_prefix(nl + 1);
   }
-  static constexpr std::string_view kNames[] = {"nodes",        "build",          "recipe_hash",
-                                                "dataset_xxh3", "ranks_per_node", "host"};
+  static constexpr std::string_view kNames[] = {
+      "nodes", "build", "recipe_hash", "dataset_xxh3", "ranks_per_node", "host", "muon_precision"};
   if (lines.size() != 1 + std::size(kNames) || lines[0] != kRecordFormat) return std::nullopt;
   std::string_view values[std::size(kNames)];
   for (size_t i = 0; i < std::size(kNames); ++i) {
@@ -82,6 +82,7 @@ std::optional<Record> decode(std::string_view text) {
   r.identity.dataset_xxh3 = values[3];
   r.identity.ranks_per_node = *ranks;
   r.identity.host = values[5];
+  r.identity.muon_precision = values[6];
   return r;
 }
 
@@ -94,6 +95,11 @@ std::optional<std::tuple<IdentityField, std::string, std::string>> first_differe
     return std::tuple{IdentityField::kNodeCount, std::to_string(r.nodes),
                       std::to_string(node0.nodes)};
   if (a.build != b.build) return std::tuple{IdentityField::kBuild, a.build, b.build};
+  // "bfloat16 (auto: cpu with amx_bf16 avx512_bf16)" and "bfloat16 (auto: cpu with
+  // avx512_bf16)" orthogonalize alike; only the precision itself must agree.
+  const auto precision = [](const std::string& s) { return s.substr(0, s.find(' ')); };
+  if (precision(a.muon_precision) != precision(b.muon_precision))
+    return std::tuple{IdentityField::kMuonPrecision, a.muon_precision, b.muon_precision};
   if (a.recipe_hash != b.recipe_hash)
     return std::tuple{IdentityField::kRecipeHash, a.recipe_hash, b.recipe_hash};
   if (a.dataset_xxh3 != b.dataset_xxh3)
@@ -115,6 +121,18 @@ std::string mismatch_message(uint32_t node, IdentityField field, const std::stri
     case IdentityField::kBuild:
       return fmt::format(
           "node {} runs build {}, node 0 runs {}: install the same megacpp build on every node",
+          node, value, node0_value);
+    case IdentityField::kMuonPrecision:
+      // An "auto" on both sides is the same recipe on CPUs that differ in bfloat16 units.
+      if (value.find("(auto") != std::string::npos &&
+          node0_value.find("(auto") != std::string::npos)
+        return fmt::format(
+            "node {} orthogonalizes Muon's updates in {}, node 0 in {}: the nodes' CPUs differ "
+            "in bfloat16 units, so set [optim] muon_bf16 = true or false in the recipe",
+            node, value, node0_value);
+      return fmt::format(
+          "node {} orthogonalizes Muon's updates in {}, node 0 in {}: start every node from "
+          "the same recipe",
           node, value, node0_value);
     case IdentityField::kRecipeHash:
       return fmt::format(
@@ -161,6 +179,8 @@ std::string_view to_string(IdentityField field) {
       return "node count";
     case IdentityField::kBuild:
       return "build";
+    case IdentityField::kMuonPrecision:
+      return "Muon precision";
     case IdentityField::kRecipeHash:
       return "recipe hash";
     case IdentityField::kDatasetXxh3:
@@ -210,6 +230,7 @@ JoinedJob join_job(const NodePlacement& placement, const NodeIdentity& identity,
   refuse_newline("recipe hash", identity.recipe_hash);
   refuse_newline("dataset XXH3", identity.dataset_xxh3);
   refuse_newline("host name", identity.host);
+  refuse_newline("Muon precision", identity.muon_precision);
 
   const uint32_t me = placement.node_rank;
   const uint32_t nodes = placement.nodes;

@@ -41,7 +41,12 @@ struct NodeIdentity {
   // The build: what `megacpp compare` calls "build", from the launch contract's provenance
   // (git revision with "+dirty", build type, compiler, torch version; run_dir.cpp).
   std::string build;
-  std::string recipe_hash;      // recipe::Recipe's hash, as the launch contract records it
+  std::string recipe_hash;  // recipe::Recipe's hash, as the launch contract records it
+  // How the node settled Muon's orthogonalization precision, as the launch contract records it
+  // (recipe::resolve_muon_precision, e.g. "float32 (auto: cpu without bfloat16 matrix units)").
+  // Compared by its first word, before the recipe's hash: nodes whose CPUs differ settle
+  // muon_bf16 = "auto" differently, and their hashes then differ for that reason alone.
+  std::string muon_precision;
   std::string dataset_xxh3;     // XXH3 over the files' XXH3 and token counts, as `compare` takes it
   uint32_t ranks_per_node = 0;  // --ranks: global rank = node rank x ranks per node + local rank
   std::string host;             // this node's host name; reported, not compared
@@ -49,9 +54,16 @@ struct NodeIdentity {
 };
 
 // What join_job compares, in the order it compares them.
-enum class IdentityField : uint8_t { kNodeCount, kBuild, kRecipeHash, kDatasetXxh3, kRanksPerNode };
+enum class IdentityField : uint8_t {
+  kNodeCount,
+  kBuild,
+  kMuonPrecision,
+  kRecipeHash,
+  kDatasetXxh3,
+  kRanksPerNode
+};
 
-// "node count", "build", "recipe hash", "dataset XXH3", "ranks per node".
+// "node count", "build", "Muon precision", "recipe hash", "dataset XXH3", "ranks per node".
 std::string_view to_string(IdentityField field);
 
 // A node whose identity differs from node 0's: Error{kInvalidArgument}, one line naming the

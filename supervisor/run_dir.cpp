@@ -952,6 +952,7 @@ void JobController::host_or_join_store() {
   // As `megacpp compare` names them (commands.h), from what the launch contract records.
   me.build = build_name(revision, dirty, MEGACPP_BUILD_TYPE, compiler_name(), torch_version());
   me.recipe_hash = recipe_.hash;
+  me.muon_precision = muon_precision_;
   std::vector<DataFile> data;
   for (const auto& f : dataset_.files) data.push_back({f.xxh3, f.tokens});
   me.dataset_xxh3 = dataset_digest(data);

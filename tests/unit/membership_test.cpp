@@ -60,6 +60,7 @@ NodePlacement place(uint32_t nodes, uint32_t rank, uint16_t port) {
 NodeIdentity identity(uint32_t rank) {
   return NodeIdentity{.build = "0123abcd release gcc 12.2.0 torch 2.11.0",
                       .recipe_hash = "9a41c2d07e55b3f1",
+                      .muon_precision = "bfloat16 (auto: cpu with avx512_bf16)",
                       .dataset_xxh3 = "5d0c9e2a7b13f486",
                       .ranks_per_node = 2,
                       .host = "node" + std::to_string(rank)};
@@ -166,6 +167,39 @@ TEST(Membership, ANodeArrivingAfterTheVerdictReachesTheSameOne) {
   const auto out = run_job(ids, milliseconds(10000), free_port(), 2, milliseconds(1500));
   expect_mismatch_everywhere(out, 1, IdentityField::kRecipeHash, "recipe hash", "3f00aa11bb22cc33",
                              "9a41c2d07e55b3f1");
+}
+
+// muon_bf16 = "auto" on a node without bfloat16 units settles float32, which changes its recipe's
+// hash too: the precision is named (with the key that settles it), not the hash.
+TEST(Membership, APrecisionAutoSettledOtherwiseByANodesCpuNamesTheRecipeKey) {
+  auto ids = same(3);
+  ids[2]->muon_precision = "float32 (auto: cpu without bfloat16 matrix units)";
+  ids[2]->recipe_hash = "77aa00bb11cc22dd";
+  const auto out = run_job(ids, milliseconds(10000), free_port());
+  expect_mismatch_everywhere(out, 2, IdentityField::kMuonPrecision, "muon_bf16 = true or false",
+                             "float32 (auto: cpu without bfloat16 matrix units)",
+                             "bfloat16 (auto: cpu with avx512_bf16)");
+}
+
+// Explicit precisions that differ are different recipes.
+TEST(Membership, ExplicitPrecisionsThatDifferAskForTheSameRecipe) {
+  auto ids = same(2);
+  ids[0]->muon_precision = "bfloat16 (the recipe)";
+  ids[1]->muon_precision = "float32 (the recipe)";
+  ids[1]->recipe_hash = "77aa00bb11cc22dd";
+  const auto out = run_job(ids, milliseconds(10000), free_port());
+  expect_mismatch_everywhere(out, 1, IdentityField::kMuonPrecision, "the same recipe",
+                             "float32 (the recipe)", "bfloat16 (the recipe)");
+}
+
+// Different bfloat16 units orthogonalize alike: the nodes join.
+TEST(Membership, BfloatUnitsThatDifferStillJoin) {
+  auto ids = same(2);
+  ids[1]->muon_precision = "bfloat16 (auto: cpu with amx_bf16 avx512_bf16)";
+  const auto out = run_job(ids, milliseconds(10000), free_port());
+  for (uint32_t r = 0; r < 2; ++r)
+    ASSERT_TRUE(out[r].job) << "node " << r << ": " << out[r].error->message();
+  EXPECT_EQ(out[0].job->nodes()[1].muon_precision, ids[1]->muon_precision);
 }
 
 TEST(Membership, ADatasetMismatchOnNode2IsNamedOnEveryNode) {
