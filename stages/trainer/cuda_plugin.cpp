@@ -3,6 +3,8 @@
 
 #include <dlfcn.h>
 
+#include <string_view>
+
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -38,6 +40,10 @@ CudaPlugin::CudaPlugin(const std::filesystem::path& library) {
                 fmt::format("--device cuda: {} was built for plugin ABI {}, this trainer "
                             "needs {}: rebuild both from one tree",
                             library.string(), api_ != nullptr ? api_->abi : 0, kCudaPluginAbi));
+  MEGACPP_CHECK(std::string_view(api_->torch_version) == TORCH_VERSION, ErrorKind::kInvalidArgument,
+                fmt::format("--device cuda: {} was built against torch {}, this trainer against "
+                            "torch {}: rebuild both against one torch",
+                            library.string(), api_->torch_version, TORCH_VERSION));
 }
 
 OptimKernels CudaPlugin::optim_kernels(int index) const {

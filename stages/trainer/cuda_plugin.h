@@ -10,8 +10,8 @@
 // Lifetime: a CudaPlugin holds the dlopen handle and is neither copyable nor movable. It never
 // dlcloses: torch's CUDA backend, once registered, cannot be unregistered, and tensors or
 // groups made through the plugin may outlive the object; the library goes with the process.
-// Failure: a plugin that is absent, or built for another ABI, is Error{kInvalidArgument} with
-// one line naming the file and what to do.
+// Failure: a plugin that is absent, or built for another ABI or against another torch, is
+// Error{kInvalidArgument} with one line naming the file and what to do.
 #pragma once
 
 #include <chrono>
@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <string>
 
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -29,12 +30,16 @@ namespace megacpp::trainer {
 struct OptimKernels;  // optim.h
 
 // Bumped whenever CudaPluginApi changes: a plugin of another build is refused by name.
-inline constexpr uint32_t kCudaPluginAbi = 6;
+inline constexpr uint32_t kCudaPluginAbi = 7;
 
 // The plugin's entry points (extern "C" megacpp_cuda_plugin() returns its table). Every
 // function may throw c10::Error or std::exception; they run on the caller's thread.
 struct CudaPluginApi {
   uint32_t abi;
+  // TORCH_VERSION of the headers the plugin was built against. c10d's types cross this table
+  // by value and the plugin's libtorch_cuda binds to the libtorch_cpu the trainer already
+  // mapped: a plugin of another torch (a mixed install) is refused before anything crosses.
+  const char* torch_version;
   // CUDA devices visible to this process (CUDA_VISIBLE_DEVICES applies); 0 without a driver.
   int (*device_count)();
   // Makes `index` this thread's current device (collectives and new tensors use it).

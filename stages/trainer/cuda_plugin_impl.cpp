@@ -83,6 +83,7 @@ constexpr decltype(CudaPluginApi::muon_tail) kMuonTail = nullptr;
 #endif
 
 constexpr CudaPluginApi kApi{megacpp::trainer::kCudaPluginAbi,
+                             TORCH_VERSION,
                              &device_count,
                              &set_device,
                              &nccl,

@@ -52,6 +52,24 @@ TEST(CudaPlugin, ALibraryThatIsNotThePluginIsRefused) {
   EXPECT_NE(what.find("has no megacpp_cuda_plugin entry"), std::string::npos) << what;
 }
 
+TEST(CudaPlugin, APluginOfAnotherAbiIsRefusedNamingBoth) {
+  const std::string what = refusal(FOREIGN_PLUGIN_ABI);
+  EXPECT_NE(what.find("was built for plugin ABI 1, this trainer needs " +
+                      std::to_string(megacpp::trainer::kCudaPluginAbi)),
+            std::string::npos)
+      << what;
+  EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+}
+
+TEST(CudaPlugin, APluginBuiltAgainstAnotherTorchIsRefusedNamingBoth) {
+  const std::string what = refusal(FOREIGN_PLUGIN_TORCH);
+  EXPECT_NE(what.find("built against torch 1.0.0-another-torch, this trainer against torch " +
+                      std::string(TORCH_VERSION)),
+            std::string::npos)
+      << what;
+  EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+}
+
 TEST(CudaPlugin, TheBuiltPluginLoadsWithoutAGpu) {
   const auto path = CudaPlugin::beside_executable();
   if (!std::filesystem::exists(path))
@@ -59,6 +77,7 @@ TEST(CudaPlugin, TheBuiltPluginLoadsWithoutAGpu) {
                  << "CUDA/NCCL headers at configure time";
   CudaPlugin plugin(path);
   EXPECT_EQ(plugin.api().abi, megacpp::trainer::kCudaPluginAbi);
+  EXPECT_STREQ(plugin.api().torch_version, TORCH_VERSION);
   EXPECT_GE(plugin.api().device_count(), 0);
   const std::string versions = plugin.api().versions();
   EXPECT_EQ(versions.rfind("cuda ", 0), 0u) << versions;
