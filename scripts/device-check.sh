@@ -222,6 +222,21 @@ export -f diverged_on_cuda
 export NAN_RUN CK5_DIR
 part diverged_on_cuda 60 bash -c diverged_on_cuda
 
+# The goals as the parts above printed them, gathered at the end of the report (what a
+# `tail` of it shows first); a goal whose part did not run or failed says so.
+say "== goals (the card: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
+goal() {
+  local what=$1 pattern=$2 line
+  line=$(grep -E -- "$pattern" "$REPORT" | grep -v '^\[' | tail -1)
+  say "  $what: ${line:-not measured (its part failed or did not run)}"
+}
+goal "P1 (<= 1.03)" "ratio pipeline/in-process"
+goal "checkpoint stall (<= 1.2 x device copy, >= 5 x below DCP)" "ratios: megacpp stall"
+goal "gpu-small MFU (>= 40%)" "MFU [0-9.]+%"
+goal "Polar Express (>= 0.70 of the bf16 product rate)" "Polar Express at [0-9.]+ of it"
+goal "fused AdamW (stays on if torch / fused > 1)" "fused update .*torch / fused"
+goal "fused Muon tail (stays on if torch / fused > 1)" "step, fused tail .*torch / fused"
+
 if ((${#FAILED[@]})); then
   say "device-check: FAILED: ${FAILED[*]}"
   exit 1
