@@ -35,6 +35,7 @@ enum class Knob : uint8_t {
   kFusedOptim,
   kTestUnkillable,
   kFault,
+  kTestMuteFailure,
   kMasterPort,
   kNodes,
   kHostPattern,
@@ -92,6 +93,8 @@ inline constexpr std::array kKnobs{
   KnobSpec{Knob::kFault, "MEGACPP_FAULT", KnobType::kString, "—", false,
            "fault injection for tests (see stages/stage.h)"},
   // Placement (supervisor/placement.h), read from the environment map the resolver is given.
+  KnobSpec{Knob::kTestMuteFailure, "MEGACPP_TEST_MUTE_FAILURE", KnobType::kString, "—", false,
+           "test hook: this process writes its failure dump but sends no Failure message, as one whose report is lost at its exit"},
   KnobSpec{Knob::kMasterPort, "MEGACPP_MASTER_PORT", KnobType::kInt, "29500", false,
            "the port of node 0 in a job across nodes (over MASTER_PORT)"},
   KnobSpec{Knob::kNodes, "MEGACPP_NODES", KnobType::kInt, "— (--nodes)", true,

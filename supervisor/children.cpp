@@ -33,25 +33,33 @@ void set_child_event(schema::ChildEvent::Builder e, const Child& c, schema::Chil
   e.setChildReason(reason);
 }
 
-// What a process that exited with a code said before it left, when that was a victim's claim
-// (peer_failure, timeout): its failure dump, written before the exit. Its Failure message
-// says the same but may be read after the exit is reaped; judged by the exit alone, a rank
-// that only lost a peer would be taken for the cause (evidence of its own).
-std::optional<Event> victim_claim_in_dump(const fs::path& dump_path, const Child& c, int64_t now) {
+// What a process that exited with a code said before it left: its failure dump, written before
+// the exit, as the event its Failure message makes (watch.cpp: a `diverged` rank's own kind and
+// words; any other error kind's name before the message). The message says the same but may be
+// read after the exit is reaped, or not at all once the teardown has reaped every process.
+// `victims_only`: only a victim's claim (peer_failure, timeout) — judged by the exit alone, a
+// rank that only lost a peer would be taken for the cause (evidence of its own); a restartable
+// stage's exit is judged by the exit (restart_or_fail), so only its claims are read.
+std::optional<Event> reported_in_dump(const fs::path& dump_path, const Child& c, int64_t now,
+                                      bool victims_only) {
   std::error_code ec;
   if (!fs::exists(dump_path, ec)) return std::nullopt;
   try {
     schemas::JsonFile<schema::FailureDump> file(dump_path);
     auto d = file.get();
-    if (std::string_view(d.getKind().cStr()) != "exception") return std::nullopt;
+    if (std::string_view(d.getKind().cStr()) != "exception" || d.getPid() != c.pid)
+      return std::nullopt;
     const std::string_view said = d.getErrorKind().cStr();
     schema::ErrorKind kind = schema::ErrorKind::NONE;
     if (said == to_string(ErrorKind::kPeerFailure)) kind = schema::ErrorKind::PEER_FAILURE;
     if (said == to_string(ErrorKind::kTimeout)) kind = schema::ErrorKind::TIMEOUT;
-    if (kind == schema::ErrorKind::NONE || d.getPid() != c.pid) return std::nullopt;
+    if (victims_only && kind == schema::ErrorKind::NONE) return std::nullopt;
+    if (said == to_string(ErrorKind::kDiverged)) kind = schema::ErrorKind::DIVERGED;
+    const bool diverged = kind == schema::ErrorKind::DIVERGED;
     const int64_t at = d.getMonoNs();
-    Event ev{schema::FailureKind::EXCEPTION,
-             fmt::format("{}: {}", said, d.getMessage().cStr()),
+    Event ev{diverged ? schema::FailureKind::DIVERGED : schema::FailureKind::EXCEPTION,
+             diverged || said.empty() ? std::string(d.getMessage().cStr())
+                                      : fmt::format("{}: {}", said, d.getMessage().cStr()),
              at > 0 && at <= now ? at : now,
              now,
              d.getPhase(),
@@ -184,6 +192,15 @@ void JobController::on_exited(schema::StageExited::Reader x) {
     if (!done_) {
       journal_child_exited(c, reason);
     }
+    // A rank that met its own failure as the teardown began (a diverged rank whose peers
+    // reported first: they all read the same agreement) may exit before its Failure message is
+    // read, and the teardown stops reading once every process is reaped: its dump says what it
+    // met, and policy::admitted judges it as it would the message.
+    if (torn_down && !clean && c.signal == 0 && !run_.empty() && !policy::restartable(c.stage)) {
+      if (auto said = reported_in_dump(layout::failure_path(run_, c.stage, c.rank), c, now,
+                                       /*victims_only=*/false))
+        record(c, std::move(*said));
+    }
     if (expected || torn_down) return;
     std::string what =
         c.signal != 0 ? fmt::format("was killed by signal {} ({})", c.signal, strsignal(c.signal))
@@ -198,7 +215,8 @@ void JobController::on_exited(schema::StageExited::Reader x) {
     // step of an attempt that began from a checkpoint, that checkpoint's step).
     const uint32_t step = c.step == 0 && resume_ ? resume_->step : c.step;
     if (c.signal == 0 && !run_.empty()) {
-      if (auto claim = victim_claim_in_dump(layout::failure_path(run_, c.stage, c.rank), c, now)) {
+      if (auto claim = reported_in_dump(layout::failure_path(run_, c.stage, c.rank), c, now,
+                                        /*victims_only=*/policy::restartable(c.stage))) {
         restart_or_fail(c, what, std::move(*claim));
         return;
       }

@@ -78,6 +78,26 @@ class Diverged(unittest.TestCase):
         self.assertEqual(m["state"], "ok", m)
         self.assertEqual(m["stepsCompleted"], 20, m)
 
+    def test_a_diverged_rank_whose_report_is_lost_is_still_the_first_failure(self):
+        """Every rank reads the same agreement: rank 0's victim claim may reach the supervisor
+        first, and the diverged rank may exit before its own Failure message is read (the
+        teardown stops reading once every process is reaped). MEGACPP_TEST_MUTE_FAILURE makes
+        that loss certain: the supervisor reads what rank 1 met from its failure dump."""
+        recipe = run_harness.tiny_recipe(self.tmp, 5)
+        run_dir = os.path.join(self.tmp, "muted")
+        r = run_harness.megacpp(
+            ["run", recipe, "--ranks", "2", "--steps", "12", "--run-dir", run_dir,
+             "--data-dir", os.path.join(self.tmp, "data"), "--progress", "none"],
+            env={"MEGACPP_FAULT": "trainer:1:optimizer:7:nan",
+                 "MEGACPP_TEST_MUTE_FAILURE": "trainer-1"})
+        self.assertNotEqual(r.returncode, 0, r.stdout[-2000:])
+        self.assertNotIn("trainer-1 reports", r.stdout + r.stderr)  # the message was not sent
+        e = manifest(run_dir)["error"]
+        self.assertEqual((e["kind"], e["stage"], e["rank"]), ("diverged", "trainer", 1), e)
+        self.assertIn("step 7", e["message"])
+        self.assertIn("nan", e["message"])
+        self.assertEqual(pids_of(run_dir), [])
+
 
 if __name__ == "__main__":
     unittest.main()
