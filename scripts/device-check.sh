@@ -4,7 +4,7 @@
 # unpacked into build-device/prefix (carried there), runs every test labelled gpu, the CUDA
 # plugin's test, the ops benchmark's CUDA half, Polar Express against the bfloat16 product rate,
 # a timed run of the default recipe on the device, the device recipe gpu-small with its MFU (and
-# its kernels under nsys where the machine has it) and its checkpoint stall against a device
+# its kernels under torch's profiler) and its checkpoint stall against a device
 # copy and DCP async_save, and two runs whose device memory is printed against the plan, and
 # writes one report:
 # $OUT/device-check.txt when OUT is set (the device tool's folder that comes back), else
@@ -113,31 +113,17 @@ export SMALL_RUN
 part gpu_small_mfu 150 bash -c gpu_small_mfu
 [ -f "$SMALL_RUN/receipts/bench_result.json" ] && cp "$SMALL_RUN/receipts/bench_result.json" "$REPORT_DIR/gpu_small_bench_result.json"
 
-# Where gpu-small's device time goes, kernel by kernel: 12 steps under Nsight Systems when the
-# machine has it (the toolkit's nsys), the 30 kernels of most total time.
-NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+# Where gpu-small's device time goes, kernel by kernel, and how much of the wall time the device
+# is idle: steps 8..12 under torch's profiler (MEGACPP_PROFILE_STEPS, stages/trainer/step_profile.h;
+# no Nsight Systems needed on the machine).
 gpu_small_kernels() {
-  [ -n "$NSYS" ] || { echo "no nsys on this machine: kernel profile skipped"; return 0; }
   local dir
   dir=$(mktemp -d)
-  "$NSYS" profile --trace=cuda --sample=none --cpuctxsw=none --force-overwrite=true \
-    -o "$dir/gpu_small" build-gpu/bin/megacpp run gpu-small --ranks 1 --steps 12 --device cuda \
-    --run-dir "$dir/run" --progress none > "$dir/nsys.log" 2>&1 || { tail -20 "$dir/nsys.log"; return 1; }
-  "$NSYS" stats --report cuda_gpu_kern_sum --format csv --output - "$dir/gpu_small.nsys-rep" \
-    2>/dev/null | python3 -c '
-import csv, sys
-rows = [r for r in csv.reader(sys.stdin) if len(r) > 8]
-head, body = rows[0], rows[1:]
-t, n, name = head.index("Total Time (ns)"), head.index("Instances"), head.index("Name")
-total = sum(float(r[t]) for r in body)
-print("kernels: %.1f ms of device time over 12 steps" % (total / 1e6))
-for r in sorted(body, key=lambda r: -float(r[t]))[:30]:
-    print("%6.1f%% %9.1f ms %6s  %s" % (100 * float(r[t]) / total, float(r[t]) / 1e6, r[n], r[name][:110]))
-'
-  "$NSYS" stats --report cuda_gpu_mem_time_sum --format csv --output - "$dir/gpu_small.nsys-rep" 2>/dev/null | head -12
+  MEGACPP_PROFILE_STEPS=8:12 build-gpu/bin/megacpp run gpu-small --ranks 1 --steps 12 \
+    --device cuda --run-dir "$dir/run" --progress none || return 1
+  head -80 "$dir/run/logs/profile-0.txt"
 }
 export -f gpu_small_kernels
-export NSYS
 part gpu_small_kernels 120 bash -c gpu_small_kernels
 
 # P1 on the device: gpu-small in `megacpp run --device cuda` against the same TrainStep in a
@@ -152,10 +138,29 @@ part p1_gpu_small 150 build-gpu/bin/bench_pipeline_overhead --device cuda --reci
 STALL_DIR=$(mktemp -d)
 sed -e 's/^checkpoint_every = .*/checkpoint_every = 20/' recipes/gpu-small.toml > "$STALL_DIR/gpu-small-ck20.toml"
 checkpoint_stall() {
+  # Each process's device memory while the device-staged run runs (nvidia-smi, once a second;
+  # its output to a file, never to the report's pipe): the checkpointer's CUDA context on the
+  # rank's device is what the memory plan does not count yet.
+  ( while sleep 1; do
+      nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader,nounits
+    done ) > "$STALL_DIR/apps.csv" 2> /dev/null &
+  local sampler=$!
+  trap 'kill $sampler 2> /dev/null' RETURN
   # Staged on the device (exported to the checkpointer through the handle socket), and the same
   # run staged in the host region for comparison.
   MEGACPP_SNAPSHOT_STAGING=device build-gpu/bin/megacpp run "$STALL_DIR/gpu-small-ck20.toml" \
     --ranks 1 --steps 42 --device cuda --run-dir "$STALL_DIR/run" --progress none || return 1
+  kill $sampler 2> /dev/null
+  python3 - "$STALL_DIR/apps.csv" <<'PY'
+import collections, os, sys
+most = collections.defaultdict(int)
+for line in open(sys.argv[1]):
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) == 3 and parts[2].isdigit():
+        most[os.path.basename(parts[1])] = max(most[os.path.basename(parts[1])], int(parts[2]))
+print("device memory per process, the most nvidia-smi saw (MiB): " +
+      (", ".join("%s %d" % kv for kv in sorted(most.items())) or "none seen"))
+PY
   MEGACPP_SNAPSHOT_STAGING=host build-gpu/bin/megacpp run "$STALL_DIR/gpu-small-ck20.toml" \
     --ranks 1 --steps 42 --device cuda --run-dir "$STALL_DIR/run-host" --progress none || return 1
   build-gpu/bin/megacpp verify "$STALL_DIR/run" || return 1

@@ -33,6 +33,7 @@
 #include "stages/trainer/rendezvous.h"
 #include "stages/trainer/snapshot_plane.h"
 #include "stages/trainer/staged_snapshot.h"
+#include "stages/trainer/step_profile.h"
 #include "stages/trainer/train_step.h"
 
 namespace megacpp::trainer {
@@ -504,6 +505,14 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
   if (trace_batches > 0)
     trace.open(layout::logs_dir(launch.getRunDir().cStr()) / fmt::format("batches-{}.bin", rank),
                std::ios::binary | std::ios::app);
+  // MEGACPP_PROFILE_STEPS: torch's profiler over a range of steps (step_profile.h).
+  std::optional<StepProfile> profile;
+  if (const auto range = parse_profile_steps(knob_string(Knob::kProfileSteps)))
+    profile.emplace(*range, on_cuda,
+                    layout::logs_dir(launch.getRunDir().cStr()) / fmt::format("profile-{}", rank),
+                    on_cuda ? fmt::format("cuda:{} ({})", local_rank,
+                                          cuda->api().device_name(static_cast<int>(local_rank)))
+                            : fmt::format("cpu ({})", cpu_model()));
 
   // The ring's wait naps 20-50 us; Linux's default timer slack would add 50 us to each, and
   // the batch's handoff is the time this rank is idle. Best effort.
@@ -534,6 +543,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
   double snapshot_seconds = 0, between_seconds = 0;
   at::Tensor pinned_batch;  // --device cuda: the page-locked batch buffer (below)
   for (uint32_t step = first_step; step <= steps; ++step) {
+    if (profile) profile->before(step);
     const auto wait_start = Clock::now();
     const auto slot = await_slot(*ring, fmt::format("batch {}", step));
     if (!slot) return Outcome::kLeft;
@@ -592,6 +602,7 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
                                 what, step));
     };
     check_not_aborted("step");
+    if (profile) profile->after(step);
     // Wall time since the previous step ended (so it includes the previous snapshot copy):
     // the step times of a run add up to its training time.
     const double step_seconds = seconds_since(step_start);

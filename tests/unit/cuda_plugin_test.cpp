@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <stdio.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <memory>
@@ -15,8 +16,10 @@
 #include <vector>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "core/error.h"
+#include "stages/trainer/collective.h"
 #include "stages/trainer/cuda_plugin.h"
 #include "stages/trainer/optim.h"
 
@@ -232,6 +235,41 @@ TEST_F(CudaPluginGpu, FusedMuonTailGivesTorchsValuesOnTheDevice) {
       EXPECT_LE(max_diff(host(a.entries[e].value), host(b.entries[e].value)), 1e-5)
           << "state entry " << e;
   }
+}
+
+// NCCL at world 1, what one GPU allows of it: the plugin's group connects eagerly on device 0,
+// an all-reduce gives its value, the group's error state reads clean after the host read
+// (check_async_error, as the step reads it), and the plugin's abort — ncclCommAbort, what the
+// supervisor's AbortCollectives runs on a GPU rank — returns, after which the group is released
+// without hanging. A rank at world 1 trains without a group, so this is where NCCL and its abort
+// run on a one-GPU machine; across ranks they need two GPUs.
+TEST(CudaPluginNccl, AGroupAtWorldOneReducesAndItsAbortReturns) {
+  const auto path = CudaPlugin::beside_executable();
+  if (!std::filesystem::exists(path))
+    GTEST_SKIP() << "this build has no CUDA plugin (" << path << ")";
+  CudaPlugin plugin(path);
+  if (plugin.api().device_count() < 1) GTEST_SKIP() << "no CUDA device visible";
+  plugin.api().set_device(0);
+  using Clock = std::chrono::steady_clock;
+  const auto store = c10::make_intrusive<c10d::HashStore>();
+  const auto connect = Clock::now();
+  c10::intrusive_ptr<c10d::Backend> group =
+      plugin.api().nccl(store, /*rank=*/0, /*world=*/1, /*index=*/0, std::chrono::seconds(30));
+  ASSERT_TRUE(group);
+  EXPECT_EQ(group->getBackendName(), "nccl");
+  std::printf("NCCL (%s) at world 1 connected in %.3f s\n", plugin.api().versions(),
+              std::chrono::duration<double>(Clock::now() - connect).count());
+  const at::Tensor expected = at::arange(4096, at::TensorOptions().dtype(at::kFloat));
+  std::vector<at::Tensor> tensors{expected.to(at::Device(at::kCUDA, 0))};
+  group->allreduce(tensors)->wait();
+  const at::Tensor back = tensors[0].to(at::kCPU);
+  EXPECT_NO_THROW(megacpp::trainer::check_async_error("the world-1 all-reduce", group));
+  EXPECT_TRUE(at::equal(back, expected));
+  const auto abort = Clock::now();
+  plugin.api().abort(group);
+  const double abort_s = std::chrono::duration<double>(Clock::now() - abort).count();
+  std::printf("ncclCommAbort through the plugin returned in %.3f s\n", abort_s);
+  group.reset();  // released after the abort: a hang here is the test's timeout
 }
 
 }  // namespace

@@ -43,6 +43,7 @@
 #include "stages/trainer/optim.h"
 #include "stages/trainer/rendezvous.h"
 #include "stages/trainer/snapshot_plane.h"
+#include "stages/trainer/step_profile.h"
 #include "stages/trainer/train_step.h"
 #include "tests/unit/test_support.h"
 
@@ -152,6 +153,27 @@ TEST_F(TrainerTest, RejectsInvalidConfigAndBatches) {
   TrainStep ts(tiny_model(), tiny_train(), 10);
   EXPECT_THROW(ts.step(torch::zeros({8, 17}, torch::kInt32), 1), Error);
   EXPECT_THROW(ts.step(torch::zeros({8, 18}, torch::kInt64), 1), Error);  // T > seqLen
+}
+
+// MEGACPP_PROFILE_STEPS: FIRST:LAST with 1 <= FIRST <= LAST, else one line naming the knob.
+TEST(StepProfileSteps, ParsesFirstColonLastAndRefusesTheRest) {
+  EXPECT_FALSE(megacpp::trainer::parse_profile_steps(""));
+  const auto r = megacpp::trainer::parse_profile_steps("6:10");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->first, 6u);
+  EXPECT_EQ(r->last, 10u);
+  EXPECT_EQ(megacpp::trainer::parse_profile_steps("3:3")->last, 3u);
+  for (const char* bad : {"6", "0:3", "4:2", "a:b", " 6:10", "6:10:", "6:-1", ":4"}) {
+    try {
+      (void)megacpp::trainer::parse_profile_steps(bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(std::string("MEGACPP_PROFILE_STEPS=") + bad),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 // widen_batch into a caller's buffer (a device rank's page-locked one, reused every step) gives
