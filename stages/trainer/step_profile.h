@@ -1,8 +1,8 @@
 // StepProfile: torch's profiler (Kineto) over a range of a rank's training steps, for the
 // question a step's journaled phases cannot answer on a device — where the device's time goes,
 // kernel by kernel, and how much of the wall time the device is idle (the host not keeping it
-// fed). The journal's phases are the host's time to issue each part's work (DESIGN.md "One read
-// of the host per step"); this is the device's view, without Nsight Systems on the machine.
+// fed). The journal's phases are the host's time to issue each part's work (DESIGN.md "GPU lane
+// (second part)"); this is the device's view, without Nsight Systems on the machine.
 //
 // MEGACPP_PROFILE_STEPS=FIRST:LAST turns it on for a trainer rank: the profiler starts before
 // step FIRST's batch is waited for and stops after step LAST's result is read (the step's one
