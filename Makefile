@@ -56,6 +56,8 @@ test: build format-check
 
 # The sanitizer build is clang's: ASan+UBSan on the torch-free libraries, and the libFuzzer
 # targets of tests/fuzz.
+# Line tables only (-g1): a sanitizer's report still names file and line, at less compile time
+# (CMakeLists.txt says why for the main build).
 build-sanitize: setup
 	@if [ -f $(BUILD_SAN)/CMakeCache.txt ] && \
 	  ! grep -q '^CMAKE_CXX_COMPILER:[A-Z]*=.*clang++$$' $(BUILD_SAN)/CMakeCache.txt; then \
@@ -63,6 +65,7 @@ build-sanitize: setup
 	  rm -rf $(BUILD_SAN); fi
 	@cmake -S . -B $(BUILD_SAN) -G Ninja -DMEGACPP_WERROR=$(WERROR) -DMEGACPP_WITH_TORCH=OFF \
 	  -DMEGACPP_BUILD_BENCH=OFF -DMEGACPP_SANITIZE=address,undefined -DCMAKE_BUILD_TYPE=Debug \
+	  -DCMAKE_C_FLAGS_DEBUG=-g1 -DCMAKE_CXX_FLAGS_DEBUG=-g1 \
 	  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DMEGACPP_FUZZ=ON \
 	  -DMEGACPP_FUZZ_SECONDS=$(MEGACPP_FUZZ_SECONDS) \
 	  > $(BUILD_SAN).configure.log 2>&1 || (cat $(BUILD_SAN).configure.log; exit 1)
@@ -82,6 +85,7 @@ build-tsan: setup
 	  rm -rf $(BUILD_TSAN); fi
 	@cmake -S . -B $(BUILD_TSAN) -G Ninja -DMEGACPP_WERROR=$(WERROR) -DMEGACPP_WITH_TORCH=OFF \
 	  -DMEGACPP_BUILD_BENCH=OFF -DMEGACPP_SANITIZE=thread -DCMAKE_BUILD_TYPE=Debug \
+	  -DCMAKE_C_FLAGS_DEBUG=-g1 -DCMAKE_CXX_FLAGS_DEBUG=-g1 \
 	  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
 	  > $(BUILD_TSAN).configure.log 2>&1 || (cat $(BUILD_TSAN).configure.log; exit 1)
 	@cmake --build $(BUILD_TSAN) -j $(JOBS) --target tsan_tests
