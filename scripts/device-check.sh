@@ -77,7 +77,9 @@ part configure 120 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
 part build 270 cmake --build build-gpu -j "$(nproc)" --target "${TARGETS[@]}" || exit 1
 
 part gpu_tests 150 ctest --test-dir build-gpu -L gpu --output-on-failure
-part cuda_plugin_test 30 build-gpu/bin/cuda_plugin_test
+# The fused kernels against torch's operations, and NCCL at world 1 with its abort (its
+# communicator's set-up takes seconds).
+part cuda_plugin_test 60 build-gpu/bin/cuda_plugin_test
 part ops_bench 60 build-gpu/bin/ops_bench
 # DistMuon's Polar Express (bfloat16, gpu-small's shapes) against the device's bfloat16 product
 # rate (issue 32's goal: >= 70%).
