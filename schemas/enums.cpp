@@ -62,6 +62,9 @@ std::string_view name(schema::FailureReport report) {
 std::optional<schema::FailureKind> failure_kind_named(std::string_view name) {
   return named<schema::FailureKind>(name);
 }
+std::optional<schema::ErrorKind> error_kind_named(std::string_view name) {
+  return named<schema::ErrorKind>(name);
+}
 std::optional<schema::FailureRole> failure_role_named(std::string_view name) {
   return named<schema::FailureRole>(name);
 }

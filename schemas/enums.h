@@ -22,9 +22,10 @@ std::string_view name(schema::ChildReason reason);
 std::string_view name(schema::RunState state);
 std::string_view name(schema::FailureReport report);  // "launched", "ok", "interrupted", ...
 
-// The reverse, for the obsolete Text fields of journals written before the enums; nullopt
-// for a name that is no enumerant's.
+// The reverse, for the obsolete Text fields of journals written before the enums and the
+// failure dump's errorKind; nullopt for a name that is no enumerant's.
 std::optional<schema::FailureKind> failure_kind_named(std::string_view name);
+std::optional<schema::ErrorKind> error_kind_named(std::string_view name);
 std::optional<schema::FailureRole> failure_role_named(std::string_view name);
 std::optional<schema::ChildReason> child_reason_named(std::string_view name);
 

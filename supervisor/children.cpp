@@ -34,12 +34,12 @@ void set_child_event(schema::ChildEvent::Builder e, const Child& c, schema::Chil
 }
 
 // What a process that exited with a code said before it left: its failure dump, written before
-// the exit, as the event its Failure message makes (watch.cpp: a `diverged` rank's own kind and
-// words; any other error kind's name before the message). The message says the same but may be
-// read after the exit is reaped, or not at all once the teardown has reaped every process.
-// `victims_only`: only a victim's claim (peer_failure, timeout) — judged by the exit alone, a
-// rank that only lost a peer would be taken for the cause (evidence of its own); a restartable
-// stage's exit is judged by the exit (restart_or_fail), so only its claims are read.
+// the exit, as the event its Failure message makes (policy::reported_failure). The message says
+// the same but may be read after the exit is reaped, or not at all once the teardown has reaped
+// every process. `victims_only`: only a victim's claim (policy::Evidence::kVictimClaim) —
+// judged by the exit alone, a rank that only lost a peer would be taken for the cause (evidence
+// of its own); a restartable stage's exit is judged by the exit (restart_or_fail), so only its
+// claims are read.
 std::optional<Event> reported_in_dump(const fs::path& dump_path, const Child& c, int64_t now,
                                       bool victims_only) {
   std::error_code ec;
@@ -49,22 +49,12 @@ std::optional<Event> reported_in_dump(const fs::path& dump_path, const Child& c,
     auto d = file.get();
     if (std::string_view(d.getKind().cStr()) != "exception" || d.getPid() != c.pid)
       return std::nullopt;
-    const std::string_view said = d.getErrorKind().cStr();
-    schema::ErrorKind kind = schema::ErrorKind::NONE;
-    if (said == to_string(ErrorKind::kPeerFailure)) kind = schema::ErrorKind::PEER_FAILURE;
-    if (said == to_string(ErrorKind::kTimeout)) kind = schema::ErrorKind::TIMEOUT;
-    if (victims_only && kind == schema::ErrorKind::NONE) return std::nullopt;
-    if (said == to_string(ErrorKind::kDiverged)) kind = schema::ErrorKind::DIVERGED;
-    const bool diverged = kind == schema::ErrorKind::DIVERGED;
-    const int64_t at = d.getMonoNs();
-    Event ev{diverged ? schema::FailureKind::DIVERGED : schema::FailureKind::EXCEPTION,
-             diverged || said.empty() ? std::string(d.getMessage().cStr())
-                                      : fmt::format("{}: {}", said, d.getMessage().cStr()),
-             at > 0 && at <= now ? at : now,
-             now,
-             d.getPhase(),
-             d.getStep()};
-    ev.error_kind = kind;
+    Event ev = policy::reported_failure(
+        schema::FailureReport::EXCEPTION,
+        schemas::error_kind_named(d.getErrorKind().cStr()).value_or(schema::ErrorKind::NONE),
+        d.getMessage().cStr(), d.getMonoNs(), now, d.getPhase(), d.getStep());
+    if (victims_only && policy::evidence_of(ev) != policy::Evidence::kVictimClaim)
+      return std::nullopt;
     return ev;
   } catch (const std::exception& e) {
     log_warn("unreadable failure dump {}: {}", dump_path.string(), e.what());
@@ -192,15 +182,16 @@ void JobController::on_exited(schema::StageExited::Reader x) {
     if (!done_) {
       journal_child_exited(c, reason);
     }
-    // A rank that met its own failure as the teardown began (a diverged rank whose peers
-    // reported first: they all read the same agreement) may exit before its Failure message is
-    // read, and the teardown stops reading once every process is reaped: its dump says what it
-    // met, and policy::admitted judges it as it would the message.
-    if (torn_down && !clean && c.signal == 0 && !run_.empty() && !policy::restartable(c.stage)) {
-      if (auto said = reported_in_dump(layout::failure_path(run_, c.stage, c.rank), c, now,
-                                       /*victims_only=*/false))
-        record(c, std::move(*said));
-    }
+    // What it said before it left, read once from its dump. A rank that met its own failure as
+    // the teardown began (a diverged rank whose peers reported first: they all read the same
+    // agreement) may exit before its Failure message is read, and the teardown stops reading
+    // once every process is reaped: its dump says what it met, and policy::admitted judges it
+    // as it would the message.
+    std::optional<Event> said;
+    if (!clean && c.signal == 0 && !run_.empty())
+      said = reported_in_dump(layout::failure_path(run_, c.stage, c.rank), c, now,
+                              /*victims_only=*/policy::restartable(c.stage));
+    if (torn_down && said && !policy::restartable(c.stage)) record(c, *said);
     if (expected || torn_down) return;
     std::string what =
         c.signal != 0 ? fmt::format("was killed by signal {} ({})", c.signal, strsignal(c.signal))
@@ -214,12 +205,9 @@ void JobController::on_exited(schema::StageExited::Reader x) {
     // what its last heartbeat said (the step is the last one it completed; before its first
     // step of an attempt that began from a checkpoint, that checkpoint's step).
     const uint32_t step = c.step == 0 && resume_ ? resume_->step : c.step;
-    if (c.signal == 0 && !run_.empty()) {
-      if (auto claim = reported_in_dump(layout::failure_path(run_, c.stage, c.rank), c, now,
-                                        /*victims_only=*/policy::restartable(c.stage))) {
-        restart_or_fail(c, what, std::move(*claim));
-        return;
-      }
+    if (said) {
+      restart_or_fail(c, what, std::move(*said));
+      return;
     }
     Event ev{c.signal != 0 ? schema::FailureKind::SIGNALED : schema::FailureKind::EXITED,
              fmt::format("{} (pid {}) {} after step {} (last reported phase {})", c.name, c.pid,

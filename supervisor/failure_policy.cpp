@@ -5,12 +5,29 @@
 #include <algorithm>
 #include <tuple>
 
+#include "schemas/enums.h"
+
 namespace megacpp::supervisor::policy {
 
 using schema::ErrorKind;
 using schema::FailureKind;
 using schema::Phase;
 using schema::StageKind;
+
+Event reported_failure(schema::FailureReport report, ErrorKind error_kind, std::string_view message,
+                       int64_t met_ns, int64_t now, Phase phase, uint32_t step) {
+  const bool diverged = error_kind == ErrorKind::DIVERGED;
+  const std::string_view said =
+      error_kind == ErrorKind::NONE ? schemas::name(report) : schemas::name(error_kind);
+  Event ev{diverged ? FailureKind::DIVERGED : FailureKind::EXCEPTION,
+           diverged ? std::string(message) : std::string(said) + ": " + std::string(message),
+           met_ns > 0 && met_ns <= now ? met_ns : now,
+           now,
+           phase,
+           step};
+  ev.error_kind = error_kind;
+  return ev;
+}
 
 Evidence evidence_of(const Event& ev) {
   switch (ev.kind) {

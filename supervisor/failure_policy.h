@@ -12,6 +12,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "schemas/common.capnp.h"
@@ -35,6 +36,15 @@ struct Event {
   // process that made no progress in a phase, perhaps waiting on another.
   bool own_progress = false;
 };
+
+// The event a process's own failure report makes — its Failure message, or its failure dump
+// when the message was not read before its exit was reaped: `diverged` in the rank's own words;
+// otherwise `exception`, the message after the name of its error kind (of the report when it
+// names none), with the error kind evidence_of reads for a victim's claim. Evidence: when the
+// process met it (`met_ns`), `now` when that is unknown or later.
+Event reported_failure(schema::FailureReport report, schema::ErrorKind error_kind,
+                       std::string_view message, int64_t met_ns, int64_t now, schema::Phase phase,
+                       uint32_t step);
 
 // How telling an event is about the cause of a failure, most telling first.
 enum class Evidence : uint8_t {

@@ -89,19 +89,10 @@ void JobController::on_message(const std::string& peer, schema::ControlMessage::
       // A restartable stage's failure is acted on when it exits (restart or fail).
       if (policy::restartable(c->stage)) break;
       // A rank that failed because a peer or a collective did is a victim, not a cause
-      // (policy::evidence_of): the Failure names its error kind.
-      // A rank whose loss, gradient or parameters went non-finite: the run diverged (the kind
-      // says so; the message is the rank's own).
-      const bool diverged = error_kind == schema::ErrorKind::DIVERGED;
-      Event ev{diverged ? schema::FailureKind::DIVERGED : schema::FailureKind::EXCEPTION,
-               diverged ? std::string(f.getMessage().cStr())
-                        : fmt::format("{}: {}", said, f.getMessage().cStr()),
-               f.getMonoNs() > 0 ? f.getMonoNs() : now,
-               now,
-               f.getPhase(),
-               f.getStep()};
-      ev.error_kind = error_kind;
-      record(*c, std::move(ev));
+      // (policy::evidence_of): the Failure names its error kind. A rank whose loss, gradient or
+      // parameters went non-finite: the run diverged (policy::reported_failure).
+      record(*c, policy::reported_failure(f.getReport(), error_kind, f.getMessage().cStr(),
+                                          f.getMonoNs(), now, f.getPhase(), f.getStep()));
       break;
     }
     case schema::ControlMessage::COLLECTIVES_ABORTED: {

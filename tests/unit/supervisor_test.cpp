@@ -206,6 +206,31 @@ INSTANTIATE_TEST_SUITE_P(
                                    ev(FailureKind::TORN_DOWN, 0), Evidence::kTeardown}),
     case_name<EvidenceCase>);
 
+// A report (Failure message or failure dump) as an event: diverged in the rank's words, anything
+// else an exception after its error kind's name (the report's when it names none), a victim's
+// claim kept as one; the evidence is when it was met, or now when that is unknown or later.
+TEST(FailurePolicy, AReportedFailureIsItsKindInItsWords) {
+  const Event d = reported_failure(megacpp::schema::FailureReport::EXCEPTION, ErrorKind::DIVERGED,
+                                   "step 7: loss nan", 100, 200, Phase::OPTIMIZER, 7);
+  EXPECT_EQ(d.kind, FailureKind::DIVERGED);
+  EXPECT_EQ(d.message, "step 7: loss nan");
+  EXPECT_EQ(d.evidence_ns, 100);
+  EXPECT_EQ(d.detected_ns, 200);
+  EXPECT_EQ(d.step, 7u);
+  EXPECT_EQ(evidence_of(d), Evidence::kOwn);
+  const Event v =
+      reported_failure(megacpp::schema::FailureReport::EXCEPTION, ErrorKind::PEER_FAILURE,
+                       "rank 1 left", 0, 200, Phase::OPTIMIZER, 7);
+  EXPECT_EQ(v.kind, FailureKind::EXCEPTION);
+  EXPECT_EQ(v.message, "peer_failure: rank 1 left");
+  EXPECT_EQ(v.evidence_ns, 200);
+  EXPECT_EQ(evidence_of(v), Evidence::kVictimClaim);
+  const Event n = reported_failure(megacpp::schema::FailureReport::EXCEPTION, ErrorKind::NONE,
+                                   "what()", 300, 200, Phase::FORWARD, 2);
+  EXPECT_EQ(n.message, "exception: what()");
+  EXPECT_EQ(n.evidence_ns, 200);
+}
+
 TEST(FailurePolicy, MoreTellingThenEarlier) {
   // Same class: the earlier evidence wins.
   EXPECT_TRUE(more_telling(ev(FailureKind::EXITED, 1), ev(FailureKind::SIGNALED, 2)));
