@@ -154,8 +154,8 @@ void StepProfile::before(uint32_t step) {
   log_info("profile: torch's profiler on for steps {}..{}", steps_.first, steps_.last);
 }
 
-std::optional<std::filesystem::path> StepProfile::after(uint32_t step) {
-  if (step != steps_.last || !on_) return std::nullopt;
+void StepProfile::after(uint32_t step) {
+  if (step != steps_.last || !on_) return;
   const double wall = std::chrono::duration<double>(Clock::now() - started_).count();
   on_ = false;
   const std::unique_ptr<kp::ProfilerResult> result = kp::disableProfiler();
@@ -165,10 +165,9 @@ std::optional<std::filesystem::path> StepProfile::after(uint32_t step) {
     result->save(out_.string() + ".json");
   } catch (const std::exception& e) {
     log_warn("profile: writing {}: {}", text.string(), e.what());
-    return std::nullopt;
+    return;
   }
   log_info("profile: steps {}..{} written to {}", steps_.first, steps_.last, text.string());
-  return text;
 }
 
 }  // namespace megacpp::trainer

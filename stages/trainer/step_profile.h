@@ -8,9 +8,9 @@
 // step FIRST's batch is waited for and stops after step LAST's result is read (the step's one
 // host read has the device's work of the step done, so no kernel of the range is missing), and
 // writes into the run's logs:
-//   profile-<rank>.txt   the device's work by kernel (total, calls, mean, share of the busy
-//                        time), the busy time as a share of the wall time (overlapping work on
-//                        two streams counted once), and torch's operators by host time
+//   profile-<rank>.txt   the device's work by kernel (total, calls, mean, share of all the
+//                        device's work), the busy time as a share of the wall time (overlapping
+//                        work on two streams counted once), and torch's operators by host time
 //   profile-<rank>.json  the Chrome trace (chrome://tracing, Perfetto) of the same steps
 // On a CPU rank the host's operators are the profile. Profiling slows the host (every operator
 // is recorded), so a profiled step's wall time is not a training step's; kernel times are the
@@ -52,9 +52,9 @@ class StepProfile {
   StepProfile& operator=(const StepProfile&) = delete;
 
   // Called before each step's work and after its result is read; the range's ends start and
-  // stop the profiler. after() at LAST writes the files and returns the summary's path.
+  // stop the profiler. after() at LAST writes the files.
   void before(uint32_t step);
-  std::optional<std::filesystem::path> after(uint32_t step);
+  void after(uint32_t step);
 
  private:
   ProfileSteps steps_;
