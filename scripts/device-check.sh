@@ -11,8 +11,10 @@
 # build-gpu/device-check.txt.
 #
 # Contract: never stops at the first failure (every part runs and says PASS/FAIL with its
-# seconds); each part has its own time bound, so a cold machine finishes within about 8 minutes
-# even when parts hang; exits non-zero when any part failed. Builds only the
+# seconds); each part has its own time bound and the whole check a budget (DEVICE_CHECK_BUDGET_S,
+# 540 s: scripts/device-check-lib.sh), so it ends with its goals within the device tool's
+# 600-s command even when parts hang, a part the budget cannot fit named as not run; exits
+# non-zero when any part failed or did not run. Builds only the
 # targets below (not every test and benchmark) so that a 16-core machine builds them in a
 # few minutes.
 set -uo pipefail
@@ -23,27 +25,11 @@ REPORT_DIR="${OUT:-$ROOT/build-gpu}"
 mkdir -p "$REPORT_DIR"
 REPORT="$REPORT_DIR/device-check.txt"
 : > "$REPORT"
-T0=$(date +%s)
-FAILED=()
-
-say() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$REPORT"; }
-# part NAME TIMEOUT_S CMD...: runs CMD with its output into the report, bounded.
-# DEVICE_CHECK_PARTS (names, space-separated) runs only those parts after the build: a rerun of
-# what failed, or an investigation, within the device time left.
-part() {
-  local name=$1 limit=$2; shift 2
-  if [ -n "${DEVICE_CHECK_PARTS:-}" ] && [[ " configure build $DEVICE_CHECK_PARTS " != *" $name "* ]]; then
-    say "SKIP $name (not in DEVICE_CHECK_PARTS)"
-    return 0
-  fi
-  local t=$(date +%s)
-  say "== $name (bound ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$REPORT"
-  local rc=${PIPESTATUS[0]}
-  local dt=$(($(date +%s) - t))
-  if [ "$rc" = 0 ]; then say "PASS $name (${dt}s)"; else say "FAIL $name rc=$rc (${dt}s)"; FAILED+=("$name"); fi
-  return "$rc"
-}
+# say, part (each part bounded by its limit and the budget left), goal, finish. DEVICE_CHECK_PARTS
+# (names, space-separated) runs only those parts after the build: a rerun of what failed, or an
+# investigation, within the device time left.
+# shellcheck source=scripts/device-check-lib.sh
+source "$ROOT/scripts/device-check-lib.sh"
 
 say "device-check at $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo -dirty)"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tee -a "$REPORT"
@@ -232,11 +218,6 @@ part diverged_on_cuda 60 bash -c diverged_on_cuda
 # The issue's goals as the parts above printed them, gathered at the end of the report (what a
 # `tail` of it shows first); a goal whose part did not run or failed says so.
 say "== goals (the card: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
-goal() {
-  local what=$1 pattern=$2 line
-  line=$(grep -E -- "$pattern" "$REPORT" | grep -v '^\[' | tail -1)
-  say "  $what: ${line:-not measured (its part failed or did not run)}"
-}
 goal "P1 (<= 1.03)" "ratio pipeline/in-process"
 goal "checkpoint stall (<= 1.2 x device copy, >= 5 x below DCP)" "ratios: megacpp stall"
 goal "gpu-small MFU (>= 40%)" "MFU [0-9.]+%"
@@ -244,8 +225,4 @@ goal "Polar Express (>= 0.70 of the bf16 product rate)" "Polar Express at [0-9.]
 goal "fused AdamW (stays on if torch / fused > 1)" "fused update .*torch / fused"
 goal "fused Muon tail (stays on if torch / fused > 1)" "step, fused tail .*torch / fused"
 
-if ((${#FAILED[@]})); then
-  say "device-check: FAILED: ${FAILED[*]}"
-  exit 1
-fi
-say "device-check: every part passed"
+finish
