@@ -5,7 +5,7 @@ torch DCP's async_save of the same tensors on the same device, in one invocation
     bench/checkpoint_stall.py RUN [--repeats N] [--host-run RUN2]
 
 RUN is a finished `megacpp run` that checkpointed (make device-check runs gpu-small on one GPU
-with a checkpoint every 15 steps). From it:
+with a checkpoint every 20 steps). From it:
 
   megacpp stall     per checkpoint, the time the snapshot blocked the training loop: the
                     trainers' journaled `snapshot` phase (starting the copy into staging and
@@ -27,6 +27,11 @@ with a checkpoint every 15 steps). From it:
                     device on a GPU), its memfd stand-in, or the host region
   --host-run RUN2   the same recipe run with MEGACPP_SNAPSHOT_STAGING=host: its stall beside
                     this one's (what device staging saves)
+
+  the stall         the larger of the two megacpp figures, what the ratios judge: on a GPU the
+                    snapshot phase is only the host's issue of the copies (the device waits for
+                    them, the host does not), so the training loop's loss there is the step after
+                    the checkpoint, whose time ends at the step's one read of the device
 
 Issue 32's goals, on a GPU: the stall <= 1.2 x the device copy, and >= 5 x below DCP's blocking
 time. Prints the figures and the ratios; asserts nothing about time.
@@ -188,8 +193,10 @@ def main():
         print(f"  pinned host copy      {1e3 * pinned_copy:9.2f} ms  ({nbytes / pinned_copy / 1e9:.1f} GB/s)")
     print(f"  DCP async_save        blocking {1e3 * dcp_blocking:9.2f} ms   total "
           f"{1e3 * dcp_total:9.2f} ms")
-    print(f"  ratios: megacpp stall / device copy {stall_phase / device_copy:.2f} (goal <= 1.2 on a "
-          f"GPU); DCP blocking / megacpp stall {dcp_blocking / max(stall_phase, 1e-9):.2f} "
+    stall = max(stall_phase, stall_extra)
+    print(f"  the stall             {1e3 * stall:9.2f} ms  (the larger of the two megacpp figures)")
+    print(f"  ratios: megacpp stall / device copy {stall / device_copy:.2f} (goal <= 1.2 on a "
+          f"GPU); DCP blocking / megacpp stall {dcp_blocking / max(stall, 1e-9):.2f} "
           f"(goal >= 5)")
     return 0
 

@@ -51,6 +51,7 @@ class CheckpointStallBench(unittest.TestCase):
                                   rf"checkpoint beyond the median +{number} ms")
             self.assertRegex(out, rf"device copy +{number} ms")
             self.assertRegex(out, rf"DCP async_save +blocking +{number} ms +total +{number} ms")
+            self.assertRegex(out, rf"the stall +{number} ms +\(the larger of the two")
             self.assertRegex(out, rf"megacpp stall / device copy {number} .*DCP blocking / megacpp "
                                   rf"stall {number}")
             self.assertNotIn("pinned host copy", out)  # a GPU's figure only
