@@ -1,6 +1,7 @@
 """bench_mfu: the model FLOPs utilisation of a finished `megacpp run` against its device's peak.
 
     .venv/bin/python bench/mfu.py RUN_DIR [--peak-tflops auto|T] [--warmup 10] [--megacpp BIN]
+                                  [--twin [--twin-steps N]]
 
 FLOPs per trained token (PaLM's accounting, the one MFU figures are quoted in): 6 x the
 parameters that multiply (every parameter but the embedding's lookup table) for the forward and
@@ -13,6 +14,12 @@ stepSeconds; evaluations are not in them). The peak is the card's dense bfloat16
 nvidia-smi's for device 0, looked up in PEAK_BF16_TFLOPS; a card not in the table is an error
 naming it). Prints the card, the figures and the ratio;
 `make device-check` runs it on `gpu-small` (goal: MFU >= 40%). Nothing is judged here.
+
+--twin: then the peer a user would write instead, on the same device, world and recipe: the
+recipe's PyTorch twin (bench/peers/train_twin.py under torchrun: eager PyTorch, DDP, autocast
+for bf16-mixed, torch.optim.Muon + AdamW) trained --twin-steps steps (default: the run's), its
+steady tokens/s (steps after --warmup) under the same FLOP accounting and peak, and megacpp's
+tokens/s over the twin's: whether a gap to the goal is megacpp's or eager PyTorch's.
 """
 import argparse
 import json
@@ -21,6 +28,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, ".."))
@@ -83,6 +91,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=10, help="steps before the steady state")
     ap.add_argument("--megacpp", default=os.environ.get("MEGACPP_BIN") or
                     os.path.join(ROOT, "build", "bin", "megacpp"))
+    ap.add_argument("--twin", action="store_true",
+                    help="also train the recipe's PyTorch twin on the same device and world")
+    ap.add_argument("--twin-steps", type=int, default=0,
+                    help="the twin's steps (default: as many as the run's)")
     args = ap.parse_args()
     with open(os.path.join(args.run_dir, "launch.json")) as f:
         launch = json.load(f)
@@ -111,7 +123,47 @@ def main():
     print(f"mfu: {tokens_per_second:.1f} tokens/s over {len(steady)} steady steps -> "
           f"{achieved:.4g} TFLOP/s, MFU {100 * mfu:.3g}% (goal >= 40% for gpu-small on a GPU)")
     print_phases(steady)
+    if args.twin:
+        twin_steps = args.twin_steps or max(s["step"] for s in steps)
+        twin = run_twin(launch, twin_steps, world)
+        twin_steady = [s for s in twin["steps"] if s["step"] > args.warmup]
+        if not twin_steady:
+            raise SystemExit(f"bench_mfu: the twin trained no step after the {args.warmup} "
+                             f"warm-up steps (--twin-steps)")
+        twin_tokens = int(twin["world"]) * int(twin["batch"]) * int(twin["seq"])
+        twin_tps = twin_tokens * len(twin_steady) / sum(s["seconds"] for s in twin_steady)
+        twin_achieved = twin_tps * per_token / 1e12
+        print(f"mfu: twin (PyTorch eager, DDP, {twin['precision']}, torch.optim Muon + AdamW; "
+              f"{twin['params']} parameters on {twin.get('device', 'cpu')}): {twin_tps:.1f} "
+              f"tokens/s over {len(twin_steady)} steady steps -> {twin_achieved:.4g} TFLOP/s, "
+              f"MFU {100 * twin_achieved / (peak * world):.3g}%")
+        print(f"mfu: megacpp / twin tokens/s {tokens_per_second / twin_tps:.2f}")
     return 0
+
+
+def run_twin(launch, steps, world):
+    """The twin's JSON (train_twin.py --json) for the run's recipe, device and world."""
+    recipe = launch["recipe"]["path"]
+    for candidate in (recipe, os.path.join(ROOT, recipe),
+                      os.path.join(ROOT, "recipes", recipe + ".toml")):
+        if os.path.isfile(candidate):
+            recipe = candidate
+            break
+    else:
+        raise SystemExit(f"bench_mfu: the run's recipe {recipe} is not a file the twin can read")
+    device = launch.get("device") or "cpu"
+    with tempfile.TemporaryDirectory(prefix="megacpp-mfu-twin-") as tmp:
+        out = os.path.join(tmp, "twin.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(world), os.path.join(HERE, "peers", "train_twin.py"),
+               "--recipe", recipe, "--steps", str(steps), "--device", device, "--json", out,
+               "--print-every", str(steps)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+            raise SystemExit("bench_mfu: the twin failed:\n" + "\n".join(tail))
+        with open(out) as f:
+            return json.load(f)
 
 
 # Where the steady steps' time went: the median of each part the trainers journaled (StepPhases;

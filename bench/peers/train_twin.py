@@ -6,7 +6,7 @@ per rank, Gloo on CPU, DistributedDataParallel, torch.optim.Muon + torch.optim.A
   torchrun --nproc-per-node 2 bench/peers/train_twin.py --recipe recipes/tiny.toml --steps 60 \
       [--threads 1] [--json OUT.json] [--phases] [--print-every N] [--bucket-cap-mb MB] \
       [--data random|progressions] [--set model.d_model=512 --set train.batch_size=8 ...] \
-      [--precision fp32|bf16-mixed] [--recompute none|full]
+      [--precision fp32|bf16-mixed] [--recompute none|full] [--device cpu|cuda]
 
 Equal to megacpp (stages/trainer/model.cpp, train_step.cpp, recipes/recipe.h):
   recipe  parsed with tomllib; keys megacpp does not know are refused, absent keys take
@@ -46,6 +46,12 @@ Equal to megacpp (stages/trainer/model.cpp, train_step.cpp, recipes/recipe.h):
   clip    global gradient norm clipped to train.grad_clip (0: off) with scale
           clip / (norm + 1e-6), as TrainStep::grad_norm_and_clip.
   threads torch.set_num_threads(--threads), default 1 (MEGACPP_TRAINER_THREADS' default).
+  memory  train.precision and train.recompute from the recipe unless --precision / --recompute
+          say otherwise (recompute none or full; grad_reduce fp32 only).
+  device  --device cuda: rank r on cuda:LOCAL_RANK, NCCL, DDP with device_ids, autocast on
+          cuda, the batch made on the host and copied without blocking (from page-locked
+          memory); each step ends with torch.cuda.synchronize(), as a megacpp step ends with
+          its one read of the device, so a step's seconds are the device's.
 
 Semantic differences from megacpp (the benchmark compares systems, not bit-equal runs):
   1. Orthogonalization: megacpp's default is Polar Express (5 per-iteration coefficient
@@ -101,7 +107,10 @@ backward after DDP launched its last bucket's all-reduce: the wait for the reduc
 and their copy back into .grad; measured by a comm hook that stamps the launch and otherwise
 is DDP's default allreduce_hook, a Python hook instead of DDP's built-in C++ one), clip,
 optimizer_adamw and optimizer_muon (each with its LR update). Phases take no extra
-synchronisation: only perf_counter reads on the host.
+synchronisation: only perf_counter reads on the host (on cuda each is the time to issue its
+work; the device's remainder lands in optimizer_muon, which ends with the step's synchronize).
+With --device cuda the JSON also holds "device_name" and "device_memory_peak" (bytes, torch's
+max_memory_allocated).
 """
 
 import argparse
@@ -134,7 +143,8 @@ DEFAULTS = {
     "model": {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_layers": 2, "n_heads": 4,
               "mlp_mult": 4, "n_kv_heads": 0, "rope_theta": 10000.0, "ffn_hidden": 0},
     "train": {"batch_size": 16, "min_lr_ratio": 0.1, "warmup_steps": 5, "grad_clip": 1.0,
-              "seed": 1234, "checkpoint_every": 20, "eval_every": 0, "eval_tokens": 65536},
+              "seed": 1234, "checkpoint_every": 20, "eval_every": 0, "eval_tokens": 65536,
+              "precision": "fp32", "grad_reduce": "fp32", "recompute": "none"},
     "optim": {"embed_lr": 0.2, "head_lr": 0.004, "adam_lr": 0.004, "adam_beta1": 0.8,
               "adam_beta2": 0.95, "adam_eps": 1e-10, "adam_weight_decay": 0.0,
               "adamw_crossover": 262144, "muon_lr": 0.02, "muon_momentum": 0.95,
@@ -228,6 +238,13 @@ def load_recipe(path, overrides):
         raise RecipeError(f"{path}: model.n_kv_heads: must divide model.n_heads")
     if recipe["train"]["batch_size"] < 1:
         raise RecipeError(f"{path}: train.batch_size: must be >= 1")
+    if recipe["train"]["precision"] not in ("fp32", "bf16-mixed"):
+        raise RecipeError(f"{path}: train.precision: must be \"fp32\" or \"bf16-mixed\"")
+    if recipe["train"]["recompute"] not in ("none", "full"):
+        raise RecipeError(f"{path}: train.recompute {recipe['train']['recompute']!r}: the twin "
+                          f"supports \"none\" or \"full\" (pass --recompute)")
+    if recipe["train"]["grad_reduce"] != "fp32":
+        raise RecipeError(f"{path}: train.grad_reduce: the twin reduces in float32 only")
     return recipe
 
 
@@ -411,11 +428,15 @@ def main():
                     help="token content (the cost is the same)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a recipe key (repeatable)")
-    ap.add_argument("--precision", choices=("fp32", "bf16-mixed"), default="fp32",
+    ap.add_argument("--precision", choices=("fp32", "bf16-mixed"), default=None,
                     help="bf16-mixed: the forward and the loss under torch.autocast(bfloat16), "
-                         "float32 parameters, gradients and optimizer state (DDP + autocast)")
-    ap.add_argument("--recompute", choices=("none", "full"), default="none",
-                    help="full: every block under torch.utils.checkpoint (use_reentrant=False)")
+                         "float32 parameters, gradients and optimizer state (DDP + autocast); "
+                         "default: the recipe's train.precision")
+    ap.add_argument("--recompute", choices=("none", "full"), default=None,
+                    help="full: every block under torch.utils.checkpoint (use_reentrant=False); "
+                         "default: the recipe's train.recompute")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: each rank on cuda:LOCAL_RANK over NCCL")
     ap.add_argument("--fsdp", action="store_true",
                     help="FSDP2 instead of DDP: fully_shard on every block and the root over the "
                          "ranks (parameters, gradients and optimizer state sharded; the optimizers "
@@ -431,13 +452,27 @@ def main():
         return 2
     m, train, optim = recipe["model"], recipe["train"], recipe["optim"]
     B, T, V = train["batch_size"], m["seq_len"], m["vocab_size"]
+    args.precision = args.precision or train["precision"]
+    args.recompute = args.recompute or train["recompute"]
+    on_cuda = args.device == "cuda"
+    if on_cuda and not torch.cuda.is_available():
+        print("train_twin: --device cuda: no CUDA device here", file=sys.stderr)
+        return 2
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group(backend="gloo")
+    if on_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # A step ends when its work is done on the device (a megacpp step's one read of it).
+    done = torch.cuda.synchronize if on_cuda else (lambda: None)
 
     memory_baseline = process_memory()[0]  # before the model, as megacpp's trainer records it
-    model = Transformer(m, train["seed"], split=optim["qkv_split"])
+    model = Transformer(m, train["seed"], split=optim["qkv_split"]).to(device)
     model.recompute = args.recompute == "full"
     n_params = sum(p.numel() for p in model.parameters())
     autocast = args.precision == "bf16-mixed"
@@ -446,7 +481,7 @@ def main():
         # Every rank initialised the same weights from train.seed; fully_shard keeps its shard.
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                   if autocast else MixedPrecisionPolicy())
         for block in model.blocks:
@@ -457,7 +492,8 @@ def main():
         # Parameters are broadcast from rank 0 here; the RoPE buffers are constant, so DDP's
         # per-forward buffer broadcast (a collective megacpp does not have) is off.
         ddp = DistributedDataParallel(model, broadcast_buffers=False,
-                                      bucket_cap_mb=args.bucket_cap_mb)
+                                      bucket_cap_mb=args.bucket_cap_mb,
+                                      device_ids=[device.index] if on_cuda else None)
         if args.phases:
             ddp.register_comm_hook(clock, LaunchClock.hook)
     muon, adamw, adam_peak = build_optimizers(model, optim)
@@ -465,21 +501,24 @@ def main():
     data_gen = torch.Generator()
     tokens_per_step = world * B * T
 
+    def on_device(batch):
+        return batch.pin_memory().to(device, non_blocking=True) if on_cuda else batch
+
     def evaluate():
         # The held-out windows of this rank's part, the same at every evaluation.
         windows = train["eval_tokens"] // T
         first, end = windows * rank // world, windows * (rank + 1) // world
         val_gen = torch.Generator()
-        sums = torch.zeros(2, dtype=torch.float64)
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
         ddp.eval()
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             for at in range(first, end, B):
                 rows = min(B, end - at)
                 val_gen.manual_seed(train["seed"] + 15485863 + at)
-                x = make_batch(args.data, val_gen, rows, T, V)
+                x = on_device(make_batch(args.data, val_gen, rows, T, V))
                 logits = ddp(x[:, :-1])
                 sums[0] += F.cross_entropy(logits.reshape(-1, V).float(), x[:, 1:].reshape(-1),
-                                           reduction="sum").item()
+                                           reduction="sum")
                 sums[1] += rows * T
         ddp.train()
         dist.all_reduce(sums)
@@ -492,11 +531,11 @@ def main():
         t_prev = t_end
         t0 = time.perf_counter()
         data_gen.manual_seed(train["seed"] + 7919 * (rank + 1) + 104729 * step)
-        tokens = make_batch(args.data, data_gen, B, T, V)
+        tokens = on_device(make_batch(args.data, data_gen, B, T, V))
         t1 = time.perf_counter()
         muon.zero_grad(set_to_none=True)
         adamw.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = ddp(tokens[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, V).float(), tokens[:, 1:].reshape(-1))
         t2 = time.perf_counter()
@@ -513,6 +552,7 @@ def main():
         for group in muon.param_groups:
             group["lr"] = optim["muon_lr"] * scale
         muon.step()
+        done()
         t_end = time.perf_counter()
         every = train["eval_every"]
         if every > 0 and (step % every == 0 or step == args.steps):
@@ -539,7 +579,7 @@ def main():
 
     # The largest over the ranks of the peak resident size above the baseline.
     rss_now, rss_peak = process_memory()
-    above = torch.tensor([float(rss_peak - memory_baseline)], dtype=torch.float64)
+    above = torch.tensor([float(rss_peak - memory_baseline)], dtype=torch.float64, device=device)
     dist.all_reduce(above, op=dist.ReduceOp.MAX)
     if rank == 0:
         steady = [r for r in records if r["step"] > WARM_STEP] or records
@@ -555,7 +595,11 @@ def main():
                    "threads": args.threads, "batch": B, "seq": T, "steps": records,
                    "precision": args.precision, "recompute": args.recompute,
                    "wrapper": "fsdp2" if args.fsdp else "ddp",
-                   "memory_above_baseline": above.item(), "evaluations": evaluations}
+                   "memory_above_baseline": above.item(), "evaluations": evaluations,
+                   "device": str(device)}
+            if on_cuda:
+                out["device_memory_peak"] = torch.cuda.max_memory_allocated(device)
+                out["device_name"] = torch.cuda.get_device_name(device)
             tmp = args.json + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(out, f, indent=1)

@@ -1,6 +1,7 @@
 """bench/mfu.py on a CPU run: its FLOP accounting for tiny by hand (6 x the parameters that
 multiply, plus attention's 12 x layers x d_model x seq_len per token) and its MFU as the steady
-tokens/s times that over the given peak. Nothing is timed against a bound.
+tokens/s times that over the given peak; with --twin, the PyTorch twin's under the same
+accounting and the ratio of the two. Nothing is timed against a bound.
 """
 import os
 import re
@@ -38,6 +39,24 @@ class Mfu(unittest.TestCase):
             tps, tflops, mfu = (float(x) for x in m.groups())
             self.assertAlmostEqual(tflops, tps * 2752512 / 1e12, delta=1e-3 * tflops)
             self.assertAlmostEqual(mfu, 100 * tflops / 0.5, delta=1e-2 * mfu)
+            # The twin beside it (its own run of tiny on this CPU, 8 steps: 4 steady), under the
+            # same accounting: the same model, so the same parameter count.
+            out = subprocess.run([PYTHON, os.path.join(ROOT, "bench", "mfu.py"), d, "--peak-tflops", "0.5",
+                                  "--warmup", "4", "--megacpp", run_harness.MEGACPP, "--twin",
+                                  "--twin-steps", "8"],
+                                 capture_output=True, text=True, timeout=300)
+            self.assertEqual(out.returncode, 0, out.stdout[-2000:] + out.stderr[-2000:])
+            m = re.search(r"mfu: twin \(PyTorch eager, DDP, fp32, torch.optim Muon \+ AdamW; 458752 "
+                          r"parameters on cpu\): ([0-9.]+) tokens/s over 4 steady steps -> "
+                          r"([0-9.e+-]+) TFLOP/s, MFU ([0-9.e+-]+)%", out.stdout)
+            self.assertIsNotNone(m, out.stdout)
+            twin_tps, twin_tflops, twin_mfu = (float(x) for x in m.groups())
+            self.assertAlmostEqual(twin_tflops, twin_tps * 2752512 / 1e12, delta=1e-3 * twin_tflops)
+            self.assertAlmostEqual(twin_mfu, 100 * twin_tflops / 0.5, delta=1e-2 * twin_mfu)
+            m = re.search(r"mfu: ([0-9.]+) tokens/s over 10 steady steps", out.stdout)
+            r = re.search(r"mfu: megacpp / twin tokens/s ([0-9.]+)", out.stdout)
+            self.assertIsNotNone(r, out.stdout)
+            self.assertAlmostEqual(float(r.group(1)), float(m.group(1)) / twin_tps, delta=0.01)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
