@@ -240,9 +240,6 @@ def load_recipe(path, overrides):
         raise RecipeError(f"{path}: train.batch_size: must be >= 1")
     if recipe["train"]["precision"] not in ("fp32", "bf16-mixed"):
         raise RecipeError(f"{path}: train.precision: must be \"fp32\" or \"bf16-mixed\"")
-    if recipe["train"]["recompute"] not in ("none", "full"):
-        raise RecipeError(f"{path}: train.recompute {recipe['train']['recompute']!r}: the twin "
-                          f"supports \"none\" or \"full\" (pass --recompute)")
     if recipe["train"]["grad_reduce"] != "fp32":
         raise RecipeError(f"{path}: train.grad_reduce: the twin reduces in float32 only")
     return recipe
@@ -454,6 +451,10 @@ def main():
     B, T, V = train["batch_size"], m["seq_len"], m["vocab_size"]
     args.precision = args.precision or train["precision"]
     args.recompute = args.recompute or train["recompute"]
+    if args.recompute not in ("none", "full"):
+        print(f"train_twin: {args.recipe}: train.recompute {args.recompute!r}: the twin supports "
+              f"\"none\" or \"full\" (pass --recompute)", file=sys.stderr)
+        return 2
     on_cuda = args.device == "cuda"
     if on_cuda and not torch.cuda.is_available():
         print("train_twin: --device cuda: no CUDA device here", file=sys.stderr)
