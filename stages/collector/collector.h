@@ -8,6 +8,7 @@
 // re-collecting an unchanged run produces byte-identical files.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <map>
