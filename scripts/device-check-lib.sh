@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # The device check's bookkeeping (sourced by scripts/device-check.sh; tests/unit/
 # device_check_lib_test.py drives it with stand-in parts): the report, each part bounded by its
 # own limit and by what is left of the check's budget, and the goals gathered at the end.
@@ -34,7 +35,8 @@ part() {
     return 124
   fi
   ((limit > left)) && limit=$left
-  local t=$(date +%s)
+  local t
+  t=$(date +%s)
   say "== $name (bound ${limit}s): $*"
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$REPORT"
   local rc=${PIPESTATUS[0]}

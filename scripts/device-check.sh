@@ -20,7 +20,7 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
+cd "$ROOT" || exit 1
 REPORT_DIR="${OUT:-$ROOT/build-gpu}"
 mkdir -p "$REPORT_DIR"
 REPORT="$REPORT_DIR/device-check.txt"
@@ -174,7 +174,8 @@ sed -e 's/^checkpoint_every = .*/checkpoint_every = 10/' recipes/tiny-hybrid.tom
 memory_on_cuda() {
   local rc=0
   for recipe in "$MEM_DIR/large-bs.toml" "$MEM_DIR/tiny-hybrid.toml"; do
-    local run="$MEM_DIR/run-$(basename "$recipe" .toml)" steps=6
+    local run steps=6
+    run="$MEM_DIR/run-$(basename "$recipe" .toml)"
     [[ $recipe == *tiny-hybrid* ]] && steps=20
     local plan
     plan=$(build-gpu/bin/megacpp plan "$recipe" --ranks 1 --device cuda)
