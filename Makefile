@@ -11,7 +11,7 @@ RANKS      ?= 2
 CTEST_ARGS ?=
 MEGACPP_FUZZ_SECONDS ?= 300
 
-.PHONY: all setup configure build build-run run run-cpp test test-full test-unit test-sanitize build-sanitize test-tsan build-tsan fuzz chaos multinode format format-check bench bench-train-step bench-memory-plan bench-failure bench-recovery bench-multinode device-prep device-test device-check clean
+.PHONY: all setup configure build build-run run run-cpp test test-full test-unit test-sanitize build-sanitize test-tsan build-tsan fuzz chaos multinode format format-check shell-check bench bench-train-step bench-memory-plan bench-failure bench-recovery bench-multinode device-prep device-test device-check clean
 
 all: build
 
@@ -46,10 +46,10 @@ run-cpp: build-run
 	@test -f runs/data/cpp/dataset.json || $(BUILD)/bin/megacpp prepare /usr/include/c++ --out runs/data/cpp
 	@$(BUILD)/bin/megacpp run cpp-tiny --ranks $(RANKS) --steps $(STEPS) --run-dir $(RUN_DIR) --data-dir runs/data
 
-# Every test: format check, the full build's ctest (unit, integration, e2e, the bounded chaos
+# Every test: format and shell-script checks, the full build's ctest (unit, integration, e2e, the bounded chaos
 # sample), an ASan+UBSan build of the torch-free libraries with their unit tests and a 10 s
 # run of each fuzz target, and a ThreadSanitizer build of the unit tests that run threads.
-test: build format-check
+test: build format-check shell-check
 	@ctest --test-dir $(BUILD) --output-on-failure -j 2 -LE full $(CTEST_ARGS)
 	@$(MAKE) --no-print-directory test-sanitize
 	@$(MAKE) --no-print-directory test-tsan
@@ -134,6 +134,9 @@ format:
 
 format-check:
 	@bash scripts/check-format.sh
+
+shell-check:
+	@bash scripts/check-shell.sh
 
 bench: build
 	@$(BUILD)/bin/bench_pipeline_overhead
