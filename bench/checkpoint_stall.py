@@ -22,10 +22,11 @@ with a checkpoint every 20 steps). From it:
                     of one): `blocking` until it returns (its staging: the stall a training loop
                     sees), `total` until its future completes
   DCP async staging the same with a DefaultStager staging in the background: on a GPU
-                    StagingOptions(True, True, True, True), page-locked shared memory copied into
-                    without blocking, as TorchTitan's async_with_pinned_mem asks; on a CPU
-                    (False, False, True, False), its page-locked, non-blocking copies needing an
-                    accelerator. `blocking` until async_save returns, `staged` until its staging
+                    StagingOptions(True, False, True, True), page-locked memory copied into
+                    without blocking, as TorchTitan's async_with_pinned_mem does (its shared
+                    memory is for a checkpointing process; this one is a thread, and /dev/shm
+                    may be small where the GPU is); on a CPU (False, False, True, False), its
+                    page-locked, non-blocking copies needing an accelerator. `blocking` until async_save returns, `staged` until its staging
                     completes (a loop waits for that before its next update, so staging beyond
                     the next step's forward and backward is stall too), `total` until the upload
                     completes. A new stager for each save: torch 2.11's DefaultStager closes its
@@ -237,7 +238,7 @@ def dcp_pinned_async(state, work, repeats, sync, on_gpu):
         d = os.path.join(work, "dcp-staged-%d" % i)
         stager = None
         try:
-            stager = DefaultStager(StagingOptions(on_gpu, on_gpu, True, on_gpu))
+            stager = DefaultStager(StagingOptions(on_gpu, False, True, on_gpu))
             sync()
             t0 = time.perf_counter()
             response = dcp.async_save(state, checkpoint_id=d, async_stager=stager)
