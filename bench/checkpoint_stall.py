@@ -26,13 +26,14 @@ with a checkpoint every 20 steps). From it:
                     without blocking, as TorchTitan's async_with_pinned_mem does (its shared
                     memory is for a checkpointing process; this one is a thread, and /dev/shm
                     may be small where the GPU is); on a CPU (False, False, True, False), its
-                    page-locked, non-blocking copies needing an accelerator. `blocking` until async_save returns, `staged` until its staging
-                    completes (a loop waits for that before its next update, so staging beyond
-                    the next step's forward and backward is stall too), `total` until the upload
-                    completes. A new stager for each save: torch 2.11's DefaultStager closes its
+                    page-locked, non-blocking copies needing an accelerator. `blocking` until
+                    async_save returns, `staged` until its staging completes (a loop waits for
+                    that before its next update, so staging beyond the next step's forward and
+                    backward is stall too), `total` until the upload completes. A new stager for each save: torch 2.11's DefaultStager closes its
                     StateDictStager after one staging (its cache and its copy table cleared: a
-                    second staging fails with KeyError: <class 'type'>), so nothing pinned is
-                    reused between saves
+                    second staging fails with KeyError: <class 'type'>; the clearing came with
+                    the leak fix of pytorch/pytorch#170431), so nothing pinned is reused
+                    between saves
 
   staging           where the run's ranks staged their snapshots (their logs): an exported
                     device buffer the checkpointer imports (MEGACPP_SNAPSHOT_STAGING auto or
