@@ -5,6 +5,8 @@
 #include <bit>
 #include <limits>
 #include <mutex>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -63,6 +65,19 @@ struct ControlClient::State {
   // Held while the abort handler runs: set_abort_handler waits for a run in progress.
   std::mutex abort_mu;
   std::function<void()> abort_handler;
+  // The abort runs on a thread of its own (ncclCommAbort may take seconds, and heartbeats must
+  // go on meanwhile); its outcome comes back here and this client's thread sends the replies,
+  // one per request that arrived while it ran (the channel is this thread's alone).
+  struct AbortOutcome {
+    bool had_group = false;
+    bool ok = false;
+    std::string error;
+    double seconds = 0;
+  };
+  std::thread aborter;      // touched by this client's thread only (and joined at the end)
+  bool aborting = false;    // guarded by mu: a run in progress
+  uint32_t abort_asks = 0;  // guarded by mu: requests that run answers
+  std::vector<AbortOutcome> abort_replies;  // guarded by mu: to send, one per request
 
   std::thread thread;  // last: joined before anything above is destroyed
 
@@ -151,29 +166,69 @@ struct ControlClient::State {
     }
   }
 
+  // On this client's thread: starts the abort's run, or counts the request in the run going on.
   void abort_collectives(const std::string& reason) {
-    ControlMessageBuilder m;
-    auto reply = m.root().initCollectivesAborted();
-    reply.setRank(identity.rank);
+    {
+      std::lock_guard lock(mu);
+      ++abort_asks;
+      if (aborting) return;
+      aborting = true;
+    }
+    if (aborter.joinable()) aborter.join();  // an earlier run, finished
+    try {
+      aborter = std::thread([this, reason] { run_abort(reason); });
+    } catch (const std::system_error&) {
+      run_abort(reason);  // no thread to be had: heartbeats wait for the abort instead
+    }
+  }
+
+  // Runs the handler (if any) and hands its outcome to this client's thread.
+  void run_abort(const std::string& reason) noexcept {
+    AbortOutcome out;
     {
       std::lock_guard lock(abort_mu);
       if (abort_handler) {
         log_warn("aborting this process's collectives: {}", reason);
-        reply.setHadGroup(true);
+        out.had_group = true;
         const int64_t begin = mono_ns();
         try {
           abort_handler();
-          reply.setOk(true);
+          out.ok = true;
         } catch (const std::exception& e) {
-          reply.setError(e.what());
+          out.error = e.what();
         }
-        reply.setSeconds(static_cast<double>(mono_ns() - begin) / 1e9);
+        out.seconds = static_cast<double>(mono_ns() - begin) / 1e9;
       } else {
-        reply.setOk(true);
+        out.ok = true;
       }
     }
-    if (!channel.send(m.message(), Millis(0)))
-      log_warn("control client: could not queue the abort's reply");
+    {
+      std::lock_guard lock(mu);
+      abort_replies.insert(abort_replies.end(), abort_asks, out);
+      abort_asks = 0;
+      aborting = false;
+    }
+    wake();
+  }
+
+  // On this client's thread: the CollectivesAborted replies of finished runs.
+  void flush_abort_replies() {
+    std::vector<AbortOutcome> replies;
+    {
+      std::lock_guard lock(mu);
+      replies.swap(abort_replies);
+    }
+    for (const AbortOutcome& o : replies) {
+      ControlMessageBuilder m;
+      auto reply = m.root().initCollectivesAborted();
+      reply.setRank(identity.rank);
+      reply.setHadGroup(o.had_group);
+      reply.setOk(o.ok);
+      if (!o.error.empty()) reply.setError(o.error);
+      reply.setSeconds(o.seconds);
+      if (!channel.send(m.message(), Millis(0)))
+        log_warn("control client: could not queue the abort's reply");
+    }
   }
 
   void run(std::atomic<bool>& stop, std::atomic<bool>& drain) noexcept {
@@ -185,6 +240,7 @@ struct ControlClient::State {
       for (;;) {
         bool quitting = quit.load(std::memory_order_acquire);
         flush_failures();
+        flush_abort_replies();
         if (quitting) return;
         auto now = detail::Clock::now();
         const bool due = now >= next;
@@ -226,6 +282,8 @@ ControlClient::~ControlClient() {
   state_->quit.store(true, std::memory_order_release);
   state_->wake();
   if (state_->thread.joinable()) state_->thread.join();
+  // An abort still running holds its handler (set_abort_handler({}) would wait for it too).
+  if (state_->aborter.joinable()) state_->aborter.join();
 }
 
 void ControlClient::set_phase(schema::Phase phase) {

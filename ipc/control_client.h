@@ -76,11 +76,14 @@ class ControlClient {
   bool graceful_stop_requested() const noexcept { return drain_.load(std::memory_order_acquire); }
   std::string stop_reason() const;
   // What the supervisor's AbortCollectives does in this process (schemas/control.capnp): the
-  // handler aborts the owner's process group and runs on this client's thread, which then
-  // replies CollectivesAborted (its duration; what it threw, if it did). So a process whose
-  // own thread is stuck in a collective still aborts and answers. Without a handler the reply
-  // says the process has no group. Replacing the handler (an empty one removes it) waits for
-  // a run of the old one in progress; a handler must stay callable until it is replaced.
+  // handler aborts the owner's process group on a thread of this client's own, and when it
+  // returns this client's thread replies CollectivesAborted (its duration; what it threw, if it
+  // did) once per request that arrived meanwhile (one run answers them all). So a process whose
+  // own thread is stuck in a collective still aborts and answers, and its heartbeats go on
+  // while the abort takes its time (ncclCommAbort may take seconds). Without a handler the
+  // reply says the process has no group. Replacing the handler (an empty one removes it) waits
+  // for a run of the old one in progress; a handler must stay callable until it is replaced.
+  // The destructor waits for a run in progress.
   void set_abort_handler(std::function<void()> abort);
   // Sends a Failure message now (best effort, from the calling thread's point of view it
   // is queued to the heartbeat thread and flushed before the destructor returns).

@@ -360,8 +360,9 @@ Outcome run_rank(stage::StageContext& ctx, Clock::time_point main_entry,
     }
   }
   // The supervisor's AbortCollectives (a failed job's teardown, before its signals) aborts the
-  // group from the control thread: NCCL's communicators (no kernel left spinning), or every
-  // wait of this thread in a Gloo collective. Removed before the group and plugin go.
+  // group from the control client's abort thread (heartbeats go on): NCCL's communicators (no
+  // kernel left spinning), or every wait of this thread in a Gloo collective. Removed before
+  // the group and plugin go.
   // `aborted` tells the training loop: an aborted NCCL group leaves the step in flight to finish
   // on bytes nobody reduced (its waits do not block the host), so nothing of it is journaled or
   // snapshotted once the flag is up.

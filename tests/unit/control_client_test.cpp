@@ -11,11 +11,13 @@
 
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -147,8 +149,8 @@ TEST(ControlClientTest, ProgressIsStampedOnlyByTheWorkingThread) {
   }
 }
 
-// AbortCollectives runs the owner's abort handler on the client's thread, which replies
-// CollectivesAborted: with no handler (no group), with one, and with one that throws.
+// AbortCollectives runs the owner's abort handler on a thread of the client's, and the client
+// replies CollectivesAborted: with no handler (no group), with one, and with one that throws.
 TEST(ControlClientTest, AbortCollectivesRunsTheHandlerAndReplies) {
   TempDir dir;
   const std::string endpoint = "ipc://" + (dir.path() / "control").string();
@@ -196,6 +198,57 @@ TEST(ControlClientTest, AbortCollectivesRunsTheHandlerAndReplies) {
             "ncclCommAbort failed");
   client.set_abort_handler({});
   EXPECT_EQ(calls.load(), 1);
+}
+
+// An abort that takes its time (ncclCommAbort may take seconds) runs off the client's thread:
+// heartbeats go on meanwhile, and a second request during the run is answered by its end. Fails
+// on a client that runs the handler on its own thread: no heartbeat would come while it waits.
+TEST(ControlClientTest, HeartbeatsGoOnWhileAnAbortRuns) {
+  TempDir dir;
+  const std::string endpoint = "ipc://" + (dir.path() / "control").string();
+  ZmqContext ctx;
+  Channel router(ctx, Channel::Kind::kRouter, endpoint);
+  ControlClient client(endpoint, {schema::StageKind::TRAINER, 1, 0}, Millis(20));
+  ASSERT_NE(receive_until(router, [](Received& r) { return r.root().isHello(); }), nullptr);
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  std::atomic<int> calls{0};
+  client.set_abort_handler([&] {
+    ++calls;
+    std::unique_lock lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(20), [&] { return release; });
+  });
+  for (int i = 0; i < 2; ++i) {
+    ControlMessageBuilder abort;
+    abort.root().initAbortCollectives().setReason("teardown: trainer-0 hung");
+    EXPECT_TRUE(router.send_to("trainer-1", abort.message()));
+  }
+  // Heartbeats while the handler waits, and no reply before it returns.
+  int heartbeats = 0;
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (heartbeats < 5 && Clock::now() < deadline) {
+    auto r = router.receive(Millis(100));
+    if (!r) continue;
+    EXPECT_FALSE(r->root().isCollectivesAborted());
+    if (r->root().isHeartbeat()) ++heartbeats;
+  }
+  EXPECT_EQ(heartbeats, 5);
+  EXPECT_EQ(calls.load(), 1);
+  {
+    std::lock_guard lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  for (int i = 0; i < 2; ++i) {
+    auto reply = receive_until(router, [](Received& r) { return r.root().isCollectivesAborted(); });
+    ASSERT_NE(reply, nullptr) << "reply " << i;
+    EXPECT_TRUE(reply->root().getCollectivesAborted().getHadGroup());
+    EXPECT_TRUE(reply->root().getCollectivesAborted().getOk());
+  }
+  EXPECT_EQ(calls.load(), 1);  // one run answered both requests
+  client.set_abort_handler({});
 }
 
 TEST(ControlClientTest, PendingFailureIsFlushedByDestructor) {
