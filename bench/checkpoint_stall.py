@@ -29,11 +29,11 @@ with a checkpoint every 20 steps). From it:
                     page-locked, non-blocking copies needing an accelerator. `blocking` until
                     async_save returns, `staged` until its staging completes (a loop waits for
                     that before its next update, so staging beyond the next step's forward and
-                    backward is stall too), `total` until the upload completes. A new stager for each save: torch 2.11's DefaultStager closes its
-                    StateDictStager after one staging (its cache and its copy table cleared: a
-                    second staging fails with KeyError: <class 'type'>; the clearing came with
-                    the leak fix of pytorch/pytorch#170431), so nothing pinned is reused
-                    between saves
+                    backward is stall too), `total` until the upload completes. A new stager
+                    for each save: torch 2.11's DefaultStager closes its StateDictStager after
+                    one staging (its cache and its copy table cleared: a second staging fails
+                    with KeyError: <class 'type'>; the clearing came with the leak fix of
+                    pytorch/pytorch#170431), so nothing pinned is reused between saves
 
   staging           where the run's ranks staged their snapshots (their logs): an exported
                     device buffer the checkpointer imports (MEGACPP_SNAPSHOT_STAGING auto or
@@ -170,29 +170,19 @@ def main():
         del pinned
 
     work = tempfile.mkdtemp(prefix="dcp-", dir=os.path.join(args.run_dir, "checkpoints"))
-    blocking, total = [], []
-    pinned_async = None
     try:
         store = dist.FileStore(os.path.join(work, "store"), 1)
         dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", store=store, rank=0,
                                 world_size=1)
-        for i in range(args.repeats + 1):
-            d = os.path.join(work, "dcp-%d" % i)
-            sync()
-            t0 = time.perf_counter()
-            future = dcp.async_save(state, checkpoint_id=d)
-            t1 = time.perf_counter()
-            future.result()
-            t2 = time.perf_counter()
-            if i:
-                blocking.append(t1 - t0)
-                total.append(t2 - t0)
-            shutil.rmtree(d, ignore_errors=True)
-        pinned_async = dcp_pinned_async(state, work, args.repeats, sync, on_gpu)
+        dcp_blocking, _, dcp_total = time_dcp(state, work, "dcp", args.repeats, sync)
+        try:
+            background = time_dcp(state, work, "dcp-staged", args.repeats, sync, lambda:
+                                  DefaultStager(StagingOptions(on_gpu, False, True, on_gpu)))
+        except Exception as e:  # the peer's failure is reported, not the benchmark's
+            background = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         dist.destroy_process_group()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    dcp_blocking, dcp_total = statistics.median(blocking), statistics.median(total)
 
     stall_phase, stall_extra = statistics.median(phase), statistics.median(extra)
     print(f"checkpoint_stall: recipe {launch['recipe']['name']} on {device.type} ({name}); rank 0's "
@@ -213,10 +203,10 @@ def main():
         print(f"  pinned host copy      {1e3 * pinned_copy:9.2f} ms  ({nbytes / pinned_copy / 1e9:.1f} GB/s)")
     print(f"  DCP async_save        blocking {1e3 * dcp_blocking:9.2f} ms   total "
           f"{1e3 * dcp_total:9.2f} ms")
-    if isinstance(pinned_async, str):
-        print(f"  DCP async staging     failed: {pinned_async}")
-    elif pinned_async:
-        b, st, t = pinned_async
+    if isinstance(background, str):
+        print(f"  DCP async staging     failed: {background}")
+    else:
+        b, st, t = background
         print(f"  DCP async staging     blocking {1e3 * b:9.2f} ms   staged {1e3 * st:9.2f} ms   "
               f"total {1e3 * t:9.2f} ms   (median step {1e3 * p50:.1f} ms)")
     stall = max(stall_phase, stall_extra)
@@ -224,32 +214,36 @@ def main():
     print(f"  ratios: megacpp stall / device copy {stall / device_copy:.2f} (goal <= 1.2 on a "
           f"GPU); DCP blocking / megacpp stall {dcp_blocking / max(stall, 1e-9):.2f} "
           f"(goal >= 5)")
-    if pinned_async and not isinstance(pinned_async, str):
+    if not isinstance(background, str):
         print(f"  ratios: DCP async staging blocking / megacpp stall "
-              f"{pinned_async[0] / max(stall, 1e-9):.2f}, staged / megacpp stall "
-              f"{pinned_async[1] / max(stall, 1e-9):.2f}")
+              f"{background[0] / max(stall, 1e-9):.2f}, staged / megacpp stall "
+              f"{background[1] / max(stall, 1e-9):.2f}")
     return 0
 
 
-def dcp_pinned_async(state, work, repeats, sync, on_gpu):
-    """Medians of (blocking, staged, total) seconds of DCP's async_save staging in the
-    background (see the top), or the one-line reason it failed."""
+def time_dcp(state, work, name, repeats, sync, make_stager=None):
+    """Medians of (blocking, staged, total) seconds of DCP's async_save of `state` over `repeats`
+    saves after a warm-up: until it returns, until its staging completes (when it returns, without
+    a stager staging in the background) and until its upload completes. `make_stager` makes each
+    save's stager (see the top: torch 2.11's serves one save)."""
     blocking, staged, total = [], [], []
     for i in range(repeats + 1):  # the first is a warm-up
-        d = os.path.join(work, "dcp-staged-%d" % i)
-        stager = None
+        d = os.path.join(work, "%s-%d" % (name, i))
+        stager = make_stager() if make_stager else None
         try:
-            stager = DefaultStager(StagingOptions(on_gpu, False, True, on_gpu))
             sync()
             t0 = time.perf_counter()
-            response = dcp.async_save(state, checkpoint_id=d, async_stager=stager)
-            t1 = time.perf_counter()
-            response.staging_completion.result()
-            t2 = time.perf_counter()
-            response.upload_completion.result()
+            if stager is None:
+                upload = dcp.async_save(state, checkpoint_id=d)
+                t1 = t2 = time.perf_counter()
+            else:
+                response = dcp.async_save(state, checkpoint_id=d, async_stager=stager)
+                t1 = time.perf_counter()
+                response.staging_completion.result()
+                t2 = time.perf_counter()
+                upload = response.upload_completion
+            upload.result()
             t3 = time.perf_counter()
-        except Exception as e:  # the peer's failure is reported, not the benchmark's
-            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         finally:
             if stager is not None:
                 stager.close()
