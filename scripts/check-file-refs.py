@@ -26,6 +26,7 @@ EXTERNAL = {
     "megatron/core/datasets/indexed_dataset.py",                             # Megatron-LM
     "dev/data/data_common.py",                                               # llm.c
     "OUT/prefix/usr/include/capnp/blob.h",  # device-prep.sh: a path on the GPU machine
+    "openssl/opensslconf.h",                # OpenSSL's, in device-prep's prefix
 }
 
 # (naming file, name): files a test writes into its own temporary tree.

@@ -6,8 +6,9 @@
 # CMake and pkg-config at them. `make device-test` on the GPU machine uses that prefix (carry
 # build-device to it). The GPU machine's own libc, libstdc++, CUDA toolkit and torch are used.
 #
-# Contract: idempotent (the .debs stay in build-device/debs); fails if the prefix would exceed
-# the 64 MiB a carried path may hold, naming the biggest packages. Needs only apt-get and dpkg-deb.
+# Contract: idempotent (the .debs stay in build-device/debs); fails if build-device would exceed
+# the 64 MiB a carried path may hold, naming the biggest packages. Needs apt-get, dpkg-deb and
+# patchelf (installed when missing).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -78,20 +79,35 @@ sed -i 's/return a == b.asString();/return b.asString() == a;/; s/return a != b.
 find "$OUT/prefix" -name '*.a' ! -name 'libgtest*.a' ! -name 'libgmock*.a' -delete
 
 MULTI="$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo x86_64-linux-gnu)"
+# The prefix's tools (capnp, pkgconf) and libraries find the prefix's libraries through run paths
+# of their own, not LD_LIBRARY_PATH (scripts/relocate-prefix.sh says why); the build's binaries
+# find the prefix through CMake's build run path.
+if ! command -v patchelf > /dev/null; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "device-prep: needs patchelf (apt-get install patchelf)" >&2
+    exit 1
+  fi
+  apt-get install -y -qq patchelf > /dev/null
+fi
+bash "$ROOT/scripts/relocate-prefix.sh" "$OUT/prefix" "$MULTI"
 cat > "$OUT/env.sh" <<ENV
 # Sourced by scripts/device-test.sh: the unpacked packages of build-device/prefix.
 P="\$(cd "\$(dirname "\${BASH_SOURCE[0]}")" && pwd)/prefix"
 export PATH="\$P/usr/bin:\$PATH"
-export LD_LIBRARY_PATH="\$P/usr/lib/$MULTI\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export CMAKE_PREFIX_PATH="\$P/usr\${CMAKE_PREFIX_PATH:+:\$CMAKE_PREFIX_PATH}"
 export PKG_CONFIG_SYSROOT_DIR="\$P"
 export PKG_CONFIG_LIBDIR="\$P/usr/lib/$MULTI/pkgconfig:\$P/usr/share/pkgconfig"
-export CPATH="\$P/usr/include\${CPATH:+:\$CPATH}"
+# The multiarch directory too (openssl/opensslconf.h is there), which the compiler searches
+# only under its own /usr/include.
+export CPATH="\$P/usr/include:\$P/usr/include/$MULTI\${CPATH:+:\$CPATH}"
 ENV
 
+# What is carried is the whole of build-device: the prefix and the downloaded packages beside it.
 mb=$(du -sm "$OUT/prefix" | cut -f1)
-echo "device-prep: build-device/prefix holds ${mb} MiB from $(ls "$OUT"/debs/*.deb | wc -l) packages"
-if ((mb > LIMIT_MB)); then
+carried=$(du -sm "$OUT" | cut -f1)
+echo "device-prep: build-device/prefix holds ${mb} MiB from $(ls "$OUT"/debs/*.deb | wc -l)" \
+  "packages; build-device ${carried} MiB"
+if ((carried > LIMIT_MB)); then
   echo "device-prep: over the ${LIMIT_MB} MiB a carried path may hold; the biggest:" >&2
   du -sk "$OUT"/debs/*.deb | sort -rn | head -8 >&2
   exit 1

@@ -17,7 +17,7 @@ APT_PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libfmt-dev libxxhash-dev
   libgloo-dev libcpp-httplib-dev prometheus clang-format python3-venv
-  libsentencepiece-dev clang libclang-rt-14-dev chromium shellcheck
+  libsentencepiece-dev clang libclang-rt-14-dev chromium shellcheck patchelf
   # The multinode tests' hosts on one machine (tests/multinode): network namespaces, packet
   # loss through nftables, ping, and a real Slurm cluster (its daemons are never started by
   # the packages: the cluster runs its own, configured under a temp dir).
