@@ -11,7 +11,7 @@ RANKS      ?= 2
 CTEST_ARGS ?=
 MEGACPP_FUZZ_SECONDS ?= 300
 
-.PHONY: all setup configure build build-run run run-cpp test test-full test-unit test-sanitize build-sanitize test-tsan build-tsan fuzz chaos multinode format format-check shell-check bench bench-train-step bench-memory-plan bench-failure bench-recovery bench-multinode device-prep device-test device-check clean
+.PHONY: all setup configure build build-run run run-cpp test test-full test-unit test-sanitize build-sanitize test-tsan build-tsan fuzz chaos multinode format format-check shell-check bench bench-train-step bench-memory-plan bench-failure bench-recovery bench-multinode device-prep device-test device-check device-rehearsal clean
 
 all: build
 
@@ -128,6 +128,12 @@ device-test:
 # CUDA plugin test, the ops bench and the default recipe on the device; one report file.
 device-check:
 	@bash scripts/device-check.sh
+
+# Here, before a GPU is lent (root, Debian's registry): the device check's build and its parts
+# that need no device, in a Debian 13 root with GCC 13 (the GPU machine's compiler) and only the
+# carried prefix; then the built megacpp on 2 CPU ranks there.
+device-rehearsal:
+	@bash scripts/device-rehearsal.sh
 
 format:
 	@git ls-files '*.h' '*.cpp' '*.cu' | xargs clang-format -i
