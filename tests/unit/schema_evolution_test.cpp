@@ -150,7 +150,7 @@ std::vector<std::string> evolution_problems(const fs::path& snapshot, const fs::
   auto open = [&](const fs::path& p) {
     return root.openSubdir(kj::Path::parse(fs::absolute(p).lexically_normal().string().substr(1)));
   };
-  auto include = open("/usr/include");
+  auto include = open(MEGACPP_CAPNP_INCLUDE);
   const kj::ReadableDirectory* import_path[] = {include.get()};
   auto old_dir = open(snapshot), new_dir = open(current);
   capnp::SchemaParser old_parser, new_parser;
