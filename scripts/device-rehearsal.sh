@@ -83,6 +83,8 @@ for d in "$@" /proc /sys /dev /dev/shm; do
   mkdir -p "$fs$d"
   mount --bind "$d" "$fs$d"
 done
+# The names of this host (torchrun and c10d resolve the host name).
+cp /etc/hosts "$fs/etc/hosts"
 mkdir -p "$fs/usr/local"
 [ -z "$cuda" ] || ln -sfn "$cuda" "$fs/usr/local/cuda"
 exec chroot "$fs" bash -c "$INSIDE"
