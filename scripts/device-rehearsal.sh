@@ -4,8 +4,9 @@
 # 12), none of the build's packages but what `make device-prep` carries there
 # (build-device/prefix), and this clone's torch and CUDA toolkit. Inside it,
 # scripts/device-check.sh configures and builds the device targets with warnings as errors and
-# runs its `gpu_tests` and `cuda_plugin_test` parts (the GPU cases skip with their reasons); then
-# the built megacpp trains the default recipe on 2 CPU ranks there. What that settles before a
+# runs its `gpu_tests` and `cuda_plugin_test` parts (the GPU cases skip with their reasons); every
+# tracked Python script is compiled by the root's Python; then the built megacpp trains the
+# default recipe on 2 CPU ranks there. What that settles before a
 # GPU is lent: the code compiles under GCC 13 and nvcc 13 with it, the carried prefix is all the
 # build and its binaries need (each binary finds the prefix's libraries through its run path,
 # nothing through LD_LIBRARY_PATH, so the machine's own programs keep the machine's libraries),
@@ -70,6 +71,16 @@ MEGACPP_WERROR=ON DEVICE_CHECK_PARTS="gpu_tests cuda_plugin_test" DEVICE_CHECK_B
   DEVICE_CHECK_BUDGET_S=4000 bash scripts/device-check.sh > /dev/null 2>&1 || rc=1
 grep -v "^\[[0-9]*/" build-gpu/device-check.txt | tail -40
 echo "device-rehearsal: gcc $(gcc -dumpfullversion), $(nvcc --version 2>/dev/null | tail -1)"
+# The Python the check runs on the GPU machine is another than this venv (3.12 there): every
+# tracked script compiles under the Python of the root, warnings as errors (an escape that 3.12
+# warns of, say).
+git ls-files "*.py" | python3 -W error -c "
+import sys
+for f in sys.stdin.read().split():
+    with open(f, encoding=\"utf-8\") as source:
+        compile(source.read(), f, \"exec\")
+print(\"device-rehearsal: the Python scripts compile under\", sys.version.split()[0])
+" || rc=1
 rm -rf "$RUN_DIR"
 build-gpu/bin/megacpp run tiny --ranks 2 --steps 6 --device cpu --run-dir "$RUN_DIR" \
   --progress plain 2>&1 | tail -4 || rc=1
