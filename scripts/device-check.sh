@@ -59,9 +59,13 @@ TARGETS=(megacpp megacpp-trainer megacpp-data-loader megacpp-collector megacpp-c
          bench_pipeline_overhead bench_adamw_step bench_muon_tail gpu_staging_test
          gpu_staging_peer)
 # Warnings are not errors on the GPU machine (a device's time is not spent on a warning);
-# MEGACPP_WERROR=ON makes them so (`make device-rehearsal` builds the same targets that way).
+# MEGACPP_WERROR=ON makes them so (`make device-rehearsal` builds the same targets that way). A
+# failed configure leaves its log's tail in the report (CMakeError.log before CMake 3.26,
+# CMakeConfigureLog.yaml since).
 part configure 120 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DMEGACPP_WERROR="${MEGACPP_WERROR:-OFF}" -DMEGACPP_BUILD_BENCH=ON || { tail -60 build-gpu/CMakeFiles/CMakeError.log 2>/dev/null | tee -a "$REPORT"; exit 1; }
+  -DMEGACPP_WERROR="${MEGACPP_WERROR:-OFF}" -DMEGACPP_BUILD_BENCH=ON \
+  || { tail -n 60 build-gpu/CMakeFiles/CMakeError.log build-gpu/CMakeFiles/CMakeConfigureLog.yaml \
+         2>/dev/null | tee -a "$REPORT"; exit 1; }
 # 270 s is what a 16-core machine needs with room; DEVICE_CHECK_BUILD_S lets a smaller one (the
 # rehearsal's) take longer.
 part build "${DEVICE_CHECK_BUILD_S:-270}" cmake --build build-gpu -j "$(nproc)" --target "${TARGETS[@]}" || exit 1
